@@ -1,0 +1,21 @@
+# The two commands in the README: `make demo` and `make test`.
+# Both create .venv (Python 3.12) when it is missing; PYTHON=... overrides the interpreter.
+VENV_PY := .venv/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-gpu clean-venv
+
+demo:
+	@tools/venv.sh
+	OMP_NUM_THREADS=1 $(VENV_PY) examples/demo.py
+
+test:
+	@tools/venv.sh test
+	OMP_NUM_THREADS=1 $(VENV_PY) -m pytest tests/unit_tests $(PYTEST_ARGS)
+
+# GPU tests on a machine that already has torch + CUDA (no venv is made); see README.
+test-gpu:
+	tools/gpu_tests.sh
+
+clean-venv:
+	rm -rf .venv

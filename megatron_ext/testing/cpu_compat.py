@@ -1,0 +1,165 @@
+"""Test-only shims that let megatron-core 0.19 run on CPU ranks (gloo).
+
+Megatron-Core calls ``torch.cuda`` unconditionally in a handful of places (the
+RNG tracker, grad-buffer allocation, stream handling in the bucket group, and
+``device='cuda'`` literals in the optimizer). :func:`install` redirects those
+to CPU equivalents **in the current process only**. It is meant for test
+processes and the CPU demo; product modules of ``megatron_ext`` never import
+this module (a unit test enforces that).
+
+Call sites covered (megatron-core 0.19.2):
+
+- ``torch.cuda.current_device``: param_and_grad_buffer (grad/param buffers),
+  utils.GlobalMemoryBuffer (attention), distrib_optimizer (state buffers).
+- ``torch.cuda.{get_rng_state, manual_seed}``, ``tensor_parallel.random.
+  _{get,set}_cuda_rng_state``: the model-parallel RNG tracker.
+- ``torch.cuda.{current_stream, Stream, Event, stream}``: bucket group
+  ``start_grad_sync`` / ``finish_grad_sync`` and DDP's communication stream.
+- ``torch.cuda.{synchronize, empty_cache}``: DDP buffer offload helpers.
+- ``device='cuda'`` literals in optimizer/optimizer.py, optimizer/clip_grads.py,
+  optimizer/grad_scaler.py and utils.local_multi_tensor_l2_norm.
+- ``Tensor.type() == 'torch.cuda.FloatTensor'`` checks in the optimizer,
+  distributed optimizer and clip_grads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import torch
+
+_INSTALLED = False
+
+
+class _NullStream:
+    """CPU stand-in for a CUDA stream: CPU work is already ordered."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return _NullEvent()
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+class _NullEvent:
+    """CPU stand-in for a CUDA event."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, *args, **kwargs):
+        pass
+
+    def wait(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+class _CpuTorch(types.ModuleType):
+    """Stands in for the name ``torch`` inside a Megatron module: tensor factories
+    asked for ``device='cuda'`` allocate on CPU; everything else is real torch."""
+
+    _FACTORIES = frozenset(
+        {"tensor", "zeros", "ones", "empty", "full", "zeros_like", "ones_like",
+         "empty_like", "full_like", "arange"}
+    )
+
+    def __init__(self):
+        super().__init__("torch")
+
+    def __getattr__(self, name):
+        attr = getattr(torch, name)
+        if name not in self._FACTORIES:
+            return attr
+
+        def factory(*args, **kwargs):
+            device = kwargs.get("device")
+            if device is not None and str(device).startswith("cuda"):
+                kwargs["device"] = "cpu"
+            return attr(*args, **kwargs)
+
+        return factory
+
+
+def _patch_torch_cuda():
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.current_stream = lambda device=None: _NullStream()
+    torch.cuda.default_stream = lambda device=None: _NullStream()
+    torch.cuda.Stream = _NullStream
+    torch.cuda.Event = _NullEvent
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+    torch.cuda.synchronize = lambda device=None: None
+    torch.cuda.empty_cache = lambda: None
+    # The CUDA RNG maps onto the CPU default generator. (torch.manual_seed calls
+    # torch.cuda.manual_seed_all, not manual_seed, so there is no recursion.)
+    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    torch.cuda.random.get_rng_state = torch.cuda.get_rng_state
+    torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+
+
+def _patch_tensor_type():
+    # Megatron's optimizers decide fp32 vs half params by comparing Tensor.type()
+    # with 'torch.cuda.*Tensor' names; report CPU tensors under those names.
+    original = torch.Tensor.type
+
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs and self.device.type == "cpu":
+            return original(self).replace("torch.", "torch.cuda.", 1)
+        return original(self, dtype, non_blocking, **kwargs)
+
+    torch.Tensor.type = type_
+
+
+def _patch_megatron():
+    import megatron.core.optimizer.clip_grads as clip_grads
+    import megatron.core.optimizer.grad_scaler as grad_scaler
+    import megatron.core.optimizer.optimizer as optimizer
+    import megatron.core.tensor_parallel.random as mrandom
+    import megatron.core.utils as mutils
+
+    mrandom._get_cuda_rng_state = (
+        lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
+    )
+    mrandom._set_cuda_rng_state = (
+        lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+    )
+    cpu_torch = _CpuTorch()
+    for module in (optimizer, clip_grads, grad_scaler, mutils):
+        module.torch = cpu_torch
+
+
+def install() -> bool:
+    """Install the CPU shims once in this process. Returns False (and does
+    nothing) when CUDA is available, so GPU runs use real Megatron paths."""
+    global _INSTALLED
+    if _INSTALLED:
+        return True
+    if torch.cuda.is_available():
+        return False
+    _patch_torch_cuda()
+    _patch_tensor_type()
+    _patch_megatron()
+    _INSTALLED = True
+    return True
+
+
+def installed() -> bool:
+    return _INSTALLED

@@ -1,0 +1,200 @@
+"""Run a function on N ranks of a fresh ``torch.distributed`` job.
+
+Used by the multi-rank tests, the demo and the benchmarks::
+
+    results = run_on_ranks(body, world_size=2, args=(cfg,), timeout=120)
+
+Each rank is a spawned process with ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` and a
+free ``MASTER_PORT`` set, a process group already initialised (gloo on CPU,
+NCCL when ``backend='nccl'``), and, on CPU, the test-only Megatron shims of
+:mod:`megatron_ext.testing.cpu_compat` installed. ``body(*args, **kwargs)``
+runs on every rank; its return value comes back in rank order.
+
+Failures never hang the caller: an exception on any rank, a rank that dies, or a
+job that outlives ``timeout`` seconds raises :class:`RankFailure` with every
+rank's status and traceback; the remaining ranks are killed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import multiprocessing
+import os
+import socket
+import tempfile
+import time
+import traceback
+import warnings
+from typing import Any, Callable, Sequence
+
+import torch
+
+__all__ = ["RankFailure", "free_port", "run_on_ranks"]
+
+# After one rank fails, how long the others get to report their own error
+# (a peer blocked in a collective usually fails fast once its partner is gone).
+_GRACE_AFTER_FAILURE_S = 5.0
+
+
+class RankFailure(RuntimeError):
+    """A multi-rank job failed: raised in the launching process."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _write_result(path: str, payload: dict) -> None:
+    buf = io.BytesIO()
+    torch.save(payload, buf)
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(buf.getvalue())
+    os.replace(tmp, path)
+
+
+def _rank_main(fn, args, kwargs, rank, world_size, port, backend, pg_timeout_s, env, out_dir):
+    os.environ.update(env)
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )
+    result_path = os.path.join(out_dir, f"rank{rank}.pt")
+    # Third-party start-up chatter (no Apex/TE, deprecations) would drown test output.
+    warnings.filterwarnings("ignore", module=r"(megatron|torch)(\.|$)")
+    try:
+        import torch.distributed as dist
+
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        else:
+            from megatron_ext.testing import cpu_compat
+
+            cpu_compat.install()
+        kw = {}
+        if backend == "nccl":
+            kw["device_id"] = torch.device("cuda", torch.cuda.current_device())
+        dist.init_process_group(
+            backend, rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=pg_timeout_s), **kw,
+        )
+        try:
+            value = fn(*args, **kwargs)
+        finally:
+            _teardown()
+        _write_result(result_path, {"ok": True, "value": value})
+    except BaseException:  # noqa: BLE001 - every failure goes back to the launcher
+        _write_result(result_path, {"ok": False, "error": traceback.format_exc()})
+        os._exit(1)
+
+
+def _teardown():
+    import torch.distributed as dist
+
+    try:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+    except Exception:  # noqa: BLE001 - megatron may not be in use
+        pass
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _read_result(path: str):
+    if not os.path.exists(path):
+        return None
+    return torch.load(path, weights_only=False)
+
+
+def run_on_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any] = (),
+    kwargs: dict | None = None,
+    *,
+    backend: str | None = None,
+    timeout: float = 180.0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh ranks; return each
+    rank's return value in rank order.
+
+    ``fn`` must be importable by the spawned processes (a module-level function).
+    ``backend`` defaults to NCCL when there are at least ``world_size`` GPUs,
+    else gloo. Collectives time out after 75% of ``timeout`` so a hung one
+    surfaces as an error on its rank; the whole job is killed at ``timeout``.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if backend is None:
+        backend = "nccl" if torch.cuda.device_count() >= world_size else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
+        raise ValueError(
+            f"backend='nccl' with world_size={world_size} needs {world_size} GPUs "
+            f"(NCCL refuses two ranks on one GPU); found {torch.cuda.device_count()}"
+        )
+    child_env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    child_env.update(env or {})
+    pg_timeout_s = max(5.0, 0.75 * timeout)
+    ctx = multiprocessing.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="megatron_ext_ranks_") as out_dir:
+        procs = [
+            ctx.Process(
+                target=_rank_main,
+                args=(fn, tuple(args), dict(kwargs or {}), r, world_size, port, backend,
+                      pg_timeout_s, child_env, out_dir),
+                name=f"rank{r}",
+            )
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        failed_at = None
+        timed_out = False
+        while any(p.is_alive() for p in procs):
+            now = time.monotonic()
+            if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
+                failed_at = now
+            if failed_at is not None and now - failed_at > _GRACE_AFTER_FAILURE_S:
+                break
+            if now > deadline:
+                timed_out = True
+                break
+            time.sleep(0.05)
+        still_running = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join()
+        results = [_read_result(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world_size)]
+
+    if not timed_out and all(res is not None and res["ok"] for res in results):
+        return [res["value"] for res in results]
+
+    lines = [f"{world_size}-rank job ({backend}) of {getattr(fn, '__qualname__', fn)} failed"]
+    if timed_out:
+        lines[0] += f": timed out after {timeout:.0f}s"
+    for r, (p, res) in enumerate(zip(procs, results)):
+        if res is not None and res["ok"]:
+            status = "ok"
+        elif res is not None:
+            status = "raised"
+        elif r in still_running:
+            status = "killed (still running: hung?)"
+        else:
+            status = f"died with exit code {p.exitcode} before reporting"
+        lines.append(f"--- rank {r}: {status}")
+        if res is not None and not res["ok"]:
+            lines.append(res["error"].rstrip())
+    raise RankFailure("\n".join(lines))
