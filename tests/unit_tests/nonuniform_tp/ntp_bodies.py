@@ -1,0 +1,83 @@
+"""Rank bodies shared by the NTP multi-rank tests, the demo and the benchmark
+(module-level so spawned ranks can import them)."""
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext.testing import tiny_gpt
+
+GLOBAL_BATCH = 4
+
+
+def train(ntp_kwargs, steps, *, spec=tiny_gpt.TinyGPTSpec(), tp=1, distributed_optimizer=False,
+          overlap=False, grad_reduce_in_fp32=True, global_batch=GLOBAL_BATCH, lr=3e-3):
+    """Train the tiny GPT for ``steps`` Megatron-optimizer steps.
+
+    ``ntp_kwargs is None``: uniform TP=``tp`` with Megatron's own DDP. Else an
+    NTP job from ``NonuniformTPConfig(**ntp_kwargs)``. Returns this rank's
+    replica, TP rank, per-step losses and times, and the full (TP=1) weights at
+    init and after training (TP rank 0 of each replica only), or ``None`` on a
+    rank that left (simulate mode).
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megatron_ext.nonuniform_tp import (NonuniformTPConfig, NonuniformTPDistributedDataParallel,
+                                            initialize_nonuniform_tp_process_groups)
+    from megatron_ext.nonuniform_tp.checkpoint import gather_full_state
+
+    if ntp_kwargs is None:
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+        replica, replicas = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        degraded, ntp_cfg = False, None
+    else:
+        ps.initialize_model_parallel()
+        ntp_cfg = NonuniformTPConfig(**ntp_kwargs)
+        groups = initialize_nonuniform_tp_process_groups(ntp_cfg)
+        if not groups.is_active:
+            return None
+        replica, replicas = groups.role.replica, groups.layout.num_replicas
+        degraded = groups.role.degraded
+    tp_rank, tp_group = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
+    tp_size = ps.get_tensor_model_parallel_world_size()
+    cfg = tiny_gpt.transformer_config(spec, tp=tp_size)
+    dev = tiny_gpt.rank_device()
+    model = tiny_gpt.build_model(spec, cfg, device=dev)
+    init = gather_full_state(model, tp_group, spec.gated_linear_unit)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=overlap,
+        use_distributed_optimizer=distributed_optimizer, bucket_size=4096 if overlap else None)
+    if ntp_cfg is None:
+        ddp = DistributedDataParallel(config=cfg, ddp_config=ddp_config, module=model)
+    else:
+        ddp = NonuniformTPDistributedDataParallel(cfg, ddp_config, model, ntp_config=ntp_cfg)
+    opt = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.01, clip_grad=1.0,
+                        use_distributed_optimizer=distributed_optimizer), [ddp])
+    n_local = global_batch // replicas
+    losses, times = [], []
+    for step in range(steps):
+        t0 = time.perf_counter()
+        tokens, labels = tiny_gpt.global_batch(spec, step=step, num_samples=global_batch)
+        mine = slice(replica * n_local, (replica + 1) * n_local)
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        loss = tiny_gpt.forward_loss(ddp, tokens[mine].to(dev), labels[mine].to(dev))
+        loss.backward()
+        finalize_model_grads([ddp])
+        ok, _, _ = opt.step()
+        assert ok, f"optimizer step {step} was skipped"
+        losses.append(loss.item())
+        times.append(time.perf_counter() - t0)
+    ddp.zero_grad_buffer()  # healthy NTP replicas refresh their compute weights here
+    compute = getattr(ddp, "compute_module", ddp.module)
+    final = gather_full_state(compute, tp_group, spec.gated_linear_unit)
+    dist.barrier(group=tp_group)
+    keep = tp_rank == 0
+    return dict(replica=replica, tp_rank=tp_rank, tp_size=tp_size, degraded=degraded,
+                losses=losses, times=times, init=init if keep else None,
+                final=final if keep else None)
