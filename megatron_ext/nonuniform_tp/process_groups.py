@@ -81,8 +81,11 @@ def initialize_nonuniform_tp_process_groups(config: NonuniformTPConfig) -> NTPPr
     """Create the NTP groups and install them into ``megatron.core.parallel_state``.
 
     Call on every rank after ``parallel_state.initialize_model_parallel()``
-    (TP=PP=CP=EP=1). In ``simulate`` mode the non-active ranks get a state with
-    ``is_active == False`` and must skip training (no exit is forced here).
+    (TP=PP=CP=EP=1). In ``simulate`` mode every slot has a process: the
+    processes of failed slots leave the default process group, which is rebuilt
+    over the active ranks (renumbered as in the packed layout, Megatron's groups
+    re-initialised); they get a state with ``is_active == False`` and must skip
+    training -- nothing here exits the process.
     """
     global _STATE
     from megatron.core import parallel_state as ps
@@ -100,8 +103,15 @@ def initialize_nonuniform_tp_process_groups(config: NonuniformTPConfig) -> NTPPr
             "initialize_model_parallel() must be called with tensor_model_parallel_size=1; the NTP "
             f"TP groups (tp_base={config.tp_base}) are created by initialize_nonuniform_tp_process_groups"
         )
+    if config.launch_mode == "simulate":
+        if not _rejoin_active_ranks(config):
+            _STATE = NTPProcessGroups(config, config.layout(config.data_parallel_size * config.tp_base
+                                      if config.data_parallel_size else _left_world_size),
+                                      None, None, None, None, None)
+            return _STATE
+        ps.initialize_model_parallel()
     world, me = dist.get_world_size(), dist.get_rank()
-    layout = config.layout(world)
+    layout = dataclasses.replace(config, launch_mode="packed").layout(world)
     role = layout.role(me)
 
     tp_group = _new_groups(layout.all_tp_groups())
@@ -142,6 +152,48 @@ def initialize_nonuniform_tp_process_groups(config: NonuniformTPConfig) -> NTPPr
                  "_INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP"):
         setattr(ps, name, active_group)
     return _STATE
+
+
+_left_world_size = 0
+
+
+def _rejoin_active_ranks(config: NonuniformTPConfig) -> bool:
+    """Simulate mode: the processes of failed slots leave and the others form a
+    new default process group numbered as the packed layout (so every
+    world-wide collective Megatron issues later sees only active ranks).
+    Returns whether this rank is active."""
+    global _left_world_size
+    import os
+    import socket
+
+    import torch
+    from megatron.core import parallel_state as ps
+
+    world, me = dist.get_world_size(), dist.get_rank()
+    layout = config.layout(world)
+    active = layout.active_ranks
+    backend = dist.get_backend()
+    # The first active rank hosts the new rendezvous store on a free port.
+    info = [None]
+    if me == active[0]:
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1") if me == 0 else socket.gethostname()
+        store = dist.TCPStore("0.0.0.0", 0, len(active), is_master=True, wait_for_workers=False)
+        info = [(host, store.port)]
+    dist.broadcast_object_list(info, src=active[0])
+    host, port = info[0]
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+    if me not in active:
+        _left_world_size = world
+        return False
+    if me != active[0]:
+        store = dist.TCPStore(host, port, len(active), is_master=False)
+    kw = {}
+    if backend == "nccl":
+        kw["device_id"] = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group(backend, store=store, rank=active.index(me), world_size=len(active), **kw)
+    _rejoin_active_ranks.store = store  # keep the store (and its server) alive with the group
+    return True
 
 
 def destroy_nonuniform_tp_process_groups() -> None:
