@@ -12,7 +12,7 @@ GLOBAL_BATCH = 4
 
 
 def train(ntp_kwargs, steps, *, spec=tiny_gpt.TinyGPTSpec(), tp=1, distributed_optimizer=False,
-          overlap=False, grad_reduce_in_fp32=True, global_batch=GLOBAL_BATCH, lr=3e-3):
+          overlap=False, grad_reduce_in_fp32=True, global_batch=GLOBAL_BATCH, lr=1e-3):
     """Train the tiny GPT for ``steps`` Megatron-optimizer steps.
 
     ``ntp_kwargs is None``: uniform TP=``tp`` with Megatron's own DDP. Else an
@@ -28,7 +28,7 @@ def train(ntp_kwargs, steps, *, spec=tiny_gpt.TinyGPTSpec(), tp=1, distributed_o
 
     from megatron_ext.nonuniform_tp import (NonuniformTPConfig, NonuniformTPDistributedDataParallel,
                                             initialize_nonuniform_tp_process_groups)
-    from megatron_ext.nonuniform_tp.checkpoint import gather_full_state
+    from megatron_ext.nonuniform_tp.checkpoint import gather_full_state, shard_specs
 
     if ntp_kwargs is None:
         ps.initialize_model_parallel(tensor_model_parallel_size=tp)
@@ -78,6 +78,9 @@ def train(ntp_kwargs, steps, *, spec=tiny_gpt.TinyGPTSpec(), tp=1, distributed_o
     final = gather_full_state(compute, tp_group, spec.gated_linear_unit)
     dist.barrier(group=tp_group)
     keep = tp_rank == 0
+    cpu = lambda m: {n: p.detach().cpu().clone() for n, p in m.named_parameters()}  # noqa: E731
     return dict(replica=replica, tp_rank=tp_rank, tp_size=tp_size, degraded=degraded,
                 losses=losses, times=times, init=init if keep else None,
-                final=final if keep else None)
+                final=final if keep else None,
+                train_state=cpu(ddp.module), compute_state=cpu(compute),
+                specs=shard_specs(compute, spec.gated_linear_unit))
