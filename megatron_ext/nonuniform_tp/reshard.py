@@ -110,7 +110,7 @@ def exchange(pieces: Sequence[Piece], me: int, group: dist.ProcessGroup | None,
     """Carry out ``pieces`` inside a TP group: this rank (TP rank ``me``) sends
     ``piece.view(src(index))`` and receives into ``piece.view(dst(index))``.
     One ``all_to_all_single`` per call (all tensors must share a dtype)."""
-    size = dist.get_world_size(group) if group is not None else 1
+    size = dist.get_world_size(group)
     send = [[] for _ in range(size)]
     recv = [[] for _ in range(size)]
     for p in pieces:

@@ -26,11 +26,17 @@ SPEC_GLU_GQA = tiny_gpt.TinyGPTSpec(gated_linear_unit=True, num_query_groups=2)
 _baselines = {}
 
 
-def _baseline(spec):
-    if spec not in _baselines:
-        (_baselines[spec],) = run_on_ranks(train, 1, args=(None, STEPS), kwargs=dict(spec=spec),
-                                           timeout=240, backend="gloo")
-    return _baselines[spec]
+def _backends(gpus):
+    """gloo on CPU, and the same body on NCCL where ``gpus`` GPUs exist
+    (NCCL needs one GPU per rank)."""
+    return ["gloo", pytest.param("nccl", marks=pytest.mark.gpus(gpus))]
+
+
+def _baseline(spec, backend):
+    if (spec, backend) not in _baselines:
+        (_baselines[spec, backend],) = run_on_ranks(
+            train, 1, args=(None, STEPS), kwargs=dict(spec=spec), timeout=240, backend=backend)
+    return _baselines[spec, backend]
 
 
 def _check_parity(out, ref, replicas):
@@ -60,32 +66,35 @@ def _check_parity(out, ref, replicas):
         assert err <= WEIGHT_ATOL, f"{name}: {err}"
 
 
-def test_packed_tp2_one_failed_gpu_plain_optimizer():
+@pytest.mark.parametrize("backend", _backends(3))
+def test_packed_tp2_one_failed_gpu_plain_optimizer(backend):
     """tp_base=2, replica 0 lost slot 1: 3 processes, replica 0 runs at TP=1."""
     ntp = dict(tp_base=2, tp_spares=1, non_active_ranks_per_dp={0: (1,)})
-    out = run_on_ranks(train, 3, args=(ntp, STEPS), timeout=300, backend="gloo")
-    _check_parity(out, _baseline(SPEC), replicas=2)
+    out = run_on_ranks(train, 3, args=(ntp, STEPS), timeout=300, backend=backend)
+    _check_parity(out, _baseline(SPEC, backend), replicas=2)
 
 
-def test_simulated_tp2_distributed_optimizer_overlap_glu_gqa():
+@pytest.mark.parametrize("backend", _backends(4))
+def test_simulated_tp2_distributed_optimizer_overlap_glu_gqa(backend):
     """Simulate mode (4 processes, slot 0 of replica 0 leaves), Megatron's
-    distributed optimizer, overlapped bucketed reduction, bf16-free fp32
-    grads without grad_reduce_in_fp32, gated MLP and GQA."""
+    distributed optimizer, overlapped bucketed reduction, fp32 grads reduced
+    without grad_reduce_in_fp32, gated MLP and GQA."""
     ntp = dict(tp_base=2, tp_spares=1, non_active_ranks_per_dp={0: (0,)}, launch_mode="simulate")
-    out = run_on_ranks(train, 4, args=(ntp, STEPS), timeout=300, backend="gloo",
+    out = run_on_ranks(train, 4, args=(ntp, STEPS), timeout=300, backend=backend,
                        kwargs=dict(spec=SPEC_GLU_GQA, distributed_optimizer=True, overlap=True,
                                    grad_reduce_in_fp32=False))
     assert out[0] is None, "the process of the failed slot must leave"
-    _check_parity(out, _baseline(SPEC_GLU_GQA), replicas=2)
+    _check_parity(out, _baseline(SPEC_GLU_GQA, backend), replicas=2)
 
 
-def test_packed_tp4_two_spares_overlap_and_checkpoint_conversion():
+@pytest.mark.parametrize("backend", _backends(6))
+def test_packed_tp4_two_spares_overlap_and_checkpoint_conversion(backend):
     """tp_base=4, replica 0 lost slots 1 and 2: 6 processes, replica 0 at TP=2.
     Then the NTP training state converts to the uniform TP=4 layout and back."""
     ntp = dict(tp_base=4, tp_spares=2, non_active_ranks_per_dp={0: (1, 2)})
     out = run_on_ranks(train, 6, args=(ntp, STEPS), kwargs=dict(overlap=True), timeout=300,
-                       backend="gloo")
-    _check_parity(out, _baseline(SPEC), replicas=2)
+                       backend=backend)
+    _check_parity(out, _baseline(SPEC, backend), replicas=2)
 
     degraded = sorted((o for o in out if o["degraded"]), key=lambda o: o["tp_rank"])
     healthy = sorted((o for o in out if not o["degraded"]), key=lambda o: o["tp_rank"])
