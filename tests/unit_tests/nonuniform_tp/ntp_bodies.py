@@ -1,6 +1,7 @@
 """Rank bodies shared by the NTP multi-rank tests, the demo and the benchmark
 (module-level so spawned ranks can import them)."""
 
+import contextlib
 import time
 
 import torch
@@ -12,12 +13,13 @@ GLOBAL_BATCH = 4
 
 
 def train(ntp_kwargs, steps, *, spec=tiny_gpt.TinyGPTSpec(), tp=1, distributed_optimizer=False,
-          overlap=False, grad_reduce_in_fp32=True, global_batch=GLOBAL_BATCH, lr=1e-3):
+          overlap=False, grad_reduce_in_fp32=True, global_batch=GLOBAL_BATCH, lr=1e-3, microbatches=1):
     """Train the tiny GPT for ``steps`` Megatron-optimizer steps.
 
     ``ntp_kwargs is None``: uniform TP=``tp`` with Megatron's own DDP. Else an
     NTP job from ``NonuniformTPConfig(**ntp_kwargs)``. Returns this rank's
-    replica, TP rank, per-step losses and times, and the full (TP=1) weights at
+    replica, TP rank, per-step losses and times (``microbatches`` > 1:
+    gradient accumulation under ``no_sync``), and the full (TP=1) weights at
     init and after training (TP rank 0 of each replica only), or ``None`` on a
     rank that left (simulate mode).
     """
@@ -66,8 +68,15 @@ def train(ntp_kwargs, steps, *, spec=tiny_gpt.TinyGPTSpec(), tp=1, distributed_o
         mine = slice(replica * n_local, (replica + 1) * n_local)
         ddp.zero_grad_buffer()
         opt.zero_grad()
-        loss = tiny_gpt.forward_loss(ddp, tokens[mine].to(dev), labels[mine].to(dev))
-        loss.backward()
+        tokens, labels = tokens[mine].to(dev), labels[mine].to(dev)
+        loss = 0.0
+        for micro in range(microbatches):
+            part = slice(micro * n_local // microbatches, (micro + 1) * n_local // microbatches)
+            context = ddp.no_sync() if micro < microbatches - 1 else contextlib.nullcontext()
+            with context:
+                micro_loss = tiny_gpt.forward_loss(ddp, tokens[part], labels[part]) / microbatches
+                micro_loss.backward()
+            loss = loss + micro_loss.detach()
         finalize_model_grads([ddp])
         ok, _, _ = opt.step()
         assert ok, f"optimizer step {step} was skipped"

@@ -78,11 +78,12 @@ def test_packed_tp2_one_failed_gpu_plain_optimizer(backend):
 def test_simulated_tp2_distributed_optimizer_overlap_glu_gqa(backend):
     """Simulate mode (4 processes, slot 0 of replica 0 leaves), Megatron's
     distributed optimizer, overlapped bucketed reduction, fp32 grads reduced
-    without grad_reduce_in_fp32, gated MLP and GQA."""
+    without grad_reduce_in_fp32, two micro-batches (``no_sync``), gated MLP
+    and GQA."""
     ntp = dict(tp_base=2, tp_spares=1, non_active_ranks_per_dp={0: (0,)}, launch_mode="simulate")
     out = run_on_ranks(train, 4, args=(ntp, STEPS), timeout=300, backend=backend,
                        kwargs=dict(spec=SPEC_GLU_GQA, distributed_optimizer=True, overlap=True,
-                                   grad_reduce_in_fp32=False))
+                                   grad_reduce_in_fp32=False, microbatches=2))
     assert out[0] is None, "the process of the failed slot must leave"
     _check_parity(out, _baseline(SPEC_GLU_GQA, backend), replicas=2)
 
