@@ -96,6 +96,9 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
             raise ValueError("ntp_config differs from the config the NTP process groups were built "
                              f"with: {ntp_config} vs {groups.config}")
         ntp_config.check_model(config)
+        if getattr(config, "sequence_parallel", False) or config.pipeline_model_parallel_size != 1:
+            raise ValueError("nonuniform TP supports sequence_parallel=False and "
+                             "pipeline_model_parallel_size=1 only; turn them off in the model config")
         role = groups.role
         healthy = groups.ntp_active and not role.degraded
         if not healthy:
@@ -117,7 +120,7 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
             if spec.dim is not None:
                 shape[spec.dim] = shape[spec.dim] * b // r
             pieces.append(reshard.reshard_pieces(
-                idx, spec, p.shape[spec.dim] if spec.dim is not None else 0, b, r))
+                idx, spec, p.shape[spec.dim] if spec.dim is not None else 0, b, r, name=name))
             shadow = torch.nn.Parameter(torch.zeros(shape, dtype=p.dtype, device=p.device))
             for attr in _COPIED_ATTRS:
                 if hasattr(p, attr):

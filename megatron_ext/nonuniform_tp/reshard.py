@@ -64,7 +64,7 @@ class Piece:
 
 
 def reshard_pieces(index: int, spec: ShardSpec, local_size_at_base: int, tp_base: int,
-                   tp_reduced: int) -> list[Piece]:
+                   tp_reduced: int, name: str | None = None) -> list[Piece]:
     """Pieces that move one parameter from the ``tp_base`` layout (src = healthy
     TP rank) to the ``tp_reduced`` layout (dst = core TP rank). ``local_size_at_base``
     is the size along ``spec.dim`` of a ``tp_base`` shard (ignored when replicated)."""
@@ -73,8 +73,10 @@ def reshard_pieces(index: int, spec: ShardSpec, local_size_at_base: int, tp_base
     per_chunk_b = local_size_at_base // spec.chunks
     n = per_chunk_b * tp_base
     if n % tp_reduced:
-        raise ValueError(f"parameter {index}: size {n} along dim {spec.dim} is not divisible by "
-                         f"tp_reduced={tp_reduced}")
+        raise ValueError(
+            f"parameter {name or index}: global size {n} along dim {spec.dim} does not split over "
+            f"tp_reduced={tp_reduced}; choose tp_spares so that tp_base and tp_reduced both divide "
+            "the head, query-group, FFN and (padded) vocab sizes")
     per_chunk_r = n // tp_reduced
     pieces = []
     for k in range(spec.chunks):

@@ -119,3 +119,20 @@ def test_packed_tp4_two_spares_overlap_and_checkpoint_conversion(backend):
     for rank, d in enumerate(degraded):
         for name, t in d["train_state"].items():
             assert torch.allclose(back[rank][name], t, rtol=0, atol=1e-6), name
+
+
+SPEC_TP43 = tiny_gpt.TinyGPTSpec(hidden_size=96, num_attention_heads=12, ffn_hidden_size=192,
+                                 vocab_size=192)
+
+
+@pytest.mark.parametrize("backend", _backends(7))
+def test_packed_tp4_one_spare_reduced_degree_three(backend):
+    """tp_base=4, replica 1 lost slot 0: 7 processes, replica 1 at TP=3, so
+    healthy shards straddle reduced shards (4 -> 3 resharding); distributed
+    optimizer with overlap."""
+    ntp = dict(tp_base=4, tp_spares=1, non_active_ranks_per_dp={1: (0,)}, num_attention_heads=12,
+               ffn_hidden_size=192, vocab_size=192)
+    out = run_on_ranks(train, 7, args=(ntp, STEPS), timeout=300, backend=backend,
+                       kwargs=dict(spec=SPEC_TP43, distributed_optimizer=True, overlap=True))
+    assert sorted(o["tp_size"] for o in out) == [3, 3, 3, 4, 4, 4, 4]
+    _check_parity(out, _baseline(SPEC_TP43, backend), replicas=2)
