@@ -53,12 +53,9 @@ class NTPProcessGroups:
 
     def pg_collection(self):
         """A megatron ``ProcessGroupCollection`` with the NTP groups."""
-        from megatron.core import parallel_state as ps
         from megatron.core.process_groups_config import ProcessGroupCollection
 
-        pgs = ProcessGroupCollection.use_mpu_process_groups()
-        assert pgs.tp is ps.get_tensor_model_parallel_group()
-        return pgs
+        return ProcessGroupCollection.use_mpu_process_groups()
 
 
 def get_ntp_process_groups() -> NTPProcessGroups | None:

@@ -77,6 +77,8 @@ def train(ntp_kwargs, steps, *, spec=tiny_gpt.TinyGPTSpec(), tp=1, distributed_o
                 micro_loss = tiny_gpt.forward_loss(ddp, tokens[part], labels[part]) / microbatches
                 micro_loss.backward()
             loss = loss + micro_loss.detach()
+        # With overlap, bucket groups whose grads are complete are already in flight.
+        in_flight = sum(bg.grad_reduce_handle is not None for bg in ddp.bucket_groups)
         finalize_model_grads([ddp])
         ok, _, _ = opt.step()
         assert ok, f"optimizer step {step} was skipped"
@@ -89,6 +91,7 @@ def train(ntp_kwargs, steps, *, spec=tiny_gpt.TinyGPTSpec(), tp=1, distributed_o
     keep = tp_rank == 0
     cpu = lambda m: {n: p.detach().cpu().clone() for n, p in m.named_parameters()}  # noqa: E731
     return dict(replica=replica, tp_rank=tp_rank, tp_size=tp_size, degraded=degraded,
+                bucket_groups=len(ddp.bucket_groups), in_flight_after_backward=in_flight,
                 losses=losses, times=times, init=init if keep else None,
                 final=final if keep else None,
                 train_state=cpu(ddp.module), compute_state=cpu(compute),

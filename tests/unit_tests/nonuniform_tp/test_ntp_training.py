@@ -39,6 +39,14 @@ def _baseline(spec, backend):
     return _baselines[spec, backend]
 
 
+def _check_overlap(out):
+    """Overlapped runs dispatch the fold + DP collective of each bucket group
+    from the backward hooks, before finish_grad_sync."""
+    for o in filter(None, out):
+        assert o["bucket_groups"] > 1, o["bucket_groups"]
+        assert o["in_flight_after_backward"] == o["bucket_groups"], o
+
+
 def _check_parity(out, ref, replicas):
     ranks = [o for o in out if o is not None]
     per_replica = {}
@@ -85,6 +93,7 @@ def test_simulated_tp2_distributed_optimizer_overlap_glu_gqa(backend):
                        kwargs=dict(spec=SPEC_GLU_GQA, distributed_optimizer=True, overlap=True,
                                    grad_reduce_in_fp32=False, microbatches=2))
     assert out[0] is None, "the process of the failed slot must leave"
+    _check_overlap(out)
     _check_parity(out, _baseline(SPEC_GLU_GQA, backend), replicas=2)
 
 
@@ -96,6 +105,7 @@ def test_packed_tp4_two_spares_overlap_and_checkpoint_conversion(backend):
     out = run_on_ranks(train, 6, args=(ntp, STEPS), kwargs=dict(overlap=True), timeout=300,
                        backend=backend)
     _check_parity(out, _baseline(SPEC, backend), replicas=2)
+    _check_overlap(out)
 
     degraded = sorted((o for o in out if o["degraded"]), key=lambda o: o["tp_rank"])
     healthy = sorted((o for o in out if not o["degraded"]), key=lambda o: o["tp_rank"])
@@ -135,4 +145,5 @@ def test_packed_tp4_one_spare_reduced_degree_three(backend):
     out = run_on_ranks(train, 7, args=(ntp, STEPS), timeout=300, backend=backend,
                        kwargs=dict(spec=SPEC_TP43, distributed_optimizer=True, overlap=True))
     assert sorted(o["tp_size"] for o in out) == [3, 3, 3, 4, 4, 4, 4]
+    _check_overlap(out)
     _check_parity(out, _baseline(SPEC_TP43, backend), replicas=2)
