@@ -13,7 +13,7 @@ GLOBAL_BATCH = 4
 
 
 def train(ntp_kwargs, steps, *, spec=tiny_gpt.TinyGPTSpec(), tp=1, distributed_optimizer=False,
-          overlap=False, grad_reduce_in_fp32=True, global_batch=GLOBAL_BATCH, lr=1e-3, microbatches=1):
+          overlap=False, grad_reduce_in_fp32=True, global_batch=GLOBAL_BATCH, lr=1e-3, microbatches=1, bf16=False):
     """Train the tiny GPT for ``steps`` Megatron-optimizer steps.
 
     ``ntp_kwargs is None``: uniform TP=``tp`` with Megatron's own DDP. Else an
@@ -46,9 +46,14 @@ def train(ntp_kwargs, steps, *, spec=tiny_gpt.TinyGPTSpec(), tp=1, distributed_o
         degraded = groups.role.degraded
     tp_rank, tp_group = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
     tp_size = ps.get_tensor_model_parallel_world_size()
-    cfg = tiny_gpt.transformer_config(spec, tp=tp_size)
+    overrides = dict(bf16=True, params_dtype=torch.bfloat16) if bf16 else {}
+    cfg = tiny_gpt.transformer_config(spec, tp=tp_size, **overrides)
     dev = tiny_gpt.rank_device()
     model = tiny_gpt.build_model(spec, cfg, device=dev)
+    if bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(cfg, model)
     init = gather_full_state(model, tp_group, spec.gated_linear_unit)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=overlap,
@@ -58,7 +63,7 @@ def train(ntp_kwargs, steps, *, spec=tiny_gpt.TinyGPTSpec(), tp=1, distributed_o
     else:
         ddp = NonuniformTPDistributedDataParallel(cfg, ddp_config, model, ntp_config=ntp_cfg)
     opt = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.01, clip_grad=1.0,
+        OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.01, clip_grad=1.0, bf16=bf16,
                         use_distributed_optimizer=distributed_optimizer), [ddp])
     n_local = global_batch // replicas
     losses, times = [], []
