@@ -148,6 +148,10 @@ def initialize_nonuniform_tp_process_groups(config: NonuniformTPConfig) -> NTPPr
     for name in ("_TENSOR_AND_DATA_PARALLEL_GROUP", "_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP",
                  "_INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP"):
         setattr(ps, name, active_group)
+    # Data loaders ask get_data_parallel_rank()/world_size() which share of the
+    # global batch to read: on every rank (spares included) that is its replica.
+    ps._MPU_DATA_PARALLEL_RANK = role.replica
+    ps._MPU_DATA_PARALLEL_WORLD_SIZE = layout.num_replicas
     return _STATE
 
 
@@ -194,6 +198,11 @@ def _rejoin_active_ranks(config: NonuniformTPConfig) -> bool:
 
 
 def destroy_nonuniform_tp_process_groups() -> None:
-    """Forget the installed NTP state (Megatron's own destroy resets its globals)."""
+    """Forget the installed NTP state and the data-parallel rank/size overrides
+    (``parallel_state.destroy_model_parallel`` resets the groups)."""
     global _STATE
+    from megatron.core import parallel_state as ps
+
+    ps._MPU_DATA_PARALLEL_RANK = None
+    ps._MPU_DATA_PARALLEL_WORLD_SIZE = None
     _STATE = None

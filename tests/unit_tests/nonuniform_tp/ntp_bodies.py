@@ -44,6 +44,8 @@ def train(ntp_kwargs, steps, *, spec=tiny_gpt.TinyGPTSpec(), tp=1, distributed_o
             return None
         replica, replicas = groups.role.replica, groups.layout.num_replicas
         degraded = groups.role.degraded
+        # what a Megatron data loader asks (spares included): its replica's share
+        assert (ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()) == (replica, replicas)
     tp_rank, tp_group = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
     tp_size = ps.get_tensor_model_parallel_world_size()
     overrides = dict(bf16=True, params_dtype=torch.bfloat16) if bf16 else {}
