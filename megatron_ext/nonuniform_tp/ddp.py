@@ -25,6 +25,7 @@ state on each spare.
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import contextmanager
 from typing import Optional
 
@@ -38,6 +39,18 @@ from .config import NonuniformTPConfig
 from .process_groups import NTPProcessGroups, get_ntp_process_groups
 
 __all__ = ["NonuniformTPBucketGroup", "NonuniformTPDistributedDataParallel"]
+
+
+@dataclasses.dataclass
+class _HealthyState:
+    """A healthy replica's compute parameters, their shadows and the unfold plan."""
+
+    compute: list  # [(name, tp_base parameter)]
+    shadows: list  # [tp_reduced shadow parameter], same order
+    tp_rank: int
+    tp_group: object
+    unfold: list  # reshard.Piece, shadow (core ranks) -> compute (all ranks)
+    stale: bool = False  # shadow updated since the last unfold
 
 
 class NonuniformTPBucketGroup(_ParamAndGradBucketGroup):
@@ -112,10 +125,9 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
 
         b, r = ntp_config.tp_base, ntp_config.tp_reduced
         compute = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        specs, pieces, shadows = [], [], []
+        pieces, shadows = [], []
         for idx, (name, p) in enumerate(compute):
             spec = reshard.shard_spec(name, p, config.gated_linear_unit)
-            specs.append(spec)
             shape = list(p.shape)
             if spec.dim is not None:
                 shape[spec.dim] = shape[spec.dim] * b // r
@@ -135,7 +147,7 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
             (n, s) for (n, _), s in zip(compute, shadows)), disable_bucketing, pg_collection,
             full_param_layout)
 
-        # Compute-side gradient accumulation buffer (one flat tensor per grad dtype).
+        # Compute-side gradient accumulation (what the layers and the hooks add into).
         grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else None
         for (_, p) in compute:
             p.main_grad = torch.zeros_like(p, dtype=grad_dtype or p.dtype)
@@ -145,10 +157,11 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
             idxs = sorted(index_of[id(s)] for s in bucket_group.params)
             group_pieces = [pc for i in idxs for pc in pieces[i]]
             bucket_group.__class__ = NonuniformTPBucketGroup
-            bucket_group.ntp_fold = self._make_fold(group_pieces, compute, shadows)
+            bucket_group.ntp_fold = self._make_fold(group_pieces, compute, shadows, tp_rank,
+                                                    tp_group)
 
-        self._ntp = dict(compute=compute, shadows=shadows, tp_rank=tp_rank, tp_group=tp_group,
-                         unfold=reshard.reverse(fold_all, b, r), stale=False)
+        self._ntp = _HealthyState(compute=compute, shadows=shadows, tp_rank=tp_rank,
+                                  tp_group=tp_group, unfold=reshard.reverse(fold_all, b, r))
         self.__dict__["_compute_module"] = module  # not a registered submodule
         self._compute_hooks = []
         for (_, p), s in zip(compute, shadows):
@@ -166,12 +179,10 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
     def is_ntp_healthy_rank(self) -> bool:
         return self._ntp is not None
 
-    def _make_fold(self, pieces, compute, shadows):
-        ntp_rank = lambda: self._ntp["tp_rank"]  # noqa: E731
-
+    @staticmethod
+    def _make_fold(pieces, compute, shadows, tp_rank, tp_group):
         def fold():
-            reshard.exchange(pieces, ntp_rank(), self._ntp["tp_group"],
-                             src=lambda i: compute[i][1].main_grad,
+            reshard.exchange(pieces, tp_rank, tp_group, src=lambda i: compute[i][1].main_grad,
                              dst=lambda i: shadows[i].main_grad)
 
         return fold
@@ -195,19 +206,19 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
             return
         ntp = self._ntp
         by_dtype = {}
-        for pc in ntp["unfold"]:
-            by_dtype.setdefault(ntp["shadows"][pc.index].dtype, []).append(pc)
+        for pc in ntp.unfold:
+            by_dtype.setdefault(ntp.shadows[pc.index].dtype, []).append(pc)
         for dtype in sorted(by_dtype, key=str):
-            reshard.exchange(by_dtype[dtype], ntp["tp_rank"], ntp["tp_group"],
-                             src=lambda i: ntp["shadows"][i].data,
-                             dst=lambda i: ntp["compute"][i][1].data)
-        ntp["stale"] = False
+            reshard.exchange(by_dtype[dtype], ntp.tp_rank, ntp.tp_group,
+                             src=lambda i: ntp.shadows[i].data,
+                             dst=lambda i: ntp.compute[i][1].data)
+        ntp.stale = False
 
     # ---- DDP interface -------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
         if self._ntp is None:
             return super().forward(*inputs, **kwargs)
-        if self._ntp["stale"]:
+        if self._ntp.stale:
             self.sync_compute_params()
         return self._compute_module(*inputs, **kwargs)
 
@@ -220,15 +231,15 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
     def finish_grad_sync(self, force_all_reduce: Optional[bool] = False):
         super().finish_grad_sync(force_all_reduce=force_all_reduce)
         if self._ntp is not None:
-            self._ntp["stale"] = True
+            self._ntp.stale = True
 
     def zero_grad_buffer(self):
         super().zero_grad_buffer()
         if self._ntp is None:
             return
-        if self._ntp["stale"]:
+        if self._ntp.stale:
             self.sync_compute_params()
-        for _, p in self._ntp["compute"]:
+        for _, p in self._ntp.compute:
             p.main_grad.zero_()
             p.grad_added_to_main_grad = False
 

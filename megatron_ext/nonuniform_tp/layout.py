@@ -31,12 +31,12 @@ class RankRole:
     tp_rank: int
     tp_size: int
     degraded: bool
+    tp_size_reduced: int
 
     @property
     def spare(self) -> bool:
+        """A healthy replica's TP rank with no counterpart in degraded replicas."""
         return not self.degraded and self.tp_rank >= self.tp_size_reduced
-
-    tp_size_reduced: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
