@@ -9,9 +9,13 @@ healthy one's.
 Both jobs use the same processes (``world = replicas * tp_base``): the uniform
 job runs TP=tp_base x DP=replicas with Megatron's DDP; the NTP job runs in
 ``simulate`` launch mode, where ``--spares`` slots of replica 0 leave and that
-replica continues at TP=tp_base-spares. Grad sync = ``finish_grad_sync()``
-with overlap off (the fold all-to-all plus the DP collective on healthy
-ranks), timed after a barrier. Prints a table and writes JSON.
+replica continues at TP=tp_base-spares. Per rank, medians over the timed steps
+of: ``zero_grad_buffer`` (where healthy NTP ranks unfold the updated
+parameters), forward+backward, grad sync (``finish_grad_sync()`` with overlap off: the
+fold all-to-all plus the DP collective on healthy ranks, and the wait for the
+slowest replica), and the whole step (after a barrier); the table shows the
+slowest rank of each group; "sync vs uniform" compares unfold + grad sync.
+Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -67,15 +71,17 @@ def _bench_rank(ntp_kwargs, tp, spec, steps, warmup, global_batch, backend):
         ddp = NonuniformTPDistributedDataParallel(cfg, ddp_config, model, ntp_config=ntp_cfg)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=1.0), [ddp])
     n_local = global_batch // replicas
-    sync_s, step_s = [], []
+    unfold_s, compute_s, sync_s, step_s = [], [], [], []
     for step in range(warmup + steps):
         tokens, labels = tiny_gpt.global_batch(spec, step=step, num_samples=global_batch)
         mine = slice(replica * n_local, (replica + 1) * n_local)
         dist.barrier()
         _sync(backend)
         t0 = time.perf_counter()
-        ddp.zero_grad_buffer()
+        ddp.zero_grad_buffer()  # healthy NTP ranks unfold the updated shadow here
         opt.zero_grad()
+        _sync(backend)
+        ta = time.perf_counter()
         loss = tiny_gpt.forward_loss(ddp, tokens[mine].to(dev), labels[mine].to(dev))
         loss.backward()
         _sync(backend)
@@ -87,10 +93,14 @@ def _bench_rank(ntp_kwargs, tp, spec, steps, warmup, global_batch, backend):
         _sync(backend)
         t3 = time.perf_counter()
         if step >= warmup:
+            unfold_s.append(ta - t0)
+            compute_s.append(t1 - ta)
             sync_s.append(t2 - t1)
             step_s.append(t3 - t0)
     return dict(replica=replica, tp_size=tp_size, degraded=degraded,
-                sync_s=statistics.median(sync_s), step_s=statistics.median(step_s))
+                unfold_s=statistics.median(unfold_s), compute_s=statistics.median(compute_s),
+                sync_s=statistics.median(sync_s),
+                step_s=statistics.median(step_s))
 
 
 def main(argv=None) -> int:
@@ -134,28 +144,29 @@ def main(argv=None) -> int:
     def agg(rows, key):
         return max(r[key] for r in rows) if rows else float("nan")
 
-    u_sync, u_step = agg(uniform, "sync_s"), agg(uniform, "step_s")
+    u = {k: agg(uniform, k) for k in ("unfold_s", "compute_s", "sync_s", "step_s")}
     healthy = [r for r in ntp_out if not r["degraded"]]
     degraded = [r for r in ntp_out if r["degraded"]]
-    rows = [
-        ("uniform DDP, all ranks", u_sync, u_step),
-        ("NTP healthy replicas", agg(healthy, "sync_s"), agg(healthy, "step_s")),
-        ("NTP degraded replica", agg(degraded, "sync_s"), agg(degraded, "step_s")),
-    ]
-    print(f"{'job':28} | {'grad sync ms':>12} | {'vs uniform':>10} | {'step ms':>9} | {'vs uniform':>10}")
-    print("-" * 82)
-    for name, s, st in rows:
-        print(f"{name:28} | {s * 1e3:12.2f} | {s / u_sync:9.2f}x | {st * 1e3:9.1f} | {st / u_step:9.2f}x")
-    ratio = agg(degraded, "step_s") / agg(healthy, "step_s")
-    print(f"\ndegraded / healthy step time: {ratio:.2f}x (compute share of the degraded replica's "
-          f"ranks: {args.tp_base}/{args.tp_base - args.spares} = {args.tp_base / (args.tp_base - args.spares):.2f}x)")
+    h = {k: agg(healthy, k) for k in u}
+    d = {k: agg(degraded, k) for k in u}
+    print(f"{'job':24} | {'zero+unfold ms':>14} | {'fwd+bwd ms':>10} | {'grad sync ms':>12} | "
+          f"{'sync vs uniform':>15} | {'step ms':>8} | {'vs uniform':>10}")
+    print("-" * 115)
+    for name, row in (("uniform DDP, all ranks", u), ("NTP healthy replicas", h),
+                      ("NTP degraded replica", d)):
+        ntp_sync = row["unfold_s"] + row["sync_s"]
+        print(f"{name:24} | {row['unfold_s'] * 1e3:14.2f} | {row['compute_s'] * 1e3:10.1f} | "
+              f"{row['sync_s'] * 1e3:12.2f} | {ntp_sync / (u['unfold_s'] + u['sync_s']):14.2f}x | "
+              f"{row['step_s'] * 1e3:8.1f} | {row['step_s'] / u['step_s']:9.2f}x")
+    ratio = d["compute_s"] / h["compute_s"]
+    print(f"\ndegraded / healthy fwd+bwd time: {ratio:.2f}x (ideal: tp_base/tp_reduced = "
+          f"{args.tp_base / (args.tp_base - args.spares):.2f}x). The DP collective waits for the "
+          "slowest replica: grad sync includes that wait.")
     result = dict(world=world, backend=backend, tp_base=args.tp_base, spares=args.spares,
                   replicas=args.replicas, hidden=args.hidden, layers=args.layers, steps=args.steps,
                   device=torch.cuda.get_device_name() if backend == "nccl" else "cpu",
-                  uniform=dict(sync_s=u_sync, step_s=u_step),
-                  ntp_healthy=dict(sync_s=agg(healthy, "sync_s"), step_s=agg(healthy, "step_s")),
-                  ntp_degraded=dict(sync_s=agg(degraded, "sync_s"), step_s=agg(degraded, "step_s")),
-                  degraded_over_healthy_step=ratio, per_rank=dict(uniform=uniform, ntp=ntp_out))
+                  uniform=u, ntp_healthy=h, ntp_degraded=d, degraded_over_healthy_compute=ratio,
+                  per_rank=dict(uniform=uniform, ntp=ntp_out))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
