@@ -1,5 +1,5 @@
-"""Rank bodies shared by the NTP multi-rank tests, the demo and the benchmark
-(module-level so spawned ranks can import them)."""
+"""The rank body of the NTP multi-rank tests (module-level so that spawned
+ranks can import it): an NTP or a uniform-TP job with Megatron's optimizer."""
 
 import contextlib
 import time
