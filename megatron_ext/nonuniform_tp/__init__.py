@@ -1,2 +1,62 @@
-"""Nonuniform tensor parallelism: replicas that lost GPUs keep training at a
-reduced TP degree. Not implemented yet (issue: nonuniform tensor parallelism)."""
+"""Nonuniform tensor parallelism (NTP): data-parallel replicas that lost GPUs
+keep training at a reduced TP degree while healthy replicas keep ``tp_base``.
+
+Usage (every rank)::
+
+    parallel_state.initialize_model_parallel()          # TP=PP=1
+    groups = initialize_nonuniform_tp_process_groups(ntp_config)
+    if groups.is_active:                                 # False only for leavers in simulate mode
+        model = build_model(...)                         # sees its replica's TP degree
+        ddp = NonuniformTPDistributedDataParallel(config, ddp_config, model, ntp_config=ntp_config)
+
+See docs/nonuniform_tp.md.
+"""
+
+from .config import (
+    NonuniformTPConfig,
+    add_nonuniform_tp_args,
+    compute_uniform_tp_spares_with_parity,
+    format_failed_slots,
+    parse_failed_slots,
+)
+from .layout import NTPLayout, RankRole
+from .process_groups import (
+    NTPProcessGroups,
+    destroy_nonuniform_tp_process_groups,
+    get_ntp_process_groups,
+    initialize_nonuniform_tp_process_groups,
+)
+
+
+def __getattr__(name):
+    # The DDP subclass imports megatron-core's DDP; load it on first use.
+    if name in ("NonuniformTPDistributedDataParallel", "NonuniformTPBucketGroup"):
+        from . import ddp
+
+        return getattr(ddp, name)
+    if name in ("ntp_to_uniform", "uniform_to_ntp", "merge_tp_shards", "split_tp_full"):
+        from . import checkpoint
+
+        return getattr(checkpoint, name)
+    raise AttributeError(name)
+
+
+__all__ = [
+    "NTPLayout",
+    "NTPProcessGroups",
+    "NonuniformTPBucketGroup",
+    "NonuniformTPConfig",
+    "NonuniformTPDistributedDataParallel",
+    "RankRole",
+    "add_nonuniform_tp_args",
+    "compute_uniform_tp_spares_with_parity",
+    "destroy_nonuniform_tp_process_groups",
+    "format_failed_slots",
+    "get_ntp_process_groups",
+    "initialize_nonuniform_tp_process_groups",
+    "merge_tp_shards",
+    "ntp_to_uniform",
+    "parse_failed_slots",
+    "split_tp_full",
+    "uniform_to_ntp",
+]

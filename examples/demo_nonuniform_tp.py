@@ -1,0 +1,121 @@
+"""Demo phase for nonuniform TP: a GPU of replica 0 "fails", the job relaunches
+on the surviving GPUs only (packed layout) and keeps training, replica 0 at a
+reduced TP degree.
+
+    .venv/bin/python examples/demo_nonuniform_tp.py            # uniform vs NTP, CPU ranks
+    rows = run_ntp_phase(tp_base=2, world_size=4, steps=20)    # from examples/demo.py
+
+``run_ntp_phase`` returns ``[(step, loss, seconds), ...]`` like the demo's
+uniform phase: ``loss`` is the global-batch loss (mean over replicas), so the
+two curves are comparable step for step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+from megatron_ext.testing import tiny_gpt
+from megatron_ext.testing.multirank import run_on_ranks
+
+
+def _ntp_rank(ntp_kwargs, spec, steps, global_batch, lr, phase):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megatron_ext.nonuniform_tp import (NonuniformTPConfig, NonuniformTPDistributedDataParallel,
+                                            initialize_nonuniform_tp_process_groups)
+
+    ps.initialize_model_parallel()  # TP=1 here; the NTP groups replace TP/DP below
+    ntp_config = NonuniformTPConfig(**ntp_kwargs)
+    groups = initialize_nonuniform_tp_process_groups(ntp_config)
+    role, replicas = groups.role, groups.layout.num_replicas
+    tp = ps.get_tensor_model_parallel_world_size()
+    device = tiny_gpt.rank_device()
+    tconf = tiny_gpt.transformer_config(spec, tp=tp)
+    model = NonuniformTPDistributedDataParallel(
+        tconf, DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False),
+        tiny_gpt.build_model(spec, tconf, device=device), ntp_config=ntp_config)
+    opt = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.01, clip_grad=1.0), [model])
+    if dist.get_rank() == 0:
+        print(f"[{phase}] {dist.get_world_size()} ranks; TP groups "
+              f"{groups.layout.all_tp_groups()} (replica 0 at TP={groups.layout.tp_reduced})", flush=True)
+    per_replica = global_batch // replicas
+    mine = slice(role.replica * per_replica, (role.replica + 1) * per_replica)
+    rows = []
+    for step in range(steps):
+        start = time.perf_counter()
+        tokens, labels = tiny_gpt.global_batch(spec, step, global_batch)
+        model.zero_grad_buffer()
+        opt.zero_grad()
+        loss = tiny_gpt.forward_loss(model, tokens[mine].to(device), labels[mine].to(device))
+        loss.backward()
+        model.finish_grad_sync()
+        opt.step()
+        # Mean over replicas: every rank adds loss / (its TP size * replicas).
+        mean = loss.detach() / (role.tp_size * replicas)
+        dist.all_reduce(mean)
+        rows.append((step, mean.item(), time.perf_counter() - start))
+        if dist.get_rank() == 0:
+            print(f"[{phase}] step {step + 1:3d}/{steps}  loss {rows[-1][1]:.4f}", flush=True)
+    return rows
+
+
+def run_ntp_phase(*, tp_base: int = 2, world_size: int = 4, failed_slots: str = "0:1", steps: int = 20,
+                  global_batch: int = 8, lr: float = 3e-3, backend: str = "gloo",
+                  spec: tiny_gpt.TinyGPTSpec | None = None, phase: str = "ntp"):
+    """Relaunch a ``world_size``-GPU TP=``tp_base`` job without the GPUs in
+    ``failed_slots`` ("REPLICA:SLOT[,SLOT];...") and train ``steps`` steps.
+    Returns ``[(step, loss, seconds)]`` (rank 0's view)."""
+    from megatron_ext.nonuniform_tp import compute_uniform_tp_spares_with_parity, parse_failed_slots
+
+    spec = spec or tiny_gpt.TinyGPTSpec()
+    spares, failed = compute_uniform_tp_spares_with_parity(parse_failed_slots(failed_slots), tp_base)
+    packed_world = world_size - sum(len(s) for s in failed.values())
+    ntp_kwargs = dict(tp_base=tp_base, tp_spares=spares, non_active_ranks_per_dp=failed,
+                      data_parallel_size=world_size // tp_base)
+    print(f"[{phase}] GPU(s) {failed} fail; relaunching on the {packed_world} healthy GPUs", flush=True)
+    return run_on_ranks(_ntp_rank, packed_world, args=(ntp_kwargs, spec, steps, global_batch, lr, phase),
+                        backend=backend, timeout=600)[0]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--failed-slots", default="0:1")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--global-batch", type=int, default=8)
+    parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import demo  # the uniform phase of examples/demo.py
+
+    backend = args.backend
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.device_count() >= args.world_size else "gloo"
+    cfg = demo.DemoConfig(world_size=args.world_size, tp=args.tp, steps=args.steps,
+                          global_batch=args.global_batch, backend=backend)
+    spec = tiny_gpt.TinyGPTSpec()
+    phases = {"uniform": run_on_ranks(demo._train_rank, cfg.world_size, args=(cfg, spec, "uniform"),
+                                      backend=backend, timeout=600)[0]}
+    phases["ntp"] = run_ntp_phase(tp_base=args.tp, world_size=args.world_size,
+                                  failed_slots=args.failed_slots, steps=args.steps,
+                                  global_batch=args.global_batch, lr=cfg.lr, backend=backend, spec=spec)
+    print()
+    demo.print_table(phases)
+    worst = max(abs(a[1] - b[1]) / abs(b[1]) for a, b in zip(phases["ntp"], phases["uniform"]))
+    print(f"\nNTP vs uniform loss: max relative difference {worst:.2e}")
+    return 0 if worst < 1e-4 else 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())

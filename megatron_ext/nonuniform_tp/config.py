@@ -1,0 +1,249 @@
+"""User-facing configuration of nonuniform tensor parallelism (NTP).
+
+A job has ``data_parallel_size`` replicas, each normally running at TP degree
+``tp_base``. ``non_active_ranks_per_dp`` maps a replica index to the TP slots
+(``0..tp_base-1``) whose GPUs are out; every degraded replica runs at the same
+reduced degree ``tp_base - tp_spares`` on its remaining slots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Mapping
+
+__all__ = [
+    "NonuniformTPConfig",
+    "add_nonuniform_tp_args",
+    "compute_uniform_tp_spares_with_parity",
+    "format_failed_slots",
+    "parse_failed_slots",
+]
+
+LAUNCH_MODES = ("packed", "simulate")
+
+
+@dataclasses.dataclass
+class NonuniformTPConfig:
+    """Which GPUs are out, and how the job is launched.
+
+    Args:
+        tp_base: TP degree of a healthy replica.
+        tp_spares: how many TP slots each degraded replica has lost (after
+            parity, see :func:`compute_uniform_tp_spares_with_parity`); a
+            degraded replica runs at ``tp_reduced = tp_base - tp_spares``.
+        non_active_ranks_per_dp: replica index -> TP slots that are out. Every
+            listed replica must list exactly ``tp_spares`` slots.
+        data_parallel_size: number of replicas; ``None`` derives it from the
+            world size in :meth:`layout`.
+        launch_mode: ``"packed"``: the failed GPUs have no process, the job
+            runs on the healthy GPUs only (world = healthy GPUs). ``"simulate"``:
+            every slot has a process and the non-active ones leave (tests).
+        num_attention_heads, num_query_groups, ffn_hidden_size, vocab_size:
+            optional model shape; when given, checked to split at both degrees.
+    """
+
+    tp_base: int
+    tp_spares: int = 0
+    non_active_ranks_per_dp: Mapping[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    data_parallel_size: int | None = None
+    launch_mode: str = "packed"
+    num_attention_heads: int | None = None
+    num_query_groups: int | None = None
+    ffn_hidden_size: int | None = None
+    vocab_size: int | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.tp_base, int) or self.tp_base < 1:
+            raise ValueError(f"NonuniformTPConfig.tp_base must be an int >= 1, got {self.tp_base!r}")
+        if not isinstance(self.tp_spares, int) or not 0 <= self.tp_spares < self.tp_base:
+            raise ValueError(
+                f"NonuniformTPConfig.tp_spares must be in 0..{self.tp_base - 1} (tp_base - 1; "
+                f"a replica needs at least one GPU), got {self.tp_spares!r}"
+            )
+        if self.launch_mode not in LAUNCH_MODES:
+            raise ValueError(
+                f"NonuniformTPConfig.launch_mode must be one of {LAUNCH_MODES}, got {self.launch_mode!r}"
+            )
+        if self.data_parallel_size is not None and self.data_parallel_size < 1:
+            raise ValueError(
+                f"NonuniformTPConfig.data_parallel_size must be >= 1 or None, got {self.data_parallel_size!r}"
+            )
+        normalized = {}
+        for replica, slots in dict(self.non_active_ranks_per_dp).items():
+            if not isinstance(replica, int) or replica < 0 or (
+                self.data_parallel_size is not None and replica >= self.data_parallel_size
+            ):
+                upper = "" if self.data_parallel_size is None else f"..{self.data_parallel_size - 1}"
+                raise ValueError(
+                    f"NonuniformTPConfig.non_active_ranks_per_dp: replica index {replica!r} is out of "
+                    f"range; allowed: 0{upper} (data_parallel_size={self.data_parallel_size})"
+                )
+            slots = tuple(slots)
+            for s in slots:
+                if not isinstance(s, int) or not 0 <= s < self.tp_base:
+                    raise ValueError(
+                        f"NonuniformTPConfig.non_active_ranks_per_dp[{replica}]: slot {s!r} is out of "
+                        f"range; allowed: 0..{self.tp_base - 1} (tp_base={self.tp_base})"
+                    )
+            if len(set(slots)) != len(slots):
+                raise ValueError(
+                    f"NonuniformTPConfig.non_active_ranks_per_dp[{replica}]: duplicated slot in {slots}; "
+                    "list each failed TP slot once"
+                )
+            if len(slots) != self.tp_spares:
+                raise ValueError(
+                    f"NonuniformTPConfig.non_active_ranks_per_dp[{replica}] lists {len(slots)} slot(s) "
+                    f"but tp_spares={self.tp_spares}: every degraded replica must deactivate exactly "
+                    "tp_spares slots; use compute_uniform_tp_spares_with_parity() to derive both"
+                )
+            normalized[replica] = tuple(sorted(slots))
+        if self.tp_spares > 0 and not normalized:
+            raise ValueError(
+                f"NonuniformTPConfig.tp_spares={self.tp_spares} but non_active_ranks_per_dp is empty; "
+                "set tp_spares=0 or list the failed slots"
+            )
+        if self.data_parallel_size is not None and len(normalized) == self.data_parallel_size and normalized:
+            # Allowed (every replica degraded), but then NTP is just uniform TP at tp_reduced.
+            pass
+        self.non_active_ranks_per_dp = dict(sorted(normalized.items()))
+        self._check_model_shape()
+
+    @property
+    def tp_reduced(self) -> int:
+        """TP degree of a degraded replica."""
+        return self.tp_base - self.tp_spares
+
+    def _check_model_shape(self):
+        degrees = sorted({self.tp_base, self.tp_reduced})
+        checks = (
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_query_groups", self.num_query_groups),
+            ("ffn_hidden_size", self.ffn_hidden_size),
+            ("vocab_size", self.vocab_size),
+        )
+        for field, value in checks:
+            if value is None:
+                continue
+            bad = [d for d in degrees if value % d]
+            if bad:
+                raise ValueError(
+                    f"NonuniformTPConfig.{field}={value} cannot be split over TP degree(s) {bad}: it must "
+                    f"be divisible by tp_base={self.tp_base} and tp_reduced={self.tp_reduced}; pick "
+                    "tp_spares so both divide it (or pad the vocabulary to a common multiple)"
+                )
+
+    def check_model(self, transformer_config, vocab_size: int | None = None) -> None:
+        """Check a megatron ``TransformerConfig`` (and vocab) against both degrees."""
+        dataclasses.replace(
+            self,
+            num_attention_heads=transformer_config.num_attention_heads,
+            num_query_groups=transformer_config.num_query_groups,
+            ffn_hidden_size=transformer_config.ffn_hidden_size,
+            vocab_size=vocab_size,
+        )
+
+    def layout(self, world_size: int):
+        """The rank layout of this job for ``world_size`` processes."""
+        from .layout import NTPLayout
+
+        return NTPLayout.from_config(self, world_size)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "NonuniformTPConfig | None":
+        """Build from :func:`add_nonuniform_tp_args` flags; ``None`` when NTP is off."""
+        tp_base = getattr(args, "ntp_tp_base", None)
+        if tp_base is None:
+            return None
+        failed = parse_failed_slots(args.ntp_failed_slots or "")
+        spares = args.ntp_spares
+        if spares is None:
+            spares, failed = compute_uniform_tp_spares_with_parity(failed, tp_base)
+        return cls(
+            tp_base=tp_base,
+            tp_spares=spares,
+            non_active_ranks_per_dp=failed,
+            data_parallel_size=getattr(args, "ntp_data_parallel_size", None),
+            launch_mode=getattr(args, "ntp_launch_mode", "packed"),
+        )
+
+
+def compute_uniform_tp_spares_with_parity(
+    faulty_gpu_map: Mapping[int, "list[int] | tuple[int, ...]"], tp_base: int
+) -> tuple[int, dict[int, tuple[int, ...]]]:
+    """Spares and per-replica non-active slots so every degraded replica runs
+    at the same reduced TP degree.
+
+    ``tp_spares`` is the largest failure count over replicas; a replica with
+    fewer failures also deactivates its highest healthy slots. Returns
+    ``(tp_spares, non_active_ranks_per_dp)``.
+    """
+    if not isinstance(tp_base, int) or tp_base < 1:
+        raise ValueError(f"tp_base must be an int >= 1, got {tp_base!r}")
+    faulty = {}
+    for replica, slots in faulty_gpu_map.items():
+        slots = sorted(set(slots))
+        bad = [s for s in slots if not 0 <= s < tp_base]
+        if bad:
+            raise ValueError(
+                f"faulty_gpu_map[{replica}]: slot(s) {bad} out of range; allowed: 0..{tp_base - 1}"
+            )
+        if slots:
+            faulty[replica] = slots
+    if not faulty:
+        return 0, {}
+    spares = max(len(s) for s in faulty.values())
+    if spares >= tp_base:
+        raise ValueError(
+            f"a replica lost {spares} of {tp_base} GPUs: at least one GPU per replica must survive "
+            "(drop that replica from the job instead)"
+        )
+    out = {}
+    for replica, slots in sorted(faulty.items()):
+        extra = [s for s in reversed(range(tp_base)) if s not in slots][: spares - len(slots)]
+        out[replica] = tuple(sorted(slots + extra))
+    return spares, out
+
+
+def parse_failed_slots(text: str) -> dict[int, tuple[int, ...]]:
+    """``"0:3;2:1,5"`` -> ``{0: (3,), 2: (1, 5)}``."""
+    out: dict[int, tuple[int, ...]] = {}
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        replica, sep, slots = part.partition(":")
+        try:
+            if not sep:
+                raise ValueError
+            key = int(replica)
+            vals = tuple(int(s) for s in slots.split(",") if s.strip())
+        except ValueError:
+            raise ValueError(
+                f"--ntp-failed-slots: cannot parse {part!r}; expected 'REPLICA:SLOT[,SLOT...]' entries "
+                "separated by ';', e.g. '0:3;2:1,5'"
+            ) from None
+        if key in out:
+            raise ValueError(f"--ntp-failed-slots: replica {key} listed twice in {text!r}")
+        out[key] = vals
+    return out
+
+
+def format_failed_slots(slots: Mapping[int, tuple[int, ...]]) -> str:
+    """Inverse of :func:`parse_failed_slots`."""
+    return ";".join(f"{r}:{','.join(map(str, s))}" for r, s in sorted(slots.items()))
+
+
+def add_nonuniform_tp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``--ntp-*`` flags to a Megatron training script's parser."""
+    group = parser.add_argument_group("nonuniform tensor parallelism (megatron_ext)")
+    group.add_argument("--ntp-tp-base", type=int, default=None,
+                       help="TP degree of a healthy replica; enables NTP.")
+    group.add_argument("--ntp-spares", type=int, default=None,
+                       help="TP slots each degraded replica gives up; default: derived from "
+                            "--ntp-failed-slots with spare parity.")
+    group.add_argument("--ntp-failed-slots", type=str, default="",
+                       help="Failed TP slots per replica, e.g. '0:3;2:1,5'.")
+    group.add_argument("--ntp-data-parallel-size", type=int, default=None,
+                       help="Number of replicas; default: derived from the world size.")
+    group.add_argument("--ntp-launch-mode", choices=LAUNCH_MODES, default="packed",
+                       help="packed: only healthy GPUs have processes; simulate: every slot has one "
+                            "and the non-active ones leave (tests).")
+    return parser

@@ -1,0 +1,249 @@
+"""``NonuniformTPDistributedDataParallel``: Megatron's DDP for NTP jobs.
+
+Degraded replicas (TP degree ``tp_reduced``) run plain Megatron DDP over the
+NTP data-parallel groups: their rank ``i`` holds slice ``S_i`` of every
+TP-sharded tensor, and that is the layout in which gradients are reduced and
+the optimizer runs on every replica.
+
+A healthy replica computes at ``tp_base``. Each of its ranks also owns a
+*training shadow* of the model in the ``tp_reduced`` layout: on core rank
+``i`` (TP rank ``< tp_reduced``) it holds ``S_i`` -- the same tensors, sizes
+and order as degraded rank ``i`` -- and Megatron's grad buffer, bucket groups
+and optimizer (plain or distributed) are built over it, so the data-parallel
+collectives line up element for element with the degraded replicas. Per
+bucket group, just before its data-parallel collective, the compute
+gradients are folded into the shadow with one all-to-all inside the TP group
+(spare ranks send their slices to core ranks). After the optimizer step the
+updated shadow parameters are unfolded back into the ``tp_base`` compute
+parameters (one all-to-all per dtype), before the next forward.
+
+Spare ranks hold a zero shadow that never receives gradients; it keeps every
+rank of a healthy TP group on the same code path (optimizer, grad norm) and
+costs ``1/tp_reduced`` of the model in parameters, gradients and optimizer
+state on each spare.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from contextlib import contextmanager
+from typing import Optional
+
+import torch
+
+from megatron.core.distributed import DistributedDataParallel
+from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
+
+from . import reshard
+from .config import NonuniformTPConfig
+from .process_groups import NTPProcessGroups, get_ntp_process_groups
+
+__all__ = ["NonuniformTPBucketGroup", "NonuniformTPDistributedDataParallel"]
+
+
+@dataclasses.dataclass
+class _HealthyState:
+    """A healthy replica's compute parameters, their shadows and the unfold plan."""
+
+    compute: list  # [(name, tp_base parameter)]
+    shadows: list  # [tp_reduced shadow parameter], same order
+    tp_rank: int
+    tp_group: object
+    unfold: list  # reshard.Piece, shadow (core ranks) -> compute (all ranks)
+    stale: bool = False  # shadow updated since the last unfold
+
+
+class NonuniformTPBucketGroup(_ParamAndGradBucketGroup):
+    """A bucket group of a healthy replica's shadow buffer: folds the compute
+    gradients of its parameters into the shadow right before the collective."""
+
+    ntp_fold = None  # set by NonuniformTPDistributedDataParallel
+
+    def start_grad_sync(self, force_all_reduce: Optional[bool] = False):
+        if self.is_first_batch and self.grad_reduce_handle is not None:
+            return
+        self.ntp_fold()
+        super().start_grad_sync(force_all_reduce=force_all_reduce)
+
+
+def _shadow_module(named_shapes) -> torch.nn.Module:
+    """An ``nn.Module`` tree with the given parameter names (dotted paths)."""
+    root = torch.nn.Module()
+    for name, param in named_shapes:
+        *path, leaf = name.split(".")
+        mod = root
+        for part in path:
+            if not hasattr(mod, part):
+                mod.add_module(part, torch.nn.Module())
+            mod = getattr(mod, part)
+        mod.register_parameter(leaf, param)
+    return root
+
+
+_COPIED_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "allreduce",
+                 "sequence_parallel", "shared", "shared_embedding", "is_embedding_or_output_parameter",
+                 "average_gradients_across_tp_domain")
+
+
+class NonuniformTPDistributedDataParallel(DistributedDataParallel):
+    """Drop-in replacement for megatron-core's ``DistributedDataParallel``.
+
+    Same arguments plus ``ntp_config`` (and optionally the ``ntp_groups`` returned
+    by :func:`initialize_nonuniform_tp_process_groups`; default: the installed
+    ones). On degraded replicas and in jobs without failures it is exactly
+    Megatron's DDP. On healthy replicas ``self.module`` is the training shadow
+    (``tp_reduced`` layout; what the optimizer and ``state_dict`` see) and
+    :attr:`compute_module` is the ``tp_base`` model that ``forward`` runs.
+    """
+
+    def __init__(self, config, ddp_config, module: torch.nn.Module, disable_bucketing: bool = False,
+                 pg_collection=None, full_param_layout=None, *,
+                 ntp_config: NonuniformTPConfig, ntp_groups: NTPProcessGroups | None = None):
+        groups = ntp_groups or get_ntp_process_groups()
+        if groups is None or not groups.is_active:
+            raise RuntimeError(
+                "NonuniformTPDistributedDataParallel needs the NTP process groups of an active rank: "
+                "call initialize_nonuniform_tp_process_groups(ntp_config) first (non-active ranks in "
+                "launch_mode='simulate' must not build a model)")
+        if groups.config is not ntp_config and groups.config != ntp_config:
+            raise ValueError("ntp_config differs from the config the NTP process groups were built "
+                             f"with: {ntp_config} vs {groups.config}")
+        ntp_config.check_model(config)
+        if getattr(config, "sequence_parallel", False) or config.pipeline_model_parallel_size != 1:
+            raise ValueError("nonuniform TP supports sequence_parallel=False and "
+                             "pipeline_model_parallel_size=1 only; turn them off in the model config")
+        role = groups.role
+        healthy = groups.ntp_active and not role.degraded
+        if not healthy:
+            super().__init__(config, ddp_config, module, disable_bucketing, pg_collection,
+                             full_param_layout)
+            self._ntp = None
+            return
+        if ddp_config.overlap_param_gather:
+            raise NotImplementedError("nonuniform TP: overlap_param_gather=True is not supported on "
+                                      "healthy replicas yet; set overlap_param_gather=False")
+
+        b, r = ntp_config.tp_base, ntp_config.tp_reduced
+        compute = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        pieces, shadows = [], []
+        for idx, (name, p) in enumerate(compute):
+            spec = reshard.shard_spec(name, p, config.gated_linear_unit)
+            shape = list(p.shape)
+            if spec.dim is not None:
+                shape[spec.dim] = shape[spec.dim] * b // r
+            pieces.append(reshard.reshard_pieces(
+                idx, spec, p.shape[spec.dim] if spec.dim is not None else 0, b, r, name=name))
+            shadow = torch.nn.Parameter(torch.zeros(shape, dtype=p.dtype, device=p.device))
+            for attr in _COPIED_ATTRS:
+                if hasattr(p, attr):
+                    setattr(shadow, attr, getattr(p, attr))
+            shadows.append(shadow)
+        tp_rank, tp_group = role.tp_rank, groups.tp_group
+        fold_all = [pc for per in pieces for pc in per]
+        reshard.exchange(fold_all, tp_rank, tp_group, src=lambda i: compute[i][1].data,
+                         dst=lambda i: shadows[i].data)
+
+        super().__init__(config, ddp_config, _shadow_module(
+            (n, s) for (n, _), s in zip(compute, shadows)), disable_bucketing, pg_collection,
+            full_param_layout)
+
+        # Compute-side gradient accumulation (what the layers and the hooks add into).
+        grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else None
+        for (_, p) in compute:
+            p.main_grad = torch.zeros_like(p, dtype=grad_dtype or p.dtype)
+            p.grad_added_to_main_grad = False
+        index_of = {id(s): i for i, s in enumerate(shadows)}
+        for bucket_group in self.bucket_groups:
+            idxs = sorted(index_of[id(s)] for s in bucket_group.params)
+            group_pieces = [pc for i in idxs for pc in pieces[i]]
+            bucket_group.__class__ = NonuniformTPBucketGroup
+            bucket_group.ntp_fold = self._make_fold(group_pieces, compute, shadows, tp_rank,
+                                                    tp_group)
+
+        self._ntp = _HealthyState(compute=compute, shadows=shadows, tp_rank=tp_rank,
+                                  tp_group=tp_group, unfold=reshard.reverse(fold_all, b, r))
+        self.__dict__["_compute_module"] = module  # not a registered submodule
+        self._compute_hooks = []
+        for (_, p), s in zip(compute, shadows):
+            acc = p.expand_as(p).grad_fn.next_functions[0][0]
+            acc.register_hook(self._make_compute_hook(p, s))
+            self._compute_hooks.append(acc)
+
+    # ---- healthy-replica machinery -------------------------------------------------
+    @property
+    def compute_module(self) -> torch.nn.Module:
+        """The module ``forward`` runs (``tp_base`` layout on healthy replicas)."""
+        return self.__dict__.get("_compute_module", self.module)
+
+    @property
+    def is_ntp_healthy_rank(self) -> bool:
+        return self._ntp is not None
+
+    @staticmethod
+    def _make_fold(pieces, compute, shadows, tp_rank, tp_group):
+        def fold():
+            reshard.exchange(pieces, tp_rank, tp_group, src=lambda i: compute[i][1].main_grad,
+                             dst=lambda i: shadows[i].main_grad)
+
+        return fold
+
+    def _make_compute_hook(self, param, shadow):
+        def hook(*unused):
+            if param.grad is not None and not param.grad_added_to_main_grad:
+                param.main_grad.add_(param.grad.data)
+            param.grad = None
+            if self.ddp_config.overlap_grad_reduce:
+                self.param_to_bucket_group[shadow].register_grad_ready(shadow, self.force_all_reduce)
+
+        return hook
+
+    @torch.no_grad()
+    def sync_compute_params(self) -> None:
+        """Copy the (optimizer-updated) shadow into the ``tp_base`` compute
+        parameters. Runs automatically before the first forward after a grad
+        sync; call it yourself after loading a checkpoint into the shadow."""
+        if self._ntp is None:
+            return
+        ntp = self._ntp
+        by_dtype = {}
+        for pc in ntp.unfold:
+            by_dtype.setdefault(ntp.shadows[pc.index].dtype, []).append(pc)
+        for dtype in sorted(by_dtype, key=str):
+            reshard.exchange(by_dtype[dtype], ntp.tp_rank, ntp.tp_group,
+                             src=lambda i: ntp.shadows[i].data,
+                             dst=lambda i: ntp.compute[i][1].data)
+        ntp.stale = False
+
+    # ---- DDP interface -------------------------------------------------------------
+    def forward(self, *inputs, **kwargs):
+        if self._ntp is None:
+            return super().forward(*inputs, **kwargs)
+        if self._ntp.stale:
+            self.sync_compute_params()
+        return self._compute_module(*inputs, **kwargs)
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        if self._ntp is not None:
+            self._compute_module.train(mode)
+        return self
+
+    def finish_grad_sync(self, force_all_reduce: Optional[bool] = False):
+        super().finish_grad_sync(force_all_reduce=force_all_reduce)
+        if self._ntp is not None:
+            self._ntp.stale = True
+
+    def zero_grad_buffer(self):
+        super().zero_grad_buffer()
+        if self._ntp is None:
+            return
+        if self._ntp.stale:
+            self.sync_compute_params()
+        for _, p in self._ntp.compute:
+            p.main_grad.zero_()
+            p.grad_added_to_main_grad = False
+
+    @contextmanager
+    def no_sync(self):
+        with super().no_sync():
+            yield

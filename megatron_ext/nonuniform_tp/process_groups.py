@@ -1,0 +1,208 @@
+"""Build the TP and DP process groups of an NTP job and install them where
+megatron-core 0.19 reads them.
+
+Megatron's ``initialize_model_parallel`` needs ``world % tp == 0``, which a
+packed NTP job (healthy GPUs only) does not satisfy. So the job first calls
+``parallel_state.initialize_model_parallel()`` with TP=PP=1 (valid for any
+world size; it creates the pipeline / context / embedding groups, all trivial)
+and then :func:`initialize_nonuniform_tp_process_groups`, which creates the NTP
+TP and DP groups (and the gloo, partial-DP, expert and optimizer-instance
+variants Megatron's DDP and optimizer read) and sets the corresponding
+``parallel_state`` globals. Model layers, DDP and the optimizer in 0.19 read
+those globals when no ``pg_collection`` is passed; the returned state also
+offers :meth:`NTPProcessGroups.pg_collection` for callers that pass groups
+explicitly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.distributed as dist
+
+from .config import NonuniformTPConfig
+from .layout import NTPLayout, RankRole
+
+__all__ = ["NTPProcessGroups", "get_ntp_process_groups", "initialize_nonuniform_tp_process_groups"]
+
+_STATE: "NTPProcessGroups | None" = None
+
+
+@dataclasses.dataclass
+class NTPProcessGroups:
+    """This rank's NTP groups. ``role is None`` on a non-active rank (simulate mode):
+    it must not train; it only takes part in ``destroy_process_group``."""
+
+    config: NonuniformTPConfig
+    layout: NTPLayout
+    role: RankRole | None
+    tp_group: dist.ProcessGroup | None
+    dp_group: dist.ProcessGroup | None
+    dp_group_gloo: dist.ProcessGroup | None
+    active_group: dist.ProcessGroup | None
+
+    @property
+    def is_active(self) -> bool:
+        return self.role is not None
+
+    @property
+    def ntp_active(self) -> bool:
+        """True when replicas run at different TP degrees (else NTP is a no-op)."""
+        return self.config.tp_spares > 0 and any(
+            not self.layout.is_degraded(d) for d in range(self.layout.num_replicas))
+
+    def pg_collection(self):
+        """A megatron ``ProcessGroupCollection`` with the NTP groups."""
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        return ProcessGroupCollection.use_mpu_process_groups()
+
+
+def get_ntp_process_groups() -> NTPProcessGroups | None:
+    """The groups installed by :func:`initialize_nonuniform_tp_process_groups`."""
+    return _STATE
+
+
+def _new_groups(ranks_list, backend=None):
+    """Create every group on every rank (same order everywhere); return the
+    one this rank is in (or None)."""
+    me, mine = dist.get_rank(), None
+    for ranks in ranks_list:
+        group = dist.new_group(ranks, backend=backend) if backend else dist.new_group(ranks)
+        if me in ranks:
+            mine = group
+    return mine
+
+
+def initialize_nonuniform_tp_process_groups(config: NonuniformTPConfig) -> NTPProcessGroups:
+    """Create the NTP groups and install them into ``megatron.core.parallel_state``.
+
+    Call on every rank after ``parallel_state.initialize_model_parallel()``
+    (TP=PP=CP=EP=1). In ``simulate`` mode every slot has a process: the
+    processes of failed slots leave the default process group, which is rebuilt
+    over the active ranks (renumbered as in the packed layout, Megatron's groups
+    re-initialised); they get a state with ``is_active == False`` and must skip
+    training -- nothing here exits the process.
+    """
+    global _STATE
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        raise RuntimeError(
+            "call megatron.core.parallel_state.initialize_model_parallel() (TP=PP=1) before "
+            "initialize_nonuniform_tp_process_groups()"
+        )
+    if ps.get_pipeline_model_parallel_world_size() != 1 or ps.get_context_parallel_world_size() != 1:
+        raise ValueError("nonuniform TP supports pipeline_model_parallel_size=1 and "
+                         "context_parallel_size=1 only; initialize_model_parallel() with those")
+    if ps.get_tensor_model_parallel_world_size() != 1:
+        raise ValueError(
+            "initialize_model_parallel() must be called with tensor_model_parallel_size=1; the NTP "
+            f"TP groups (tp_base={config.tp_base}) are created by initialize_nonuniform_tp_process_groups"
+        )
+    if config.launch_mode == "simulate":
+        if not _rejoin_active_ranks(config):
+            _STATE = NTPProcessGroups(config, config.layout(config.data_parallel_size * config.tp_base
+                                      if config.data_parallel_size else _left_world_size),
+                                      None, None, None, None, None)
+            return _STATE
+        ps.initialize_model_parallel()
+    world, me = dist.get_world_size(), dist.get_rank()
+    layout = dataclasses.replace(config, launch_mode="packed").layout(world)
+    role = layout.role(me)
+
+    tp_group = _new_groups(layout.all_tp_groups())
+    dp_lists = layout.all_dp_groups()
+    dp_group = _new_groups(dp_lists)
+    dp_group_gloo = _new_groups(dp_lists, backend="gloo")
+    active_group = _new_groups([layout.active_ranks])
+
+    _STATE = NTPProcessGroups(config, layout, role, tp_group, dp_group, dp_group_gloo, active_group)
+    if role is None:
+        return _STATE
+
+    tp_ranks = layout.tp_group_ranks(role.replica)
+    dp_ranks = next(g for g in dp_lists if me in g)
+    for name in ("_TENSOR_MODEL_PARALLEL_GROUP", "_MODEL_PARALLEL_GROUP",
+                 "_TENSOR_AND_CONTEXT_PARALLEL_GROUP", "_EXPERT_TENSOR_PARALLEL_GROUP",
+                 "_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP",
+                 "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP",
+                 "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP_WITH_EGTP"):
+        setattr(ps, name, tp_group)
+    for name in ("_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS", "_MODEL_PARALLEL_GLOBAL_RANKS"):
+        setattr(ps, name, tp_ranks)
+    for name in ("_DATA_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP_WITH_CP",
+                 "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP", "_DATA_PARALLEL_GROUP_WITH_GTP_REMAT",
+                 "_DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT",
+                 "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT",
+                 "_EXPERT_DATA_PARALLEL_GROUP", "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP",
+                 "_EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT",
+                 "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT"):
+        setattr(ps, name, dp_group)
+    for name in ("_DATA_PARALLEL_GROUP_GLOO", "_DATA_PARALLEL_GROUP_WITH_CP_GLOO",
+                 "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO", "_EXPERT_DATA_PARALLEL_GROUP_GLOO",
+                 "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO"):
+        setattr(ps, name, dp_group_gloo)
+    for name in ("_DATA_PARALLEL_GLOBAL_RANKS", "_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP"):
+        setattr(ps, name, dp_ranks)
+    for name in ("_TENSOR_AND_DATA_PARALLEL_GROUP", "_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP",
+                 "_INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP"):
+        setattr(ps, name, active_group)
+    # Data loaders ask get_data_parallel_rank()/world_size() which share of the
+    # global batch to read: on every rank (spares included) that is its replica.
+    ps._MPU_DATA_PARALLEL_RANK = role.replica
+    ps._MPU_DATA_PARALLEL_WORLD_SIZE = layout.num_replicas
+    return _STATE
+
+
+_left_world_size = 0
+
+
+def _rejoin_active_ranks(config: NonuniformTPConfig) -> bool:
+    """Simulate mode: the processes of failed slots leave and the others form a
+    new default process group numbered as the packed layout (so every
+    world-wide collective Megatron issues later sees only active ranks).
+    Returns whether this rank is active."""
+    global _left_world_size
+    import os
+    import socket
+
+    import torch
+    from megatron.core import parallel_state as ps
+
+    world, me = dist.get_world_size(), dist.get_rank()
+    layout = config.layout(world)
+    active = layout.active_ranks
+    backend = dist.get_backend()
+    # The first active rank hosts the new rendezvous store on a free port.
+    info = [None]
+    if me == active[0]:
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1") if me == 0 else socket.gethostname()
+        store = dist.TCPStore("0.0.0.0", 0, len(active), is_master=True, wait_for_workers=False)
+        info = [(host, store.port)]
+    dist.broadcast_object_list(info, src=active[0])
+    host, port = info[0]
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+    if me not in active:
+        _left_world_size = world
+        return False
+    if me != active[0]:
+        store = dist.TCPStore(host, port, len(active), is_master=False)
+    kw = {}
+    if backend == "nccl":
+        kw["device_id"] = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group(backend, store=store, rank=active.index(me), world_size=len(active), **kw)
+    _rejoin_active_ranks.store = store  # keep the store (and its server) alive with the group
+    return True
+
+
+def destroy_nonuniform_tp_process_groups() -> None:
+    """Forget the installed NTP state and the data-parallel rank/size overrides
+    (``parallel_state.destroy_model_parallel`` resets the groups)."""
+    global _STATE
+    from megatron.core import parallel_state as ps
+
+    ps._MPU_DATA_PARALLEL_RANK = None
+    ps._MPU_DATA_PARALLEL_WORLD_SIZE = None
+    _STATE = None

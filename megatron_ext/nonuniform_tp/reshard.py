@@ -1,0 +1,144 @@
+"""Move TP shards between the healthy layout (``tp_base`` ranks) and the
+degraded layout (``tp_reduced`` ranks) inside one healthy replica's TP group.
+
+Megatron's TP-sharded tensors concatenate, rank after rank, into the TP=1
+tensor along ``partition_dim`` -- true for the column-parallel QKV (grouped
+per query group), fc1, the vocab-parallel embedding and output layer, and the
+row-parallel weights. fc1 with gated linear units is the exception: each rank
+holds ``[gate_shard; up_shard]``, so it is resharded as two chunks. A shard at
+degree ``t`` of rank ``k`` is therefore, per chunk, the contiguous global range
+``[k*n/t, (k+1)*n/t)``; resharding is range intersection.
+
+Tensors that are not TP-sharded (norms, row-parallel biases, position
+embeddings) are replicated in a TP group: core rank ``i`` keeps its own copy
+and spare rank ``j`` receives it from core rank ``j % tp_reduced``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Piece", "ShardSpec", "exchange", "reshard_pieces", "shard_spec"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSpec:
+    """How a parameter is split over TP: along ``dim`` in ``chunks`` chunks
+    (``dim is None``: replicated)."""
+
+    dim: int | None
+    chunks: int = 1
+
+
+def shard_spec(name: str, param: torch.Tensor, gated_linear_unit: bool) -> ShardSpec:
+    """The :class:`ShardSpec` of a Megatron parameter (local spec or TE)."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return ShardSpec(None)
+    dim = getattr(param, "partition_dim", 0)
+    chunks = 2 if gated_linear_unit and dim == 0 and ".linear_fc1." in f".{name}" else 1
+    return ShardSpec(dim, chunks)
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """Elements ``[src_off, src_off+length)`` of parameter ``index`` along ``dim``
+    on TP rank ``src`` go to ``[dst_off, dst_off+length)`` on TP rank ``dst``
+    (``dim is None``: the whole tensor)."""
+
+    index: int
+    src: int
+    dst: int
+    dim: int | None
+    src_off: int = 0
+    dst_off: int = 0
+    length: int = 0
+
+    def view(self, t: torch.Tensor, side: str) -> torch.Tensor:
+        if self.dim is None:
+            return t
+        return t.narrow(self.dim, self.src_off if side == "src" else self.dst_off, self.length)
+
+
+def reshard_pieces(index: int, spec: ShardSpec, local_size_at_base: int, tp_base: int,
+                   tp_reduced: int, name: str | None = None) -> list[Piece]:
+    """Pieces that move one parameter from the ``tp_base`` layout (src = healthy
+    TP rank) to the ``tp_reduced`` layout (dst = core TP rank). ``local_size_at_base``
+    is the size along ``spec.dim`` of a ``tp_base`` shard (ignored when replicated)."""
+    if spec.dim is None:
+        return [Piece(index, i, i, None) for i in range(tp_reduced)]
+    per_chunk_b = local_size_at_base // spec.chunks
+    n = per_chunk_b * tp_base
+    if n % tp_reduced:
+        raise ValueError(
+            f"parameter {name or index}: global size {n} along dim {spec.dim} does not split over "
+            f"tp_reduced={tp_reduced}; choose tp_spares so that tp_base and tp_reduced both divide "
+            "the head, query-group, FFN and (padded) vocab sizes")
+    per_chunk_r = n // tp_reduced
+    pieces = []
+    for k in range(spec.chunks):
+        for j in range(tp_base):
+            lo_j, hi_j = j * per_chunk_b, (j + 1) * per_chunk_b
+            for i in range(tp_reduced):
+                lo, hi = max(lo_j, i * per_chunk_r), min(hi_j, (i + 1) * per_chunk_r)
+                if lo < hi:
+                    pieces.append(Piece(index, j, i, spec.dim,
+                                        src_off=k * per_chunk_b + lo - lo_j,
+                                        dst_off=k * per_chunk_r + lo - i * per_chunk_r,
+                                        length=hi - lo))
+    return pieces
+
+
+def reverse(pieces: Sequence[Piece], tp_base: int, tp_reduced: int) -> list[Piece]:
+    """The pieces of the opposite move (``tp_reduced`` core ranks -> ``tp_base`` ranks)."""
+    out = []
+    for p in pieces:
+        if p.dim is None:
+            if p.src == p.dst:  # replicated: every rank j takes core j % tp_reduced's copy
+                out.extend(Piece(p.index, p.src, j, None)
+                           for j in range(tp_base) if j % tp_reduced == p.src)
+        else:
+            out.append(Piece(p.index, p.dst, p.src, p.dim, src_off=p.dst_off, dst_off=p.src_off,
+                             length=p.length))
+    return out
+
+
+@torch.no_grad()
+def exchange(pieces: Sequence[Piece], me: int, group: dist.ProcessGroup | None,
+             src: Callable[[int], torch.Tensor], dst: Callable[[int], torch.Tensor]) -> None:
+    """Carry out ``pieces`` inside a TP group: this rank (TP rank ``me``) sends
+    ``piece.view(src(index))`` and receives into ``piece.view(dst(index))``.
+    One ``all_to_all_single`` per call (all tensors must share a dtype)."""
+    size = dist.get_world_size(group)
+    send = [[] for _ in range(size)]
+    recv = [[] for _ in range(size)]
+    for p in pieces:
+        if p.src == me and p.dst == me:
+            p.view(dst(p.index), "dst").copy_(p.view(src(p.index), "src"))
+        elif p.src == me:
+            send[p.dst].append(p.view(src(p.index), "src"))
+        elif p.dst == me:
+            recv[p.src].append(p.view(dst(p.index), "dst"))
+    if size == 1:
+        return
+    dtype = device = None
+    for lst in send + recv:
+        for t in lst:
+            dtype, device = t.dtype, t.device
+    if dtype is None:  # nothing to move for me, but peers may still call the collective
+        dtype, device = src(pieces[0].index).dtype, src(pieces[0].index).device
+    in_splits = [sum(t.numel() for t in lst) for lst in send]
+    out_splits = [sum(t.numel() for t in lst) for lst in recv]
+    flat_in = (torch.cat([t.reshape(-1) for lst in send for t in lst])
+               if any(in_splits) else torch.empty(0, dtype=dtype, device=device))
+    flat_out = torch.empty(sum(out_splits), dtype=dtype, device=device)
+    dist.all_to_all_single(flat_out, flat_in, out_splits, in_splits, group=group)
+    offset = 0
+    for lst in recv:
+        for t in lst:
+            n = t.numel()
+            t.copy_(flat_out[offset:offset + n].view(t.shape))
+            offset += n

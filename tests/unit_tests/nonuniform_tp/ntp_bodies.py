@@ -1,0 +1,105 @@
+"""The rank body of the NTP multi-rank tests (module-level so that spawned
+ranks can import it): an NTP or a uniform-TP job with Megatron's optimizer."""
+
+import contextlib
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext.testing import tiny_gpt
+
+GLOBAL_BATCH = 4
+
+
+def train(ntp_kwargs, steps, *, spec=tiny_gpt.TinyGPTSpec(), tp=1, distributed_optimizer=False,
+          overlap=False, grad_reduce_in_fp32=True, global_batch=GLOBAL_BATCH, lr=1e-3, microbatches=1, bf16=False):
+    """Train the tiny GPT for ``steps`` Megatron-optimizer steps.
+
+    ``ntp_kwargs is None``: uniform TP=``tp`` with Megatron's own DDP. Else an
+    NTP job from ``NonuniformTPConfig(**ntp_kwargs)``. Returns this rank's
+    replica, TP rank, per-step losses and times (``microbatches`` > 1:
+    gradient accumulation under ``no_sync``), and the full (TP=1) weights at
+    init and after training (TP rank 0 of each replica only), or ``None`` on a
+    rank that left (simulate mode).
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megatron_ext.nonuniform_tp import (NonuniformTPConfig, NonuniformTPDistributedDataParallel,
+                                            initialize_nonuniform_tp_process_groups)
+    from megatron_ext.nonuniform_tp.checkpoint import gather_full_state, shard_specs
+
+    if ntp_kwargs is None:
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+        replica, replicas = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        degraded, ntp_cfg = False, None
+    else:
+        ps.initialize_model_parallel()
+        ntp_cfg = NonuniformTPConfig(**ntp_kwargs)
+        groups = initialize_nonuniform_tp_process_groups(ntp_cfg)
+        if not groups.is_active:
+            return None
+        replica, replicas = groups.role.replica, groups.layout.num_replicas
+        degraded = groups.role.degraded
+        # what a Megatron data loader asks (spares included): its replica's share
+        assert (ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()) == (replica, replicas)
+    tp_rank, tp_group = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
+    tp_size = ps.get_tensor_model_parallel_world_size()
+    overrides = dict(bf16=True, params_dtype=torch.bfloat16) if bf16 else {}
+    cfg = tiny_gpt.transformer_config(spec, tp=tp_size, **overrides)
+    dev = tiny_gpt.rank_device()
+    model = tiny_gpt.build_model(spec, cfg, device=dev)
+    if bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(cfg, model)
+    init = gather_full_state(model, tp_group, spec.gated_linear_unit)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=overlap,
+        use_distributed_optimizer=distributed_optimizer, bucket_size=4096 if overlap else None)
+    if ntp_cfg is None:
+        ddp = DistributedDataParallel(config=cfg, ddp_config=ddp_config, module=model)
+    else:
+        ddp = NonuniformTPDistributedDataParallel(cfg, ddp_config, model, ntp_config=ntp_cfg)
+    opt = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.01, clip_grad=1.0, bf16=bf16,
+                        use_distributed_optimizer=distributed_optimizer), [ddp])
+    n_local = global_batch // replicas
+    losses, times = [], []
+    for step in range(steps):
+        t0 = time.perf_counter()
+        tokens, labels = tiny_gpt.global_batch(spec, step=step, num_samples=global_batch)
+        mine = slice(replica * n_local, (replica + 1) * n_local)
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        tokens, labels = tokens[mine].to(dev), labels[mine].to(dev)
+        loss = 0.0
+        for micro in range(microbatches):
+            part = slice(micro * n_local // microbatches, (micro + 1) * n_local // microbatches)
+            context = ddp.no_sync() if micro < microbatches - 1 else contextlib.nullcontext()
+            with context:
+                micro_loss = tiny_gpt.forward_loss(ddp, tokens[part], labels[part]) / microbatches
+                micro_loss.backward()
+            loss = loss + micro_loss.detach()
+        # With overlap, bucket groups whose grads are complete are already in flight.
+        in_flight = sum(bg.grad_reduce_handle is not None for bg in ddp.bucket_groups)
+        finalize_model_grads([ddp])
+        ok, _, _ = opt.step()
+        assert ok, f"optimizer step {step} was skipped"
+        losses.append(loss.item())
+        times.append(time.perf_counter() - t0)
+    ddp.zero_grad_buffer()  # healthy NTP replicas refresh their compute weights here
+    compute = getattr(ddp, "compute_module", ddp.module)
+    final = gather_full_state(compute, tp_group, spec.gated_linear_unit)
+    dist.barrier(group=tp_group)
+    keep = tp_rank == 0
+    cpu = lambda m: {n: p.detach().cpu().clone() for n, p in m.named_parameters()}  # noqa: E731
+    return dict(replica=replica, tp_rank=tp_rank, tp_size=tp_size, degraded=degraded,
+                bucket_groups=len(ddp.bucket_groups), in_flight_after_backward=in_flight,
+                losses=losses, times=times, init=init if keep else None,
+                final=final if keep else None,
+                train_state=cpu(ddp.module), compute_state=cpu(compute),
+                specs=shard_specs(compute, spec.gated_linear_unit))

@@ -1,0 +1,131 @@
+"""Pure (single-process) tests: config validation, flags, spare parity, rank
+layout and the reshard plan."""
+
+import argparse
+
+import pytest
+import torch
+
+from megatron_ext.nonuniform_tp import (
+    NonuniformTPConfig,
+    add_nonuniform_tp_args,
+    compute_uniform_tp_spares_with_parity,
+    format_failed_slots,
+    parse_failed_slots,
+)
+from megatron_ext.nonuniform_tp import reshard
+
+
+def test_spare_parity_takes_the_worst_replica_and_pads_the_others():
+    spares, slots = compute_uniform_tp_spares_with_parity({0: [3], 2: [1, 5], 4: []}, tp_base=8)
+    assert spares == 2
+    # replica 0 lost slot 3 and also gives up its highest healthy slot, 7
+    assert slots == {0: (3, 7), 2: (1, 5)}
+    assert compute_uniform_tp_spares_with_parity({}, 4) == (0, {})
+    with pytest.raises(ValueError, match="at least one GPU"):
+        compute_uniform_tp_spares_with_parity({0: [0, 1]}, 2)
+    with pytest.raises(ValueError, match=r"allowed: 0\.\.1"):
+        compute_uniform_tp_spares_with_parity({0: [2]}, 2)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(tp_base=0), "tp_base must be an int >= 1"),
+    (dict(tp_base=2, tp_spares=2, non_active_ranks_per_dp={0: (0, 1)}), r"tp_spares must be in 0\.\.1"),
+    (dict(tp_base=2, tp_spares=1, non_active_ranks_per_dp={0: (2,)}), r"slot 2 is out of range; allowed: 0\.\.1"),
+    (dict(tp_base=4, tp_spares=2, non_active_ranks_per_dp={0: (1, 1)}), "duplicated slot"),
+    (dict(tp_base=4, tp_spares=2, non_active_ranks_per_dp={0: (1,)}), "must deactivate exactly"),
+    (dict(tp_base=2, tp_spares=1, non_active_ranks_per_dp={2: (0,)}, data_parallel_size=2),
+     r"replica index 2 is out of range; allowed: 0\.\.1"),
+    (dict(tp_base=2, tp_spares=1), "non_active_ranks_per_dp is empty"),
+    (dict(tp_base=2, launch_mode="mpi"), "launch_mode must be one of"),
+    (dict(tp_base=4, tp_spares=1, non_active_ranks_per_dp={0: (0,)}, num_attention_heads=8),
+     r"num_attention_heads=8 cannot be split over TP degree\(s\) \[3\]"),
+    (dict(tp_base=4, tp_spares=2, non_active_ranks_per_dp={0: (0, 1)}, num_query_groups=2,
+          num_attention_heads=8), r"num_query_groups=2 cannot be split over TP degree\(s\) \[4\]"),
+    (dict(tp_base=4, tp_spares=1, non_active_ranks_per_dp={0: (0,)}, ffn_hidden_size=128),
+     r"ffn_hidden_size=128 cannot be split"),
+    (dict(tp_base=4, tp_spares=1, non_active_ranks_per_dp={0: (0,)}, vocab_size=128),
+     r"vocab_size=128 cannot be split"),
+])
+def test_bad_configs_name_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        NonuniformTPConfig(**kwargs)
+
+
+def test_layout_must_match_world_size():
+    cfg = NonuniformTPConfig(tp_base=2, tp_spares=1, non_active_ranks_per_dp={0: (1,)})
+    assert cfg.layout(3).num_replicas == 2
+    with pytest.raises(ValueError, match="launch exactly the healthy GPUs"):
+        cfg.layout(4)
+    with pytest.raises(ValueError, match="does not match world size 5"):
+        NonuniformTPConfig(tp_base=2, tp_spares=1, non_active_ranks_per_dp={0: (1,)},
+                           data_parallel_size=2).layout(5)
+    with pytest.raises(ValueError, match=r"names replica\(s\) \[3\] but the job has 3 replicas"):
+        NonuniformTPConfig(tp_base=2, tp_spares=1, non_active_ranks_per_dp={3: (1,)}).layout(5)
+    sim = NonuniformTPConfig(tp_base=2, tp_spares=1, non_active_ranks_per_dp={0: (1,)},
+                             launch_mode="simulate")
+    with pytest.raises(ValueError, match="multiple of tp_base=2"):
+        sim.layout(3)
+
+
+def test_packed_and_simulated_layouts():
+    cfg = NonuniformTPConfig(tp_base=2, tp_spares=1, non_active_ranks_per_dp={0: (0,)})
+    lay = cfg.layout(3)
+    # replica 0 lost slot 0: its survivor (slot 1) is global rank 0 and TP rank 0
+    assert lay.all_tp_groups() == [[0], [1, 2]]
+    assert lay.all_dp_groups() == [[0, 1], [2]]  # core group, then the spare group
+    assert lay.role(0).degraded and lay.role(0).slot == 1 and lay.role(0).tp_rank == 0
+    assert lay.role(2).spare and not lay.role(1).spare
+
+    sim = NonuniformTPConfig(tp_base=4, tp_spares=2, non_active_ranks_per_dp={1: (0, 3)},
+                             launch_mode="simulate").layout(12)
+    assert sim.all_tp_groups() == [[0, 1, 2, 3], [5, 6], [8, 9, 10, 11]]
+    assert sim.all_dp_groups() == [[0, 5, 8], [1, 6, 9], [2, 10], [3, 11]]
+    assert sim.role(4) is None and sim.role(7) is None
+    assert sim.active_ranks == [0, 1, 2, 3, 5, 6, 8, 9, 10, 11]
+
+
+def test_flags_round_trip():
+    parser = add_nonuniform_tp_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--ntp-tp-base", "8", "--ntp-failed-slots", "0:3;2:1,5"])
+    cfg = NonuniformTPConfig.from_args(args)
+    assert (cfg.tp_base, cfg.tp_spares, cfg.tp_reduced) == (8, 2, 6)
+    assert cfg.non_active_ranks_per_dp == {0: (3, 7), 2: (1, 5)}
+    assert parse_failed_slots(format_failed_slots(cfg.non_active_ranks_per_dp)) == cfg.non_active_ranks_per_dp
+    assert NonuniformTPConfig.from_args(parser.parse_args([])) is None
+    with pytest.raises(ValueError, match="REPLICA:SLOT"):
+        parse_failed_slots("0-3")
+    explicit = NonuniformTPConfig.from_args(parser.parse_args(
+        ["--ntp-tp-base", "4", "--ntp-spares", "1", "--ntp-failed-slots", "1:2", "--ntp-launch-mode",
+         "simulate"]))
+    assert explicit.non_active_ranks_per_dp == {1: (2,)} and explicit.launch_mode == "simulate"
+
+
+@pytest.mark.parametrize("b,r,chunks,dim", [(2, 1, 1, 0), (4, 3, 1, 1), (4, 2, 2, 0), (4, 3, 2, 0)])
+def test_reshard_plan_moves_base_shards_into_reduced_shards(b, r, chunks, dim):
+    n = 24 * chunks  # global size along dim, divisible by b and r
+    full = torch.randn(n, 5) if dim == 0 else torch.randn(5, n)
+    per_chunk = [c for c in full.chunk(chunks, dim)]
+
+    def shard(t):  # Megatron's layout at degree t: per rank, the rank's slice of every chunk
+        return [torch.cat([c.chunk(t, dim)[k] for c in per_chunk], dim) for k in range(t)]
+
+    base, want = shard(b), shard(r)
+    spec = reshard.ShardSpec(dim, chunks)
+    pieces = reshard.reshard_pieces(0, spec, base[0].shape[dim], b, r)
+    got = [torch.full_like(w, float("nan")) for w in want]
+    for p in pieces:
+        p.view(got[p.dst], "dst").copy_(p.view(base[p.src], "src"))
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    back = [torch.full_like(x, float("nan")) for x in base]
+    for p in reshard.reverse(pieces, b, r):
+        p.view(back[p.dst], "dst").copy_(p.view(want[p.src], "src"))
+    for g, w in zip(back, base):
+        assert torch.equal(g, w)
+
+
+def test_replicated_params_come_from_core_ranks():
+    pieces = reshard.reshard_pieces(7, reshard.ShardSpec(None), 0, 4, 3)
+    assert [(p.src, p.dst) for p in pieces] == [(0, 0), (1, 1), (2, 2)]
+    assert sorted((p.src, p.dst) for p in reshard.reverse(pieces, 4, 3)) == [(0, 0), (0, 3), (1, 1), (2, 2)]

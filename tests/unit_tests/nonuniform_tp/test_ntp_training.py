@@ -1,0 +1,160 @@
+"""NTP jobs train exactly like uniform TP: per-step loss of the global batch
+equal to a single-rank (TP=1) baseline within 1e-5 over 10 Megatron-optimizer
+steps, the same global model at init in every replica, degraded and healthy
+replicas holding the same weights after training, and checkpoints converting
+between the NTP and the uniform layout. (The single-rank baseline equals
+uniform TP=2 x DP=2: tests/unit_tests/testing/test_megatron_training.py.)"""
+
+import pytest
+import torch
+
+from megatron_ext.nonuniform_tp import ntp_to_uniform, uniform_to_ntp
+from megatron_ext.testing import tiny_gpt
+from megatron_ext.testing.multirank import run_on_ranks
+
+from .ntp_bodies import train
+
+STEPS = 10
+RTOL = 1e-5
+# Adam divides by sqrt(v) + eps, so reduction-order rounding in near-zero
+# gradients moves single weights by a fraction of one step (lr=1e-3); uniform
+# TP=4 differs from TP=1 by 1.3e-4 after 10 steps of this run.
+WEIGHT_ATOL = 5e-4
+SPEC = tiny_gpt.TinyGPTSpec()
+SPEC_GLU_GQA = tiny_gpt.TinyGPTSpec(gated_linear_unit=True, num_query_groups=2)
+
+_baselines = {}
+
+
+def _backends(gpus):
+    """gloo on CPU, and the same body on NCCL where ``gpus`` GPUs exist
+    (NCCL needs one GPU per rank)."""
+    return ["gloo", pytest.param("nccl", marks=pytest.mark.gpus(gpus))]
+
+
+def _baseline(spec, backend):
+    if (spec, backend) not in _baselines:
+        (_baselines[spec, backend],) = run_on_ranks(
+            train, 1, args=(None, STEPS), kwargs=dict(spec=spec), timeout=240, backend=backend)
+    return _baselines[spec, backend]
+
+
+def _check_overlap(out):
+    """Overlapped runs dispatch the fold + DP collective of each bucket group
+    from the backward hooks, before finish_grad_sync."""
+    for o in filter(None, out):
+        assert o["bucket_groups"] > 1, o["bucket_groups"]
+        assert o["in_flight_after_backward"] == o["bucket_groups"], o
+
+
+def _check_parity(out, ref, replicas, rtol=RTOL, weight_atol=WEIGHT_ATOL):
+    ranks = [o for o in out if o is not None]
+    per_replica = {}
+    for o in ranks:
+        per_replica.setdefault(o["replica"], []).append(o)
+    assert sorted(per_replica) == list(range(replicas))
+    assert any(o["degraded"] for o in ranks) and any(not o["degraded"] for o in ranks)
+    first = [rs[0]["losses"] for _, rs in sorted(per_replica.items())]
+    for rs in per_replica.values():  # every TP rank of a replica sees its replica's loss
+        assert all(r["losses"] == rs[0]["losses"] for r in rs)
+    assert ref["losses"][-1] < ref["losses"][0] - 0.3, f"baseline did not learn: {ref['losses']}"
+    for step, want in enumerate(ref["losses"]):
+        got = sum(f[step] for f in first) / replicas
+        assert abs(got - want) <= rtol * abs(want), f"step {step}: NTP {got} vs uniform {want}"
+    heads = [o for o in ranks if o["final"] is not None]
+    degraded = next(o for o in heads if o["degraded"])
+    healthy = next(o for o in heads if not o["degraded"])
+    assert degraded["tp_size"] < healthy["tp_size"]
+    for name, want in ref["init"].items():
+        for o in heads:  # the same global model at init, only laid out differently
+            assert torch.equal(o["init"][name], want), name
+        assert torch.allclose(degraded["final"][name], healthy["final"][name], rtol=0, atol=1e-6), name
+        assert not torch.equal(degraded["final"][name], want) or name.endswith("bias")
+        err = (degraded["final"][name] - ref["final"][name]).abs().max().item()
+        assert err <= weight_atol, f"{name}: {err}"
+
+
+@pytest.mark.parametrize("backend", _backends(3))
+def test_packed_tp2_one_failed_gpu_plain_optimizer(backend):
+    """tp_base=2, replica 0 lost slot 1: 3 processes, replica 0 runs at TP=1."""
+    ntp = dict(tp_base=2, tp_spares=1, non_active_ranks_per_dp={0: (1,)})
+    out = run_on_ranks(train, 3, args=(ntp, STEPS), timeout=300, backend=backend)
+    _check_parity(out, _baseline(SPEC, backend), replicas=2)
+
+
+def test_packed_tp2_bf16_params_with_fp32_main_params():
+    """bf16 model (Megatron's Float16Module and its fp32 main-param optimizer),
+    against a bf16 single-rank baseline: bf16 rounding bounds the agreement."""
+    ntp = dict(tp_base=2, tp_spares=1, non_active_ranks_per_dp={0: (1,)})
+    out = run_on_ranks(train, 3, args=(ntp, STEPS), kwargs=dict(bf16=True), timeout=300,
+                       backend="gloo")
+    (ref,) = run_on_ranks(train, 1, args=(None, STEPS), kwargs=dict(bf16=True), timeout=240,
+                          backend="gloo")
+    _check_parity(out, ref, replicas=2, rtol=1e-3, weight_atol=1e-2)
+
+
+@pytest.mark.parametrize("backend", _backends(4))
+def test_simulated_tp2_distributed_optimizer_overlap_glu_gqa(backend):
+    """Simulate mode (4 processes, slot 0 of replica 0 leaves), Megatron's
+    distributed optimizer, overlapped bucketed reduction, fp32 grads reduced
+    without grad_reduce_in_fp32, two micro-batches (``no_sync``), gated MLP
+    and GQA."""
+    ntp = dict(tp_base=2, tp_spares=1, non_active_ranks_per_dp={0: (0,)}, launch_mode="simulate")
+    out = run_on_ranks(train, 4, args=(ntp, STEPS), timeout=300, backend=backend,
+                       kwargs=dict(spec=SPEC_GLU_GQA, distributed_optimizer=True, overlap=True,
+                                   grad_reduce_in_fp32=False, microbatches=2))
+    assert out[0] is None, "the process of the failed slot must leave"
+    _check_overlap(out)
+    _check_parity(out, _baseline(SPEC_GLU_GQA, backend), replicas=2)
+
+
+@pytest.mark.parametrize("backend", _backends(6))
+def test_packed_tp4_two_spares_overlap_and_checkpoint_conversion(backend):
+    """tp_base=4, replica 0 lost slots 1 and 2: 6 processes, replica 0 at TP=2.
+    Then the NTP training state converts to the uniform TP=4 layout and back."""
+    ntp = dict(tp_base=4, tp_spares=2, non_active_ranks_per_dp={0: (1, 2)})
+    out = run_on_ranks(train, 6, args=(ntp, STEPS), kwargs=dict(overlap=True), timeout=300,
+                       backend=backend)
+    _check_parity(out, _baseline(SPEC, backend), replicas=2)
+    _check_overlap(out)
+
+    degraded = sorted((o for o in out if o["degraded"]), key=lambda o: o["tp_rank"])
+    healthy = sorted((o for o in out if not o["degraded"]), key=lambda o: o["tp_rank"])
+    assert [o["tp_size"] for o in degraded + healthy] == [2, 2, 4, 4, 4, 4]
+    specs = healthy[0]["specs"]
+    # Healthy core ranks' training state is the degraded layout, tensor for tensor.
+    for d, h in zip(degraded, healthy[:2]):
+        assert d["train_state"].keys() == h["train_state"].keys()
+        for name, t in d["train_state"].items():
+            assert torch.allclose(h["train_state"][name], t, rtol=0, atol=1e-6), name
+    # NTP (TP=2 shards) -> uniform TP=4: what the healthy replica computes with.
+    uniform = ntp_to_uniform([d["train_state"] for d in degraded], specs, tp_base=4)
+    sharded = [n for n, s in specs.items() if s.dim is not None]
+    assert any(specs[n].chunks == 1 for n in sharded) and sharded
+    for rank, h in enumerate(healthy):
+        for name, t in h["compute_state"].items():
+            assert uniform[rank][name].shape == t.shape, name
+            assert torch.allclose(uniform[rank][name], t, rtol=0, atol=1e-6), name
+    # ... and back: uniform TP=4 -> the NTP TP=2 shards.
+    back = uniform_to_ntp([h["compute_state"] for h in healthy], specs, tp_reduced=2)
+    for rank, d in enumerate(degraded):
+        for name, t in d["train_state"].items():
+            assert torch.allclose(back[rank][name], t, rtol=0, atol=1e-6), name
+
+
+SPEC_TP43 = tiny_gpt.TinyGPTSpec(hidden_size=96, num_attention_heads=12, ffn_hidden_size=192,
+                                 vocab_size=192)
+
+
+@pytest.mark.parametrize("backend", _backends(7))
+def test_packed_tp4_one_spare_reduced_degree_three(backend):
+    """tp_base=4, replica 1 lost slot 0: 7 processes, replica 1 at TP=3, so
+    healthy shards straddle reduced shards (4 -> 3 resharding); distributed
+    optimizer with overlap."""
+    ntp = dict(tp_base=4, tp_spares=1, non_active_ranks_per_dp={1: (0,)}, num_attention_heads=12,
+               ffn_hidden_size=192, vocab_size=192)
+    out = run_on_ranks(train, 7, args=(ntp, STEPS), timeout=300, backend=backend,
+                       kwargs=dict(spec=SPEC_TP43, distributed_optimizer=True, overlap=True))
+    assert sorted(o["tp_size"] for o in out) == [3, 3, 3, 4, 4, 4, 4]
+    _check_overlap(out)
+    _check_parity(out, _baseline(SPEC_TP43, backend), replicas=2)
