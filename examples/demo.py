@@ -5,9 +5,12 @@
 
 Ranks are launched on this machine: gloo on CPU, NCCL when there is one GPU per
 rank. Each phase prints its per-step losses; the summary puts the phases side
-by side. Phases to come with the plugin's capabilities: a replica losing a GPU
-(nonuniform TP), symmetric-memory staging, streaming the weights to an
-inference model.
+by side:
+
+- uniform: the baseline job, TP x DP on all GPUs;
+- ntp: a GPU of replica 0 "fails" (``--failed-slots``), the job relaunches on
+  the surviving GPUs only (packed layout) and replica 0 trains at reduced TP
+  with ``NonuniformTPDistributedDataParallel``; same global batch, same curve.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import time
 
 import torch
 
+from demo_nonuniform_tp import run_ntp_phase
 from megatron_ext.testing import tiny_gpt
 from megatron_ext.testing.multirank import run_on_ranks
 
@@ -95,6 +99,9 @@ def main(argv=None) -> int:
     parser.add_argument("--global-batch", type=int, default=DemoConfig.global_batch)
     parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
                         help="auto: NCCL when there is one GPU per rank, else gloo on CPU")
+    parser.add_argument("--failed-slots", default="0:1",
+                        help='GPUs that fail for the NTP phase, "REPLICA:SLOT[,SLOT];..." '
+                             '("" skips the phase)')
     args = parser.parse_args(argv)
 
     if args.world_size % args.tp:
@@ -118,11 +125,24 @@ def main(argv=None) -> int:
         _train_rank, cfg.world_size, args=(cfg, spec, "uniform"), backend=backend, timeout=600
     )[0]
     print(f"[uniform] done in {time.perf_counter() - start:.1f}s\n", flush=True)
+    if args.failed_slots:
+        start = time.perf_counter()
+        phases["ntp"] = run_ntp_phase(
+            tp_base=cfg.tp, world_size=cfg.world_size, failed_slots=args.failed_slots,
+            steps=cfg.steps, global_batch=cfg.global_batch, lr=cfg.lr, backend=backend, spec=spec,
+        )
+        print(f"[ntp] done in {time.perf_counter() - start:.1f}s\n", flush=True)
 
     print_table(phases)
+    ok = True
     first, last = phases["uniform"][0][1], phases["uniform"][-1][1]
+    ok &= last < first
     print(f"\nloss {first:.4f} -> {last:.4f} ({'decreased' if last < first else 'DID NOT DECREASE'})")
-    return 0 if last < first else 1
+    if "ntp" in phases:
+        worst = max(abs(a[1] - b[1]) / abs(b[1]) for a, b in zip(phases["ntp"], phases["uniform"]))
+        ok &= worst < 1e-4
+        print(f"NTP (failed {args.failed_slots}) vs uniform loss: max relative difference {worst:.2e}")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

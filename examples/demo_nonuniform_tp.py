@@ -2,8 +2,7 @@
 on the surviving GPUs only (packed layout) and keeps training, replica 0 at a
 reduced TP degree.
 
-    .venv/bin/python examples/demo_nonuniform_tp.py            # uniform vs NTP, CPU ranks
-    rows = run_ntp_phase(tp_base=2, world_size=4, steps=20)    # from examples/demo.py
+    rows = run_ntp_phase(tp_base=2, world_size=4, steps=20)    # called by examples/demo.py
 
 ``run_ntp_phase`` returns ``[(step, loss, seconds), ...]`` like the demo's
 uniform phase: ``loss`` is the global-batch loss (mean over replicas), so the
@@ -12,9 +11,6 @@ two curves are comparable step for step.
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
 import time
 
 import torch
@@ -84,38 +80,3 @@ def run_ntp_phase(*, tp_base: int = 2, world_size: int = 4, failed_slots: str = 
     print(f"[{phase}] GPU(s) {failed} fail; relaunching on the {packed_world} healthy GPUs", flush=True)
     return run_on_ranks(_ntp_rank, packed_world, args=(ntp_kwargs, spec, steps, global_batch, lr, phase),
                         backend=backend, timeout=600)[0]
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--world-size", type=int, default=4)
-    parser.add_argument("--failed-slots", default="0:1")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--global-batch", type=int, default=8)
-    parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
-    args = parser.parse_args(argv)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import demo  # the uniform phase of examples/demo.py
-
-    backend = args.backend
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.device_count() >= args.world_size else "gloo"
-    cfg = demo.DemoConfig(world_size=args.world_size, tp=args.tp, steps=args.steps,
-                          global_batch=args.global_batch, backend=backend)
-    spec = tiny_gpt.TinyGPTSpec()
-    phases = {"uniform": run_on_ranks(demo._train_rank, cfg.world_size, args=(cfg, spec, "uniform"),
-                                      backend=backend, timeout=600)[0]}
-    phases["ntp"] = run_ntp_phase(tp_base=args.tp, world_size=args.world_size,
-                                  failed_slots=args.failed_slots, steps=args.steps,
-                                  global_batch=args.global_batch, lr=cfg.lr, backend=backend, spec=spec)
-    print()
-    demo.print_table(phases)
-    worst = max(abs(a[1] - b[1]) / abs(b[1]) for a, b in zip(phases["ntp"], phases["uniform"]))
-    print(f"\nNTP vs uniform loss: max relative difference {worst:.2e}")
-    return 0 if worst < 1e-4 else 1
-
-
-if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    sys.exit(main())
