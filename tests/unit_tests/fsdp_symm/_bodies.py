@@ -1,0 +1,153 @@
+"""Rank bodies shared by the fsdp_symm multi-rank tests (CPU gloo and 2-GPU NCCL)."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext.testing import tiny_gpt
+
+SPEC = tiny_gpt.TinyGPTSpec()
+BUCKET = 4096  # elements: many small buckets of different sizes
+GRAD_OPS = ("AllReduce", "ReduceScatter")
+
+
+def _kernels(prof) -> list[str]:
+    return [e.name for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA and "nccl" in e.name.lower()]
+
+
+def _count(names, op):
+    hits = [n for n in names if op in n]
+    symk = [n for n in hits if "symk" in n.lower()]
+    return len(hits), len(symk)
+
+
+def _is_symmetric(buffer, bucket) -> bool:
+    for seg in getattr(buffer, "grad_segments", []):
+        if any(b is bucket for b in seg.buckets):
+            return seg.symmetric
+    return False
+
+
+def _build_ddp(variant, distopt, avg, cfg):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from megatron_ext.fsdp_symm import SymmMemDistributedDataParallel, stage_ddp_buffers
+    from megatron_ext.fsdp_symm.ddp import _PlainStandIn
+
+    tcfg = tiny_gpt.transformer_config(SPEC)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=distopt, bucket_size=BUCKET,
+        overlap_grad_reduce=True, average_in_collective=avg,
+    )
+    module = tiny_gpt.build_model(SPEC, tcfg, device=tiny_gpt.rank_device())
+    if variant == "plain":
+        return DistributedDataParallel(config=tcfg, ddp_config=ddp_config, module=module), []
+    if variant == "standin":  # the staging layout with plain allocations (CPU)
+        ddp = DistributedDataParallel(config=tcfg, ddp_config=ddp_config, module=module)
+        return ddp, stage_ddp_buffers(ddp, cfg, _memory_factory=_PlainStandIn)
+    ddp = SymmMemDistributedDataParallel(config=tcfg, ddp_config=ddp_config, module=module,
+                                         symm_mem_config=cfg)
+    return ddp, ddp.symm_mem_decisions
+
+
+def _train_ddp(ddp, distopt, steps, microbatches, profile_step=None):
+    from megatron.core import parallel_state as ps
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    opt = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=3e-3, weight_decay=0.01, clip_grad=1.0,
+                        use_distributed_optimizer=distopt),
+        [ddp],
+    )
+    dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    dev = tiny_gpt.rank_device()
+    per_rank = 2 * microbatches
+    losses, kernels = [], {}
+    for step in range(steps):
+        tokens, labels = tiny_gpt.global_batch(SPEC, step=step, num_samples=per_rank * dp)
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        prof = None
+        if step == profile_step:
+            from torch.profiler import ProfilerActivity, profile
+            torch.cuda.synchronize()
+            prof = profile(activities=[ProfilerActivity.CUDA])
+            prof.__enter__()
+        total = 0.0
+        for m in range(microbatches):
+            rows = slice(dp_rank * per_rank + 2 * m, dp_rank * per_rank + 2 * m + 2)
+            sync = contextlib.nullcontext() if m == microbatches - 1 else ddp.no_sync()
+            with sync:
+                loss = tiny_gpt.forward_loss(ddp, tokens[rows].to(dev), labels[rows].to(dev))
+                loss = loss / microbatches
+                loss.backward()
+            total += loss.detach()
+        ddp.finish_grad_sync()
+        if prof is not None:
+            torch.cuda.synchronize()
+            prof.__exit__(None, None, None)
+            kernels["grad"] = _kernels(prof)
+            prof = profile(activities=[ProfilerActivity.CUDA])
+            prof.__enter__()
+        ok, _, _ = opt.step()
+        assert ok, f"optimizer step {step} was skipped"
+        if prof is not None:
+            torch.cuda.synchronize()
+            prof.__exit__(None, None, None)
+            kernels["param"] = _kernels(prof)
+        mean = torch.as_tensor(total, device=dev).reshape(1).clone()
+        dist.all_reduce(mean)
+        losses.append((mean / dp).item())
+    return losses, kernels
+
+
+def ddp_parity(distopt, microbatches, steps, avg, staged_variant, mode):
+    """Train plain Megatron DDP, then the staged variant, from the same init.
+
+    In ``auto`` mode the band is set to the median bucket size, so some buckets
+    are symmetric and some plain. Returns losses, decisions, kernels, warnings.
+    """
+    from megatron.core import parallel_state as ps
+
+    from megatron_ext.fsdp_symm import SymmMemConfig
+
+    ps.initialize_model_parallel()
+    base_ddp, _ = _build_ddp("plain", distopt, False, None)
+    sizes = sorted(b.grad_data.numel() * b.grad_data.element_size()
+                   for buf in base_ddp.buffers for b in buf.buckets)
+    psizes = sorted(b.param_data.numel() * b.param_data.element_size()
+                    for buf in base_ddp.buffers for b in buf.buckets if b.param_data is not None)
+    base, _ = _train_ddp(base_ddp, distopt, steps, microbatches)
+    del base_ddp
+    mid = sizes[len(sizes) // 2]
+    pmid = psizes[len(psizes) // 2] if psizes else 0
+    cfg = SymmMemConfig(mode=mode, all_reduce_max_bytes=mid, reduce_scatter_max_bytes=mid,
+                        all_gather_max_bytes=pmid)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ddp, decisions = _build_ddp(staged_variant, distopt, avg, cfg)
+        # A second wrapper in the same process must not warn again.
+        if staged_variant == "symm":
+            _build_ddp(staged_variant, distopt, avg, cfg)
+    ours = [str(w.message) for w in caught if "fsdp_symm" in str(w.message)]
+    profile_step = steps - 1 if dist.get_backend() == "nccl" else None
+    staged, kernels = _train_ddp(ddp, distopt, steps, microbatches, profile_step)
+    buffer = ddp.buffers[0]
+    layout = {
+        "class": type(buffer).__name__,
+        "grad_segments": [(s.start, s.end, s.symmetric) for s in getattr(buffer, "grad_segments", [])],
+        "grad_data_is_none": buffer.grad_data is None,
+        # (average_in_collective, has a symmetric grad bucket) per bucket group
+        "groups": [(g.ddp_config.average_in_collective,
+                    any(_is_symmetric(ddp.buffers[0], b) for b in g.buckets))
+                   for g in ddp.bucket_groups],
+    }
+    rendezvous = sum(s.memory.rendezvous_calls for s in getattr(buffer, "grad_segments", [])
+                     + getattr(buffer, "param_segments", []) if s.symmetric)
+    return dict(base=base, staged=staged, decisions=decisions, warnings=ours,
+                kernels=kernels, layout=layout, rendezvous=rendezvous)
