@@ -14,6 +14,8 @@ allocated there. Each buffer is registered right after it is allocated.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -43,6 +45,9 @@ from .memory import SymmetricMemory, move_storage
 from .policy import REPORTER, Decision, decide
 
 __all__ = ["SymmFsdpModule", "SymmFsdpParameterGroup", "fully_shard"]
+
+
+_MODULE_COUNTER = itertools.count()
 
 
 def _plain(collective: str, nbytes: int, reason: str) -> Decision:
@@ -79,10 +84,9 @@ class SymmFsdpParameterGroup(FsdpParameterGroup):
         rs_bytes = full_numel * self.dtype.itemsize
         why_not = None
         if config.mode != "off":
-            why_not = self._unsupported_layout(placements)
-            if why_not is None:
-                cap = probe(mesh.get_group(0))
-                why_not = None if cap.available else cap.reason
+            cap = probe(mesh.get_group(0))
+            why_not = None if cap.available else cap.reason
+            why_not = why_not or self._unsupported_layout(placements)
         self.all_gather_decision = decide("all_gather", ag_bytes, config, why_not)
         self.reduce_scatter_decision = (
             decide("reduce_scatter", rs_bytes, config, why_not) if self.requires_grad
@@ -207,13 +211,14 @@ class SymmFsdpModule(FsdpModule):
         if axes != tuple(range(mesh.ndim)):
             raise ValueError("FSDP requires dp_axes to match every mesh axis in mesh order.")
         label = type(self).__name__.removeprefix("SymmFsdp")
+        index = next(_MODULE_COUNTER)
         groups = []
         for i, group_parameters in enumerate(_group_parameters(owned)):
             groups.append(SymmFsdpParameterGroup(
                 owning_module=self, parameters=group_parameters, mesh=mesh,
                 placements=placements, mixed_precision_policy=mixed_precision_policy,
                 use_symm_mem=use_symm_mem, symm_mem_config=symm_mem_config,
-                name=f"{label}@{id(self) & 0xffff:04x}/group{i}",
+                name=f"{label}#{index}/group{i}",
             ))
         self._parameter_groups = tuple(groups)
         self._ready_grad_parameters = set()

@@ -151,3 +151,99 @@ def ddp_parity(distopt, microbatches, steps, avg, staged_variant, mode):
                      + getattr(buffer, "param_segments", []) if s.symmetric)
     return dict(base=base, staged=staged, decisions=decisions, warnings=ours,
                 kernels=kernels, layout=layout, rendezvous=rendezvous)
+
+
+# --------------------------------------------------------------------- FSDP
+FSDP_WIDTHS = (64, 256, 64, 1024, 64)  # Linear(a, b): 64 KiB, 64 KiB, 256 KiB, 256 KiB fp32
+
+
+def _fsdp_model(variant, cfg, widths=FSDP_WIDTHS, dtype=torch.float32):
+    from torch.distributed.device_mesh import init_device_mesh
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.experimental import (
+        Flat, Placements, fully_shard as upstream_fully_shard, fully_shard_optimizer)
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import MixedPrecisionPolicy
+
+    from megatron_ext.fsdp_symm import fully_shard
+
+    dev = tiny_gpt.rank_device()
+    mesh = init_device_mesh(dev.type, (dist.get_world_size(),))
+    torch.manual_seed(1234)
+    layers = [torch.nn.Linear(a, b, bias=False) for a, b in zip(widths[:-1], widths[1:])]
+    model = torch.nn.Sequential(*layers).to(device=dev, dtype=dtype)
+    placements = Placements(dp_axes=[0], parameter=[Flat()], gradient=[Flat()], optimizer=[Flat()])
+    mp = MixedPrecisionPolicy(main_params_dtype=torch.float32)
+    for layer in model:
+        if variant == "upstream":
+            upstream_fully_shard(layer, mesh=mesh, placements=placements, mixed_precision_policy=mp)
+        elif variant == "upstream-symm":
+            upstream_fully_shard(layer, mesh=mesh, placements=placements, mixed_precision_policy=mp,
+                                 use_symm_mem=True)
+        else:
+            fully_shard(layer, mesh=mesh, placements=placements, mixed_precision_policy=mp,
+                        symm_mem_config=cfg)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    fully_shard_optimizer(opt)
+    return model, opt
+
+
+def _fsdp_batch(step, m, width_in, width_out, dtype):
+    g = torch.Generator().manual_seed(100 * step + 10 * m + dist.get_rank())
+    return torch.randn(8, width_in, generator=g).to(dtype), torch.randn(8, width_out, generator=g).to(dtype)
+
+
+def train_fsdp(model, opt, steps, microbatches, profile_step=None, widths=FSDP_WIDTHS,
+               dtype=torch.float32, start=0):
+    dev = tiny_gpt.rank_device()
+    losses, kernels = [], []
+    for step in range(start, start + steps):
+        opt.zero_grad(set_to_none=True)
+        prof = None
+        if step == profile_step:
+            from torch.profiler import ProfilerActivity, profile
+            torch.cuda.synchronize()
+            prof = profile(activities=[ProfilerActivity.CUDA])
+            prof.__enter__()
+        total = torch.zeros((), device=dev)
+        for m in range(microbatches):
+            x, y = _fsdp_batch(step, m, widths[0], widths[-1], dtype)
+            loss = torch.nn.functional.mse_loss(model(x.to(dev)), y.to(dev)).float() / microbatches
+            loss.backward()
+            total += loss.detach()
+        opt.step()
+        if prof is not None:
+            torch.cuda.synchronize()
+            prof.__exit__(None, None, None)
+            kernels = _kernels(prof)
+        dist.all_reduce(total)
+        losses.append((total / dist.get_world_size()).item())
+    return losses, kernels
+
+
+def _fsdp_groups(model):
+    from megatron_ext.fsdp_symm.fsdp import SymmFsdpModule
+
+    return [g for layer in model if isinstance(layer, SymmFsdpModule) for g in layer.parameter_groups]
+
+
+def fsdp_parity(microbatches, steps, mode, max_bytes):
+    """Upstream plain experimental FSDP vs ours with ``mode`` and an AG/RS band
+    ``[0, max_bytes]``. Returns losses, decisions, kernels, windows, warnings."""
+    from megatron_ext.fsdp_symm import SymmMemConfig
+
+    model, opt = _fsdp_model("upstream", None)
+    base, _ = train_fsdp(model, opt, steps, microbatches)
+    del model, opt
+    cfg = SymmMemConfig(mode=mode, all_gather_max_bytes=max_bytes, reduce_scatter_max_bytes=max_bytes)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, opt = _fsdp_model("ours", cfg)
+        groups = _fsdp_groups(model)
+        decisions = [(g.all_gather_decision, g.reduce_scatter_decision) for g in groups]
+        ours, _ = train_fsdp(model, opt, 1, microbatches)
+        after_first = sum(g.symm.rendezvous_calls for g in groups if g.symm is not None)
+        profile_step = steps - 1 if dist.get_backend() == "nccl" else None
+        more, kernels = train_fsdp(model, opt, steps - 1, microbatches, profile_step, start=1)
+    after_last = sum(g.symm.rendezvous_calls for g in groups if g.symm is not None)
+    warned = [str(w.message) for w in caught if "fsdp_symm" in str(w.message)]
+    return dict(base=base, staged=ours + more, decisions=decisions, kernels=kernels,
+                windows=(after_first, after_last), warnings=warned)
