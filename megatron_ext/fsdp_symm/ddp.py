@@ -201,11 +201,15 @@ def _stage_buffer(ddp, buffer, bucket_groups, config, prefix, memory_factory):
             cap = probe(group)
             reason = None if cap.available else cap.reason
             reason = reason or _unsupported(ddp, buffer)
+        n = len(owner[id(bucket)].buckets)
+        if reason is None and n > 1:
+            # Coalesced into one NCCL group; symmetric kernels run one collective per group.
+            reason = f"its bucket group coalesces {n} collectives"
         grad_bytes = bucket.grad_data.numel() * bucket.grad_data.element_size()
-        grad_decisions.append(decide(grad_op, grad_bytes, config, reason))
+        grad_decisions.append(decide(grad_op, grad_bytes, config, reason, bucket.grad_data.dtype))
         if bucket.param_data is not None and cfg.use_distributed_optimizer:
             nbytes = bucket.param_data.numel() * bucket.param_data.element_size()
-            param_decisions.append(decide("all_gather", nbytes, config, reason))
+            param_decisions.append(decide("all_gather", nbytes, config, reason, bucket.param_data.dtype))
         else:
             param_decisions.append(None)
         memories[id(bucket)] = group

@@ -87,9 +87,9 @@ class SymmFsdpParameterGroup(FsdpParameterGroup):
             cap = probe(mesh.get_group(0))
             why_not = None if cap.available else cap.reason
             why_not = why_not or self._unsupported_layout(placements)
-        self.all_gather_decision = decide("all_gather", ag_bytes, config, why_not)
+        self.all_gather_decision = decide("all_gather", ag_bytes, config, why_not, self.model_weight.dtype)
         self.reduce_scatter_decision = (
-            decide("reduce_scatter", rs_bytes, config, why_not) if self.requires_grad
+            decide("reduce_scatter", rs_bytes, config, why_not, self.dtype) if self.requires_grad
             else _plain("reduce_scatter", 0, "no gradients")
         )
         self.symm: SymmetricMemory | None = None

@@ -26,11 +26,18 @@ def _mib(nbytes: int) -> str:
     return f"{nbytes / (1 << 20):.3g} MiB"
 
 
-def decide(collective: str, nbytes: int, config: SymmMemConfig, unavailable: str | None = None) -> Decision:
+# NCCL's symmetric kernels reduce only floating types of at most 32 bits, with SUM.
+_REDUCIBLE = {"float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"}
+
+
+def decide(collective: str, nbytes: int, config: SymmMemConfig, unavailable: str | None = None,
+           dtype=None) -> Decision:
     """Choose staging for a ``collective`` over a full buffer of ``nbytes``.
 
     ``unavailable`` is the capability probe's reason when this process group
-    cannot run symmetric kernels (``None`` when it can).
+    cannot run symmetric kernels (``None`` when it can). ``dtype`` (a
+    ``torch.dtype``), when given, rules out reductions NCCL has no symmetric
+    kernel for (anything but floats of at most 32 bits).
     """
     if collective not in COLLECTIVES:
         raise ValueError(
@@ -42,6 +49,11 @@ def decide(collective: str, nbytes: int, config: SymmMemConfig, unavailable: str
         return Decision(collective, nbytes, False, "mode=off")
     if unavailable is not None:
         return Decision(collective, nbytes, False, f"unavailable: {unavailable}")
+    if dtype is not None and collective != "all_gather":
+        name = str(dtype).removeprefix("torch.")
+        if name not in _REDUCIBLE:
+            return Decision(collective, nbytes, False,
+                            f"{name}: no symmetric reduction kernel (floats <= 32 bit only)")
     if config.mode == "on":
         return Decision(collective, nbytes, True, "mode=on")
     lo, hi = config.band(collective)

@@ -141,14 +141,16 @@ def ddp_parity(distopt, microbatches, steps, avg, staged_variant, mode):
     layout = {
         "class": type(buffer).__name__,
         "grad_segments": [(s.start, s.end, s.symmetric) for s in getattr(buffer, "grad_segments", [])],
+        "param_segments": [(s.start, s.end, s.symmetric) for s in getattr(buffer, "param_segments", [])],
         "grad_data_is_none": buffer.grad_data is None,
         # (average_in_collective, has a symmetric grad bucket) per bucket group
         "groups": [(g.ddp_config.average_in_collective,
                     any(_is_symmetric(ddp.buffers[0], b) for b in g.buckets))
                    for g in ddp.bucket_groups],
     }
-    rendezvous = sum(s.memory.rendezvous_calls for s in getattr(buffer, "grad_segments", [])
-                     + getattr(buffer, "param_segments", []) if s.symmetric)
+    memories = {id(s.memory): s.memory for s in getattr(buffer, "grad_segments", [])
+                + getattr(buffer, "param_segments", []) if s.symmetric}
+    rendezvous = sum(m.rendezvous_calls for m in memories.values())
     return dict(base=base, staged=staged, decisions=decisions, warnings=ours,
                 kernels=kernels, layout=layout, rendezvous=rendezvous)
 

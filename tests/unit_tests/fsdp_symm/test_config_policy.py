@@ -100,3 +100,15 @@ def test_report_lists_every_buffer_and_why():
     text = format_report(rows)
     assert "1 of 2" in text
     assert "bucket0" in text and "symmetric" in text and "> max" in text
+
+
+def test_reductions_need_a_float_of_at_most_32_bits():
+    import torch
+
+    cfg = SymmMemConfig(mode="on")
+    assert decide("all_reduce", MIB, cfg, dtype=torch.bfloat16).symmetric
+    assert decide("reduce_scatter", MIB, cfg, dtype=torch.float32).symmetric
+    f64 = decide("reduce_scatter", MIB, cfg, dtype=torch.float64)
+    assert not f64.symmetric and "float64" in f64.reason
+    assert not decide("all_reduce", MIB, cfg, dtype=torch.int64).symmetric
+    assert decide("all_gather", MIB, cfg, dtype=torch.int64).symmetric

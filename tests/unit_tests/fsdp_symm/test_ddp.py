@@ -77,5 +77,6 @@ def test_nccl_symmetric_buckets_run_symk_kernels_and_match_plain(distopt, microb
             assert symk == sum(d.symmetric for d in param), (r["kernels"]["param"], decisions)
         assert not r["warnings"]
         # One registration per symmetric segment, at allocation, none per step.
-        n_segments = len([s for s in r["layout"]["grad_segments"] if s[2]])
-        assert 0 < r["rendezvous"] and r["rendezvous"] <= n_segments + len(param)
+        lay = r["layout"]
+        n_segments = sum(s[2] for s in lay["grad_segments"] + lay["param_segments"])
+        assert 0 < r["rendezvous"] == n_segments
