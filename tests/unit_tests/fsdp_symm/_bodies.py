@@ -60,7 +60,9 @@ def _train_ddp(ddp, distopt, steps, microbatches, profile_step=None):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     opt = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=3e-3, weight_decay=0.01, clip_grad=1.0,
+        # Adam with a large eps updates in proportion to the gradient (like SGD),
+        # so a wrong AVG shows in the loss; the distributed optimizer needs Adam.
+        OptimizerConfig(optimizer="adam", lr=0.2, adam_eps=1.0, weight_decay=0.0, clip_grad=0.0,
                         use_distributed_optimizer=distopt),
         [ddp],
     )
@@ -183,7 +185,8 @@ def _fsdp_model(variant, cfg, widths=FSDP_WIDTHS, dtype=torch.float32):
         else:
             fully_shard(layer, mesh=mesh, placements=placements, mixed_precision_policy=mp,
                         symm_mem_config=cfg)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    # SGD: the update scales with the gradient, so a wrong AVG would show in the loss.
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
     fully_shard_optimizer(opt)
     return model, opt
 
@@ -249,3 +252,26 @@ def fsdp_parity(microbatches, steps, mode, max_bytes):
     warned = [str(w.message) for w in caught if "fsdp_symm" in str(w.message)]
     return dict(base=base, staged=ours + more, decisions=decisions, kernels=kernels,
                 windows=(after_first, after_last), warnings=warned)
+
+
+def fsdp_standin_parity(microbatches, steps, max_bytes):
+    """The symmetric code paths of our FSDP groups on CPU: the probe reports
+    available and plain allocations stand in for the pool (test-only patches of
+    our own module). Returns upstream and staged losses and the decisions."""
+    from megatron_ext.fsdp_symm import SymmMemConfig, fsdp
+    from megatron_ext.fsdp_symm.capability import Capability
+    from megatron_ext.fsdp_symm.ddp import _PlainStandIn
+
+    model, opt = _fsdp_model("upstream", None)
+    base, _ = train_fsdp(model, opt, steps, microbatches)
+    del model, opt
+    fsdp.probe = lambda group: Capability(True, "stand-in")
+    fsdp.SymmetricMemory = _PlainStandIn
+    fsdp.SymmFsdpParameterGroup._unsupported_layout = lambda self, placements: None
+    cfg = SymmMemConfig(mode="auto", all_gather_max_bytes=max_bytes, reduce_scatter_max_bytes=max_bytes)
+    model, opt = _fsdp_model("ours", cfg)
+    groups = _fsdp_groups(model)
+    staged, _ = train_fsdp(model, opt, steps, microbatches)
+    decisions = [(g.all_gather_decision, g.reduce_scatter_decision) for g in groups]
+    scratch = [g._reduce_scratch is not None for g in groups]
+    return dict(base=base, staged=staged, decisions=decisions, scratch=scratch)

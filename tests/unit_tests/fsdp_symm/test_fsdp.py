@@ -54,3 +54,20 @@ def test_nccl_symmetric_groups_run_symk_kernels_and_match_upstream(microbatches)
         first, last = r["windows"]
         assert first > 0 and first == last, "windows must be registered once, not per step"
         assert not r["warnings"]
+
+
+@pytest.mark.parametrize("microbatches", [1, 3])
+def test_gloo_symmetric_code_paths_train_like_upstream(microbatches):
+    # Plain allocations stand in for the pool: exercises the staged unshard,
+    # the SUM reduce-scatter + divide (AVG), and the accumulation scratch.
+    from ._bodies import fsdp_standin_parity
+
+    out = run_on_ranks(fsdp_standin_parity, 2, args=(microbatches, STEPS, 128 * KIB),
+                       backend="gloo", timeout=240)
+    _assert_losses_equal(out, 1e-6)
+    for r in out:
+        flags = [a.symmetric for a, _ in r["decisions"]]
+        assert any(flags) and not all(flags), r["decisions"]
+        # The accumulation scratch exists exactly where a symmetric RS accumulated.
+        expect = [rs.symmetric and microbatches > 1 for _, rs in r["decisions"]]
+        assert r["scratch"] == expect
