@@ -231,13 +231,12 @@ def _stage_buffer(ddp, buffer, bucket_groups, config, prefix, memory_factory):
             cache[id(group)] = make_memory(device, group)
         return cache[id(group)]
 
-    buffer.grad_segments = _restage(
-        buffer, "grad_data", [d.symmetric for d in grad_decisions], memory_for)
+    grad_flags = [d.symmetric for d in grad_decisions]
+    buffer.grad_segments = _restage(buffer, "grad_data", grad_flags, memory_for)
+    buffer.param_segments = []
     if buffer.param_data is not None:
-        flags = [bool(d and d.symmetric) for d in param_decisions]
-        buffer.param_segments = _restage(buffer, "param_data", flags, memory_for)
-    else:
-        buffer.param_segments = []
+        param_flags = [bool(d and d.symmetric) for d in param_decisions]
+        buffer.param_segments = _restage(buffer, "param_data", param_flags, memory_for)
     base = type(buffer)
     if not isinstance(buffer, SymmBufferMixin):
         buffer.__class__ = (SymmParamAndGradBuffer if base is _ParamAndGradBuffer
@@ -259,8 +258,11 @@ def _stage_buffer(ddp, buffer, bucket_groups, config, prefix, memory_factory):
 
 
 def _restage(buffer, attr: str, flags: list[bool], memory_for) -> list[Segment]:
-    """Move ``buffer.<attr>`` into per-run allocations; re-point every view."""
+    """Move ``buffer.<attr>`` into per-run allocations; re-point every view.
+    Without a symmetric run the flat tensor stays as it is (one plain segment)."""
     old = getattr(buffer, attr)
+    if not any(flags):
+        return [Segment(0, old.numel(), old, False, buckets=list(buffer.buckets))]
     field = "grad_data" if attr == "grad_data" else "param_data"
     buckets = sorted(buffer.buckets, key=lambda b: b.offset)
     by_id = {id(b): f for b, f in zip(buffer.buckets, flags)}
