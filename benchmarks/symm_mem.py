@@ -93,13 +93,26 @@ def _series_kernels(pairs):
             torch.cuda.synchronize()
             sym()
             torch.cuda.synchronize()
+    names = _nccl_names(prof)
+    if len(names) == 2 * len(pairs):
+        return [([names[2 * i]], [names[2 * i + 1]]) for i in range(len(pairs))]
+    out = []  # not one kernel per call: profile each call on its own
+    for plain, sym in pairs:
+        got = []
+        for fn in (plain, sym):
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                fn()
+                torch.cuda.synchronize()
+            got.append(_nccl_names(prof))
+        out.append(tuple(got))
+    return out
+
+
+def _nccl_names(prof):
     events = sorted((e for e in prof.events()
                      if e.device_type == torch.autograd.DeviceType.CUDA and "nccl" in e.name.lower()),
                     key=lambda e: e.time_range.start)
-    names = [e.name.split("(")[0] for e in events]
-    if len(names) != 2 * len(pairs):  # cannot map: report every name for every point
-        return [(names, names)] * len(pairs)
-    return [([names[2 * i]], [names[2 * i + 1]]) for i in range(len(pairs))]
+    return [e.name.split("(")[0] for e in events]
 
 
 def bench_collectives(quick):
