@@ -168,20 +168,29 @@ def bench_collectives(quick):
     return rows, symm
 
 
-def recommend_bands(rows, tolerance=0.0):
-    """Per collective: the largest size up to which symmetric is not slower than
-    plain (by more than ``tolerance``) for every dtype and every smaller size."""
+def recommend_bands(rows, tolerance=0.01):
+    """Per collective: the longest run of consecutive measured sizes where the
+    symmetric kernel ran and was not slower than plain by more than
+    ``tolerance`` for every dtype, as ``(min_bytes, max_bytes)`` (min 0 when the
+    run starts at the smallest size); ``None`` when there is no such size."""
     bands = {}
     for collective in COLLECTIVES:
         sizes = sorted({r["nbytes"] for r in rows if r["collective"] == collective})
-        best = 0
+        good = []
         for s in sizes:
             pts = [r for r in rows if r["collective"] == collective and r["nbytes"] == s]
-            if all(r["symk_engaged"] and r["symmetric_us"] <= r["plain_us"] * (1 + tolerance) for r in pts):
-                best = s
+            good.append(all(r["symk_engaged"] and r["symmetric_us"] <= r["plain_us"] * (1 + tolerance)
+                            for r in pts))
+        best, run = None, None
+        for i, ok in enumerate(good):
+            if ok:
+                run = (run[0], i) if run else (i, i)
+                if best is None or run[1] - run[0] > best[1] - best[0]:
+                    best = run
             else:
-                break
-        bands[collective] = best
+                run = None
+        bands[collective] = None if best is None else (
+            0 if best[0] == 0 else sizes[best[0]], sizes[best[1]])
     return bands
 
 
@@ -317,9 +326,9 @@ def main_rank(quick):
     result = dict(
         machine=f"{socket.gethostname()}: {dist.get_world_size()}x {torch.cuda.get_device_name()}",
         torch=torch.__version__, nccl=".".join(map(str, torch.cuda.nccl.version())),
-        nvls=os.environ.get("NCCL_NVLS_ENABLE"), collectives=rows, recommended_max_bytes=bands,
+        nvls=os.environ.get("NCCL_NVLS_ENABLE"), collectives=rows, recommended_bands=bands,
     )
-    _log("recommended max bytes:", {k: f"{v / MIB:g} MiB" for k, v in bands.items()})
+    _log("recommended bands (MiB):", {k: v and (v[0] / MIB, v[1] / MIB) for k, v in bands.items()})
     worst = max((r["policy_us"] / r["plain_us"] for r in rows), default=0)
     result["policy_worst_vs_plain"] = worst
     _log(f"policy worst vs plain: {worst:.3f}x time")
