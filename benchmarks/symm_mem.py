@@ -234,15 +234,16 @@ def bench_fsdp(width, layers, batch=4):
     mesh = init_device_mesh("cuda", (dist.get_world_size(),))
     placements = Placements(dp_axes=[0], parameter=[Flat()], gradient=[Flat()], optimizer=[Flat()])
     out = {}
-    for variant in ("upstream plain", "upstream use_symm_mem", "ours (auto)"):
+    for variant in ("upstream plain", "upstream use_symm_mem", "ours (auto)", "ours (on)"):
         torch.manual_seed(1234)
         model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
         model = model.to(device="cuda", dtype=torch.bfloat16)
         mp = MixedPrecisionPolicy(main_params_dtype=torch.float32)
         for m in model:
-            if variant == "ours (auto)":
+            if variant.startswith("ours"):
+                mode = "on" if variant == "ours (on)" else "auto"
                 fully_shard(m, mesh=mesh, placements=placements, mixed_precision_policy=mp,
-                            symm_mem_config=SymmMemConfig(report=False))
+                            symm_mem_config=SymmMemConfig(mode=mode, report=False))
             else:
                 upstream_fully_shard(m, mesh=mesh, placements=placements, mixed_precision_policy=mp,
                                      use_symm_mem=variant == "upstream use_symm_mem")
@@ -281,7 +282,7 @@ def bench_ddp(hidden, layers, bucket_mib, distopt):
                                 ffn_hidden_size=4 * hidden, vocab_size=8192, seq_length=128,
                                 micro_batch_size=1)
     out = {}
-    for variant in ("plain", "ours (auto)"):
+    for variant in ("plain", "ours (auto)", "ours (on)"):
         cfg = tiny_gpt.transformer_config(spec, bf16=True, params_dtype=torch.bfloat16)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=False, use_distributed_optimizer=distopt,
@@ -290,8 +291,9 @@ def bench_ddp(hidden, layers, bucket_mib, distopt):
         if variant == "plain":
             ddp = DistributedDataParallel(config=cfg, ddp_config=ddp_config, module=module)
         else:
+            mode = "on" if variant == "ours (on)" else "auto"
             ddp = SymmMemDistributedDataParallel(config=cfg, ddp_config=ddp_config, module=module,
-                                                 symm_mem_config=SymmMemConfig(report=False))
+                                                 symm_mem_config=SymmMemConfig(mode=mode, report=False))
         opt = get_megatron_optimizer(
             OptimizerConfig(optimizer="adam", lr=1e-4, bf16=True, use_distributed_optimizer=distopt), [ddp])
         tokens, labels = tiny_gpt.global_batch(spec, step=dist.get_rank(), num_samples=1)
