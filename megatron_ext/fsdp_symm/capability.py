@@ -58,12 +58,11 @@ def local_reason(group=None) -> str | None:
     try:
         import torch.distributed._symmetric_memory as symm_mem
 
-        current = symm_mem.get_backend(torch.device("cuda", torch.cuda.current_device())) \
-            if hasattr(symm_mem, "get_backend") else None
-    except Exception:  # noqa: BLE001 - an unset backend may raise on some versions
-        current = None
-    if current not in (None, "NCCL"):
-        return f"the symmetric-memory backend is already set to {current!r}, not 'NCCL'"
+        # Must precede the first pool allocation; raises when another backend
+        # already allocated symmetric memory in this process.
+        symm_mem.set_backend("NCCL")
+    except Exception as exc:  # noqa: BLE001 - any refusal means no NCCL symmetric memory
+        return f"cannot select the NCCL symmetric-memory backend ({exc})"
     return None
 
 
