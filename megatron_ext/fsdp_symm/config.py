@@ -13,13 +13,19 @@ COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 _MIB = 1 << 20
 
 # Default size bands (bytes of the full, unsharded buffer: all-gather output,
-# reduce-scatter input, all-reduce buffer) in which NCCL's symmetric kernels beat
-# plain buffers. Measured by ``benchmarks/symm_mem.py`` on 2x H200 (NVLink,
-# NCCL_NVLS_ENABLE=0), torch 2.11.0+cu130, NCCL 2.28.9; see docs/fsdp_symm.md.
+# reduce-scatter input, all-reduce buffer) in which NCCL's symmetric kernels were
+# not slower than plain buffers (within 1%) for both bf16 and fp32: the longest
+# such run of measured sizes, from ``benchmarks/symm_mem.py`` on 2x H200 (NVLink,
+# NCCL_NVLS_ENABLE=0), torch 2.11.0+cu130, NCCL 2.28.9, 2026-11-22
+# (benchmarks/results/symm_mem_2xH200_collectives.json; docs/fsdp_symm.md).
+# Measured ratios plain/symmetric: all-gather 0.89-1.06x below 2 MiB, 1.00-1.40x
+# for 2-64 MiB, 0.90-0.97x above; reduce-scatter 1.00-1.09x up to 16 MiB,
+# 0.71-0.91x from 32 MiB; all-reduce 1.03-1.09x up to 8 MiB, bf16 0.93x at
+# 16-32 MiB (fp32 wins to 32 MiB), 0.74-0.91x from 64 MiB.
 DEFAULT_BANDS: dict[str, tuple[int, int]] = {
-    "all_gather": (0, 32 * _MIB),
-    "reduce_scatter": (0, 8 * _MIB),
-    "all_reduce": (0, 32 * _MIB),
+    "all_gather": (2 * _MIB, 64 * _MIB),
+    "reduce_scatter": (0, 16 * _MIB),
+    "all_reduce": (0, 8 * _MIB),
 }
 
 

@@ -129,7 +129,7 @@ def ddp_parity(distopt, microbatches, steps, avg, staged_variant, mode):
     mid = sizes[len(sizes) // 2]
     pmid = psizes[len(psizes) // 2] if psizes else 0
     cfg = SymmMemConfig(mode=mode, all_reduce_max_bytes=mid, reduce_scatter_max_bytes=mid,
-                        all_gather_max_bytes=pmid)
+                        all_gather_min_bytes=0, all_gather_max_bytes=pmid)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ddp, decisions = _build_ddp(staged_variant, distopt, avg, cfg)
@@ -238,7 +238,8 @@ def fsdp_parity(microbatches, steps, mode, max_bytes):
     model, opt = _fsdp_model("upstream", None)
     base, _ = train_fsdp(model, opt, steps, microbatches)
     del model, opt
-    cfg = SymmMemConfig(mode=mode, all_gather_max_bytes=max_bytes, reduce_scatter_max_bytes=max_bytes)
+    cfg = SymmMemConfig(mode=mode, all_gather_min_bytes=0, all_gather_max_bytes=max_bytes,
+                        reduce_scatter_max_bytes=max_bytes)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model, opt = _fsdp_model("ours", cfg)
@@ -268,7 +269,8 @@ def fsdp_standin_parity(microbatches, steps, max_bytes):
     fsdp.probe = lambda group: Capability(True, "stand-in")
     fsdp.SymmetricMemory = _PlainStandIn
     fsdp.SymmFsdpParameterGroup._unsupported_layout = lambda self, placements: None
-    cfg = SymmMemConfig(mode="auto", all_gather_max_bytes=max_bytes, reduce_scatter_max_bytes=max_bytes)
+    cfg = SymmMemConfig(mode="auto", all_gather_min_bytes=0, all_gather_max_bytes=max_bytes,
+                        reduce_scatter_max_bytes=max_bytes)
     model, opt = _fsdp_model("ours", cfg)
     groups = _fsdp_groups(model)
     staged, _ = train_fsdp(model, opt, steps, microbatches)
