@@ -110,6 +110,10 @@ def _release(seg: Segment) -> None:
     storage = seg.tensor.untyped_storage()
     if storage.nbytes() > 0:
         seg.nbytes = storage.nbytes()
+        if seg.symmetric:
+            # The pool may hand back another allocation (e.g. after empty_cache):
+            # register whatever comes back, torch returns the cached window if it is the same.
+            getattr(seg.memory, "registered_ptrs", set()).discard(storage.data_ptr())
         storage.resize_(0)
 
 

@@ -140,6 +140,7 @@ def ddp_parity(distopt, microbatches, steps, avg, staged_variant, mode):
     profile_step = steps - 1 if dist.get_backend() == "nccl" else None
     staged, kernels = _train_ddp(ddp, distopt, steps, microbatches, profile_step)
     buffer = ddp.buffers[0]
+    offload = _offload_roundtrip(ddp) if staged_variant == "standin" else None
     layout = {
         "class": type(buffer).__name__,
         "grad_segments": [(s.start, s.end, s.symmetric) for s in getattr(buffer, "grad_segments", [])],
@@ -154,7 +155,23 @@ def ddp_parity(distopt, microbatches, steps, avg, staged_variant, mode):
                 + getattr(buffer, "param_segments", []) if s.symmetric}
     rendezvous = sum(m.rendezvous_calls for m in memories.values())
     return dict(base=base, staged=staged, decisions=decisions, warnings=ours,
-                kernels=kernels, layout=layout, rendezvous=rendezvous)
+                kernels=kernels, layout=layout, rendezvous=rendezvous, offload=offload)
+
+
+def _offload_roundtrip(ddp):
+    """Megatron's grad-buffer offload/restore on a staged buffer: storage freed,
+    then restored zeroed, with ``param.main_grad`` still aliasing the segments."""
+    segs = [s for b in ddp.buffers for s in b.grad_segments]
+    before = [s.tensor.untyped_storage().nbytes() for s in segs]
+    ddp.offload_grad_buffers()
+    freed = [s.tensor.untyped_storage().nbytes() for s in segs]
+    ddp.restore_grad_buffers()
+    after = [s.tensor.untyped_storage().nbytes() for s in segs]
+    zero = all(bool((s.tensor == 0).all()) for s in segs)
+    ptrs = {s.tensor.untyped_storage().data_ptr() for s in segs}
+    aliased = all(p.main_grad.untyped_storage().data_ptr() in ptrs
+                  for b in ddp.buffers for bucket in b.buckets for p in bucket.params_list)
+    return dict(before=before, freed=freed, after=after, zero=zero, aliased=aliased)
 
 
 # --------------------------------------------------------------------- FSDP

@@ -50,6 +50,9 @@ def test_gloo_staging_layout_trains_like_plain_ddp(distopt, microbatches):
         assert lay["class"] == "SymmParamAndGradBuffer"
         assert len(lay["grad_segments"]) > 1 and lay["grad_data_is_none"]
         assert {s for *_, s in lay["grad_segments"]} == {True, False}
+        off = r["offload"]  # Megatron's offload/restore walks the segments
+        assert all(off["before"]) and not any(off["freed"]) and off["after"] == off["before"]
+        assert off["zero"] and off["aliased"]
         # Groups with a symmetric bucket reduce with SUM (pre-scaled); others keep AVG.
         assert lay["groups"] and all(avg == (not symm) for avg, symm in lay["groups"])
 
