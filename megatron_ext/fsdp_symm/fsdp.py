@@ -35,7 +35,6 @@ from megatron.core.distributed.fsdp.src.megatron_fsdp.experimental.placement imp
     Flat,
     Partial,
     Placements,
-    Replicate,
 )
 from megatron.core.distributed.fsdp.src.megatron_fsdp.mixed_precision import MixedPrecisionPolicy
 

@@ -12,10 +12,7 @@ back at the address it had.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
-import torch.distributed as dist
 
 __all__ = ["SymmetricMemory", "move_storage"]
 
@@ -82,11 +79,3 @@ def move_storage(tensor: torch.Tensor, allocating) -> None:
     with allocating():
         storage.resize_(nbytes)
     torch.tensor([], dtype=torch.uint8, device=tensor.device).set_(storage).copy_(saved)
-
-
-def null_allocating():
-    return contextlib.nullcontext()
-
-
-def group_size(group) -> int:
-    return dist.get_world_size(group)
