@@ -21,7 +21,7 @@ __all__ = ["Capability", "MIN_NCCL", "probe", "local_reason"]
 
 MIN_NCCL = (2, 27, 0)
 
-_CACHE: dict[str, "Capability"] = {}
+_CACHE: dict[tuple, tuple] = {}
 _WARNED = False
 
 
@@ -94,9 +94,11 @@ def probe(group=None) -> Capability:
     if not dist.is_available() or not dist.is_initialized():
         return Capability(False, "torch.distributed is not initialized")
     group = group if group is not None else dist.group.WORLD
-    key = group.group_name
+    # The group object is part of the key (and kept alive, so its id is not
+    # reused): a re-created process group reuses names but needs its own probe.
+    key = (group.group_name, id(group))
     if key in _CACHE:
-        return _CACHE[key]
+        return _CACHE[key][1]
     reason = local_reason(group)
     if reason is not None and dist.get_backend(group) != "nccl":
         # Non-NCCL groups: every rank sees the same backend, no exchange needed.
@@ -112,7 +114,7 @@ def probe(group=None) -> Capability:
         dist.all_reduce(ping, group=group)
         torch.cuda.synchronize()
         cap = _combine(everyone)
-    _CACHE[key] = cap
+    _CACHE[key] = (group, cap)
     if not cap.available:
         warn_fallback(cap.reason)
     return cap
