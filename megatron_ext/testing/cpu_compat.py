@@ -16,6 +16,7 @@ Call sites covered (megatron-core 0.19.2):
 - ``torch.cuda.{current_stream, Stream, Event, stream}``: bucket group
   ``start_grad_sync`` / ``finish_grad_sync`` and DDP's communication stream.
 - ``torch.cuda.{synchronize, empty_cache}``: DDP buffer offload helpers.
+- ``torch.cuda.device(cpu)`` and ``Stream.device``: experimental FSDP's context.
 - ``device='cuda'`` literals in optimizer/optimizer.py, optimizer/clip_grads.py,
   optimizer/grad_scaler.py and utils.local_multi_tensor_l2_norm.
 - ``Tensor.type() == 'torch.cuda.FloatTensor'`` checks in the optimizer,
@@ -34,6 +35,8 @@ _INSTALLED = False
 
 class _NullStream:
     """CPU stand-in for a CUDA stream: CPU work is already ordered."""
+
+    device = torch.device("cpu")
 
     def __init__(self, *args, **kwargs):
         pass
@@ -100,6 +103,13 @@ class _CpuTorch(types.ModuleType):
 
 
 def _patch_torch_cuda():
+    # Experimental FSDP enters ``torch.cuda.device(param.device)``; a CPU device
+    # selects nothing.
+    cuda_device = torch.cuda.device
+    torch.cuda.device = lambda device=None: (
+        contextlib.nullcontext() if device is None or str(device).startswith("cpu")
+        else cuda_device(device)
+    )
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.current_stream = lambda device=None: _NullStream()
     torch.cuda.default_stream = lambda device=None: _NullStream()

@@ -1,0 +1,129 @@
+"""Configuration of symmetric-memory staging: mode, size thresholds, flags."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+__all__ = ["COLLECTIVES", "MODES", "SymmMemConfig", "add_fsdp_symm_args"]
+
+MODES = ("auto", "on", "off")
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+
+_MIB = 1 << 20
+
+# Default size bands (bytes of the full, unsharded buffer: all-gather output,
+# reduce-scatter input, all-reduce buffer) in which NCCL's symmetric kernels were
+# not slower than plain buffers (within 1%) for both bf16 and fp32: the longest
+# such run of measured sizes, from ``benchmarks/symm_mem.py`` on 2x H200 (NVLink,
+# NCCL_NVLS_ENABLE=0), torch 2.11.0+cu130, NCCL 2.28.9, 2026-11-22
+# (benchmarks/results/symm_mem_2xH200_collectives.json; docs/fsdp_symm.md).
+# Measured ratios plain/symmetric: all-gather 0.89-1.06x below 2 MiB, 1.00-1.40x
+# for 2-64 MiB, 0.90-0.97x above; reduce-scatter 1.00-1.09x up to 16 MiB,
+# 0.71-0.91x from 32 MiB; all-reduce 1.03-1.09x up to 8 MiB, bf16 0.93x at
+# 16-32 MiB (fp32 wins to 32 MiB), 0.74-0.91x from 64 MiB.
+DEFAULT_BANDS: dict[str, tuple[int, int]] = {
+    "all_gather": (2 * _MIB, 64 * _MIB),
+    "reduce_scatter": (0, 16 * _MIB),
+    "all_reduce": (0, 8 * _MIB),
+}
+
+
+@dataclasses.dataclass
+class SymmMemConfig:
+    """How buffers are staged in NCCL symmetric memory.
+
+    ``mode``: ``"auto"`` uses symmetric memory for a bucket only when its size lies
+    in the band measured to be faster for its collective; ``"on"`` uses it for
+    every bucket; ``"off"`` never does. In every mode a process group that cannot
+    run NCCL symmetric kernels (not NCCL, NCCL < 2.27, a torch without the
+    symmetric-memory pool, ranks without peer access) falls back to plain buffers
+    with one warning.
+
+    The ``*_min_bytes`` / ``*_max_bytes`` fields bound the band per collective, in
+    bytes of the full buffer (all-gather output, reduce-scatter input, all-reduce
+    buffer); ``min <= size <= max`` selects symmetric memory in ``auto`` mode.
+    ``report`` logs, once at start-up, which buckets use symmetric memory and why.
+    """
+
+    mode: str = "auto"
+    all_gather_min_bytes: int = DEFAULT_BANDS["all_gather"][0]
+    all_gather_max_bytes: int = DEFAULT_BANDS["all_gather"][1]
+    reduce_scatter_min_bytes: int = DEFAULT_BANDS["reduce_scatter"][0]
+    reduce_scatter_max_bytes: int = DEFAULT_BANDS["reduce_scatter"][1]
+    all_reduce_min_bytes: int = DEFAULT_BANDS["all_reduce"][0]
+    all_reduce_max_bytes: int = DEFAULT_BANDS["all_reduce"][1]
+    report: bool = True
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(
+                f"SymmMemConfig.mode must be one of {', '.join(map(repr, MODES))}; got {self.mode!r}"
+            )
+        for name in COLLECTIVES:
+            lo_field, hi_field = f"{name}_min_bytes", f"{name}_max_bytes"
+            lo, hi = getattr(self, lo_field), getattr(self, hi_field)
+            for field, value in ((lo_field, lo), (hi_field, hi)):
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise ValueError(
+                        f"SymmMemConfig.{field} must be an int >= 0 (bytes); got {value!r}"
+                    )
+            if lo > hi:
+                raise ValueError(
+                    f"SymmMemConfig.{lo_field} ({lo}) must be <= {hi_field} ({hi}); "
+                    f"raise {hi_field} or lower {lo_field}"
+                )
+        if not isinstance(self.report, bool):
+            raise ValueError(f"SymmMemConfig.report must be a bool; got {self.report!r}")
+
+    def band(self, collective: str) -> tuple[int, int]:
+        """The ``(min_bytes, max_bytes)`` band of ``collective``."""
+        if collective not in COLLECTIVES:
+            raise ValueError(
+                f"collective must be one of {', '.join(map(repr, COLLECTIVES))}; got {collective!r}"
+            )
+        return getattr(self, f"{collective}_min_bytes"), getattr(self, f"{collective}_max_bytes")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "SymmMemConfig":
+        """Build the config from flags added by :func:`add_fsdp_symm_args`."""
+        kwargs = {"mode": args.symm_mem, "report": not args.symm_mem_no_report}
+        for name in COLLECTIVES:
+            flag = name.replace("_", "-")
+            for bound in ("min", "max"):
+                mib = getattr(args, f"symm_mem_{name}_{bound}_mib")
+                if mib is not None:
+                    if mib < 0:
+                        raise ValueError(
+                            f"--symm-mem-{flag}-{bound}-mib must be >= 0; got {mib}"
+                        )
+                    kwargs[f"{name}_{bound}_bytes"] = int(round(mib * _MIB))
+        return cls(**kwargs)
+
+
+def add_fsdp_symm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``--symm-mem*`` flags of :class:`SymmMemConfig` to ``parser``."""
+    group = parser.add_argument_group("NCCL symmetric-memory staging (megatron_ext.fsdp_symm)")
+    group.add_argument(
+        "--symm-mem", choices=MODES, default="auto",
+        help="Stage collective buffers in NCCL symmetric memory: auto (only buckets in the "
+             "measured faster size band), on (all buckets), off (never). Default: auto.",
+    )
+    for name in COLLECTIVES:
+        flag = name.replace("_", "-")
+        lo, hi = DEFAULT_BANDS[name]
+        group.add_argument(
+            f"--symm-mem-{flag}-min-mib", type=float, default=None,
+            help=f"auto mode: smallest {name} buffer (MiB) to stage in symmetric memory "
+                 f"(default {lo / _MIB:g}).",
+        )
+        group.add_argument(
+            f"--symm-mem-{flag}-max-mib", type=float, default=None,
+            help=f"auto mode: largest {name} buffer (MiB) to stage in symmetric memory "
+                 f"(default {hi / _MIB:g}).",
+        )
+    group.add_argument(
+        "--symm-mem-no-report", action="store_true",
+        help="Do not log which buckets use symmetric memory at start-up.",
+    )
+    return parser

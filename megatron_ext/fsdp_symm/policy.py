@@ -1,0 +1,109 @@
+"""Per-bucket choice between symmetric and plain staging, and the start-up report."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from .config import COLLECTIVES, SymmMemConfig
+
+__all__ = ["Decision", "decide", "format_report", "Reporter", "REPORTER"]
+
+logger = logging.getLogger("megatron_ext.fsdp_symm")
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """Whether one collective buffer is staged in symmetric memory, and why."""
+
+    collective: str
+    nbytes: int
+    symmetric: bool
+    reason: str
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.3g} MiB"
+
+
+# NCCL's symmetric kernels reduce only floating types of at most 32 bits, with SUM.
+_REDUCIBLE = {"float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"}
+
+
+def decide(collective: str, nbytes: int, config: SymmMemConfig, unavailable: str | None = None,
+           dtype=None) -> Decision:
+    """Choose staging for a ``collective`` over a full buffer of ``nbytes``.
+
+    ``unavailable`` is the capability probe's reason when this process group
+    cannot run symmetric kernels (``None`` when it can). ``dtype`` (a
+    ``torch.dtype``), when given, rules out reductions NCCL has no symmetric
+    kernel for (anything but floats of at most 32 bits).
+    """
+    if collective not in COLLECTIVES:
+        raise ValueError(
+            f"collective must be one of {', '.join(map(repr, COLLECTIVES))}; got {collective!r}"
+        )
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0; got {nbytes}")
+    if config.mode == "off":
+        return Decision(collective, nbytes, False, "mode=off")
+    if unavailable is not None:
+        return Decision(collective, nbytes, False, f"unavailable: {unavailable}")
+    if dtype is not None and collective != "all_gather":
+        name = str(dtype).removeprefix("torch.")
+        if name not in _REDUCIBLE:
+            return Decision(collective, nbytes, False,
+                            f"{name}: no symmetric reduction kernel (floats <= 32 bit only)")
+    if config.mode == "on":
+        return Decision(collective, nbytes, True, "mode=on")
+    lo, hi = config.band(collective)
+    if nbytes < lo:
+        return Decision(collective, nbytes, False, f"auto: {_mib(nbytes)} < min {_mib(lo)}")
+    if nbytes > hi:
+        return Decision(collective, nbytes, False, f"auto: {_mib(nbytes)} > max {_mib(hi)}")
+    return Decision(collective, nbytes, True, f"auto: {_mib(lo)} <= {_mib(nbytes)} <= {_mib(hi)}")
+
+
+def format_report(rows: list[tuple[str, Decision]]) -> str:
+    """A table of ``(bucket name, decision)`` rows."""
+    n_symm = sum(d.symmetric for _, d in rows)
+    lines = [f"symmetric-memory staging: {n_symm} of {len(rows)} collective buffers symmetric"]
+    width = max([len(name) for name, _ in rows] + [6])
+    lines.append(f"  {'bucket':<{width}}  {'collective':<14} {'size':>11}  staging    why")
+    for name, d in rows:
+        staging = "symmetric" if d.symmetric else "plain"
+        lines.append(
+            f"  {name:<{width}}  {d.collective:<14} {_mib(d.nbytes):>11}  {staging:<9}  {d.reason}"
+        )
+    return "\n".join(lines)
+
+
+class Reporter:
+    """Collects decisions as buffers are built; logs them once, at first use."""
+
+    def __init__(self):
+        self.pending: list[tuple[str, Decision]] = []
+        self.last_report: str | None = None
+
+    def add(self, name: str, decision: Decision) -> None:
+        self.pending.append((name, decision))
+
+    def flush(self, enabled: bool = True) -> str | None:
+        """Log the pending decisions (rank 0 only) and return the text; ``None`` if none."""
+        if not self.pending:
+            return None
+        text = format_report(self.pending)
+        self.pending = []
+        self.last_report = text
+        if enabled and _is_rank0():
+            logger.warning(text)
+        return text
+
+
+def _is_rank0() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+REPORTER = Reporter()

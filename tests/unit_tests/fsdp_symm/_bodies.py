@@ -1,0 +1,296 @@
+"""Rank bodies shared by the fsdp_symm multi-rank tests (CPU gloo and 2-GPU NCCL)."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext.testing import tiny_gpt
+
+SPEC = tiny_gpt.TinyGPTSpec()
+BUCKET = 4096  # elements: many small buckets of different sizes
+GRAD_OPS = ("AllReduce", "ReduceScatter")
+
+
+def _kernels(prof) -> list[str]:
+    return [e.name for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA and "nccl" in e.name.lower()]
+
+
+def _count(names, op):
+    hits = [n for n in names if op in n]
+    symk = [n for n in hits if "symk" in n.lower()]
+    return len(hits), len(symk)
+
+
+def _is_symmetric(buffer, bucket) -> bool:
+    for seg in getattr(buffer, "grad_segments", []):
+        if any(b is bucket for b in seg.buckets):
+            return seg.symmetric
+    return False
+
+
+def _build_ddp(variant, distopt, avg, cfg):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from megatron_ext.fsdp_symm import SymmMemDistributedDataParallel, stage_ddp_buffers
+    from megatron_ext.fsdp_symm.ddp import _PlainStandIn
+
+    tcfg = tiny_gpt.transformer_config(SPEC)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=distopt, bucket_size=BUCKET,
+        overlap_grad_reduce=True, average_in_collective=avg,
+    )
+    module = tiny_gpt.build_model(SPEC, tcfg, device=tiny_gpt.rank_device())
+    if variant == "plain":
+        return DistributedDataParallel(config=tcfg, ddp_config=ddp_config, module=module), []
+    if variant == "standin":  # the staging layout with plain allocations (CPU)
+        ddp = DistributedDataParallel(config=tcfg, ddp_config=ddp_config, module=module)
+        return ddp, stage_ddp_buffers(ddp, cfg, _memory_factory=_PlainStandIn)
+    ddp = SymmMemDistributedDataParallel(config=tcfg, ddp_config=ddp_config, module=module,
+                                         symm_mem_config=cfg)
+    return ddp, ddp.symm_mem_decisions
+
+
+def _train_ddp(ddp, distopt, steps, microbatches, profile_step=None):
+    from megatron.core import parallel_state as ps
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    opt = get_megatron_optimizer(
+        # Adam with a large eps updates in proportion to the gradient (like SGD),
+        # so a wrong AVG shows in the loss; the distributed optimizer needs Adam.
+        OptimizerConfig(optimizer="adam", lr=0.2, adam_eps=1.0, weight_decay=0.0, clip_grad=0.0,
+                        use_distributed_optimizer=distopt),
+        [ddp],
+    )
+    dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    dev = tiny_gpt.rank_device()
+    per_rank = 2 * microbatches
+    losses, kernels = [], {}
+    for step in range(steps):
+        tokens, labels = tiny_gpt.global_batch(SPEC, step=step, num_samples=per_rank * dp)
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        prof = None
+        if step == profile_step:
+            from torch.profiler import ProfilerActivity, profile
+            torch.cuda.synchronize()
+            prof = profile(activities=[ProfilerActivity.CUDA])
+            prof.__enter__()
+        total = 0.0
+        for m in range(microbatches):
+            rows = slice(dp_rank * per_rank + 2 * m, dp_rank * per_rank + 2 * m + 2)
+            sync = contextlib.nullcontext() if m == microbatches - 1 else ddp.no_sync()
+            with sync:
+                loss = tiny_gpt.forward_loss(ddp, tokens[rows].to(dev), labels[rows].to(dev))
+                loss = loss / microbatches
+                loss.backward()
+            total += loss.detach()
+        ddp.finish_grad_sync()
+        if prof is not None:
+            torch.cuda.synchronize()
+            prof.__exit__(None, None, None)
+            kernels["grad"] = _kernels(prof)
+            prof = profile(activities=[ProfilerActivity.CUDA])
+            prof.__enter__()
+        ok, _, _ = opt.step()
+        assert ok, f"optimizer step {step} was skipped"
+        if prof is not None:
+            torch.cuda.synchronize()
+            prof.__exit__(None, None, None)
+            kernels["param"] = _kernels(prof)
+        mean = torch.as_tensor(total, device=dev).reshape(1).clone()
+        dist.all_reduce(mean)
+        losses.append((mean / dp).item())
+    return losses, kernels
+
+
+def ddp_parity(distopt, microbatches, steps, avg, staged_variant, mode):
+    """Train plain Megatron DDP, then the staged variant, from the same init.
+
+    In ``auto`` mode the band is set to the median bucket size, so some buckets
+    are symmetric and some plain. Returns losses, decisions, kernels, warnings.
+    """
+    from megatron.core import parallel_state as ps
+
+    from megatron_ext.fsdp_symm import SymmMemConfig
+
+    ps.initialize_model_parallel()
+    base_ddp, _ = _build_ddp("plain", distopt, False, None)
+    sizes = sorted(b.grad_data.numel() * b.grad_data.element_size()
+                   for buf in base_ddp.buffers for b in buf.buckets)
+    psizes = sorted(b.param_data.numel() * b.param_data.element_size()
+                    for buf in base_ddp.buffers for b in buf.buckets if b.param_data is not None)
+    base, _ = _train_ddp(base_ddp, distopt, steps, microbatches)
+    del base_ddp
+    mid = sizes[len(sizes) // 2]
+    pmid = psizes[len(psizes) // 2] if psizes else 0
+    cfg = SymmMemConfig(mode=mode, all_reduce_max_bytes=mid, reduce_scatter_max_bytes=mid,
+                        all_gather_min_bytes=0, all_gather_max_bytes=pmid)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ddp, decisions = _build_ddp(staged_variant, distopt, avg, cfg)
+        # A second wrapper in the same process must not warn again.
+        if staged_variant == "symm":
+            _build_ddp(staged_variant, distopt, avg, cfg)
+    ours = [str(w.message) for w in caught if "fsdp_symm" in str(w.message)]
+    profile_step = steps - 1 if dist.get_backend() == "nccl" else None
+    staged, kernels = _train_ddp(ddp, distopt, steps, microbatches, profile_step)
+    buffer = ddp.buffers[0]
+    offload = _offload_roundtrip(ddp) if staged_variant == "standin" else None
+    layout = {
+        "class": type(buffer).__name__,
+        "grad_segments": [(s.start, s.end, s.symmetric) for s in getattr(buffer, "grad_segments", [])],
+        "param_segments": [(s.start, s.end, s.symmetric) for s in getattr(buffer, "param_segments", [])],
+        "grad_data_is_none": buffer.grad_data is None,
+        # (average_in_collective, has a symmetric grad bucket) per bucket group
+        "groups": [(g.ddp_config.average_in_collective,
+                    any(_is_symmetric(ddp.buffers[0], b) for b in g.buckets))
+                   for g in ddp.bucket_groups],
+    }
+    memories = {id(s.memory): s.memory for s in getattr(buffer, "grad_segments", [])
+                + getattr(buffer, "param_segments", []) if s.symmetric}
+    rendezvous = sum(m.rendezvous_calls for m in memories.values())
+    return dict(base=base, staged=staged, decisions=decisions, warnings=ours,
+                kernels=kernels, layout=layout, rendezvous=rendezvous, offload=offload)
+
+
+def _offload_roundtrip(ddp):
+    """Megatron's grad-buffer offload/restore on a staged buffer: storage freed,
+    then restored zeroed, with ``param.main_grad`` still aliasing the segments."""
+    segs = [s for b in ddp.buffers for s in b.grad_segments]
+    before = [s.tensor.untyped_storage().nbytes() for s in segs]
+    ddp.offload_grad_buffers()
+    freed = [s.tensor.untyped_storage().nbytes() for s in segs]
+    ddp.restore_grad_buffers()
+    after = [s.tensor.untyped_storage().nbytes() for s in segs]
+    zero = all(bool((s.tensor == 0).all()) for s in segs)
+    ptrs = {s.tensor.untyped_storage().data_ptr() for s in segs}
+    aliased = all(p.main_grad.untyped_storage().data_ptr() in ptrs
+                  for b in ddp.buffers for bucket in b.buckets for p in bucket.params_list)
+    return dict(before=before, freed=freed, after=after, zero=zero, aliased=aliased)
+
+
+# --------------------------------------------------------------------- FSDP
+FSDP_WIDTHS = (64, 256, 64, 1024, 64)  # Linear(a, b): 64 KiB, 64 KiB, 256 KiB, 256 KiB fp32
+
+
+def _fsdp_model(variant, cfg, widths=FSDP_WIDTHS, dtype=torch.float32):
+    from torch.distributed.device_mesh import init_device_mesh
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.experimental import (
+        Flat, Placements, fully_shard as upstream_fully_shard, fully_shard_optimizer)
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import MixedPrecisionPolicy
+
+    from megatron_ext.fsdp_symm import fully_shard
+
+    dev = tiny_gpt.rank_device()
+    mesh = init_device_mesh(dev.type, (dist.get_world_size(),))
+    torch.manual_seed(1234)
+    layers = [torch.nn.Linear(a, b, bias=False) for a, b in zip(widths[:-1], widths[1:])]
+    model = torch.nn.Sequential(*layers).to(device=dev, dtype=dtype)
+    placements = Placements(dp_axes=[0], parameter=[Flat()], gradient=[Flat()], optimizer=[Flat()])
+    mp = MixedPrecisionPolicy(main_params_dtype=torch.float32)
+    for layer in model:
+        if variant == "upstream":
+            upstream_fully_shard(layer, mesh=mesh, placements=placements, mixed_precision_policy=mp)
+        elif variant == "upstream-symm":
+            upstream_fully_shard(layer, mesh=mesh, placements=placements, mixed_precision_policy=mp,
+                                 use_symm_mem=True)
+        else:
+            fully_shard(layer, mesh=mesh, placements=placements, mixed_precision_policy=mp,
+                        symm_mem_config=cfg)
+    # SGD: the update scales with the gradient, so a wrong AVG would show in the loss.
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    fully_shard_optimizer(opt)
+    return model, opt
+
+
+def _fsdp_batch(step, m, width_in, width_out, dtype):
+    g = torch.Generator().manual_seed(100 * step + 10 * m + dist.get_rank())
+    return torch.randn(8, width_in, generator=g).to(dtype), torch.randn(8, width_out, generator=g).to(dtype)
+
+
+def train_fsdp(model, opt, steps, microbatches, profile_step=None, widths=FSDP_WIDTHS,
+               dtype=torch.float32, start=0):
+    dev = tiny_gpt.rank_device()
+    losses, kernels = [], []
+    for step in range(start, start + steps):
+        opt.zero_grad(set_to_none=True)
+        prof = None
+        if step == profile_step:
+            from torch.profiler import ProfilerActivity, profile
+            torch.cuda.synchronize()
+            prof = profile(activities=[ProfilerActivity.CUDA])
+            prof.__enter__()
+        total = torch.zeros((), device=dev)
+        for m in range(microbatches):
+            x, y = _fsdp_batch(step, m, widths[0], widths[-1], dtype)
+            loss = torch.nn.functional.mse_loss(model(x.to(dev)), y.to(dev)).float() / microbatches
+            loss.backward()
+            total += loss.detach()
+        opt.step()
+        if prof is not None:
+            torch.cuda.synchronize()
+            prof.__exit__(None, None, None)
+            kernels = _kernels(prof)
+        dist.all_reduce(total)
+        losses.append((total / dist.get_world_size()).item())
+    return losses, kernels
+
+
+def _fsdp_groups(model):
+    from megatron_ext.fsdp_symm.fsdp import SymmFsdpModule
+
+    return [g for layer in model if isinstance(layer, SymmFsdpModule) for g in layer.parameter_groups]
+
+
+def fsdp_parity(microbatches, steps, mode, max_bytes):
+    """Upstream plain experimental FSDP vs ours with ``mode`` and an AG/RS band
+    ``[0, max_bytes]``. Returns losses, decisions, kernels, windows, warnings."""
+    from megatron_ext.fsdp_symm import SymmMemConfig
+
+    model, opt = _fsdp_model("upstream", None)
+    base, _ = train_fsdp(model, opt, steps, microbatches)
+    del model, opt
+    cfg = SymmMemConfig(mode=mode, all_gather_min_bytes=0, all_gather_max_bytes=max_bytes,
+                        reduce_scatter_max_bytes=max_bytes)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, opt = _fsdp_model("ours", cfg)
+        groups = _fsdp_groups(model)
+        decisions = [(g.all_gather_decision, g.reduce_scatter_decision) for g in groups]
+        ours, _ = train_fsdp(model, opt, 1, microbatches)
+        after_first = sum(g.symm.rendezvous_calls for g in groups if g.symm is not None)
+        profile_step = steps - 1 if dist.get_backend() == "nccl" else None
+        more, kernels = train_fsdp(model, opt, steps - 1, microbatches, profile_step, start=1)
+    after_last = sum(g.symm.rendezvous_calls for g in groups if g.symm is not None)
+    warned = [str(w.message) for w in caught if "fsdp_symm" in str(w.message)]
+    return dict(base=base, staged=ours + more, decisions=decisions, kernels=kernels,
+                windows=(after_first, after_last), warnings=warned)
+
+
+def fsdp_standin_parity(microbatches, steps, max_bytes):
+    """The symmetric code paths of our FSDP groups on CPU: the probe reports
+    available and plain allocations stand in for the pool (test-only patches of
+    our own module). Returns upstream and staged losses and the decisions."""
+    from megatron_ext.fsdp_symm import SymmMemConfig, fsdp
+    from megatron_ext.fsdp_symm.capability import Capability
+    from megatron_ext.fsdp_symm.ddp import _PlainStandIn
+
+    model, opt = _fsdp_model("upstream", None)
+    base, _ = train_fsdp(model, opt, steps, microbatches)
+    del model, opt
+    fsdp.probe = lambda group: Capability(True, "stand-in")
+    fsdp.SymmetricMemory = _PlainStandIn
+    fsdp.SymmFsdpParameterGroup._unsupported_layout = lambda self, placements: None
+    cfg = SymmMemConfig(mode="auto", all_gather_min_bytes=0, all_gather_max_bytes=max_bytes,
+                        reduce_scatter_max_bytes=max_bytes)
+    model, opt = _fsdp_model("ours", cfg)
+    groups = _fsdp_groups(model)
+    staged, _ = train_fsdp(model, opt, steps, microbatches)
+    decisions = [(g.all_gather_decision, g.reduce_scatter_decision) for g in groups]
+    scratch = [g._reduce_scratch is not None for g in groups]
+    return dict(base=base, staged=staged, decisions=decisions, scratch=scratch)
