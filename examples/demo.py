@@ -63,13 +63,8 @@ def _train_rank(cfg: DemoConfig, spec: tiny_gpt.TinyGPTSpec, phase: str):
     for step in range(cfg.steps):
         start = time.perf_counter()
         tokens, labels = tiny_gpt.global_batch(spec, step, cfg.global_batch)
-        model.zero_grad_buffer()
-        opt.zero_grad()
-        loss = tiny_gpt.forward_loss(model, tokens[mine].to(device), labels[mine].to(device))
-        loss.backward()
-        model.finish_grad_sync()
-        opt.step()
-        mean = loss.detach().clone()
+        loss = tiny_gpt.train_step(model, opt, tokens[mine].to(device), labels[mine].to(device))
+        mean = loss.clone()
         dist.all_reduce(mean, group=ps.get_data_parallel_group())
         rows.append((step, (mean / dp).item(), time.perf_counter() - start))
         if dist.get_rank() == 0:

@@ -49,14 +49,9 @@ def _ntp_rank(ntp_kwargs, spec, steps, global_batch, lr, phase):
     for step in range(steps):
         start = time.perf_counter()
         tokens, labels = tiny_gpt.global_batch(spec, step, global_batch)
-        model.zero_grad_buffer()
-        opt.zero_grad()
-        loss = tiny_gpt.forward_loss(model, tokens[mine].to(device), labels[mine].to(device))
-        loss.backward()
-        model.finish_grad_sync()
-        opt.step()
+        loss = tiny_gpt.train_step(model, opt, tokens[mine].to(device), labels[mine].to(device))
         # Mean over replicas: every rank adds loss / (its TP size * replicas).
-        mean = loss.detach() / (role.tp_size * replicas)
+        mean = loss / (role.tp_size * replicas)
         dist.all_reduce(mean)
         rows.append((step, mean.item(), time.perf_counter() - start))
         if dist.get_rank() == 0:

@@ -118,3 +118,16 @@ def forward_loss(model, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Ten
     )
     per_token = model(tokens, position_ids, attention_mask, labels=labels)
     return per_token.float().mean()
+
+
+def train_step(model, optimizer, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """One optimizer step of a Megatron DDP-wrapped ``model`` on this rank's
+    micro-batch: zero the grad buffer, forward, backward, grad sync, step.
+    Returns this rank's (detached) loss."""
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    loss = forward_loss(model, tokens, labels)
+    loss.backward()
+    model.finish_grad_sync()
+    optimizer.step()
+    return loss.detach()
