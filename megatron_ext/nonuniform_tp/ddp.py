@@ -90,7 +90,9 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
 
     Same arguments plus ``ntp_config`` (and optionally the ``ntp_groups`` returned
     by :func:`initialize_nonuniform_tp_process_groups`; default: the installed
-    ones). On degraded replicas and in jobs without failures it is exactly
+    ones). ``symm_mem_config`` (a :class:`megatron_ext.fsdp_symm.SymmMemConfig`)
+    stages the bucket buffers in NCCL symmetric memory per its policy; on gloo or
+    unsupported setups they stay plain with one warning. On degraded replicas and in jobs without failures it is exactly
     Megatron's DDP. On healthy replicas ``self.module`` is the training shadow
     (``tp_reduced`` layout; what the optimizer and ``state_dict`` see) and
     :attr:`compute_module` is the ``tp_base`` model that ``forward`` runs.
@@ -98,7 +100,21 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
 
     def __init__(self, config, ddp_config, module: torch.nn.Module, disable_bucketing: bool = False,
                  pg_collection=None, full_param_layout=None, *,
-                 ntp_config: NonuniformTPConfig, ntp_groups: NTPProcessGroups | None = None):
+                 ntp_config: NonuniformTPConfig, ntp_groups: NTPProcessGroups | None = None,
+                 symm_mem_config=None):
+        self._init_ntp(config, ddp_config, module, disable_bucketing, pg_collection,
+                       full_param_layout, ntp_config, ntp_groups)
+        self.symm_mem_config = symm_mem_config
+        self.symm_mem_decisions = []
+        if symm_mem_config is not None:
+            # Stage the buckets' grad/param buffers (the shadow's on healthy ranks)
+            # in NCCL symmetric memory where the policy says so.
+            from megatron_ext.fsdp_symm.ddp import stage_ddp_buffers
+
+            self.symm_mem_decisions = stage_ddp_buffers(self, symm_mem_config)
+
+    def _init_ntp(self, config, ddp_config, module, disable_bucketing, pg_collection,
+                  full_param_layout, ntp_config, ntp_groups):
         groups = ntp_groups or get_ntp_process_groups()
         if groups is None or not groups.is_active:
             raise RuntimeError(

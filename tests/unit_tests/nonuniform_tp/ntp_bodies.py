@@ -13,13 +13,15 @@ GLOBAL_BATCH = 4
 
 
 def train(ntp_kwargs, steps, *, spec=tiny_gpt.TinyGPTSpec(), tp=1, distributed_optimizer=False,
-          overlap=False, grad_reduce_in_fp32=True, global_batch=GLOBAL_BATCH, lr=1e-3, microbatches=1, bf16=False):
+          overlap=False, grad_reduce_in_fp32=True, global_batch=GLOBAL_BATCH, lr=1e-3, microbatches=1, bf16=False,
+          symm_mem=None):
     """Train the tiny GPT for ``steps`` Megatron-optimizer steps.
 
     ``ntp_kwargs is None``: uniform TP=``tp`` with Megatron's own DDP. Else an
     NTP job from ``NonuniformTPConfig(**ntp_kwargs)``. Returns this rank's
     replica, TP rank, per-step losses and times (``microbatches`` > 1:
-    gradient accumulation under ``no_sync``), and the full (TP=1) weights at
+    gradient accumulation under ``no_sync``; ``symm_mem``: SymmMemConfig kwargs
+    for symmetric-memory staging of the NTP buckets), and the full (TP=1) weights at
     init and after training (TP rank 0 of each replica only), or ``None`` on a
     rank that left (simulate mode).
     """
@@ -63,7 +65,13 @@ def train(ntp_kwargs, steps, *, spec=tiny_gpt.TinyGPTSpec(), tp=1, distributed_o
     if ntp_cfg is None:
         ddp = DistributedDataParallel(config=cfg, ddp_config=ddp_config, module=model)
     else:
-        ddp = NonuniformTPDistributedDataParallel(cfg, ddp_config, model, ntp_config=ntp_cfg)
+        symm_cfg = None
+        if symm_mem is not None:
+            from megatron_ext.fsdp_symm import SymmMemConfig
+
+            symm_cfg = SymmMemConfig(**symm_mem)
+        ddp = NonuniformTPDistributedDataParallel(cfg, ddp_config, model, ntp_config=ntp_cfg,
+                                                  symm_mem_config=symm_cfg)
     opt = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.01, clip_grad=1.0, bf16=bf16,
                         use_distributed_optimizer=distributed_optimizer), [ddp])
@@ -99,6 +107,7 @@ def train(ntp_kwargs, steps, *, spec=tiny_gpt.TinyGPTSpec(), tp=1, distributed_o
     cpu = lambda m: {n: p.detach().cpu().clone() for n, p in m.named_parameters()}  # noqa: E731
     return dict(replica=replica, tp_rank=tp_rank, tp_size=tp_size, degraded=degraded,
                 bucket_groups=len(ddp.bucket_groups), in_flight_after_backward=in_flight,
+                symm_decisions=[d for _, d in getattr(ddp, "symm_mem_decisions", [])],
                 losses=losses, times=times, init=init if keep else None,
                 final=final if keep else None,
                 train_state=cpu(ddp.module), compute_state=cpu(compute),

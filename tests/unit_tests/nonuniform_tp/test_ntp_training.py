@@ -158,3 +158,21 @@ def test_packed_tp4_one_spare_reduced_degree_three(backend):
     assert sorted(o["tp_size"] for o in out) == [3, 3, 3, 4, 4, 4, 4]
     _check_overlap(out)
     _check_parity(out, _baseline(SPEC_TP43, backend), replicas=2)
+
+
+@pytest.mark.parametrize("backend", _backends(3))
+def test_packed_tp2_with_symmetric_memory_staging(backend):
+    """NTP buckets staged by megatron_ext.fsdp_symm (mode 'on'): the same
+    training as uniform TP. On gloo every bucket falls back to plain buffers
+    and says why; on NCCL every uncoalesced bucket is symmetric."""
+    ntp = dict(tp_base=2, tp_spares=1, non_active_ranks_per_dp={0: (1,)})
+    out = run_on_ranks(train, 3, args=(ntp, STEPS), kwargs=dict(symm_mem=dict(mode="on")),
+                       timeout=300, backend=backend)
+    _check_parity(out, _baseline(SPEC, backend), replicas=2)
+    for o in out:
+        assert o["symm_decisions"], "no bucket was considered for staging"
+        for d in o["symm_decisions"]:
+            if backend == "gloo":
+                assert not d.symmetric and "nccl" in d.reason.lower(), d
+            else:
+                assert d.symmetric or "coalesces" in d.reason, d
