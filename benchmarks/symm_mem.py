@@ -108,6 +108,22 @@ def _series_kernels(pairs):
     return out
 
 
+def _kernel_us(fn, iters=20):
+    """Median device duration (us) of the NCCL kernels of ``iters`` back-to-back
+    calls, from the profiler: the collective's own cost, without the host
+    launch overhead that dominates CUDA-event timings of small collectives."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    durations = [e.time_range.elapsed_us() for e in prof.events()
+                 if e.device_type == torch.autograd.DeviceType.CUDA and "nccl" in e.name.lower()]
+    return statistics.median(durations) if durations else float("nan")
+
+
 def _nccl_names(prof):
     events = sorted((e for e in prof.events()
                      if e.device_type == torch.autograd.DeviceType.CUDA and "nccl" in e.name.lower()),
@@ -149,7 +165,8 @@ def bench_collectives(quick):
                 t = {k: statistics.median(v) for k, v in t.items()}
                 row = dict(collective=collective, dtype=dname, nbytes=nbytes,
                            plain_us=t["plain"], symmetric_us=t["symmetric"], policy_us=t["policy"],
-                           policy_symmetric=d.symmetric)
+                           policy_symmetric=d.symmetric,
+                           plain_kernel_us=_kernel_us(plain), symmetric_kernel_us=_kernel_us(sym))
                 rows.append(row)
                 series.append((row, plain, sym))
             # Which kernels ran: one profiler session per series, one call each.
@@ -162,24 +179,29 @@ def bench_collectives(quick):
                 _log(f"{collective:<15}{dname:<5}{row['nbytes'] / MIB:>9.2f} MiB  plain {t['plain_us']:9.1f} us"
                      f"  symm {t['symmetric_us']:9.1f} us ({t['plain_us'] / t['symmetric_us']:.2f}x, "
                      f"symk={row['symk_engaged']})  policy[{'S' if row['policy_symmetric'] else 'P'}] "
-                     f"{t['policy_us']:9.1f} us ({t['plain_us'] / t['policy_us']:.3f}x)  {ks[:1]}")
+                     f"{t['policy_us']:9.1f} us ({t['plain_us'] / t['policy_us']:.3f}x)  "
+                     f"kernel plain {t['plain_kernel_us']:8.1f} symm {t['symmetric_kernel_us']:8.1f} us "
+                     f"({t['plain_kernel_us'] / t['symmetric_kernel_us']:.2f}x)  {ks[:1]}")
             del series
             torch.cuda.synchronize()
     return rows, symm
 
 
-def recommend_bands(rows, tolerance=0.01):
+def recommend_bands(rows, tolerance=0.01, key="us"):
     """Per collective: the longest run of consecutive measured sizes where the
     symmetric kernel ran and was not slower than plain by more than
     ``tolerance`` for every dtype, as ``(min_bytes, max_bytes)`` (min 0 when the
-    run starts at the smallest size); ``None`` when there is no such size."""
+    run starts at the smallest size); ``None`` when there is no such size.
+    ``key``: ``"us"`` compares CUDA-event times of back-to-back calls,
+    ``"kernel_us"`` the profiler's kernel durations."""
     bands = {}
     for collective in COLLECTIVES:
         sizes = sorted({r["nbytes"] for r in rows if r["collective"] == collective})
         good = []
         for s in sizes:
             pts = [r for r in rows if r["collective"] == collective and r["nbytes"] == s]
-            good.append(all(r["symk_engaged"] and r["symmetric_us"] <= r["plain_us"] * (1 + tolerance)
+            good.append(all(r["symk_engaged"]
+                            and r[f"symmetric_{key}"] <= r[f"plain_{key}"] * (1 + tolerance)
                             for r in pts))
         best, run = None, None
         for i, ok in enumerate(good):
@@ -195,18 +217,13 @@ def recommend_bands(rows, tolerance=0.01):
 
 
 # ---------------------------------------------------------------- training steps
-def _step_time(step, steps=10, warmup=3):
+def _step_time(step, steps=10, warmup=3, reps=5):
+    """Median over ``reps`` of the mean ms/step of ``steps`` steps."""
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
     dist.barrier()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(steps):
-        step()
-    e.record()
-    e.synchronize()
-    return s.elapsed_time(e) / steps
+    return _time(step, steps, reps) / 1e3
 
 
 def _count_kernels(step):
@@ -325,15 +342,21 @@ def main_rank(quick):
         with open(_partial, "w") as f:
             json.dump(rows, f)
     bands = recommend_bands(rows)
+    kernel_bands = recommend_bands(rows, key="kernel_us")
     result = dict(
         machine=f"{socket.gethostname()}: {dist.get_world_size()}x {torch.cuda.get_device_name()}",
         torch=torch.__version__, nccl=".".join(map(str, torch.cuda.nccl.version())),
         nvls=os.environ.get("NCCL_NVLS_ENABLE"), collectives=rows, recommended_bands=bands,
+        recommended_bands_kernel_time=kernel_bands,
     )
     _log("recommended bands (MiB):", {k: v and (v[0] / MIB, v[1] / MIB) for k, v in bands.items()})
+    _log("recommended bands by kernel time (MiB):",
+         {k: v and (v[0] / MIB, v[1] / MIB) for k, v in kernel_bands.items()})
     worst = max((r["policy_us"] / r["plain_us"] for r in rows), default=0)
     result["policy_worst_vs_plain"] = worst
     _log(f"policy worst vs plain: {worst:.3f}x time")
+    if os.environ.get("SYMM_BENCH_SKIP_STEPS"):
+        return result
     result["fsdp"] = {}
     for width, layers in ([(1024, 8)] if quick else [(1024, 8), (2048, 8), (4096, 4)]):
         try:
@@ -367,7 +390,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="symm_mem.json")
     parser.add_argument("--quick", action="store_true", help="fewer sizes and models")
+    parser.add_argument("--collectives-only", action="store_true", help="skip the training steps")
     args = parser.parse_args()
+    if args.collectives_only:
+        os.environ["SYMM_BENCH_SKIP_STEPS"] = "1"
     from megatron_ext.testing.multirank import run_on_ranks
 
     t0 = time.time()
