@@ -47,7 +47,7 @@ def transformer_config(spec: TinyLlamaSpec, tp: int = 1, pp: int = 1, **override
         qk_layernorm=spec.arch == "qwen3",
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
-        params_dtype=torch.float32, bf16=False, fp16=False,
+        params_dtype=torch.float32, pipeline_dtype=torch.float32, bf16=False, fp16=False,
         gradient_accumulation_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
     )
@@ -120,3 +120,8 @@ def hf_model(spec: TinyLlamaSpec, config, dtype=torch.float32):
 def tokens(spec: TinyLlamaSpec, batch: int = 2, seed: int = 0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, spec.hf_vocab_size, (batch, spec.seq_length), generator=gen)
+
+
+def build_hf(spec: TinyLlamaSpec, dtype=torch.float32):
+    """The HF model for ``spec`` without a process group (receiver processes)."""
+    return hf_model(spec, transformer_config(spec), dtype=dtype)

@@ -192,7 +192,7 @@ class WeightExporter:
         if not self.participates:
             return ExportResult(self.version, 0, 0.0, 0)
         self._ensure_plan()
-        plan, lay = self._plan, self.layout
+        plan = self._plan
         sender = self.sender if self.is_export_rank else None
         if self.is_leader and not self._buffers:
             alloc = sender.allocate if sender is not None else (
@@ -201,28 +201,18 @@ class WeightExporter:
         if sender is not None:
             sender.start(plan, self._buffers, self.version)
         pending = [None, None]
-        for bucket, sources in zip(plan.buckets, self._bucket_sources):
-            slot = bucket.index % 2
-            mine = bucket.pp_rank == lay.pp_rank
-            if not (mine or self.is_export_rank):
-                continue
-            out = None
-            if self.is_leader:
-                if pending[slot] is not None:
-                    pending[slot].wait()
-                    pending[slot] = None
-                out = self._buffers[slot]
-            if mine:
-                self._gatherer.gather(bucket, sources, out)
-            else:  # the export rank receives another stage's bucket
-                dist.recv(out[:bucket.nbytes], src=lay.stage_leaders[bucket.pp_rank])
-            if self.is_export_rank:
-                pending[slot] = sender.send(bucket, out)
-            elif self.is_leader:
-                pending[slot] = dist.isend(out[:bucket.nbytes], dst=lay.stage_leaders[0])
-        for p in pending:
-            if p is not None:
-                p.wait()
+        try:
+            self._stream_buckets(plan, sender, pending)
+        except BaseException:
+            # Let in-flight sends finish or fail (each bounded by the timeout), so no
+            # transfer is left writing into a buffer or blocking the group's teardown.
+            for p in pending:
+                try:
+                    if p is not None:
+                        p.wait()
+                except Exception:  # noqa: BLE001 - the first error is the one raised
+                    pass
+            raise
         applied = tuple(sender.finish(self.version)) if sender is not None else ()
         nbytes = plan.total_bytes if self.is_export_rank else 0
         self.last_result = ExportResult(self.version, nbytes, time.perf_counter() - start,
@@ -243,6 +233,32 @@ class WeightExporter:
         else:
             got = sender.request_logits(tokens)
         return verify_export(reference, got)
+
+    def _stream_buckets(self, plan, sender, pending) -> None:
+        lay = self.layout
+        for bucket, sources in zip(plan.buckets, self._bucket_sources):
+            slot = bucket.index % 2
+            mine = bucket.pp_rank == lay.pp_rank
+            if not (mine or self.is_export_rank):
+                continue
+            out = None
+            if self.is_leader:
+                if pending[slot] is not None:
+                    p, pending[slot] = pending[slot], None
+                    p.wait()
+                out = self._buffers[slot]
+            if mine:
+                self._gatherer.gather(bucket, sources, out)
+            else:  # the export rank receives another stage's bucket
+                dist.recv(out[:bucket.nbytes], src=lay.stage_leaders[bucket.pp_rank])
+            if self.is_export_rank:
+                pending[slot] = sender.send(bucket, out)
+            elif self.is_leader:
+                pending[slot] = dist.isend(out[:bucket.nbytes], dst=lay.stage_leaders[0])
+        for i, p in enumerate(pending):
+            if p is not None:
+                pending[i] = None
+                p.wait()
 
     def close(self) -> None:
         if self._sender is not None:

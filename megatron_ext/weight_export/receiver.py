@@ -68,6 +68,7 @@ class WeightReceiver:
         self.applied_version: int | None = None
         self._version: int | None = None
         self._arrived: set[int] = set()
+        self.plans_received = 0
 
     def set_plan(self, plan: ExportPlan) -> None:
         """Validate ``plan`` against the consumer before any byte is written."""
@@ -75,6 +76,7 @@ class WeightReceiver:
         if expected is not None:
             check_plan(plan, expected)
         self.plan = plan
+        self.plans_received += 1
 
     def begin(self, version: int) -> None:
         if self.plan is None:

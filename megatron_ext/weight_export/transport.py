@@ -286,7 +286,13 @@ def serve(consumer, address: str, *, device: torch.device | str = "cpu", timeout
     receiver = WeightReceiver(consumer)
     device = torch.device(device)
     with Listener(parse_address(address), authkey=authkey) as listener:
-        conn = listener.accept()
+        sock = getattr(getattr(listener, "_listener", None), "_socket", None)
+        if sock is not None:
+            sock.settimeout(timeout_s)
+        try:
+            conn = listener.accept()
+        except TimeoutError as exc:
+            raise ReceiverError(f"no trainer connected to {address} within {timeout_s:.0f}s") from exc
     pg, bufs, plan = None, [], None
     try:
         while True:
