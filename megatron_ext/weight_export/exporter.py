@@ -255,9 +255,10 @@ class WeightExporter:
                 pending[slot] = sender.send(bucket, out)
             elif self.is_leader:
                 pending[slot] = dist.isend(out[:bucket.nbytes], dst=lay.stage_leaders[0])
-        for i, p in enumerate(pending):
-            if p is not None:
-                pending[i] = None
+        last = plan.buckets[-1].index if plan.buckets else 0
+        for slot in ((last + 1) % 2, last % 2):  # oldest first: acknowledgements come in order
+            if pending[slot] is not None:
+                p, pending[slot] = pending[slot], None
                 p.wait()
 
     def close(self) -> None:
