@@ -85,7 +85,7 @@ def build_model(spec: TinyLlamaSpec, config, device: torch.device | str = "cpu")
                 noise = full[rank * p.shape[0]:(rank + 1) * p.shape[0]]
             else:
                 noise = torch.randn(p.shape, generator=gen) * 0.1
-            p.add_(noise.to(p.dtype))
+            p.add_(noise.to(p.device, p.dtype))
     return model.to(device)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .hf_mapping import Source, write_shard
+from .hf_mapping import Source, copy_all, shard_copies
 from .plan import BucketMeta, unpack
 
 __all__ = ["BucketGatherer"]
@@ -42,8 +42,8 @@ class BucketGatherer:
         """Fill ``out`` (the TP leader's export buffer; None elsewhere) with ``bucket``."""
         views = dict(unpack(bucket, out)) if out is not None else {}
         if self.tp_size == 1:
-            for s in sources:
-                write_shard(s, self.params[s.local_name].detach(), 0, 1, [views[n] for n, _ in s.outputs])
+            copy_all([pair for s in sources for pair in shard_copies(
+                s, self.params[s.local_name].detach(), 0, 1, [views[n] for n, _ in s.outputs])])
             return
         offsets, chunk = self._shard_layout(sources)
         need = chunk * self.tp_size
@@ -52,14 +52,15 @@ class BucketGatherer:
             self._scratch = torch.empty(need, dtype=torch.uint8, device=self.device)
         slots = self._scratch[:need].view(self.tp_size, chunk)
         mine = slots[self.tp_rank]
-        for s, off in zip(sources, offsets):
-            p = self.params[s.local_name].detach()
-            mine[off:off + s.shard_nbytes].view(s.dtype).view(p.shape).copy_(p)
+        copy_all([(mine[off:off + s.shard_nbytes].view(s.dtype).view(s.shard_shape),
+                   self.params[s.local_name].detach()) for s, off in zip(sources, offsets)])
         dist.all_gather_into_tensor(self._scratch[:need], mine, group=self.tp_group)
         if out is None:
             return
+        pairs = []
         for s, off in zip(sources, offsets):
             dests = [views[n] for n, _ in s.outputs]
             for r in range(self.tp_size if s.partition_dim is not None else 1):
                 shard = slots[r, off:off + s.shard_nbytes].view(s.dtype).view(s.shard_shape)
-                write_shard(s, shard, r, self.tp_size, dests)
+                pairs += shard_copies(s, shard, r, self.tp_size, dests)
+        copy_all(pairs)

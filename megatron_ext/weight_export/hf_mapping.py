@@ -16,7 +16,8 @@ import re
 
 import torch
 
-__all__ = ["Source", "UnsupportedParameter", "hf_config_from_megatron", "local_sources", "write_shard"]
+__all__ = ["Source", "UnsupportedParameter", "copy_all", "hf_config_from_megatron", "local_sources", "shard_copies",
+           "write_shard"]
 
 
 class UnsupportedParameter(ValueError):
@@ -174,30 +175,37 @@ def _unsupported(name: str, cfg) -> str:
 def write_shard(source: Source, shard: torch.Tensor, tp_rank: int, tp_size: int,
                 dests: list[torch.Tensor]) -> None:
     """Copy TP shard ``tp_rank`` of ``source`` into its place in the HF tensors ``dests``."""
+    for dst, src in shard_copies(source, shard, tp_rank, tp_size, dests):
+        dst.copy_(src)
+
+
+def shard_copies(source: Source, shard: torch.Tensor, tp_rank: int, tp_size: int,
+                 dests: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The ``(destination view, source view)`` pairs that place TP shard ``tp_rank``
+    of ``source`` in the HF tensors ``dests`` (batched by the caller)."""
     d = source.partition_dim
     if source.kind == "copy":
         (dst,) = dests
         if d is None:
-            if tp_rank == 0:
-                dst.copy_(shard.narrow(0, 0, dst.shape[0]) if dst.shape[0] != shard.shape[0] else shard)
-            return
+            if tp_rank != 0:
+                return []
+            return [(dst, shard.narrow(0, 0, dst.shape[0]) if dst.shape[0] != shard.shape[0] else shard)]
         size = shard.shape[d]
         start = tp_rank * size
         stop = min(start + size, dst.shape[d])  # vocab trimming
-        if stop > start:
-            dst.narrow(d, start, stop - start).copy_(shard.narrow(d, 0, stop - start))
-        return
+        if stop <= start:
+            return []
+        return [(dst.narrow(d, start, stop - start), shard.narrow(d, 0, stop - start))]
     if d is not None and d != 0:
         raise ValueError(f"{source.mcore_name}: expected TP sharding on dim 0, got {d}")
     ranks = tp_size if d is not None else 1
     if d is None and tp_rank != 0:
-        return
+        return []
     if source.kind == "glu":
         gate, up = dests
         rows = shard.shape[0] // 2
-        gate.narrow(0, tp_rank * rows, rows).copy_(shard[:rows])
-        up.narrow(0, tp_rank * rows, rows).copy_(shard[rows:])
-        return
+        return [(gate.narrow(0, tp_rank * rows, rows), shard[:rows]),
+                (up.narrow(0, tp_rank * rows, rows), shard[rows:])]
     # qkv: rows are [q heads of group g, k of g, v of g] for each query group g.
     q, k, v = dests
     groups = source.num_groups // ranks
@@ -206,10 +214,20 @@ def write_shard(source: Source, shard: torch.Tensor, tp_rank: int, tp_size: int,
     head_dim = shard.shape[0] // (groups * (per_group + 2))
     x = shard.reshape(groups, (per_group + 2) * head_dim, *rest)
     g0 = tp_rank * groups
-    q.view(source.num_groups, per_group * head_dim, *rest)[g0:g0 + groups].copy_(x[:, :per_group * head_dim])
-    k.view(source.num_groups, head_dim, *rest)[g0:g0 + groups].copy_(
-        x[:, per_group * head_dim:(per_group + 1) * head_dim])
-    v.view(source.num_groups, head_dim, *rest)[g0:g0 + groups].copy_(x[:, (per_group + 1) * head_dim:])
+    qd = per_group * head_dim
+    return [
+        (q.view(source.num_groups, qd, *rest)[g0:g0 + groups], x[:, :qd]),
+        (k.view(source.num_groups, head_dim, *rest)[g0:g0 + groups], x[:, qd:qd + head_dim]),
+        (v.view(source.num_groups, head_dim, *rest)[g0:g0 + groups], x[:, qd + head_dim:]),
+    ]
+
+
+def copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Run many small copies as few kernel launches (``torch._foreach_copy_``)."""
+    if not pairs:
+        return
+    dsts, srcs = zip(*pairs)
+    torch._foreach_copy_(list(dsts), list(srcs))
 
 
 def hf_config_from_megatron(config, *, arch: str = "llama", vocab_size: int, max_position_embeddings: int = 4096,

@@ -30,8 +30,10 @@ class HFModelConsumer:
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        for name, tensor in weights:
-            self._params[name].copy_(tensor, non_blocking=True)
+        pairs = [(self._params[name], tensor) for name, tensor in weights]
+        if pairs:
+            dsts, srcs = zip(*pairs)
+            torch._foreach_copy_(list(dsts), list(srcs))  # one launch for the bucket
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         device = next(self.model.parameters()).device
