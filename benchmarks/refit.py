@@ -12,8 +12,9 @@ Measured in one run and printed as a table (and written as JSON):
 - naive baseline: per-parameter materialisation and per-tensor transfer (one
   CUDA IPC handle + round trip per tensor; one metadata message + broadcast per
   tensor);
-- ours: ``WeightExporter`` over CUDA IPC (receiver on GPU 0) and NCCL broadcast
-  (receiver on GPU 1): time per refit (median of ``--iters`` after a warm-up),
+- ours: ``WeightExporter`` over CUDA IPC (receiver on GPU 0; ``ipc-direct``:
+  the engine copies straight from the trainer's mapped weights, and ``ipc``:
+  two shared export buffers) and NCCL broadcast (receiver on GPU 1): time per refit (median of ``--iters`` after a warm-up),
   GB/s of HF payload, fraction of the limit, peak extra trainer memory in units
   of one export buffer, and the verifier's KL.
 
@@ -308,14 +309,18 @@ def main(argv=None) -> int:
 
     procs, scenarios = [], []
     receivers = []
-    plan = [("colocated", "ipc", colocated)] + ([("cross-gpu", "broadcast", cross)] if cross is not None else [])
-    for where, transport, device in plan:
+    # (where, transport, receiver device, with a naive baseline row); ipc-direct needs CUDA.
+    plan = [("colocated", "ipc-direct", colocated, False)] if gpu else []
+    plan.append(("colocated", "ipc", colocated, True))
+    if cross is not None:
+        plan.append(("cross-gpu", "broadcast", cross, True))
+    for where, transport, device, with_naive in plan:
         rec = start_hf_receiver(build_receiver_model, (spec, str(device)), device=device,
                                 timeout_s=args.timeout_s, keep_state=False)
         receivers.append(rec)
         scenarios.append(dict(name=f"{where} ours ({transport})", kind="ours", transport=transport,
                               address=rec.address, where=where))
-        if not args.no_naive:
+        if with_naive and not args.no_naive:
             proc, address = start_naive_receiver(spec, device, transport)
             procs.append(proc)
             scenarios.append(dict(name=f"{where} naive (per-tensor {transport})", kind="naive",

@@ -15,12 +15,12 @@ from .exporter import ExportResult, WeightExporter
 from .hf_mapping import Source, UnsupportedParameter, hf_config_from_megatron, local_sources
 from .plan import BucketMeta, ExportPlan, PlanMismatch, TensorMeta, build_plan, check_plan, unpack
 from .receiver import HFModelConsumer, LoadWeightsConsumer, WeightReceiver
-from .transport import BroadcastSender, InProcessSender, IpcSender, ReceiverError, serve
+from .transport import BroadcastSender, InProcessSender, IpcDirectSender, IpcSender, ReceiverError, serve
 from .verify import VerifyResult, megatron_logits, verify_export
 
 __all__ = [
     "TRANSPORTS", "BroadcastSender", "BucketMeta", "ExportPlan", "ExportResult", "HFModelConsumer",
-    "InProcessSender", "IpcSender", "LoadWeightsConsumer", "PlanMismatch", "ReceiverError", "Source",
+    "InProcessSender", "IpcDirectSender", "IpcSender", "LoadWeightsConsumer", "PlanMismatch", "ReceiverError", "Source",
     "TensorMeta", "UnsupportedParameter", "VerifyResult", "WeightExportConfig", "WeightExporter",
     "WeightReceiver", "add_weight_export_args", "build_plan", "check_plan", "hf_config_from_megatron",
     "local_sources", "megatron_logits", "serve", "unpack", "verify_export",

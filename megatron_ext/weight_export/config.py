@@ -7,7 +7,7 @@ import dataclasses
 
 __all__ = ["TRANSPORTS", "WeightExportConfig", "add_weight_export_args"]
 
-TRANSPORTS = ("inprocess", "broadcast", "ipc")
+TRANSPORTS = ("inprocess", "broadcast", "ipc", "ipc-direct")
 BACKENDS = ("auto", "gloo", "nccl")
 MIN_BUCKET_MB, MAX_BUCKET_MB = 16, 1024
 
@@ -79,7 +79,8 @@ def add_weight_export_args(parser: argparse.ArgumentParser) -> argparse.Argument
     g.add_argument("--weight-export-target", default=d.target,
                    help="receiver endpoints 'host:port[,host:port...]' (engines run weight_export.serve)")
     g.add_argument("--weight-export-transport", choices=TRANSPORTS, default=d.transport,
-                   help="inprocess; broadcast (NCCL/gloo to engines on other GPUs); ipc (engine on the same GPU)")
+                   help="inprocess; broadcast (NCCL/gloo to engines on other GPUs); ipc (engine on the same GPU, "
+                        "two shared buffers); ipc-direct (same GPU, TP=PP=1, engine copies from the weights)")
     g.add_argument("--weight-export-bucket-size-mb", type=float, default=d.bucket_size_mb,
                    help=f"bucket size in MiB (default: from free memory, {MIN_BUCKET_MB}..{MAX_BUCKET_MB})")
     g.add_argument("--weight-export-every-n-steps", type=int, default=d.every_n_steps,

@@ -23,7 +23,7 @@ from .config import MAX_BUCKET_MB, MIN_BUCKET_MB, WeightExportConfig
 from .gather import BucketGatherer
 from .hf_mapping import Source, local_sources, unwrap
 from .plan import ExportPlan, build_plan
-from .transport import BroadcastSender, InProcessSender, IpcSender
+from .transport import BroadcastSender, InProcessSender, IpcDirectSender, IpcSender
 
 __all__ = ["ExportResult", "WeightExporter"]
 
@@ -103,6 +103,7 @@ class WeightExporter:
         self._signature = None
         self._buffers: list[torch.Tensor] = []
         self._gatherer = None
+        self._direct_for = None
         self.version = 0
         self.last_result: ExportResult | None = None
 
@@ -165,8 +166,14 @@ class WeightExporter:
                 if backend == "auto":
                     backend = "nccl" if self.device.type == "cuda" else "gloo"
                 self._sender = BroadcastSender(cfg.targets, backend=backend, timeout_s=cfg.timeout_s)
-            else:
+            elif cfg.transport == "ipc":
                 self._sender = IpcSender(cfg.targets, timeout_s=cfg.timeout_s)
+            else:
+                lay = self.layout
+                if lay.tp_size != 1 or lay.pp_size != 1:
+                    raise ValueError(f"transport='ipc-direct' needs TP=PP=1 (got TP={lay.tp_size}, "
+                                     f"PP={lay.pp_size}); use transport='ipc'")
+                self._sender = IpcDirectSender(cfg.targets, timeout_s=cfg.timeout_s)
         return self._sender
 
     @property
@@ -194,6 +201,15 @@ class WeightExporter:
         self._ensure_plan()
         plan = self._plan
         sender = self.sender if self.is_export_rank else None
+        if getattr(sender, "direct", False):
+            if sender._info is None or self._direct_for != self._signature:
+                sender.prepare([s for b in self._bucket_sources for s in b], dict(self.model.named_parameters()))
+                self._direct_for = self._signature
+            sender.start(plan, [], self.version)
+            applied = tuple(sender.finish(self.version))
+            self.last_result = ExportResult(self.version, plan.total_bytes, time.perf_counter() - start,
+                                            len(plan.buckets), applied)
+            return self.last_result
         if self.is_leader and not self._buffers:
             alloc = sender.allocate if sender is not None else (
                 lambda n, d: torch.empty(n, dtype=torch.uint8, device=d))

@@ -35,6 +35,10 @@ class HFModelConsumer:
             dsts, srcs = zip(*pairs)
             torch._foreach_copy_(list(dsts), list(srcs))  # one launch for the bucket
 
+    def target(self, name: str) -> torch.Tensor:
+        """The tensor that receives ``name`` (lets direct IPC copy straight into it)."""
+        return self._params[name].data
+
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         device = next(self.model.parameters()).device
         with torch.no_grad():
@@ -90,6 +94,18 @@ class WeightReceiver:
             raise RuntimeError(f"bucket {bucket.index} arrived outside a version")
         self.consumer.load_weights(unpack(bucket, buf))
         self._arrived.add(bucket.index)
+
+    def load_direct(self, pairs, loads) -> None:
+        """Apply a whole version from mapped trainer storage (``ipc-direct``)."""
+        if self._version is None:
+            raise RuntimeError("direct load outside a version")
+        if pairs:
+            dsts, srcs = zip(*pairs)
+            torch._foreach_copy_(list(dsts), list(srcs))
+        if loads:
+            shapes = {t.name: t.shape for t in self.plan.tensors()}
+            self.consumer.load_weights((n, t.reshape(shapes[n])) for n, t in loads)
+        self._arrived = {b.index for b in self.plan.buckets}
 
     def finish(self, version: int) -> int:
         if version != self._version:

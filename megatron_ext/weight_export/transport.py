@@ -14,6 +14,10 @@ Senders (trainer side) share one protocol::
 - :class:`IpcSender`: an engine on the same GPU maps the two export buffers
   through CUDA IPC handles sent once per buffer (on CPU: shared-memory files),
   and acknowledges each bucket before its buffer is reused.
+- :class:`IpcDirectSender` (CUDA, TP=PP=1 trainers): no export buffers; the
+  engine maps the trainer's parameter storage (one handle per storage, sent
+  with the plan) and copies each HF tensor straight out of it: one copy per
+  refit instead of two.
 
 The control connection (:mod:`multiprocessing.connection`, authenticated) carries
 the plan, version begin/end, per-bucket IPC notices and acknowledgements. A
@@ -36,7 +40,7 @@ import torch.distributed as dist
 from .plan import BucketMeta, ExportPlan, PlanMismatch
 from .receiver import WeightReceiver
 
-__all__ = ["BroadcastSender", "InProcessSender", "IpcSender", "ReceiverError", "serve"]
+__all__ = ["BroadcastSender", "InProcessSender", "IpcDirectSender", "IpcSender", "ReceiverError", "serve"]
 
 DEFAULT_AUTHKEY = b"megatron_ext.weight_export"
 
@@ -277,6 +281,83 @@ class IpcSender(_RemoteSender):
         self._tmp.cleanup()
 
 
+class IpcDirectSender(_RemoteSender):
+    """Colocated refit without export buffers: the engine maps the trainer's
+    parameter storage once and copies every HF tensor straight out of it."""
+
+    direct = True
+
+    def __init__(self, addresses: list[str], *, timeout_s: float = 120.0, authkey: bytes = DEFAULT_AUTHKEY):
+        super().__init__(addresses, timeout_s=timeout_s, authkey=authkey)
+        self._info = None
+        self._device = None
+
+    def prepare(self, sources, params: dict[str, torch.Tensor]) -> None:
+        """Share the parameter storage (once) and describe every HF tensor in it."""
+        if any(not params[src.local_name].is_cuda for src in sources):
+            raise ValueError("transport='ipc-direct' needs the model on a CUDA device; use transport='ipc'")
+        self._device = params[sources[0].local_name].device if sources else None
+        self._bases, entries = direct_entries(sources, params)  # keeps the shared storage alive
+        self._info = {"kind": "ipc-direct", "handles": [share(b) for b in self._bases], "entries": entries}
+        self._fingerprint = None  # new handles: send the plan again
+
+    def _transport_info(self, buffers) -> dict:
+        if self._info is None:
+            raise RuntimeError("IpcDirectSender.prepare() must run before start()")
+        return self._info
+
+    def start(self, plan: ExportPlan, buffers, version: int) -> None:
+        if self._device is not None:
+            torch.cuda.current_stream(self._device).synchronize()  # the weights are final
+        super().start(plan, buffers, version)
+
+    def send(self, bucket, buf):
+        raise RuntimeError("IpcDirectSender has no buckets to send")
+
+
+def direct_entries(sources, params: dict[str, torch.Tensor]):
+    """Each HF tensor of ``sources`` (TP=1) as strided views of parameter storages.
+
+    Returns the storages (uint8 tensors spanning each one) and, per copy,
+    ``(hf_name, dst shape, dst stride, dst offset, storage index, dtype,
+    src shape, src stride, src offset)``.
+    """
+    from .hf_mapping import shard_copies
+
+    storages: dict[int, tuple[int, torch.Tensor]] = {}
+    entries = []
+    for s in sources:
+        p = params[s.local_name].detach()
+        storage = p.untyped_storage()
+        if storage.data_ptr() not in storages:
+            base = torch.empty(0, dtype=torch.uint8, device=p.device)
+            base.set_(storage)
+            storages[storage.data_ptr()] = (len(storages), base)
+        index = storages[storage.data_ptr()][0]
+        dests = [torch.empty(shape, dtype=s.dtype, device="meta") for _, shape in s.outputs]
+        for dst, src in shard_copies(s, p, 0, 1, dests):
+            owner = dst._base if dst._base is not None else dst
+            (name,) = [n for (n, _), d in zip(s.outputs, dests) if d is owner]
+            entries.append((name, tuple(dst.shape), tuple(dst.stride()), dst.storage_offset(), index, s.dtype,
+                            tuple(src.shape), tuple(src.stride()), src.storage_offset()))
+    bases = [b for _, b in sorted(storages.values(), key=lambda x: x[0])]
+    return bases, entries
+
+
+def direct_copies(bases, entries, consumer):
+    """The receiver's ``(destination, source view)`` pairs for a direct plan, or
+    ``(name, source view)`` loads for consumers without ``target(name)``."""
+    target = getattr(consumer, "target", None)
+    pairs, loads = [], []
+    for name, dshape, dstride, doff, index, dtype, sshape, sstride, soff in entries:
+        src = bases[index].view(dtype).as_strided(sshape, sstride, soff)
+        if target is not None:
+            pairs.append((target(name).as_strided(dshape, dstride, doff), src))
+        else:
+            loads.append((name, src))
+    return pairs, loads
+
+
 def serve(consumer, address: str, *, device: torch.device | str = "cpu", timeout_s: float = 600.0,
           authkey: bytes = DEFAULT_AUTHKEY, on_version=None) -> WeightReceiver:
     """Engine-side loop: accept one trainer at ``address`` and apply its exports
@@ -293,7 +374,7 @@ def serve(consumer, address: str, *, device: torch.device | str = "cpu", timeout
             conn = listener.accept()
         except TimeoutError as exc:
             raise ReceiverError(f"no trainer connected to {address} within {timeout_s:.0f}s") from exc
-    pg, bufs, plan = None, [], None
+    pg, bufs, plan, direct = None, [], None, None
     try:
         while True:
             if not conn.poll(timeout_s):
@@ -316,12 +397,17 @@ def serve(consumer, address: str, *, device: torch.device | str = "cpu", timeout
                 plan, info = msg[1], msg[2]
                 if info.get("kind") == "ipc":
                     bufs = [open_shared(h) for h in info["handles"]]
+                elif info.get("kind") == "ipc-direct":
+                    bases = [open_shared(h) for h in info["handles"]]
+                    direct = (bases, *direct_copies(bases, info["entries"], consumer))
                 elif pg is not None:
                     bufs = [torch.empty(plan.buffer_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
                 conn.send(("ready",))
             elif kind == "begin":
                 receiver.begin(msg[1])
-                if pg is not None:
+                if direct is not None:
+                    receiver.load_direct(direct[1], direct[2])
+                elif pg is not None:
                     _receive_broadcast(pg, plan, bufs, receiver)
             elif kind == "bucket":
                 _, index, slot = msg

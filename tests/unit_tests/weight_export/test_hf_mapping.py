@@ -44,6 +44,7 @@ def _export_cases():
             received={n: p.detach().clone() for n, p in hf.named_parameters()},
             lm_head_is_embedding=hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr(),
             reference=reference_for(spec, model), applied=receiver.applied_version,
+            direct=_direct(model, spec, cfg, exporter),
         )
 
     # Refusals: a wrong name, shape or dtype is refused before any write.
@@ -86,6 +87,31 @@ def _export_cases():
     except wx.UnsupportedParameter as exc:
         unsupported = str(exc)
     return results, refusals, unsupported
+
+
+def _direct(model, spec, cfg, exporter):
+    """ipc-direct's view descriptions applied without IPC: into an HF model via
+    ``target`` and through a bare ``load_weights`` consumer."""
+    from megatron_ext import weight_export as wx
+    from megatron_ext.weight_export.transport import direct_copies, direct_entries
+
+    sources = [s for b in exporter._bucket_sources for s in b]
+    bases, entries = direct_entries(sources, dict(model.named_parameters()))
+    out = {}
+    hf = tiny_llama.hf_model(spec, cfg)
+    loaded = {}
+    for key, consumer in (("target", wx.HFModelConsumer(hf)),
+                          ("load_weights", wx.LoadWeightsConsumer(
+                              lambda ws: loaded.update({n: t.clone() for n, t in ws})))):
+        receiver = wx.WeightReceiver(consumer)
+        receiver.set_plan(exporter.plan)
+        receiver.begin(5)
+        receiver.load_direct(*direct_copies(bases, entries, consumer))
+        receiver.finish(5)
+    out["target"] = {n: p.detach().clone() for n, p in hf.named_parameters()}
+    out["load_weights"] = loaded
+    out["storages"] = len(bases)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -132,3 +158,13 @@ def test_wrong_plan_is_refused_before_any_write(exported, what, needle):
 def test_unmappable_parameter_is_named(exported):
     assert "'embedding.position_embeddings.weight'" in exported[2], exported[2]
     assert "position_embedding_type='rope'" in exported[2]
+
+
+@pytest.mark.parametrize("arch", list(CASES))
+@pytest.mark.parametrize("path", ["target", "load_weights"])
+def test_direct_ipc_views_reproduce_the_hf_state(exported, arch, path):
+    case = exported[0][arch]
+    got = case["direct"][path]
+    assert got.keys() == case["reference"].keys()
+    for name, ref in case["reference"].items():
+        assert torch.equal(got[name], ref), name

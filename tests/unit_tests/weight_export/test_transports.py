@@ -43,6 +43,7 @@ def _trainer(target, transport, backend):
 @pytest.mark.parametrize("transport,backend,receiver_device", [
     ("ipc", "gloo", "cpu"),
     pytest.param("ipc", "nccl", "cuda:0", marks=pytest.mark.gpus(1), id="cuda-ipc-same-gpu"),
+    pytest.param("ipc-direct", "nccl", "cuda:0", marks=pytest.mark.gpus(1), id="cuda-ipc-direct-same-gpu"),
     pytest.param("broadcast", "nccl", "cuda:1", marks=pytest.mark.gpus(2), id="nccl-gpu0-to-gpu1"),
 ])
 def test_single_trainer_streams_over_transport(transport, backend, receiver_device):
