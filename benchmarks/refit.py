@@ -139,12 +139,10 @@ def _naive_share(t):
 
 def naive_export(model, spec, conn, pg, mode):
     """One naive refit: per-tensor IPC handle + ack, or per-tensor metadata + broadcast."""
-    keep = []
     for name, t in _naive_tensors(model, spec):
         if mode == "ipc":
             _sync(t.device)
             conn.send(("tensor", name, t.dtype, tuple(t.shape), _naive_share(t)))
-            keep.append(t)
             assert conn.recv() == ("done", name)
         else:
             conn.send(("tensor", name, t.dtype, tuple(t.shape), None))
