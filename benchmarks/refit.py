@@ -159,14 +159,15 @@ def naive_receiver(spec, address, device, mode):
     import torch.distributed as dist
 
     from megatron_ext.weight_export import HFModelConsumer
-    from megatron_ext.weight_export.transport import DEFAULT_AUTHKEY, make_group, open_shared, parse_address
+    from megatron_ext.weight_export.transport import (DEFAULT_AUTHKEY, _no_delay, make_group, open_shared,
+                                                      parse_address)
 
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     consumer = HFModelConsumer(build_receiver_model(spec, device))
     with Listener(parse_address(address), authkey=DEFAULT_AUTHKEY) as listener:
-        conn = listener.accept()
+        conn = _no_delay(listener.accept())  # same control-channel latency as ours
     pg = None
     while True:
         try:

@@ -29,7 +29,7 @@ from megatron_ext.testing.receiver_proc import start_hf_receiver  # noqa: E402
 SPEC = tiny_llama.TinyLlamaSpec(arch="llama", hf_vocab_size=128)
 
 
-def _train_and_export(target: str, tp: int, steps: int, global_batch: int, lr: float):
+def _train_and_export(target: str, transport: str, tp: int, steps: int, global_batch: int, lr: float):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -46,7 +46,7 @@ def _train_and_export(target: str, tp: int, steps: int, global_batch: int, lr: f
                                     module=tiny_llama.build_model(SPEC, config, device=device))
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.01, clip_grad=1.0), [model])
     exporter = wx.WeightExporter(model, wx.WeightExportConfig(
-        target=target, transport="broadcast", bucket_size_mb=0.25, vocab_size=SPEC.hf_vocab_size))
+        target=target, transport=transport, bucket_size_mb=0.25, vocab_size=SPEC.hf_vocab_size))
     per_rank = global_batch // dp
     mine = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
     losses = []
@@ -74,10 +74,15 @@ def run_weight_export_demo(world_size: int = 4, tp: int = 2, steps: int = 10, gl
     """Train for ``steps`` on ``world_size`` ranks (TP ``tp``), stream the weights
     to a HF LlamaForCausalLM in another process, print and return the refit time,
     bytes, GB/s and the verifier's KL."""
-    receiver_device = "cuda:0" if backend == "nccl" else "cpu"
+    # NCCL needs the receiver on a GPU of its own; without a spare GPU it shares
+    # the export rank's GPU 0 through CUDA IPC instead.
+    transport, receiver_device = "broadcast", "cpu"
+    if backend == "nccl":
+        spare = torch.cuda.device_count() > world_size
+        transport, receiver_device = ("broadcast", f"cuda:{world_size}") if spare else ("ipc", "cuda:0")
     start = time.perf_counter()
     with start_hf_receiver(tiny_llama.build_hf, (SPEC,), device=receiver_device, keep_state=False) as receiver:
-        out = run_on_ranks(_train_and_export, world_size, args=(receiver.address, tp, steps, global_batch, lr),
+        out = run_on_ranks(_train_and_export, world_size, args=(receiver.address, transport, tp, steps, global_batch, lr),
                            backend=backend, timeout=timeout)[0]
         got = receiver.result()
     if not got["ok"]:
@@ -86,11 +91,11 @@ def run_weight_export_demo(world_size: int = 4, tp: int = 2, steps: int = 10, gl
     summary = dict(
         loss_first=out["losses"][0], loss_last=out["losses"][-1], bytes=warm.nbytes, buckets=out["buckets"],
         refit_s=warm.seconds, gbps=warm.gbps, cold_refit_s=cold.seconds, kl=verify.kl,
-        max_abs_logit_diff=verify.max_abs_diff, applied_versions=got["applied"],
+        max_abs_logit_diff=verify.max_abs_diff, applied_versions=got["applied"], transport=transport,
         wall_s=time.perf_counter() - start,
     )
     print(f"[weight export] trained {steps} steps (loss {summary['loss_first']:.4f} -> {summary['loss_last']:.4f}), "
-          f"streamed to a HF LlamaForCausalLM in another process over {backend}:")
+          f"streamed to a HF LlamaForCausalLM in another process ({transport}, {backend}):")
     print(f"[weight export] refit {summary['refit_s'] * 1e3:.1f} ms (first, with plan: "
           f"{summary['cold_refit_s'] * 1e3:.1f} ms), {summary['bytes'] / 1e6:.2f} MB in {summary['buckets']} buckets, "
           f"{summary['gbps']:.2f} GB/s; receiver applied versions {summary['applied_versions']}")

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import tempfile
 import time
 from multiprocessing.connection import Client, Connection, Listener
@@ -88,11 +89,22 @@ def parse_address(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def _no_delay(conn: Connection) -> Connection:
+    """Turn off Nagle's algorithm: control messages are small and latency-bound
+    (with it, each reply can wait ~40 ms for a delayed ACK)."""
+    sock = socket.fromfd(conn.fileno(), socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    finally:
+        sock.close()  # closes the duplicate descriptor only
+    return conn
+
+
 def _connect(address: str, timeout_s: float, authkey: bytes) -> Connection:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            return Client(parse_address(address), authkey=authkey)
+            return _no_delay(Client(parse_address(address), authkey=authkey))
         except (ConnectionRefusedError, FileNotFoundError, OSError) as exc:
             if time.monotonic() > deadline:
                 raise ReceiverError(
@@ -371,7 +383,7 @@ def serve(consumer, address: str, *, device: torch.device | str = "cpu", timeout
         if sock is not None:
             sock.settimeout(timeout_s)
         try:
-            conn = listener.accept()
+            conn = _no_delay(listener.accept())
         except TimeoutError as exc:
             raise ReceiverError(f"no trainer connected to {address} within {timeout_s:.0f}s") from exc
     pg, bufs, plan, direct = None, [], None, None
