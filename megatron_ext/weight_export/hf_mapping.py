@@ -251,7 +251,4 @@ def hf_config_from_megatron(config, *, arch: str = "llama", vocab_size: int, max
     )
     if arch == "llama":
         kwargs.update(attention_bias=False, mlp_bias=False)
-    cfg = classes[arch](**kwargs)
-    if arch == "llama" or arch == "qwen2":
-        pass
-    return cfg
+    return classes[arch](**kwargs)
