@@ -104,6 +104,7 @@ class WeightExporter:
         self._buffers: list[torch.Tensor] = []
         self._gatherer = None
         self._direct_for = None
+        self.plans_built = 0
         self.version = 0
         self.last_result: ExportResult | None = None
 
@@ -146,6 +147,7 @@ class WeightExporter:
                                         tp_size=lay.tp_size, device=self.device)
         self._buffers = []
         self._signature = sig
+        self.plans_built += 1
         if self.is_export_rank:
             log.info("weight export plan: %d tensors, %.1f MiB in %d buckets of <= %.1f MiB",
                      sum(1 for _ in self._plan.tensors()), self._plan.total_bytes / MiB,

@@ -55,7 +55,7 @@ def _naive_gathered_state(model):
         hidden=SPEC.hidden_size, vocab=SPEC.hf_vocab_size, tied=SPEC.tie_embeddings)
 
 
-def _trainer(tp, pp, target, backend):
+def _trainer(tp, pp, target, backend, transport="broadcast"):
     from megatron.core import parallel_state as ps
 
     from megatron_ext import weight_export as wx
@@ -64,7 +64,7 @@ def _trainer(tp, pp, target, backend):
     device = tiny_llama_device()
     model = tiny_llama.build_model(SPEC, tiny_llama.transformer_config(SPEC, tp=tp, pp=pp), device=device)
     exporter = wx.WeightExporter(model, wx.WeightExportConfig(
-        target=target, transport="broadcast", backend=backend, bucket_size_mb=0.03,
+        target=target, transport=transport, backend=backend, bucket_size_mb=0.03,
         vocab_size=SPEC.hf_vocab_size, timeout_s=60))
     first = exporter.export(version=7)
     with torch.no_grad():  # a training step's worth of change; the plan is not re-sent
@@ -85,11 +85,16 @@ def tiny_llama_device():
     return torch.device("cpu")
 
 
-@pytest.mark.parametrize("tp,pp,dp", [(2, 2, 1), (2, 1, 2)], ids=["tp2-pp2", "tp2-dp2"])
-def test_trainer_streams_to_hf_receiver_process(tp, pp, dp):
-    with start_hf_receiver(tiny_llama.build_hf, (SPEC,)) as receiver:
-        out = run_on_ranks(_trainer, tp * pp * dp, args=(tp, pp, receiver.address, "gloo"),
-                           backend="gloo", timeout=TIMEOUT)
+@pytest.mark.parametrize("tp,pp,dp,backend,transport,receiver_device", [
+    (2, 2, 1, "gloo", "broadcast", "cpu"),
+    (2, 1, 2, "gloo", "broadcast", "cpu"),
+    # NCCL TP gather on GPUs 0-1; the receiver shares GPU 0 with the export rank.
+    pytest.param(2, 1, 1, "nccl", "ipc", "cuda:0", marks=pytest.mark.gpus(2)),
+], ids=["tp2-pp2", "tp2-dp2", "tp2-nccl-ipc"])
+def test_trainer_streams_to_hf_receiver_process(tp, pp, dp, backend, transport, receiver_device):
+    with start_hf_receiver(tiny_llama.build_hf, (SPEC,), device=receiver_device) as receiver:
+        out = run_on_ranks(_trainer, tp * pp * dp, args=(tp, pp, receiver.address, backend, transport),
+                           backend=backend, timeout=TIMEOUT)
         got = receiver.result()
     assert got["ok"], got.get("error")
     assert got["applied"] == [7, 8]
@@ -100,7 +105,7 @@ def test_trainer_streams_to_hf_receiver_process(tp, pp, dp):
     expected = export_rank["expected"]
     assert got["state"].keys() == expected.keys()
     for name, ref in expected.items():
-        assert torch.equal(got["state"][name], ref), name
+        assert torch.equal(got["state"][name], ref.cpu()), name
     if pp == 1:
         assert export_rank["verify"].max_abs_diff < 1e-4 and abs(export_rank["verify"].kl) < 1e-6
     # Trainer memory: two export buffers plus (TP > 1) one gather scratch of ~ a bucket.

@@ -39,12 +39,18 @@ def _export_cases():
                                                                   bucket_size_mb=0.02), receiver=receiver)
         result = exporter.export()
         after = exporter.verify(toks)
+        exporter.export()  # same layout: no new plan
+        plans_same = (exporter.plans_built, receiver.plans_received)
+        with torch.no_grad():  # new storage (e.g. reloaded weights): re-planned, same plan not re-sent
+            model.decoder.final_layernorm.weight.data = model.decoder.final_layernorm.weight.data.clone()
+        exporter.export()
+        plans_moved = (exporter.plans_built, receiver.plans_received)
         results[key] = dict(
             before=before, after=after, result=result, buckets=len(exporter.plan.buckets),
             received={n: p.detach().clone() for n, p in hf.named_parameters()},
             lm_head_is_embedding=hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr(),
             reference=reference_for(spec, model), applied=receiver.applied_version,
-            direct=_direct(model, spec, cfg, exporter),
+            direct=_direct(model, spec, cfg, exporter), plans=(plans_same, plans_moved),
         )
 
     # Refusals: a wrong name, shape or dtype is refused before any write.
@@ -135,7 +141,13 @@ def test_same_tokens_same_logits(exported, arch):
     assert case["before"].max_abs_diff > 0.1, "HF model matched before export: the check is vacuous"
     assert case["after"].max_abs_diff < 1e-4, case["after"]
     assert abs(case["after"].kl) < 1e-6, case["after"]
-    assert case["result"].applied == (1,) and case["applied"] == 1
+    assert case["result"].applied == (1,) and case["applied"] == 3
+
+
+@pytest.mark.parametrize("arch", list(CASES))
+def test_plan_is_sent_once_per_layout(exported, arch):
+    # (plans built by the trainer, plans the receiver got) after 2 exports, then after a storage move
+    assert exported[0][arch]["plans"] == ((1, 1), (2, 1))
 
 
 def test_tied_embeddings_exported_once(exported):
