@@ -245,6 +245,8 @@ def _trainer(spec, scenarios, bucket_mb, iters, timeout_s):
             first = exporter.export()
             for _ in range(iters):
                 times.append(exporter.export().seconds)
+            if gpu:
+                row["peak_extra_bytes"] = torch.cuda.max_memory_allocated(device) - base
             verify = exporter.verify(tokens)
             row.update(nbytes=exporter.plan.total_bytes, buffer_bytes=exporter.plan.buffer_bytes,
                        buckets=len(exporter.plan.buckets), first_s=first.seconds,
@@ -265,12 +267,12 @@ def _trainer(spec, scenarios, bucket_mb, iters, timeout_s):
                 start = time.perf_counter()
                 naive_export(model, spec, conn, pg, mode)
                 times.append(time.perf_counter() - start)
+            if gpu:
+                row["peak_extra_bytes"] = torch.cuda.max_memory_allocated(device) - base
             row.update(nbytes=sum(t.numel() * t.element_size() for _, t in _naive_tensors(model, spec)))
             conn.send(("close",))
         row["seconds"] = statistics.median(times)
         row["gbps"] = row["nbytes"] / row["seconds"] / 1e9
-        if gpu:
-            row["peak_extra_bytes"] = torch.cuda.max_memory_allocated(device) - base
         rows.append(row)
     return rows
 
@@ -363,11 +365,29 @@ def main(argv=None) -> int:
             mem += f"/{r['peak_extra_buffers']:.1f}b"
         kl = f"{r['kl']:.1e}" if "kl" in r else "-"
         print(f"{r['name']:38} {r['seconds'] * 1e3:9.2f} {r['gbps']:8.2f} {frac:>8} {speed:>8} {mem:>12} {kl:>9}")
+    targets = []
+    for r in rows:
+        if r["kind"] != "ours":
+            continue
+        need = 0.5 if r["where"] == "colocated" else 0.8
+        if r.get("fraction_of_limit") is not None:
+            targets.append((f"{r['name']}: >= {need:.0%} of the {r['where']} limit",
+                            r["fraction_of_limit"] >= need, f"{r['fraction_of_limit']:.0%}"))
+        if "speedup_vs_naive" in r:
+            targets.append((f"{r['name']}: >= 10x the naive baseline", r["speedup_vs_naive"] >= 10,
+                            f"{r['speedup_vs_naive']:.1f}x"))
+        if "peak_extra_buffers" in r:
+            targets.append((f"{r['name']}: extra trainer memory <= 2 buffers", r["peak_extra_buffers"] <= 2.0,
+                            f"{r['peak_extra_buffers']:.2f} buffers"))
+    print("\ntargets:")
+    for what, ok, value in targets:
+        print(f"  {'PASS' if ok else 'FAIL'}  {what} ({value})")
     machine = dict(platform=platform.platform(), torch=torch.__version__, python=platform.python_version(),
                    gpus=[torch.cuda.get_device_name(i) for i in range(gpus)] if gpu else [],
                    nccl=".".join(map(str, torch.cuda.nccl.version())) if gpu else None)
     result = dict(preset=args.preset, spec=dataclasses.asdict(spec), bucket_size_mb=args.bucket_size_mb,
-                  iters=args.iters, machine=machine, limits=limits, rows=rows)
+                  iters=args.iters, machine=machine, limits=limits, rows=rows,
+                  targets=[dict(target=w, met=ok, value=v) for w, ok, v in targets])
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2, default=str)
     print(f"\nwrote {args.out}")
