@@ -113,7 +113,7 @@ def test_trainer_streams_to_hf_receiver_process(tp, pp, dp, backend, transport, 
         assert rank_out["extra"] <= 4 * rank_out["buffer"]
 
 
-def _trainer_against_bad_receivers(wrong_target, dying_target):
+def _trainer_against_bad_receivers(wrong_target, dying_target, dying_ipc_target):
     from megatron.core import parallel_state as ps
 
     from megatron_ext import weight_export as wx
@@ -121,9 +121,10 @@ def _trainer_against_bad_receivers(wrong_target, dying_target):
     ps.initialize_model_parallel()
     model = tiny_llama.build_model(SPEC, tiny_llama.transformer_config(SPEC))
     outcomes = {}
-    for what, target in (("wrong", wrong_target), ("dying", dying_target)):
+    for what, target, transport in (("wrong", wrong_target, "broadcast"), ("dying", dying_target, "broadcast"),
+                                    ("dying-ipc", dying_ipc_target, "ipc")):
         exporter = wx.WeightExporter(model, wx.WeightExportConfig(
-            target=target, transport="broadcast", backend="gloo", bucket_size_mb=0.03,
+            target=target, transport=transport, backend="gloo", bucket_size_mb=0.03,
             vocab_size=SPEC.hf_vocab_size, timeout_s=30))
         start = time.monotonic()
         try:
@@ -138,10 +139,12 @@ def _trainer_against_bad_receivers(wrong_target, dying_target):
 def test_wrong_plan_refused_and_dead_receiver_fails_fast():
     wrong_spec = dataclasses.replace(SPEC, num_query_groups=4)  # k/v_proj shapes differ
     with start_hf_receiver(tiny_llama.build_hf, (wrong_spec,)) as wrong, \
-            start_hf_receiver(tiny_llama.build_hf, (SPEC,), die_after=2) as dying:
-        (outcomes,) = run_on_ranks(_trainer_against_bad_receivers, 1, args=(wrong.address, dying.address),
+            start_hf_receiver(tiny_llama.build_hf, (SPEC,), die_after=2) as dying, \
+            start_hf_receiver(tiny_llama.build_hf, (SPEC,), die_after=2) as dying_ipc:
+        (outcomes,) = run_on_ranks(_trainer_against_bad_receivers, 1,
+                                   args=(wrong.address, dying.address, dying_ipc.address),
                                    backend="gloo", timeout=TIMEOUT)
-        got_wrong, got_dying = wrong.result(), dying.result()
+        got_wrong, got_dying, got_dying_ipc = wrong.result(), dying.result(), dying_ipc.result()
     message, kind, _ = outcomes["wrong"]
     assert kind == "PlanMismatch", message
     assert "'model.layers.0.self_attn.k_proj.weight' has shape (32, 64), the receiver's has (64, 64)" in message
@@ -151,8 +154,10 @@ def test_wrong_plan_refused_and_dead_receiver_fails_fast():
     for name, p in untouched.named_parameters():
         assert torch.equal(got["state"][name], p), f"{name} was written despite the refusal"
 
-    message, kind, seconds = outcomes["dying"]
-    assert kind == "ReceiverError", message
-    assert dying.address in message or "receiver" in message
-    assert seconds < 30, f"took {seconds:.1f}s to notice the dead receiver"
-    assert got_dying["exitcode"] == 3
+    for what, got in (("dying", got_dying), ("dying-ipc", got_dying_ipc)):
+        message, kind, seconds = outcomes[what]
+        assert kind == "ReceiverError", message
+        assert "receiver" in message and ("died" in message or "failed" in message), message
+        assert seconds < 30, f"{what}: took {seconds:.1f}s to notice the dead receiver"
+        assert got["exitcode"] == 3
+    assert dying_ipc.address in outcomes["dying-ipc"][0]
