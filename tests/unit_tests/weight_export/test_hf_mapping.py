@@ -39,6 +39,16 @@ def _export_cases():
                                                                   bucket_size_mb=0.02), receiver=receiver)
         result = exporter.export()
         after = exporter.verify(toks)
+        prompt = toks[:, :6]
+        hf.generation_config.eos_token_id = None  # always 5 new tokens
+        with torch.no_grad():
+            generated = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=5,
+                                    do_sample=False, pad_token_id=0)
+        # Megatron teacher-forced on the HF continuation: how far each chosen token's
+        # logit is below Megatron's best (0 when Megatron picks the same token).
+        ref = wx.megatron_logits(model, generated)[:, 5:-1, :spec.hf_vocab_size]
+        chosen = ref.gather(-1, generated[:, 6:, None]).squeeze(-1)
+        greedy_gap = (ref.max(-1).values - chosen).max().item()
         exporter.export()  # same layout: no new plan
         plans_same = (exporter.plans_built, receiver.plans_received)
         with torch.no_grad():  # new storage (e.g. reloaded weights): re-planned, same plan not re-sent
@@ -51,6 +61,7 @@ def _export_cases():
             lm_head_is_embedding=hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr(),
             reference=reference_for(spec, model), applied=receiver.applied_version,
             direct=_direct(model, spec, cfg, exporter), plans=(plans_same, plans_moved),
+            generated=generated, greedy_gap=greedy_gap,
         )
 
     # Refusals: a wrong name, shape or dtype is refused before any write.
@@ -142,6 +153,14 @@ def test_same_tokens_same_logits(exported, arch):
     assert case["after"].max_abs_diff < 1e-4, case["after"]
     assert abs(case["after"].kl) < 1e-6, case["after"]
     assert case["result"].applied == (1,) and case["applied"] == 3
+
+
+@pytest.mark.parametrize("arch", list(CASES))
+def test_hf_model_generates_megatrons_greedy_continuation(exported, arch):
+    case = exported[0][arch]
+    assert case["generated"].shape == (2, 11)
+    # Random weights give near-ties, so allow float noise, not a different choice.
+    assert case["greedy_gap"] < 1e-4, case["greedy_gap"]
 
 
 @pytest.mark.parametrize("arch", list(CASES))
