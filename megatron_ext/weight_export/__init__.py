@@ -1,2 +1,27 @@
-"""Streams bucketed weights from a Megatron-Core model to inference engines.
-Not implemented yet (issue: export hook)."""
+"""Streams bucketed weights from a Megatron-Core GPT model to inference engines.
+
+Trainer side::
+
+    exporter = WeightExporter(model, WeightExportConfig.from_args(args))
+    result = exporter.maybe_export(step)       # or exporter.export()
+
+Engine side: :func:`serve` (a process listening at the target address) with a
+consumer exposing ``load_weights(iterable of (hf_name, tensor))``; see
+docs/weight_export.md.
+"""
+
+from .config import TRANSPORTS, WeightExportConfig, add_weight_export_args
+from .exporter import ExportResult, WeightExporter
+from .hf_mapping import Source, UnsupportedParameter, hf_config_from_megatron, local_sources
+from .plan import BucketMeta, ExportPlan, PlanMismatch, TensorMeta, build_plan, check_plan, unpack
+from .receiver import HFModelConsumer, LoadWeightsConsumer, WeightReceiver
+from .transport import BroadcastSender, InProcessSender, IpcDirectSender, IpcSender, ReceiverError, serve
+from .verify import VerifyResult, megatron_logits, verify_export
+
+__all__ = [
+    "TRANSPORTS", "BroadcastSender", "BucketMeta", "ExportPlan", "ExportResult", "HFModelConsumer",
+    "InProcessSender", "IpcDirectSender", "IpcSender", "LoadWeightsConsumer", "PlanMismatch", "ReceiverError", "Source",
+    "TensorMeta", "UnsupportedParameter", "VerifyResult", "WeightExportConfig", "WeightExporter",
+    "WeightReceiver", "add_weight_export_args", "build_plan", "check_plan", "hf_config_from_megatron",
+    "local_sources", "megatron_logits", "serve", "unpack", "verify_export",
+]

@@ -1,0 +1,400 @@
+"""Refit benchmark: stream a Llama-shaped bf16 Megatron model to HF receivers.
+
+    # GPU machine (2 GPUs for the cross-GPU rows; 1 GPU runs the colocated ones)
+    python benchmarks/refit.py --preset 3b --out refit.json
+    # CPU smoke test of the same code paths (gloo, shared-memory files)
+    python benchmarks/refit.py --preset tiny --device cpu --out /tmp/refit_cpu.json
+
+Measured in one run and printed as a table (and written as JSON):
+
+- limits: device-to-device copy bandwidth on GPU 0 (colocated) and NCCL
+  broadcast bandwidth between GPU 0 and GPU 1 (cross-GPU), 1 GiB payloads;
+- naive baseline: per-parameter materialisation and per-tensor transfer (one
+  CUDA IPC handle + round trip per tensor; one metadata message + broadcast per
+  tensor);
+- ours: ``WeightExporter`` over CUDA IPC (receiver on GPU 0; ``ipc-direct``:
+  the engine copies straight from the trainer's mapped weights, and ``ipc``:
+  two shared export buffers) and NCCL broadcast (receiver on GPU 1): time per refit (median of ``--iters`` after a warm-up),
+  GB/s of HF payload, fraction of the limit, peak extra trainer memory in units
+  of one export buffer, and the verifier's KL.
+
+Every refit ends when the receiver reports the version applied (its copies done).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_ext.testing import tiny_llama  # noqa: E402
+from megatron_ext.testing.multirank import run_on_ranks  # noqa: E402
+from megatron_ext.testing.receiver_proc import start_hf_receiver  # noqa: E402
+
+PRESETS = {
+    # Llama-3.2-1B / 3B and Llama-3-8B shapes, untied embeddings, GQA.
+    "1b": dict(num_layers=16, hidden_size=2048, num_attention_heads=32, num_query_groups=8,
+               ffn_hidden_size=8192, vocab_size=128256, hf_vocab_size=128256),
+    "3b": dict(num_layers=28, hidden_size=3072, num_attention_heads=24, num_query_groups=8,
+               ffn_hidden_size=8192, vocab_size=128256, hf_vocab_size=128256),
+    "8b": dict(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
+               ffn_hidden_size=14336, vocab_size=128256, hf_vocab_size=128256),
+    "tiny": dict(num_layers=2, hidden_size=256, num_attention_heads=8, num_query_groups=2,
+                 ffn_hidden_size=512, vocab_size=4096, hf_vocab_size=4096),
+}
+GiB = 1 << 30
+
+
+def spec_for(preset: str) -> tiny_llama.TinyLlamaSpec:
+    return tiny_llama.TinyLlamaSpec(arch="llama", seq_length=32, **PRESETS[preset])
+
+
+def _mconfig(spec, gpu: bool):
+    return tiny_llama.transformer_config(
+        spec, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, bf16=True,
+        use_cpu_initialization=not gpu)
+
+
+def build_receiver_model(spec, device):
+    """HF LlamaForCausalLM in bf16, initialised directly on ``device``."""
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device(device):
+        return tiny_llama.build_hf(spec, dtype=torch.bfloat16)
+
+
+# ------------------------------------------------------------------ limits
+def copy_bandwidth(device: torch.device, nbytes: int, iters: int = 10) -> float:
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        b.copy_(a)
+    _sync(device)
+    return nbytes * iters / (time.perf_counter() - start) / 1e9
+
+
+def _broadcast_rank(nbytes, iters):
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    for _ in range(3):
+        dist.broadcast(buf, 0)
+    _sync(torch.device(device))
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        dist.broadcast(buf, 0)
+    _sync(torch.device(device))
+    return nbytes * iters / (time.perf_counter() - start) / 1e9
+
+
+def _sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ------------------------------------------------------------ naive baseline
+def _naive_tensors(model, spec):
+    """Per parameter: materialise each HF tensor as a new contiguous tensor."""
+    from megatron_ext.weight_export.hf_mapping import local_sources, unwrap, write_shard
+
+    model = unwrap(model)
+    params = dict(model.named_parameters())
+    for src in local_sources(model, vocab_size=spec.hf_vocab_size):
+        outs = [torch.empty(shape, dtype=src.dtype, device=params[src.local_name].device)
+                for _, shape in src.outputs]
+        write_shard(src, params[src.local_name].detach(), 0, 1, outs)
+        yield from zip((n for n, _ in src.outputs), outs)
+
+
+def _naive_share(t):
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    if t.is_cuda:
+        return ("cuda", reduce_tensor(t))
+    import tempfile
+
+    fd, path = tempfile.mkstemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    os.close(fd)
+    nbytes = t.numel() * t.element_size()
+    with open(path, "wb") as f:
+        f.truncate(nbytes)
+    shared = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    shared.view(t.dtype).view(t.shape).copy_(t)
+    return ("file", path, nbytes)
+
+
+def naive_export(model, spec, conn, pg, mode):
+    """One naive refit: per-tensor IPC handle + ack, or per-tensor metadata + broadcast."""
+    for name, t in _naive_tensors(model, spec):
+        if mode == "ipc":
+            _sync(t.device)
+            conn.send(("tensor", name, t.dtype, tuple(t.shape), _naive_share(t)))
+            assert conn.recv() == ("done", name)
+        else:
+            conn.send(("tensor", name, t.dtype, tuple(t.shape), None))
+            pg.broadcast(t, 0).wait()
+    conn.send(("end",))
+    assert conn.recv()[0] == "applied"
+
+
+def naive_receiver(spec, address, device, mode):
+    """Engine side of the naive baseline: per-tensor messages, HF model updates."""
+    import datetime
+    from multiprocessing.connection import Listener
+
+    import torch.distributed as dist
+
+    from megatron_ext.weight_export import HFModelConsumer
+    from megatron_ext.weight_export.transport import (DEFAULT_AUTHKEY, _no_delay, make_group, open_shared,
+                                                      parse_address)
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    consumer = HFModelConsumer(build_receiver_model(spec, device))
+    with Listener(parse_address(address), authkey=DEFAULT_AUTHKEY) as listener:
+        conn = _no_delay(listener.accept())  # same control-channel latency as ours
+    pg = None
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            break
+        if msg[0] == "join":
+            _, host, port, rank, world, backend, t = msg
+            store = dist.TCPStore(host, port, world, is_master=False, timeout=datetime.timedelta(seconds=t))
+            pg = make_group(store, rank, world, backend, t)
+        elif msg[0] == "tensor":
+            _, name, dtype, shape, handle = msg
+            if handle is not None:
+                buf = open_shared(handle)
+                t = buf.view(dtype).view(shape) if buf.dtype == torch.uint8 else buf
+            else:
+                t = torch.empty(shape, dtype=dtype, device=device)
+                pg.broadcast(t, 0).wait()
+            consumer.load_weights([(name, t)])
+            if mode == "ipc":
+                _sync(device)
+                conn.send(("done", name))
+                if handle[0] == "file":
+                    os.unlink(handle[1])
+        elif msg[0] == "end":
+            _sync(device)
+            conn.send(("applied", 0))
+        elif msg[0] == "close":
+            break
+
+
+def start_naive_receiver(spec, device, mode):
+    import multiprocessing
+
+    from megatron_ext.testing.multirank import free_port
+
+    address = f"127.0.0.1:{free_port()}"
+    proc = multiprocessing.get_context("spawn").Process(
+        target=naive_receiver, args=(spec, address, str(device), mode), daemon=True)
+    proc.start()
+    return proc, address
+
+
+# ------------------------------------------------------------------ trainer
+def _trainer(spec, scenarios, bucket_mb, iters, timeout_s):
+    import datetime
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_ext import weight_export as wx
+    from megatron_ext.weight_export.transport import _connect, DEFAULT_AUTHKEY, make_group
+
+    ps.initialize_model_parallel()
+    gpu = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+    from megatron.core.transformer.module import Float16Module
+
+    config = _mconfig(spec, gpu)
+    model = Float16Module(config, tiny_llama.build_model(spec, config, device=device))  # bf16 like training
+    nparams = sum(p.numel() for p in model.parameters())
+    tokens = tiny_llama.tokens(spec, batch=1)
+    rows = []
+    for sc in scenarios:
+        row = dict(name=sc["name"], kind=sc["kind"], params=nparams)
+        if gpu:
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        times = []
+        if sc["kind"] == "ours":
+            exporter = wx.WeightExporter(model, wx.WeightExportConfig(
+                target=sc["address"], transport=sc["transport"], backend="nccl" if gpu else "gloo",
+                bucket_size_mb=bucket_mb, vocab_size=spec.hf_vocab_size, timeout_s=timeout_s))
+            first = exporter.export()
+            for _ in range(iters):
+                times.append(exporter.export().seconds)
+            if gpu:
+                row["peak_extra_bytes"] = torch.cuda.max_memory_allocated(device) - base
+            verify = exporter.verify(tokens)
+            row.update(nbytes=exporter.plan.total_bytes, buffer_bytes=exporter.plan.buffer_bytes,
+                       buckets=len(exporter.plan.buckets), first_s=first.seconds,
+                       applied=list(exporter.last_result.applied), kl=verify.kl,
+                       max_abs_logit_diff=verify.max_abs_diff)
+            exporter.close()
+        else:
+            conn = _connect(sc["address"], timeout_s, DEFAULT_AUTHKEY)
+            pg = None
+            if sc["transport"] == "broadcast":
+                store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True,
+                                      timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+                conn.send(("join", "127.0.0.1", store.port, 1, 2, "nccl" if gpu else "gloo", timeout_s))
+                pg = make_group(store, 0, 2, "nccl" if gpu else "gloo", timeout_s)
+            mode = "ipc" if sc["transport"] == "ipc" else "broadcast"
+            naive_export(model, spec, conn, pg, mode)  # warm-up
+            for _ in range(iters):
+                start = time.perf_counter()
+                naive_export(model, spec, conn, pg, mode)
+                times.append(time.perf_counter() - start)
+            if gpu:
+                row["peak_extra_bytes"] = torch.cuda.max_memory_allocated(device) - base
+            row.update(nbytes=sum(t.numel() * t.element_size() for _, t in _naive_tensors(model, spec)))
+            conn.send(("close",))
+        row["seconds"] = statistics.median(times)
+        row["gbps"] = row["nbytes"] / row["seconds"] / 1e9
+        rows.append(row)
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="3b")
+    parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    parser.add_argument("--bucket-size-mb", type=float, default=512)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--limit-gib", type=float, default=1.0, help="payload of the limit measurements")
+    parser.add_argument("--timeout-s", type=float, default=300)
+    parser.add_argument("--no-naive", action="store_true", help="skip the naive baseline")
+    parser.add_argument("--out", default="refit.json")
+    args = parser.parse_args(argv)
+
+    gpus = torch.cuda.device_count()
+    gpu = args.device == "cuda" or (args.device == "auto" and gpus >= 1)
+    if gpu and gpus < 1:
+        parser.error("--device cuda needs a GPU")
+    spec = spec_for(args.preset)
+    backend = "nccl" if gpu else "gloo"
+    colocated = torch.device("cuda", 0) if gpu else torch.device("cpu")
+    cross = torch.device("cuda", 1) if gpu and gpus >= 2 else (None if gpu else torch.device("cpu"))
+    limit_bytes = int(args.limit_gib * GiB)
+
+    print(f"refit benchmark: preset {args.preset}, device {'cuda' if gpu else 'cpu'} ({gpus} GPUs), "
+          f"bucket {args.bucket_size_mb} MiB, {args.iters} timed refits each", flush=True)
+    limits = {"copy_gbps": copy_bandwidth(colocated, limit_bytes)}
+    print(f"limit: device copy {limits['copy_gbps']:.1f} GB/s", flush=True)
+    if cross is not None:
+        limits["broadcast_gbps"] = run_on_ranks(_broadcast_rank, 2, args=(limit_bytes, 10), backend=backend,
+                                                timeout=args.timeout_s)[1]
+        print(f"limit: broadcast {limits['broadcast_gbps']:.1f} GB/s", flush=True)
+
+    procs, scenarios = [], []
+    receivers = []
+    # (where, transport, receiver device, with a naive baseline row); ipc-direct needs CUDA.
+    plan = [("colocated", "ipc-direct", colocated, False)] if gpu else []
+    plan.append(("colocated", "ipc", colocated, True))
+    if cross is not None:
+        plan.append(("cross-gpu", "broadcast", cross, True))
+    for where, transport, device, with_naive in plan:
+        rec = start_hf_receiver(build_receiver_model, (spec, str(device)), device=device,
+                                timeout_s=args.timeout_s, keep_state=False)
+        receivers.append(rec)
+        scenarios.append(dict(name=f"{where} ours ({transport})", kind="ours", transport=transport,
+                              address=rec.address, where=where))
+        if with_naive and not args.no_naive:
+            proc, address = start_naive_receiver(spec, device, transport)
+            procs.append(proc)
+            scenarios.append(dict(name=f"{where} naive (per-tensor {transport})", kind="naive",
+                                  transport=transport, address=address, where=where))
+    try:
+        rows = run_on_ranks(_trainer, 1, args=(spec, scenarios, args.bucket_size_mb, args.iters, args.timeout_s),
+                            backend=backend, timeout=max(600, args.timeout_s * 2))[0]
+        for rec in receivers:
+            res = rec.result(timeout=args.timeout_s)
+            if not res["ok"]:
+                raise RuntimeError(res["error"])
+    finally:
+        for rec in receivers:
+            rec.__exit__(None, None, None)
+        for p in procs:
+            p.kill()
+
+    for row, sc in zip(rows, scenarios):
+        limit = limits["copy_gbps"] if sc["where"] == "colocated" else limits.get("broadcast_gbps")
+        row["where"] = sc["where"]
+        row["fraction_of_limit"] = row["gbps"] / limit if limit else None
+        if "buffer_bytes" in row and "peak_extra_bytes" in row:
+            row["peak_extra_buffers"] = row["peak_extra_bytes"] / row["buffer_bytes"]
+    for row in rows:
+        naive = [r for r in rows if r["kind"] == "naive" and r["where"] == row["where"]]
+        if row["kind"] == "ours" and naive:
+            row["speedup_vs_naive"] = naive[0]["seconds"] / row["seconds"]
+
+    header = (f"{'scenario':38} {'time ms':>9} {'GB/s':>8} {'of limit':>8} {'vs naive':>8} "
+              f"{'extra mem':>12} {'KL':>9}")
+    print(f"\nmodel: {rows[0]['params'] / 1e9:.2f}B params, {rows[0]['nbytes'] / GiB:.2f} GiB bf16 payload")
+    print(f"limits: copy {limits['copy_gbps']:.1f} GB/s" +
+          (f", broadcast {limits['broadcast_gbps']:.1f} GB/s" if "broadcast_gbps" in limits else ""))
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        frac = f"{r['fraction_of_limit']:.0%}" if r.get("fraction_of_limit") is not None else "-"
+        speed = f"{r['speedup_vs_naive']:.1f}x" if "speedup_vs_naive" in r else "-"
+        mem = (f"{r['peak_extra_bytes'] / (1 << 20):.0f}MiB" if "peak_extra_bytes" in r else "-")
+        if "peak_extra_buffers" in r:
+            mem += f"/{r['peak_extra_buffers']:.1f}b"
+        kl = f"{r['kl']:.1e}" if "kl" in r else "-"
+        print(f"{r['name']:38} {r['seconds'] * 1e3:9.2f} {r['gbps']:8.2f} {frac:>8} {speed:>8} {mem:>12} {kl:>9}")
+    targets = []
+    for r in rows:
+        if r["kind"] != "ours":
+            continue
+        need = 0.5 if r["where"] == "colocated" else 0.8
+        if r.get("fraction_of_limit") is not None:
+            targets.append((f"{r['name']}: >= {need:.0%} of the {r['where']} limit",
+                            r["fraction_of_limit"] >= need, f"{r['fraction_of_limit']:.0%}"))
+        if "speedup_vs_naive" in r:
+            targets.append((f"{r['name']}: >= 10x the naive baseline", r["speedup_vs_naive"] >= 10,
+                            f"{r['speedup_vs_naive']:.1f}x"))
+        if "peak_extra_buffers" in r:
+            targets.append((f"{r['name']}: extra trainer memory <= 2 buffers", r["peak_extra_buffers"] <= 2.0,
+                            f"{r['peak_extra_buffers']:.2f} buffers"))
+    print("\ntargets:")
+    for what, ok, value in targets:
+        print(f"  {'PASS' if ok else 'FAIL'}  {what} ({value})")
+    machine = dict(platform=platform.platform(), torch=torch.__version__, python=platform.python_version(),
+                   gpus=[torch.cuda.get_device_name(i) for i in range(gpus)] if gpu else [],
+                   nccl=".".join(map(str, torch.cuda.nccl.version())) if gpu else None)
+    result = dict(preset=args.preset, spec=dataclasses.asdict(spec), bucket_size_mb=args.bucket_size_mb,
+                  iters=args.iters, machine=machine, limits=limits, rows=rows,
+                  targets=[dict(target=w, met=ok, value=v) for w, ok, v in targets])
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2, default=str)
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""A tiny Llama / Qwen2 / Qwen3-shaped megatron-core GPTModel (local spec).
+
+RoPE, RMSNorm, SwiGLU, GQA and no linear bias, so its weights map one to one
+onto ``transformers``' Llama/Qwen classes (Qwen2 adds QKV bias, Qwen3
+qk-layernorm). Like :mod:`tiny_gpt`, weights are drawn on CPU from the global
+seed: the same global model at every TP/PP degree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import torch
+
+ARCHS = ("llama", "qwen2", "qwen3")
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyLlamaSpec:
+    arch: str = "llama"
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_query_groups: int = 2
+    ffn_hidden_size: int = 96
+    vocab_size: int = 128          # Megatron's (padded) rows
+    hf_vocab_size: int = 120       # the HF model's vocabulary (<= vocab_size)
+    seq_length: int = 16
+    tie_embeddings: bool = False
+    rope_theta: float = 10000.0
+    layernorm_epsilon: float = 1e-6
+    seed: int = 1234
+
+
+def transformer_config(spec: TinyLlamaSpec, tp: int = 1, pp: int = 1, **overrides):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if spec.arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {spec.arch!r}")
+    kwargs = dict(
+        num_layers=spec.num_layers, hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads, num_query_groups=spec.num_query_groups,
+        ffn_hidden_size=spec.ffn_hidden_size, kv_channels=spec.hidden_size // spec.num_attention_heads,
+        gated_linear_unit=True, activation_func=torch.nn.functional.silu, normalization="RMSNorm",
+        layernorm_epsilon=spec.layernorm_epsilon, add_bias_linear=False, add_qkv_bias=spec.arch == "qwen2",
+        qk_layernorm=spec.arch == "qwen3",
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+        params_dtype=torch.float32, pipeline_dtype=torch.float32, bf16=False, fp16=False,
+        gradient_accumulation_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
+        bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def build_model(spec: TinyLlamaSpec, config, device: torch.device | str = "cpu"):
+    """This rank's GPTModel shard; call after ``initialize_model_parallel``."""
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    torch.manual_seed(spec.seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(spec.seed)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm,
+                                                        normalization="RMSNorm"),
+        vocab_size=spec.vocab_size, max_sequence_length=spec.seq_length,
+        position_embedding_type="rope", rotary_base=spec.rope_theta,
+        share_embeddings_and_output_weights=spec.tie_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+    )
+    # Norm weights start at 1 and QKV biases at 0; perturb them (the same global
+    # values at every TP/PP layout) so a swapped or dropped norm/bias shows in the logits.
+    with torch.no_grad():
+        for key, p in _perturbed_params(model):
+            gen = torch.Generator().manual_seed(zlib.crc32(f"{spec.seed}:{key}".encode()))
+            if getattr(p, "tensor_model_parallel", False):
+                tp, rank = parallel_state.get_tensor_model_parallel_world_size(), \
+                    parallel_state.get_tensor_model_parallel_rank()
+                full = torch.randn((p.shape[0] * tp, *p.shape[1:]), generator=gen) * 0.1
+                noise = full[rank * p.shape[0]:(rank + 1) * p.shape[0]]
+            else:
+                noise = torch.randn(p.shape, generator=gen) * 0.1
+            p.add_(noise.to(p.device, p.dtype))
+    return model.to(device)
+
+
+def _perturbed_params(model):
+    """(global key, param) of every norm weight and bias, keyed by global layer number."""
+    decoder = getattr(model, "decoder", None)
+    for layer in getattr(decoder, "layers", []):
+        for name, p in layer.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                yield f"layer{layer.layer_number}.{name}", p
+    final = getattr(decoder, "final_layernorm", None)
+    if final is not None:
+        for name, p in final.named_parameters():
+            yield f"final.{name}", p
+
+
+def hf_model(spec: TinyLlamaSpec, config, dtype=torch.float32):
+    """An HF ``*ForCausalLM`` of the same shape with its own random weights (no downloads)."""
+    import transformers
+
+    from megatron_ext.weight_export import hf_config_from_megatron
+
+    hf_cfg = hf_config_from_megatron(config, arch=spec.arch, vocab_size=spec.hf_vocab_size,
+                                     max_position_embeddings=max(64, spec.seq_length),
+                                     rope_theta=spec.rope_theta, tie_word_embeddings=spec.tie_embeddings)
+    cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
+           "qwen3": transformers.Qwen3ForCausalLM}[spec.arch]
+    torch.manual_seed(spec.seed + 7)
+    return cls(hf_cfg).to(dtype).eval()
+
+
+def tokens(spec: TinyLlamaSpec, batch: int = 2, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, spec.hf_vocab_size, (batch, spec.seq_length), generator=gen)
+
+
+def build_hf(spec: TinyLlamaSpec, dtype=torch.float32):
+    """The HF model for ``spec`` without a process group (receiver processes)."""
+    return hf_model(spec, transformer_config(spec), dtype=dtype)

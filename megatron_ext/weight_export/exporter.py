@@ -1,0 +1,285 @@
+"""The export hook: plan once, gather bucket by bucket, send, report versions.
+
+Every trainer rank calls :meth:`WeightExporter.export` (or
+:meth:`~WeightExporter.maybe_export` after each optimizer step). Data-parallel
+replica 0 does the work: each pipeline stage's TP group gathers its buckets with
+one collective per bucket, the stage's TP leader writes them into one of two
+flat buffers, and stages other than the first send their buckets to the export
+rank (pipeline stage 0, TP rank 0), which hands every bucket to the transport.
+While one buffer is on its way the other is being filled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import time
+
+import torch
+import torch.distributed as dist
+
+from .config import MAX_BUCKET_MB, MIN_BUCKET_MB, WeightExportConfig
+from .gather import BucketGatherer
+from .hf_mapping import Source, local_sources, unwrap
+from .plan import ExportPlan, build_plan
+from .transport import BroadcastSender, InProcessSender, IpcDirectSender, IpcSender
+
+__all__ = ["ExportResult", "WeightExporter"]
+
+log = logging.getLogger(__name__)
+MiB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportResult:
+    """One export as seen by a trainer rank (``applied`` only on the export rank)."""
+
+    version: int
+    nbytes: int
+    seconds: float
+    num_buckets: int
+    applied: tuple[int, ...] = ()
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+
+class _Layout:
+    """This rank's place in Megatron's parallel layout (single rank without it)."""
+
+    def __init__(self):
+        self.tp_size = self.pp_size = 1
+        self.tp_rank = self.pp_rank = self.dp_rank = 0
+        self.tp_group = None
+        self.stage_leaders = [dist.get_rank() if dist.is_initialized() else 0]
+        try:
+            from megatron.core import parallel_state as ps
+
+            ready = ps.model_parallel_is_initialized()
+        except ImportError:
+            ready = False
+        if not ready:
+            return
+        self.tp_size = ps.get_tensor_model_parallel_world_size()
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.pp_size = ps.get_pipeline_model_parallel_world_size()
+        self.pp_rank = ps.get_pipeline_model_parallel_rank()
+        self.dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.stage_leaders = dist.get_process_group_ranks(self.pp_group)
+
+
+def auto_bucket_bytes(device: torch.device) -> int:
+    """5% of free device memory, within 16..1024 MiB (64 MiB on CPU)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(min(max(free * 0.05, MIN_BUCKET_MB * MiB), MAX_BUCKET_MB * MiB))
+    return 64 * MiB
+
+
+class WeightExporter:
+    """Streams a Megatron-Core GPT model's weights, in HF naming, to receivers.
+
+    ``receiver`` (a :class:`WeightReceiver`) is the target of
+    ``transport="inprocess"``; ``sender`` overrides the transport entirely.
+    Call :meth:`export` on every trainer rank.
+    """
+
+    def __init__(self, model, config: WeightExportConfig | None = None, *, receiver=None, sender=None):
+        self.model = unwrap(model)
+        self.config = config or WeightExportConfig()
+        self.layout = _Layout()
+        lay = self.layout
+        self.participates = lay.dp_rank == 0
+        self.is_leader = self.participates and lay.tp_rank == 0
+        self.is_export_rank = self.is_leader and lay.pp_rank == 0
+        self.device = next(self.model.parameters()).device
+        self._receiver, self._sender = receiver, sender
+        self._plan: ExportPlan | None = None
+        self._bucket_sources: list[list[Source]] = []
+        self._signature = None
+        self._buffers: list[torch.Tensor] = []
+        self._gatherer = None
+        self._direct_for = None
+        self.plans_built = 0
+        self.version = 0
+        self.last_result: ExportResult | None = None
+
+    # ----------------------------------------------------------------- plan
+    def _local_signature(self) -> str:
+        h = hashlib.sha256()
+        for n, p in self.model.named_parameters():
+            h.update(f"{n}:{tuple(p.shape)}:{p.dtype}:{p.data_ptr()};".encode())
+        return h.hexdigest()
+
+    @property
+    def plan(self) -> ExportPlan:
+        """The current plan (computed on first use; collective over the PP group)."""
+        self._ensure_plan()
+        return self._plan
+
+    def _ensure_plan(self) -> None:
+        lay = self.layout
+        sig = self._local_signature()
+        if lay.pp_size > 1:
+            sigs = [None] * lay.pp_size
+            dist.all_gather_object(sigs, sig, group=lay.pp_group)
+            sig = "|".join(sigs)
+        if sig == self._signature:
+            return
+        sources = local_sources(self.model, pp_rank=lay.pp_rank, tp_size=lay.tp_size,
+                                vocab_size=self.config.vocab_size)
+        if lay.pp_size > 1:
+            per_stage = [None] * lay.pp_size
+            dist.all_gather_object(per_stage, sources, group=lay.pp_group)
+            sources = [s for stage in per_stage for s in stage]
+        if self.config.bucket_size_mb is not None:
+            bucket_bytes = int(self.config.bucket_size_mb * MiB)
+        else:
+            bucket_bytes = auto_bucket_bytes(self.device)
+        self._plan, self._bucket_sources = build_plan(sources, bucket_bytes, tp_size=lay.tp_size,
+                                                      pp_size=lay.pp_size)
+        params = dict(self.model.named_parameters())
+        self._gatherer = BucketGatherer(params, tp_group=lay.tp_group, tp_rank=lay.tp_rank,
+                                        tp_size=lay.tp_size, device=self.device)
+        self._buffers = []
+        self._signature = sig
+        self.plans_built += 1
+        if self.is_export_rank:
+            log.info("weight export plan: %d tensors, %.1f MiB in %d buckets of <= %.1f MiB",
+                     sum(1 for _ in self._plan.tensors()), self._plan.total_bytes / MiB,
+                     len(self._plan.buckets), self._plan.buffer_bytes / MiB)
+
+    # ------------------------------------------------------------ transport
+    @property
+    def sender(self):
+        if self._sender is None and self.is_export_rank:
+            cfg = self.config
+            if cfg.transport == "inprocess":
+                if self._receiver is None:
+                    raise ValueError("transport='inprocess' needs receiver=WeightReceiver(...) "
+                                     "(or pass transport='broadcast'/'ipc' with a target)")
+                self._sender = InProcessSender(self._receiver)
+            elif cfg.transport == "broadcast":
+                backend = cfg.backend
+                if backend == "auto":
+                    backend = "nccl" if self.device.type == "cuda" else "gloo"
+                self._sender = BroadcastSender(cfg.targets, backend=backend, timeout_s=cfg.timeout_s)
+            elif cfg.transport == "ipc":
+                self._sender = IpcSender(cfg.targets, timeout_s=cfg.timeout_s)
+            else:
+                lay = self.layout
+                if lay.tp_size != 1 or lay.pp_size != 1:
+                    raise ValueError(f"transport='ipc-direct' needs TP=PP=1 (got TP={lay.tp_size}, "
+                                     f"PP={lay.pp_size}); use transport='ipc'")
+                self._sender = IpcDirectSender(cfg.targets, timeout_s=cfg.timeout_s)
+        return self._sender
+
+    @property
+    def extra_memory_bytes(self) -> int:
+        """Trainer memory the exporter holds: its buffers plus the TP gather scratch."""
+        scratch = self._gatherer.scratch_bytes if self._gatherer else 0
+        return sum(b.numel() for b in self._buffers) + scratch
+
+    # --------------------------------------------------------------- export
+    def maybe_export(self, step: int) -> ExportResult | None:
+        """Export after optimizer step ``step`` (1-based) every ``config.every_n_steps``."""
+        n = self.config.every_n_steps
+        if n and step % n == 0:
+            return self.export(version=step)
+        return None
+
+    @torch.no_grad()
+    def export(self, version: int | None = None) -> ExportResult:
+        """Stream the current weights; on the export rank returns the versions the
+        receivers report as applied. Collective over the trainer's ranks."""
+        self.version = self.version + 1 if version is None else version
+        start = time.perf_counter()
+        if not self.participates:
+            return ExportResult(self.version, 0, 0.0, 0)
+        self._ensure_plan()
+        plan = self._plan
+        sender = self.sender if self.is_export_rank else None
+        if getattr(sender, "direct", False):
+            if sender._info is None or self._direct_for != self._signature:
+                sender.prepare([s for b in self._bucket_sources for s in b], dict(self.model.named_parameters()))
+                self._direct_for = self._signature
+            sender.start(plan, [], self.version)
+            applied = tuple(sender.finish(self.version))
+            self.last_result = ExportResult(self.version, plan.total_bytes, time.perf_counter() - start,
+                                            len(plan.buckets), applied)
+            return self.last_result
+        if self.is_leader and not self._buffers:
+            alloc = sender.allocate if sender is not None else (
+                lambda n, d: torch.empty(n, dtype=torch.uint8, device=d))
+            self._buffers = [alloc(plan.buffer_bytes, self.device) for _ in range(2)]
+        if sender is not None:
+            sender.start(plan, self._buffers, self.version)
+        pending = [None, None]
+        try:
+            self._stream_buckets(plan, sender, pending)
+        except BaseException:
+            # Let in-flight sends finish or fail (each bounded by the timeout), so no
+            # transfer is left writing into a buffer or blocking the group's teardown.
+            for p in pending:
+                try:
+                    if p is not None:
+                        p.wait()
+                except Exception:  # noqa: BLE001 - the first error is the one raised
+                    pass
+            raise
+        applied = tuple(sender.finish(self.version)) if sender is not None else ()
+        nbytes = plan.total_bytes if self.is_export_rank else 0
+        self.last_result = ExportResult(self.version, nbytes, time.perf_counter() - start,
+                                        len(plan.buckets), applied)
+        return self.last_result
+
+    def verify(self, tokens: torch.Tensor):
+        """Run ``tokens`` through the Megatron model (every rank of the replica) and
+        the first receiver; on the export rank return :class:`VerifyResult`."""
+        from .verify import megatron_logits, verify_export
+
+        reference = megatron_logits(self.model, tokens)
+        if not self.is_export_rank:
+            return None
+        sender = self.sender
+        if isinstance(sender, InProcessSender):
+            got = sender.receiver.consumer.logits(tokens)
+        else:
+            got = sender.request_logits(tokens)
+        return verify_export(reference, got)
+
+    def _stream_buckets(self, plan, sender, pending) -> None:
+        lay = self.layout
+        for bucket, sources in zip(plan.buckets, self._bucket_sources):
+            slot = bucket.index % 2
+            mine = bucket.pp_rank == lay.pp_rank
+            if not (mine or self.is_export_rank):
+                continue
+            out = None
+            if self.is_leader:
+                if pending[slot] is not None:
+                    p, pending[slot] = pending[slot], None
+                    p.wait()
+                out = self._buffers[slot]
+            if mine:
+                self._gatherer.gather(bucket, sources, out)
+            else:  # the export rank receives another stage's bucket
+                dist.recv(out[:bucket.nbytes], src=lay.stage_leaders[bucket.pp_rank])
+            if self.is_export_rank:
+                pending[slot] = sender.send(bucket, out)
+            elif self.is_leader:
+                pending[slot] = dist.isend(out[:bucket.nbytes], dst=lay.stage_leaders[0])
+        last = plan.buckets[-1].index if plan.buckets else 0
+        for slot in ((last + 1) % 2, last % 2):  # oldest first: acknowledgements come in order
+            if pending[slot] is not None:
+                p, pending[slot] = pending[slot], None
+                p.wait()
+
+    def close(self) -> None:
+        if self._sender is not None:
+            self._sender.close()
+            self._sender = None

@@ -1,0 +1,254 @@
+"""Megatron-Core GPT parameters -> Hugging Face tensors (Llama / Qwen2 / Qwen3).
+
+A :class:`Source` is one Megatron parameter as the trainer holds it: its global
+name, the pipeline stage that owns it, how tensor parallelism shards it, and the
+HF tensors it becomes. :func:`write_shard` writes one TP shard of a source
+straight into the HF tensors' destination views, so assembling a full tensor
+needs no temporary: QKV with GQA is split into ``q/k/v_proj``, the gated MLP's
+``linear_fc1`` into ``gate/up_proj``, TE's fused layernorm weights become the
+HF layernorms, and a tied output layer is exported once (as the embedding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import torch
+
+__all__ = ["Source", "UnsupportedParameter", "copy_all", "hf_config_from_megatron", "local_sources", "shard_copies",
+           "write_shard"]
+
+
+class UnsupportedParameter(ValueError):
+    """A Megatron parameter has no Hugging Face counterpart in the GPT mapping."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """One Megatron parameter and the HF tensors it becomes.
+
+    ``kind`` is ``"copy"`` (one HF tensor), ``"qkv"`` (q, k, v) or ``"glu"``
+    (gate, up). ``shard_shape`` is the shape on each TP rank; ``partition_dim``
+    the sharded dim (None: replicated). ``outputs`` are ``(hf_name, shape)``.
+    """
+
+    mcore_name: str
+    local_name: str
+    pp_rank: int
+    dtype: torch.dtype
+    shard_shape: tuple[int, ...]
+    partition_dim: int | None
+    kind: str
+    outputs: tuple[tuple[str, tuple[int, ...]], ...]
+    num_heads: int = 0
+    num_groups: int = 0
+
+    @property
+    def shard_nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for d in self.shard_shape:
+            n *= d
+        return n
+
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+# Per-layer Megatron suffix -> (kind, HF names relative to ``model.layers.{i}.``).
+_LAYER_MAP = {
+    "input_layernorm.weight": ("copy", ("input_layernorm.weight",)),
+    "self_attention.linear_qkv.layer_norm_weight": ("copy", ("input_layernorm.weight",)),
+    "self_attention.linear_qkv.weight": (
+        "qkv", ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")),
+    "self_attention.linear_qkv.bias": (
+        "qkv", ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")),
+    "self_attention.q_layernorm.weight": ("copy", ("self_attn.q_norm.weight",)),
+    "self_attention.k_layernorm.weight": ("copy", ("self_attn.k_norm.weight",)),
+    "self_attention.linear_proj.weight": ("copy", ("self_attn.o_proj.weight",)),
+    "pre_mlp_layernorm.weight": ("copy", ("post_attention_layernorm.weight",)),
+    "mlp.linear_fc1.layer_norm_weight": ("copy", ("post_attention_layernorm.weight",)),
+    "mlp.linear_fc1.weight": ("glu", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+    "mlp.linear_fc2.weight": ("copy", ("mlp.down_proj.weight",)),
+}
+_GLOBAL_MAP = {
+    "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+    "decoder.final_layernorm.weight": "model.norm.weight",
+    "output_layer.weight": "lm_head.weight",
+}
+_VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def unwrap(model):
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _global_layer_names(model) -> dict[str, str]:
+    """Local ``decoder.layers.{j}.`` prefix -> global prefix (PP / VPP offsets)."""
+    prefixes = {}
+    decoder = getattr(model, "decoder", None)
+    for j, layer in enumerate(getattr(decoder, "layers", [])):
+        prefixes[f"decoder.layers.{j}."] = f"decoder.layers.{layer.layer_number - 1}."
+    return prefixes
+
+
+def local_sources(model, *, pp_rank: int = 0, tp_size: int = 1, vocab_size: int | None = None) -> list[Source]:
+    """The :class:`Source` of every exported parameter of this rank's stage.
+
+    ``vocab_size`` trims Megatron's padded vocabulary to the HF one. Raises
+    :class:`UnsupportedParameter` naming the first parameter with no HF mapping.
+    """
+    model = unwrap(model)
+    cfg = model.config
+    if getattr(cfg, "num_moe_experts", None):
+        raise UnsupportedParameter(
+            "MoE models are not supported by the GPT export mapping yet (num_moe_experts="
+            f"{cfg.num_moe_experts}); export a dense model or extend hf_mapping.py")
+    tied = bool(getattr(model, "share_embeddings_and_output_weights", False))
+    prefixes = _global_layer_names(model)
+    num_heads = cfg.num_attention_heads
+    num_groups = cfg.num_query_groups or num_heads
+    head_dim = cfg.kv_channels or cfg.hidden_size // num_heads
+    sources = []
+    for local_name, param in model.named_parameters():
+        name = local_name
+        for lp, gp in prefixes.items():
+            if name.startswith(lp):
+                name = gp + name[len(lp):]
+                break
+        if name == "output_layer.weight" and tied:
+            continue  # the embedding is exported once; HF ties lm_head to it
+        partition_dim = param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
+        if tp_size == 1:
+            partition_dim = None
+        shard_shape = tuple(param.shape)
+        full = list(shard_shape)
+        if partition_dim is not None:
+            full[partition_dim] *= tp_size
+        m = _LAYER.match(name)
+        if m:
+            layer, suffix = m.groups()
+            if suffix not in _LAYER_MAP:
+                raise UnsupportedParameter(_unsupported(name, cfg))
+            kind, hf = _LAYER_MAP[suffix]
+            hf = tuple(f"model.layers.{layer}.{h}" for h in hf)
+        elif name in _GLOBAL_MAP:
+            kind, hf = "copy", (_GLOBAL_MAP[name],)
+        else:
+            raise UnsupportedParameter(_unsupported(name, cfg))
+        if kind == "copy":
+            if name in _VOCAB_PARAMS and vocab_size is not None:
+                if vocab_size > full[0]:
+                    raise ValueError(f"vocab_size={vocab_size} exceeds {name}'s {full[0]} rows")
+                full[0] = vocab_size
+            shapes = (tuple(full),)
+        elif kind == "qkv":
+            rest = tuple(full[1:])
+            shapes = ((num_heads * head_dim, *rest), (num_groups * head_dim, *rest),
+                      (num_groups * head_dim, *rest))
+        else:  # glu
+            if not cfg.gated_linear_unit:
+                raise UnsupportedParameter(
+                    f"{name}: non-gated MLP has no Llama/Qwen counterpart (set gated_linear_unit=True)")
+            shapes = ((full[0] // 2, *full[1:]), (full[0] // 2, *full[1:]))
+        sources.append(Source(
+            mcore_name=name, local_name=local_name, pp_rank=pp_rank, dtype=param.dtype,
+            shard_shape=shard_shape, partition_dim=partition_dim, kind=kind,
+            outputs=tuple(zip(hf, shapes)), num_heads=num_heads, num_groups=num_groups,
+        ))
+    return sources
+
+
+def _unsupported(name: str, cfg) -> str:
+    hint = ""
+    if name.endswith("layernorm.bias") or name.endswith("layer_norm_bias"):
+        hint = " (LayerNorm with bias: Llama/Qwen use RMSNorm, set normalization='RMSNorm')"
+    elif name.endswith(".bias"):
+        hint = " (linear bias: Llama/Qwen have none except Qwen2's QKV bias; set add_bias_linear=False)"
+    elif "position_embeddings" in name:
+        hint = " (learned absolute positions: Llama/Qwen use RoPE, position_embedding_type='rope')"
+    return f"Megatron parameter {name!r} has no Hugging Face counterpart in the GPT mapping{hint}"
+
+
+def write_shard(source: Source, shard: torch.Tensor, tp_rank: int, tp_size: int,
+                dests: list[torch.Tensor]) -> None:
+    """Copy TP shard ``tp_rank`` of ``source`` into its place in the HF tensors ``dests``."""
+    for dst, src in shard_copies(source, shard, tp_rank, tp_size, dests):
+        dst.copy_(src)
+
+
+def shard_copies(source: Source, shard: torch.Tensor, tp_rank: int, tp_size: int,
+                 dests: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The ``(destination view, source view)`` pairs that place TP shard ``tp_rank``
+    of ``source`` in the HF tensors ``dests`` (batched by the caller)."""
+    d = source.partition_dim
+    if source.kind == "copy":
+        (dst,) = dests
+        if d is None:
+            if tp_rank != 0:
+                return []
+            return [(dst, shard.narrow(0, 0, dst.shape[0]) if dst.shape[0] != shard.shape[0] else shard)]
+        size = shard.shape[d]
+        start = tp_rank * size
+        stop = min(start + size, dst.shape[d])  # vocab trimming
+        if stop <= start:
+            return []
+        return [(dst.narrow(d, start, stop - start), shard.narrow(d, 0, stop - start))]
+    if d is not None and d != 0:
+        raise ValueError(f"{source.mcore_name}: expected TP sharding on dim 0, got {d}")
+    ranks = tp_size if d is not None else 1
+    if d is None and tp_rank != 0:
+        return []
+    if source.kind == "glu":
+        gate, up = dests
+        rows = shard.shape[0] // 2
+        return [(gate.narrow(0, tp_rank * rows, rows), shard[:rows]),
+                (up.narrow(0, tp_rank * rows, rows), shard[rows:])]
+    # qkv: rows are [q heads of group g, k of g, v of g] for each query group g.
+    q, k, v = dests
+    groups = source.num_groups // ranks
+    per_group = source.num_heads // source.num_groups
+    rest = tuple(shard.shape[1:])
+    head_dim = shard.shape[0] // (groups * (per_group + 2))
+    x = shard.reshape(groups, (per_group + 2) * head_dim, *rest)
+    g0 = tp_rank * groups
+    qd = per_group * head_dim
+    return [
+        (q.view(source.num_groups, qd, *rest)[g0:g0 + groups], x[:, :qd]),
+        (k.view(source.num_groups, head_dim, *rest)[g0:g0 + groups], x[:, qd:qd + head_dim]),
+        (v.view(source.num_groups, head_dim, *rest)[g0:g0 + groups], x[:, qd + head_dim:]),
+    ]
+
+
+def copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Run many small copies as few kernel launches (``torch._foreach_copy_``)."""
+    if not pairs:
+        return
+    dsts, srcs = zip(*pairs)
+    torch._foreach_copy_(list(dsts), list(srcs))
+
+
+def hf_config_from_megatron(config, *, arch: str = "llama", vocab_size: int, max_position_embeddings: int = 4096,
+                            rope_theta: float = 10000.0, tie_word_embeddings: bool = False):
+    """A ``transformers`` config (Llama / Qwen2 / Qwen3) with the shape of a Megatron ``TransformerConfig``."""
+    import transformers
+
+    classes = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+               "qwen3": transformers.Qwen3Config}
+    if arch not in classes:
+        raise ValueError(f"arch must be one of {sorted(classes)}, got {arch!r}")
+    heads = config.num_attention_heads
+    kwargs = dict(
+        vocab_size=vocab_size, hidden_size=config.hidden_size, intermediate_size=config.ffn_hidden_size,
+        num_hidden_layers=config.num_layers, num_attention_heads=heads,
+        num_key_value_heads=config.num_query_groups or heads,
+        head_dim=config.kv_channels or config.hidden_size // heads,
+        max_position_embeddings=max_position_embeddings, rms_norm_eps=config.layernorm_epsilon,
+        rope_theta=rope_theta, tie_word_embeddings=tie_word_embeddings, hidden_act="silu",
+        attention_dropout=0.0,
+    )
+    if arch == "llama":
+        kwargs.update(attention_bias=False, mlp_bias=False)
+    return classes[arch](**kwargs)

@@ -1,0 +1,175 @@
+"""The export plan: where every HF tensor lives in which bucket.
+
+Computed once per model layout and sent to receivers once; afterwards only
+bucket bytes travel. A bucket is one flat byte buffer; each tensor sits at an
+aligned offset in it. Tensors come from one pipeline stage per bucket, so a
+bucket is gathered with one collective in that stage's TP group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Iterator, Mapping
+
+import torch
+
+from .hf_mapping import Source
+
+__all__ = ["ALIGNMENT", "BucketMeta", "ExportPlan", "PlanMismatch", "TensorMeta", "build_plan", "check_plan",
+           "unpack"]
+
+ALIGNMENT = 256  # bytes; keeps every view aligned for vectorised copies and NCCL
+
+
+class PlanMismatch(ValueError):
+    """The receiver's model does not match the plan; nothing was written."""
+
+
+def _align(n: int) -> int:
+    return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorMeta:
+    """One HF tensor in a bucket."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceOwner:
+    """Which trainer ranks hold the slices of one Megatron parameter."""
+
+    mcore_name: str
+    pp_rank: int
+    partition_dim: int | None
+    shard_shape: tuple[int, ...]
+    hf_names: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketMeta:
+    """One flat buffer's worth of tensors, all from pipeline stage ``pp_rank``."""
+
+    index: int
+    pp_rank: int
+    nbytes: int
+    tensors: tuple[TensorMeta, ...]
+    owners: tuple[SourceOwner, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportPlan:
+    """Every exported tensor's name, dtype, shape and place; sent to receivers once."""
+
+    buckets: tuple[BucketMeta, ...]
+    buffer_bytes: int  # capacity of each of the two export buffers
+    tp_size: int = 1
+    pp_size: int = 1
+
+    def tensors(self) -> Iterator[TensorMeta]:
+        for b in self.buckets:
+            yield from b.tensors
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors())
+
+    @property
+    def fingerprint(self) -> str:
+        h = hashlib.sha256()
+        for b in self.buckets:
+            for t in b.tensors:
+                h.update(f"{b.index}:{t.name}:{t.dtype}:{t.shape}:{t.offset};".encode())
+        return h.hexdigest()[:16]
+
+
+def build_plan(sources: list[Source], bucket_bytes: int, *, tp_size: int = 1, pp_size: int = 1
+               ) -> tuple[ExportPlan, list[list[Source]]]:
+    """Pack ``sources`` (in order, all stages) into buckets of at most ``bucket_bytes``.
+
+    A parameter's HF tensors stay in one bucket. A parameter larger than
+    ``bucket_bytes`` gets a bucket of its own, and the buffers grow to fit it
+    (``plan.buffer_bytes``). Returns the plan and each bucket's sources.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+    buckets: list[BucketMeta] = []
+    bucket_sources: list[list[Source]] = []
+    tensors: list[TensorMeta] = []
+    owners: list[SourceOwner] = []
+    members: list[Source] = []
+    used = 0
+    stage = None
+
+    def close():
+        nonlocal tensors, owners, members, used
+        if tensors:
+            buckets.append(BucketMeta(len(buckets), stage, used, tuple(tensors), tuple(owners)))
+            bucket_sources.append(members)
+        tensors, owners, members, used = [], [], [], 0
+
+    for src in sources:
+        sizes = [_align(src.dtype.itemsize * _numel(shape)) for _, shape in src.outputs]
+        need = sum(sizes)
+        if tensors and (src.pp_rank != stage or used + need > bucket_bytes):
+            close()
+        stage = src.pp_rank
+        for (name, shape), size in zip(src.outputs, sizes):
+            tensors.append(TensorMeta(name, src.dtype, tuple(shape), used,
+                                      src.dtype.itemsize * _numel(shape)))
+            used += size
+        owners.append(SourceOwner(src.mcore_name, src.pp_rank, src.partition_dim, src.shard_shape,
+                                  tuple(n for n, _ in src.outputs)))
+        members.append(src)
+    close()
+    names = [t.name for b in buckets for t in b.tensors]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise ValueError(f"tensors exported twice: {sorted(dup)}")
+    capacity = max((b.nbytes for b in buckets), default=ALIGNMENT)
+    return ExportPlan(tuple(buckets), capacity, tp_size, pp_size), bucket_sources
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def unpack(bucket: BucketMeta, buf: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, view)`` of every tensor of ``bucket`` in the flat uint8 ``buf`` (no copies)."""
+    for t in bucket.tensors:
+        yield t.name, buf[t.offset:t.offset + t.nbytes].view(t.dtype).view(t.shape)
+
+
+def check_plan(plan: ExportPlan, expected: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+               *, allow_missing: bool = False) -> None:
+    """Raise :class:`PlanMismatch` naming the first tensor of ``plan`` that
+    ``expected`` (receiver name -> (shape, dtype)) does not know, or whose shape
+    or dtype differs; and, unless ``allow_missing``, a receiver tensor the plan
+    does not cover."""
+    seen = set()
+    for t in plan.tensors():
+        if t.name not in expected:
+            raise PlanMismatch(f"plan tensor {t.name!r} is unknown to the receiver's model "
+                               f"(receiver has e.g. {sorted(expected)[:3]}); check the model family/config")
+        shape, dtype = expected[t.name]
+        if tuple(shape) != tuple(t.shape):
+            raise PlanMismatch(f"plan tensor {t.name!r} has shape {tuple(t.shape)}, the receiver's "
+                               f"has {tuple(shape)}; build the receiver from the same model config")
+        if dtype != t.dtype:
+            raise PlanMismatch(f"plan tensor {t.name!r} has dtype {t.dtype}, the receiver's has {dtype}; "
+                               "export in the receiver's dtype or load the receiver in the trainer's")
+        seen.add(t.name)
+    if not allow_missing:
+        missing = sorted(set(expected) - seen)
+        if missing:
+            raise PlanMismatch(f"receiver tensor {missing[0]!r} is not in the plan ({len(missing)} missing); "
+                               "tied embeddings or a different config?")

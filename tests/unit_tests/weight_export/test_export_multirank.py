@@ -1,0 +1,163 @@
+"""Multi-rank trainers stream their weights to a Hugging Face model in another
+process over the broadcast transport (gloo on CPU, NCCL on GPUs): the
+receiver's state equals the Megatron weights gathered by plain per-parameter
+collectives, exactly; logits match; wrong plans are refused and dead receivers
+fail the trainer fast."""
+
+import dataclasses
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_ext.testing import tiny_llama
+from megatron_ext.testing.multirank import run_on_ranks
+from megatron_ext.testing.receiver_proc import start_hf_receiver
+
+from ._reference import hf_state_from_megatron
+
+SPEC = tiny_llama.TinyLlamaSpec(arch="qwen2", num_layers=4)
+TIMEOUT = 240
+
+
+def _naive_gathered_state(model):
+    """Full Megatron weights under global names: one all_gather per parameter (TP)
+    and one all_gather_object (PP), written independently of the exporter."""
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    offset = {f"decoder.layers.{j}.": f"decoder.layers.{layer.layer_number - 1}."
+              for j, layer in enumerate(model.decoder.layers)}
+    state = {}
+    for name, p in model.named_parameters():
+        t = p.detach()
+        if tp > 1 and getattr(p, "tensor_model_parallel", False):
+            parts = [torch.empty_like(t) for _ in range(tp)]
+            dist.all_gather(parts, t.contiguous(), group=ps.get_tensor_model_parallel_group())
+            if name.endswith("linear_fc1.weight"):  # each shard is [gate_r; up_r]
+                parts = [x.chunk(2)[0] for x in parts] + [x.chunk(2)[1] for x in parts]
+                t = torch.cat(parts, dim=0)
+            else:
+                t = torch.cat(parts, dim=p.partition_dim)
+        for local, glob in offset.items():
+            if name.startswith(local):
+                name = glob + name[len(local):]
+                break
+        state[name] = t.cpu().clone()
+    stages = [None] * ps.get_pipeline_model_parallel_world_size()
+    dist.all_gather_object(stages, state, group=ps.get_pipeline_model_parallel_group())
+    full = {}
+    for s in stages:
+        full.update(s)
+    return hf_state_from_megatron(
+        full, num_layers=SPEC.num_layers, num_heads=SPEC.num_attention_heads, num_groups=SPEC.num_query_groups,
+        hidden=SPEC.hidden_size, vocab=SPEC.hf_vocab_size, tied=SPEC.tie_embeddings)
+
+
+def _trainer(tp, pp, target, backend, transport="broadcast"):
+    from megatron.core import parallel_state as ps
+
+    from megatron_ext import weight_export as wx
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    device = tiny_llama_device()
+    model = tiny_llama.build_model(SPEC, tiny_llama.transformer_config(SPEC, tp=tp, pp=pp), device=device)
+    exporter = wx.WeightExporter(model, wx.WeightExportConfig(
+        target=target, transport=transport, backend=backend, bucket_size_mb=0.03,
+        vocab_size=SPEC.hf_vocab_size, timeout_s=60))
+    first = exporter.export(version=7)
+    with torch.no_grad():  # a training step's worth of change; the plan is not re-sent
+        for p in model.parameters():
+            p.mul_(1.5).add_(0.01)
+    second = exporter.export(version=8)
+    verify = exporter.verify(tiny_llama.tokens(SPEC).to(device)) if pp == 1 else None
+    expected = _naive_gathered_state(model)
+    exporter.close()
+    return dict(first=first, second=second, verify=verify, buckets=len(exporter.plan.buckets),
+                expected=expected if exporter.is_export_rank else None,
+                extra=exporter.extra_memory_bytes, buffer=exporter.plan.buffer_bytes)
+
+
+def tiny_llama_device():
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+@pytest.mark.parametrize("tp,pp,dp,backend,transport,receiver_device", [
+    (2, 2, 1, "gloo", "broadcast", "cpu"),
+    (2, 1, 2, "gloo", "broadcast", "cpu"),
+    # NCCL TP gather on GPUs 0-1; the receiver shares GPU 0 with the export rank.
+    pytest.param(2, 1, 1, "nccl", "ipc", "cuda:0", marks=pytest.mark.gpus(2)),
+], ids=["tp2-pp2", "tp2-dp2", "tp2-nccl-ipc"])
+def test_trainer_streams_to_hf_receiver_process(tp, pp, dp, backend, transport, receiver_device):
+    with start_hf_receiver(tiny_llama.build_hf, (SPEC,), device=receiver_device) as receiver:
+        out = run_on_ranks(_trainer, tp * pp * dp, args=(tp, pp, receiver.address, backend, transport),
+                           backend=backend, timeout=TIMEOUT)
+        got = receiver.result()
+    assert got["ok"], got.get("error")
+    assert got["applied"] == [7, 8]
+    assert got["plans"] == 1, "the plan must be sent once, then only bytes"
+    export_rank = out[0]
+    assert export_rank["first"].applied == (7,) and export_rank["second"].applied == (8,)
+    assert export_rank["buckets"] > 4
+    expected = export_rank["expected"]
+    assert got["state"].keys() == expected.keys()
+    for name, ref in expected.items():
+        assert torch.equal(got["state"][name], ref.cpu()), name
+    if pp == 1:
+        assert export_rank["verify"].max_abs_diff < 1e-4 and abs(export_rank["verify"].kl) < 1e-6
+    # Trainer memory: two export buffers plus (TP > 1) one gather scratch of ~ a bucket.
+    for rank_out in out:
+        assert rank_out["extra"] <= 4 * rank_out["buffer"]
+
+
+def _trainer_against_bad_receivers(wrong_target, dying_target, dying_ipc_target):
+    from megatron.core import parallel_state as ps
+
+    from megatron_ext import weight_export as wx
+
+    ps.initialize_model_parallel()
+    model = tiny_llama.build_model(SPEC, tiny_llama.transformer_config(SPEC))
+    outcomes = {}
+    for what, target, transport in (("wrong", wrong_target, "broadcast"), ("dying", dying_target, "broadcast"),
+                                    ("dying-ipc", dying_ipc_target, "ipc")):
+        exporter = wx.WeightExporter(model, wx.WeightExportConfig(
+            target=target, transport=transport, backend="gloo", bucket_size_mb=0.03,
+            vocab_size=SPEC.hf_vocab_size, timeout_s=30))
+        start = time.monotonic()
+        try:
+            exporter.export()
+            outcomes[what] = ("no error", None, time.monotonic() - start)
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            outcomes[what] = (str(exc), type(exc).__name__, time.monotonic() - start)
+        exporter.close()
+    return outcomes
+
+
+def test_wrong_plan_refused_and_dead_receiver_fails_fast():
+    wrong_spec = dataclasses.replace(SPEC, num_query_groups=4)  # k/v_proj shapes differ
+    with start_hf_receiver(tiny_llama.build_hf, (wrong_spec,)) as wrong, \
+            start_hf_receiver(tiny_llama.build_hf, (SPEC,), die_after=2) as dying, \
+            start_hf_receiver(tiny_llama.build_hf, (SPEC,), die_after=2) as dying_ipc:
+        (outcomes,) = run_on_ranks(_trainer_against_bad_receivers, 1,
+                                   args=(wrong.address, dying.address, dying_ipc.address),
+                                   backend="gloo", timeout=TIMEOUT)
+        got_wrong, got_dying, got_dying_ipc = wrong.result(), dying.result(), dying_ipc.result()
+    message, kind, _ = outcomes["wrong"]
+    assert kind == "PlanMismatch", message
+    assert "'model.layers.0.self_attn.k_proj.weight' has shape (32, 64), the receiver's has (64, 64)" in message
+    got = got_wrong
+    assert got["ok"] and got["applied"] == [] and got["plans"] == 0
+    untouched = tiny_llama.build_hf(wrong_spec)
+    for name, p in untouched.named_parameters():
+        assert torch.equal(got["state"][name], p), f"{name} was written despite the refusal"
+
+    for what, got in (("dying", got_dying), ("dying-ipc", got_dying_ipc)):
+        message, kind, seconds = outcomes[what]
+        assert kind == "ReceiverError", message
+        assert "receiver" in message and ("died" in message or "failed" in message), message
+        assert seconds < 30, f"{what}: took {seconds:.1f}s to notice the dead receiver"
+        assert got["exitcode"] == 3
+    assert dying_ipc.address in outcomes["dying-ipc"][0]

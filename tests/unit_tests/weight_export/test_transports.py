@@ -1,0 +1,61 @@
+"""One trainer rank streams to a Hugging Face model in another process over each
+cross-process transport: shared buffers with acknowledgements (CUDA IPC on a
+GPU, shared-memory files on CPU) and NCCL broadcast from GPU 0 to GPU 1."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_ext.testing import tiny_llama
+from megatron_ext.testing.multirank import run_on_ranks
+from megatron_ext.testing.receiver_proc import start_hf_receiver
+
+from ._reference import reference_for
+
+SPEC = tiny_llama.TinyLlamaSpec(arch="qwen3", num_layers=3)
+
+
+def _trainer(target, transport, backend):
+    from megatron.core import parallel_state as ps
+
+    from megatron_ext import weight_export as wx
+
+    ps.initialize_model_parallel()
+    gpu = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+    model = tiny_llama.build_model(SPEC, tiny_llama.transformer_config(SPEC), device=device)
+    exporter = wx.WeightExporter(model, wx.WeightExportConfig(
+        target=target, transport=transport, backend=backend, bucket_size_mb=0.03,
+        vocab_size=SPEC.hf_vocab_size, timeout_s=60))
+    first = exporter.export()
+    buffers = [b.data_ptr() for b in exporter._buffers]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-0.5)
+    second = exporter.export()
+    same_buffers = buffers == [b.data_ptr() for b in exporter._buffers]
+    verify = exporter.verify(tiny_llama.tokens(SPEC))
+    exporter.close()
+    return dict(first=first, second=second, verify=verify, same_buffers=same_buffers,
+                buckets=len(exporter.plan.buckets), expected=reference_for(SPEC, model))
+
+
+@pytest.mark.parametrize("transport,backend,receiver_device", [
+    ("ipc", "gloo", "cpu"),
+    pytest.param("ipc", "nccl", "cuda:0", marks=pytest.mark.gpus(1), id="cuda-ipc-same-gpu"),
+    pytest.param("ipc-direct", "nccl", "cuda:0", marks=pytest.mark.gpus(1), id="cuda-ipc-direct-same-gpu"),
+    pytest.param("broadcast", "nccl", "cuda:1", marks=pytest.mark.gpus(2), id="nccl-gpu0-to-gpu1"),
+])
+def test_single_trainer_streams_over_transport(transport, backend, receiver_device):
+    with start_hf_receiver(tiny_llama.build_hf, (SPEC,), device=receiver_device) as receiver:
+        (out,) = run_on_ranks(_trainer, 1, args=(receiver.address, transport, backend),
+                              backend=backend, timeout=240)
+        got = receiver.result()
+    assert got["ok"], got.get("error")
+    assert got["applied"] == [1, 2] and got["plans"] == 1
+    assert out["first"].applied == (1,) and out["second"].applied == (2,)
+    assert out["buckets"] > 4 and out["same_buffers"]
+    assert got["state"].keys() == out["expected"].keys()
+    for name, ref in out["expected"].items():
+        assert torch.equal(got["state"][name], ref.cpu()), name
+    assert out["verify"].max_abs_diff < 1e-3 and abs(out["verify"].kl) < 1e-5, out["verify"]
