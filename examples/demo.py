@@ -10,7 +10,11 @@ by side:
 - uniform: the baseline job, TP x DP on all GPUs;
 - ntp: a GPU of replica 0 "fails" (``--failed-slots``), the job relaunches on
   the surviving GPUs only (packed layout) and replica 0 trains at reduced TP
-  with ``NonuniformTPDistributedDataParallel``; same global batch, same curve.
+  with ``NonuniformTPDistributedDataParallel``; same global batch, same curve;
+- weight export: a Llama-shaped model trains on the same ranks, then its
+  weights stream to a Hugging Face LlamaForCausalLM in another process
+  (``megatron_ext.weight_export``); prints refit time, bytes, GB/s and the
+  verifier's KL between the two models.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import time
 import torch
 
 from demo_nonuniform_tp import run_ntp_phase
+from demo_weight_export import run_weight_export_demo
 from megatron_ext.testing import tiny_gpt
 from megatron_ext.testing.multirank import run_on_ranks
 
@@ -97,6 +102,7 @@ def main(argv=None) -> int:
     parser.add_argument("--failed-slots", default="0:1",
                         help='GPUs that fail for the NTP phase, "REPLICA:SLOT[,SLOT];..." '
                              '("" skips the phase)')
+    parser.add_argument("--no-export", action="store_true", help="skip the weight-export phase")
     args = parser.parse_args(argv)
 
     if args.world_size % args.tp:
@@ -128,6 +134,12 @@ def main(argv=None) -> int:
         )
         print(f"[ntp] done in {time.perf_counter() - start:.1f}s\n", flush=True)
 
+    export = None
+    if not args.no_export:
+        export = run_weight_export_demo(world_size=cfg.world_size, tp=cfg.tp, steps=10,
+                                        global_batch=cfg.global_batch, backend=backend)
+        print()
+
     print_table(phases)
     ok = True
     first, last = phases["uniform"][0][1], phases["uniform"][-1][1]
@@ -137,6 +149,10 @@ def main(argv=None) -> int:
         worst = max(abs(a[1] - b[1]) / abs(b[1]) for a, b in zip(phases["ntp"], phases["uniform"]))
         ok &= worst < 1e-4
         print(f"NTP (failed {args.failed_slots}) vs uniform loss: max relative difference {worst:.2e}")
+    if export is not None:
+        ok &= export["kl"] < 1e-3
+        print(f"weight export: refit {export['refit_s'] * 1e3:.1f} ms, {export['bytes'] / 1e6:.2f} MB, "
+              f"{export['gbps']:.2f} GB/s ({export['transport']}), verifier KL {export['kl']:.2e}")
     return 0 if ok else 1
 
 

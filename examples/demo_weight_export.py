@@ -1,9 +1,6 @@
 """Weight export demo: train a Llama-shaped Megatron GPT, then stream its weights
 to a Hugging Face model in another process and check it.
 
-    .venv/bin/python examples/demo_weight_export.py            # 4 CPU ranks: TP=2 x DP=2
-    .venv/bin/python examples/demo_weight_export.py --world-size 2 --tp 2 --steps 10
-
 ``examples/demo.py`` calls :func:`run_weight_export_demo` after its training
 phases. The receiver is a ``transformers`` LlamaForCausalLM served by
 ``megatron_ext.weight_export.serve`` in its own process; the trainer's export
@@ -13,7 +10,6 @@ GPUs), and the verifier compares the two models' logits on the same tokens.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -52,13 +48,8 @@ def _train_and_export(target: str, transport: str, tp: int, steps: int, global_b
     losses = []
     for step in range(steps):
         tokens, labels = tiny_gpt.global_batch(SPEC, step, global_batch)
-        model.zero_grad_buffer()
-        opt.zero_grad()
-        loss = tiny_gpt.forward_loss(model, tokens[mine].to(device), labels[mine].to(device))
-        loss.backward()
-        model.finish_grad_sync()
-        opt.step()
-        mean = loss.detach().clone()
+        loss = tiny_gpt.train_step(model, opt, tokens[mine].to(device), labels[mine].to(device))
+        mean = loss.clone()
         dist.all_reduce(mean, group=ps.get_data_parallel_group())
         losses.append((mean / dp).item())
     result = exporter.export(version=steps)        # cold: plan sent, buffers allocated
@@ -102,22 +93,3 @@ def run_weight_export_demo(world_size: int = 4, tp: int = 2, steps: int = 10, gl
     print(f"[weight export] verifier: KL {summary['kl']:.2e} (per-token mean), max |logit diff| "
           f"{summary['max_abs_logit_diff']:.2e}")
     return summary
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world-size", type=int, default=4)
-    parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
-    args = parser.parse_args(argv)
-    backend = args.backend
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.device_count() >= args.world_size else "gloo"
-    summary = run_weight_export_demo(args.world_size, args.tp, args.steps, backend=backend)
-    return 0 if summary["kl"] < 1e-3 else 1
-
-
-if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    sys.exit(main())

@@ -44,6 +44,25 @@ from .receiver import WeightReceiver
 __all__ = ["BroadcastSender", "InProcessSender", "IpcDirectSender", "IpcSender", "ReceiverError", "serve"]
 
 DEFAULT_AUTHKEY = b"megatron_ext.weight_export"
+AUTHKEY_ENV = "MEGATRON_EXT_EXPORT_AUTHKEY"
+_LOOPBACK = ("127.", "localhost", "::1")
+
+
+def resolve_authkey(authkey: bytes | None, address: str) -> bytes:
+    """The control channel's shared secret: ``authkey``, else ``$MEGATRON_EXT_EXPORT_AUTHKEY``,
+    else (loopback addresses only) a built-in default. The channel carries pickled
+    messages, so a listener reachable from other hosts must not use a well-known key."""
+    if authkey is not None:
+        return authkey
+    env = os.environ.get(AUTHKEY_ENV)
+    if env:
+        return env.encode()
+    host, _ = parse_address(address)
+    if host.startswith(_LOOPBACK):
+        return DEFAULT_AUTHKEY
+    raise ValueError(
+        f"weight-export control address {address!r} is not loopback: set the same secret on the "
+        f"trainer and the engine (authkey=... or the {AUTHKEY_ENV} environment variable)")
 
 
 class ReceiverError(RuntimeError):
@@ -104,7 +123,7 @@ def _connect(address: str, timeout_s: float, authkey: bytes) -> Connection:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            return _no_delay(Client(parse_address(address), authkey=authkey))
+            return _no_delay(Client(parse_address(address), authkey=resolve_authkey(authkey, address)))
         except (ConnectionRefusedError, FileNotFoundError, OSError) as exc:
             if time.monotonic() > deadline:
                 raise ReceiverError(
@@ -114,7 +133,7 @@ def _connect(address: str, timeout_s: float, authkey: bytes) -> Connection:
 
 
 class _RemoteSender:
-    def __init__(self, addresses: list[str], *, timeout_s: float = 120.0, authkey: bytes = DEFAULT_AUTHKEY):
+    def __init__(self, addresses: list[str], *, timeout_s: float = 120.0, authkey: bytes | None = None):
         if not addresses:
             raise ValueError("addresses must name at least one receiver endpoint 'host:port'")
         self.addresses = list(addresses)
@@ -199,7 +218,7 @@ class BroadcastSender(_RemoteSender):
     """
 
     def __init__(self, addresses: list[str], *, backend: str = "gloo", timeout_s: float = 120.0,
-                 store_host: str = "127.0.0.1", authkey: bytes = DEFAULT_AUTHKEY):
+                 store_host: str = "127.0.0.1", authkey: bytes | None = None):
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
         super().__init__(addresses, timeout_s=timeout_s, authkey=authkey)
@@ -262,7 +281,7 @@ class IpcSender(_RemoteSender):
     """Shares the two export buffers with engines on this GPU (handles sent once
     per buffer); each bucket is a notice plus an acknowledgement before reuse."""
 
-    def __init__(self, addresses: list[str], *, timeout_s: float = 120.0, authkey: bytes = DEFAULT_AUTHKEY):
+    def __init__(self, addresses: list[str], *, timeout_s: float = 120.0, authkey: bytes | None = None):
         super().__init__(addresses, timeout_s=timeout_s, authkey=authkey)
         self._slots: dict[int, int] = {}
         self._tmp = tempfile.TemporaryDirectory(prefix="megatron_ext_ipc_", dir="/dev/shm"
@@ -299,7 +318,7 @@ class IpcDirectSender(_RemoteSender):
 
     direct = True
 
-    def __init__(self, addresses: list[str], *, timeout_s: float = 120.0, authkey: bytes = DEFAULT_AUTHKEY):
+    def __init__(self, addresses: list[str], *, timeout_s: float = 120.0, authkey: bytes | None = None):
         super().__init__(addresses, timeout_s=timeout_s, authkey=authkey)
         self._info = None
         self._device = None
@@ -371,14 +390,14 @@ def direct_copies(bases, entries, consumer):
 
 
 def serve(consumer, address: str, *, device: torch.device | str = "cpu", timeout_s: float = 600.0,
-          authkey: bytes = DEFAULT_AUTHKEY, on_version=None) -> WeightReceiver:
+          authkey: bytes | None = None, on_version=None) -> WeightReceiver:
     """Engine-side loop: accept one trainer at ``address`` and apply its exports
     to ``consumer`` until the trainer closes. Returns the receiver (its
     ``applied_version`` is the last complete version). ``on_version(v)`` runs
     after each applied version."""
     receiver = WeightReceiver(consumer)
     device = torch.device(device)
-    with Listener(parse_address(address), authkey=authkey) as listener:
+    with Listener(parse_address(address), authkey=resolve_authkey(authkey, address)) as listener:
         sock = getattr(getattr(listener, "_listener", None), "_socket", None)
         if sock is not None:
             sock.settimeout(timeout_s)

@@ -62,5 +62,6 @@ def verify_export(reference_logits: torch.Tensor, receiver_logits: torch.Tensor)
         raise ValueError(f"logit shapes differ: trainer {tuple(ref.shape)} vs receiver {tuple(got.shape)}")
     logp = F.log_softmax(ref, dim=-1)
     logq = F.log_softmax(got, dim=-1)
-    kl = (logp.exp() * (logp - logq)).sum(-1).mean().item()
+    # Per-token KL is >= 0; identical models give tiny negative values from rounding.
+    kl = (logp.exp() * (logp - logq)).sum(-1).clamp_min(0).mean().item()
     return VerifyResult((ref - got).abs().max().item(), kl)
