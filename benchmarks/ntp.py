@@ -46,20 +46,13 @@ def _bench_rank(ntp_kwargs, tp, spec, steps, warmup, global_batch, backend):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from megatron_ext.nonuniform_tp import (NonuniformTPConfig, NonuniformTPDistributedDataParallel,
-                                            initialize_nonuniform_tp_process_groups)
+    from megatron_ext.nonuniform_tp import NonuniformTPDistributedDataParallel
+    from megatron_ext.testing.ntp_job import init_job
 
-    if ntp_kwargs is None:
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp)
-        replica, replicas, degraded = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), False
-        ntp_cfg = None
-    else:
-        ps.initialize_model_parallel()
-        ntp_cfg = NonuniformTPConfig(**ntp_kwargs)
-        groups = initialize_nonuniform_tp_process_groups(ntp_cfg)
-        if not groups.is_active:
-            return None
-        replica, replicas, degraded = groups.role.replica, groups.layout.num_replicas, groups.role.degraded
+    job = init_job(ntp_kwargs, tp)
+    if job is None:
+        return None
+    ntp_cfg, replica, replicas, degraded = job.ntp_config, job.replica, job.replicas, job.degraded
     tp_size = ps.get_tensor_model_parallel_world_size()
     cfg = tiny_gpt.transformer_config(spec, tp=tp_size)
     dev = tiny_gpt.rank_device()

@@ -30,22 +30,15 @@ def train(ntp_kwargs, steps, *, spec=tiny_gpt.TinyGPTSpec(), tp=1, distributed_o
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from megatron_ext.nonuniform_tp import (NonuniformTPConfig, NonuniformTPDistributedDataParallel,
-                                            initialize_nonuniform_tp_process_groups)
+    from megatron_ext.nonuniform_tp import NonuniformTPDistributedDataParallel
     from megatron_ext.nonuniform_tp.checkpoint import gather_full_state, shard_specs
+    from megatron_ext.testing.ntp_job import init_job
 
-    if ntp_kwargs is None:
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp)
-        replica, replicas = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-        degraded, ntp_cfg = False, None
-    else:
-        ps.initialize_model_parallel()
-        ntp_cfg = NonuniformTPConfig(**ntp_kwargs)
-        groups = initialize_nonuniform_tp_process_groups(ntp_cfg)
-        if not groups.is_active:
-            return None
-        replica, replicas = groups.role.replica, groups.layout.num_replicas
-        degraded = groups.role.degraded
+    job = init_job(ntp_kwargs, tp)
+    if job is None:
+        return None
+    ntp_cfg, replica, replicas, degraded = job.ntp_config, job.replica, job.replicas, job.degraded
+    if ntp_cfg is not None:
         # what a Megatron data loader asks (spares included): its replica's share
         assert (ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()) == (replica, replicas)
     tp_rank, tp_group = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
