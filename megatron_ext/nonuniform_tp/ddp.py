@@ -230,12 +230,19 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
                              dst=lambda i: ntp.compute[i][1].data)
         ntp.stale = False
 
+    def refresh_compute_params(self) -> None:
+        """Bring the compute parameters up to date with the optimizer's last step
+        (a no-op unless the shadow changed since the last unfold). Collective
+        over the TP group; call it on every rank before reading
+        :attr:`compute_module`'s weights outside forward, e.g. to export them."""
+        if self._ntp is not None and self._ntp.stale:
+            self.sync_compute_params()
+
     # ---- DDP interface -------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
         if self._ntp is None:
             return super().forward(*inputs, **kwargs)
-        if self._ntp.stale:
-            self.sync_compute_params()
+        self.refresh_compute_params()
         return self._compute_module(*inputs, **kwargs)
 
     def train(self, mode: bool = True):
@@ -253,8 +260,7 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
         super().zero_grad_buffer()
         if self._ntp is None:
             return
-        if self._ntp.stale:
-            self.sync_compute_params()
+        self.refresh_compute_params()
         for _, p in self._ntp.compute:
             p.main_grad.zero_()
             p.grad_added_to_main_grad = False

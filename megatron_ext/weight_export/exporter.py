@@ -89,6 +89,8 @@ class WeightExporter:
     """
 
     def __init__(self, model, config: WeightExportConfig | None = None, *, receiver=None, sender=None):
+        # NTP DDP: healthy replicas refresh their compute weights after a step.
+        self._refresh = getattr(model, "refresh_compute_params", None)
         self.model = unwrap(model)
         self.config = config or WeightExportConfig()
         self.layout = _Layout()
@@ -198,6 +200,8 @@ class WeightExporter:
         receivers report as applied. Collective over the trainer's ranks."""
         self.version = self.version + 1 if version is None else version
         start = time.perf_counter()
+        if self._refresh is not None:  # every rank: collective over its TP group
+            self._refresh()
         if not self.participates:
             return ExportResult(self.version, 0, 0.0, 0)
         self._ensure_plan()

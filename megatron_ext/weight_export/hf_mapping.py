@@ -79,10 +79,16 @@ _VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
 def unwrap(model):
-    """The GPTModel inside DDP / Float16Module wrappers."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model
+    """The GPTModel inside DDP / Float16Module wrappers. For the nonuniform-TP
+    DDP that is the module forward runs (``compute_module``: the ``tp_base``
+    layout on healthy replicas), not the training shadow."""
+    while True:
+        if hasattr(model, "compute_module"):
+            model = model.compute_module
+        elif hasattr(model, "module"):
+            model = model.module
+        else:
+            return model
 
 
 def _global_layer_names(model) -> dict[str, str]:
