@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 from .hf_mapping import _global_layer_names, unwrap
-from .reshard_plan import ReshardPlan, Transfer, run_view
+from .reshard_plan import ReshardPlan, Transfer, fanout_plans, run_view
 
-__all__ = ["RefitStats", "ReshardExecutor", "megatron_tensors"]
+__all__ = ["FanoutRefit", "RefitStats", "ReshardExecutor", "megatron_tensors"]
 
 _ALIGN = 16
 
@@ -178,3 +178,29 @@ class ReshardExecutor:
 def _bucket_nbytes(bucket: list[tuple[Transfer, int]]) -> int:
     t, off = bucket[-1]
     return off + t.nbytes
+
+
+class FanoutRefit:
+    """Updates engine replicas in waves (:func:`~.reshard_plan.fanout_plans`):
+    replicas updated in one wave serve the next. Every rank of the job calls
+    :meth:`refit`; a rank serves a wave only with the version it applied itself."""
+
+    def __init__(self, src, dst, replicas: list[list[int]], rank: int, tensors: dict[str, torch.Tensor], *,
+                 group=None, bucket_bytes: int = 64 << 20, first_wave: int = 1):
+        self.plans = fanout_plans(src, dst, replicas, first_wave=first_wave)
+        self.rank = rank
+        self.trainer = rank in src.ranks
+        self.waves = [ReshardExecutor(p, rank, tensors, group=group, bucket_bytes=bucket_bytes) for p in self.plans]
+        self.version: int | None = None
+
+    def refit(self, version: int) -> list[RefitStats]:
+        stats = []
+        for wave, ex in enumerate(self.waves):
+            serves = any(t.src == self.rank and t.dst != self.rank for t in ex.plan.transfers)
+            if wave and serves and not self.trainer and self.version != version:
+                raise RuntimeError(f"rank {self.rank} would serve version {version} in wave {wave} but holds "
+                                   f"{self.version}; run the waves in order on every rank")
+            stats.append(ex.refit(version))
+            if self.rank in ex.plan.dst.ranks:
+                self.version = version
+        return stats

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 from collections import defaultdict
 
 from .layout import Box, Layout, LocalTensor, Segment
 
-__all__ = ["ReshardPlan", "Run", "Transfer", "build_reshard_plan", "check_reshard_plan", "run_view"]
+__all__ = ["ReshardPlan", "Run", "Transfer", "build_reshard_plan", "check_reshard_plan", "fanout_plans", "merge_layouts",
+           "run_view", "sub_layout"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +114,15 @@ class ReshardPlan:
         return h.hexdigest()[:16]
 
 
+def _cells(box: Box, parts: list[Box]) -> list[Box]:
+    """``box`` cut at every boundary of ``parts`` (so each cell lies inside or outside each part)."""
+    cuts = []
+    for dim, (a, b) in enumerate(box.ranges):
+        points = sorted({a, b, *(p.ranges[dim][i] for p in parts for i in (0, 1))})
+        cuts.append([(x, y) for x, y in zip(points, points[1:]) if a <= x < y <= b])
+    return [Box(ranges) for ranges in itertools.product(*cuts)]
+
+
 def build_reshard_plan(src: Layout, dst: Layout) -> ReshardPlan:
     """Plan every byte every ``dst`` rank keeps, from the ``src`` ranks that hold it.
 
@@ -129,27 +140,24 @@ def build_reshard_plan(src: Layout, dst: Layout) -> ReshardPlan:
     for di, d in enumerate(dst.ranks):
         for lt, seg in dst.segments(d):
             spec = dst.specs[seg.name]
-            covered = 0
-            for box, holders in pieces.get(seg.name, []):
-                inter = box.intersect(seg.box)
-                if inter is None:
-                    continue
-                nbytes = inter.numel * spec.dtype.itemsize
+            found = [(inter, holders) for box, holders in pieces.get(seg.name, [])
+                     if (inter := box.intersect(seg.box)) is not None]
+            for cell in _cells(seg.box, [inter for inter, _ in found]):
+                holders = [h for inter, hs in found if inter.contains(cell) for h in hs]
+                if not holders:
+                    raise ValueError(f"destination rank {d} keeps {seg.name} {cell.ranges} but no rank of the "
+                                     f"source layout ({src.description}) holds it; build both layouts from "
+                                     "the same model specs")
                 local = [h for h in holders if h[0] == d]
                 if local:
                     choice = local[0]
                 else:  # least loaded; ties rotate with the destination
                     n = len(holders)
                     _, choice = min(enumerate(holders), key=lambda ih: (load[ih[1][0]], (ih[0] - di) % n))
-                    load[choice[0]] += nbytes
+                    load[choice[0]] += cell.numel * spec.dtype.itemsize
                 r, slt, sseg = choice
-                transfers.append(Transfer(seg.name, inter, r, d, _run(slt, sseg, inter), _run(lt, seg, inter),
+                transfers.append(Transfer(seg.name, cell, r, d, _run(slt, sseg, cell), _run(lt, seg, cell),
                                           spec.dtype.itemsize))
-                covered += inter.numel
-            if covered < seg.box.numel:
-                raise ValueError(f"destination rank {d} keeps {seg.name} {seg.box.ranges} but the source layout "
-                                 f"({src.description}) holds only {covered} of its {seg.box.numel} elements; "
-                                 "build both layouts from the same model specs")
     return ReshardPlan(src, dst, transfers)
 
 
@@ -173,3 +181,45 @@ def check_reshard_plan(plan: ReshardPlan) -> None:
                     assert a.box.intersect(b.box) is None, f"rank {d} {seg.name}: {a.box} and {b.box} overlap"
     assert matched == len(plan.transfers), \
         f"{len(plan.transfers) - matched} transfers deliver bytes no destination segment keeps"
+
+
+def sub_layout(layout: Layout, ranks) -> Layout:
+    """``layout`` restricted to ``ranks`` (e.g. one engine replica)."""
+    ranks = tuple(r for r in layout.ranks if r in set(ranks))
+    return Layout(ranks, {r: layout.tensors[r] for r in ranks}, layout.specs, f"{layout.description} ranks {ranks}")
+
+
+def merge_layouts(*layouts: Layout) -> Layout:
+    """One source layout from several (trainer ranks and engine replicas that
+    already hold the version); a rank in two of them keeps both sets of tensors."""
+    ranks, tensors = [], {}
+    for lay in layouts:
+        for r in lay.ranks:
+            if r not in tensors:
+                ranks.append(r)
+                tensors[r] = {}
+            clash = set(tensors[r]) & set(lay.tensors[r])
+            if clash:
+                raise ValueError(f"rank {r} has local tensor {sorted(clash)[0]!r} in two layouts")
+            tensors[r] = {**tensors[r], **lay.tensors[r]}
+    return Layout(tuple(ranks), tensors, layouts[0].specs, " + ".join(lay.description for lay in layouts))
+
+
+def fanout_plans(src: Layout, dst: Layout, replicas: list[list[int]], *, first_wave: int = 1) -> list[ReshardPlan]:
+    """Waves of plans that update ``replicas`` (lists of ``dst`` ranks):
+    wave 0 updates ``first_wave`` replicas from ``src``; every later wave
+    updates as many replicas as are already updated, from ``src`` and those
+    replicas, so the number of sources doubles and the trainers' links stop
+    being the limit. Run the waves in order; a replica serves only after it
+    applied the version (see :class:`~.reshard.FanoutRefit`)."""
+    if first_wave < 1:
+        raise ValueError(f"first_wave must be >= 1, got {first_wave}")
+    plans, done, todo = [], [], list(replicas)
+    size = first_wave
+    while todo:
+        wave, todo = todo[:size], todo[size:]
+        sources = merge_layouts(src, *(sub_layout(dst, r) for r in done)) if done else src
+        plans.append(build_reshard_plan(sources, sub_layout(dst, [r for rep in wave for r in rep])))
+        done += wave
+        size = len(done)
+    return plans

@@ -151,3 +151,30 @@ def test_mismatched_layouts_name_the_tensor():
         build_reshard_plan(src, dst)
     with pytest.raises(ValueError, match="ep=3 must divide"):
         megatron_layout(gpt_specs(**MOE), dp=2, ep=3)
+
+
+def test_fanout_waves_double_and_serve_from_updated_replicas():
+    from megatron_ext.weight_export.reshard_plan import fanout_plans
+
+    specs = gpt_specs(**DENSE)
+    src = megatron_layout(specs, tp=2)
+    dst = inference_layout(specs, tp=2, dp=4, ranks=range(2, 10))
+    replicas = [[2, 3], [4, 5], [6, 7], [8, 9]]
+    plans = fanout_plans(src, dst, replicas)
+    assert [p.dst.ranks for p in plans] == [(2, 3), (4, 5), (6, 7, 8, 9)]
+    for p in plans:
+        check_reshard_plan(p)
+    assert {t.src for t in plans[0].transfers} == {0, 1}
+    last = plans[2].sent_bytes()
+    assert {2, 3, 4, 5} <= set(last)  # updated replicas serve the last wave, not only the trainers
+    assert max(last.values()) < sum(dst.bytes_held(r) for r in (6, 7, 8, 9)) / 2
+    # bytes are the same as a direct plan's: apply every wave in order
+    weights = _hf_weights(specs)
+    state = _megatron_locals(src, weights, specs, 2)
+    for p in plans:
+        got = _apply(p, state, p.dst)
+        state.update(got)
+    want = _engine_locals(dst, weights)
+    for r in dst.ranks:
+        for n in want[r]:
+            torch.testing.assert_close(state[r][n], want[r][n], rtol=0, atol=0)
