@@ -149,6 +149,15 @@ class Layout:
             for seg in lt.segments:
                 yield lt, seg
 
+    def hf_tensors(self, rank: int, tensors: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(HF name, view)`` of every HF tensor ``rank`` holds whole, as views
+        into its local ``tensors`` (e.g. to load an engine replica into an HF
+        model, or to feed ``load_weights`` after a refit)."""
+        for lt, seg in self.segments(rank):
+            if seg.box == Box.full(self.specs[seg.name].shape):
+                n = seg.box.shape[0]
+                yield seg.name, tensors[lt.name][seg.row:seg.row + n].view(self.specs[seg.name].shape)
+
     def bytes_held(self, rank: int) -> int:
         return sum(lt.nbytes for lt in self.tensors.get(rank, {}).values())
 

@@ -63,6 +63,16 @@ def _body(backend):
         ex = ReshardExecutor(plan, rank, tensors, bucket_bytes=4096)  # small buckets: many rounds
         stats = [ex.refit(v) for v in (1, 2)]  # plan and buffers reused
         out[case] = dict(engine={n: t.cpu() for n, t in engine.items()}, stats=stats, rounds=ex.rounds)
+    # the refit gate: engine replicas 2 and 3 (TP1) as HF models vs Megatron's logits
+    toks = tiny_llama.tokens(SPEC)
+    ref_logits = wx.megatron_logits(model, toks)  # every Megatron rank (TP collectives)
+    if rank in (2, 3):
+        _, dst = _layouts(cfg, "tp2_to_tp1dp2")
+        hf = tiny_llama.hf_model(SPEC, cfg)
+        consumer = wx.HFModelConsumer(hf)
+        before = wx.verify_export(ref_logits, consumer.logits(toks))
+        consumer.load_weights(dst.hf_tensors(rank, out["tp2_to_tp1dp2"]["engine"]))
+        out["kl"] = (before, wx.verify_export(ref_logits, consumer.logits(toks)))
     # fan-out: engine replica [2] is updated from the trainers, then serves replica [3] with them
     src, dst = _layouts(cfg, "tp2_to_tp1dp2")
     tensors = dict(params) if rank in src.ranks else {}
@@ -118,6 +128,9 @@ def test_reshard_refit_exact(backend):
                 assert s1.received_bytes == 0  # every engine shard is a local copy
             else:
                 assert res["rounds"] > 1  # small buckets: several rounds
+    for r in (2, 3):
+        before, after = results[r]["kl"]
+        assert before.kl > 0.01 and after.kl < 1e-6 and after.max_abs_diff < 1e-3, (before, after)
     # fan-out: replica [3] gets the same bytes, served by the updated replica [2] too
     src, dst = _layouts(cfg, "tp2_to_tp1dp2")
     for r in (2, 3):
