@@ -22,7 +22,7 @@ import time
 from collections import defaultdict
 
 from .layout import TensorSpec, gpt_specs, inference_layout, megatron_layout
-from .reshard_plan import ReshardPlan, build_reshard_plan
+from .reshard_plan import ReshardPlan, build_reshard_plan, fanout_plans
 
 __all__ = ["CONFIGS", "Links", "Prediction", "predict", "sample_layers", "simulate_config"]
 
@@ -168,6 +168,14 @@ CONFIGS = {
         dict(num_layers=94, hidden_size=4096, num_heads=64, num_groups=4, head_dim=128, ffn_hidden_size=12288,
              vocab_size=151936, qk_norm=True, num_experts=128, moe_ffn_hidden_size=1536),
         dict(tp=4, pp=8, dp=4, ep=16), dict(tp=8, dp=16), False, "-", "(engine on its own 128 GPUs)"),
+    "qwen3-4b tp1dp8 -> 32 replicas tp2, separate nodes": (
+        dict(num_layers=36, hidden_size=2560, num_heads=32, num_groups=8, head_dim=128, ffn_hidden_size=9728,
+             vocab_size=151936, tie_embeddings=True, qk_norm=True),
+        dict(tp=1, dp=8), dict(tp=2, dp=32), False, "-", "(one trainer node feeds 8 engine nodes)"),
+    "qwen3-4b tp1dp8 -> 32 replicas tp2, separate nodes, fan-out": (
+        dict(num_layers=36, hidden_size=2560, num_heads=32, num_groups=8, head_dim=128, ffn_hidden_size=9728,
+             vocab_size=151936, tie_embeddings=True, qk_norm=True),
+        dict(tp=1, dp=8), dict(tp=2, dp=32), False, "-", "(updated replicas serve later ones)"),
 }
 
 
@@ -182,8 +190,19 @@ def simulate_config(name: str, links: Links = Links()) -> dict:
     world = len(src.ranks)
     n_dst = ek["tp"] * ek.get("dp", 1)
     dst = inference_layout(kept, **ek, ranks=range(n_dst) if colocated else range(world, world + n_dst))
-    plan = build_reshard_plan(src, dst)
-    pred = predict(plan, links, layer_weight=weight)
+    if name.endswith("fan-out"):
+        tp = ek["tp"]
+        replicas = [list(dst.ranks[i:i + tp]) for i in range(0, len(dst.ranks), tp)]
+        waves = [predict(p, links, layer_weight=weight) for p in fanout_plans(src, dst, replicas)]
+        pred = dataclasses.replace(waves[0], seconds=sum(w.seconds for w in waves),
+                                   busiest=f"{len(waves)} waves; wave 0: {waves[0].busiest}",
+                                   nic_bytes=sum(w.nic_bytes for w in waves),
+                                   nvlink_bytes=sum(w.nvlink_bytes for w in waves),
+                                   max_sent_bytes=max(w.max_sent_bytes for w in waves),
+                                   max_received_bytes=max(w.max_received_bytes for w in waves))
+        pred.lower_bound_s = predict(build_reshard_plan(src, dst), links, layer_weight=weight).lower_bound_s
+    else:
+        pred = predict(build_reshard_plan(src, dst), links, layer_weight=weight)
     model_bytes = sum(s.nbytes for s in specs)
     return dict(config=name, trainer=src.description, engine=dst.description, colocated=colocated,
                 model_gb=model_bytes / 1e9, predicted_s=pred.seconds, lower_bound_s=pred.lower_bound_s,
@@ -194,10 +213,10 @@ def simulate_config(name: str, links: Links = Links()) -> dict:
 
 
 def format_rows(rows: list[dict]) -> str:
-    head = f"{'config':<52} {'model GB':>8} {'pred s':>7} {'bound s':>7} {'max recv GB':>11} {'published s':>11}  busiest"
+    head = f"{'config':<60} {'model GB':>8} {'pred s':>7} {'bound s':>7} {'max recv GB':>11} {'published s':>11}  busiest"
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['config']:<52} {r['model_gb']:>8.1f} {r['predicted_s']:>7.3f} {r['lower_bound_s']:>7.3f} "
+        lines.append(f"{r['config']:<60} {r['model_gb']:>8.1f} {r['predicted_s']:>7.3f} {r['lower_bound_s']:>7.3f} "
                      f"{r['max_recv_gb']:>11.2f} {r['published_s']:>11}  {r['busiest']}")
     return "\n".join(lines)
 
