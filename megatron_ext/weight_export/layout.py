@@ -252,20 +252,28 @@ def megatron_layout(specs: list[TensorSpec], *, tp: int = 1, pp: int = 1, dp: in
     for i, g in enumerate(ranks):
         tp_r, dp_r, pp_r = i % tp, (i // tp) % dp, i // (tp * dp)
         ep_r = (i % (tp * dp)) % ep
-        boxes = {}
+        boxes, mine = {}, []
         for s in specs:
             if _stage_of(s, layer_stage, pp) != pp_r:
                 continue
             if s.expert is not None:
                 if s.expert * ep // num_experts == ep_r:
                     boxes[s.name] = Box.full(s.shape)
+                    mine.append(_local_expert(s, s.expert - ep_r * (num_experts // ep)))
                 continue
             b = _tp_box(s, tp, tp_r, megatron=True)
             if b is not None:
                 boxes[s.name] = b
-        tensors[g] = _local_tensors(specs, boxes, megatron=True)
+                mine.append(s)
+        tensors[g] = _local_tensors(mine, boxes, megatron=True)
     return Layout(ranks, tensors, {s.name: s for s in specs}, f"megatron TP{tp}xPP{pp}xDP{dp}"
                   + (f" EP{ep}" if ep > 1 else ""))
+
+
+def _local_expert(spec: TensorSpec, local: int) -> TensorSpec:
+    """``spec`` under Megatron's name on its EP rank (``local_experts.{index within the rank}``)."""
+    name = spec.megatron_name.replace(f"local_experts.{spec.expert}.", f"local_experts.{local}.")
+    return dataclasses.replace(spec, megatron_name=name)
 
 
 def inference_layout(specs: list[TensorSpec], *, tp: int = 1, dp: int = 1, ep: int = 1,

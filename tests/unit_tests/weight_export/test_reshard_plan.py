@@ -33,15 +33,13 @@ def _engine_locals(layout, weights):
 def _megatron_locals(layout, weights, specs, tp):
     """Each trainer rank's local tensors as Megatron lays them out, built with
     ``hf_mapping.shard_copies`` (HF -> shard direction), not with the layout."""
-    by_mname = {}
-    for s in specs:
-        by_mname.setdefault(s.megatron_name, []).append(s)
     out = {}
     for i, (r, locals_) in enumerate(layout.tensors.items()):
         tp_rank = i % tp
         out[r] = {}
         for name, lt in locals_.items():
-            members = sorted(by_mname[name], key=lambda s: s.fused[1] if s.fused else 0)
+            members = sorted({seg.name: layout.specs[seg.name] for seg in lt.segments}.values(),
+                             key=lambda s: s.fused[1] if s.fused else 0)
             first = members[0]
             if first.expert is not None:  # experts: whole (expert TP 1) [gate; up] / down
                 out[r][name] = torch.cat([weights[m.name] for m in members])
@@ -105,6 +103,16 @@ def test_plan_moves_exact_bytes(case):
             torch.testing.assert_close(got[r][n], want[r][n], rtol=0, atol=0, msg=f"rank {r} {n}")
         # a receiver gets exactly the bytes it keeps: its local tensors, nothing more
         assert sum(t.nbytes for t in plan.for_dst(r)) == dst.bytes_held(r)
+
+
+def test_megatron_expert_names_are_local_to_the_ep_rank():
+    src = megatron_layout(gpt_specs(**MOE), tp=1, dp=2, ep=2)
+    names = sorted(n for n in src.tensors[1] if "layers.0.mlp.experts" in n)
+    assert names == [f"decoder.layers.0.mlp.experts.local_experts.{j}.linear_fc{k}.weight"
+                     for j in (0, 1) for k in (1, 2)]
+    fc1 = src.tensors[1]["decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"]
+    assert [s.name for s in fc1.segments] == ["model.layers.0.mlp.experts.2.gate_proj.weight",
+                                              "model.layers.0.mlp.experts.2.up_proj.weight"]
 
 
 def test_fused_engine_tensors_are_planned_per_part():
