@@ -25,7 +25,7 @@ from typing import Iterator, Sequence
 import torch
 
 __all__ = ["Box", "Layout", "LocalTensor", "Segment", "TensorSpec", "gpt_specs", "inference_layout",
-           "megatron_layout", "specs_from_config"]
+           "megatron_layout", "ntp_megatron_layout", "specs_from_config"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,6 +268,21 @@ def megatron_layout(specs: list[TensorSpec], *, tp: int = 1, pp: int = 1, dp: in
         tensors[g] = _local_tensors(mine, boxes, megatron=True)
     return Layout(ranks, tensors, {s.name: s for s in specs}, f"megatron TP{tp}xPP{pp}xDP{dp}"
                   + (f" EP{ep}" if ep > 1 else ""))
+
+
+def ntp_megatron_layout(specs: list[TensorSpec], ntp_layout) -> Layout:
+    """The trainer's layout under nonuniform TP (``megatron_ext.nonuniform_tp``):
+    each data-parallel replica holds the whole model at its own TP degree
+    (``tp_base`` when healthy, ``tp_reduced`` when degraded) on its active ranks."""
+    ranks, tensors = [], {}
+    for d in range(ntp_layout.num_replicas):
+        group = ntp_layout.tp_group_ranks(d)
+        rep = megatron_layout(specs, tp=len(group), ranks=group)
+        ranks += group
+        tensors.update(rep.tensors)
+    return Layout(tuple(ranks), tensors, {s.name: s for s in specs},
+                  f"megatron NTP tp_base={ntp_layout.tp_base} tp_reduced={ntp_layout.tp_reduced} "
+                  f"x{ntp_layout.num_replicas} replicas")
 
 
 def _local_expert(spec: TensorSpec, local: int) -> TensorSpec:

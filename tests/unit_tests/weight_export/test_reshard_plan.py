@@ -186,3 +186,28 @@ def test_fanout_waves_double_and_serve_from_updated_replicas():
     for r in dst.ranks:
         for n in want[r]:
             torch.testing.assert_close(state[r][n], want[r][n], rtol=0, atol=0)
+
+
+def test_ntp_trainer_layout_serves_from_healthy_and_degraded_replicas():
+    from megatron_ext.nonuniform_tp.config import NonuniformTPConfig
+    from megatron_ext.nonuniform_tp.layout import NTPLayout
+    from megatron_ext.weight_export.layout import ntp_megatron_layout
+
+    specs = gpt_specs(**dict(DENSE, padded_vocab_size=32))
+    ntp = NTPLayout.from_config(NonuniformTPConfig(tp_base=2, tp_spares=1, non_active_ranks_per_dp={1: (1,)}), 3)
+    src = ntp_megatron_layout(specs, ntp)  # replica 0: TP2 on ranks 0, 1; replica 1 (degraded): TP1 on rank 2
+    assert src.ranks == (0, 1, 2)
+    assert src.tensors[2]["decoder.layers.0.mlp.linear_fc2.weight"].shape == (16, 24)  # whole at TP1
+    assert src.tensors[1]["decoder.layers.0.mlp.linear_fc2.weight"].shape == (16, 12)
+    dst = inference_layout(specs, tp=2, dp=2, ranks=range(3, 7))
+    plan = build_reshard_plan(src, dst)
+    check_reshard_plan(plan)
+    assert set(plan.sent_bytes()) == {0, 1, 2}
+    weights = _hf_weights(specs)
+    state = {**_megatron_locals(megatron_layout(specs, tp=2), weights, specs, 2),
+             **{2: _megatron_locals(megatron_layout(specs, tp=1), weights, specs, 1)[0]}}
+    got = _apply(plan, state, dst)
+    want = _engine_locals(dst, weights)
+    for r in dst.ranks:
+        for n in want[r]:
+            torch.testing.assert_close(got[r][n], want[r][n], rtol=0, atol=0)
