@@ -96,7 +96,7 @@ def _rank(spec, iters, limit_bytes, bucket_bytes):
     plan_s = time.perf_counter() - t0
     engine = {n: torch.zeros(lt.shape, dtype=lt.dtype, device=device) for n, lt in dst.tensors.get(rank, {}).items()}
     held = dst.bytes_held(rank) if rank in dst.ranks else 0
-    out = dict(plan_s=plan_s, held_bytes=held, transfers=len(plan.transfers))
+    out = dict(plan_s=plan_s, held_bytes=held, transfers=len(plan.transfers), plan=plan if rank == 0 else None)
 
     # limit: every trainer rank i sends to engine rank tp + i, all at once
     buf = torch.empty(limit_bytes, dtype=torch.uint8, device=device)
@@ -193,6 +193,14 @@ def main(argv=None) -> int:
         s = res[0][key]
         gbps = held / s / 1e9
         rows.append(dict(name=name, seconds=s, gbps_per_gpu=gbps, fraction_of_limit=gbps / limit))
+    # the simulator on this very plan, with the link speed measured above (all ranks on one "node")
+    links = simulate.Links(nvlink_gbps=limit, nic_gbps=limit, gpus_per_node=world,
+                           bucket_bytes=int(a.bucket_size_mb * (1 << 20)))
+    pred = simulate.predict(res[0].pop("plan"), links)
+    for r in res:
+        r.pop("plan", None)
+    rows.append(dict(name="simulator, measured limit", seconds=pred.seconds, gbps_per_gpu=held / pred.seconds / 1e9,
+                     fraction_of_limit=held / pred.seconds / 1e9 / limit, lower_bound_s=pred.lower_bound_s))
     head = f"{'method':34} {'seconds':>9} {'GB/s/GPU':>9} {'of limit':>8}"
     print(f"\nengine GPU keeps {held / 1e9:.3f} GB; limit (p2p per GPU) {limit:.2f} GB/s; "
           f"same bytes: {all(r['same_bytes'] for r in engine)}")

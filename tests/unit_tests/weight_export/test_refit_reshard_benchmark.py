@@ -21,7 +21,8 @@ def test_refit_reshard_benchmark_cpu_smoke(tmp_path):
         sys.path.remove(str(REPO / "benchmarks"))
     result = json.loads(out.read_text())
     assert result["same_bytes"] is True  # both methods give the engine the same bytes
-    assert [r["name"] for r in result["rows"]] == ["reshard (p2p, own shards only)", "gather-then-broadcast"]
+    assert [r["name"] for r in result["rows"]] == ["reshard (p2p, own shards only)", "gather-then-broadcast",
+                                                   "simulator, measured limit"]
     assert all(r["seconds"] > 0 and r["fraction_of_limit"] > 0 for r in result["rows"])
     assert result["limit_gbps"] > 0 and result["held_bytes"] > 0
 
