@@ -127,7 +127,11 @@ class ReshardExecutor:
         return buf
 
     def refit(self, version: int) -> RefitStats:
-        """Move this rank's share of one weight version; every rank of the plan calls it."""
+        """Move this rank's share of one weight version; every rank of ``group`` calls it."""
+        if self.version is None and dist.is_initialized():
+            # one collective before the first batch of P2P ops: NCCL then has the communicator on every
+            # rank of the group (PyTorch asks all ranks to join the first batch_isend_irecv)
+            dist.barrier(group=self.group)
         start = time.perf_counter()
         sent = received = 0
         staged: list[tuple[torch.Tensor, list[tuple[Transfer, int]]]] = []
