@@ -4,6 +4,8 @@
     python benchmarks/refit.py --preset 3b --out refit.json
     # CPU smoke test of the same code paths (gloo, shared-memory files)
     python benchmarks/refit.py --preset tiny --device cpu --out /tmp/refit_cpu.json
+    # reshard refit vs gather-then-broadcast + simulator (benchmarks/refit_reshard.py)
+    python benchmarks/refit.py --reshard --preset 3b --out refit_reshard.json
 
 Measured in one run and printed as a table (and written as JSON):
 
@@ -278,6 +280,11 @@ def _trainer(spec, scenarios, bucket_mb, iters, timeout_s):
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--reshard" in argv:  # reshard refit vs gather-then-broadcast: benchmarks/refit_reshard.py
+        import refit_reshard
+
+        return refit_reshard.main([a for a in argv if a != "--reshard"])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="3b")
     parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")

@@ -1,0 +1,227 @@
+"""Reshard refit vs gather-then-broadcast, same model and layouts, plus the simulator.
+
+    # GPU machine with 2N GPUs: Megatron TP N on GPUs 0..N-1 -> engine TP N on N..2N-1
+    python benchmarks/refit.py --reshard --preset 3b --out refit_reshard.json
+    # CPU smoke test (gloo)
+    python benchmarks/refit_reshard.py --preset tiny --device cpu --world 4 --out /tmp/rr.json
+
+Measured in one job of ``--world`` ranks: the trainer is Megatron TP ``world/2``
+(its data-parallel replica 0 on ranks ``0..world/2-1`` is the source), the
+engine TP ``world/2`` on the other half. Rows:
+
+- limit: point-to-point bandwidth per GPU, every trainer rank sending to one
+  engine rank at once (``batch_isend_irecv``, ``--limit-gib`` payload);
+- reshard: :class:`~megatron_ext.weight_export.reshard.ReshardExecutor`, each
+  engine rank receives only its shards, straight from the owning trainer ranks;
+- gather-then-broadcast: the export hook gathers full HF tensors to rank 0,
+  which broadcasts them to the engine ranks; each keeps its shards.
+
+Seconds per refit (median of ``--iters``, slowest rank), GB/s per engine GPU
+(bytes it keeps / seconds), fraction of the limit, and whether both give the
+engine the same bytes. Then the simulator's predictions for large configs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from megatron_ext.testing import tiny_llama  # noqa: E402
+from megatron_ext.testing.multirank import run_on_ranks  # noqa: E402
+
+GiB = 1 << 30
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _slowest(seconds: float, device) -> float:
+    import torch.distributed as dist
+
+    t = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _timed(fn, iters, device):
+    import torch.distributed as dist
+
+    fn()  # warm-up: buffers allocated, plans built
+    times = []
+    for _ in range(iters):
+        _sync(device)
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(_slowest(time.perf_counter() - start, device))
+    return statistics.median(times)
+
+
+def _rank(spec, iters, limit_bytes, bucket_bytes):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_ext import weight_export as wx
+    from megatron_ext.weight_export.layout import inference_layout, megatron_layout, specs_from_config
+    from megatron_ext.weight_export.reshard import ReshardExecutor, megatron_tensors
+    from megatron_ext.weight_export.reshard_plan import build_reshard_plan
+    from refit import _mconfig
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    tp = world // 2
+    gpu = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    config = _mconfig(spec, gpu)
+    model = Float16Module(config, tiny_llama.build_model(spec, config, device=device))
+    specs = specs_from_config(config, vocab_size=spec.hf_vocab_size, padded_vocab_size=spec.vocab_size,
+                              tie_embeddings=spec.tie_embeddings, dtype=torch.bfloat16)
+    src = megatron_layout(specs, tp=tp, ranks=range(tp))
+    dst = inference_layout(specs, tp=tp, ranks=range(tp, world))
+    t0 = time.perf_counter()
+    plan = build_reshard_plan(src, dst)
+    plan_s = time.perf_counter() - t0
+    engine = {n: torch.zeros(lt.shape, dtype=lt.dtype, device=device) for n, lt in dst.tensors.get(rank, {}).items()}
+    held = dst.bytes_held(rank) if rank in dst.ranks else 0
+    out = dict(plan_s=plan_s, held_bytes=held, transfers=len(plan.transfers), plan=plan if rank == 0 else None)
+
+    # limit: every trainer rank i sends to engine rank tp + i, all at once
+    buf = torch.empty(limit_bytes, dtype=torch.uint8, device=device)
+    peer = rank + tp if rank < tp else rank - tp
+
+    def p2p():
+        op = dist.isend if rank < tp else dist.irecv
+        for req in dist.batch_isend_irecv([dist.P2POp(op, buf, peer)]):
+            req.wait()
+    out["limit_gbps"] = limit_bytes / _timed(p2p, 3, device) / 1e9
+    del buf
+
+    # reshard refit
+    tensors = dict(megatron_tensors(model)) if rank in src.ranks else {}
+    tensors.update(engine)
+    ex = ReshardExecutor(plan, rank, tensors, bucket_bytes=bucket_bytes)
+    version = iter(range(1, 10 ** 6))
+    out["reshard_s"] = _timed(lambda: ex.refit(next(version)), iters, device)
+    out["staging_bytes"] = ex.staging_bytes
+    reshard_result = {n: t.clone() for n, t in engine.items()}
+
+    # gather-then-broadcast: full HF tensors gathered to rank 0, broadcast to the engine ranks
+    offsets, total = {}, 0
+    for s in specs:
+        offsets[s.name] = (total, s.nbytes)
+        total += (s.nbytes + 255) // 256 * 256
+    bcast_ranks = [0, *dst.ranks]
+    group = dist.new_group(bcast_ranks)
+    flat = torch.empty(total, dtype=torch.uint8, device=device) if rank in bcast_ranks else None
+
+    def load(weights):
+        for name, t in weights:
+            off, n = offsets[name]
+            flat[off:off + n].view(t.dtype).view(t.shape).copy_(t)
+
+    receiver = wx.WeightReceiver(wx.LoadWeightsConsumer(load)) if rank == 0 else None
+    exporter = wx.WeightExporter(model, wx.WeightExportConfig(vocab_size=spec.hf_vocab_size,
+                                                              bucket_size_mb=bucket_bytes / (1 << 20)),
+                                 receiver=receiver)
+    spec_by = {s.name: s for s in specs}
+
+    def gather_broadcast():
+        exporter.export()
+        if flat is None:
+            return
+        for start in range(0, total, bucket_bytes):
+            dist.broadcast(flat[start:start + bucket_bytes], 0, group=group)
+        for name, lt in dst.tensors.get(rank, {}).items():
+            parts = []
+            for seg in lt.segments:
+                off, n = offsets[seg.name]
+                full = flat[off:off + n].view(spec_by[seg.name].dtype).view(spec_by[seg.name].shape)
+                parts.append(full[tuple(slice(a, b) for a, b in seg.box.ranges)])
+            torch.cat(parts, out=engine[name])
+    out["gather_broadcast_s"] = _timed(gather_broadcast, iters, device)
+    out["same_bytes"] = all(torch.equal(reshard_result[n], engine[n]) for n in engine)
+    return out
+
+
+def main(argv=None) -> int:
+    from refit import PRESETS, spec_for
+
+    from megatron_ext.weight_export import simulate
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="3b")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    p.add_argument("--world", type=int, default=0, help="ranks (even); default: all GPUs, 4 on CPU")
+    p.add_argument("--bucket-size-mb", type=float, default=256)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--limit-gib", type=float, default=1.0)
+    p.add_argument("--timeout-s", type=float, default=600)
+    p.add_argument("--no-simulate", action="store_true", help="skip the simulator's large configurations")
+    p.add_argument("--out", default="refit_reshard.json")
+    a = p.parse_args(argv)
+    gpus = torch.cuda.device_count()
+    gpu = a.device == "cuda" or (a.device == "auto" and gpus >= 2)
+    world = a.world or (gpus if gpu else 4)
+    if world < 2 or world % 2:
+        p.error(f"--world must be even and >= 2, got {world}")
+    if gpu and gpus < world:
+        p.error(f"--world {world} needs {world} GPUs, found {gpus}")
+    spec = spec_for(a.preset)
+    print(f"reshard refit benchmark: preset {a.preset}, {world} ranks ({'nccl' if gpu else 'gloo'}), "
+          f"Megatron TP{world // 2} -> engine TP{world // 2}, bucket {a.bucket_size_mb} MiB", flush=True)
+    res = run_on_ranks(_rank, world, args=(spec, a.iters, int(a.limit_gib * GiB), int(a.bucket_size_mb * (1 << 20))),
+                       backend="nccl" if gpu else "gloo", timeout=a.timeout_s)
+    engine = res[world // 2:]
+    held = max(r["held_bytes"] for r in engine)
+    limit = min(r["limit_gbps"] for r in res)
+    rows = []
+    for name, key in (("reshard (p2p, own shards only)", "reshard_s"),
+                      ("gather-then-broadcast", "gather_broadcast_s")):
+        s = res[0][key]
+        gbps = held / s / 1e9
+        rows.append(dict(name=name, seconds=s, gbps_per_gpu=gbps, fraction_of_limit=gbps / limit))
+    # the simulator on this very plan, with the link speed measured above (all ranks on one "node")
+    links = simulate.Links(nvlink_gbps=limit, nic_gbps=limit, gpus_per_node=world,
+                           bucket_bytes=int(a.bucket_size_mb * (1 << 20)))
+    pred = simulate.predict(res[0].pop("plan"), links)
+    for r in res:
+        r.pop("plan", None)
+    rows.append(dict(name="simulator, measured limit", seconds=pred.seconds, gbps_per_gpu=held / pred.seconds / 1e9,
+                     fraction_of_limit=held / pred.seconds / 1e9 / limit, lower_bound_s=pred.lower_bound_s))
+    head = f"{'method':34} {'seconds':>9} {'GB/s/GPU':>9} {'of limit':>8}"
+    print(f"\nengine GPU keeps {held / 1e9:.3f} GB; limit (p2p per GPU) {limit:.2f} GB/s; "
+          f"same bytes: {all(r['same_bytes'] for r in engine)}")
+    print(head + "\n" + "-" * len(head))
+    for r in rows:
+        print(f"{r['name']:34} {r['seconds']:9.4f} {r['gbps_per_gpu']:9.2f} {r['fraction_of_limit']:8.0%}")
+    sim = []
+    if not a.no_simulate:
+        print("\nsimulator (H100: NVLink 450 GB/s, NIC 400 Gb/s per GPU, 8 GPUs per node):")
+        for name in simulate.CONFIGS:
+            sim.append(simulate.simulate_config(name))
+        print(simulate.format_rows(sim))
+    result = dict(preset=a.preset, world=world, limit_gbps=limit, held_bytes=held, rows=rows, ranks=res,
+                  same_bytes=all(r["same_bytes"] for r in engine), simulated=sim)
+    with open(a.out, "w") as f:
+        json.dump(result, f, indent=2, default=str)
+    print(f"\nwrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    sys.exit(main())

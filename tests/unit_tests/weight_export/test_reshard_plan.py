@@ -1,0 +1,213 @@
+"""Layouts and reshard plans, on CPU without processes: every destination
+element is planned exactly once from a rank that holds it, replicated sources
+share the work, and applying the plan's runs to the trainer's local tensors
+gives exactly the engine's local tensors built independently from the HF
+weights (Megatron's own QKV / fc1 shard layout comes from ``hf_mapping``)."""
+
+import pytest
+import torch
+
+from megatron_ext.weight_export import hf_mapping
+from megatron_ext.weight_export.layout import Box, gpt_specs, inference_layout, megatron_layout
+from megatron_ext.weight_export.reshard_plan import build_reshard_plan, check_reshard_plan, run_view
+
+DENSE = dict(num_layers=2, hidden_size=16, num_heads=4, num_groups=2, head_dim=4, ffn_hidden_size=24,
+             vocab_size=30, padded_vocab_size=32, qkv_bias=True, qk_norm=True, dtype=torch.float32)
+MOE = dict(DENSE, num_experts=4, moe_ffn_hidden_size=8)
+
+
+def _hf_weights(specs, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {s.name: torch.randn(s.shape, generator=g) for s in specs}
+
+
+def _engine_locals(layout, weights):
+    """Each engine rank's local tensors, stacked from the HF weights by the layout's segments."""
+    out = {}
+    for r, locals_ in layout.tensors.items():
+        out[r] = {n: torch.cat([weights[s.name][tuple(slice(a, b) for a, b in s.box.ranges)] for s in lt.segments])
+                  for n, lt in locals_.items()}
+    return out
+
+
+def _megatron_locals(layout, weights, specs, tp):
+    """Each trainer rank's local tensors as Megatron lays them out, built with
+    ``hf_mapping.shard_copies`` (HF -> shard direction), not with the layout."""
+    out = {}
+    for i, (r, locals_) in enumerate(layout.tensors.items()):
+        tp_rank = i % tp
+        out[r] = {}
+        for name, lt in locals_.items():
+            members = sorted({seg.name: layout.specs[seg.name] for seg in lt.segments}.values(),
+                             key=lambda s: s.fused[1] if s.fused else 0)
+            first = members[0]
+            if first.expert is not None:  # experts: whole (expert TP 1) [gate; up] / down
+                out[r][name] = torch.cat([weights[m.name] for m in members])
+                continue
+            kind = first.fused[0] if first.fused else "copy"
+            shard = torch.zeros(lt.shape)
+            rows = first.padded_rows or first.shape[0]
+            shard_shape = list(first.shape)
+            if kind == "qkv":
+                shard_shape[0] = sum(m.shape[0] for m in members) // tp
+            elif kind == "glu":
+                shard_shape[0] = 2 * first.shape[0] // tp
+            elif first.tp_dim is not None and tp > 1:
+                shard_shape[first.tp_dim] = (rows if first.tp_dim == 0 else first.shape[1]) // tp
+            source = hf_mapping.Source(
+                name, name, 0, torch.float32, tuple(shard_shape), first.tp_dim if tp > 1 else None, kind,
+                tuple((m.name, m.shape) for m in members), first.num_heads, first.num_groups)
+            full = torch.zeros(shard_shape) if shard.shape != tuple(shard_shape) else shard
+            rank = tp_rank if source.partition_dim is not None else 0
+            for hf_view, shard_view in hf_mapping.shard_copies(source, full, rank, tp,
+                                                                [weights[m.name] for m in members]):
+                shard_view.copy_(hf_view)
+            out[r][name] = full.narrow(0, 0, lt.shape[0])  # padded vocab rows beyond the HF ones are not kept
+    return out
+
+
+def _apply(plan, src_locals, dst_layout):
+    dst = {r: {n: torch.full(lt.shape, float("nan")) for n, lt in ls.items()} for r, ls in dst_layout.tensors.items()}
+    for t in plan.transfers:
+        view = run_view(dst[t.dst][t.dst_run.local], t.dst_run)
+        view.copy_(run_view(src_locals[t.src][t.src_run.local], t.src_run).reshape(view.shape))
+    return dst
+
+
+CASES = {  # name: (spec kwargs, megatron kwargs, engine kwargs)
+    "tp2_to_tp1": (DENSE, dict(tp=2), dict(tp=1)),
+    "tp1dp2_to_tp2": (DENSE, dict(tp=1, dp=2), dict(tp=2)),
+    "tp2pp2_to_tp2": (DENSE, dict(tp=2, pp=2), dict(tp=2)),
+    "tp2_to_tp4dp2_kv_repeat": (DENSE, dict(tp=2), dict(tp=4, dp=2)),
+    "ep2dp2_to_tp2": (MOE, dict(tp=1, dp=2, ep=2), dict(tp=2)),
+    "tp2ep2_to_tp2dp2ep4": (MOE, dict(tp=2, ep=2), dict(tp=2, dp=2, ep=4)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_plan_moves_exact_bytes(case):
+    spec_kw, mkw, ekw = CASES[case]
+    specs = gpt_specs(**spec_kw)
+    src = megatron_layout(specs, **mkw)
+    world = len(src.ranks)
+    dst = inference_layout(specs, **ekw, ranks=range(world, world + ekw["tp"] * ekw.get("dp", 1)))
+    plan = build_reshard_plan(src, dst)
+    check_reshard_plan(plan)
+    weights = _hf_weights(specs)
+    src_locals = _megatron_locals(src, weights, specs, mkw["tp"])
+    got = _apply(plan, src_locals, dst)
+    want = _engine_locals(dst, weights)
+    for r in dst.ranks:
+        assert got[r].keys() == want[r].keys()
+        for n in want[r]:
+            torch.testing.assert_close(got[r][n], want[r][n], rtol=0, atol=0, msg=f"rank {r} {n}")
+        # a receiver gets exactly the bytes it keeps: its local tensors, nothing more
+        assert sum(t.nbytes for t in plan.for_dst(r)) == dst.bytes_held(r)
+
+
+def test_megatron_expert_names_are_local_to_the_ep_rank():
+    src = megatron_layout(gpt_specs(**MOE), tp=1, dp=2, ep=2)
+    names = sorted(n for n in src.tensors[1] if "layers.0.mlp.experts" in n)
+    assert names == [f"decoder.layers.0.mlp.experts.local_experts.{j}.linear_fc{k}.weight"
+                     for j in (0, 1) for k in (1, 2)]
+    fc1 = src.tensors[1]["decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"]
+    assert [s.name for s in fc1.segments] == ["model.layers.0.mlp.experts.2.gate_proj.weight",
+                                              "model.layers.0.mlp.experts.2.up_proj.weight"]
+
+
+def test_fused_engine_tensors_are_planned_per_part():
+    specs = gpt_specs(**DENSE)
+    dst = inference_layout(specs, tp=2, ranks=[2, 3])
+    qkv = dst.tensors[3]["model.layers.0.self_attn.qkv_proj.weight"]
+    assert [s.name.split(".")[-2] for s in qkv.segments] == ["q_proj", "k_proj", "v_proj"]
+    assert qkv.segments[0].box == Box(((8, 16), (0, 16)))  # heads 2..3 of q
+    assert qkv.segments[1].box == Box(((4, 8), (0, 16)))   # query group 1 of k
+    src = megatron_layout(specs, tp=2)
+    mqkv = src.tensors[1]["decoder.layers.0.self_attention.linear_qkv.weight"]
+    assert [s.name.split(".")[-2] for s in mqkv.segments] == ["q_proj", "k_proj", "v_proj"]  # one group per rank
+    plan = build_reshard_plan(src, dst)
+    moved = [t for t in plan.for_dst(3) if t.name.endswith("qkv_proj.weight") or "_proj.weight" in t.name
+             and "self_attn" in t.name and t.name.startswith("model.layers.0.")]
+    assert {t.src for t in moved} == {1}  # TP rank 1 of the trainer owns exactly what engine TP rank 1 keeps
+
+
+def test_replicated_sources_split_the_work():
+    specs = gpt_specs(**DENSE)
+    src = megatron_layout(specs, tp=1, dp=4)
+    dst = inference_layout(specs, tp=2, dp=2, ranks=range(4, 8))
+    plan = build_reshard_plan(src, dst)
+    sent = plan.sent_bytes()
+    assert sorted(sent) == [0, 1, 2, 3]  # every replica serves, not just rank 0
+    assert max(sent.values()) <= 1.5 * min(sent.values()), sent
+    total = sum(dst.bytes_held(r) for r in dst.ranks)
+    assert sum(sent.values()) == total
+
+
+def test_colocated_copies_locally():
+    specs = gpt_specs(**DENSE)
+    src = megatron_layout(specs, tp=2)
+    dst = inference_layout(specs, tp=2, vocab_padding=16)  # same ranks 0, 1; vocabulary split as Megatron's
+    plan = build_reshard_plan(src, dst)
+    check_reshard_plan(plan)
+    assert plan.sent_bytes() == {} and plan.received_bytes() == {}
+
+
+def test_mismatched_layouts_name_the_tensor():
+    src = megatron_layout(gpt_specs(**DENSE), tp=1)
+    dst = inference_layout(gpt_specs(**dict(DENSE, num_layers=3)), tp=1, ranks=[1])
+    with pytest.raises(ValueError, match="model.layers.2"):
+        build_reshard_plan(src, dst)
+    with pytest.raises(ValueError, match="ep=3 must divide"):
+        megatron_layout(gpt_specs(**MOE), dp=2, ep=3)
+
+
+def test_fanout_waves_double_and_serve_from_updated_replicas():
+    from megatron_ext.weight_export.reshard_plan import fanout_plans
+
+    specs = gpt_specs(**DENSE)
+    src = megatron_layout(specs, tp=2)
+    dst = inference_layout(specs, tp=2, dp=4, ranks=range(2, 10))
+    replicas = [[2, 3], [4, 5], [6, 7], [8, 9]]
+    plans = fanout_plans(src, dst, replicas)
+    assert [p.dst.ranks for p in plans] == [(2, 3), (4, 5), (6, 7, 8, 9)]
+    for p in plans:
+        check_reshard_plan(p)
+    assert {t.src for t in plans[0].transfers} == {0, 1}
+    last = plans[2].sent_bytes()
+    assert {2, 3, 4, 5} <= set(last)  # updated replicas serve the last wave, not only the trainers
+    assert max(last.values()) < sum(dst.bytes_held(r) for r in (6, 7, 8, 9)) / 2
+    # bytes are the same as a direct plan's: apply every wave in order
+    weights = _hf_weights(specs)
+    state = _megatron_locals(src, weights, specs, 2)
+    for p in plans:
+        got = _apply(p, state, p.dst)
+        state.update(got)
+    want = _engine_locals(dst, weights)
+    for r in dst.ranks:
+        for n in want[r]:
+            torch.testing.assert_close(state[r][n], want[r][n], rtol=0, atol=0)
+
+
+def test_ntp_trainer_layout_serves_from_healthy_and_degraded_replicas():
+    from megatron_ext.nonuniform_tp.config import NonuniformTPConfig
+    from megatron_ext.nonuniform_tp.layout import NTPLayout
+    from megatron_ext.weight_export.layout import ntp_megatron_layout
+
+    specs = gpt_specs(**dict(DENSE, padded_vocab_size=32))
+    ntp = NTPLayout.from_config(NonuniformTPConfig(tp_base=2, tp_spares=1, non_active_ranks_per_dp={1: (1,)}), 3)
+    src = ntp_megatron_layout(specs, ntp)  # replica 0: TP2 on ranks 0, 1; replica 1 (degraded): TP1 on rank 2
+    assert src.ranks == (0, 1, 2)
+    assert src.tensors[2]["decoder.layers.0.mlp.linear_fc2.weight"].shape == (16, 24)  # whole at TP1
+    assert src.tensors[1]["decoder.layers.0.mlp.linear_fc2.weight"].shape == (16, 12)
+    dst = inference_layout(specs, tp=2, dp=2, ranks=range(3, 7))
+    plan = build_reshard_plan(src, dst)
+    check_reshard_plan(plan)
+    assert set(plan.sent_bytes()) == {0, 1, 2}
+    weights = _hf_weights(specs)
+    state = {**_megatron_locals(megatron_layout(specs, tp=2), weights, specs, 2),
+             **{2: _megatron_locals(megatron_layout(specs, tp=1), weights, specs, 1)[0]}}
+    got = _apply(plan, state, dst)
+    want = _engine_locals(dst, weights)
+    for r in dst.ranks:
+        for n in want[r]:
+            torch.testing.assert_close(got[r][n], want[r][n], rtol=0, atol=0)
