@@ -3,7 +3,9 @@
 RoPE, RMSNorm, SwiGLU, GQA and no linear bias, so its weights map one to one
 onto ``transformers``' Llama/Qwen classes (Qwen2 adds QKV bias, Qwen3
 qk-layernorm). Like :mod:`tiny_gpt`, weights are drawn on CPU from the global
-seed: the same global model at every TP/PP degree.
+seed: the same global model at every TP degree. Not across PP degrees: a later
+pipeline stage draws its layers from a different point of the RNG stream, so
+PP>1 tests need their own reference (gather the stages' weights).
 """
 
 from __future__ import annotations
