@@ -15,6 +15,15 @@ BUCKET = 4096  # elements: many small buckets of different sizes
 GRAD_OPS = ("AllReduce", "ReduceScatter")
 
 
+def assert_losses_equal(out, rtol):
+    """Every rank's staged losses equal its plain baseline's within ``rtol``,
+    and the baseline learned."""
+    for r in out:
+        assert r["base"][-1] < r["base"][0], f"baseline did not learn: {r['base']}"
+        for step, (a, b) in enumerate(zip(r["staged"], r["base"])):
+            assert abs(a - b) <= rtol * abs(b), f"step {step}: staged {a} vs plain {b}"
+
+
 def _kernels(prof) -> list[str]:
     return [e.name for e in prof.events()
             if e.device_type == torch.autograd.DeviceType.CUDA and "nccl" in e.name.lower()]

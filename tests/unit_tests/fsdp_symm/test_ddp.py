@@ -11,23 +11,16 @@ import pytest
 
 from megatron_ext.testing.multirank import run_on_ranks
 
-from ._bodies import GRAD_OPS, _count, ddp_parity
+from ._bodies import GRAD_OPS, _count, assert_losses_equal, ddp_parity
 
 RTOL = 1e-5
 STEPS = 4
 
 
-def _assert_losses_equal(out, rtol):
-    for r in out:
-        assert r["base"][-1] < r["base"][0], f"baseline did not learn: {r['base']}"
-        for step, (a, b) in enumerate(zip(r["staged"], r["base"])):
-            assert abs(a - b) <= rtol * abs(b), f"step {step}: staged {a} vs plain {b}"
-
-
 def test_gloo_fallback_trains_like_plain_ddp_and_warns_once():
     out = run_on_ranks(ddp_parity, 2, args=(False, 1, STEPS, False, "symm", "on"),
                        backend="gloo", timeout=240)
-    _assert_losses_equal(out, 0.0)
+    assert_losses_equal(out, 0.0)
     for r in out:
         assert len(r["warnings"]) == 1, r["warnings"]
         assert "gloo" in r["warnings"][0] and "plain memory" in r["warnings"][0]
@@ -42,7 +35,7 @@ def test_gloo_staging_layout_trains_like_plain_ddp(distopt, microbatches):
     # switch to SUM with a 1/dp pre-scale, which is what plain DDP does here.
     out = run_on_ranks(ddp_parity, 2, args=(distopt, microbatches, STEPS, True, "standin", "auto"),
                        backend="gloo", timeout=300)
-    _assert_losses_equal(out, 0.0)
+    assert_losses_equal(out, 0.0)
     for r in out:
         flags = [d.symmetric for _, d in r["decisions"]]
         assert any(flags) and not all(flags), "the band should split the buckets"
@@ -62,7 +55,7 @@ def test_gloo_staging_layout_trains_like_plain_ddp(distopt, microbatches):
 def test_nccl_symmetric_buckets_run_symk_kernels_and_match_plain(distopt, microbatches):
     out = run_on_ranks(ddp_parity, 2, args=(distopt, microbatches, STEPS, True, "symm", "auto"),
                        backend="nccl", timeout=300)
-    _assert_losses_equal(out, RTOL)
+    assert_losses_equal(out, RTOL)
     for r in out:
         decisions = r["decisions"]
         grad = [d for n, d in decisions if n.endswith("grads")]

@@ -11,22 +11,15 @@ import pytest
 
 from megatron_ext.testing.multirank import run_on_ranks
 
-from ._bodies import _count, fsdp_parity
+from ._bodies import _count, assert_losses_equal, fsdp_parity
 
 STEPS = 4
 KIB = 1 << 10
 
 
-def _assert_losses_equal(out, rtol):
-    for r in out:
-        assert r["base"][-1] < r["base"][0], f"baseline did not learn: {r['base']}"
-        for step, (a, b) in enumerate(zip(r["staged"], r["base"])):
-            assert abs(a - b) <= rtol * abs(b), f"step {step}: staged {a} vs plain {b}"
-
-
 def test_gloo_fallback_trains_like_upstream_and_warns_once():
     out = run_on_ranks(fsdp_parity, 2, args=(2, STEPS, "on", 128 * KIB), backend="gloo", timeout=240)
-    _assert_losses_equal(out, 0.0)
+    assert_losses_equal(out, 0.0)
     for r in out:
         assert len(r["warnings"]) == 1 and "gloo" in r["warnings"][0], r["warnings"]
         for ag, rs in r["decisions"]:
@@ -39,7 +32,7 @@ def test_gloo_fallback_trains_like_upstream_and_warns_once():
 def test_nccl_symmetric_groups_run_symk_kernels_and_match_upstream(microbatches):
     out = run_on_ranks(fsdp_parity, 2, args=(microbatches, STEPS, "auto", 128 * KIB),
                        backend="nccl", timeout=300)
-    _assert_losses_equal(out, 1e-5)
+    assert_losses_equal(out, 1e-5)
     for r in out:
         ag = [a for a, _ in r["decisions"]]
         rs = [b for _, b in r["decisions"]]
@@ -64,7 +57,7 @@ def test_gloo_symmetric_code_paths_train_like_upstream(microbatches):
 
     out = run_on_ranks(fsdp_standin_parity, 2, args=(microbatches, STEPS, 128 * KIB),
                        backend="gloo", timeout=240)
-    _assert_losses_equal(out, 1e-6)
+    assert_losses_equal(out, 1e-6)
     for r in out:
         flags = [a.symmetric for a, _ in r["decisions"]]
         assert any(flags) and not all(flags), r["decisions"]
