@@ -318,15 +318,14 @@ class ReshardExecutor:
             dst.copy_(run_view(self.tensors[t.src_run.local], t.src_run).reshape(dst.shape))
             stats.local_bytes += t.nbytes
         self.version = version
+        stats.seconds = time.perf_counter() - start  # the move and apply; the gate's forward passes not included
         if verify is not None and self.rank in self.plan.dst.ranks:
             result = verify(self.plan.dst, self.rank, self.tensors, version)
             stats.kl, stats.max_logit_diff, stats.gate_ok = result.kl, result.max_abs_diff, verify.passes(result)
             if not stats.gate_ok and verify.on_fail == "raise":
                 self.version = None
-                stats.seconds = time.perf_counter() - start
                 raise RefitRejected(f"rank {self.rank}: version {version} failed the refit gate (KL {result.kl:.3g},"
                                     f" max logit diff {result.max_abs_diff:.3g})", reason="gate", stats=stats)
-        stats.seconds = time.perf_counter() - start
         return stats
 
     def _headers(self, version: int, source_version) -> torch.Tensor | None:
@@ -410,7 +409,6 @@ class FanoutRefit:
                  max_inflight: int = 2):
         self.plans = fanout_plans(src, dst, replicas, first_wave=first_wave)
         self.rank = rank
-        self.trainer = rank in src.ranks
         self._engine_locals = tuple(dst.tensors.get(rank, {}))
         self.waves = [ReshardExecutor(p, rank, tensors, group=group, bucket_bytes=bucket_bytes, atomic=atomic,
                                       max_inflight=max_inflight) for p in self.plans]
