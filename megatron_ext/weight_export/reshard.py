@@ -90,6 +90,7 @@ class RefitRejected(RuntimeError):
     def __init__(self, message: str, *, reason: str, stats: RefitStats | None = None):
         super().__init__(message)
         self.reason, self.stats = reason, stats
+        self.wave_stats: list[RefitStats] | None = None  # FanoutRefit: this rank's stats of every wave
 
 
 class RefitGate:
