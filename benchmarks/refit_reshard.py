@@ -69,7 +69,7 @@ def _timed(fn, iters, device):
     return statistics.median(times)
 
 
-def _rank(spec, iters, limit_bytes, bucket_bytes):
+def _rank(spec, iters, limit_bytes, bucket_bytes, max_inflight=2):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.module import Float16Module
@@ -112,7 +112,7 @@ def _rank(spec, iters, limit_bytes, bucket_bytes):
     # reshard refit
     tensors = dict(megatron_tensors(model)) if rank in src.ranks else {}
     tensors.update(engine)
-    ex = ReshardExecutor(plan, rank, tensors, bucket_bytes=bucket_bytes)
+    ex = ReshardExecutor(plan, rank, tensors, bucket_bytes=bucket_bytes, max_inflight=max_inflight)
     version = iter(range(1, 10 ** 6))
     out["reshard_s"] = _timed(lambda: ex.refit(next(version)), iters, device)
     out["staging_bytes"] = ex.staging_bytes
@@ -167,6 +167,7 @@ def main(argv=None) -> int:
     p.add_argument("--world", type=int, default=0, help="ranks (even); default: all GPUs, 4 on CPU")
     p.add_argument("--bucket-size-mb", type=float, default=256)
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--max-inflight", type=int, default=2, help="reshard rounds in flight (ReshardExecutor)")
     p.add_argument("--limit-gib", type=float, default=1.0)
     p.add_argument("--timeout-s", type=float, default=600)
     p.add_argument("--no-simulate", action="store_true", help="skip the simulator's large configurations")
@@ -181,9 +182,10 @@ def main(argv=None) -> int:
         p.error(f"--world {world} needs {world} GPUs, found {gpus}")
     spec = spec_for(a.preset)
     print(f"reshard refit benchmark: preset {a.preset}, {world} ranks ({'nccl' if gpu else 'gloo'}), "
-          f"Megatron TP{world // 2} -> engine TP{world // 2}, bucket {a.bucket_size_mb} MiB", flush=True)
-    res = run_on_ranks(_rank, world, args=(spec, a.iters, int(a.limit_gib * GiB), int(a.bucket_size_mb * (1 << 20))),
-                       backend="nccl" if gpu else "gloo", timeout=a.timeout_s)
+          f"Megatron TP{world // 2} -> engine TP{world // 2}, bucket {a.bucket_size_mb} MiB, "
+          f"{a.max_inflight} rounds in flight", flush=True)
+    res = run_on_ranks(_rank, world, args=(spec, a.iters, int(a.limit_gib * GiB), int(a.bucket_size_mb * (1 << 20)),
+                                           a.max_inflight), backend="nccl" if gpu else "gloo", timeout=a.timeout_s)
     engine = res[world // 2:]
     held = max(r["held_bytes"] for r in engine)
     limit = min(r["limit_gbps"] for r in res)
@@ -213,8 +215,8 @@ def main(argv=None) -> int:
         for name in simulate.CONFIGS:
             sim.append(simulate.simulate_config(name))
         print(simulate.format_rows(sim))
-    result = dict(preset=a.preset, world=world, limit_gbps=limit, held_bytes=held, rows=rows, ranks=res,
-                  same_bytes=all(r["same_bytes"] for r in engine), simulated=sim)
+    result = dict(preset=a.preset, world=world, max_inflight=a.max_inflight, limit_gbps=limit, held_bytes=held,
+                  rows=rows, ranks=res, same_bytes=all(r["same_bytes"] for r in engine), simulated=sim)
     with open(a.out, "w") as f:
         json.dump(result, f, indent=2, default=str)
     print(f"\nwrote {a.out}")

@@ -1,6 +1,7 @@
 """Reshard refit demo: Megatron TP2 trainer ranks send each engine rank only its
 own shards (fused QKV / gate_up per engine TP rank), straight from the trainer
-ranks that own them, then an engine replica is checked against Megatron's logits.
+ranks that own them; each engine replica passes a KL gate against Megatron's
+logits before it serves the next fan-out wave.
 
 ``examples/demo.py`` can call :func:`run_reshard_demo`. Four ranks in one job
 (gloo on CPU, NCCL with 4 GPUs): ranks 0, 1 are the trainer (Megatron TP2),
@@ -42,20 +43,23 @@ def _rank(versions: int):
     tensors = {**(wx.megatron_tensors(model) if rank in src.ranks else {}), **engine}
     refit = wx.FanoutRefit(src, dst, [[2], [3]], rank, tensors)    # plans built once, reused every version
     toks = tiny_llama.tokens(SPEC)
+    # the KL gate: each engine replica (TP1) as an HF model, checked after its wave, before it serves the next
+    gate = wx.RefitGate(wx.HFModelConsumer(tiny_llama.hf_model(SPEC, cfg).to(device)), toks, None,
+                        max_kl=1e-3) if rank in dst.ranks else None
     rows = []
     for version in range(1, versions + 1):
         with torch.no_grad():  # stand-in for an optimizer step
             for p in model.parameters():
                 p.mul_(0.99)
+        ref = wx.megatron_logits(model, toks)  # this version's reference (every Megatron rank: TP collectives)
+        if gate is not None:
+            gate.reference = ref
         dist.barrier()  # time the refit, not the previous version's verification
-        stats = refit.refit(version)
-        ref = wx.megatron_logits(model, toks)
+        stats = refit.refit(version, verify=gate)
         row = dict(version=version, received=sum(s.received_bytes for s in stats),
                    sent=sum(s.sent_bytes for s in stats), seconds=sum(s.seconds for s in stats))
         if rank in dst.ranks:
-            consumer = wx.HFModelConsumer(tiny_llama.hf_model(SPEC, cfg))
-            consumer.load_weights(dst.hf_tensors(rank, engine))
-            row["kl"] = wx.verify_export(ref, consumer.logits(toks)).kl
+            row["kl"] = next(s.kl for s in stats if s.kl is not None)
         rows.append(row)
     return dict(rows=rows, transfers=len(refit.plans[0].transfers) + len(refit.plans[-1].transfers))
 

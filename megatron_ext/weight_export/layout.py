@@ -20,12 +20,15 @@ into an engine's (TP x DP, optionally EP).
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Iterator, Sequence
 
 import torch
 
+from .hf_mapping import _global_layer_names, unwrap
+
 __all__ = ["Box", "Layout", "LocalTensor", "Segment", "TensorSpec", "gpt_specs", "inference_layout",
-           "megatron_layout", "ntp_megatron_layout", "specs_from_config"]
+           "megatron_layout", "ntp_megatron_layout", "specs_from_config", "specs_from_model"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,10 +334,15 @@ def _layer_stages(specs: list[TensorSpec], pp: int) -> list[int]:
 def gpt_specs(*, num_layers: int, hidden_size: int, num_heads: int, num_groups: int, head_dim: int,
               ffn_hidden_size: int, vocab_size: int, padded_vocab_size: int | None = None,
               tie_embeddings: bool = False, qkv_bias: bool = False, qk_norm: bool = False,
-              num_experts: int = 0, moe_ffn_hidden_size: int = 0, dtype: torch.dtype = torch.bfloat16
-              ) -> list[TensorSpec]:
+              num_experts: int = 0, moe_ffn_hidden_size: int = 0, dtype: torch.dtype = torch.bfloat16,
+              te_layernorm: bool = False) -> list[TensorSpec]:
     """The HF tensors of a Llama / Qwen2 / Qwen3 (MoE: Qwen3-MoE) model with
-    their Megatron and engine (vLLM-style fused) local names."""
+    their Megatron and engine (vLLM-style fused) local names.
+
+    ``te_layernorm``: Megatron's Transformer Engine layer specs fuse the
+    layernorms into the next linear layer, so ``input_layernorm`` is held as
+    ``self_attention.linear_qkv.layer_norm_weight`` and (dense MLP only)
+    ``post_attention_layernorm`` as ``mlp.linear_fc1.layer_norm_weight``."""
     specs: list[TensorSpec] = []
     pv = padded_vocab_size if padded_vocab_size and padded_vocab_size != vocab_size else None
 
@@ -345,7 +353,8 @@ def gpt_specs(*, num_layers: int, hidden_size: int, num_heads: int, num_groups: 
         "model.embed_tokens.weight", padded_rows=pv)
     for i in range(num_layers):
         m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
-        add(h + "input_layernorm.weight", (hidden_size,), None, m + "input_layernorm.weight",
+        add(h + "input_layernorm.weight", (hidden_size,), None,
+            m + ("self_attention.linear_qkv.layer_norm_weight" if te_layernorm else "input_layernorm.weight"),
             h + "input_layernorm.weight", layer=i)
         for suffix in ("weight", "bias") if qkv_bias else ("weight",):
             rest = (hidden_size,) if suffix == "weight" else ()
@@ -359,7 +368,9 @@ def gpt_specs(*, num_layers: int, hidden_size: int, num_heads: int, num_groups: 
                     h + f"self_attn.{p}_norm.weight", layer=i)
         add(h + "self_attn.o_proj.weight", (hidden_size, num_heads * head_dim), 1,
             m + "self_attention.linear_proj.weight", h + "self_attn.o_proj.weight", layer=i)
-        add(h + "post_attention_layernorm.weight", (hidden_size,), None, m + "pre_mlp_layernorm.weight",
+        fused_norm = te_layernorm and not num_experts  # MoE: TE keeps a separate pre_mlp_layernorm
+        add(h + "post_attention_layernorm.weight", (hidden_size,), None,
+            m + ("mlp.linear_fc1.layer_norm_weight" if fused_norm else "pre_mlp_layernorm.weight"),
             h + "post_attention_layernorm.weight", layer=i)
         if num_experts:
             add(h + "mlp.gate.weight", (num_experts, hidden_size), None, m + "mlp.router.weight",
@@ -385,8 +396,10 @@ def gpt_specs(*, num_layers: int, hidden_size: int, num_heads: int, num_groups: 
 
 
 def specs_from_config(config, *, vocab_size: int, padded_vocab_size: int | None = None,
-                      tie_embeddings: bool = False, dtype: torch.dtype | None = None) -> list[TensorSpec]:
-    """:func:`gpt_specs` for a Megatron ``TransformerConfig`` (dense or MoE)."""
+                      tie_embeddings: bool = False, dtype: torch.dtype | None = None,
+                      te_layernorm: bool = False) -> list[TensorSpec]:
+    """:func:`gpt_specs` for a Megatron ``TransformerConfig`` (dense or MoE);
+    ``te_layernorm=True`` for models built with Transformer Engine layer specs."""
     heads = config.num_attention_heads
     return gpt_specs(
         num_layers=config.num_layers, hidden_size=config.hidden_size, num_heads=heads,
@@ -394,4 +407,33 @@ def specs_from_config(config, *, vocab_size: int, padded_vocab_size: int | None 
         ffn_hidden_size=config.ffn_hidden_size, vocab_size=vocab_size, padded_vocab_size=padded_vocab_size,
         tie_embeddings=tie_embeddings, qkv_bias=bool(config.add_qkv_bias), qk_norm=bool(config.qk_layernorm),
         num_experts=config.num_moe_experts or 0, moe_ffn_hidden_size=config.moe_ffn_hidden_size or 0,
-        dtype=dtype or config.params_dtype)
+        dtype=dtype or config.params_dtype, te_layernorm=te_layernorm)
+
+
+def specs_from_model(model, *, vocab_size: int, dtype: torch.dtype | None = None) -> list[TensorSpec]:
+    """:func:`specs_from_config` for a built Megatron GPT model (this rank's stage).
+
+    Reads from the model what the config does not say: Transformer Engine's
+    fused layernorm names, the padded vocabulary (``model.vocab_size``), tied
+    embeddings, and the parameters' dtype (unless ``dtype`` is given). Raises
+    ``ValueError`` naming the first parameter the specs do not describe (e.g.
+    grouped-GEMM expert weights), so a layout never silently skips a tensor.
+    """
+    m = unwrap(model)
+    params = dict(m.named_parameters())
+    te = any(n.endswith("linear_qkv.layer_norm_weight") for n in params)
+    specs = specs_from_config(
+        m.config, vocab_size=vocab_size, padded_vocab_size=getattr(m, "vocab_size", None),
+        tie_embeddings=bool(getattr(m, "share_embeddings_and_output_weights", False)),
+        dtype=dtype or next(iter(params.values())).dtype, te_layernorm=te)
+    expert = re.compile(r"local_experts\.\d+\.")
+    known = {expert.sub("local_experts.*.", s.megatron_name) for s in specs}
+    if not any(s.name == "lm_head.weight" for s in specs):
+        known.add("output_layer.weight")  # tied (a later stage's copy): the engine ties lm_head to the embedding
+    prefixes = _global_layer_names(m)
+    for name in params:
+        glob = next((gp + name[len(lp):] for lp, gp in prefixes.items() if name.startswith(lp)), name)
+        if expert.sub("local_experts.*.", glob) not in known:
+            raise ValueError(f"parameter {glob!r} is not in the layout specs (supported: Llama / Qwen2 / Qwen3 "
+                             "dense and MoE with local or sequential experts, local or TE layer specs)")
+    return specs

@@ -3,29 +3,44 @@
 Every rank of the plan (trainer and engine ranks in one process group) builds a
 :class:`ReshardExecutor` once and calls :meth:`~ReshardExecutor.refit` for each
 weight version. Transfers between one pair of ranks are packed, in plan order,
-into buckets of at most ``bucket_bytes``; round ``k`` moves the ``k``-th bucket
-of every pair at once (one ``batch_isend_irecv``), so all peers' buckets are in
-flight together and staging memory is bounded by ``bucket_bytes`` per peer.
-Staging buffers are allocated on the first refit and reused. A receiver writes
-into its local tensors only after every bucket of the version has arrived
-(staged whole when ``atomic``), so a failed refit leaves the previous version.
+into buckets of at most ``bucket_bytes`` (a transfer larger than a bucket is
+cut into rows); round ``k`` moves the ``k``-th bucket of every pair at once (one
+``batch_isend_irecv``). Up to ``max_inflight`` rounds are in flight: round
+``k + 1`` is posted before round ``k`` is waited on and unpacked.
+
+Every bucket starts with a 32-byte header (the sender's version, the plan's
+fingerprint, the sender's rank, the bucket index). A receiver checks every
+header before it writes anything and refuses the version
+(:class:`RefitRejected`) if any source serves another version or another plan;
+its tensors then keep the previous version. With ``atomic=True`` a receiver
+writes only after every bucket of the version has arrived.
+
+Staging buffers are allocated on the first refit and reused. An optional
+:class:`RefitGate` runs the engine's logits against the trainer's after the
+refit and records the KL in :class:`RefitStats`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from .hf_mapping import _global_layer_names, unwrap
-from .reshard_plan import ReshardPlan, Transfer, fanout_plans, run_view
+from .reshard_plan import ReshardPlan, Run, Transfer, fanout_plans, run_view
+from .verify import VerifyResult, verify_export
 
-__all__ = ["FanoutRefit", "RefitStats", "ReshardExecutor", "megatron_tensors"]
+__all__ = ["FanoutRefit", "HEADER_BYTES", "RefitGate", "RefitRejected", "RefitStats", "ReshardExecutor",
+           "megatron_tensors"]
 
 _ALIGN = 16
+HEADER_BYTES = 32  # int64 x 4: version, plan fingerprint, sender rank, bucket index
+_NO_VERSION = -1   # what a rank that holds no valid version sends
 
 
 def _align(n: int) -> int:
@@ -48,26 +63,120 @@ def megatron_tensors(model) -> dict[str, torch.Tensor]:
 
 @dataclasses.dataclass
 class RefitStats:
+    """One rank's refit. Byte counts are on the wire (headers and alignment included);
+    ``staging_bytes`` is the staging memory this rank holds; ``kl`` /
+    ``max_logit_diff`` / ``gate_ok`` are set when a :class:`RefitGate` ran."""
+
     version: int
     seconds: float
     sent_bytes: int
     received_bytes: int
     local_bytes: int
     rounds: int
+    max_inflight: int = 1
+    staging_bytes: int = 0
+    kl: float | None = None
+    max_logit_diff: float | None = None
+    gate_ok: bool | None = None
+
+
+class RefitRejected(RuntimeError):
+    """A receiver refused a version. ``reason``: ``"version"`` (a source serves
+    another version), ``"plan"`` (a source runs another plan or bucket size) or
+    ``"gate"`` (the :class:`RefitGate` failed). On ``"version"`` / ``"plan"`` no
+    tensor was written; on ``"gate"`` the bytes are written but the rank holds
+    no accepted version (``version`` is None) and does not serve in a fan-out."""
+
+    def __init__(self, message: str, *, reason: str, stats: RefitStats | None = None):
+        super().__init__(message)
+        self.reason, self.stats = reason, stats
+        self.wave_stats: list[RefitStats] | None = None  # FanoutRefit: this rank's stats of every wave
+
+
+class RefitGate:
+    """Checks an engine rank after each refit: its logits on ``tokens`` against
+    the trainer's ``reference`` logits (a tensor, or ``reference(version)``).
+
+    ``consumer`` needs ``logits(tokens)``; with ``load=True`` the rank's whole HF
+    tensors (``dst.hf_tensors(rank, tensors)``) are first fed to its
+    ``load_weights`` (e.g. :class:`~.receiver.HFModelConsumer` on a TP1 replica).
+    Pass ``load=False`` when the refit writes straight into the engine's
+    weights. The gate passes when ``kl <= max_kl`` (and, if given,
+    ``max_abs_diff <= max_logit_diff``); otherwise it raises
+    :class:`RefitRejected` (``on_fail="raise"``) or only records the result
+    (``"report"``).
+    """
+
+    def __init__(self, consumer, tokens: torch.Tensor, reference: torch.Tensor | Callable[[int], torch.Tensor], *,
+                 max_kl: float = 1e-3, max_logit_diff: float | None = None, on_fail: str = "raise",
+                 load: bool = True):
+        if on_fail not in ("raise", "report"):
+            raise ValueError(f"on_fail must be 'raise' or 'report', got {on_fail!r}")
+        if max_kl < 0 or (max_logit_diff is not None and max_logit_diff < 0):
+            raise ValueError(f"max_kl and max_logit_diff must be >= 0, got {max_kl}, {max_logit_diff}")
+        self.consumer, self.tokens, self.reference = consumer, tokens, reference
+        self.max_kl, self.max_logit_diff, self.on_fail, self.load = max_kl, max_logit_diff, on_fail, load
+        self.last: VerifyResult | None = None
+
+    def __call__(self, layout, rank: int, tensors: dict[str, torch.Tensor], version: int) -> VerifyResult:
+        if self.load:
+            self.consumer.load_weights(layout.hf_tensors(rank, tensors))
+        ref = self.reference(version) if callable(self.reference) else self.reference
+        self.last = verify_export(ref, self.consumer.logits(self.tokens))
+        return self.last
+
+    def passes(self, result: VerifyResult) -> bool:
+        return result.ok(max_kl=self.max_kl) and (self.max_logit_diff is None
+                                                   or result.max_abs_diff <= self.max_logit_diff)
+
+
+def _rows(run: Run, rows: int, r0: int, r1: int) -> Run:
+    """Rows ``[r0, r1)`` of a run that covers ``rows`` rows of a box."""
+    if run.count == 1:  # the rows lie back to back
+        per_row = run.length // rows
+        return Run(run.local, run.offset + r0 * per_row, (r1 - r0) * per_row, (r1 - r0) * per_row, 1)
+    return Run(run.local, run.offset + r0 * run.stride, run.length, run.stride, r1 - r0)
+
+
+def _pieces(t: Transfer, max_bytes: int) -> list[Transfer]:
+    """``t`` cut along dim 0 of its box into pieces of at most ``max_bytes`` (at least one row each)."""
+    rows = t.box.shape[0]
+    per = max(1, max_bytes // (t.nbytes // rows))
+    if per >= rows:
+        return [t]
+    a = t.box.ranges[0][0]
+    return [dataclasses.replace(t, box=t.box.replace(0, a + r0, a + min(rows, r0 + per)),
+                                src_run=_rows(t.src_run, rows, r0, min(rows, r0 + per)),
+                                dst_run=_rows(t.dst_run, rows, r0, min(rows, r0 + per)))
+            for r0 in range(0, rows, per)]
 
 
 def _buckets(transfers: list[Transfer], bucket_bytes: int) -> list[list[tuple[Transfer, int]]]:
-    """``(transfer, byte offset)`` per bucket; a transfer larger than a bucket fills one alone."""
-    out, cur, used = [], [], 0
-    for t in transfers:
-        if cur and used + t.nbytes > bucket_bytes:
-            out.append(cur)
-            cur, used = [], 0
-        cur.append((t, used))
-        used = _align(used + t.nbytes)
+    """``(transfer, byte offset)`` per bucket, after a :data:`HEADER_BYTES` header;
+    a transfer larger than a bucket is cut into rows (a single row larger than a
+    bucket fills one alone)."""
+    cap = bucket_bytes - HEADER_BYTES
+    out, cur, used = [], [], HEADER_BYTES
+    for whole in transfers:
+        for t in _pieces(whole, cap):
+            if cur and used + t.nbytes > bucket_bytes:
+                out.append(cur)
+                cur, used = [], HEADER_BYTES
+            cur.append((t, used))
+            used = _align(used + t.nbytes)
     if cur:
         out.append(cur)
     return out
+
+
+def _bucket_nbytes(bucket: list[tuple[Transfer, int]]) -> int:
+    t, off = bucket[-1]
+    return off + t.nbytes
+
+
+def _to_int64(hex16: str) -> int:
+    v = int(hex16, 16)
+    return v - (1 << 64) if v >= 1 << 63 else v
 
 
 class ReshardExecutor:
@@ -77,14 +186,25 @@ class ReshardExecutor:
     its tensors: the trainer's parameters (:func:`megatron_tensors`) on source
     ranks, the engine's tensors on destination ranks. A tensor may have more
     rows than the layout keeps (Megatron's padded vocabulary).
+
+    ``max_inflight`` rounds are posted before the oldest is waited on. Staging
+    memory (:attr:`staging_bytes`): ``max_inflight`` send buckets per peer, plus
+    on receivers the whole version with ``atomic=True`` (nothing is written
+    until every bucket arrived and passed its header check) or
+    ``max_inflight`` buckets per peer with ``atomic=False`` (each round is
+    written as it arrives; the headers of round 0, which carries a bucket of
+    every source, are still checked before the first write).
     """
 
     def __init__(self, plan: ReshardPlan, rank: int, tensors: dict[str, torch.Tensor], *, group=None,
-                 bucket_bytes: int = 64 << 20, atomic: bool = True):
-        if bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+                 bucket_bytes: int = 64 << 20, atomic: bool = True, max_inflight: int = 2):
+        if bucket_bytes <= HEADER_BYTES:
+            raise ValueError(f"bucket_bytes must be > {HEADER_BYTES} (the bucket header), got {bucket_bytes}")
+        if max_inflight < 1:
+            raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
         self.plan, self.rank, self.group = plan, rank, group
-        self.tensors, self.atomic = tensors, atomic
+        self.tensors, self.atomic, self.max_inflight = tensors, atomic, max_inflight
+        self.bucket_bytes = bucket_bytes
         self._check_tensors()
         out, inc = defaultdict(list), defaultdict(list)
         self.local: list[Transfer] = []
@@ -99,9 +219,14 @@ class ReshardExecutor:
         self.recv = {p: _buckets(ts, bucket_bytes) for p, ts in sorted(inc.items())}
         self.rounds = max([len(b) for b in (*self.send.values(), *self.recv.values())], default=0)
         self.device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
-        self._send_buf: dict[int, torch.Tensor] = {}
-        self._recv_buf: dict[tuple[int, int], torch.Tensor] = {}
-        self.version: int | None = None
+        # what every header of this plan carries: the plan and the bucket size both sides cut it with
+        self.wire_id = _to_int64(hashlib.sha256(f"{plan.fingerprint}:{bucket_bytes}".encode()).hexdigest()[:16])
+        self._send_sources = {(p, k): sorted({t.src_run.local for t, _ in b})
+                              for p, bs in self.send.items() for k, b in enumerate(bs)}
+        self._header_index = {key: i for i, key in enumerate(self._send_sources)}
+        self._send_buf: dict[tuple[int, int], torch.Tensor] | None = None
+        self._recv_buf: dict[tuple[int, int], torch.Tensor] | None = None
+        self.version: int | None = None  # the version this rank's destination tensors hold (None: none accepted)
 
     def _check_tensors(self) -> None:
         for layout in (self.plan.src, self.plan.dst):
@@ -116,61 +241,153 @@ class ReshardExecutor:
                 if not t.is_contiguous():
                     raise ValueError(f"rank {self.rank}: {name} must be contiguous")
 
+    # ------------------------------------------------------------------ staging
+    def _slot(self, k: int, *, recv: bool) -> int:
+        return k if (recv and self.atomic) else k % self.max_inflight
+
+    def _allocate(self) -> None:
+        """Every staging buffer, sized once: one per (peer, slot)."""
+        sizes: dict[tuple[str, int, int], int] = {}
+        for kind, table in (("send", self.send), ("recv", self.recv)):
+            for peer, buckets in table.items():
+                for k, bucket in enumerate(buckets):
+                    key = (kind, peer, self._slot(k, recv=kind == "recv"))
+                    sizes[key] = max(sizes.get(key, 0), _bucket_nbytes(bucket))
+        mk = lambda n: torch.empty(n, dtype=torch.uint8, device=self.device)  # noqa: E731
+        self._send_buf = {(p, s): mk(n) for (kind, p, s), n in sizes.items() if kind == "send"}
+        self._recv_buf = {(p, s): mk(n) for (kind, p, s), n in sizes.items() if kind == "recv"}
+
     @property
     def staging_bytes(self) -> int:
-        return sum(b.numel() for b in self._send_buf.values()) + sum(b.numel() for b in self._recv_buf.values())
+        """Bytes of staging memory this rank holds (0 before the first refit)."""
+        return sum(b.numel() for bufs in (self._send_buf or {}, self._recv_buf or {}) for b in bufs.values())
 
-    def _buf(self, cache: dict, key, nbytes: int) -> torch.Tensor:
-        buf = cache.get(key)
-        if buf is None or buf.numel() < nbytes:
-            buf = cache[key] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        return buf
+    # -------------------------------------------------------------------- refit
+    def refit(self, version: int, *, source_version: int | dict[str, int | None] | None = None,
+              verify: RefitGate | None = None) -> RefitStats:
+        """Move this rank's share of one weight version; every rank of ``group`` calls it.
 
-    def refit(self, version: int) -> RefitStats:
-        """Move this rank's share of one weight version; every rank of ``group`` calls it."""
-        if self.version is None and dist.is_initialized():
-            # one collective before the first batch of P2P ops: NCCL then has the communicator on every
-            # rank of the group (PyTorch asks all ranks to join the first batch_isend_irecv)
-            dist.barrier(group=self.group)
+        ``source_version``: the version of the bytes this rank sends (default
+        ``version``; a dict maps local tensor names to the version they hold,
+        e.g. an engine replica serving a fan-out wave; None: no valid version).
+        Raises :class:`RefitRejected` on a receiver that a source serves another
+        version or plan (after draining every round, so all ranks stay in step;
+        no tensor written) or whose ``verify`` gate fails.
+        """
+        if self._send_buf is None:
+            if dist.is_initialized():
+                # one collective before the first batch of P2P ops: NCCL then has the communicator on every
+                # rank of the group (PyTorch asks all ranks to join the first batch_isend_irecv)
+                dist.barrier(group=self.group)
+            self._allocate()
         start = time.perf_counter()
+        headers = self._headers(version, source_version)
         sent = received = 0
+        self._wrote = False
+        refused: list[str] = []
         staged: list[tuple[torch.Tensor, list[tuple[Transfer, int]]]] = []
-        for k in range(self.rounds):
-            ops = []
-            for peer, buckets in self.send.items():
-                if k < len(buckets):
-                    bucket = buckets[k]
-                    buf = self._buf(self._send_buf, peer, _bucket_nbytes(bucket))
-                    for t, off in bucket:
-                        view = buf[off:off + t.nbytes].view(self.tensors[t.src_run.local].dtype)
-                        view.copy_(run_view(self.tensors[t.src_run.local], t.src_run).reshape(-1))
-                    n = _bucket_nbytes(bucket)
-                    ops.append(dist.P2POp(dist.isend, buf[:n], peer, group=self.group))
-                    sent += n
-            for peer, buckets in self.recv.items():
-                if k < len(buckets):
-                    bucket = buckets[k]
-                    n = _bucket_nbytes(bucket)
-                    key = (peer, k) if self.atomic else (peer, 0)
-                    buf = self._buf(self._recv_buf, key, n)
-                    ops.append(dist.P2POp(dist.irecv, buf[:n], peer, group=self.group))
-                    staged.append((buf, bucket))
-                    received += n
-            if ops:
-                for req in dist.batch_isend_irecv(ops):
-                    req.wait()
-            if not self.atomic:
-                self._unpack(staged)
-                staged = []
-        # every bucket of this version is here: apply it (local copies too) in one go
+        inflight: deque = deque()
+        try:
+            for k in range(self.rounds):
+                if len(inflight) == self.max_inflight:
+                    self._complete(inflight.popleft(), version, refused, staged)
+                posted, s, r = self._post(k, headers)
+                inflight.append(posted)
+                sent, received = sent + s, received + r
+            while inflight:
+                self._complete(inflight.popleft(), version, refused, staged)
+        except BaseException:
+            for _, reqs, _ in inflight:  # let posted transfers finish or fail before the buffers are reused
+                for req in reqs:
+                    try:
+                        req.wait()
+                    except Exception:  # noqa: BLE001 - the first error is the one raised
+                        pass
+            raise
+        stats = RefitStats(version, 0.0, sent, received, 0, self.rounds, self.max_inflight, self.staging_bytes)
+        if refused:
+            stats.seconds = time.perf_counter() - start
+            reason = "version" if any(m.startswith("version") for m in refused) else "plan"
+            if self._wrote:  # atomic=False and a later round failed its check: the tensors are mixed
+                self.version = None
+            raise RefitRejected(f"rank {self.rank} refused version {version} and kept version {self.version}: "
+                                + "; ".join(refused[:4]), reason=reason, stats=stats)
+        # every bucket of this version is here and checked: apply it (local copies too) in one go
         self._unpack(staged)
-        local = 0
         for t in self.local:
             dst = run_view(self.tensors[t.dst_run.local], t.dst_run)
             dst.copy_(run_view(self.tensors[t.src_run.local], t.src_run).reshape(dst.shape))
-            local += t.nbytes
+            stats.local_bytes += t.nbytes
         self.version = version
-        return RefitStats(version, time.perf_counter() - start, sent, received, local, self.rounds)
+        stats.seconds = time.perf_counter() - start  # the move and apply; the gate's forward passes not included
+        if verify is not None and self.rank in self.plan.dst.ranks:
+            result = verify(self.plan.dst, self.rank, self.tensors, version)
+            stats.kl, stats.max_logit_diff, stats.gate_ok = result.kl, result.max_abs_diff, verify.passes(result)
+            if not stats.gate_ok and verify.on_fail == "raise":
+                self.version = None
+                raise RefitRejected(f"rank {self.rank}: version {version} failed the refit gate (KL {result.kl:.3g},"
+                                    f" max logit diff {result.max_abs_diff:.3g})", reason="gate", stats=stats)
+        return stats
+
+    def _headers(self, version: int, source_version) -> torch.Tensor | None:
+        """One header row per send bucket, in ``self._send_sources`` order (one host-to-device copy)."""
+        if not self._send_sources:
+            return None
+        held = source_version if isinstance(source_version, dict) else {}
+        default = version if source_version is None or isinstance(source_version, dict) else source_version
+        rows = []
+        for (peer, k), locals_ in self._send_sources.items():
+            vs = {held.get(n, default) for n in locals_}
+            v = version if vs == {version} else next(iter(vs - {version}))
+            rows.append([_NO_VERSION if v is None else v, self.wire_id, self.rank, k])
+        return torch.tensor(rows, dtype=torch.int64).to(self.device)
+
+    def _post(self, k: int, headers: torch.Tensor | None):
+        ops, staged = [], []
+        sent = received = 0
+        for peer, buckets in self.send.items():
+            if k < len(buckets):
+                bucket = buckets[k]
+                buf = self._send_buf[(peer, self._slot(k, recv=False))]
+                buf[:HEADER_BYTES].view(torch.int64).copy_(headers[self._header_index[(peer, k)]])
+                for t, off in bucket:
+                    view = buf[off:off + t.nbytes].view(self.tensors[t.src_run.local].dtype)
+                    view.copy_(run_view(self.tensors[t.src_run.local], t.src_run).reshape(-1))
+                n = _bucket_nbytes(bucket)
+                ops.append(dist.P2POp(dist.isend, buf[:n], peer, group=self.group))
+                sent += n
+        for peer, buckets in self.recv.items():
+            if k < len(buckets):
+                bucket = buckets[k]
+                n = _bucket_nbytes(bucket)
+                buf = self._recv_buf[(peer, self._slot(k, recv=True))]
+                ops.append(dist.P2POp(dist.irecv, buf[:n], peer, group=self.group))
+                staged.append((peer, buf, bucket))
+                received += n
+        reqs = dist.batch_isend_irecv(ops) if ops else []
+        return (k, reqs, staged), sent, received
+
+    def _complete(self, posted, version: int, refused: list[str], staged: list) -> None:
+        k, reqs, arrived = posted
+        for req in reqs:
+            req.wait()
+        if not arrived or refused:
+            return  # after a refusal: drain the remaining rounds, write nothing
+        got = torch.stack([buf[:HEADER_BYTES].view(torch.int64) for _, buf, _ in arrived]).tolist()
+        for (peer, _, _), (v, wire, sender, index) in zip(arrived, got):
+            if v != version:
+                held = "no valid version" if v == _NO_VERSION else f"version {v}"
+                refused.append(f"version: rank {peer} serves {held}")
+            elif (wire, sender, index) != (self.wire_id, peer, k):
+                refused.append(f"plan: rank {peer} runs another plan or bucket size (bucket {k})")
+        if refused:
+            return
+        bucket_pairs = [(buf, bucket) for _, buf, bucket in arrived]
+        if self.atomic:
+            staged.extend(bucket_pairs)
+        else:
+            self._unpack(bucket_pairs)
+            self._wrote = True
 
     def _unpack(self, staged) -> None:
         for buf, bucket in staged:
@@ -179,32 +396,41 @@ class ReshardExecutor:
                 dst.copy_(buf[off:off + t.nbytes].view(dst.dtype).view(dst.shape))
 
 
-def _bucket_nbytes(bucket: list[tuple[Transfer, int]]) -> int:
-    t, off = bucket[-1]
-    return off + t.nbytes
-
-
 class FanoutRefit:
     """Updates engine replicas in waves (:func:`~.reshard_plan.fanout_plans`):
     replicas updated in one wave serve the next. Every rank of the job calls
-    :meth:`refit`; a rank serves a wave only with the version it applied itself."""
+    :meth:`refit` and runs every wave, even after a refusal, so no rank waits
+    on another forever. A replica serves the version it holds (the bucket
+    headers say which), so a replica that was refused or failed its gate
+    causes its own receivers to refuse rather than spread a wrong version;
+    :meth:`refit` raises :class:`RefitRejected` at the end on such ranks."""
 
     def __init__(self, src, dst, replicas: list[list[int]], rank: int, tensors: dict[str, torch.Tensor], *,
-                 group=None, bucket_bytes: int = 64 << 20, first_wave: int = 1):
+                 group=None, bucket_bytes: int = 64 << 20, first_wave: int = 1, atomic: bool = True,
+                 max_inflight: int = 2):
         self.plans = fanout_plans(src, dst, replicas, first_wave=first_wave)
         self.rank = rank
-        self.trainer = rank in src.ranks
-        self.waves = [ReshardExecutor(p, rank, tensors, group=group, bucket_bytes=bucket_bytes) for p in self.plans]
+        self._engine_locals = tuple(dst.tensors.get(rank, {}))
+        self.waves = [ReshardExecutor(p, rank, tensors, group=group, bucket_bytes=bucket_bytes, atomic=atomic,
+                                      max_inflight=max_inflight) for p in self.plans]
         self.version: int | None = None
 
-    def refit(self, version: int) -> list[RefitStats]:
-        stats = []
-        for wave, ex in enumerate(self.waves):
-            serves = any(t.src == self.rank and t.dst != self.rank for t in ex.plan.transfers)
-            if wave and serves and not self.trainer and self.version != version:
-                raise RuntimeError(f"rank {self.rank} would serve version {version} in wave {wave} but holds "
-                                   f"{self.version}; run the waves in order on every rank")
-            stats.append(ex.refit(version))
-            if self.rank in ex.plan.dst.ranks:
-                self.version = version
+    def refit(self, version: int, *, verify: RefitGate | None = None) -> list[RefitStats]:
+        stats, error = [], None
+        for ex in self.waves:
+            held = {n: self.version for n in self._engine_locals}  # trainer tensors hold `version`
+            try:
+                s = ex.refit(version, source_version=held, verify=verify)
+            except RefitRejected as e:
+                error = error or e
+                s = e.stats
+                if self.rank in ex.plan.dst.ranks and e.reason == "gate":
+                    self.version = None
+            else:
+                if self.rank in ex.plan.dst.ranks:
+                    self.version = version
+            stats.append(s)
+        if error is not None:
+            error.wave_stats = stats
+            raise error
         return stats

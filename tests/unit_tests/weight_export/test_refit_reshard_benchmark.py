@@ -16,11 +16,13 @@ def test_refit_reshard_benchmark_cpu_smoke(tmp_path):
 
         out = tmp_path / "rr.json"
         assert bench.main(["--reshard", "--preset", "tiny", "--device", "cpu", "--world", "4", "--iters", "1",
-                           "--limit-gib", "0.01", "--bucket-size-mb", "1", "--no-simulate", "--out", str(out)]) == 0
+                           "--limit-gib", "0.01", "--bucket-size-mb", "1", "--max-inflight", "3", "--no-simulate",
+                           "--out", str(out)]) == 0
     finally:
         sys.path.remove(str(REPO / "benchmarks"))
     result = json.loads(out.read_text())
     assert result["same_bytes"] is True  # both methods give the engine the same bytes
+    assert result["max_inflight"] == 3
     assert [r["name"] for r in result["rows"]] == ["reshard (p2p, own shards only)", "gather-then-broadcast",
                                                    "simulator, measured limit"]
     assert all(r["seconds"] > 0 and r["fraction_of_limit"] > 0 for r in result["rows"])

@@ -76,6 +76,7 @@ def _apply(plan, src_locals, dst_layout):
 
 CASES = {  # name: (spec kwargs, megatron kwargs, engine kwargs)
     "tp2_to_tp1": (DENSE, dict(tp=2), dict(tp=1)),
+    "te_tp2pp2_to_tp2": (dict(DENSE, te_layernorm=True), dict(tp=2, pp=2), dict(tp=2)),
     "tp1dp2_to_tp2": (DENSE, dict(tp=1, dp=2), dict(tp=2)),
     "tp2pp2_to_tp2": (DENSE, dict(tp=2, pp=2), dict(tp=2)),
     "tp2_to_tp4dp2_kv_repeat": (DENSE, dict(tp=2), dict(tp=4, dp=2)),
@@ -211,3 +212,36 @@ def test_ntp_trainer_layout_serves_from_healthy_and_degraded_replicas():
     for r in dst.ranks:
         for n in want[r]:
             torch.testing.assert_close(got[r][n], want[r][n], rtol=0, atol=0)
+
+
+def test_te_layer_spec_names():
+    """Transformer Engine's fused layernorm names, detected from a model's parameters
+    (a hand-written stand-in with TE's names: TE does not run on CPU)."""
+    from megatron_ext.testing import tiny_llama
+    from megatron_ext.weight_export.layout import specs_from_model
+
+    from .test_te_names import _te_like_gpt
+
+    model = _te_like_gpt()  # a later pipeline stage: global layers 3, 4 of 5
+    model.config = tiny_llama.transformer_config(tiny_llama.TinyLlamaSpec(
+        num_layers=5, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48))
+    specs = {s.name: s for s in specs_from_model(model, vocab_size=64)}
+    assert specs["model.layers.3.input_layernorm.weight"].megatron_name == \
+        "decoder.layers.3.self_attention.linear_qkv.layer_norm_weight"
+    assert specs["model.layers.4.post_attention_layernorm.weight"].megatron_name == \
+        "decoder.layers.4.mlp.linear_fc1.layer_norm_weight"
+    assert specs["lm_head.weight"].shape == (64, 32) and specs["lm_head.weight"].dtype == torch.float32
+    # the trainer's stage holds its TE layernorms as local tensors of their own; the engine's names are HF's
+    src = megatron_layout(list(specs.values()), pp=2, layer_stage=[0, 0, 0, 1, 1])
+    assert "decoder.layers.3.self_attention.linear_qkv.layer_norm_weight" in src.tensors[1]
+    assert "decoder.layers.3.input_layernorm.weight" not in src.tensors[1]
+    dst = inference_layout(list(specs.values()), tp=1, ranks=[2])
+    assert "model.layers.3.input_layernorm.weight" in dst.tensors[2]
+    plan = build_reshard_plan(src, dst)
+    check_reshard_plan(plan)
+    norm = [t for t in plan.for_dst(2) if t.name == "model.layers.4.post_attention_layernorm.weight"]
+    assert [(t.src, t.src_run.local) for t in norm] == [(1, "decoder.layers.4.mlp.linear_fc1.layer_norm_weight")]
+    # a parameter the specs do not describe is named, not skipped
+    model.decoder.layers[0].mlp.linear_fc1.weight0 = torch.nn.Parameter(torch.zeros(1))
+    with pytest.raises(ValueError, match=r"decoder\.layers\.3\.mlp\.linear_fc1\.weight0"):
+        specs_from_model(model, vocab_size=64)

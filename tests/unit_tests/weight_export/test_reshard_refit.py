@@ -1,0 +1,204 @@
+"""Reshard refit between real Megatron TP2 ranks (0, 1) and two engine TP1
+replicas (2, 3): pipelined rounds give the same bytes at every in-flight depth
+with bounded staging; a receiver refuses a source that serves another version
+or plan and keeps its previous tensors exactly; the KL gate passes a correct
+refit and fails a corrupted one; a fan-out replica that failed its gate cannot
+pass its version on. The reference is the export hook's gathered HF weights."""
+
+import pytest
+import torch
+
+from megatron_ext.testing import tiny_llama
+from megatron_ext.testing.multirank import run_on_ranks
+
+SPEC = tiny_llama.TinyLlamaSpec(arch="qwen2")
+BUCKET = 2048  # small buckets: many rounds, transfers cut into rows
+DEPTHS = (1, 2, 4)
+
+
+def _layouts(cfg):
+    from megatron_ext.weight_export.layout import inference_layout, megatron_layout, specs_from_config
+
+    specs = specs_from_config(cfg, vocab_size=SPEC.hf_vocab_size, padded_vocab_size=SPEC.vocab_size)
+    return megatron_layout(specs, tp=2, ranks=[0, 1]), inference_layout(specs, tp=1, dp=2, ranks=[2, 3])
+
+
+def _body(backend):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_ext import weight_export as wx
+    from megatron_ext.weight_export.reshard_plan import ReshardPlan, build_reshard_plan
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    rank = dist.get_rank()
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    cfg = tiny_llama.transformer_config(SPEC, tp=2)
+    model = tiny_llama.build_model(SPEC, cfg, device=device)
+    got = {}
+    receiver = wx.WeightReceiver(wx.LoadWeightsConsumer(lambda ws: got.update({n: t.cpu().clone() for n, t in ws})))
+    wx.WeightExporter(model, wx.WeightExportConfig(vocab_size=SPEC.hf_vocab_size), receiver=receiver).export()
+    src, dst = _layouts(cfg)
+    plan = build_reshard_plan(src, dst)
+    out = {"reference": got if rank == 0 else None,
+           "specs_from_model": wx.specs_from_model(model, vocab_size=SPEC.hf_vocab_size) == list(src.specs.values())}
+    params = wx.megatron_tensors(model)
+
+    def trainer():  # this rank's trainer tensors, a copy the checks below may change
+        return {n: t.clone() for n, t in params.items()} if rank in src.ranks else {}
+
+    def engine():
+        return {n: torch.full(lt.shape, float("nan"), device=device) for n, lt in dst.tensors.get(rank, {}).items()}
+
+    def snap(tensors):
+        return {n: t.cpu().clone() for n, t in tensors.items()}
+
+    def attempt(fn):
+        try:
+            fn()
+            return None
+        except wx.RefitRejected as err:
+            return err.reason, str(err), err.stats
+
+    # 1. pipelined rounds: several depths, atomic or applied round by round
+    for atomic in (True, False):
+        for depth in DEPTHS:
+            e = engine()
+            ex = wx.ReshardExecutor(plan, rank, {**trainer(), **e}, bucket_bytes=BUCKET, atomic=atomic,
+                                    max_inflight=depth)
+            stats = ex.refit(1)
+            out[("depth", atomic, depth)] = dict(engine=snap(e), stats=stats, send_peers=len(ex.send),
+                                                 recv_peers=len(ex.recv),
+                                                 recv_buckets=sum(len(b) for b in ex.recv.values()))
+    # 2. a stale source: rank 1 serves version 1 while version 2 is applied
+    for atomic in (True, False):
+        tr, e = trainer(), engine()
+        ex = wx.ReshardExecutor(plan, rank, {**tr, **e}, bucket_bytes=BUCKET, atomic=atomic)
+        ex.refit(1)
+        before = snap(e)
+        for t in tr.values():
+            t.mul_(2)  # the trainer's next version (exact in floating point)
+        refused = attempt(lambda: ex.refit(2, source_version=1 if rank == 1 else None))
+        after, held = snap(e), ex.version
+        ex.refit(3)  # every rank stayed in step: the next version applies
+        out[("stale", atomic)] = dict(before=before, after=after, held=held, refused=refused, final=snap(e),
+                                      version=ex.version)
+    # 3. another plan on rank 0 (same transfers per pair, another order: the same buckets, another fingerprint)
+    other = ReshardPlan(plan.src, plan.dst, sorted(plan.transfers, key=lambda t: -t.dst))
+    tr, e = trainer(), engine()
+    ex = wx.ReshardExecutor(other if rank == 0 else plan, rank, {**tr, **e}, bucket_bytes=BUCKET)
+    out["other_plan"] = dict(refused=attempt(lambda: ex.refit(1)), engine=snap(e), version=ex.version)
+    # 4. the KL gate on each engine replica (an HF model per TP1 replica)
+    toks = tiny_llama.tokens(SPEC)
+    ref_logits = wx.megatron_logits(model, toks)  # every rank (TP collectives)
+
+    def gate(**kw):
+        if rank not in dst.ranks:
+            return None
+        consumer = wx.HFModelConsumer(tiny_llama.hf_model(SPEC, cfg).to(device))
+        return wx.RefitGate(consumer, toks, ref_logits, max_kl=1e-4, **kw)
+
+    def corrupt(tensors):  # rank 1's half of every tensor gets noise
+        if rank == 1:
+            g = torch.Generator().manual_seed(5)
+            for t in tensors.values():
+                t.add_(torch.randn(t.shape, generator=g).to(t.device) * t.float().std().clamp_min(0.1))
+
+    tr, e = trainer(), engine()
+    ex = wx.ReshardExecutor(plan, rank, {**tr, **e}, bucket_bytes=BUCKET)
+    good = ex.refit(1, verify=gate())
+    corrupt(tr)
+    bad = attempt(lambda: ex.refit(2, verify=gate()))
+    bad_version = ex.version
+    report = ex.refit(3, verify=gate(on_fail="report"))
+    out["gate"] = dict(good=good, bad=bad, bad_version=bad_version, report=report, version=ex.version)
+    # 5. fan-out: replica 2 fails its gate in wave 0, so replica 3 refuses it in wave 1 and keeps version 1
+    tr, e = trainer(), engine()
+    fan = wx.FanoutRefit(src, dst, [[2], [3]], rank, {**tr, **e}, bucket_bytes=BUCKET)
+    first = fan.refit(1, verify=gate())
+    before = snap(e)
+    corrupt(tr)
+    refused = attempt(lambda: fan.refit(2, verify=gate()))
+    out["fanout"] = dict(first=first, before=before, refused=refused, after=snap(e), version=fan.version)
+    return out
+
+
+def _check(engine, ref, dst, r, label, scale=1.0):
+    """``engine`` (rank ``r``'s local tensors) equals the HF weights cut by the engine layout."""
+    for n, lt in dst.tensors[r].items():
+        want = torch.cat([ref[s.name][tuple(slice(a, b) for a, b in s.box.ranges)] for s in lt.segments]) * scale
+        torch.testing.assert_close(engine[n], want, rtol=0, atol=0, msg=f"{label} rank {r} {n}")
+
+
+@pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.gpus(4))])
+def test_reshard_refit_versions_pipelining_and_gate(backend):
+    from megatron_ext.weight_export.reshard import HEADER_BYTES
+    from megatron_ext.weight_export.reshard_plan import build_reshard_plan
+
+    results = run_on_ranks(_body, 4, args=(backend,), backend=backend, timeout=300)
+    ref = results[0]["reference"]
+    src, dst = _layouts(tiny_llama.transformer_config(SPEC, tp=2))
+    plan = build_reshard_plan(src, dst)
+    assert all(res["specs_from_model"] for res in results)
+    # 1. the same bytes at every depth; a receiver gets only what it keeps; staging bounded by the depth
+    for atomic in (True, False):
+        staging = {}
+        for depth in DEPTHS:
+            for r in range(4):
+                res = results[r][("depth", atomic, depth)]
+                s = res["stats"]
+                assert s.max_inflight == depth and s.rounds > 2 * max(DEPTHS)
+                peers = res["send_peers"] + res["recv_peers"]
+                if atomic:  # the whole version on receivers, max_inflight buckets per peer on senders
+                    assert s.received_bytes <= s.staging_bytes <= s.received_bytes + depth * peers * BUCKET
+                else:
+                    assert s.staging_bytes <= depth * peers * BUCKET
+                staging[r, depth] = s.staging_bytes
+                if r in dst.ranks:
+                    _check(res["engine"], ref, dst, r, f"atomic={atomic} depth={depth}")
+                    overhead = s.received_bytes - plan.received_bytes()[r]
+                    assert HEADER_BYTES * res["recv_buckets"] <= overhead < (HEADER_BYTES + 16) * res["recv_buckets"]
+                    assert s.local_bytes == 0
+        for r in range(4):
+            if not atomic or r in src.ranks:
+                assert staging[r, 1] < staging[r, 2] < staging[r, 4], (atomic, r, staging)
+    # 2. a stale source is refused; the receiver's tensors are exactly the previous version's
+    for atomic in (True, False):
+        for r in range(4):
+            res = results[r][("stale", atomic)]
+            assert res["version"] == 3
+            if r in src.ranks:
+                assert res["refused"] is None
+                continue
+            reason, msg, _ = res["refused"]
+            assert reason == "version" and "rank 1 serves version 1" in msg, msg
+            assert res["held"] == 1
+            for n in res["before"]:
+                assert torch.equal(res["after"][n], res["before"][n]), (atomic, r, n)
+            _check(res["before"], ref, dst, r, "version 1")
+            _check(res["final"], ref, dst, r, "version 3", scale=2.0)
+    # 3. a source that runs another plan is refused; nothing written
+    for r in dst.ranks:
+        res = results[r]["other_plan"]
+        assert res["refused"][0] == "plan" and "rank 0" in res["refused"][1]
+        assert res["version"] is None and all(t.isnan().all() for t in res["engine"].values())
+    # 4. the gate: a correct refit passes, a corrupted one fails (raise), or is only reported
+    for r in dst.ranks:
+        g = results[r]["gate"]
+        assert g["good"].gate_ok and g["good"].kl < 1e-6 and g["good"].max_logit_diff < 1e-3, g["good"]
+        reason, _, stats = g["bad"]
+        assert reason == "gate" and stats.kl > 1e-4 and not stats.gate_ok and g["bad_version"] is None
+        assert g["report"].gate_ok is False and g["report"].kl > 1e-4 and g["version"] == 3
+    for r in src.ranks:
+        assert results[r]["gate"]["good"].kl is None  # the gate runs on engine ranks only
+    # 5. fan-out: the replica that failed its gate does not pass its version on
+    for r in dst.ranks:
+        assert all(s.gate_ok for s in results[r]["fanout"]["first"] if s.gate_ok is not None)
+    f2, f3 = results[2]["fanout"], results[3]["fanout"]
+    assert f2["refused"][0] == "gate" and f2["version"] is None
+    assert f3["refused"][0] == "version" and "rank 2 serves no valid version" in f3["refused"][1]
+    assert f3["version"] == 1
+    for n in f3["before"]:
+        assert torch.equal(f3["after"][n], f3["before"][n]), n
+    _check(f3["before"], ref, dst, 3, "fan-out version 1")
+    assert results[0]["fanout"]["refused"] is None and results[1]["fanout"]["refused"] is None
