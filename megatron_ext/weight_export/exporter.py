@@ -50,9 +50,10 @@ class ExportResult:
 
 
 class _Layout:
-    """This rank's place in Megatron's parallel layout (single rank without it)."""
+    """This rank's place in Megatron's parallel layout (single rank without it);
+    the expert layout only for MoE models."""
 
-    def __init__(self):
+    def __init__(self, experts: bool = False):
         self.tp_size = self.pp_size = self.ep_size = self.etp_size = 1
         self.tp_rank = self.pp_rank = self.dp_rank = self.ep_rank = self.edp_rank = 0
         self.tp_group = self.ep_group = None
@@ -73,6 +74,8 @@ class _Layout:
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.pp_group = ps.get_pipeline_model_parallel_group()
         self.stage_leaders = dist.get_process_group_ranks(self.pp_group)
+        if not experts:
+            return
         # Expert layout (Megatron order ``tp-ep-dp-pp`` for experts inside a stage).
         self.ep_size = ps.get_expert_model_parallel_world_size()
         self.ep_rank = ps.get_expert_model_parallel_rank()
@@ -102,9 +105,9 @@ class WeightExporter:
         self._refresh = getattr(model, "refresh_compute_params", None)
         self.model = unwrap(model)
         self.config = config or WeightExportConfig()
-        self.layout = _Layout()
-        lay = self.layout
         self.has_experts = bool(getattr(self.model.config, "num_moe_experts", None))
+        self.layout = _Layout(self.has_experts)
+        lay = self.layout
         self.gathers_dense = lay.dp_rank == 0
         self.gathers_experts = self.has_experts and lay.edp_rank == 0
         self.participates = self.gathers_dense or self.gathers_experts

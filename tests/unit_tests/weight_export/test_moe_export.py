@@ -252,6 +252,12 @@ def _export_case(tp, pp, ep, target, transport):
                expected=_naive_full_state(model), layout_names=_layout_names(cfg),
                received=hf_checkpoint_names(dict(hf.named_parameters())) if hf is not None else None)
     exporter.close()
+    if exporter.is_export_rank:  # ipc-direct maps only the export rank's storage: refused with EP > 1
+        direct = wx.WeightExporter(model, wx.WeightExportConfig(target="127.0.0.1:9", transport="ipc-direct"))
+        try:
+            out["ipc_direct"] = f"no error: {direct.sender}"
+        except ValueError as exc:
+            out["ipc_direct"] = str(exc)
     ps.destroy_model_parallel()
     return out
 
@@ -265,6 +271,8 @@ def _check_case(out, key, received_params=None):
     export_rank = ranks[0]
     assert export_rank["first"].applied == (7,) and export_rank["second"].applied == (8,), export_rank["second"]
     expected = _reference(export_rank["expected"])
+    assert not torch.equal(expected["model.layers.0.mlp.experts.0.gate_proj.weight"],
+                           expected["model.layers.0.mlp.experts.2.gate_proj.weight"]), "experts must differ per EP rank"
     got = export_rank["received"] if received_params is None else hf_checkpoint_names(received_params)
     assert got.keys() == expected.keys()
     for name, ref in expected.items():
@@ -300,6 +308,7 @@ def test_ep2_trainer_streams_experts_to_hf_receiver_process():
     assert got["applied"] == [7, 8] and got["plans"] == 1
     _check_case(out, "ep2", got["state"])
     assert out[1]["ep2"]["counts"], "rank 1 must send its experts"
+    assert "needs TP=PP=EP=1" in out[0]["ep2"]["ipc_direct"] and "EP=2" in out[0]["ep2"]["ipc_direct"]
 
 
 def test_tp2_ep2_and_pp2_ep2_trainers_export_every_expert():
