@@ -1,11 +1,14 @@
-"""A tiny Llama / Qwen2 / Qwen3-shaped megatron-core GPTModel (local spec).
+"""A tiny Llama / Qwen2 / Qwen3 / Qwen3-MoE-shaped megatron-core GPTModel (local spec).
 
 RoPE, RMSNorm, SwiGLU, GQA and no linear bias, so its weights map one to one
 onto ``transformers``' Llama/Qwen classes (Qwen2 adds QKV bias, Qwen3
-qk-layernorm). Like :mod:`tiny_gpt`, weights are drawn on CPU from the global
-seed: the same global model at every TP degree. Not across PP degrees: a later
-pipeline stage draws its layers from a different point of the RNG stream, so
-PP>1 tests need their own reference (gather the stages' weights).
+qk-layernorm, Qwen3-MoE experts: ``SequentialMLP``, softmax top-k router, no
+aux loss or token dropping). Like :mod:`tiny_gpt`, weights are drawn on CPU
+from the global seed: the same global model at every TP degree. Not across PP
+or EP degrees: a later pipeline stage draws its layers from a different point
+of the RNG stream (so do layers after experts when EP changes their count), so
+such tests need their own reference (gather the ranks' weights). Expert weights
+are redrawn from their global expert index, so experts differ across EP ranks.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import zlib
 
 import torch
 
-ARCHS = ("llama", "qwen2", "qwen3")
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,9 +36,12 @@ class TinyLlamaSpec:
     rope_theta: float = 10000.0
     layernorm_epsilon: float = 1e-6
     seed: int = 1234
+    num_moe_experts: int = 4       # qwen3_moe only
+    moe_ffn_hidden_size: int = 32
+    moe_router_topk: int = 2
 
 
-def transformer_config(spec: TinyLlamaSpec, tp: int = 1, pp: int = 1, **overrides):
+def transformer_config(spec: TinyLlamaSpec, tp: int = 1, pp: int = 1, ep: int = 1, **overrides):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     if spec.arch not in ARCHS:
@@ -46,13 +52,19 @@ def transformer_config(spec: TinyLlamaSpec, tp: int = 1, pp: int = 1, **override
         ffn_hidden_size=spec.ffn_hidden_size, kv_channels=spec.hidden_size // spec.num_attention_heads,
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, normalization="RMSNorm",
         layernorm_epsilon=spec.layernorm_epsilon, add_bias_linear=False, add_qkv_bias=spec.arch == "qwen2",
-        qk_layernorm=spec.arch == "qwen3",
+        qk_layernorm=spec.arch in ("qwen3", "qwen3_moe"),
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
         params_dtype=torch.float32, pipeline_dtype=torch.float32, bf16=False, fp16=False,
         gradient_accumulation_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
     )
+    if spec.arch == "qwen3_moe":
+        kwargs.update(
+            num_moe_experts=spec.num_moe_experts, moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+            moe_router_topk=spec.moe_router_topk, moe_grouped_gemm=False, expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=1, moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+            moe_token_dispatcher_type="allgather")
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
@@ -67,8 +79,9 @@ def build_model(spec: TinyLlamaSpec, config, device: torch.device | str = "cpu")
     tensor_parallel.model_parallel_cuda_manual_seed(spec.seed)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm,
-                                                        normalization="RMSNorm"),
+        transformer_layer_spec=get_gpt_layer_local_spec(
+            num_experts=config.num_moe_experts, moe_grouped_gemm=bool(config.moe_grouped_gemm),
+            qk_layernorm=config.qk_layernorm, normalization="RMSNorm"),
         vocab_size=spec.vocab_size, max_sequence_length=spec.seq_length,
         position_embedding_type="rope", rotary_base=spec.rope_theta,
         share_embeddings_and_output_weights=spec.tie_embeddings,
@@ -88,7 +101,30 @@ def build_model(spec: TinyLlamaSpec, config, device: torch.device | str = "cpu")
             else:
                 noise = torch.randn(p.shape, generator=gen) * 0.1
             p.add_(noise.to(p.device, p.dtype))
+        _redraw_experts(spec, config, model)
     return model.to(device)
+
+
+def _redraw_experts(spec: TinyLlamaSpec, config, model) -> None:
+    """Each expert's weights from its global index (CPU init repeats the local
+    experts on every EP rank), and a router strong enough for clear top-k choices."""
+    from megatron.core import parallel_state
+
+    if not config.num_moe_experts:
+        return
+    num_local = config.num_moe_experts // parallel_state.get_expert_model_parallel_world_size()
+    first = parallel_state.get_expert_model_parallel_rank() * num_local
+    for layer in model.decoder.layers:
+        for name, p in layer.mlp.named_parameters():
+            parts = name.split(".")
+            if parts[:2] == ["experts", "local_experts"]:
+                key, scale = f"expert{first + int(parts[2])}.{'.'.join(parts[3:])}", 0.1
+            elif name == "router.weight":
+                key, scale = "router", 0.5
+            else:
+                continue
+            gen = torch.Generator().manual_seed(zlib.crc32(f"{spec.seed}:layer{layer.layer_number}.{key}".encode()))
+            p.copy_((torch.randn(p.shape, generator=gen) * scale).to(p.device, p.dtype))
 
 
 def _perturbed_params(model):
@@ -114,7 +150,7 @@ def hf_model(spec: TinyLlamaSpec, config, dtype=torch.float32):
                                      max_position_embeddings=max(64, spec.seq_length),
                                      rope_theta=spec.rope_theta, tie_word_embeddings=spec.tie_embeddings)
     cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
-           "qwen3": transformers.Qwen3ForCausalLM}[spec.arch]
+           "qwen3": transformers.Qwen3ForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM}[spec.arch]
     torch.manual_seed(spec.seed + 7)
     return cls(hf_cfg).to(dtype).eval()
 

@@ -6,6 +6,9 @@ replica 0 does the work: each pipeline stage's TP group gathers its buckets with
 one collective per bucket, the stage's TP leader writes them into one of two
 flat buffers, and stages other than the first send their buckets to the export
 rank (pipeline stage 0, TP rank 0), which hands every bucket to the transport.
+MoE experts: expert buckets are gathered, one collective each, by the stage's
+expert-parallel group of expert-data-parallel rank 0 (which holds every expert
+of the stage and contains the stage leader), whatever their dense DP rank.
 While one buffer is on its way the other is being filled.
 """
 
@@ -47,12 +50,13 @@ class ExportResult:
 
 
 class _Layout:
-    """This rank's place in Megatron's parallel layout (single rank without it)."""
+    """This rank's place in Megatron's parallel layout (single rank without it);
+    the expert layout only for MoE models."""
 
-    def __init__(self):
-        self.tp_size = self.pp_size = 1
-        self.tp_rank = self.pp_rank = self.dp_rank = 0
-        self.tp_group = None
+    def __init__(self, experts: bool = False):
+        self.tp_size = self.pp_size = self.ep_size = self.etp_size = 1
+        self.tp_rank = self.pp_rank = self.dp_rank = self.ep_rank = self.edp_rank = 0
+        self.tp_group = self.ep_group = None
         self.stage_leaders = [dist.get_rank() if dist.is_initialized() else 0]
         try:
             from megatron.core import parallel_state as ps
@@ -70,6 +74,14 @@ class _Layout:
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.pp_group = ps.get_pipeline_model_parallel_group()
         self.stage_leaders = dist.get_process_group_ranks(self.pp_group)
+        if not experts:
+            return
+        # Expert layout (Megatron order ``tp-ep-dp-pp`` for experts inside a stage).
+        self.ep_size = ps.get_expert_model_parallel_world_size()
+        self.ep_rank = ps.get_expert_model_parallel_rank()
+        self.ep_group = ps.get_expert_model_parallel_group()
+        self.etp_size = ps.get_expert_tensor_parallel_world_size()
+        self.edp_rank = ps.get_expert_data_parallel_rank()
 
 
 def auto_bucket_bytes(device: torch.device) -> int:
@@ -93,11 +105,19 @@ class WeightExporter:
         self._refresh = getattr(model, "refresh_compute_params", None)
         self.model = unwrap(model)
         self.config = config or WeightExportConfig()
-        self.layout = _Layout()
+        self.has_experts = bool(getattr(self.model.config, "num_moe_experts", None))
+        self.layout = _Layout(self.has_experts)
         lay = self.layout
-        self.participates = lay.dp_rank == 0
-        self.is_leader = self.participates and lay.tp_rank == 0
+        self.gathers_dense = lay.dp_rank == 0
+        self.gathers_experts = self.has_experts and lay.edp_rank == 0
+        self.participates = self.gathers_dense or self.gathers_experts
+        self.is_leader = self.gathers_dense and lay.tp_rank == 0
         self.is_export_rank = self.is_leader and lay.pp_rank == 0
+        if self.is_leader and self.has_experts and (lay.ep_rank != 0 or not self.gathers_experts):
+            raise RuntimeError(
+                f"the stage leader (TP rank 0, DP rank 0) is EP rank {lay.ep_rank}, expert-DP rank {lay.edp_rank}; "
+                "the MoE export needs it to be EP rank 0 of expert-DP rank 0: use Megatron's default rank "
+                "order (order='tp-cp-ep-dp-pp')")
         self.device = next(self.model.parameters()).device
         self._receiver, self._sender = receiver, sender
         self._plan: ExportPlan | None = None
@@ -133,7 +153,7 @@ class WeightExporter:
         if sig == self._signature:
             return
         sources = local_sources(self.model, pp_rank=lay.pp_rank, tp_size=lay.tp_size,
-                                vocab_size=self.config.vocab_size)
+                                vocab_size=self.config.vocab_size, ep_size=lay.ep_size, etp_size=lay.etp_size)
         if lay.pp_size > 1:
             per_stage = [None] * lay.pp_size
             dist.all_gather_object(per_stage, sources, group=lay.pp_group)
@@ -143,10 +163,11 @@ class WeightExporter:
         else:
             bucket_bytes = auto_bucket_bytes(self.device)
         self._plan, self._bucket_sources = build_plan(sources, bucket_bytes, tp_size=lay.tp_size,
-                                                      pp_size=lay.pp_size)
+                                                      pp_size=lay.pp_size, ep_size=lay.ep_size)
         params = dict(self.model.named_parameters())
-        self._gatherer = BucketGatherer(params, tp_group=lay.tp_group, tp_rank=lay.tp_rank,
-                                        tp_size=lay.tp_size, device=self.device)
+        self._gatherer = BucketGatherer(params, tp_group=lay.tp_group, tp_rank=lay.tp_rank, tp_size=lay.tp_size,
+                                        ep_group=lay.ep_group, ep_rank=lay.ep_rank, ep_size=lay.ep_size,
+                                        device=self.device)
         self._buffers = []
         self._signature = sig
         self.plans_built += 1
@@ -174,9 +195,10 @@ class WeightExporter:
                 self._sender = IpcSender(cfg.targets, timeout_s=cfg.timeout_s)
             else:
                 lay = self.layout
-                if lay.tp_size != 1 or lay.pp_size != 1:
-                    raise ValueError(f"transport='ipc-direct' needs TP=PP=1 (got TP={lay.tp_size}, "
-                                     f"PP={lay.pp_size}); use transport='ipc'")
+                if lay.tp_size != 1 or lay.pp_size != 1 or lay.ep_size != 1:
+                    raise ValueError(f"transport='ipc-direct' needs TP=PP=EP=1, as the engine maps only the export "
+                                     f"rank's storage (got TP={lay.tp_size}, PP={lay.pp_size}, EP={lay.ep_size}); "
+                                     "use transport='ipc'")
                 self._sender = IpcDirectSender(cfg.targets, timeout_s=cfg.timeout_s)
         return self._sender
 
@@ -260,7 +282,8 @@ class WeightExporter:
         lay = self.layout
         for bucket, sources in zip(plan.buckets, self._bucket_sources):
             slot = bucket.index % 2
-            mine = bucket.pp_rank == lay.pp_rank
+            gathers = self.gathers_experts if bucket.group == "ep" else self.gathers_dense
+            mine = bucket.pp_rank == lay.pp_rank and gathers
             if not (mine or self.is_export_rank):
                 continue
             out = None

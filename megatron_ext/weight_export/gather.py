@@ -1,9 +1,13 @@
-"""Assemble full HF tensors of one bucket from the TP shards of its stage.
+"""Assemble full HF tensors of one bucket from the shards and experts of its stage.
 
-One ``all_gather_into_tensor`` per bucket in the stage's TP group: each TP rank
-packs its shards of the bucket's parameters into its slot of a flat byte buffer,
-and the TP leader writes every shard straight into the HF tensors' views of the
-export buffer (no per-parameter collectives, no full-tensor temporaries).
+One ``all_gather_into_tensor`` per bucket, in the bucket's group: the stage's
+TP group for dense buckets (each rank contributes its TP shards), its
+expert-parallel group for expert buckets (each rank contributes its own copies
+of the bucket's local expert weights, i.e. different global experts). Every
+rank packs its part into an equal slot of a flat byte buffer, and the stage
+leader (TP rank 0 and EP rank 0) writes every slot straight into the HF
+tensors' views of the export buffer (no per-parameter collectives, no
+full-tensor temporaries).
 """
 
 from __future__ import annotations
@@ -12,18 +16,19 @@ import torch
 import torch.distributed as dist
 
 from .hf_mapping import Source, copy_all, shard_copies
-from .plan import BucketMeta, unpack
+from .plan import ALIGNMENT, BucketMeta, unpack
 
 __all__ = ["BucketGatherer"]
 
 
 class BucketGatherer:
-    """Gathers buckets of this stage; holds one scratch buffer of ``tp x shard bytes``."""
+    """Gathers buckets of this stage; holds one scratch buffer of ``group size x slot bytes``."""
 
     def __init__(self, params: dict[str, torch.Tensor], *, tp_group=None, tp_rank: int = 0, tp_size: int = 1,
-                 device: torch.device | str = "cpu"):
+                 ep_group=None, ep_rank: int = 0, ep_size: int = 1, device: torch.device | str = "cpu"):
         self.params = params
         self.tp_group, self.tp_rank, self.tp_size = tp_group, tp_rank, tp_size
+        self.ep_group, self.ep_rank, self.ep_size = ep_group, ep_rank, ep_size
         self.device = torch.device(device)
         self._scratch: torch.Tensor | None = None
 
@@ -35,32 +40,41 @@ class BucketGatherer:
         offsets, used = [], 0
         for s in sources:
             offsets.append(used)
-            used += (s.shard_nbytes + 255) // 256 * 256
+            used += (s.shard_nbytes + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
         return offsets, used
 
     def gather(self, bucket: BucketMeta, sources: list[Source], out: torch.Tensor | None) -> None:
-        """Fill ``out`` (the TP leader's export buffer; None elsewhere) with ``bucket``."""
+        """Fill ``out`` (the stage leader's export buffer; None elsewhere) with ``bucket``."""
         views = dict(unpack(bucket, out)) if out is not None else {}
-        if self.tp_size == 1:
+        if bucket.group == "ep":
+            group, rank, size = self.ep_group, self.ep_rank, self.ep_size
+            per_rank = [[s for s in sources if s.ep_rank == r] for r in range(size)]
+        else:
+            group, rank, size = self.tp_group, self.tp_rank, self.tp_size
+            per_rank = [sources] * size  # every TP rank holds a shard of every source
+        if size == 1:
             copy_all([pair for s in sources for pair in shard_copies(
                 s, self.params[s.local_name].detach(), 0, 1, [views[n] for n, _ in s.outputs])])
             return
-        offsets, chunk = self._shard_layout(sources)
-        need = chunk * self.tp_size
+        offsets, chunk = self._shard_layout(per_rank[rank])
+        need = chunk * size
         if self._scratch is None or self._scratch.numel() < need:
             self._scratch = None
             self._scratch = torch.empty(need, dtype=torch.uint8, device=self.device)
-        slots = self._scratch[:need].view(self.tp_size, chunk)
-        mine = slots[self.tp_rank]
+        slots = self._scratch[:need].view(size, chunk)
+        mine = slots[rank]
         copy_all([(mine[off:off + s.shard_nbytes].view(s.dtype).view(s.shard_shape),
-                   self.params[s.local_name].detach()) for s, off in zip(sources, offsets)])
-        dist.all_gather_into_tensor(self._scratch[:need], mine, group=self.tp_group)
+                   self.params[s.local_name].detach()) for s, off in zip(per_rank[rank], offsets)])
+        dist.all_gather_into_tensor(self._scratch[:need], mine, group=group)
         if out is None:
             return
         pairs = []
-        for s, off in zip(sources, offsets):
-            dests = [views[n] for n, _ in s.outputs]
-            for r in range(self.tp_size if s.partition_dim is not None else 1):
+        for r in range(size):
+            for s, off in zip(per_rank[r], offsets):
+                if bucket.group == "tp" and r > 0 and s.partition_dim is None:
+                    continue  # replicated over TP: rank 0's copy is the tensor
                 shard = slots[r, off:off + s.shard_nbytes].view(s.dtype).view(s.shard_shape)
-                pairs += shard_copies(s, shard, r, self.tp_size, dests)
+                tp_rank = r if bucket.group == "tp" else 0
+                tp_size = self.tp_size if bucket.group == "tp" else 1
+                pairs += shard_copies(s, shard, tp_rank, tp_size, [views[n] for n, _ in s.outputs])
         copy_all(pairs)

@@ -1,4 +1,4 @@
-"""Megatron-Core GPT parameters -> Hugging Face tensors (Llama / Qwen2 / Qwen3).
+"""Megatron-Core GPT parameters -> Hugging Face tensors (Llama / Qwen2 / Qwen3 / Qwen3-MoE).
 
 A :class:`Source` is one Megatron parameter as the trainer holds it: its global
 name, the pipeline stage that owns it, how tensor parallelism shards it, and the
@@ -7,6 +7,8 @@ straight into the HF tensors' destination views, so assembling a full tensor
 needs no temporary: QKV with GQA is split into ``q/k/v_proj``, the gated MLP's
 ``linear_fc1`` into ``gate/up_proj``, TE's fused layernorm weights become the
 HF layernorms, and a tied output layer is exported once (as the embedding).
+MoE layers (:mod:`.hf_moe`): the router becomes ``mlp.gate``, each local expert
+of each expert-parallel rank one HF expert under its global index.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import dataclasses
 import re
 
 import torch
+
+from .hf_moe import EXPERT_PARAM, UNSUPPORTED_HINTS, expert_hf_names, qwen3_moe_kwargs, router_issue
 
 __all__ = ["Source", "UnsupportedParameter", "copy_all", "hf_config_from_megatron", "local_sources", "shard_copies",
            "write_shard"]
@@ -43,6 +47,13 @@ class Source:
     outputs: tuple[tuple[str, tuple[int, ...]], ...]
     num_heads: int = 0
     num_groups: int = 0
+    expert: int | None = None
+    ep_rank: int | None = None
+
+    @property
+    def group(self) -> str:
+        """The process group that gathers it: ``"ep"`` for experts, else ``"tp"``."""
+        return "tp" if self.ep_rank is None else "ep"
 
     @property
     def shard_nbytes(self) -> int:
@@ -69,6 +80,7 @@ _LAYER_MAP = {
     "mlp.linear_fc1.layer_norm_weight": ("copy", ("post_attention_layernorm.weight",)),
     "mlp.linear_fc1.weight": ("glu", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
     "mlp.linear_fc2.weight": ("copy", ("mlp.down_proj.weight",)),
+    "mlp.router.weight": ("copy", ("mlp.gate.weight",)),
 }
 _GLOBAL_MAP = {
     "embedding.word_embeddings.weight": "model.embed_tokens.weight",
@@ -100,24 +112,25 @@ def _global_layer_names(model) -> dict[str, str]:
     return prefixes
 
 
-def local_sources(model, *, pp_rank: int = 0, tp_size: int = 1, vocab_size: int | None = None) -> list[Source]:
+def local_sources(model, *, pp_rank: int = 0, tp_size: int = 1, vocab_size: int | None = None,
+                  ep_size: int = 1, etp_size: int = 1) -> list[Source]:
     """The :class:`Source` of every exported parameter of this rank's stage.
 
-    ``vocab_size`` trims Megatron's padded vocabulary to the HF one. Raises
-    :class:`UnsupportedParameter` naming the first parameter with no HF mapping.
+    ``vocab_size`` trims Megatron's padded vocabulary to the HF one. MoE models:
+    experts are listed for every expert-parallel rank of the stage (``ep_size``;
+    each rank holds ``num_moe_experts / ep_size`` under the same local names),
+    after the dense parameters, each local expert weight once per EP rank in a
+    row. Raises :class:`UnsupportedParameter` naming the first parameter with no
+    HF mapping.
     """
     model = unwrap(model)
     cfg = model.config
-    if getattr(cfg, "num_moe_experts", None):
-        raise UnsupportedParameter(
-            "MoE models are not supported by the GPT export mapping yet (num_moe_experts="
-            f"{cfg.num_moe_experts}); export a dense model or extend hf_mapping.py")
     tied = bool(getattr(model, "share_embeddings_and_output_weights", False))
     prefixes = _global_layer_names(model)
     num_heads = cfg.num_attention_heads
     num_groups = cfg.num_query_groups or num_heads
     head_dim = cfg.kv_channels or cfg.hidden_size // num_heads
-    sources = []
+    sources, experts = [], []
     for local_name, param in model.named_parameters():
         name = local_name
         for lp, gp in prefixes.items():
@@ -134,10 +147,15 @@ def local_sources(model, *, pp_rank: int = 0, tp_size: int = 1, vocab_size: int 
         if partition_dim is not None:
             full[partition_dim] *= tp_size
         m = _LAYER.match(name)
+        if m and EXPERT_PARAM.match(m.group(2)):
+            experts.append((int(m.group(1)), m.group(2), local_name, name, param))
+            continue
         if m:
             layer, suffix = m.groups()
             if suffix not in _LAYER_MAP:
                 raise UnsupportedParameter(_unsupported(name, cfg))
+            if suffix == "mlp.router.weight" and router_issue(cfg):
+                raise UnsupportedParameter(f"{name}: {router_issue(cfg)}")
             kind, hf = _LAYER_MAP[suffix]
             hf = tuple(f"model.layers.{layer}.{h}" for h in hf)
         elif name in _GLOBAL_MAP:
@@ -155,20 +173,62 @@ def local_sources(model, *, pp_rank: int = 0, tp_size: int = 1, vocab_size: int 
             shapes = ((num_heads * head_dim, *rest), (num_groups * head_dim, *rest),
                       (num_groups * head_dim, *rest))
         else:  # glu
-            if not cfg.gated_linear_unit:
-                raise UnsupportedParameter(
-                    f"{name}: non-gated MLP has no Llama/Qwen counterpart (set gated_linear_unit=True)")
+            _check_gated(name, cfg)
             shapes = ((full[0] // 2, *full[1:]), (full[0] // 2, *full[1:]))
         sources.append(Source(
             mcore_name=name, local_name=local_name, pp_rank=pp_rank, dtype=param.dtype,
             shard_shape=shard_shape, partition_dim=partition_dim, kind=kind,
             outputs=tuple(zip(hf, shapes)), num_heads=num_heads, num_groups=num_groups,
         ))
-    return sources
+    return sources + _expert_sources(experts, cfg, pp_rank=pp_rank, ep_size=ep_size, etp_size=etp_size)
+
+
+def _expert_sources(experts, cfg, *, pp_rank: int, ep_size: int, etp_size: int) -> list[Source]:
+    """Every EP rank's copy of each local expert weight (whole: expert TP must be 1)."""
+    if not experts:
+        return []
+    num_experts = getattr(cfg, "num_moe_experts", None) or 0
+    if num_experts % ep_size:
+        raise ValueError(f"num_moe_experts={num_experts} is not divisible by expert_model_parallel_size={ep_size}")
+    num_local = num_experts // ep_size
+    out = []
+    for layer, suffix, local_name, name, param in experts:
+        local, fc = EXPERT_PARAM.match(suffix).groups()
+        local = int(local)
+        if etp_size != 1:
+            raise UnsupportedParameter(
+                f"{name} is split by expert tensor parallelism (expert_tensor_parallel_size={etp_size}); "
+                "export needs whole experts: set expert_tensor_parallel_size=1")
+        if local >= num_local:
+            raise ValueError(f"{name}: local expert {local} but num_moe_experts / EP = {num_local}; "
+                             "pass the expert-parallel size the model was built with")
+        shape = tuple(param.shape)
+        if fc == "linear_fc1":
+            _check_gated(name, cfg)
+            kind, shapes = "glu", ((shape[0] // 2, *shape[1:]), (shape[0] // 2, *shape[1:]))
+        else:
+            kind, shapes = "copy", (shape,)
+        for r in range(ep_size):
+            e = r * num_local + local
+            out.append(Source(
+                mcore_name=f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.{fc}.weight",
+                local_name=local_name, pp_rank=pp_rank, dtype=param.dtype, shard_shape=shape,
+                partition_dim=None, kind=kind, outputs=tuple(zip(expert_hf_names(layer, e, fc), shapes)),
+                expert=e, ep_rank=r))
+    return out
+
+
+def _check_gated(name: str, cfg) -> None:
+    if not cfg.gated_linear_unit:
+        raise UnsupportedParameter(
+            f"{name}: non-gated MLP has no Llama/Qwen counterpart (set gated_linear_unit=True)")
 
 
 def _unsupported(name: str, cfg) -> str:
     hint = ""
+    for pattern, why in UNSUPPORTED_HINTS:
+        if pattern.search(name):
+            return f"Megatron parameter {name!r} has no Hugging Face counterpart: {why}"
     if name.endswith("layernorm.bias") or name.endswith("layer_norm_bias"):
         hint = " (LayerNorm with bias: Llama/Qwen use RMSNorm, set normalization='RMSNorm')"
     elif name.endswith(".bias"):
@@ -238,11 +298,13 @@ def copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 def hf_config_from_megatron(config, *, arch: str = "llama", vocab_size: int, max_position_embeddings: int = 4096,
                             rope_theta: float = 10000.0, tie_word_embeddings: bool = False):
-    """A ``transformers`` config (Llama / Qwen2 / Qwen3) with the shape of a Megatron ``TransformerConfig``."""
+    """A ``transformers`` config (Llama / Qwen2 / Qwen3 / Qwen3-MoE) with the shape of a
+    Megatron ``TransformerConfig``. ``arch="qwen3_moe"`` also checks that Qwen3-MoE's
+    router can reproduce Megatron's routing (:func:`.hf_moe.qwen3_moe_kwargs`)."""
     import transformers
 
     classes = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-               "qwen3": transformers.Qwen3Config}
+               "qwen3": transformers.Qwen3Config, "qwen3_moe": transformers.Qwen3MoeConfig}
     if arch not in classes:
         raise ValueError(f"arch must be one of {sorted(classes)}, got {arch!r}")
     heads = config.num_attention_heads
@@ -257,4 +319,10 @@ def hf_config_from_megatron(config, *, arch: str = "llama", vocab_size: int, max
     )
     if arch == "llama":
         kwargs.update(attention_bias=False, mlp_bias=False)
+    if arch == "qwen3_moe":
+        if not getattr(config, "num_moe_experts", None):
+            raise ValueError("arch='qwen3_moe' needs a Megatron config with num_moe_experts set")
+        kwargs.update(attention_bias=bool(config.add_qkv_bias), **qwen3_moe_kwargs(config))
+    elif getattr(config, "num_moe_experts", None):
+        raise ValueError(f"num_moe_experts={config.num_moe_experts}: use arch='qwen3_moe' (got {arch!r})")
     return classes[arch](**kwargs)

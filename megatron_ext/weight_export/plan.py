@@ -2,8 +2,11 @@
 
 Computed once per model layout and sent to receivers once; afterwards only
 bucket bytes travel. A bucket is one flat byte buffer; each tensor sits at an
-aligned offset in it. Tensors come from one pipeline stage per bucket, so a
-bucket is gathered with one collective in that stage's TP group.
+aligned offset in it. A bucket holds tensors of one pipeline stage and one
+gathering group, so it is gathered with one collective: dense tensors in the
+stage's TP group (``group="tp"``), experts in its expert-parallel group
+(``group="ep"``; every EP rank's copy of the same local expert weights, so each
+rank contributes an equal slot).
 """
 
 from __future__ import annotations
@@ -50,17 +53,21 @@ class SourceOwner:
     partition_dim: int | None
     shard_shape: tuple[int, ...]
     hf_names: tuple[str, ...]
+    expert: int | None = None   # global expert index (experts only)
+    ep_rank: int | None = None  # the expert-parallel rank holding it (experts only)
 
 
 @dataclasses.dataclass(frozen=True)
 class BucketMeta:
-    """One flat buffer's worth of tensors, all from pipeline stage ``pp_rank``."""
+    """One flat buffer's worth of tensors, all from pipeline stage ``pp_rank``,
+    gathered in its ``group`` (``"tp"``: dense, ``"ep"``: experts)."""
 
     index: int
     pp_rank: int
     nbytes: int
     tensors: tuple[TensorMeta, ...]
     owners: tuple[SourceOwner, ...]
+    group: str = "tp"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +78,7 @@ class ExportPlan:
     buffer_bytes: int  # capacity of each of the two export buffers
     tp_size: int = 1
     pp_size: int = 1
+    ep_size: int = 1
 
     def tensors(self) -> Iterator[TensorMeta]:
         for b in self.buckets:
@@ -85,15 +93,17 @@ class ExportPlan:
         h = hashlib.sha256()
         for b in self.buckets:
             for t in b.tensors:
-                h.update(f"{b.index}:{t.name}:{t.dtype}:{t.shape}:{t.offset};".encode())
+                h.update(f"{b.index}:{b.group}:{t.name}:{t.dtype}:{t.shape}:{t.offset};".encode())
         return h.hexdigest()[:16]
 
 
-def build_plan(sources: list[Source], bucket_bytes: int, *, tp_size: int = 1, pp_size: int = 1
-               ) -> tuple[ExportPlan, list[list[Source]]]:
+def build_plan(sources: list[Source], bucket_bytes: int, *, tp_size: int = 1, pp_size: int = 1,
+               ep_size: int = 1) -> tuple[ExportPlan, list[list[Source]]]:
     """Pack ``sources`` (in order, all stages) into buckets of at most ``bucket_bytes``.
 
-    A parameter's HF tensors stay in one bucket. A parameter larger than
+    A parameter's HF tensors stay in one bucket, and so do the ``ep_size``
+    consecutive copies of one local expert weight (one per EP rank). A new
+    bucket starts at a new stage or gathering group. A unit larger than
     ``bucket_bytes`` gets a bucket of its own, and the buffers grow to fit it
     (``plan.buffer_bytes``). Returns the plan and each bucket's sources.
     """
@@ -105,35 +115,59 @@ def build_plan(sources: list[Source], bucket_bytes: int, *, tp_size: int = 1, pp
     owners: list[SourceOwner] = []
     members: list[Source] = []
     used = 0
-    stage = None
+    key = None
 
     def close():
         nonlocal tensors, owners, members, used
         if tensors:
-            buckets.append(BucketMeta(len(buckets), stage, used, tuple(tensors), tuple(owners)))
+            buckets.append(BucketMeta(len(buckets), key[0], used, tuple(tensors), tuple(owners), key[1]))
             bucket_sources.append(members)
         tensors, owners, members, used = [], [], [], 0
 
-    for src in sources:
-        sizes = [_align(src.dtype.itemsize * _numel(shape)) for _, shape in src.outputs]
-        need = sum(sizes)
-        if tensors and (src.pp_rank != stage or used + need > bucket_bytes):
+    for unit in _units(sources, ep_size):
+        sizes = [[_align(s.dtype.itemsize * _numel(shape)) for _, shape in s.outputs] for s in unit]
+        need = sum(map(sum, sizes))
+        unit_key = (unit[0].pp_rank, unit[0].group)
+        if tensors and (unit_key != key or used + need > bucket_bytes):
             close()
-        stage = src.pp_rank
-        for (name, shape), size in zip(src.outputs, sizes):
-            tensors.append(TensorMeta(name, src.dtype, tuple(shape), used,
-                                      src.dtype.itemsize * _numel(shape)))
-            used += size
-        owners.append(SourceOwner(src.mcore_name, src.pp_rank, src.partition_dim, src.shard_shape,
-                                  tuple(n for n, _ in src.outputs)))
-        members.append(src)
+        key = unit_key
+        for src, src_sizes in zip(unit, sizes):
+            for (name, shape), size in zip(src.outputs, src_sizes):
+                tensors.append(TensorMeta(name, src.dtype, tuple(shape), used,
+                                          src.dtype.itemsize * _numel(shape)))
+                used += size
+            owners.append(SourceOwner(src.mcore_name, src.pp_rank, src.partition_dim, src.shard_shape,
+                                      tuple(n for n, _ in src.outputs), src.expert, src.ep_rank))
+            members.append(src)
     close()
     names = [t.name for b in buckets for t in b.tensors]
     dup = {n for n in names if names.count(n) > 1}
     if dup:
         raise ValueError(f"tensors exported twice: {sorted(dup)}")
     capacity = max((b.nbytes for b in buckets), default=ALIGNMENT)
-    return ExportPlan(tuple(buckets), capacity, tp_size, pp_size), bucket_sources
+    return ExportPlan(tuple(buckets), capacity, tp_size, pp_size, ep_size), bucket_sources
+
+
+def _units(sources: list[Source], ep_size: int) -> list[list[Source]]:
+    """Sources that share a bucket: each dense one alone; each local expert weight
+    with its copies on all ``ep_size`` EP ranks (equal gather slots per rank)."""
+    units: list[list[Source]] = []
+    for s in sources:
+        if s.ep_rank is None:
+            units.append([s])
+        elif s.ep_rank == 0:
+            units.append([s])
+        else:
+            last = units[-1][-1] if units else None
+            if (last is None or last.ep_rank != s.ep_rank - 1 or last.local_name != s.local_name
+                    or last.pp_rank != s.pp_rank or last.shard_shape != s.shard_shape or last.dtype != s.dtype):
+                raise ValueError(f"{s.mcore_name}: expert sources must list EP ranks 0..{ep_size - 1} of one "
+                                 "local weight in a row (as local_sources does)")
+            units[-1].append(s)
+    for unit in units:
+        if unit[0].ep_rank is not None and len(unit) != ep_size:
+            raise ValueError(f"{unit[0].mcore_name}: {len(unit)} EP copies, expected ep_size={ep_size}")
+    return units
 
 
 def _numel(shape) -> int:

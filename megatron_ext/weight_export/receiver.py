@@ -13,31 +13,40 @@ from typing import Callable, Iterable
 
 import torch
 
+from .hf_moe import fused_expert_views
 from .plan import BucketMeta, ExportPlan, PlanMismatch, check_plan, unpack
 
 __all__ = ["HFModelConsumer", "LoadWeightsConsumer", "WeightReceiver"]
 
 
 class HFModelConsumer:
-    """Loads streamed weights into a Hugging Face ``transformers`` model in place."""
+    """Loads streamed weights into a Hugging Face ``transformers`` model in place.
+
+    Names are the checkpoint's: fused 3-D expert parameters (``transformers`` 5
+    MoE models) are addressed per expert, ``...mlp.experts.{e}.gate_proj.weight``
+    etc., through views into them (:func:`~.hf_moe.fused_expert_views`).
+    """
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
-        self._params = dict(model.named_parameters())  # tied weights appear once
+        views, fused = fused_expert_views(model)
+        # Tied weights appear once in named_parameters.
+        self._targets = {n: p.detach() for n, p in model.named_parameters() if n not in fused}
+        self._targets.update(views)
 
     def expected_tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        return {n: (tuple(p.shape), p.dtype) for n, p in self._params.items()}
+        return {n: (tuple(t.shape), t.dtype) for n, t in self._targets.items()}
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        pairs = [(self._params[name], tensor) for name, tensor in weights]
+        pairs = [(self._targets[name], tensor) for name, tensor in weights]
         if pairs:
             dsts, srcs = zip(*pairs)
             torch._foreach_copy_(list(dsts), list(srcs))  # one launch for the bucket
 
     def target(self, name: str) -> torch.Tensor:
-        """The tensor that receives ``name`` (lets direct IPC copy straight into it)."""
-        return self._params[name].data
+        """The tensor (or view) that receives ``name`` (lets direct IPC copy straight into it)."""
+        return self._targets[name]
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         device = next(self.model.parameters()).device

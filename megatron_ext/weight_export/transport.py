@@ -14,7 +14,7 @@ Senders (trainer side) share one protocol::
 - :class:`IpcSender`: an engine on the same GPU maps the two export buffers
   through CUDA IPC handles sent once per buffer (on CPU: shared-memory files),
   and acknowledges each bucket before its buffer is reused.
-- :class:`IpcDirectSender` (CUDA, TP=PP=1 trainers): no export buffers; the
+- :class:`IpcDirectSender` (CUDA, TP=PP=EP=1 trainers): no export buffers; the
   engine maps the trainer's parameter storage (one handle per storage, sent
   with the plan) and copies each HF tensor straight out of it: one copy per
   refit instead of two.
@@ -383,10 +383,21 @@ def direct_copies(bases, entries, consumer):
     for name, dshape, dstride, doff, index, dtype, sshape, sstride, soff in entries:
         src = bases[index].view(dtype).as_strided(sshape, sstride, soff)
         if target is not None:
-            pairs.append((target(name).as_strided(dshape, dstride, doff), src))
+            pairs.append((_dest_view(target(name), name, dshape, dstride, doff), src))
         else:
             loads.append((name, src))
     return pairs, loads
+
+
+def _dest_view(dst: torch.Tensor, name: str, shape, stride, offset) -> torch.Tensor:
+    """The part of ``dst`` that an entry describes relative to a contiguous tensor of
+    ``dst``'s shape (``dst`` may be a view, e.g. one expert of a fused parameter)."""
+    if tuple(shape) == tuple(dst.shape) and offset == 0:
+        return dst  # the whole tensor
+    if not dst.is_contiguous():
+        raise ValueError(f"ipc-direct cannot place part of {name!r} in a non-contiguous receiver tensor; "
+                         "use transport='ipc'")
+    return dst.as_strided(shape, stride, dst.storage_offset() + offset)
 
 
 def serve(consumer, address: str, *, device: torch.device | str = "cpu", timeout_s: float = 600.0,

@@ -1,5 +1,6 @@
-"""Test-only reference: Megatron GPT state (TP=1) -> HF names, written out by hand
-independently of megatron_ext.weight_export's mapping code."""
+"""Test-only reference: Megatron GPT state (TP=1; MoE experts under global
+indices) -> HF names, written out by hand independently of
+megatron_ext.weight_export's mapping code."""
 
 import torch
 
@@ -28,11 +29,43 @@ def hf_state_from_megatron(state: dict, *, num_layers, num_heads, num_groups, hi
             if m + f"self_attention.{mq}.weight" in state:
                 out[h + f"self_attn.{hq}.weight"] = state[m + f"self_attention.{mq}.weight"]
         out[h + "self_attn.o_proj.weight"] = state[m + "self_attention.linear_proj.weight"]
+        if m + "mlp.router.weight" in state:  # MoE layer; experts under their global index
+            out[h + "mlp.gate.weight"] = state[m + "mlp.router.weight"]
+            e = 0
+            while f"{m}mlp.experts.local_experts.{e}.linear_fc1.weight" in state:
+                fc1 = state[f"{m}mlp.experts.local_experts.{e}.linear_fc1.weight"]
+                half = fc1.shape[0] // 2
+                out[h + f"mlp.experts.{e}.gate_proj.weight"] = fc1[:half]
+                out[h + f"mlp.experts.{e}.up_proj.weight"] = fc1[half:]
+                out[h + f"mlp.experts.{e}.down_proj.weight"] = state[
+                    f"{m}mlp.experts.local_experts.{e}.linear_fc2.weight"]
+                e += 1
+            continue
         fc1 = state[m + "mlp.linear_fc1.weight"]
         out[h + "mlp.gate_proj.weight"] = fc1[: fc1.shape[0] // 2]
         out[h + "mlp.up_proj.weight"] = fc1[fc1.shape[0] // 2:]
         out[h + "mlp.down_proj.weight"] = state[m + "mlp.linear_fc2.weight"]
     return {k: v.detach().clone() for k, v in out.items()}
+
+
+def hf_checkpoint_names(params: dict) -> dict:
+    """An HF model's tensors (``{name: tensor}``) under checkpoint names: fused 3-D
+    experts (``gate_up_proj`` (E, 2I, H), ``down_proj`` (E, H, I)) split per expert by hand."""
+    out = {}
+    for name, p in params.items():
+        p = p.detach().clone()
+        if name.endswith("mlp.experts.gate_up_proj"):
+            prefix, half = name[:-len("gate_up_proj")], p.shape[1] // 2
+            for e in range(p.shape[0]):
+                out[f"{prefix}{e}.gate_proj.weight"] = p[e, :half]
+                out[f"{prefix}{e}.up_proj.weight"] = p[e, half:]
+        elif name.endswith("mlp.experts.down_proj"):
+            prefix = name[:-len("down_proj")]
+            for e in range(p.shape[0]):
+                out[f"{prefix}{e}.down_proj.weight"] = p[e]
+        else:
+            out[name] = p
+    return out
 
 
 def reference_for(spec, model) -> dict:

@@ -1,0 +1,410 @@
+"""MoE (Qwen3-MoE style) export: a real megatron-core MoE GPTModel on CPU,
+single rank and expert-parallel (EP2; TP2 x EP2; PP2 x EP2), streams into a
+real ``transformers`` Qwen3MoeForCausalLM (fused 3-D experts) under per-expert
+checkpoint names. The receiver's tensors equal a hand-written conversion of
+the trainer's own parameters (gathered with plain per-parameter collectives),
+logits and greedy generation match, each bucket costs one collective in its
+group, and unsupported MoE variants are refused by name."""
+
+import dataclasses
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_ext.testing import tiny_llama
+from megatron_ext.testing.multirank import run_on_ranks
+from megatron_ext.testing.receiver_proc import start_hf_receiver
+
+from ._reference import hf_checkpoint_names, hf_state_from_megatron
+
+SPEC = tiny_llama.TinyLlamaSpec(arch="qwen3_moe")
+TIMEOUT = 240
+BUCKET_MB = 0.1  # several dense and several expert buckets, each with several weights
+
+
+def _reference(state):
+    return hf_state_from_megatron(
+        state, num_layers=SPEC.num_layers, num_heads=SPEC.num_attention_heads, num_groups=SPEC.num_query_groups,
+        hidden=SPEC.hidden_size, vocab=SPEC.hf_vocab_size, tied=SPEC.tie_embeddings)
+
+
+def _layout_names(cfg):
+    from megatron_ext.weight_export.layout import specs_from_config
+
+    return {s.name for s in specs_from_config(cfg, vocab_size=SPEC.hf_vocab_size, padded_vocab_size=SPEC.vocab_size)}
+
+
+def _plan_summary(plan):
+    return dict(groups=[(b.pp_rank, b.group, len(b.owners)) for b in plan.buckets],
+                owners={o.expert: o.ep_rank for b in plan.buckets for o in b.owners if o.expert is not None},
+                names={t.name for t in plan.tensors()})
+
+
+# ----------------------------------------------------------------- single rank
+def _single_rank():
+    from megatron.core import parallel_state as ps
+
+    from megatron_ext import weight_export as wx
+    from megatron_ext.weight_export.transport import direct_copies, direct_entries
+
+    ps.initialize_model_parallel()
+    cfg = tiny_llama.transformer_config(SPEC)
+    model = tiny_llama.build_model(SPEC, cfg)
+    hf = tiny_llama.hf_model(SPEC, cfg)
+    toks = tiny_llama.tokens(SPEC)
+    before = wx.verify_export(wx.megatron_logits(model, toks), wx.HFModelConsumer(hf).logits(toks))
+    receiver = wx.WeightReceiver(wx.HFModelConsumer(hf))
+    exporter = wx.WeightExporter(model, wx.WeightExportConfig(vocab_size=SPEC.hf_vocab_size, bucket_size_mb=0.02),
+                                 receiver=receiver)
+    result = exporter.export()
+    after = exporter.verify(toks)
+    prompt = toks[:, :6]
+    hf.generation_config.eos_token_id = None  # always 5 new tokens
+    with torch.no_grad():
+        generated = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=5, do_sample=False,
+                                pad_token_id=0)
+    ref_logits = wx.megatron_logits(model, generated)[:, 5:-1, :SPEC.hf_vocab_size]
+    chosen = ref_logits.gather(-1, generated[:, 6:, None]).squeeze(-1)
+    out = dict(before=before, after=after, result=result, plan=_plan_summary(exporter.plan),
+               layout_names=_layout_names(cfg), generated=generated,
+               greedy_gap=(ref_logits.max(-1).values - chosen).max().item(),
+               received=hf_checkpoint_names(dict(hf.named_parameters())),
+               reference=_reference(dict(model.named_parameters())))
+
+    # ipc-direct's view descriptions, applied without IPC into the fused experts and to load_weights.
+    sources = [s for b in exporter._bucket_sources for s in b]
+    bases, entries = direct_entries(sources, dict(model.named_parameters()))
+    direct_hf, loaded = tiny_llama.hf_model(SPEC, cfg), {}
+    for consumer in (wx.HFModelConsumer(direct_hf),
+                     wx.LoadWeightsConsumer(lambda ws: loaded.update({n: t.clone() for n, t in ws}))):
+        r = wx.WeightReceiver(consumer)
+        r.set_plan(exporter.plan)
+        r.begin(1)
+        r.load_direct(*direct_copies(bases, entries, consumer))
+        r.finish(1)
+    out["direct"] = {"target": hf_checkpoint_names(dict(direct_hf.named_parameters())), "load_weights": loaded}
+
+    # A receiver with other expert shapes is refused, naming the per-expert tensor, before any write.
+    small = dataclasses.replace(SPEC, moe_ffn_hidden_size=16)
+    wrong = tiny_llama.hf_model(small, tiny_llama.transformer_config(small))
+    snapshot = {n: p.detach().clone() for n, p in wrong.named_parameters()}
+    try:
+        wx.WeightExporter(model, wx.WeightExportConfig(vocab_size=SPEC.hf_vocab_size),
+                          receiver=wx.WeightReceiver(wx.HFModelConsumer(wrong))).export()
+        out["refused"] = ("no error", False)
+    except wx.PlanMismatch as exc:
+        out["refused"] = (str(exc), all(torch.equal(p, snapshot[n]) for n, p in wrong.named_parameters()))
+
+    # Unsupported variants of real Megatron MoE models: the error names the parameter.
+    out["unsupported"] = {}
+    for what, overrides in (("shared_experts", dict(moe_shared_expert_intermediate_size=32)),
+                            ("sigmoid_router", dict(moe_router_score_function="sigmoid"))):
+        variant = tiny_llama.build_model(SPEC, tiny_llama.transformer_config(SPEC, **overrides))
+        try:
+            wx.local_sources(variant)
+            out["unsupported"][what] = "no error"
+        except wx.UnsupportedParameter as exc:
+            out["unsupported"][what] = str(exc)
+    return out
+
+
+@pytest.fixture(scope="module")
+def single():
+    (out,) = run_on_ranks(_single_rank, 1, timeout=TIMEOUT)
+    return out
+
+
+def test_single_rank_hf_state_equals_hand_converted_megatron_weights(single):
+    assert single["received"].keys() == single["reference"].keys()
+    for name, ref in single["reference"].items():
+        assert torch.equal(single["received"][name], ref), name
+    # Per-expert names, exactly the reshard layout's names.
+    assert single["plan"]["names"] == single["layout_names"]
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in single["plan"]["names"]
+
+
+def test_single_rank_logits_and_greedy_generation_match(single):
+    assert single["before"].max_abs_diff > 0.1, "HF model matched before export: the check is vacuous"
+    assert single["after"].max_abs_diff < 1e-4 and abs(single["after"].kl) < 1e-6, single["after"]
+    assert single["result"].applied == (1,)
+    assert single["generated"].shape == (2, 11)
+    assert single["greedy_gap"] < 1e-4, single["greedy_gap"]
+
+
+def test_single_rank_plan_separates_dense_and_expert_buckets(single):
+    groups = single["plan"]["groups"]
+    assert {g for _, g, _ in groups} == {"tp", "ep"}
+    assert len([g for _, g, _ in groups if g == "ep"]) > 1
+    assert single["plan"]["owners"] == {e: 0 for e in range(SPEC.num_moe_experts)}
+
+
+@pytest.mark.parametrize("path", ["target", "load_weights"])
+def test_direct_ipc_views_fill_fused_experts(single, path):
+    got = single["direct"][path]
+    assert got.keys() == single["reference"].keys()
+    for name, ref in single["reference"].items():
+        assert torch.equal(got[name], ref), name
+
+
+def test_wrong_expert_shape_refused_by_name_before_any_write(single):
+    message, unchanged = single["refused"]
+    assert "'model.layers.0.mlp.experts.0.gate_proj.weight' has shape (32, 64), the receiver's has (16, 64)" \
+        in message, message
+    assert unchanged
+
+
+def test_unsupported_real_moe_variants_are_named(single):
+    shared, sigmoid = single["unsupported"]["shared_experts"], single["unsupported"]["sigmoid_router"]
+    assert "'decoder.layers.0.mlp.shared_experts.linear_fc1.weight'" in shared, shared
+    assert "moe_shared_expert_intermediate_size" in shared
+    assert "decoder.layers.0.mlp.router.weight" in sigmoid and "moe_router_score_function='softmax'" in sigmoid
+
+
+# ------------------------------------------------------------------ multi rank
+def _naive_full_state(model):
+    """Full Megatron weights under global names (experts under global indices),
+    gathered with one plain collective per parameter, independently of the exporter."""
+    from megatron.core import parallel_state as ps
+
+    tp, ep = ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size()
+    num_local = SPEC.num_moe_experts // ep
+    state = {}
+    for name, p in model.named_parameters():
+        t = p.detach()
+        if name.startswith("decoder.layers."):  # global layer numbers (pipeline stages)
+            j, rest = name[len("decoder.layers."):].split(".", 1)
+            name = f"decoder.layers.{model.decoder.layers[int(j)].layer_number - 1}.{rest}"
+        if ".local_experts." in name:  # whole experts (expert TP 1) on each EP rank
+            copies = [None] * ep
+            dist.all_gather_object(copies, t.cpu().clone(), group=ps.get_expert_model_parallel_group())
+            head, tail = name.split(".local_experts.")
+            local, suffix = tail.split(".", 1)
+            for r, c in enumerate(copies):
+                state[f"{head}.local_experts.{r * num_local + int(local)}.{suffix}"] = c
+            continue
+        if tp > 1 and getattr(p, "tensor_model_parallel", False):
+            parts = [torch.empty_like(t) for _ in range(tp)]
+            dist.all_gather(parts, t.contiguous(), group=ps.get_tensor_model_parallel_group())
+            if name.endswith("linear_fc1.weight"):  # each shard is [gate_r; up_r]
+                parts = [x.chunk(2)[0] for x in parts] + [x.chunk(2)[1] for x in parts]
+                t = torch.cat(parts, dim=0)
+            else:
+                t = torch.cat(parts, dim=p.partition_dim)
+        state[name] = t.cpu().clone()
+    stages = [None] * ps.get_pipeline_model_parallel_world_size()
+    dist.all_gather_object(stages, state, group=ps.get_pipeline_model_parallel_group())
+    return {k: v for s in stages for k, v in s.items()}
+
+
+def _count_collectives(counts):
+    """Wrap the torch.distributed collectives a gather could use; returns an undo callable."""
+    saved = {n: getattr(dist, n) for n in ("all_gather_into_tensor", "all_gather", "gather", "broadcast")}
+
+    def wrap(name, fn):
+        def counted(*args, **kwargs):
+            group = kwargs.get("group")
+            counts.append((name, tuple(dist.get_process_group_ranks(group)) if group is not None else None))
+            return fn(*args, **kwargs)
+        return counted
+
+    for n, fn in saved.items():
+        setattr(dist, n, wrap(n, fn))
+    return lambda: [setattr(dist, n, fn) for n, fn in saved.items()]
+
+
+def _export_case(tp, pp, ep, target, transport):
+    """One trainer layout exporting versions 7 and 8; returns what the tests check."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_ext import weight_export as wx
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
+    cfg = tiny_llama.transformer_config(SPEC, tp=tp, pp=pp, ep=ep)
+    model = tiny_llama.build_model(SPEC, cfg)
+    hf, receiver = None, None
+    if transport == "inprocess" and dist.get_rank() == 0:  # the export rank
+        hf = tiny_llama.hf_model(SPEC, tiny_llama.transformer_config(SPEC))
+        receiver = wx.WeightReceiver(wx.HFModelConsumer(hf))
+    exporter = wx.WeightExporter(model, wx.WeightExportConfig(
+        target=target, transport=transport, backend="gloo", bucket_size_mb=BUCKET_MB,
+        vocab_size=SPEC.hf_vocab_size, timeout_s=60), receiver=receiver)
+    first = exporter.export(version=7)
+    with torch.no_grad():  # a training step's worth of change; the plan is not re-sent
+        for p in model.parameters():
+            p.mul_(1.5).add_(0.01)
+    counts = []
+    undo = _count_collectives(counts)
+    try:
+        second = exporter.export(version=8)
+    finally:
+        undo()
+    verify = exporter.verify(tiny_llama.tokens(SPEC)) if pp == 1 else None
+    lay = exporter.layout
+    out = dict(first=first, second=second, verify=verify, counts=counts,
+               plan=_plan_summary(exporter.plan) if exporter.participates else None,
+               where=dict(pp=lay.pp_rank, dp=lay.dp_rank, edp=lay.edp_rank, tp=tp, ep=ep,
+                          tp_group=tuple(dist.get_process_group_ranks(ps.get_tensor_model_parallel_group())),
+                          ep_group=tuple(dist.get_process_group_ranks(ps.get_expert_model_parallel_group()))),
+               expected=_naive_full_state(model), layout_names=_layout_names(cfg),
+               received=hf_checkpoint_names(dict(hf.named_parameters())) if hf is not None else None)
+    exporter.close()
+    if exporter.is_export_rank:  # ipc-direct maps only the export rank's storage: refused with EP > 1
+        direct = wx.WeightExporter(model, wx.WeightExportConfig(target="127.0.0.1:9", transport="ipc-direct"))
+        try:
+            out["ipc_direct"] = f"no error: {direct.sender}"
+        except ValueError as exc:
+            out["ipc_direct"] = str(exc)
+    ps.destroy_model_parallel()
+    return out
+
+
+def _trainer(cases):
+    return {key: _export_case(*args) for key, args in cases.items()}
+
+
+def _check_case(out, key, received_params=None):
+    ranks = [o[key] for o in out]
+    export_rank = ranks[0]
+    assert export_rank["first"].applied == (7,) and export_rank["second"].applied == (8,), export_rank["second"]
+    expected = _reference(export_rank["expected"])
+    assert not torch.equal(expected["model.layers.0.mlp.experts.0.gate_proj.weight"],
+                           expected["model.layers.0.mlp.experts.2.gate_proj.weight"]), "experts must differ per EP rank"
+    got = export_rank["received"] if received_params is None else hf_checkpoint_names(received_params)
+    assert got.keys() == expected.keys()
+    for name, ref in expected.items():
+        assert torch.equal(got[name], ref), f"{key}: {name}"
+    plan = export_rank["plan"]
+    assert plan["names"] == export_rank["layout_names"]
+    num_local = SPEC.num_moe_experts // export_rank["where"]["ep"]
+    assert plan["owners"] == {e: e // num_local for e in range(SPEC.num_moe_experts)}
+    if export_rank["verify"] is not None:
+        assert export_rank["verify"].max_abs_diff < 1e-4 and abs(export_rank["verify"].kl) < 1e-6
+    # One all_gather_into_tensor per bucket in the bucket's group, nothing per parameter.
+    for rank, r in enumerate(ranks):
+        w = r["where"]
+        want = []
+        for pp_rank, group, owners in plan["groups"]:
+            size = w["tp"] if group == "tp" else w["ep"]
+            gathers = w["dp"] == 0 if group == "tp" else w["edp"] == 0
+            if pp_rank == w["pp"] and gathers and size > 1:
+                want.append(("all_gather_into_tensor", w["tp_group"] if group == "tp" else w["ep_group"]))
+        assert r["counts"] == want, f"{key} rank {rank}: {r['counts']} != {want}"
+    ep = export_rank["where"]["ep"]
+    assert any(group == "ep" and owners > ep for _, group, owners in plan["groups"]), \
+        "no expert bucket holds more than one expert weight per EP rank: the collective count shows nothing"
+
+
+def test_ep2_trainer_streams_experts_to_hf_receiver_process():
+    """TP1 x DP2 x EP2: rank 1 (DP rank 1) holds experts 2, 3 and joins only the expert gathers."""
+    with start_hf_receiver(tiny_llama.build_hf, (SPEC,)) as receiver:
+        out = run_on_ranks(_trainer, 2, args=({"ep2": (1, 1, 2, receiver.address, "broadcast")},),
+                           backend="gloo", timeout=TIMEOUT)
+        got = receiver.result()
+    assert got["ok"], got.get("error")
+    assert got["applied"] == [7, 8] and got["plans"] == 1
+    _check_case(out, "ep2", got["state"])
+    assert out[1]["ep2"]["counts"], "rank 1 must send its experts"
+    assert "needs TP=PP=EP=1" in out[0]["ep2"]["ipc_direct"] and "EP=2" in out[0]["ep2"]["ipc_direct"]
+
+
+def test_tp2_ep2_and_pp2_ep2_trainers_export_every_expert():
+    """4 ranks, two layouts one after the other, each into an HF model on the export
+    rank: TP2 x EP2 (expert-DP 2: ranks 2, 3 gather nothing) and PP2 x EP2."""
+    cases = {"tp2_ep2": (2, 1, 2, None, "inprocess"), "pp2_ep2": (1, 2, 2, None, "inprocess")}
+    out = run_on_ranks(_trainer, 4, args=(cases,), backend="gloo", timeout=TIMEOUT)
+    _check_case(out, "tp2_ep2")
+    _check_case(out, "pp2_ep2")
+    assert [bool(o["tp2_ep2"]["counts"]) for o in out] == [True, True, False, False]
+
+
+# ------------------------------------------------- names without a process group
+def _fake_moe_gpt(*, experts_module=None, num_experts=4, num_local=2, hidden=16, inter=8):
+    """A module tree with Megatron MoE parameter names (one layer, EP2-sized local experts)."""
+    layer = nn.Module()
+    layer.layer_number = 1
+    layer.pre_mlp_layernorm = nn.Module()
+    layer.pre_mlp_layernorm.weight = nn.Parameter(torch.ones(hidden))
+    layer.mlp = nn.Module()
+    layer.mlp.router = nn.Module()
+    layer.mlp.router.weight = nn.Parameter(torch.zeros(num_experts, hidden))
+    if experts_module is None:
+        experts_module = nn.Module()
+        experts_module.local_experts = nn.ModuleList()
+        for _ in range(num_local):
+            e = nn.Module()
+            e.linear_fc1 = nn.Linear(hidden, 2 * inter, bias=False)
+            e.linear_fc2 = nn.Linear(inter, hidden, bias=False)
+            experts_module.local_experts.append(e)
+    layer.mlp.experts = experts_module
+    model = nn.Module()
+    model.config = types.SimpleNamespace(num_moe_experts=num_experts, num_attention_heads=2, num_query_groups=2,
+                                         kv_channels=8, hidden_size=hidden, gated_linear_unit=True)
+    model.decoder = nn.Module()
+    model.decoder.layers = nn.ModuleList([layer])
+    return model
+
+
+def _grouped(names):
+    m = nn.Module()
+    for n in names:
+        m.register_parameter(n, nn.Parameter(torch.zeros(2, 2)))
+    return m
+
+
+def test_expert_sources_cover_every_ep_rank_and_pack_per_unit():
+    from megatron_ext.weight_export import build_plan, local_sources
+
+    sources = local_sources(_fake_moe_gpt(), ep_size=2)
+    experts = [s for s in sources if s.expert is not None]
+    assert [(s.expert, s.ep_rank) for s in experts] == [(0, 0), (2, 1), (0, 0), (2, 1), (1, 0), (3, 1), (1, 0), (3, 1)]
+    assert experts[1].local_name == "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"
+    assert experts[1].outputs == (("model.layers.0.mlp.experts.2.gate_proj.weight", (8, 16)),
+                                  ("model.layers.0.mlp.experts.2.up_proj.weight", (8, 16)))
+    assert experts[1].mcore_name == "decoder.layers.0.mlp.experts.local_experts.2.linear_fc1.weight"
+    # A bucket that fits one expert weight per EP rank: dense and expert buckets apart, EP copies together.
+    plan, per_bucket = build_plan(sources, 1100, ep_size=2)
+    assert [b.group for b in plan.buckets] == ["tp"] + ["ep"] * 4
+    for b, members in zip(plan.buckets[1:], per_bucket[1:]):
+        assert [s.ep_rank for s in members] == [0, 1] and len({s.local_name for s in members}) == 1
+        assert [o.ep_rank for o in b.owners] == [0, 1]
+
+
+@pytest.mark.parametrize("experts,needle", [
+    (_grouped(["weight1", "weight2"]), "moe_grouped_gemm=False"),
+    (nn.ModuleDict({"linear_fc1": _grouped(["weight0", "weight1"])}), "moe_grouped_gemm=False"),
+])
+def test_grouped_gemm_expert_weights_are_named(experts, needle):
+    from megatron_ext.weight_export import UnsupportedParameter, local_sources
+
+    with pytest.raises(UnsupportedParameter, match=needle) as info:
+        local_sources(_fake_moe_gpt(experts_module=experts))
+    assert "'decoder.layers.0.mlp.experts." in str(info.value)
+
+
+def test_expert_tensor_parallel_is_refused_by_name():
+    from megatron_ext.weight_export import UnsupportedParameter, local_sources
+
+    with pytest.raises(UnsupportedParameter, match="expert_tensor_parallel_size=1") as info:
+        local_sources(_fake_moe_gpt(), ep_size=2, etp_size=2)
+    assert "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight" in str(info.value)
+
+
+def test_hf_config_for_qwen3_moe_checks_routing_and_maps_dense_layers():
+    from megatron_ext.weight_export import hf_config_from_megatron
+
+    cfg = tiny_llama.transformer_config(SPEC)
+    hf = hf_config_from_megatron(cfg, arch="qwen3_moe", vocab_size=120)
+    assert (hf.num_experts, hf.num_experts_per_tok, hf.moe_intermediate_size, hf.norm_topk_prob) == (4, 2, 32, True)
+    assert hf.mlp_only_layers == []
+    mixed = dataclasses.replace(cfg, moe_layer_freq=[0, 1], moe_router_pre_softmax=True)
+    hf = hf_config_from_megatron(mixed, arch="qwen3_moe", vocab_size=120)
+    assert hf.mlp_only_layers == [0] and hf.norm_topk_prob is False
+    with pytest.raises(ValueError, match="moe_router_topk_scaling_factor"):
+        hf_config_from_megatron(dataclasses.replace(cfg, moe_router_topk_scaling_factor=2.0), arch="qwen3_moe",
+                                vocab_size=120)
+    with pytest.raises(ValueError, match="arch='qwen3_moe'"):
+        hf_config_from_megatron(cfg, arch="qwen3", vocab_size=120)
