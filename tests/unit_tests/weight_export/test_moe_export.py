@@ -224,7 +224,8 @@ def _export_case(tp, pp, ep, target, transport):
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                  expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
     cfg = tiny_llama.transformer_config(SPEC, tp=tp, pp=pp, ep=ep)
-    model = tiny_llama.build_model(SPEC, cfg)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    model = tiny_llama.build_model(SPEC, cfg, device=device)
     hf, receiver = None, None
     if transport == "inprocess" and dist.get_rank() == 0:  # the export rank
         hf = tiny_llama.hf_model(SPEC, tiny_llama.transformer_config(SPEC))
@@ -298,11 +299,16 @@ def _check_case(out, key, received_params=None):
         "no expert bucket holds more than one expert weight per EP rank: the collective count shows nothing"
 
 
-def test_ep2_trainer_streams_experts_to_hf_receiver_process():
+@pytest.mark.parametrize("backend,transport,receiver_device", [
+    ("gloo", "broadcast", "cpu"),
+    # NCCL expert gather on GPUs 0-1; CUDA IPC into a receiver sharing GPU 0 with the export rank.
+    pytest.param("nccl", "ipc", "cuda:0", marks=pytest.mark.gpus(2)),
+], ids=["gloo-broadcast", "nccl-ipc"])
+def test_ep2_trainer_streams_experts_to_hf_receiver_process(backend, transport, receiver_device):
     """TP1 x DP2 x EP2: rank 1 (DP rank 1) holds experts 2, 3 and joins only the expert gathers."""
-    with start_hf_receiver(tiny_llama.build_hf, (SPEC,)) as receiver:
-        out = run_on_ranks(_trainer, 2, args=({"ep2": (1, 1, 2, receiver.address, "broadcast")},),
-                           backend="gloo", timeout=TIMEOUT)
+    with start_hf_receiver(tiny_llama.build_hf, (SPEC,), device=receiver_device) as receiver:
+        out = run_on_ranks(_trainer, 2, args=({"ep2": (1, 1, 2, receiver.address, transport)},),
+                           backend=backend, timeout=TIMEOUT)
         got = receiver.result()
     assert got["ok"], got.get("error")
     assert got["applied"] == [7, 8] and got["plans"] == 1
