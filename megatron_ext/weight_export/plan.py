@@ -144,8 +144,16 @@ def build_plan(sources: list[Source], bucket_bytes: int, *, tp_size: int = 1, pp
     dup = {n for n in names if names.count(n) > 1}
     if dup:
         raise ValueError(f"tensors exported twice: {sorted(dup)}")
-    capacity = max((b.nbytes for b in buckets), default=ALIGNMENT)
+    capacity = _block_size(max((b.nbytes for b in buckets), default=ALIGNMENT))
     return ExportPlan(tuple(buckets), capacity, tp_size, pp_size, ep_size), bucket_sources
+
+
+def _block_size(nbytes: int) -> int:
+    """``nbytes`` rounded up to what PyTorch's CUDA caching allocator hands out for
+    it: large requests get whole 2 MiB pages, so a buffer of exactly that size
+    costs what it says (no hidden tail) and the tail is usable capacity."""
+    page = 2 << 20
+    return nbytes if nbytes <= (1 << 20) else (nbytes + page - 1) // page * page
 
 
 def _units(sources: list[Source], ep_size: int) -> list[list[Source]]:
