@@ -15,7 +15,8 @@ Measured in one run and printed as a table (and written as JSON):
   CUDA IPC handle + round trip per tensor; one metadata message + broadcast per
   tensor);
 - ours: ``WeightExporter`` over CUDA IPC (receiver on GPU 0; ``ipc-direct``:
-  the engine copies straight from the trainer's mapped weights, and ``ipc``:
+  the engine copies straight from the trainer's mapped weights; ``ipc-push``:
+  the trainer writes straight into the engine's mapped weights; ``ipc``:
   two shared export buffers) and NCCL broadcast (receiver on GPU 1): time per refit (median of ``--iters`` after a warm-up),
   GB/s of HF payload, fraction of the limit, peak extra trainer memory in units
   of one export buffer, and the verifier's KL.
@@ -318,7 +319,7 @@ def main(argv=None) -> int:
     procs, scenarios = [], []
     receivers = []
     # (where, transport, receiver device, with a naive baseline row); ipc-direct needs CUDA.
-    plan = [("colocated", "ipc-direct", colocated, False)] if gpu else []
+    plan = [("colocated", "ipc-direct", colocated, False), ("colocated", "ipc-push", colocated, False)] if gpu else []
     plan.append(("colocated", "ipc", colocated, True))
     if cross is not None:
         plan.append(("cross-gpu", "broadcast", cross, True))

@@ -19,7 +19,8 @@ from .reshard_plan import ReshardPlan, Transfer, build_reshard_plan, check_resha
 from .hf_mapping import Source, UnsupportedParameter, hf_config_from_megatron, local_sources
 from .plan import BucketMeta, ExportPlan, PlanMismatch, TensorMeta, build_plan, check_plan, unpack
 from .receiver import HFModelConsumer, LoadWeightsConsumer, WeightReceiver
-from .transport import BroadcastSender, InProcessSender, IpcDirectSender, IpcSender, ReceiverError, serve
+from .transport import (BroadcastSender, InProcessSender, IpcDirectSender, IpcPushSender, IpcSender, ReceiverError,
+                        serve)
 from .verify import VerifyResult, megatron_logits, verify_export
 
 __all__ = [
@@ -28,7 +29,8 @@ __all__ = [
     "inference_layout", "megatron_layout", "megatron_tensors", "ntp_megatron_layout", "specs_from_config",
     "specs_from_model",
     "TRANSPORTS", "BroadcastSender", "BucketMeta", "ExportPlan", "ExportResult", "HFModelConsumer",
-    "InProcessSender", "IpcDirectSender", "IpcSender", "LoadWeightsConsumer", "PlanMismatch", "ReceiverError", "Source",
+    "InProcessSender", "IpcDirectSender", "IpcPushSender", "IpcSender", "LoadWeightsConsumer", "PlanMismatch",
+    "ReceiverError", "Source",
     "TensorMeta", "UnsupportedParameter", "VerifyResult", "WeightExportConfig", "WeightExporter",
     "WeightReceiver", "add_weight_export_args", "build_plan", "check_plan", "hf_config_from_megatron",
     "local_sources", "megatron_logits", "serve", "unpack", "verify_export",

@@ -7,7 +7,7 @@ import dataclasses
 
 __all__ = ["TRANSPORTS", "WeightExportConfig", "add_weight_export_args"]
 
-TRANSPORTS = ("inprocess", "broadcast", "ipc", "ipc-direct")
+TRANSPORTS = ("inprocess", "broadcast", "ipc", "ipc-push", "ipc-direct")
 BACKENDS = ("auto", "gloo", "nccl")
 MIN_BUCKET_MB, MAX_BUCKET_MB = 16, 1024
 

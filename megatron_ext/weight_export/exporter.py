@@ -24,9 +24,9 @@ import torch.distributed as dist
 
 from .config import MAX_BUCKET_MB, MIN_BUCKET_MB, WeightExportConfig
 from .gather import BucketGatherer
-from .hf_mapping import Source, local_sources, unwrap
-from .plan import ExportPlan, build_plan
-from .transport import BroadcastSender, InProcessSender, IpcDirectSender, IpcSender
+from .hf_mapping import Source, copy_all, local_sources, unwrap
+from .plan import ExportPlan, build_plan, unpack
+from .transport import BroadcastSender, InProcessSender, IpcDirectSender, IpcPushSender, IpcSender
 
 __all__ = ["ExportResult", "WeightExporter"]
 
@@ -193,6 +193,10 @@ class WeightExporter:
                 self._sender = BroadcastSender(cfg.targets, backend=backend, timeout_s=cfg.timeout_s)
             elif cfg.transport == "ipc":
                 self._sender = IpcSender(cfg.targets, timeout_s=cfg.timeout_s)
+            elif cfg.transport == "ipc-push":
+                if self.device.type != "cuda":
+                    raise ValueError("transport='ipc-push' needs the model on a CUDA device; use transport='ipc'")
+                self._sender = IpcPushSender(cfg.targets, timeout_s=cfg.timeout_s)
             else:
                 lay = self.layout
                 if lay.tp_size != 1 or lay.pp_size != 1 or lay.ep_size != 1:
@@ -238,8 +242,11 @@ class WeightExporter:
             self.last_result = ExportResult(self.version, plan.total_bytes, time.perf_counter() - start,
                                             len(plan.buckets), applied)
             return self.last_result
-        if self.is_leader and not self._buffers:
-            alloc = sender.allocate if sender is not None else (
+        # In-place senders write into the engine's tensors: the export rank needs buffers
+        # only to receive other stages' buckets.
+        push = getattr(sender, "push", False)
+        if self.is_leader and not self._buffers and not (push and self.layout.pp_size == 1):
+            alloc = sender.allocate if sender is not None and not push else (
                 lambda n, d: torch.empty(n, dtype=torch.uint8, device=d))
             self._buffers = [alloc(plan.buffer_bytes, self.device) for _ in range(2)]
         if sender is not None:
@@ -280,6 +287,7 @@ class WeightExporter:
 
     def _stream_buckets(self, plan, sender, pending) -> None:
         lay = self.layout
+        push = self.is_export_rank and getattr(sender, "push", False)
         for bucket, sources in zip(plan.buckets, self._bucket_sources):
             slot = bucket.index % 2
             gathers = self.gathers_experts if bucket.group == "ep" else self.gathers_dense
@@ -291,11 +299,15 @@ class WeightExporter:
                 if pending[slot] is not None:
                     p, pending[slot] = pending[slot], None
                     p.wait()
-                out = self._buffers[slot]
+                out = self._buffers[slot] if self._buffers else None
             if mine:
-                self._gatherer.gather(bucket, sources, out)
+                self._gatherer.gather(bucket, sources, out, dests=sender.views if push else None)
             else:  # the export rank receives another stage's bucket
                 dist.recv(out[:bucket.nbytes], src=lay.stage_leaders[bucket.pp_rank])
+                if push:
+                    copy_all([(sender.views[name], t) for name, t in unpack(bucket, out)])
+            if push:
+                continue
             if self.is_export_rank:
                 pending[slot] = sender.send(bucket, out)
             elif self.is_leader:

@@ -43,9 +43,15 @@ class BucketGatherer:
             used += (s.shard_nbytes + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
         return offsets, used
 
-    def gather(self, bucket: BucketMeta, sources: list[Source], out: torch.Tensor | None) -> None:
-        """Fill ``out`` (the stage leader's export buffer; None elsewhere) with ``bucket``."""
-        views = dict(unpack(bucket, out)) if out is not None else {}
+    def gather(self, bucket: BucketMeta, sources: list[Source], out: torch.Tensor | None,
+               dests: dict[str, torch.Tensor] | None = None) -> None:
+        """Fill ``out`` (the stage leader's export buffer; None elsewhere) with
+        ``bucket``, or, on the leader, write it straight into ``dests`` (HF name ->
+        tensor, e.g. the engine's own weights)."""
+        if dests is not None:
+            views, out = dests, True  # the leader, writing in place
+        else:
+            views = dict(unpack(bucket, out)) if out is not None else {}
         if bucket.group == "ep":
             group, rank, size = self.ep_group, self.ep_rank, self.ep_size
             per_rank = [[s for s in sources if s.ep_rank == r] for r in range(size)]

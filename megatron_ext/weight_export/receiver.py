@@ -116,6 +116,12 @@ class WeightReceiver:
             self.consumer.load_weights((n, t.reshape(shapes[n])) for n, t in loads)
         self._arrived = {b.index for b in self.plan.buckets}
 
+    def pushed(self) -> None:
+        """The trainer wrote every bucket of this version in place (``ipc-push``, in-process push)."""
+        if self._version is None:
+            raise RuntimeError("pushed weights outside a version")
+        self._arrived = {b.index for b in self.plan.buckets}
+
     def finish(self, version: int) -> int:
         if version != self._version:
             raise RuntimeError(f"finish({version}) does not match the version in progress {self._version}")

@@ -41,7 +41,8 @@ import torch.distributed as dist
 from .plan import BucketMeta, ExportPlan, PlanMismatch
 from .receiver import WeightReceiver
 
-__all__ = ["BroadcastSender", "InProcessSender", "IpcDirectSender", "IpcSender", "ReceiverError", "serve"]
+__all__ = ["BroadcastSender", "InProcessSender", "IpcDirectSender", "IpcPushSender", "IpcSender", "ReceiverError",
+           "push_targets", "serve"]
 
 DEFAULT_AUTHKEY = b"megatron_ext.weight_export"
 AUTHKEY_ENV = "MEGATRON_EXT_EXPORT_AUTHKEY"
@@ -75,10 +76,14 @@ class _Done:
 
 
 class InProcessSender:
-    """Hands buckets to a receiver in this process (no copies beyond the consumer's)."""
+    """Hands buckets to a receiver in this process. A consumer with
+    ``target(name)`` (:class:`HFModelConsumer`) is written in place: the gather
+    writes straight into its tensors (``push``), with no export buffers."""
 
     def __init__(self, receiver: WeightReceiver):
         self.receiver = receiver
+        self.push = callable(getattr(receiver.consumer, "target", None))
+        self.views: dict[str, torch.Tensor] | None = None
         self._fingerprint = None
 
     def allocate(self, nbytes: int, device) -> torch.Tensor:
@@ -87,6 +92,8 @@ class InProcessSender:
     def start(self, plan: ExportPlan, buffers, version: int) -> None:
         if plan.fingerprint != self._fingerprint:
             self.receiver.set_plan(plan)
+            if self.push:
+                self.views = push_targets(plan, self.receiver.consumer, need_cuda=False)
             self._fingerprint = plan.fingerprint
         self.receiver.begin(version)
 
@@ -95,6 +102,8 @@ class InProcessSender:
         return _Done()
 
     def finish(self, version: int) -> list[int]:
+        if self.push:
+            self.receiver.pushed()
         return [self.receiver.finish(version)]
 
     def close(self) -> None:
@@ -346,6 +355,80 @@ class IpcDirectSender(_RemoteSender):
         raise RuntimeError("IpcDirectSender has no buckets to send")
 
 
+class IpcPushSender(_RemoteSender):
+    """Colocated refit straight into the engine's weights: the engine shares its
+    tensors' storage once (with the plan check), and the trainer's gather writes
+    every HF tensor into them, so each byte is copied once and the trainer holds
+    no export buffers (pipeline stages other than the first still need two, to
+    receive). One engine on this GPU whose consumer has ``target(name)``; the
+    engine must not run forward passes while a version is being written."""
+
+    push = True
+
+    def __init__(self, addresses: list[str], *, timeout_s: float = 120.0, authkey: bytes | None = None):
+        if len(addresses) != 1:
+            raise ValueError(f"transport='ipc-push' writes into one engine's weights; got {len(addresses)} "
+                             "targets (use transport='ipc' or 'broadcast' for several engines)")
+        super().__init__(addresses, timeout_s=timeout_s, authkey=authkey)
+        self.views: dict[str, torch.Tensor] | None = None
+        self._bases: list[torch.Tensor] = []
+
+    def start(self, plan: ExportPlan, buffers, version: int) -> None:
+        if plan.fingerprint != self._fingerprint:
+            self._send_all(("plan", plan, {"kind": "ipc-push"}), "sending the plan")
+            handles, entries = self._expect(0, "ready", "checking the plan")[1]
+            self._bases = [open_shared(h) for h in handles]
+            self.views = {name: self._bases[i].view(dtype).as_strided(shape, stride, offset)
+                          for name, (i, dtype, shape, stride, offset) in entries.items()}
+            self._fingerprint = plan.fingerprint
+        self._send_all(("begin", version), f"starting version {version}")
+
+    def send(self, bucket, buf):
+        raise RuntimeError("IpcPushSender writes in place; it has no buckets to send")
+
+    def finish(self, version: int) -> list[int]:
+        if self._bases:
+            torch.cuda.current_stream(self._bases[0].device).synchronize()  # every write has landed
+        return super().finish(version)
+
+
+def push_targets(plan: ExportPlan, consumer, *, need_cuda: bool = True) -> dict[str, torch.Tensor]:
+    """The consumer's tensor (or view) for every tensor of ``plan``, to be written in
+    place; raises ValueError saying why a consumer cannot take pushed weights."""
+    target = getattr(consumer, "target", None)
+    if not callable(target):
+        raise ValueError(f"{type(consumer).__name__} has no target(name) to write into; transport='ipc-push' "
+                         "needs an engine that exposes its weights (HFModelConsumer); use transport='ipc'")
+    views = {}
+    for t in plan.tensors():
+        dst = target(t.name)
+        if tuple(dst.shape) != tuple(t.shape) or dst.dtype != t.dtype:
+            raise ValueError(f"{t.name}: engine tensor is {tuple(dst.shape)} {dst.dtype}, the plan sends "
+                             f"{tuple(t.shape)} {t.dtype}")
+        if need_cuda and not dst.is_cuda:
+            raise ValueError(f"{t.name} is on {dst.device}; transport='ipc-push' needs the engine's weights on "
+                             "the trainer's GPU (use transport='ipc' or 'broadcast')")
+        views[t.name] = dst
+    return views
+
+
+def _share_targets(views: dict[str, torch.Tensor]):
+    """CUDA IPC handles of the storages behind ``views`` and, per name,
+    ``(storage index, dtype, shape, stride, offset)`` to rebuild each view."""
+    storages: dict[int, int] = {}
+    handles, entries = [], {}
+    for name, v in views.items():
+        storage = v.untyped_storage()
+        if storage.data_ptr() not in storages:
+            base = torch.empty(0, dtype=torch.uint8, device=v.device)
+            base.set_(storage)
+            storages[storage.data_ptr()] = len(handles)
+            handles.append(share(base))
+        entries[name] = (storages[storage.data_ptr()], v.dtype, tuple(v.shape), tuple(v.stride()),
+                         v.storage_offset())
+    return handles, entries
+
+
 def direct_entries(sources, params: dict[str, torch.Tensor]):
     """Each HF tensor of ``sources`` (TP=1) as strided views of parameter storages.
 
@@ -416,7 +499,7 @@ def serve(consumer, address: str, *, device: torch.device | str = "cpu", timeout
             conn = _no_delay(listener.accept())
         except TimeoutError as exc:
             raise ReceiverError(f"no trainer connected to {address} within {timeout_s:.0f}s") from exc
-    pg, bufs, plan, direct = None, [], None, None
+    pg, bufs, plan, direct, push = None, [], None, None, False
     try:
         while True:
             if not conn.poll(timeout_s):
@@ -437,6 +520,17 @@ def serve(consumer, address: str, *, device: torch.device | str = "cpu", timeout
                     conn.send(("refuse", str(exc)))
                     continue
                 plan, info = msg[1], msg[2]
+                push = info.get("kind") == "ipc-push"
+                if push:
+                    try:
+                        shared = _share_targets(push_targets(plan, consumer))
+                    except ValueError as exc:
+                        receiver.plan = None
+                        conn.send(("refuse", str(exc)))
+                        continue
+                    torch.cuda.synchronize(device)  # nothing of ours still reads the weights
+                    conn.send(("ready", shared))
+                    continue
                 if info.get("kind") == "ipc":
                     bufs = [open_shared(h) for h in info["handles"]]
                 elif info.get("kind") == "ipc-direct":
@@ -458,6 +552,8 @@ def serve(consumer, address: str, *, device: torch.device | str = "cpu", timeout
                     torch.cuda.current_stream(device).synchronize()
                 conn.send(("done", index))
             elif kind == "end":
+                if push:
+                    receiver.pushed()
                 conn.send(("applied", receiver.finish(msg[1])))
                 if on_version is not None:
                     on_version(receiver.applied_version)

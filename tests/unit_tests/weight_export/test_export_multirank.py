@@ -90,7 +90,9 @@ def tiny_llama_device():
     (2, 1, 2, "gloo", "broadcast", "cpu"),
     # NCCL TP gather on GPUs 0-1; the receiver shares GPU 0 with the export rank.
     pytest.param(2, 1, 1, "nccl", "ipc", "cuda:0", marks=pytest.mark.gpus(2)),
-], ids=["tp2-pp2", "tp2-dp2", "tp2-nccl-ipc"])
+    # The NCCL TP gather writes straight into the receiver's weights on GPU 0.
+    pytest.param(2, 1, 1, "nccl", "ipc-push", "cuda:0", marks=pytest.mark.gpus(2)),
+], ids=["tp2-pp2", "tp2-dp2", "tp2-nccl-ipc", "tp2-nccl-ipc-push"])
 def test_trainer_streams_to_hf_receiver_process(tp, pp, dp, backend, transport, receiver_device):
     with start_hf_receiver(tiny_llama.build_hf, (SPEC,), device=receiver_device) as receiver:
         out = run_on_ranks(_trainer, tp * pp * dp, args=(tp, pp, receiver.address, backend, transport),

@@ -35,8 +35,9 @@ def _trainer(target, transport, backend):
     second = exporter.export()
     same_buffers = buffers == [b.data_ptr() for b in exporter._buffers]
     verify = exporter.verify(tiny_llama.tokens(SPEC))
+    extra = exporter.extra_memory_bytes
     exporter.close()
-    return dict(first=first, second=second, verify=verify, same_buffers=same_buffers,
+    return dict(first=first, second=second, verify=verify, same_buffers=same_buffers, extra=extra,
                 buckets=len(exporter.plan.buckets), expected=reference_for(SPEC, model))
 
 
@@ -44,6 +45,7 @@ def _trainer(target, transport, backend):
     ("ipc", "gloo", "cpu"),
     pytest.param("ipc", "nccl", "cuda:0", marks=pytest.mark.gpus(1), id="cuda-ipc-same-gpu"),
     pytest.param("ipc-direct", "nccl", "cuda:0", marks=pytest.mark.gpus(1), id="cuda-ipc-direct-same-gpu"),
+    pytest.param("ipc-push", "nccl", "cuda:0", marks=pytest.mark.gpus(1), id="cuda-ipc-push-same-gpu"),
     pytest.param("broadcast", "nccl", "cuda:1", marks=pytest.mark.gpus(2), id="nccl-gpu0-to-gpu1"),
 ])
 def test_single_trainer_streams_over_transport(transport, backend, receiver_device):
@@ -59,3 +61,30 @@ def test_single_trainer_streams_over_transport(transport, backend, receiver_devi
     for name, ref in out["expected"].items():
         assert torch.equal(got["state"][name], ref.cpu()), name
     assert out["verify"].max_abs_diff < 1e-3 and abs(out["verify"].kl) < 1e-5, out["verify"]
+    if transport in ("ipc-push", "ipc-direct"):
+        assert out["extra"] == 0, "in-place transports hold no export buffers"
+
+
+def _push_to_cpu_engine(target):
+    from megatron.core import parallel_state as ps
+
+    from megatron_ext import weight_export as wx
+
+    ps.initialize_model_parallel()
+    model = tiny_llama.build_model(SPEC, tiny_llama.transformer_config(SPEC), device="cuda")
+    exporter = wx.WeightExporter(model, wx.WeightExportConfig(target=target, transport="ipc-push",
+                                                              vocab_size=SPEC.hf_vocab_size, timeout_s=60))
+    try:
+        exporter.export()
+        return "no error"
+    except wx.PlanMismatch as exc:
+        return str(exc)
+    finally:
+        exporter.close()
+
+
+@pytest.mark.gpus(1)
+def test_ipc_push_to_an_engine_off_the_gpu_is_refused_by_name():
+    with start_hf_receiver(tiny_llama.build_hf, (SPEC,), device="cpu") as receiver:
+        (msg,) = run_on_ranks(_push_to_cpu_engine, 1, args=(receiver.address,), backend="nccl", timeout=240)
+    assert "model.embed_tokens.weight is on cpu" in msg and "transport='ipc'" in msg, msg
