@@ -14,7 +14,8 @@ from .config import TRANSPORTS, WeightExportConfig, add_weight_export_args
 from .exporter import ExportResult, WeightExporter
 from .layout import (Box, Layout, TensorSpec, gpt_specs, inference_layout, megatron_layout, ntp_megatron_layout,
                      specs_from_config, specs_from_model)
-from .reshard import FanoutRefit, RefitGate, RefitRejected, RefitStats, ReshardExecutor, megatron_tensors
+from .reshard import (FanoutRefit, RefitGate, RefitRejected, RefitStats, ReshardExecutor, megatron_tensors,
+                      ntp_megatron_tensors)
 from .reshard_plan import ReshardPlan, Transfer, build_reshard_plan, check_reshard_plan, fanout_plans
 from .hf_mapping import Source, UnsupportedParameter, hf_config_from_megatron, local_sources
 from .plan import BucketMeta, ExportPlan, PlanMismatch, TensorMeta, build_plan, check_plan, unpack
@@ -26,7 +27,8 @@ from .verify import VerifyResult, megatron_logits, verify_export
 __all__ = [
     "Box", "FanoutRefit", "Layout", "RefitGate", "RefitRejected", "RefitStats", "ReshardExecutor", "ReshardPlan",
     "TensorSpec", "Transfer", "build_reshard_plan", "check_reshard_plan", "fanout_plans", "gpt_specs",
-    "inference_layout", "megatron_layout", "megatron_tensors", "ntp_megatron_layout", "specs_from_config",
+    "inference_layout", "megatron_layout", "megatron_tensors", "ntp_megatron_layout", "ntp_megatron_tensors",
+    "specs_from_config",
     "specs_from_model",
     "TRANSPORTS", "BroadcastSender", "BucketMeta", "ExportPlan", "ExportResult", "HFModelConsumer",
     "InProcessSender", "IpcDirectSender", "IpcPushSender", "IpcSender", "LoadWeightsConsumer", "PlanMismatch",

@@ -276,7 +276,14 @@ def megatron_layout(specs: list[TensorSpec], *, tp: int = 1, pp: int = 1, dp: in
 def ntp_megatron_layout(specs: list[TensorSpec], ntp_layout) -> Layout:
     """The trainer's layout under nonuniform TP (``megatron_ext.nonuniform_tp``):
     each data-parallel replica holds the whole model at its own TP degree
-    (``tp_base`` when healthy, ``tp_reduced`` when degraded) on its active ranks."""
+    (``tp_base`` when healthy, ``tp_reduced`` when degraded) on its active ranks.
+
+    ``ntp_layout`` is the job's ``NTPLayout`` (``NTPLayout.from_config(ntp_config,
+    world_size)`` or ``get_ntp_process_groups().layout``). On a healthy replica the
+    local tensors are the ``tp_base`` *compute* parameters
+    (``NonuniformTPDistributedDataParallel.compute_module``), not the training
+    shadow that ``ddp.module`` holds: give the executor
+    :func:`~.reshard.ntp_megatron_tensors` and ``refresh=ddp.refresh_compute_params``."""
     ranks, tensors = [], {}
     for d in range(ntp_layout.num_replicas):
         group = ntp_layout.tp_group_ranks(d)
@@ -289,8 +296,10 @@ def ntp_megatron_layout(specs: list[TensorSpec], ntp_layout) -> Layout:
 
 
 def _local_expert(spec: TensorSpec, local: int) -> TensorSpec:
-    """``spec`` under Megatron's name on its EP rank (``local_experts.{index within the rank}``)."""
+    """``spec`` under Megatron's name on its EP rank: the expert's index within
+    the rank (``local_experts.{j}.`` in SequentialMLP, ``weight{j}`` in TEGroupedMLP)."""
     name = spec.megatron_name.replace(f"local_experts.{spec.expert}.", f"local_experts.{local}.")
+    name = re.sub(rf"(\.experts\.linear_fc[12]\.weight){spec.expert}$", rf"\g<1>{local}", name)
     return dataclasses.replace(spec, megatron_name=name)
 
 
@@ -335,14 +344,22 @@ def gpt_specs(*, num_layers: int, hidden_size: int, num_heads: int, num_groups: 
               ffn_hidden_size: int, vocab_size: int, padded_vocab_size: int | None = None,
               tie_embeddings: bool = False, qkv_bias: bool = False, qk_norm: bool = False,
               num_experts: int = 0, moe_ffn_hidden_size: int = 0, dtype: torch.dtype = torch.bfloat16,
-              te_layernorm: bool = False) -> list[TensorSpec]:
+              te_layernorm: bool = False, grouped_gemm: bool = False) -> list[TensorSpec]:
     """The HF tensors of a Llama / Qwen2 / Qwen3 (MoE: Qwen3-MoE) model with
     their Megatron and engine (vLLM-style fused) local names.
 
     ``te_layernorm``: Megatron's Transformer Engine layer specs fuse the
     layernorms into the next linear layer, so ``input_layernorm`` is held as
     ``self_attention.linear_qkv.layer_norm_weight`` and (dense MLP only)
-    ``post_attention_layernorm`` as ``mlp.linear_fc1.layer_norm_weight``."""
+    ``post_attention_layernorm`` as ``mlp.linear_fc1.layer_norm_weight``.
+
+    ``grouped_gemm``: experts in Megatron's ``TEGroupedMLP`` (TE layer specs with
+    ``moe_grouped_gemm=True``), which holds expert ``j`` of an EP rank as
+    ``mlp.experts.linear_fc1.weight{j}`` (``[gate; up]``, ``(2 * moe_ffn, hidden)``)
+    and ``mlp.experts.linear_fc2.weight{j}`` (``(hidden, moe_ffn)``) instead of
+    SequentialMLP's ``mlp.experts.local_experts.{j}.linear_fc{1,2}.weight``; the
+    bytes are the same. Specs carry the global expert index; the layout renames
+    it to the index within the EP rank."""
     specs: list[TensorSpec] = []
     pv = padded_vocab_size if padded_vocab_size and padded_vocab_size != vocab_size else None
 
@@ -376,11 +393,15 @@ def gpt_specs(*, num_layers: int, hidden_size: int, num_heads: int, num_groups: 
             add(h + "mlp.gate.weight", (num_experts, hidden_size), None, m + "mlp.router.weight",
                 h + "mlp.gate.weight", layer=i)
             for e in range(num_experts):
-                me, he = m + f"mlp.experts.local_experts.{e}.", h + f"mlp.experts.{e}."
+                he = h + f"mlp.experts.{e}."
+                if grouped_gemm:
+                    fc1, fc2 = m + f"mlp.experts.linear_fc1.weight{e}", m + f"mlp.experts.linear_fc2.weight{e}"
+                else:
+                    fc1, fc2 = (m + f"mlp.experts.local_experts.{e}.linear_fc{k}.weight" for k in (1, 2))
                 for part, p in enumerate(("gate", "up")):
-                    add(he + f"{p}_proj.weight", (moe_ffn_hidden_size, hidden_size), 0, me + "linear_fc1.weight",
+                    add(he + f"{p}_proj.weight", (moe_ffn_hidden_size, hidden_size), 0, fc1,
                         he + "gate_up_proj.weight", layer=i, expert=e, fused=("glu", part))
-                add(he + "down_proj.weight", (hidden_size, moe_ffn_hidden_size), 1, me + "linear_fc2.weight",
+                add(he + "down_proj.weight", (hidden_size, moe_ffn_hidden_size), 1, fc2,
                     he + "down_proj.weight", layer=i, expert=e)
         else:
             for part, p in enumerate(("gate", "up")):
@@ -397,9 +418,11 @@ def gpt_specs(*, num_layers: int, hidden_size: int, num_heads: int, num_groups: 
 
 def specs_from_config(config, *, vocab_size: int, padded_vocab_size: int | None = None,
                       tie_embeddings: bool = False, dtype: torch.dtype | None = None,
-                      te_layernorm: bool = False) -> list[TensorSpec]:
+                      te_layernorm: bool = False, grouped_gemm: bool = False) -> list[TensorSpec]:
     """:func:`gpt_specs` for a Megatron ``TransformerConfig`` (dense or MoE);
-    ``te_layernorm=True`` for models built with Transformer Engine layer specs."""
+    ``te_layernorm=True`` for models built with Transformer Engine layer specs,
+    ``grouped_gemm=True`` for TEGroupedMLP experts (TE specs with
+    ``moe_grouped_gemm=True``; the local spec builds SequentialMLP either way)."""
     heads = config.num_attention_heads
     return gpt_specs(
         num_layers=config.num_layers, hidden_size=config.hidden_size, num_heads=heads,
@@ -407,33 +430,61 @@ def specs_from_config(config, *, vocab_size: int, padded_vocab_size: int | None 
         ffn_hidden_size=config.ffn_hidden_size, vocab_size=vocab_size, padded_vocab_size=padded_vocab_size,
         tie_embeddings=tie_embeddings, qkv_bias=bool(config.add_qkv_bias), qk_norm=bool(config.qk_layernorm),
         num_experts=config.num_moe_experts or 0, moe_ffn_hidden_size=config.moe_ffn_hidden_size or 0,
-        dtype=dtype or config.params_dtype, te_layernorm=te_layernorm)
+        dtype=dtype or config.params_dtype, te_layernorm=te_layernorm, grouped_gemm=grouped_gemm)
+
+
+_LOCAL_EXPERT = re.compile(r"local_experts\.\d+\.")          # SequentialMLP: local_experts.{j}.linear_fc1.weight
+_GROUPED_EXPERT = re.compile(r"(\.experts\.linear_fc[12]\.weight)\d+$")  # TEGroupedMLP: linear_fc1.weight{j}
+_UNSUPPORTED_EXPERTS = (
+    (re.compile(r"\.experts\.weight[12]$"),
+     "legacy GroupedMLP (one (hidden, experts * ffn) tensor per layer, transposed; not in megatron-core 0.19): "
+     "per-expert HF tensors are not row ranges of it; train with TEGroupedMLP or SequentialMLP"),
+    (re.compile(r"\.experts\.linear_fc[12]\.(weight|bias)$"),
+     "TEGroupedMLP with moe_single_grouped_weight / moe_single_grouped_bias (all local experts in one "
+     "GroupedTensor) is not described; turn them off"),
+)
+
+
+def _expert_pattern(name: str) -> str:
+    """``name`` with the expert index within the EP rank replaced by ``*``."""
+    return _GROUPED_EXPERT.sub(r"\g<1>*", _LOCAL_EXPERT.sub("local_experts.*.", name))
 
 
 def specs_from_model(model, *, vocab_size: int, dtype: torch.dtype | None = None) -> list[TensorSpec]:
     """:func:`specs_from_config` for a built Megatron GPT model (this rank's stage).
 
     Reads from the model what the config does not say: Transformer Engine's
-    fused layernorm names, the padded vocabulary (``model.vocab_size``), tied
-    embeddings, and the parameters' dtype (unless ``dtype`` is given). Raises
-    ``ValueError`` naming the first parameter the specs do not describe (e.g.
-    grouped-GEMM expert weights), so a layout never silently skips a tensor.
+    fused layernorm names, grouped-GEMM experts (TEGroupedMLP's
+    ``linear_fc1.weight{j}``), the padded vocabulary (``model.vocab_size``),
+    tied embeddings, and the parameters' dtype (unless ``dtype`` is given).
+    Raises ``ValueError`` naming the first parameter the specs do not describe
+    (e.g. legacy GroupedMLP's ``experts.weight1``), so a layout never silently
+    skips a tensor.
     """
     m = unwrap(model)
     params = dict(m.named_parameters())
+    prefixes = _global_layer_names(m)
+
+    def global_name(name):
+        return next((gp + name[len(lp):] for lp, gp in prefixes.items() if name.startswith(lp)), name)
+
+    for name in params:
+        for pattern, why in _UNSUPPORTED_EXPERTS:
+            if pattern.search(name):
+                raise ValueError(f"parameter {global_name(name)!r}: {why}")
     te = any(n.endswith("linear_qkv.layer_norm_weight") for n in params)
+    grouped = any(_GROUPED_EXPERT.search(n) for n in params)
     specs = specs_from_config(
         m.config, vocab_size=vocab_size, padded_vocab_size=getattr(m, "vocab_size", None),
         tie_embeddings=bool(getattr(m, "share_embeddings_and_output_weights", False)),
-        dtype=dtype or next(iter(params.values())).dtype, te_layernorm=te)
-    expert = re.compile(r"local_experts\.\d+\.")
-    known = {expert.sub("local_experts.*.", s.megatron_name) for s in specs}
+        dtype=dtype or next(iter(params.values())).dtype, te_layernorm=te, grouped_gemm=grouped)
+    known = {_expert_pattern(s.megatron_name) for s in specs}
     if not any(s.name == "lm_head.weight" for s in specs):
         known.add("output_layer.weight")  # tied (a later stage's copy): the engine ties lm_head to the embedding
-    prefixes = _global_layer_names(m)
     for name in params:
-        glob = next((gp + name[len(lp):] for lp, gp in prefixes.items() if name.startswith(lp)), name)
-        if expert.sub("local_experts.*.", glob) not in known:
+        glob = global_name(name)
+        if _expert_pattern(glob) not in known:
             raise ValueError(f"parameter {glob!r} is not in the layout specs (supported: Llama / Qwen2 / Qwen3 "
-                             "dense and MoE with local or sequential experts, local or TE layer specs)")
+                             "dense and MoE with local, sequential or TE grouped-GEMM experts, local or TE "
+                             "layer specs)")
     return specs

@@ -36,7 +36,7 @@ from .reshard_plan import ReshardPlan, Run, Transfer, fanout_plans, run_view
 from .verify import VerifyResult, verify_export
 
 __all__ = ["FanoutRefit", "HEADER_BYTES", "RefitGate", "RefitRejected", "RefitStats", "ReshardExecutor",
-           "megatron_tensors"]
+           "megatron_tensors", "ntp_megatron_tensors"]
 
 _ALIGN = 16
 HEADER_BYTES = 32  # int64 x 4: version, plan fingerprint, sender rank, bucket index
@@ -48,7 +48,11 @@ def _align(n: int) -> int:
 
 
 def megatron_tensors(model) -> dict[str, torch.Tensor]:
-    """A Megatron model's parameters under global names (pipeline-stage layer offsets applied)."""
+    """A Megatron model's parameters under global names (pipeline-stage layer offsets applied).
+
+    For a nonuniform-TP DDP use :func:`ntp_megatron_tensors`: this returns its
+    compute parameters as they are, stale on a healthy replica after an
+    optimizer step."""
     model = unwrap(model)
     prefixes = _global_layer_names(model)
     out = {}
@@ -59,6 +63,31 @@ def megatron_tensors(model) -> dict[str, torch.Tensor]:
                 break
         out[name] = p.detach()
     return out
+
+
+def ntp_megatron_tensors(ddp) -> dict[str, torch.Tensor]:
+    """This rank's local tensors for :func:`~.layout.ntp_megatron_layout`, from a
+    ``NonuniformTPDistributedDataParallel``.
+
+    The NTP layout holds each replica at the TP degree it computes at. On a
+    healthy replica (``tp_base``) those are the compute parameters
+    (``ddp.compute_module``), not ``ddp.module`` / ``ddp.named_parameters()``:
+    that is the training shadow in the ``tp_reduced`` layout (zeros on spare
+    ranks), which the optimizer steps. The compute parameters catch up with the
+    optimizer only when the shadow is unfolded into them, so this first calls
+    ``ddp.refresh_compute_params()`` (a no-op unless a step happened since the
+    last unfold; collective over the healthy TP group, so call it on every
+    trainer rank). On degraded replicas the parameters are the model's own and
+    the refresh does nothing.
+
+    Unfolds write in place, so the tensors stay valid across steps, but they are
+    stale again after the next optimizer step: build the executor with
+    ``refresh=ddp.refresh_compute_params`` so that every refit serves the last step.
+    """
+    refresh = getattr(ddp, "refresh_compute_params", None)
+    if refresh is not None:
+        refresh()
+    return megatron_tensors(ddp)
 
 
 @dataclasses.dataclass
@@ -187,6 +216,12 @@ class ReshardExecutor:
     ranks, the engine's tensors on destination ranks. A tensor may have more
     rows than the layout keeps (Megatron's padded vocabulary).
 
+    ``refresh``: called at the start of every :meth:`refit`, before anything
+    is packed (and counted in its seconds), to bring the source tensors up to
+    date: ``ddp.refresh_compute_params`` on the ranks of a nonuniform-TP trainer
+    (with :func:`ntp_megatron_tensors`). It is collective over the trainer's TP
+    group, so give it on every trainer rank.
+
     ``max_inflight`` rounds are posted before the oldest is waited on. Staging
     memory (:attr:`staging_bytes`): ``max_inflight`` send buckets per peer, plus
     on receivers the whole version with ``atomic=True`` (nothing is written
@@ -197,7 +232,8 @@ class ReshardExecutor:
     """
 
     def __init__(self, plan: ReshardPlan, rank: int, tensors: dict[str, torch.Tensor], *, group=None,
-                 bucket_bytes: int = 64 << 20, atomic: bool = True, max_inflight: int = 2):
+                 bucket_bytes: int = 64 << 20, atomic: bool = True, max_inflight: int = 2,
+                 refresh: Callable[[], None] | None = None):
         if bucket_bytes <= HEADER_BYTES:
             raise ValueError(f"bucket_bytes must be > {HEADER_BYTES} (the bucket header), got {bucket_bytes}")
         if max_inflight < 1:
@@ -205,6 +241,7 @@ class ReshardExecutor:
         self.plan, self.rank, self.group = plan, rank, group
         self.tensors, self.atomic, self.max_inflight = tensors, atomic, max_inflight
         self.bucket_bytes = bucket_bytes
+        self.refresh = refresh
         self._check_tensors()
         out, inc = defaultdict(list), defaultdict(list)
         self.local: list[Transfer] = []
@@ -237,7 +274,9 @@ class ReshardExecutor:
                                    f"({layout.description}); pass it in `tensors`")
                 if tuple(t.shape[1:]) != lt.shape[1:] or t.shape[0] < lt.shape[0] or t.dtype != lt.dtype:
                     raise ValueError(f"rank {self.rank}: {name} is {tuple(t.shape)} {t.dtype}, the layout "
-                                     f"keeps {lt.shape} {lt.dtype}; build the layout from this model's config")
+                                     f"keeps {lt.shape} {lt.dtype}; build the layout from this model's config "
+                                     "(a nonuniform-TP trainer: pass ntp_megatron_tensors(ddp), not the "
+                                     "training shadow)")
                 if not t.is_contiguous():
                     raise ValueError(f"rank {self.rank}: {name} must be contiguous")
 
@@ -281,6 +320,8 @@ class ReshardExecutor:
                 dist.barrier(group=self.group)
             self._allocate()
         start = time.perf_counter()
+        if self.refresh is not None:
+            self.refresh()
         headers = self._headers(version, source_version)
         sent = received = 0
         self._wrote = False
@@ -403,16 +444,17 @@ class FanoutRefit:
     on another forever. A replica serves the version it holds (the bucket
     headers say which), so a replica that was refused or failed its gate
     causes its own receivers to refuse rather than spread a wrong version;
-    :meth:`refit` raises :class:`RefitRejected` at the end on such ranks."""
+    :meth:`refit` raises :class:`RefitRejected` at the end on such ranks.
+    ``refresh`` is passed to every wave's :class:`ReshardExecutor`."""
 
     def __init__(self, src, dst, replicas: list[list[int]], rank: int, tensors: dict[str, torch.Tensor], *,
                  group=None, bucket_bytes: int = 64 << 20, first_wave: int = 1, atomic: bool = True,
-                 max_inflight: int = 2):
+                 max_inflight: int = 2, refresh: Callable[[], None] | None = None):
         self.plans = fanout_plans(src, dst, replicas, first_wave=first_wave)
         self.rank = rank
         self._engine_locals = tuple(dst.tensors.get(rank, {}))
         self.waves = [ReshardExecutor(p, rank, tensors, group=group, bucket_bytes=bucket_bytes, atomic=atomic,
-                                      max_inflight=max_inflight) for p in self.plans]
+                                      max_inflight=max_inflight, refresh=refresh) for p in self.plans]
         self.version: int | None = None
 
     def refit(self, version: int, *, verify: RefitGate | None = None) -> list[RefitStats]:

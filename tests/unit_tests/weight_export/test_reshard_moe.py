@@ -1,7 +1,11 @@
 """Reshard refit from a real megatron-core MoE trainer (EP2, local experts on
 each EP rank) to engine ranks: experts TP-sharded (fused gate_up per expert)
 or whole experts per engine EP rank. The reference is a hand-written
-conversion of the trainer's own parameters."""
+conversion of the trainer's own parameters. The same expert bytes under
+TEGroupedMLP's names (``linear_fc1.weight{j}``; TE does not run on CPU) move
+exactly too, with specs built for grouped-GEMM experts."""
+
+import re
 
 import pytest
 import torch
@@ -19,10 +23,11 @@ def _config():
                                          expert_model_parallel_size=2, moe_router_topk=2, moe_grouped_gemm=False)
 
 
-def _layouts(case):
+def _layouts(case, grouped_gemm=False):
     from megatron_ext.weight_export.layout import inference_layout, megatron_layout, specs_from_config
 
-    specs = specs_from_config(_config(), vocab_size=SPEC.hf_vocab_size, padded_vocab_size=SPEC.vocab_size)
+    specs = specs_from_config(_config(), vocab_size=SPEC.hf_vocab_size, padded_vocab_size=SPEC.vocab_size,
+                              grouped_gemm=grouped_gemm)
     return megatron_layout(specs, tp=1, dp=2, ep=2, ranks=[0, 1]), inference_layout(specs, **CASES[case],
                                                                                     ranks=[2, 3])
 
@@ -51,13 +56,18 @@ def _body():
                 p.add_(torch.randn(p.shape, generator=gen))
     params = megatron_tensors(model)
     out = {"params": {n: t.clone() for n, t in params.items()} if rank < 2 else None}
+    # TEGroupedMLP holds local expert j as linear_fc1.weight{j} / linear_fc2.weight{j}: the same tensors renamed
+    grouped = {re.sub(r"local_experts\.(\d+)\.(linear_fc[12])\.weight$", r"\2.weight\1", n): t
+               for n, t in params.items()}
     for case in CASES:
-        src, dst = _layouts(case)
-        engine = {n: torch.full(lt.shape, float("nan")) for n, lt in dst.tensors.get(rank, {}).items()}
-        ex = ReshardExecutor(build_reshard_plan(src, dst), rank, {**(params if rank < 2 else {}), **engine},
-                             bucket_bytes=8192)
-        ex.refit(1)
-        out[case] = engine
+        for names, trainer in (("sequential", params), ("grouped", grouped)):
+            src, dst = _layouts(case, grouped_gemm=names == "grouped")
+            engine = {n: torch.full(lt.shape, float("nan")) for n, lt in dst.tensors.get(rank, {}).items()}
+            ex = ReshardExecutor(build_reshard_plan(src, dst), rank, {**(trainer if rank < 2 else {}), **engine},
+                                 bucket_bytes=8192)
+            ex.refit(1)
+            out[case, names] = engine
+    out["grouped_names"] = sorted(n for n in grouped if ".experts." in n) if rank < 2 else None
     return out
 
 
@@ -95,11 +105,17 @@ def test_moe_reshard_exact():
     assert not torch.equal(p0["decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"],
                            p1["decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"])  # distinct experts
     ref = _reference(p0, p1)
+    assert "decoder.layers.0.mlp.experts.linear_fc1.weight1" in results[1]["grouped_names"]
     for case in CASES:
-        _, dst = _layouts(case)
-        for r in dst.ranks:
-            for n, lt in dst.tensors[r].items():
-                want = torch.cat([ref[s.name][tuple(slice(a, b) for a, b in s.box.ranges)] for s in lt.segments])
-                torch.testing.assert_close(results[r][case][n], want, rtol=0, atol=0, msg=f"{case} rank {r} {n}")
+        for names in ("sequential", "grouped"):
+            src, dst = _layouts(case, grouped_gemm=names == "grouped")
+            if names == "grouped":  # the layout names the renamed tensors: every one of them is a source
+                assert sorted(n for n in src.tensors[1] if ".experts." in n) == results[1]["grouped_names"]
+            for r in dst.ranks:
+                for n, lt in dst.tensors[r].items():
+                    want = torch.cat([ref[s.name][tuple(slice(a, b) for a, b in s.box.ranges)]
+                                      for s in lt.segments])
+                    torch.testing.assert_close(results[r][case, names][n], want, rtol=0, atol=0,
+                                               msg=f"{case} {names} rank {r} {n}")
         if case == "ep2_to_ep2":  # whole experts per engine EP rank: rank 3 keeps experts 2, 3 only
             assert not any(".experts.0." in n or ".experts.1." in n for n in dst.tensors[3])

@@ -245,3 +245,140 @@ def test_te_layer_spec_names():
     model.decoder.layers[0].mlp.linear_fc1.weight0 = torch.nn.Parameter(torch.zeros(1))
     with pytest.raises(ValueError, match=r"decoder\.layers\.3\.mlp\.linear_fc1\.weight0"):
         specs_from_model(model, vocab_size=64)
+
+
+def _grouped_moe_like_gpt(ep_rank, *, ep=2, experts=4, hidden=32, heads=4, groups=2, ffn=8, vocab=64, layers=2):
+    """EP rank ``ep_rank`` of a TE MoE GPT with TEGroupedMLP experts: a stand-in with
+    TE's parameter names and shapes (TE does not run on CPU). Expert ``j`` of the
+    rank (global expert ``ep_rank * experts // ep + j``) is ``linear_fc1.weight{j}``
+    (``[gate; up]``) and ``linear_fc2.weight{j}``; dense weights are the same on
+    every EP rank, expert weights differ."""
+    import types
+    import zlib
+
+    from torch import nn
+
+    head_dim, local = hidden // heads, experts // ep
+
+    def param(key, *shape):
+        gen = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+        return nn.Parameter(torch.randn(shape, generator=gen))
+
+    def layer(i):
+        m = nn.Module()
+        m.layer_number = i + 1
+        m.self_attention = nn.Module()
+        m.self_attention.linear_qkv = nn.Module()
+        m.self_attention.linear_qkv.weight = param(f"{i}qkv", (heads + 2 * groups) * head_dim, hidden)
+        m.self_attention.linear_qkv.layer_norm_weight = param(f"{i}ln1", hidden)
+        m.self_attention.linear_proj = nn.Module()
+        m.self_attention.linear_proj.weight = param(f"{i}proj", hidden, heads * head_dim)
+        m.pre_mlp_layernorm = nn.Module()
+        m.pre_mlp_layernorm.weight = param(f"{i}ln2", hidden)
+        m.mlp = nn.Module()
+        m.mlp.router = nn.Module()
+        m.mlp.router.weight = param(f"{i}router", experts, hidden)
+        m.mlp.experts = nn.Module()
+        m.mlp.experts.linear_fc1, m.mlp.experts.linear_fc2 = nn.Module(), nn.Module()
+        for j in range(local):
+            e = ep_rank * local + j
+            m.mlp.experts.linear_fc1.register_parameter(f"weight{j}", param(f"{i}fc1e{e}", 2 * ffn, hidden))
+            m.mlp.experts.linear_fc2.register_parameter(f"weight{j}", param(f"{i}fc2e{e}", hidden, ffn))
+        return m
+
+    from megatron_ext.testing import tiny_llama
+
+    model = nn.Module()
+    model.config = tiny_llama.transformer_config(
+        tiny_llama.TinyLlamaSpec(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                                 num_query_groups=groups, ffn_hidden_size=48),
+        num_moe_experts=experts, moe_ffn_hidden_size=ffn, moe_router_topk=2, moe_grouped_gemm=True)
+    model.vocab_size = vocab
+    model.share_embeddings_and_output_weights = False
+    model.embedding = nn.Module()
+    model.embedding.word_embeddings = nn.Module()
+    model.embedding.word_embeddings.weight = param("emb", vocab, hidden)
+    model.decoder = nn.Module()
+    model.decoder.layers = nn.ModuleList([layer(i) for i in range(layers)])
+    model.decoder.final_layernorm = nn.Module()
+    model.decoder.final_layernorm.weight = param("norm", hidden)
+    model.output_layer = nn.Module()
+    model.output_layer.weight = param("out", vocab, hidden)
+    return types.SimpleNamespace(module=model)  # unwrapped like a DDP wrapper
+
+
+def _grouped_hf(params, *, ep=2, experts=4, ffn=8, layers=2, heads=4, groups=2, hidden=32):
+    """HF tensors by hand from the EP ranks' TEGroupedMLP parameters (``params[r]``)."""
+    p0, hd = params[0], hidden // heads
+    ref = {"model.embed_tokens.weight": p0["embedding.word_embeddings.weight"],
+           "lm_head.weight": p0["output_layer.weight"], "model.norm.weight": p0["decoder.final_layernorm.weight"]}
+    for i in range(layers):
+        m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+        qkv = p0[m + "self_attention.linear_qkv.weight"].view(groups, (heads // groups + 2) * hd, hidden)
+        q = heads // groups * hd
+        ref[h + "self_attn.q_proj.weight"] = qkv[:, :q].reshape(-1, hidden)
+        ref[h + "self_attn.k_proj.weight"] = qkv[:, q:q + hd].reshape(-1, hidden)
+        ref[h + "self_attn.v_proj.weight"] = qkv[:, q + hd:].reshape(-1, hidden)
+        ref[h + "self_attn.o_proj.weight"] = p0[m + "self_attention.linear_proj.weight"]
+        ref[h + "input_layernorm.weight"] = p0[m + "self_attention.linear_qkv.layer_norm_weight"]
+        ref[h + "post_attention_layernorm.weight"] = p0[m + "pre_mlp_layernorm.weight"]
+        ref[h + "mlp.gate.weight"] = p0[m + "mlp.router.weight"]
+        for e in range(experts):
+            p, j = params[e // (experts // ep)], e % (experts // ep)
+            fc1 = p[m + f"mlp.experts.linear_fc1.weight{j}"]
+            ref[h + f"mlp.experts.{e}.gate_proj.weight"] = fc1[:ffn]
+            ref[h + f"mlp.experts.{e}.up_proj.weight"] = fc1[ffn:]
+            ref[h + f"mlp.experts.{e}.down_proj.weight"] = p[m + f"mlp.experts.linear_fc2.weight{j}"]
+    return ref
+
+
+@pytest.mark.parametrize("engine", [dict(tp=2), dict(tp=1, dp=2, ep=2)], ids=["tp2", "ep2"])
+def test_grouped_gemm_expert_names(engine):
+    """TEGroupedMLP's per-expert names (``linear_fc1.weight{j}``), detected from a
+    model's parameters: the trainer layout's local tensors are exactly the
+    parameters of each EP rank, and a plan moves their bytes exactly."""
+    from megatron_ext.weight_export.layout import specs_from_model
+    from megatron_ext.weight_export.reshard import megatron_tensors
+
+    models = [_grouped_moe_like_gpt(r) for r in range(2)]
+    specs = specs_from_model(models[0], vocab_size=64)
+    assert specs == specs_from_model(models[1], vocab_size=64)
+    by_name = {s.name: s for s in specs}
+    assert by_name["model.layers.1.mlp.experts.3.up_proj.weight"].megatron_name == \
+        "decoder.layers.1.mlp.experts.linear_fc1.weight3"  # global index in the specs
+    src = megatron_layout(specs, tp=1, dp=2, ep=2)
+    params = [megatron_tensors(m) for m in models]
+    for r in range(2):  # the layout's local tensors are the rank's parameters: names (local expert index), shapes
+        assert {n: lt.shape for n, lt in src.tensors[r].items()} == {n: tuple(t.shape) for n, t in params[r].items()}
+    fc1 = src.tensors[1]["decoder.layers.0.mlp.experts.linear_fc1.weight0"]
+    assert [s.name for s in fc1.segments] == ["model.layers.0.mlp.experts.2.gate_proj.weight",
+                                              "model.layers.0.mlp.experts.2.up_proj.weight"]
+    dst = inference_layout(specs, **engine, ranks=[2, 3])
+    plan = build_reshard_plan(src, dst)
+    check_reshard_plan(plan)
+    got = _apply(plan, {r: {n: t.detach() for n, t in params[r].items()} for r in range(2)}, dst)
+    want = _engine_locals(dst, _grouped_hf(params))
+    for r in dst.ranks:
+        assert got[r].keys() == want[r].keys()
+        for n in want[r]:
+            torch.testing.assert_close(got[r][n], want[r][n], rtol=0, atol=0, msg=f"rank {r} {n}")
+
+
+def test_unsupported_expert_layouts_name_the_parameter():
+    from torch import nn
+
+    from megatron_ext.weight_export.layout import specs_from_model
+
+    for attr, shape, match in (("weight1", (32, 32), "legacy GroupedMLP"),  # (hidden, local experts * 2 ffn)
+                               ("weight", (2, 16, 32), "moe_single_grouped_weight")):
+        model = _grouped_moe_like_gpt(0)
+        model.module.decoder.layers[1].mlp.experts.linear_fc1 = nn.Module()
+        target = model.module.decoder.layers[1].mlp.experts
+        if attr == "weight1":
+            target.register_parameter("weight1", nn.Parameter(torch.zeros(shape)))
+            name = "decoder.layers.1.mlp.experts.weight1"
+        else:
+            target.linear_fc1.register_parameter("weight", nn.Parameter(torch.zeros(shape)))
+            name = "decoder.layers.1.mlp.experts.linear_fc1.weight"
+        with pytest.raises(ValueError, match=rf"{name}'.*{match}"):
+            specs_from_model(model, vocab_size=64)
