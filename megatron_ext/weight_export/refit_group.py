@@ -164,13 +164,15 @@ class RefitGroup:
         return out
 
     def close(self) -> None:
-        """Shut the backend down (NCCL frees its communicator); the store goes with the last reference."""
+        """Shut the backend down (NCCL frees its communicator) and drop this rank's store references (on
+        refit rank 0 the store's server stops with the last one). To recover from a failure, every rank
+        closes its group and joins again."""
         if self.pg is not None and hasattr(self.pg, "shutdown"):
             try:
                 self.pg.shutdown()
             except RuntimeError:
                 pass
-        self.pg = None
+        self.pg = self.store = self._tcp_store = None
 
 
 class _Request:

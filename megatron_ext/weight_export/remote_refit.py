@@ -97,6 +97,7 @@ class TrainerRefit(_RemoteRefit):
                  bucket_bytes: int = 64 << 20, max_inflight: int = 2, atomic: bool = True):
         super().__init__(group, src, dst, tensors, bucket_bytes=bucket_bytes, max_inflight=max_inflight,
                          atomic=atomic)
+        self._last: int | None = None  # the last refit's sequence number
 
     def _announce(self, value: str) -> None:
         if self.rank == self.announcer:
@@ -115,7 +116,7 @@ class TrainerRefit(_RemoteRefit):
     def engine_versions(self, timeout_s: float | None = None) -> dict[int, int | None]:
         """After :meth:`refit`: the version each engine rank holds once it finished (and loaded) that refit
         (None: none accepted). A rank that refused keeps its previous version. Bounded by ``timeout_s``."""
-        seq = getattr(self, "_last", None)
+        seq = self._last
         if seq is None:
             raise RuntimeError("engine_versions() needs a refit() first")
         ranks = list(self.dst.ranks)
@@ -123,10 +124,15 @@ class TrainerRefit(_RemoteRefit):
         self.group.wait_keys(keys, ranks, what=f"acknowledge refit {seq}", timeout_s=timeout_s)
         return {r: _version(v) for r, v in zip(ranks, self.group.store.multi_get(keys))}
 
-    def close(self) -> None:
-        """Tell the engine that no more versions come (its :meth:`EngineRefit.serve` returns)."""
+    def close(self, timeout_s: float | None = None) -> None:
+        """Tell the engine that no more versions come (its :meth:`EngineRefit.serve` returns) and wait, up
+        to ``timeout_s``, until every engine rank has seen it (refit rank 0 hosts the store: it must outlive
+        the engine's last read)."""
         self._announce(_CLOSE)
-        self.seq += 1
+        seq, self.seq = self.seq, self.seq + 1
+        ranks = list(self.dst.ranks)
+        self.group.wait_keys([f"{self.tag}/ack/{seq}/{r}" for r in ranks], ranks, what="see the refit's close",
+                             timeout_s=timeout_s)
 
 
 class EngineRefit(_RemoteRefit):
@@ -176,7 +182,11 @@ class EngineRefit(_RemoteRefit):
         try:
             stats = self.executor.refit(want, verify=verify)
             if self.load_weights is not None and self.rank in self.dst.ranks:
-                self.load_weights(self.dst.hf_tensors(self.rank, self.tensors))
+                try:
+                    self.load_weights(self.dst.hf_tensors(self.rank, self.tensors))
+                except BaseException:
+                    self.executor.version = None  # the engine's model holds no complete version
+                    raise
         finally:
             self._ack(seq)
         return stats
@@ -187,6 +197,7 @@ class EngineRefit(_RemoteRefit):
         ``timeout_s`` bounds the wait for each announcement (the trainer's time between refits)."""
         while True:
             if self.next_version(timeout_s) is None:
+                self._ack(self.seq)
                 self.seq += 1
                 return self.version
             stats = self.refit(timeout_s=timeout_s)
