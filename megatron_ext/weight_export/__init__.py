@@ -16,6 +16,8 @@ from .layout import (Box, Layout, TensorSpec, gpt_specs, inference_layout, megat
                      specs_from_config, specs_from_model)
 from .reshard import (FanoutRefit, RefitGate, RefitRejected, RefitStats, ReshardExecutor, megatron_tensors,
                       ntp_megatron_tensors)
+from .refit_group import RefitGroup, RefitGroupError
+from .remote_refit import EngineRefit, TrainerRefit
 from .reshard_plan import ReshardPlan, Transfer, build_reshard_plan, check_reshard_plan, fanout_plans
 from .hf_mapping import Source, UnsupportedParameter, hf_config_from_megatron, local_sources
 from .plan import BucketMeta, ExportPlan, PlanMismatch, TensorMeta, build_plan, check_plan, unpack
@@ -36,4 +38,5 @@ __all__ = [
     "TensorMeta", "UnsupportedParameter", "VerifyResult", "WeightExportConfig", "WeightExporter",
     "WeightReceiver", "add_weight_export_args", "build_plan", "check_plan", "hf_config_from_megatron",
     "local_sources", "megatron_logits", "serve", "unpack", "verify_export",
+    "EngineRefit", "RefitGroup", "RefitGroupError", "TrainerRefit",
 ]

@@ -29,9 +29,9 @@ from collections import defaultdict, deque
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from .hf_mapping import _global_layer_names, unwrap
+from .refit_group import batch_isend_irecv, group_barrier
 from .reshard_plan import ReshardPlan, Run, Transfer, fanout_plans, run_view
 from .verify import VerifyResult, verify_export
 
@@ -222,6 +222,10 @@ class ReshardExecutor:
     (with :func:`ntp_megatron_tensors`). It is collective over the trainer's TP
     group, so give it on every trainer rank.
 
+    ``group``: a ``torch.distributed`` group (None: the default world), whose
+    global ranks are the plan's ranks; or a :class:`~.refit_group.RefitGroup`
+    spanning a trainer job and an engine job, whose refit ranks are.
+
     ``max_inflight`` rounds are posted before the oldest is waited on. Staging
     memory (:attr:`staging_bytes`): ``max_inflight`` send buckets per peer, plus
     on receivers the whole version with ``atomic=True`` (nothing is written
@@ -314,10 +318,9 @@ class ReshardExecutor:
         no tensor written) or whose ``verify`` gate fails.
         """
         if self._send_buf is None:
-            if dist.is_initialized():
-                # one collective before the first batch of P2P ops: NCCL then has the communicator on every
-                # rank of the group (PyTorch asks all ranks to join the first batch_isend_irecv)
-                dist.barrier(group=self.group)
+            # one collective before the first batch of P2P ops: NCCL then has the communicator on every
+            # rank of the group (PyTorch asks all ranks to join the first batch_isend_irecv)
+            group_barrier(self.group)
             self._allocate()
         start = time.perf_counter()
         if self.refresh is not None:
@@ -395,17 +398,17 @@ class ReshardExecutor:
                     view = buf[off:off + t.nbytes].view(self.tensors[t.src_run.local].dtype)
                     view.copy_(run_view(self.tensors[t.src_run.local], t.src_run).reshape(-1))
                 n = _bucket_nbytes(bucket)
-                ops.append(dist.P2POp(dist.isend, buf[:n], peer, group=self.group))
+                ops.append(("send", buf[:n], peer))
                 sent += n
         for peer, buckets in self.recv.items():
             if k < len(buckets):
                 bucket = buckets[k]
                 n = _bucket_nbytes(bucket)
                 buf = self._recv_buf[(peer, self._slot(k, recv=True))]
-                ops.append(dist.P2POp(dist.irecv, buf[:n], peer, group=self.group))
+                ops.append(("recv", buf[:n], peer))
                 staged.append((peer, buf, bucket))
                 received += n
-        reqs = dist.batch_isend_irecv(ops) if ops else []
+        reqs = batch_isend_irecv(ops, self.group) if ops else []
         return (k, reqs, staged), sent, received
 
     def _complete(self, posted, version: int, refused: list[str], staged: list) -> None:

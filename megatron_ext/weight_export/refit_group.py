@@ -1,0 +1,232 @@
+"""A process group for reshard refit that spans two jobs: a Megatron trainer and a separate inference engine.
+
+Each job keeps its own default ``torch.distributed`` world. :meth:`RefitGroup.join`
+builds one more group over a TCP store, outside both worlds, like the
+``broadcast`` transport's (:func:`~.transport.make_group`): refit rank 0 hosts
+the store; by convention the trainer's ranks are refit ranks ``0..T-1`` and the
+engine's ``T..T+E-1`` (the layouts' ``ranks`` say which is which). Plans and
+:class:`~.reshard.ReshardExecutor` use refit ranks; pass ``group=refit_group``.
+
+Every wait is bounded by ``timeout_s`` and fails with :class:`RefitGroupError`
+naming the refit ranks that did not arrive, so a missing job is an error, not a
+hang. The store also carries the small control messages of
+:mod:`~.remote_refit` (plan fingerprints, announced versions, acknowledgements):
+strings and integers only, nothing is unpickled.
+
+Point-to-point: gloo ``send`` / ``recv`` on the backend object; NCCL batched
+between the backend's coalescing calls, as ``torch.distributed.batch_isend_irecv``
+does for a registered group (:func:`_nccl_coalesced`).
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from .transport import make_group
+
+__all__ = ["RefitGroup", "RefitGroupError", "batch_isend_irecv", "group_barrier"]
+
+
+class RefitGroupError(RuntimeError):
+    """A refit peer is missing, died, or did not answer within the group's timeout."""
+
+
+def _missing(store, keys: list[str], ranks) -> list[int]:
+    return [r for r, k in zip(ranks, keys) if not store.check([k])]
+
+
+class RefitGroup:
+    """Refit ranks of a trainer job and an engine job in one group. Build it with :meth:`join`.
+
+    ``store`` is a namespaced view of the group's TCP store (control messages);
+    ``pg`` the gloo or NCCL backend object that moves the bytes.
+    """
+
+    def __init__(self, store, pg, rank: int, world_size: int, backend: str, device: torch.device,
+                 timeout_s: float, address: str, tcp_store=None):
+        self.store, self.pg, self.rank, self.world_size = store, pg, rank, world_size
+        self.backend, self.device, self.timeout_s, self.address = backend, device, timeout_s, address
+        self._tcp_store = tcp_store  # keeps the server alive on refit rank 0
+        self._counters: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ joining
+    @classmethod
+    def join(cls, host: str, port: int, rank: int, world_size: int, *, backend: str = "gloo",
+             device: torch.device | str | None = None, timeout_s: float = 120.0,
+             name: str = "refit") -> "RefitGroup":
+        """Join refit group ``name`` at ``host:port`` as refit rank ``rank`` of ``world_size``.
+
+        Refit rank 0 hosts the store at ``port`` (pick a port neither job's
+        default world uses). Every rank of both jobs calls this; it returns once
+        all ``world_size`` ranks joined with the same ``world_size`` and
+        ``backend``, and raises :class:`RefitGroupError` after ``timeout_s``
+        naming the ranks that did not. ``device``: where the refit's buffers
+        live (NCCL: this rank's GPU, default the current one; gloo: CPU).
+        """
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        device = torch.device(device)
+        if backend == "nccl":
+            if device.type != "cuda":
+                raise ValueError(f"backend 'nccl' needs a CUDA device, got {device}")
+            torch.cuda.set_device(device)  # NCCL's batched P2P needs the current device set
+        address = f"{host}:{port}"
+        timeout = datetime.timedelta(seconds=timeout_s)
+        try:
+            tcp = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout,
+                                wait_for_workers=False)
+        except (RuntimeError, dist.DistError) as exc:
+            what = (f"refit rank 0 could not host the refit group's store at {address} (port in use?)" if rank == 0
+                    else f"refit rank {rank} could not reach the refit group's store at {address} within "
+                         f"{timeout_s:g}s: refit rank 0 (the trainer's first rank) hosts it; is that job up?")
+            raise RefitGroupError(f"{what} ({exc})") from exc
+        store = dist.PrefixStore(f"megatron_ext_refit/{name}", tcp)
+        group = cls(store, None, rank, world_size, backend, device, timeout_s, address,
+                    tcp_store=tcp if rank == 0 else None)
+        if store.add(f"seat/{rank}", 1) > 1:
+            raise RefitGroupError(f"refit rank {rank} joined {address} twice: give every rank of both jobs its own "
+                                  f"refit rank (trainer 0..T-1, engine T..T+E-1)")
+        store.set(f"join/{rank}", f"{world_size} {backend}")
+        group.arrive("join", what=f"join the refit group at {address}")
+        mine = f"{world_size} {backend}"
+        peers = range(world_size) if rank == 0 else [0]
+        values = store.multi_get([f"join/{r}" for r in peers])
+        odd = [(r, v.decode()) for r, v in zip(peers, values) if v.decode() != mine]
+        if odd:
+            raise RefitGroupError(f"refit rank {rank} joined {address} with world_size/backend '{mine}', but "
+                                  + ", ".join(f"rank {r} with '{v}'" for r, v in odd))
+        group.pg = make_group(store, rank, world_size, backend, timeout_s)
+        return group
+
+    # ------------------------------------------------------------------ control
+    def next_tag(self, kind: str) -> str:
+        """A store key prefix unique to this call, the same on every rank that calls in the same order."""
+        n = self._counters.get(kind, 0)
+        self._counters[kind] = n + 1
+        return f"{kind}/{n}"
+
+    def wait_keys(self, keys: list[str], ranks, *, what: str, timeout_s: float | None = None) -> None:
+        """Wait until every key exists (``keys[i]`` is set by refit rank ``ranks[i]``); on
+        timeout raise :class:`RefitGroupError` naming the ranks whose key is missing."""
+        self._wait(keys, what, timeout_s, lambda: _missing(self.store, keys, ranks))
+
+    def arrive(self, kind: str, *, what: str, timeout_s: float | None = None) -> None:
+        """Every rank arrives at the same point (through the store, bounded by the timeout)."""
+        tag = self.next_tag(kind)
+        self.store.set(f"{tag}/{self.rank}", "1")
+        if self.store.add(f"{tag}/n", 1) == self.world_size:
+            self.store.set(f"{tag}/all", "1")
+        ranks = range(self.world_size)
+        self._wait([f"{tag}/all"], what, timeout_s,
+                   lambda: _missing(self.store, [f"{tag}/{r}" for r in ranks], ranks))
+
+    def _wait(self, keys, what, timeout_s, missing) -> None:
+        t = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            self.store.wait(keys, datetime.timedelta(seconds=t))
+            return
+        except (RuntimeError, dist.DistError) as exc:
+            err = exc
+        try:
+            absent = missing()
+        except (RuntimeError, dist.DistError):
+            raise RefitGroupError(f"refit rank {self.rank}: lost the refit group's store at {self.address} while "
+                                  f"waiting to {what}; did refit rank 0 (the trainer's first rank) exit?") from err
+        raise RefitGroupError(f"refit rank {self.rank}: refit ranks {absent} did not {what} within {t:g}s (group "
+                              f"at {self.address}, {self.world_size} ranks); is the other job running and calling "
+                              "the same refit steps?") from err
+
+    def barrier(self) -> None:
+        """All ranks reach the first refit (bounded); on NCCL one all-reduce then creates the communicator on
+        every rank, which PyTorch asks for before the first batch of point-to-point ops."""
+        self.arrive("barrier", what="reach the refit")
+        if self.backend == "nccl":
+            self.pg.allreduce([torch.zeros(1, device=self.device)]).wait()
+
+    # ------------------------------------------------------------ point-to-point
+    def batch_isend_irecv(self, ops: list[tuple[str, torch.Tensor, int]]) -> list:
+        """Post ``("send" | "recv", tensor, peer refit rank)`` ops; returns waitable requests."""
+        if self.backend == "nccl":
+            return [_Request(w, self, "the batched sends/receives") for w in _nccl_coalesced(self.pg, ops)]
+        out = []
+        for kind, t, peer in ops:
+            work = self.pg.send([t], peer, 0) if kind == "send" else self.pg.recv([t], peer, 0)
+            out.append(_Request(work, self, f"{kind} {'to' if kind == 'send' else 'from'} refit rank {peer}"))
+        return out
+
+    def close(self) -> None:
+        """Shut the backend down (NCCL frees its communicator) and drop this rank's store references (on
+        refit rank 0 the store's server stops with the last one). To recover from a failure, every rank
+        closes its group and joins again."""
+        if self.pg is not None and hasattr(self.pg, "shutdown"):
+            try:
+                self.pg.shutdown()
+            except RuntimeError:
+                pass
+        self.pg = self.store = self._tcp_store = None
+
+
+class _Request:
+    def __init__(self, work, group: RefitGroup, what: str):
+        self.work, self.group, self.what = work, group, what
+
+    def wait(self):
+        try:
+            self.work.wait()
+        except Exception as exc:  # gloo: peer gone or timed out; NCCL: communicator error
+            raise RefitGroupError(
+                f"refit rank {self.group.rank}: {self.what} failed ({exc}); the peer died, did not take part "
+                f"within {self.group.timeout_s:g}s, or cuts its buckets differently. Recreate the group "
+                "(RefitGroup.join) once both jobs are back.") from exc
+        return True
+
+
+def _nccl_coalesced(pg, ops) -> list:
+    """NCCL point-to-point ops in one group launch.
+
+    ``torch.distributed.batch_isend_irecv`` does this for a registered group:
+    ``_coalescing_manager`` calls ``ProcessGroup._start_coalescing(device)``,
+    issues each op, and ``_end_coalescing(device)`` returns one work (torch
+    2.10-2.14). A standalone backend object is not registered with
+    ``torch.distributed``, so its own ``_start_coalescing()`` /
+    ``_end_coalescing()`` bindings, which the ``ProcessGroup`` ones forward
+    to, are called here. They are private; this is the only place that uses them.
+    """
+    start, end = getattr(pg, "_start_coalescing", None), getattr(pg, "_end_coalescing", None)
+    if start is None or end is None:
+        raise RuntimeError(f"torch {torch.__version__}: the NCCL backend object has no _start_coalescing/"
+                           "_end_coalescing; batched point-to-point on a RefitGroup needs torch 2.10-2.14 "
+                           "(or use backend='gloo')")
+    start()
+    try:
+        for kind, t, peer in ops:
+            (pg.send if kind == "send" else pg.recv)([t], peer, 0)
+    finally:
+        work = end()
+    return [work] if work is not None else []
+
+
+def batch_isend_irecv(ops: list[tuple[str, torch.Tensor, int]], group) -> list:
+    """``("send" | "recv", tensor, peer)`` ops on ``group``: a :class:`RefitGroup`, or a
+    ``torch.distributed`` group (None: the default world; peers are global ranks)."""
+    if isinstance(group, RefitGroup):
+        return group.batch_isend_irecv(ops)
+    return dist.batch_isend_irecv([dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, peer, group=group)
+                                   for kind, t, peer in ops])
+
+
+def group_barrier(group) -> None:
+    """Before the first batch of point-to-point ops: every rank of ``group`` is there."""
+    if isinstance(group, RefitGroup):
+        group.barrier()
+    elif dist.is_initialized():
+        dist.barrier(group=group)

@@ -1,0 +1,216 @@
+"""Reshard refit between a trainer job and a separate engine job, over a :class:`~.refit_group.RefitGroup`.
+
+Both sides build the same plan from the same two layouts (the trainer's at
+refit ranks ``0..T-1``, the engine's at ``T..T+E-1``)::
+
+    # trainer job, every rank
+    group = wx.RefitGroup.join(host, port, rank=dist.get_rank(), world_size=T + E, backend="nccl")
+    refit = wx.TrainerRefit(group, src, dst, wx.megatron_tensors(model))
+    refit.refit(version)                    # after each optimizer step that should reach the engine
+    refit.close()                           # the engine's serve() loop returns
+
+    # engine job, every worker
+    group = wx.RefitGroup.join(host, port, rank=T + engine_rank, world_size=T + E, backend="nccl")
+    refit = wx.EngineRefit(group, src, dst, load_weights=model.load_weights)   # or tensors=<its own params>
+    refit.refit()                           # waits for the trainer's next version, then loads it
+
+The trainer's first refit rank announces each version through the store before
+the bytes move; an engine rank that calls :meth:`EngineRefit.refit` without a
+version takes the announced one, and one that names a version refuses any other
+(:class:`~.reshard.RefitRejected`, reason ``"version"``, its tensors untouched).
+When the helpers are built, every rank checks that all ranks run the same plan
+and bucket size (fingerprints through the store) and raises
+:class:`~.reshard.RefitRejected` (reason ``"plan"``) on every rank if not.
+After each refit an engine rank acknowledges the version it holds
+(:meth:`TrainerRefit.engine_versions`). Every wait is bounded
+(:class:`~.refit_group.RefitGroupError` names the ranks that did not come).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+
+from .layout import Layout
+from .refit_group import RefitGroup, RefitGroupError
+from .reshard import RefitGate, RefitRejected, RefitStats, ReshardExecutor
+from .reshard_plan import build_reshard_plan
+
+__all__ = ["EngineRefit", "TrainerRefit"]
+
+_CLOSE = "close"
+
+
+class _RemoteRefit:
+    def __init__(self, group: RefitGroup, src: Layout, dst: Layout, tensors: dict[str, torch.Tensor], *,
+                 bucket_bytes: int, max_inflight: int, atomic: bool):
+        outside = sorted(r for r in (*src.ranks, *dst.ranks) if not 0 <= r < group.world_size)
+        if outside:
+            raise ValueError(f"layout ranks {outside} are not refit ranks of this group (0..{group.world_size - 1}); "
+                             "build the layouts with ranks= the refit ranks (trainer 0..T-1, engine T..T+E-1)")
+        if not src.ranks:
+            raise ValueError("the trainer layout has no ranks")
+        self.group, self.src, self.dst, self.rank = group, src, dst, group.rank
+        self.plan = build_reshard_plan(src, dst)
+        self.executor = ReshardExecutor(self.plan, self.rank, tensors, group=group, bucket_bytes=bucket_bytes,
+                                        atomic=atomic, max_inflight=max_inflight)
+        self.tensors = tensors
+        self.announcer = min(src.ranks)  # the trainer rank that announces versions
+        self.tag = group.next_tag("refit")
+        self.seq = 0  # refits so far: the same count on every rank
+        self._check_plans()
+
+    def _check_plans(self) -> None:
+        """Every rank runs the same plan and bucket size; if not, every rank raises (nobody waits on a
+        peer that will never send)."""
+        g, tag = self.group, self.tag
+        g.store.set(f"{tag}/plan/{self.rank}", str(self.executor.wire_id))
+        g.arrive("plan", what="build its reshard plan")
+        ref = int(g.store.get(f"{tag}/plan/{self.announcer}"))
+        if ref != self.executor.wire_id:
+            g.store.set(f"{tag}/odd/{self.rank}", "1")
+            g.store.add(f"{tag}/odd", 1)
+        g.arrive("plan-check", what="check the reshard plans")
+        if g.store.add(f"{tag}/odd", 0):
+            odd = [r for r in range(g.world_size) if g.store.check([f"{tag}/odd/{r}"])]
+            raise RefitRejected(
+                f"refit rank {self.rank}: refit ranks {odd} run another reshard plan or bucket size than refit rank "
+                f"{self.announcer} (the trainer): build the same trainer and engine layouts (specs, TP/PP/DP/EP, "
+                "ranks, vocab padding) and the same bucket_bytes on both sides", reason="plan")
+
+    @property
+    def version(self) -> int | None:
+        """The version this rank's engine tensors hold (None: none accepted)."""
+        return self.executor.version
+
+
+class TrainerRefit(_RemoteRefit):
+    """The trainer's side: every trainer rank builds one with its Megatron tensors
+    (:func:`~.reshard.megatron_tensors`) and calls :meth:`refit` for each version.
+
+    ``src``: the trainer's layout (refit ranks ``0..T-1``); ``dst``: the engine's
+    (refit ranks ``T..``); both built exactly as the engine builds them.
+    """
+
+    def __init__(self, group: RefitGroup, src: Layout, dst: Layout, tensors: dict[str, torch.Tensor], *,
+                 bucket_bytes: int = 64 << 20, max_inflight: int = 2, atomic: bool = True):
+        super().__init__(group, src, dst, tensors, bucket_bytes=bucket_bytes, max_inflight=max_inflight,
+                         atomic=atomic)
+        self._last: int | None = None  # the last refit's sequence number
+
+    def _announce(self, value: str) -> None:
+        if self.rank == self.announcer:
+            self.group.store.set(f"{self.tag}/v/{self.seq}", value)
+
+    def refit(self, version: int, *, source_version: int | dict[str, int | None] | None = None) -> RefitStats:
+        """Announce ``version`` to the engine and send this rank's share of it (every trainer rank calls it).
+        ``source_version``: as :meth:`~.reshard.ReshardExecutor.refit` (the version the bytes really hold)."""
+        if not isinstance(version, int) or version < 0:
+            raise ValueError(f"version must be an int >= 0, got {version!r}")
+        self._announce(str(version))
+        seq, self.seq = self.seq, self.seq + 1
+        self._last = seq
+        return self.executor.refit(version, source_version=source_version)
+
+    def engine_versions(self, timeout_s: float | None = None) -> dict[int, int | None]:
+        """After :meth:`refit`: the version each engine rank holds once it finished (and loaded) that refit
+        (None: none accepted). A rank that refused keeps its previous version. Bounded by ``timeout_s``."""
+        seq = self._last
+        if seq is None:
+            raise RuntimeError("engine_versions() needs a refit() first")
+        ranks = list(self.dst.ranks)
+        keys = [f"{self.tag}/ack/{seq}/{r}" for r in ranks]
+        self.group.wait_keys(keys, ranks, what=f"acknowledge refit {seq}", timeout_s=timeout_s)
+        return {r: _version(v) for r, v in zip(ranks, self.group.store.multi_get(keys))}
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Tell the engine that no more versions come (its :meth:`EngineRefit.serve` returns) and wait, up
+        to ``timeout_s``, until every engine rank has seen it (refit rank 0 hosts the store: it must outlive
+        the engine's last read)."""
+        self._announce(_CLOSE)
+        seq, self.seq = self.seq, self.seq + 1
+        ranks = list(self.dst.ranks)
+        self.group.wait_keys([f"{self.tag}/ack/{seq}/{r}" for r in ranks], ranks, what="see the refit's close",
+                             timeout_s=timeout_s)
+
+
+class EngineRefit(_RemoteRefit):
+    """The engine's side: join the refit group, then :meth:`refit` each time the trainer announces a version.
+
+    ``tensors``: the engine's own local tensors under the layout's names
+    (vLLM-style ``qkv_proj`` / ``gate_up_proj`` shards), written in place; None
+    allocates them on ``group.device``. ``load_weights``: called after each
+    accepted version with the rank's whole HF tensors
+    (``dst.hf_tensors(rank, tensors)``, views into ``tensors``), e.g. a vLLM or
+    HF model's ``load_weights``; a TP-sharded tensor is not whole, so with
+    engine TP > 1 write in place instead (pass the engine's tensors).
+    """
+
+    def __init__(self, group: RefitGroup, src: Layout, dst: Layout, tensors: dict[str, torch.Tensor] | None = None,
+                 *, load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object] | None = None,
+                 bucket_bytes: int = 64 << 20, max_inflight: int = 2, atomic: bool = True):
+        if tensors is None:
+            tensors = {n: torch.empty(lt.shape, dtype=lt.dtype, device=group.device)
+                       for n, lt in dst.tensors.get(group.rank, {}).items()}
+        self.load_weights = load_weights
+        super().__init__(group, src, dst, tensors, bucket_bytes=bucket_bytes, max_inflight=max_inflight,
+                         atomic=atomic)
+
+    def next_version(self, timeout_s: float | None = None) -> int | None:
+        """Wait for the trainer's next announcement: a version, or None when the trainer closed."""
+        key = f"{self.tag}/v/{self.seq}"
+        self.group.wait_keys([key], [self.announcer], what=f"announce refit {self.seq}", timeout_s=timeout_s)
+        value = self.group.store.get(key).decode()
+        return None if value == _CLOSE else int(value)
+
+    def refit(self, version: int | None = None, *, timeout_s: float | None = None,
+              verify: RefitGate | None = None) -> RefitStats:
+        """Receive the trainer's next version and load it.
+
+        Waits up to ``timeout_s`` (default: the group's) for the trainer's
+        announcement. ``version=None`` takes the announced version; a given
+        version refuses any other (:class:`~.reshard.RefitRejected`, reason
+        ``"version"``, tensors untouched; still in step with the trainer).
+        ``verify``: a :class:`~.reshard.RefitGate`, as in the executor.
+        """
+        announced = self.next_version(timeout_s)
+        if announced is None:
+            raise RefitGroupError(f"refit rank {self.rank}: the trainer closed the refit (no version {self.seq})")
+        want = announced if version is None else version
+        seq, self.seq = self.seq, self.seq + 1
+        try:
+            stats = self.executor.refit(want, verify=verify)
+            if self.load_weights is not None and self.rank in self.dst.ranks:
+                try:
+                    self.load_weights(self.dst.hf_tensors(self.rank, self.tensors))
+                except BaseException:
+                    self.executor.version = None  # the engine's model holds no complete version
+                    raise
+        finally:
+            self._ack(seq)
+        return stats
+
+    def serve(self, on_version: Callable[[RefitStats], object] | None = None, *,
+              timeout_s: float | None = None) -> int | None:
+        """Refit every announced version until the trainer closes; returns the last version held.
+        ``timeout_s`` bounds the wait for each announcement (the trainer's time between refits)."""
+        while True:
+            if self.next_version(timeout_s) is None:
+                self._ack(self.seq)
+                self.seq += 1
+                return self.version
+            stats = self.refit(timeout_s=timeout_s)
+            if on_version is not None:
+                on_version(stats)
+
+    def _ack(self, seq: int) -> None:
+        store = self.group.store
+        store.set(f"{self.tag}/ack/{seq}/{self.rank}", str(-1 if self.version is None else self.version))
+        if seq:
+            store.delete_key(f"{self.tag}/ack/{seq - 1}/{self.rank}")
+
+
+def _version(raw: bytes) -> int | None:
+    v = int(raw)
+    return None if v < 0 else v
