@@ -304,12 +304,12 @@ def bench_collectives(quick, reps, use_graphs):
                     row.update(policy_dtype_symmetric=dd.symmetric,
                                policy_dtype_ratio=row["policy_dtype_us"] / row["plain_us"])
                 policy_rows.append(row)
-                del variants, plain
                 _log(f"policy {collective:<15}{dname:<5}{nbytes / MIB:>8.2f} MiB "
                      f"[{'S' if d.symmetric else 'P'}] {row['policy_ratio']:.3f}x plain time "
                      f"(symk={row['policy_symk']})"
                      + (f"  per-dtype [{'S' if dd.symmetric else 'P'}] {row['policy_dtype_ratio']:.3f}x"
                         if "policy_dtype" in variants else ""))
+                del variants, plain
     return dict(collectives=rows, policy=policy_rows, recommended_bands=bands,
                 recommended_bands_per_dtype=dtype_bands,
                 policy_worst_vs_plain=max(r["policy_ratio"] for r in policy_rows),
