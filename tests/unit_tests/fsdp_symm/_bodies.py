@@ -137,7 +137,8 @@ def ddp_parity(distopt, microbatches, steps, avg, staged_variant, mode):
     del base_ddp
     mid = sizes[len(sizes) // 2]
     pmid = psizes[len(psizes) // 2] if psizes else 0
-    cfg = SymmMemConfig(mode=mode, all_reduce_max_bytes=mid, reduce_scatter_max_bytes=mid,
+    cfg = SymmMemConfig(mode=mode, all_reduce_min_bytes=0, all_reduce_max_bytes=mid,
+                        reduce_scatter_min_bytes=0, reduce_scatter_max_bytes=mid,
                         all_gather_min_bytes=0, all_gather_max_bytes=pmid)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -265,7 +266,7 @@ def fsdp_parity(microbatches, steps, mode, max_bytes):
     base, _ = train_fsdp(model, opt, steps, microbatches)
     del model, opt
     cfg = SymmMemConfig(mode=mode, all_gather_min_bytes=0, all_gather_max_bytes=max_bytes,
-                        reduce_scatter_max_bytes=max_bytes)
+                        reduce_scatter_min_bytes=0, reduce_scatter_max_bytes=max_bytes)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model, opt = _fsdp_model("ours", cfg)
@@ -296,7 +297,7 @@ def fsdp_standin_parity(microbatches, steps, max_bytes):
     fsdp.SymmetricMemory = _PlainStandIn
     fsdp.SymmFsdpParameterGroup._unsupported_layout = lambda self, placements: None
     cfg = SymmMemConfig(mode="auto", all_gather_min_bytes=0, all_gather_max_bytes=max_bytes,
-                        reduce_scatter_max_bytes=max_bytes)
+                        reduce_scatter_min_bytes=0, reduce_scatter_max_bytes=max_bytes)
     model, opt = _fsdp_model("ours", cfg)
     groups = _fsdp_groups(model)
     staged, _ = train_fsdp(model, opt, steps, microbatches)
@@ -415,12 +416,14 @@ def staged_models_lifecycle(builds, steps):
         ddp_windows.append(_windows_by_group())
         freed.append(release_symmetric_memory(ddp))
         del ddp
-    fsdp_windows = []
+    fsdp_windows = []  # (group, windows before construction, after it, after training)
     for _ in range(2):
+        before = _windows_by_group()
         model, opt = _fsdp_model("ours", SymmMemConfig(mode="on", report=False))
         group = _fsdp_groups(model)[0].symm.group_name
+        built = _windows_by_group()[group]
         train_fsdp(model, opt, steps, 1)
-        fsdp_windows.append((group, _windows_by_group()[group]))
+        fsdp_windows.append((group, before.get(group, 0), built, _windows_by_group()[group]))
         release_symmetric_memory(model)
         del model, opt
     kept, _ = _build_ddp("symm", True, True, cfg)

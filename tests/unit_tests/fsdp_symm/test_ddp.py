@@ -113,8 +113,12 @@ def test_nccl_staged_models_built_and_released_in_one_process_reuse_their_window
         assert r["ddp_windows"][0] and all(w == r["ddp_windows"][0] for w in r["ddp_windows"]), \
             r["ddp_windows"]
         assert all(f > 0 for f in r["freed"])
-        (g1, w1), (g2, w2) = r["fsdp_windows"]
-        assert w1 > 0 and (g1 != g2 or w2 == w1), r["fsdp_windows"]
+        # FSDP: the second model's staged buffers reuse the released segments
+        # (construction registers no window); its unshard and gradient buffers
+        # come from the new model's own CUDA streams, whose blocks the caching
+        # allocator does not share with the old streams, so training may add some.
+        (g1, _, built1, _), (g2, before2, built2, _) = r["fsdp_windows"]
+        assert built1 > 0 and g1 == g2 and built2 == before2, r["fsdp_windows"]
         # Pools diverged (model released on rank 0 only): every rank fell back to
         # plain for the mismatched buffers, said so, and trained like the others.
         plain = [d for _, d in r["decisions"] if not d.symmetric]
