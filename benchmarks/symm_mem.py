@@ -25,7 +25,8 @@ candidate defaults of ``megatron_ext/fsdp_symm/config.py``), against plain.
 Part 2, training steps whose communication is exposed (small batch, no
 overlap), each model family in its own 2-rank job: experimental FSDP (upstream
 plain, upstream ``use_symm_mem=True``, ours auto with the derived bands, ours
-on) and Megatron DDP (plain, ours auto, ours on), ms/step (median, min, max of
+on) and Megatron DDP (plain, ours auto, ours on; auto with the derived bf16 and
+fp32 bands when part 1 ran, else the shipped defaults), ms/step (median, min, max of
 repetitions) and the NCCL kernels of one profiled step. Staged models are freed
 with ``release_symmetric_memory`` between variants.
 
@@ -278,8 +279,8 @@ def bench_collectives(quick, reps, use_graphs):
                      f"{row['symmetric_kernels'][:1]}")
     bands = recommend_bands(rows)
     dtype_bands = {d: recommend_bands(rows, dtypes=(d,)) for d in DTYPES}
-    cfg = config_from_bands(bands)
-    dtype_cfg = {d: config_from_bands(b) for d, b in dtype_bands.items()}
+    cfg = config_from_bands(bands, bands)  # one band for both dtypes
+    dtype_cfg = {d: config_from_bands(b, b) for d, b in dtype_bands.items()}
     _log("recommended bands (MiB):", _mib_bands(bands))
     for d, b in dtype_bands.items():
         _log(f"  {d} only:", _mib_bands(b))
@@ -350,14 +351,16 @@ def recommend_bands(rows, tolerance=0.01, key="us", dtypes=None):
     return bands
 
 
-def config_from_bands(bands, **kwargs):
-    """A ``SymmMemConfig`` whose auto bands are ``bands`` (``None``: never symmetric)."""
+def config_from_bands(bands, fp32_bands=None, **kwargs):
+    """A ``SymmMemConfig`` whose auto bands are ``bands`` (``None``: never
+    symmetric), and ``fp32_bands`` for float32 buffers when given."""
     from megatron_ext.fsdp_symm import SymmMemConfig
 
     fields = {}
-    for name, band in bands.items():
-        lo, hi = band if band is not None else (0, 0)
-        fields.update({f"{name}_min_bytes": lo, f"{name}_max_bytes": hi})
+    for prefix, table in (("", bands), ("fp32_", fp32_bands or {})):
+        for name, band in table.items():
+            lo, hi = band if band is not None else (0, 0)
+            fields.update({f"{name}_{prefix}min_bytes": lo, f"{name}_{prefix}max_bytes": hi})
     return SymmMemConfig(**fields, **kwargs)
 
 
@@ -414,7 +417,7 @@ def fsdp_rank(width, layers, batch, steps, reps, bands):
 
     mesh = init_device_mesh("cuda", (dist.get_world_size(),))
     placements = Placements(dp_axes=[0], parameter=[Flat()], gradient=[Flat()], optimizer=[Flat()])
-    auto = config_from_bands(bands, report=False) if bands else SymmMemConfig(report=False)
+    auto = config_from_bands(*bands, report=False) if bands else SymmMemConfig(report=False)
     out = {}
     for variant in ("upstream plain", "upstream use_symm_mem", "ours (auto)", "ours (on)"):
         try:
@@ -476,7 +479,7 @@ def ddp_rank(hidden, layers, bucket_mib, distopt, steps, reps, bands):
     spec = tiny_gpt.TinyGPTSpec(num_layers=layers, hidden_size=hidden, num_attention_heads=16,
                                 ffn_hidden_size=4 * hidden, vocab_size=8192, seq_length=128,
                                 micro_batch_size=1)
-    auto = config_from_bands(bands, report=False) if bands else SymmMemConfig(report=False)
+    auto = config_from_bands(*bands, report=False) if bands else SymmMemConfig(report=False)
     out = {}
     for variant in ("plain", "ours (auto)", "ours (on)"):
         try:
@@ -570,7 +573,10 @@ def main():
         if "error" not in value:
             result.pop("collectives_part")
             result.update(value)
-            bands = value["recommended_bands"]
+            # Steps use the bands as the config ships them: the bf16 band for
+            # every dtype but float32, which gets its own.
+            per_dtype = value["recommended_bands_per_dtype"]
+            bands = (per_dtype["bf16"], per_dtype["fp32"])
             _log_summary(value)
     result["step_bands"] = bands
     if "fsdp" in parts:
