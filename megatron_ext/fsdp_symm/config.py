@@ -21,12 +21,11 @@ _MIB = 1 << 20
 # (benchmarks/results/symm_mem_2xH200_run3_graphs.json; docs/fsdp_symm.md).
 # DEFAULT_BANDS hold for bf16 (and are used for every dtype but float32);
 # float32 reductions win over a wider range, so they have their own bands.
-# Measured plain/symmetric time ratios, bf16 | fp32:
-#   all-gather      0.93-1.16 | 0.86-1.11 below 2 MiB (0.5 MiB loses), 1.02-1.43 for
-#                   1-64 MiB, 0.91-0.97 above
-#   reduce-scatter  0.71-0.99 below 2 MiB; bf16 1.06-1.11 at 2-4 MiB, 0.92-0.96 at
+# Measured plain/symmetric time ratios:
+#   all-gather      0.86-1.01 below 1 MiB, 1.02-1.43 at 1-64 MiB, 0.91-0.97 above
+#   reduce-scatter  0.71-1.01 below 2 MiB; bf16 1.06-1.11 at 2-4 MiB, 0.92-0.96 at
 #                   8-32 MiB; fp32 1.02-1.26 at 2-32 MiB; 0.71-0.91 from 64 MiB
-#   all-reduce      0.75-1.06 below 2 MiB; bf16 1.00-1.27 at 2-8 MiB, 0.93 at
+#   all-reduce      0.74-1.06 below 2 MiB; bf16 1.00-1.27 at 2-8 MiB, 0.93-0.94 at
 #                   16-32 MiB; fp32 1.06-1.37 at 2-32 MiB; 0.73-0.91 from 64 MiB
 DEFAULT_BANDS: dict[str, tuple[int, int]] = {
     "all_gather": (1 * _MIB, 64 * _MIB),
