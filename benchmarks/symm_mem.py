@@ -1,19 +1,34 @@
 """Benchmark NCCL symmetric-memory staging on 2 GPUs: collectives and training steps.
 
-    python benchmarks/symm_mem.py [--out symm_mem.json] [--quick]
+    python benchmarks/symm_mem.py [--out symm_mem.json] [--quick] [--parts collectives,fsdp,ddp]
 
 Part 1, collectives: all-gather, reduce-scatter and all-reduce, bf16 and fp32,
-full-buffer sizes 256 KiB .. 512 MiB. Each point times the same collective on
-plain buffers, on symmetric buffers (send and receive both from the pool and
-registered), and on the buffers the default policy picks, interleaved, with CUDA
-events around many back-to-back calls (median of several repetitions). The
-profiler records whether an ``ncclSymk`` kernel ran for each variant. From the
-measurements it derives the size band per collective where symmetric memory is
-not slower for either dtype (the defaults in ``megatron_ext/fsdp_symm/config.py``).
+full-buffer sizes 256 KiB .. 512 MiB, plain buffers vs symmetric buffers (send
+and receive both from the pool and registered). Launch-free timing: for every
+(collective, dtype, size, variant) N back-to-back collectives are captured into
+a CUDA graph; each timed replay starts after a barrier and a device sync on
+both ranks, and the per-call time is the replay's CUDA-event time over N, the
+smaller of the two ranks' (the rank that arrived last never waited for its
+peer). Variants are interleaved; median, min and max of the repetitions are
+reported, with back-to-back eager timings beside them. The profiler checks
+which kernels ran inside the replays (``ncclSymk*`` for symmetric buffers, none
+for plain ones); a point whose capture fails, or whose symmetric replay did not
+run a symmetric kernel, falls back to eager timing and says so.
+``NCCL_GRAPH_REGISTER=0`` keeps NCCL from registering the plain buffers of a
+captured graph, so plain replays run the kernels plain eager calls run.
 
-Part 2, training steps whose communication is exposed (small batch, no overlap):
-experimental FSDP (upstream plain, upstream ``use_symm_mem=True``, ours) and
-Megatron DDP (plain, ours), ms/step and kernel counts.
+From these timings the benchmark derives the size band per collective where
+symmetric buffers are not slower than plain for either dtype (and per dtype),
+then measures the policy column the same way with the derived bands (the
+candidate defaults of ``megatron_ext/fsdp_symm/config.py``), against plain.
+
+Part 2, training steps whose communication is exposed (small batch, no
+overlap), each model family in its own 2-rank job: experimental FSDP (upstream
+plain, upstream ``use_symm_mem=True``, ours auto with the derived bands, ours
+on) and Megatron DDP (plain, ours auto, ours on; auto with the derived bf16 and
+fp32 bands when part 1 ran, else the shipped defaults), ms/step (median, min, max of
+repetitions) and the NCCL kernels of one profiled step. Staged models are freed
+with ``release_symmetric_memory`` between variants.
 
 Prints tables and writes JSON. Needs 2 GPUs (NCCL_NVLS_ENABLE=0 on our 2xH200).
 """
@@ -21,8 +36,10 @@ Prints tables and writes JSON. Needs 2 GPUs (NCCL_NVLS_ENABLE=0 on our 2xH200).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
+import socket
 import statistics
 import sys
 import time
@@ -37,6 +54,7 @@ SIZES = [MIB // 4, MIB // 2, MIB, 2 * MIB, 4 * MIB, 8 * MIB, 16 * MIB, 32 * MIB,
          64 * MIB, 128 * MIB, 256 * MIB, 512 * MIB]
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+GRAPH_TARGET_US = 3000.0  # per replay: long enough to amortize the start, short enough to repeat
 
 
 def _log(*a):
@@ -44,6 +62,7 @@ def _log(*a):
         print(*a, flush=True)
 
 
+# ------------------------------------------------------------------ timing
 def _time(fn, iters, reps):
     """Median over ``reps`` of the mean time of ``iters`` back-to-back calls (us)."""
     out = []
@@ -58,6 +77,55 @@ def _time(fn, iters, reps):
     return statistics.median(out)
 
 
+def _calls_per_graph(nbytes):
+    est_us = 10.0 + nbytes / 300e3  # ~300 GB/s bus bandwidth at large sizes
+    return int(min(100, max(8, round(GRAPH_TARGET_US / est_us))))
+
+
+def _capture(fn, n):
+    """A CUDA graph of ``n`` back-to-back calls of ``fn``, or the error text."""
+    try:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(n):
+                fn()
+        g.replay()  # one untimed replay: first-launch costs stay out of the numbers
+        torch.cuda.synchronize()
+        return g
+    except Exception as exc:  # noqa: BLE001 - reported, then eager timing
+        torch.cuda.synchronize()
+        return f"{type(exc).__name__}: {exc}"
+
+
+def _aligned_replays(graphs: dict, reps: int) -> dict:
+    """Per-call time (us) of each ``name -> (graph, n)``, ``reps`` interleaved
+    repetitions; each replay starts after a barrier + device sync on both ranks
+    and counts as the smaller of the two ranks' event times."""
+    names = list(graphs)
+    times = {n: [] for n in names}
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for rep in range(reps):
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            g, n = graphs[name]
+            torch.cuda.synchronize()
+            dist.barrier()
+            torch.cuda.synchronize()
+            s.record()
+            g.replay()
+            e.record()
+            e.synchronize()
+            times[name].append(s.elapsed_time(e) * 1e3 / n)
+    t = torch.tensor([times[n] for n in names], dtype=torch.float64, device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return {n: t[i].tolist() for i, n in enumerate(names)}
+
+
+def _stats(values):
+    med = statistics.median(values)
+    return dict(median=med, min=min(values), max=max(values), spread=(max(values) - min(values)) / med)
+
+
+# ------------------------------------------------------------------ buffers, kernels
 def _buffers(collective, nbytes, dtype, ws, symm):
     numel = nbytes // dtype.itemsize
     numel -= numel % ws
@@ -66,10 +134,23 @@ def _buffers(collective, nbytes, dtype, ws, symm):
     if symm is None:
         send = torch.randn(shapes[0], device="cuda").to(dtype)
         recv = torch.empty(shapes[1], device="cuda", dtype=dtype)
-    else:
-        send = symm.empty(shapes[0], dtype)
-        send.copy_(torch.randn(shapes[0], device="cuda"))
-        recv = send if collective == "all_reduce" else symm.empty(shapes[1], dtype)
+        return send, recv
+    from megatron_ext.fsdp_symm import SymmetricPlacementMismatch
+
+    for attempt in range(3):
+        try:
+            # check=True: the same place of the pool on both ranks, or an error
+            # on both (then let pending frees land and try again).
+            send = symm.empty(shapes[0], dtype, check=True)
+            recv = send if collective == "all_reduce" else symm.empty(shapes[1], dtype, check=True)
+            break
+        except SymmetricPlacementMismatch:
+            if attempt == 2:
+                raise
+            send = recv = None
+            time.sleep(0.5)
+            _quiesce()
+    send.copy_(torch.randn(shapes[0], device="cuda"))
     return send, recv
 
 
@@ -81,58 +162,94 @@ def _op(collective, send, recv):
     return lambda: dist.all_reduce(send, op=dist.ReduceOp.SUM)
 
 
-def _series_kernels(pairs):
-    """Kernel names of one call of each (plain, symmetric) pair, from one profiler
-    session; the calls are serialized, so kernels map to calls by start time."""
+def _nccl_events(prof):
+    return sorted((e for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and "nccl" in e.name.lower()),
+                  key=lambda e: e.time_range.start)
+
+
+def _kernel_names(calls):
+    """Kernel names of each ``(fn, n_kernels)`` run once, in one profiler
+    session when the kernels map to the calls by count, else one session each."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for plain, sym in pairs:
-            plain()
+        for fn, _ in calls:
+            fn()
             torch.cuda.synchronize()
-            sym()
+    names = [e.name.split("(")[0] for e in _nccl_events(prof)]
+    if len(names) == sum(n for _, n in calls):
+        out, i = [], 0
+        for _, n in calls:
+            out.append(sorted(set(names[i:i + n])))
+            i += n
+        return out
+    out = []
+    for fn, _ in calls:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
             torch.cuda.synchronize()
-    names = _nccl_names(prof)
-    if len(names) == 2 * len(pairs):
-        return [([names[2 * i]], [names[2 * i + 1]]) for i in range(len(pairs))]
-    out = []  # not one kernel per call: profile each call on its own
-    for plain, sym in pairs:
-        got = []
-        for fn in (plain, sym):
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                fn()
-                torch.cuda.synchronize()
-            got.append(_nccl_names(prof))
-        out.append(tuple(got))
+        out.append(sorted({e.name.split("(")[0] for e in _nccl_events(prof)}))
     return out
 
 
-def _kernel_us(fn, iters=20):
-    """Median device duration (us) of the NCCL kernels of ``iters`` back-to-back
-    calls, from the profiler: the collective's own cost, without the host
-    launch overhead that dominates CUDA-event timings of small collectives."""
-    from torch.profiler import ProfilerActivity, profile
+def _symk(names):
+    return any("symk" in n.lower() for n in names)
 
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
+
+# ------------------------------------------------------------------ part 1
+def _measure_point(collective, dname, dtype, nbytes, ws, variants, reps, use_graphs):
+    """Time ``variants`` (name -> buffers or None for a symmetric alias) at one point."""
+    fns = {name: _op(collective, *bufs) for name, bufs in variants.items()}
+    for fn in fns.values():
+        for _ in range(3):
             fn()
-        torch.cuda.synchronize()
-    durations = [e.time_range.elapsed_us() for e in prof.events()
-                 if e.device_type == torch.autograd.DeviceType.CUDA and "nccl" in e.name.lower()]
-    return statistics.median(durations) if durations else float("nan")
+    torch.cuda.synchronize()
+    n = _calls_per_graph(nbytes)
+    row = dict(collective=collective, dtype=dname, nbytes=nbytes, calls_per_replay=n)
+    graphs, errors = {}, {}
+    if use_graphs:
+        for name, fn in fns.items():
+            g = _capture(fn, n)
+            (graphs.__setitem__ if not isinstance(g, str) else errors.__setitem__)(name, g)
+    if errors:
+        row["graph_error"] = errors
+    eager = {name: _time(fn, n, 3) for name, fn in fns.items()}
+    for name in fns:
+        row[f"eager_{name}_us"] = eager[name]
+    calls = [(fns[name], 1) for name in fns] + [(graphs[name].replay, n) for name in graphs]
+    names = _kernel_names(calls)
+    for name, kn in zip(fns, names[:len(fns)]):
+        row[f"eager_{name}_kernels"] = kn
+    for name, kn in zip(graphs, names[len(fns):]):
+        row[f"graph_{name}_kernels"] = kn
+    # Graph timing only where every variant captured and the graph ran the same
+    # kind of kernel as the eager call (symmetric or not).
+    ok = len(graphs) == len(fns) and all(
+        _symk(row[f"graph_{k}_kernels"]) == _symk(row[f"eager_{k}_kernels"]) for k in graphs)
+    if ok:
+        times = _aligned_replays({k: (graphs[k], n) for k in fns}, reps)
+        row["timing"] = "graph"
+    else:
+        times = {k: [] for k in fns}
+        for _ in range(reps):
+            for k, fn in fns.items():
+                times[k].append(_time(fn, n, 1))
+        row["timing"] = "eager" + ("" if len(graphs) == len(fns) else " (capture failed)")
+    for k, v in times.items():
+        st = _stats(v)
+        row[f"{k}_us"] = st["median"]
+        row[f"{k}_us_min"], row[f"{k}_us_max"], row[f"{k}_spread"] = st["min"], st["max"], st["spread"]
+        row[f"{k}_reps_us"] = v
+        row[f"{k}_kernels"] = row.get(f"graph_{k}_kernels") if ok else row[f"eager_{k}_kernels"]
+    del graphs
+    torch.cuda.synchronize()
+    return row
 
 
-def _nccl_names(prof):
-    events = sorted((e for e in prof.events()
-                     if e.device_type == torch.autograd.DeviceType.CUDA and "nccl" in e.name.lower()),
-                    key=lambda e: e.time_range.start)
-    return [e.name.split("(")[0] for e in events]
-
-
-def bench_collectives(quick):
-    from megatron_ext.fsdp_symm import SymmMemConfig, decide
+def bench_collectives(quick, reps, use_graphs):
+    from megatron_ext.fsdp_symm import decide
     from megatron_ext.fsdp_symm.capability import probe
     from megatron_ext.fsdp_symm.memory import SymmetricMemory
 
@@ -141,67 +258,85 @@ def bench_collectives(quick):
     cap = probe(group)
     _log(f"capability: {cap}")
     symm = SymmetricMemory(torch.device("cuda", torch.cuda.current_device()), group)
-    policy = SymmMemConfig()
     sizes = SIZES[::3] if quick else SIZES
     rows = []
+    # Phase A: plain vs symmetric at every point.
     for collective in COLLECTIVES:
         for dname, dtype in DTYPES.items():
-            series = []
             for nbytes in sizes:
-                iters = 50 if nbytes <= 8 * MIB else (20 if nbytes <= 64 * MIB else 8)
-                plain = _op(collective, *_buffers(collective, nbytes, dtype, ws, None))
-                sym = _op(collective, *_buffers(collective, nbytes, dtype, ws, symm))
-                d = decide(collective, nbytes, policy)
-                pol = sym if d.symmetric else plain
-                for fn in (plain, sym):
-                    for _ in range(3):
-                        fn()
-                torch.cuda.synchronize()
-                t = {"plain": [], "symmetric": [], "policy": []}
-                for _ in range(5):  # interleave the variants against drift
-                    t["plain"].append(_time(plain, iters, 1))
-                    t["symmetric"].append(_time(sym, iters, 1))
-                    t["policy"].append(_time(pol, iters, 1))
-                t = {k: statistics.median(v) for k, v in t.items()}
-                row = dict(collective=collective, dtype=dname, nbytes=nbytes,
-                           plain_us=t["plain"], symmetric_us=t["symmetric"], policy_us=t["policy"],
-                           policy_symmetric=d.symmetric,
-                           plain_kernel_us=_kernel_us(plain), symmetric_kernel_us=_kernel_us(sym))
+                variants = {"plain": _buffers(collective, nbytes, dtype, ws, None),
+                            "symmetric": _buffers(collective, nbytes, dtype, ws, symm)}
+                row = _measure_point(collective, dname, dtype, nbytes, ws, variants, reps, use_graphs)
+                row.update(symk_engaged=_symk(row["symmetric_kernels"]),
+                           plain_symk=_symk(row["plain_kernels"]))
                 rows.append(row)
-                series.append((row, plain, sym))
-            # Which kernels ran: one profiler session per series, one call each.
-            names = _series_kernels([(p, s_) for _, p, s_ in series])
-            for (row, _, _), (kp, ks) in zip(series, names):
-                row.update(plain_kernels=kp, symmetric_kernels=ks,
-                           symk_engaged=any("symk" in k.lower() for k in ks),
-                           plain_symk=any("symk" in k.lower() for k in kp))
-                t = row
-                _log(f"{collective:<15}{dname:<5}{row['nbytes'] / MIB:>9.2f} MiB  plain {t['plain_us']:9.1f} us"
-                     f"  symm {t['symmetric_us']:9.1f} us ({t['plain_us'] / t['symmetric_us']:.2f}x, "
-                     f"symk={row['symk_engaged']})  policy[{'S' if row['policy_symmetric'] else 'P'}] "
-                     f"{t['policy_us']:9.1f} us ({t['plain_us'] / t['policy_us']:.3f}x)  "
-                     f"kernel plain {t['plain_kernel_us']:8.1f} symm {t['symmetric_kernel_us']:8.1f} us "
-                     f"({t['plain_kernel_us'] / t['symmetric_kernel_us']:.2f}x)  {ks[:1]}")
-            del series
-            torch.cuda.synchronize()
-    return rows, symm
+                del variants
+                _log(f"{collective:<15}{dname:<5}{nbytes / MIB:>8.2f} MiB [{row['timing']:<5}] "
+                     f"plain {row['plain_us']:8.1f} us (±{100 * row['plain_spread']:.1f}%)  "
+                     f"symm {row['symmetric_us']:8.1f} us (±{100 * row['symmetric_spread']:.1f}%)  "
+                     f"{row['plain_us'] / row['symmetric_us']:.3f}x  symk={row['symk_engaged']}  "
+                     f"eager {row['eager_plain_us']:7.1f}/{row['eager_symmetric_us']:7.1f} us  "
+                     f"{row['symmetric_kernels'][:1]}")
+    bands = recommend_bands(rows)
+    dtype_bands = {d: recommend_bands(rows, dtypes=(d,)) for d in DTYPES}
+    cfg = config_from_bands(bands, bands)  # one band for both dtypes
+    dtype_cfg = {d: config_from_bands(b, b) for d, b in dtype_bands.items()}
+    _log("recommended bands (MiB):", _mib_bands(bands))
+    for d, b in dtype_bands.items():
+        _log(f"  {d} only:", _mib_bands(b))
+    # Phase B: the policy with the derived bands against plain, measured the same way.
+    policy_rows = []
+    for collective in COLLECTIVES:
+        for dname, dtype in DTYPES.items():
+            for nbytes in sizes:
+                d = decide(collective, nbytes, cfg, dtype=dtype)
+                dd = decide(collective, nbytes, dtype_cfg[dname], dtype=dtype)
+                plain = _buffers(collective, nbytes, dtype, ws, None)
+                variants = {"plain": plain,
+                            "policy": _buffers(collective, nbytes, dtype, ws, symm if d.symmetric else None)}
+                if dd.symmetric != d.symmetric:
+                    variants["policy_dtype"] = _buffers(collective, nbytes, dtype, ws,
+                                                        symm if dd.symmetric else None)
+                row = _measure_point(collective, dname, dtype, nbytes, ws, variants, reps, use_graphs)
+                row.update(policy_symmetric=d.symmetric, policy_reason=d.reason,
+                           policy_symk=_symk(row["policy_kernels"]),
+                           policy_ratio=row["policy_us"] / row["plain_us"])
+                if "policy_dtype" in variants:
+                    row.update(policy_dtype_symmetric=dd.symmetric,
+                               policy_dtype_ratio=row["policy_dtype_us"] / row["plain_us"])
+                policy_rows.append(row)
+                _log(f"policy {collective:<15}{dname:<5}{nbytes / MIB:>8.2f} MiB "
+                     f"[{'S' if d.symmetric else 'P'}] {row['policy_ratio']:.3f}x plain time "
+                     f"(symk={row['policy_symk']})"
+                     + (f"  per-dtype [{'S' if dd.symmetric else 'P'}] {row['policy_dtype_ratio']:.3f}x"
+                        if "policy_dtype" in variants else ""))
+                del variants, plain
+    return dict(collectives=rows, policy=policy_rows, recommended_bands=bands,
+                recommended_bands_per_dtype=dtype_bands,
+                policy_worst_vs_plain=max(r["policy_ratio"] for r in policy_rows),
+                policy_symk_matches_decision=all(r["policy_symk"] == r["policy_symmetric"]
+                                                 for r in policy_rows))
 
 
-def recommend_bands(rows, tolerance=0.01, key="us"):
+def recommend_bands(rows, tolerance=0.01, key="us", dtypes=None):
     """Per collective: the longest run of consecutive measured sizes where the
     symmetric kernel ran and was not slower than plain by more than
-    ``tolerance`` for every dtype, as ``(min_bytes, max_bytes)`` (min 0 when the
-    run starts at the smallest size); ``None`` when there is no such size.
-    ``key``: ``"us"`` compares CUDA-event times of back-to-back calls,
-    ``"kernel_us"`` the profiler's kernel durations."""
+    ``tolerance`` for every dtype (or only ``dtypes``), as ``(min_bytes,
+    max_bytes)`` (min 0 when the run starts at the smallest size); ``None`` when
+    there is no such size. ``key``: ``"us"`` compares the primary times (graph
+    replays where they ran), ``"eager_us"`` back-to-back eager calls."""
+    def get(r, variant):
+        return r[f"eager_{variant}_us"] if key == "eager_us" else r[f"{variant}_{key}"]
+
     bands = {}
     for collective in COLLECTIVES:
-        sizes = sorted({r["nbytes"] for r in rows if r["collective"] == collective})
+        pts_all = [r for r in rows if r["collective"] == collective
+                   and (dtypes is None or r["dtype"] in dtypes)]
+        sizes = sorted({r["nbytes"] for r in pts_all})
         good = []
         for s in sizes:
-            pts = [r for r in rows if r["collective"] == collective and r["nbytes"] == s]
-            good.append(all(r["symk_engaged"]
-                            and r[f"symmetric_{key}"] <= r[f"plain_{key}"] * (1 + tolerance)
+            pts = [r for r in pts_all if r["nbytes"] == s]
+            good.append(all(r["symk_engaged"] and get(r, "symmetric") <= get(r, "plain") * (1 + tolerance)
                             for r in pts))
         best, run = None, None
         for i, ok in enumerate(good):
@@ -216,192 +351,254 @@ def recommend_bands(rows, tolerance=0.01, key="us"):
     return bands
 
 
-# ---------------------------------------------------------------- training steps
-def _step_time(step, steps=10, warmup=3, reps=5):
-    """Median over ``reps`` of the mean ms/step of ``steps`` steps."""
+def config_from_bands(bands, fp32_bands=None, **kwargs):
+    """A ``SymmMemConfig`` whose auto bands are ``bands`` (``None``: never
+    symmetric), and ``fp32_bands`` for float32 buffers when given."""
+    from megatron_ext.fsdp_symm import SymmMemConfig
+
+    fields = {}
+    for prefix, table in (("", bands), ("fp32_", fp32_bands or {})):
+        for name, band in table.items():
+            lo, hi = band if band is not None else (0, 0)
+            fields.update({f"{name}_{prefix}min_bytes": lo, f"{name}_{prefix}max_bytes": hi})
+    return SymmMemConfig(**fields, **kwargs)
+
+
+def _mib_bands(bands):
+    return {k: v and (v[0] / MIB, v[1] / MIB) for k, v in bands.items()}
+
+
+def collectives_rank(quick, reps, use_graphs):
+    return bench_collectives(quick, reps, use_graphs)
+
+
+# ------------------------------------------------------------------ part 2
+def _quiesce():
+    gc.collect()
+    torch.cuda.synchronize()
+    dist.barrier()
+
+
+def _step_stats(step, steps, reps, warmup=3):
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
     dist.barrier()
-    return _time(step, steps, reps) / 1e3
+    per_rep = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        dist.barrier()
+        per_rep.append(_time(step, steps, 1) / 1e3)
+    return dict(ms_per_step=statistics.median(per_rep), ms_min=min(per_rep), ms_max=max(per_rep),
+                ms_reps=per_rep)
 
 
-def _count_kernels(step):
-    names = []
+def _profile_step(step):
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and "nccl" in e.name.lower():
-            names.append(e.name.split("(")[0])
-    return {"nccl_kernels": len(names), "symk_kernels": sum("symk" in n.lower() for n in names)}
+    events = _nccl_events(prof)
+    names = [e.name.split("(")[0] for e in events]
+    return {"nccl_kernels": len(names), "symk_kernels": sum("symk" in n.lower() for n in names),
+            # Includes time spent waiting for the peer inside the kernel.
+            "nccl_kernel_us": sum(e.time_range.elapsed_us() for e in events)}
 
 
-def bench_fsdp(width, layers, batch=4):
+def fsdp_rank(width, layers, batch, steps, reps, bands):
     from torch.distributed.device_mesh import init_device_mesh
     from megatron.core.distributed.fsdp.src.megatron_fsdp import MixedPrecisionPolicy
     from megatron.core.distributed.fsdp.src.megatron_fsdp.experimental import (
         Flat, Placements, fully_shard as upstream_fully_shard, fully_shard_optimizer)
 
-    from megatron_ext.fsdp_symm import SymmMemConfig, fully_shard
+    from megatron_ext.fsdp_symm import SymmMemConfig, fully_shard, release_symmetric_memory
 
     mesh = init_device_mesh("cuda", (dist.get_world_size(),))
     placements = Placements(dp_axes=[0], parameter=[Flat()], gradient=[Flat()], optimizer=[Flat()])
+    auto = config_from_bands(*bands, report=False) if bands else SymmMemConfig(report=False)
     out = {}
     for variant in ("upstream plain", "upstream use_symm_mem", "ours (auto)", "ours (on)"):
-        torch.manual_seed(1234)
-        model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
-        model = model.to(device="cuda", dtype=torch.bfloat16)
-        mp = MixedPrecisionPolicy(main_params_dtype=torch.float32)
-        for m in model:
+        try:
+            torch.manual_seed(1234)
+            model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
+            model = model.to(device="cuda", dtype=torch.bfloat16)
+            mp = MixedPrecisionPolicy(main_params_dtype=torch.float32)
+            for m in model:
+                if variant.startswith("ours"):
+                    cfg = SymmMemConfig(mode="on", report=False) if variant == "ours (on)" else auto
+                    fully_shard(m, mesh=mesh, placements=placements, mixed_precision_policy=mp,
+                                symm_mem_config=cfg)
+                else:
+                    upstream_fully_shard(m, mesh=mesh, placements=placements, mixed_precision_policy=mp,
+                                         use_symm_mem=variant == "upstream use_symm_mem")
+            opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+            fully_shard_optimizer(opt)
+            x = torch.randn(batch, width, device="cuda", dtype=torch.bfloat16)
+            y = torch.randn_like(x)
+            losses = []
+
+            def step():
+                opt.zero_grad(set_to_none=True)
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                opt.step()
+                losses.append(loss.detach())
+
+            r = _step_stats(step, steps, reps)
+            r.update(_profile_step(step), final_loss=losses[-1].float().item())
             if variant.startswith("ours"):
-                mode = "on" if variant == "ours (on)" else "auto"
-                fully_shard(m, mesh=mesh, placements=placements, mixed_precision_policy=mp,
-                            symm_mem_config=SymmMemConfig(mode=mode, report=False))
-            else:
-                upstream_fully_shard(m, mesh=mesh, placements=placements, mixed_precision_policy=mp,
-                                     use_symm_mem=variant == "upstream use_symm_mem")
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        fully_shard_optimizer(opt)
-        x = torch.randn(batch, width, device="cuda", dtype=torch.bfloat16)
-        y = torch.randn_like(x)
-        losses = []
-
-        def step():
-            opt.zero_grad(set_to_none=True)
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            opt.step()
-            losses.append(loss.detach())
-
-        ms = _step_time(step)
-        out[variant] = dict(ms_per_step=ms, **_count_kernels(step),
-                            final_loss=losses[-1].float().item())
-        del model, opt
-        torch.cuda.synchronize()
+                r["symmetric_collectives"] = sum(
+                    g.all_gather_decision.symmetric + g.reduce_scatter_decision.symmetric
+                    for layer in model for g in layer.parameter_groups)
+                r["released_bytes"] = release_symmetric_memory(model)
+            out[variant] = r
+            _log(f"FSDP w={width} L={layers} {variant:<22} {r['ms_per_step']:.3f} ms/step "
+                 f"[{r['ms_min']:.3f}, {r['ms_max']:.3f}]  nccl {r['nccl_kernels']} "
+                 f"symk {r['symk_kernels']}  nccl kernel time {r['nccl_kernel_us']:.0f} us")
+        except Exception:  # noqa: BLE001 - keep the other variants
+            import traceback
+            out[variant] = {"error": traceback.format_exc()}
+            _log(f"FSDP w={width} L={layers} {variant} failed:\n{out[variant]['error']}")
+        model = opt = step = None
+        _quiesce()
     return out
 
 
-def bench_ddp(hidden, layers, bucket_mib, distopt):
+def ddp_rank(hidden, layers, bucket_mib, distopt, steps, reps, bands):
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from megatron_ext.fsdp_symm import SymmMemConfig, SymmMemDistributedDataParallel
+    from megatron_ext.fsdp_symm import (SymmMemConfig, SymmMemDistributedDataParallel,
+                                        release_symmetric_memory)
     from megatron_ext.testing import tiny_gpt
 
-    if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel()
+    ps.initialize_model_parallel()
     spec = tiny_gpt.TinyGPTSpec(num_layers=layers, hidden_size=hidden, num_attention_heads=16,
                                 ffn_hidden_size=4 * hidden, vocab_size=8192, seq_length=128,
                                 micro_batch_size=1)
+    auto = config_from_bands(*bands, report=False) if bands else SymmMemConfig(report=False)
     out = {}
     for variant in ("plain", "ours (auto)", "ours (on)"):
-        cfg = tiny_gpt.transformer_config(spec)  # fp32 params and grads
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, use_distributed_optimizer=distopt,
-            overlap_grad_reduce=True, bucket_size=bucket_mib * MIB // 4)
-        module = tiny_gpt.build_model(spec, cfg, device="cuda")
-        if variant == "plain":
-            ddp = DistributedDataParallel(config=cfg, ddp_config=ddp_config, module=module)
-        else:
-            mode = "on" if variant == "ours (on)" else "auto"
-            ddp = SymmMemDistributedDataParallel(config=cfg, ddp_config=ddp_config, module=module,
-                                                 symm_mem_config=SymmMemConfig(mode=mode, report=False))
-        opt = get_megatron_optimizer(
-            OptimizerConfig(optimizer="adam", lr=1e-4, use_distributed_optimizer=distopt), [ddp])
-        tokens, labels = tiny_gpt.global_batch(spec, step=dist.get_rank(), num_samples=1)
-        tokens, labels = tokens.cuda(), labels.cuda()
+        try:
+            cfg = tiny_gpt.transformer_config(spec)  # fp32 params and grads
+            ddp_config = DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, use_distributed_optimizer=distopt,
+                overlap_grad_reduce=True, bucket_size=bucket_mib * MIB // 4)
+            module = tiny_gpt.build_model(spec, cfg, device="cuda")
+            if variant == "plain":
+                ddp = DistributedDataParallel(config=cfg, ddp_config=ddp_config, module=module)
+            else:
+                scfg = SymmMemConfig(mode="on", report=False) if variant == "ours (on)" else auto
+                ddp = SymmMemDistributedDataParallel(config=cfg, ddp_config=ddp_config, module=module,
+                                                     symm_mem_config=scfg)
+            opt = get_megatron_optimizer(
+                OptimizerConfig(optimizer="adam", lr=1e-4, use_distributed_optimizer=distopt), [ddp])
+            tokens, labels = tiny_gpt.global_batch(spec, step=dist.get_rank(), num_samples=1)
+            tokens, labels = tokens.cuda(), labels.cuda()
 
-        def step():
-            ddp.zero_grad_buffer()
-            opt.zero_grad()
-            tiny_gpt.forward_loss(ddp, tokens, labels).backward()
-            ddp.finish_grad_sync()
-            opt.step()
+            def step():
+                ddp.zero_grad_buffer()
+                opt.zero_grad()
+                tiny_gpt.forward_loss(ddp, tokens, labels).backward()
+                ddp.finish_grad_sync()
+                opt.step()
 
-        ms = _step_time(step)
-        decisions = getattr(ddp, "symm_mem_decisions", [])
-        out[variant] = dict(ms_per_step=ms, **_count_kernels(step),
-                            buckets=len(ddp.buffers[0].buckets),
-                            symmetric_buffers=sum(d.symmetric for _, d in decisions))
-        del ddp, opt, module
-        torch.cuda.synchronize()
+            r = _step_stats(step, steps, reps)
+            decisions = getattr(ddp, "symm_mem_decisions", [])
+            r.update(_profile_step(step), buckets=len(ddp.buffers[0].buckets),
+                     bucket_mib=[b.grad_data.numel() * 4 / MIB for b in ddp.buffers[0].buckets],
+                     symmetric_buffers=sum(d.symmetric for _, d in decisions),
+                     collective_buffers=len(decisions))
+            if variant != "plain":
+                r["released_bytes"] = release_symmetric_memory(ddp)
+            out[variant] = r
+            _log(f"DDP distopt={distopt} {variant:<12} {r['ms_per_step']:.3f} ms/step "
+                 f"[{r['ms_min']:.3f}, {r['ms_max']:.3f}]  nccl {r['nccl_kernels']} "
+                 f"symk {r['symk_kernels']} buckets {r['buckets']} symmetric {r['symmetric_buffers']}")
+        except Exception:  # noqa: BLE001 - keep the other variants
+            import traceback
+            out[variant] = {"error": traceback.format_exc()}
+            _log(f"DDP distopt={distopt} {variant} failed:\n{out[variant]['error']}")
+        ddp = opt = module = step = None
+        _quiesce()
     return out
 
 
-def main_rank(quick):
-    import socket
+# ------------------------------------------------------------------ driver
+def _job(result, key, fn, args, timeout, out_path):
+    from megatron_ext.testing.multirank import RankFailure, run_on_ranks
 
-    rows = [] if os.environ.get("SYMM_BENCH_SKIP_COLLECTIVES") else bench_collectives(quick)[0]
-    _partial = os.environ.get("SYMM_BENCH_PARTIAL")
-    if _partial and dist.get_rank() == 0:
-        with open(_partial, "w") as f:
-            json.dump(rows, f)
-    bands = recommend_bands(rows)
-    kernel_bands = recommend_bands(rows, key="kernel_us")
-    result = dict(
-        machine=f"{socket.gethostname()}: {dist.get_world_size()}x {torch.cuda.get_device_name()}",
-        torch=torch.__version__, nccl=".".join(map(str, torch.cuda.nccl.version())),
-        nvls=os.environ.get("NCCL_NVLS_ENABLE"), collectives=rows, recommended_bands=bands,
-        recommended_bands_kernel_time=kernel_bands,
-    )
-    _log("recommended bands (MiB):", {k: v and (v[0] / MIB, v[1] / MIB) for k, v in bands.items()})
-    _log("recommended bands by kernel time (MiB):",
-         {k: v and (v[0] / MIB, v[1] / MIB) for k, v in kernel_bands.items()})
-    worst = max((r["policy_us"] / r["plain_us"] for r in rows), default=0)
-    result["policy_worst_vs_plain"] = worst
-    _log(f"policy worst vs plain: {worst:.3f}x time")
-    if os.environ.get("SYMM_BENCH_SKIP_STEPS"):
-        return result
-    result["fsdp"] = {}
-    for width, layers in ([(1024, 8)] if quick else [(1024, 8), (2048, 8), (4096, 4)]):
-        try:
-            r = bench_fsdp(width, layers)
-        except Exception as exc:  # noqa: BLE001 - keep the other results
-            import traceback
-            result["fsdp"][f"w{width}xL{layers}"] = {"error": traceback.format_exc()}
-            _log(f"FSDP w={width} failed: {exc!r}")
-            continue
-        result["fsdp"][f"w{width}xL{layers}"] = r
-        for k, v in r.items():
-            _log(f"FSDP w={width} L={layers} {k:<22} {v['ms_per_step']:.3f} ms/step  "
-                 f"nccl {v['nccl_kernels']} symk {v['symk_kernels']}")
-    result["ddp"] = {}
-    for distopt in (False, True):
-        try:
-            r = bench_ddp(hidden=1024, layers=4, bucket_mib=8, distopt=distopt)
-        except Exception as exc:  # noqa: BLE001 - keep the other results
-            import traceback
-            result["ddp"]["distopt" if distopt else "allreduce"] = {"error": traceback.format_exc()}
-            _log(f"DDP distopt={distopt} failed: {exc!r}")
-            continue
-        result["ddp"]["distopt" if distopt else "allreduce"] = r
-        for k, v in r.items():
-            _log(f"DDP distopt={distopt} {k:<12} {v['ms_per_step']:.3f} ms/step  nccl {v['nccl_kernels']} "
-                 f"symk {v['symk_kernels']} buckets {v['buckets']} symmetric {v['symmetric_buffers']}")
-    return result
+    t0 = time.time()
+    try:
+        value = run_on_ranks(fn, 2, args=args, backend="nccl", timeout=timeout)[0]
+    except RankFailure as exc:
+        value = {"error": str(exc)[-6000:]}
+        print(f"{key} failed:\n{value['error']}", flush=True)
+    result.setdefault("wall_s", {})[key] = time.time() - t0
+    node, *rest = key.split("/")
+    if rest:
+        result.setdefault(node, {})[rest[0]] = value
+    else:
+        result[node] = value
+    with open(out_path, "w") as f:
+        json.dump(result, f, indent=1)
+    return value
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="symm_mem.json")
     parser.add_argument("--quick", action="store_true", help="fewer sizes and models")
-    parser.add_argument("--collectives-only", action="store_true", help="skip the training steps")
+    parser.add_argument("--parts", default="collectives,fsdp,ddp")
+    parser.add_argument("--reps", type=int, default=9, help="timed repetitions per point")
+    parser.add_argument("--eager", action="store_true", help="no CUDA graphs (eager timing only)")
+    parser.add_argument("--steps", type=int, default=20, help="training steps per timed repetition")
+    parser.add_argument("--step-reps", type=int, default=7)
     args = parser.parse_args()
-    if args.collectives_only:
-        os.environ["SYMM_BENCH_SKIP_STEPS"] = "1"
-    from megatron_ext.testing.multirank import run_on_ranks
-
-    t0 = time.time()
-    res = run_on_ranks(main_rank, 2, args=(args.quick,), backend="nccl", timeout=590)[0]
-    res["wall_s"] = time.time() - t0
+    parts = set(args.parts.split(","))
+    # Plain buffers of a captured graph must run the kernels plain eager calls run.
+    os.environ.setdefault("NCCL_GRAPH_REGISTER", "0")
+    result = dict(
+        machine=f"{socket.gethostname()}: {torch.cuda.device_count()}x {torch.cuda.get_device_name()}",
+        torch=torch.__version__, nccl=".".join(map(str, torch.cuda.nccl.version())),
+        nvls=os.environ.get("NCCL_NVLS_ENABLE"), graph_register=os.environ.get("NCCL_GRAPH_REGISTER"),
+        date=time.strftime("%Y-%m-%d"), args=vars(args))
+    bands = None
+    if "collectives" in parts:
+        value = _job(result, "collectives_part", collectives_rank, (args.quick, args.reps, not args.eager),
+                     590, args.out)
+        if "error" not in value:
+            result.pop("collectives_part")
+            result.update(value)
+            # Steps use the bands as the config ships them: the bf16 band for
+            # every dtype but float32, which gets its own.
+            per_dtype = value["recommended_bands_per_dtype"]
+            bands = (per_dtype["bf16"], per_dtype["fp32"])
+            _log_summary(value)
+    result["step_bands"] = bands
+    if "fsdp" in parts:
+        for width, layers in ([(2048, 8)] if args.quick else [(2048, 8), (4096, 4), (8192, 2)]):
+            _job(result, f"fsdp/w{width}xL{layers}", fsdp_rank,
+                 (width, layers, 4, args.steps, args.step_reps, bands), 300, args.out)
+    if "ddp" in parts:
+        for distopt in (False, True):
+            _job(result, f"ddp/{'distopt' if distopt else 'allreduce'}", ddp_rank,
+                 (1024, 4, 4, distopt, args.steps, args.step_reps, bands), 300, args.out)
     with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
-    print(f"wrote {args.out} ({res['wall_s']:.0f} s)")
+        json.dump(result, f, indent=1)
+    print(f"wrote {args.out} ({sum(result.get('wall_s', {}).values()):.0f} s in jobs)")
+
+
+def _log_summary(value):
+    print("recommended bands (MiB):", _mib_bands(value["recommended_bands"]), flush=True)
+    for d, b in value["recommended_bands_per_dtype"].items():
+        print(f"  {d} only:", _mib_bands(b), flush=True)
+    print(f"policy worst vs plain (graph-timed): {value['policy_worst_vs_plain']:.4f}x time; "
+          f"symk exactly where the policy chose symmetric: {value['policy_symk_matches_decision']}",
+          flush=True)
 
 
 if __name__ == "__main__":

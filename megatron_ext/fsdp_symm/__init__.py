@@ -7,24 +7,28 @@
   :func:`stage_ddp_buffers`: Megatron DDP buckets on symmetric buffers.
 - :func:`fully_shard`: megatron-core's experimental FSDP entry point whose
   all-gathers and reduce-scatters run on symmetric send *and* receive buffers.
+- :func:`release_symmetric_memory`: free a staged model's buffers on every rank
+  at the same point (before building another staged model in the process).
 
 Megatron-dependent pieces are imported lazily so the config can be used alone.
 """
 
 from .capability import Capability, probe
 from .config import COLLECTIVES, MODES, SymmMemConfig, add_fsdp_symm_args
+from .memory import SymmetricPlacementMismatch, SymmetricRegistrationError, window_stats
 from .policy import Decision, decide, format_report
 
 __all__ = [
     "COLLECTIVES", "MODES", "Capability", "Decision", "SymmMemConfig",
     "SymmMemDDPMixin", "SymmMemDistributedDataParallel", "SymmParamAndGradBuffer",
+    "SymmetricPlacementMismatch", "SymmetricRegistrationError",
     "add_fsdp_symm_args", "decide", "format_report", "fully_shard", "probe",
-    "stage_ddp_buffers",
+    "release_symmetric_memory", "stage_ddp_buffers", "window_stats",
 ]
 
 _LAZY = {
     "SymmMemDDPMixin": "ddp", "SymmMemDistributedDataParallel": "ddp",
-    "SymmParamAndGradBuffer": "ddp", "stage_ddp_buffers": "ddp",
+    "SymmParamAndGradBuffer": "ddp", "stage_ddp_buffers": "ddp", "release_ddp_buffers": "ddp",
     "fully_shard": "fsdp", "SymmFsdpModule": "fsdp", "SymmFsdpParameterGroup": "fsdp",
 }
 
@@ -35,3 +39,28 @@ def __getattr__(name):
 
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def release_symmetric_memory(model) -> int:
+    """Free the staged buffers of ``model`` and return the bytes freed.
+
+    ``model``: a Megatron DDP staged by this package (:class:`SymmMemDDPMixin`
+    or :func:`stage_ddp_buffers`), or a module containing modules sharded with
+    :func:`fully_shard`. Call it on every rank at the same point before dropping
+    a staged model: the symmetric buffers go back to the pool, still registered,
+    in the same state on every rank, so the next staged model reuses them
+    without new NCCL windows. (Left to Python's garbage collector, the ranks
+    free them at different times, and the next model's buffers may land at
+    different places of the ranks' pools.) The model is unusable afterwards.
+    """
+    freed = 0
+    if isinstance(getattr(model, "buffers", None), list):  # Megatron DDP
+        from .ddp import release_ddp_buffers
+
+        freed += release_ddp_buffers(model)
+    modules = model.modules() if hasattr(model, "modules") else ()
+    for module in modules:
+        release = getattr(module, "release_symmetric_memory", None)
+        if release is not None and hasattr(module, "_parameter_groups"):
+            freed += release()
+    return freed

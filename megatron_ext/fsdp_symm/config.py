@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-__all__ = ["COLLECTIVES", "MODES", "SymmMemConfig", "add_fsdp_symm_args"]
+__all__ = ["COLLECTIVES", "DEFAULT_BANDS", "DEFAULT_BANDS_FP32", "MODES", "SymmMemConfig", "add_fsdp_symm_args"]
 
 MODES = ("auto", "on", "off")
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
@@ -14,18 +14,28 @@ _MIB = 1 << 20
 
 # Default size bands (bytes of the full, unsharded buffer: all-gather output,
 # reduce-scatter input, all-reduce buffer) in which NCCL's symmetric kernels were
-# not slower than plain buffers (within 1%) for both bf16 and fp32: the longest
-# such run of measured sizes, from ``benchmarks/symm_mem.py`` on 2x H200 (NVLink,
-# NCCL_NVLS_ENABLE=0), torch 2.11.0+cu130, NCCL 2.28.9, 2026-11-22
-# (benchmarks/results/symm_mem_2xH200_collectives.json; docs/fsdp_symm.md).
-# Measured ratios plain/symmetric: all-gather 0.89-1.06x below 2 MiB, 1.00-1.40x
-# for 2-64 MiB, 0.90-0.97x above; reduce-scatter 1.00-1.09x up to 16 MiB,
-# 0.71-0.91x from 32 MiB; all-reduce 1.03-1.09x up to 8 MiB, bf16 0.93x at
-# 16-32 MiB (fp32 wins to 32 MiB), 0.74-0.91x from 64 MiB.
+# not slower than plain buffers (within 1%): for each collective the longest run
+# of measured sizes, from ``benchmarks/symm_mem.py`` (CUDA-graph replays, kernel
+# time without launch overhead) on 2x H200 (NVLink, NCCL_NVLS_ENABLE=0), torch
+# 2.11.0+cu130, NCCL 2.28.9, 2026-11-22
+# (benchmarks/results/symm_mem_2xH200_run3_graphs.json; docs/fsdp_symm.md).
+# DEFAULT_BANDS hold for bf16 (and are used for every dtype but float32);
+# float32 reductions win over a wider range, so they have their own bands.
+# Measured plain/symmetric time ratios:
+#   all-gather      0.86-1.01 below 1 MiB, 1.02-1.43 at 1-64 MiB, 0.91-0.97 above
+#   reduce-scatter  0.71-1.01 below 2 MiB; bf16 1.06-1.11 at 2-4 MiB, 0.92-0.96 at
+#                   8-32 MiB; fp32 1.02-1.26 at 2-32 MiB; 0.71-0.91 from 64 MiB
+#   all-reduce      0.74-1.06 below 2 MiB; bf16 1.00-1.27 at 2-8 MiB, 0.93-0.94 at
+#                   16-32 MiB; fp32 1.06-1.37 at 2-32 MiB; 0.73-0.91 from 64 MiB
 DEFAULT_BANDS: dict[str, tuple[int, int]] = {
-    "all_gather": (2 * _MIB, 64 * _MIB),
-    "reduce_scatter": (0, 16 * _MIB),
-    "all_reduce": (0, 8 * _MIB),
+    "all_gather": (1 * _MIB, 64 * _MIB),
+    "reduce_scatter": (2 * _MIB, 4 * _MIB),
+    "all_reduce": (2 * _MIB, 8 * _MIB),
+}
+DEFAULT_BANDS_FP32: dict[str, tuple[int, int]] = {
+    "all_gather": (1 * _MIB, 64 * _MIB),
+    "reduce_scatter": (2 * _MIB, 32 * _MIB),
+    "all_reduce": (2 * _MIB, 32 * _MIB),
 }
 
 
@@ -43,6 +53,11 @@ class SymmMemConfig:
     The ``*_min_bytes`` / ``*_max_bytes`` fields bound the band per collective, in
     bytes of the full buffer (all-gather output, reduce-scatter input, all-reduce
     buffer); ``min <= size <= max`` selects symmetric memory in ``auto`` mode.
+    They apply to every dtype except float32 buffers, which use the
+    ``*_fp32_min_bytes`` / ``*_fp32_max_bytes`` fields. An fp32 field left at
+    ``None`` means: the measured fp32 default while that collective's band is at
+    its default, otherwise that collective's band (so setting a band alone
+    applies it to every dtype).
     ``report`` logs, once at start-up, which buckets use symmetric memory and why.
     """
 
@@ -53,6 +68,12 @@ class SymmMemConfig:
     reduce_scatter_max_bytes: int = DEFAULT_BANDS["reduce_scatter"][1]
     all_reduce_min_bytes: int = DEFAULT_BANDS["all_reduce"][0]
     all_reduce_max_bytes: int = DEFAULT_BANDS["all_reduce"][1]
+    all_gather_fp32_min_bytes: int | None = None
+    all_gather_fp32_max_bytes: int | None = None
+    reduce_scatter_fp32_min_bytes: int | None = None
+    reduce_scatter_fp32_max_bytes: int | None = None
+    all_reduce_fp32_min_bytes: int | None = None
+    all_reduce_fp32_max_bytes: int | None = None
     report: bool = True
 
     def __post_init__(self):
@@ -73,31 +94,53 @@ class SymmMemConfig:
                     f"SymmMemConfig.{lo_field} ({lo}) must be <= {hi_field} ({hi}); "
                     f"raise {hi_field} or lower {lo_field}"
                 )
+            lo_field, hi_field = f"{name}_fp32_min_bytes", f"{name}_fp32_max_bytes"
+            for field in (lo_field, hi_field):
+                value = getattr(self, field)
+                if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                          or value < 0):
+                    raise ValueError(
+                        f"SymmMemConfig.{field} must be None or an int >= 0 (bytes); got {value!r}"
+                    )
+            lo, hi = self.band(name, "float32")
+            if lo > hi:
+                raise ValueError(
+                    f"SymmMemConfig.{lo_field} ({lo}) must be <= {hi_field} ({hi}) (the float32 "
+                    f"band; None fields take the {name} band or its fp32 default); "
+                    f"raise {hi_field} or lower {lo_field}"
+                )
         if not isinstance(self.report, bool):
             raise ValueError(f"SymmMemConfig.report must be a bool; got {self.report!r}")
 
-    def band(self, collective: str) -> tuple[int, int]:
-        """The ``(min_bytes, max_bytes)`` band of ``collective``."""
+    def band(self, collective: str, dtype=None) -> tuple[int, int]:
+        """The ``(min_bytes, max_bytes)`` band of ``collective`` for buffers of
+        ``dtype`` (a ``torch.dtype`` or its name; ``None``: not float32)."""
         if collective not in COLLECTIVES:
             raise ValueError(
                 f"collective must be one of {', '.join(map(repr, COLLECTIVES))}; got {collective!r}"
             )
-        return getattr(self, f"{collective}_min_bytes"), getattr(self, f"{collective}_max_bytes")
+        band = getattr(self, f"{collective}_min_bytes"), getattr(self, f"{collective}_max_bytes")
+        if str(dtype).removeprefix("torch.") != "float32":
+            return band
+        fallback = DEFAULT_BANDS_FP32[collective] if band == DEFAULT_BANDS[collective] else band
+        lo, hi = getattr(self, f"{collective}_fp32_min_bytes"), getattr(self, f"{collective}_fp32_max_bytes")
+        return (fallback[0] if lo is None else lo), (fallback[1] if hi is None else hi)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "SymmMemConfig":
         """Build the config from flags added by :func:`add_fsdp_symm_args`."""
         kwargs = {"mode": args.symm_mem, "report": not args.symm_mem_no_report}
         for name in COLLECTIVES:
-            flag = name.replace("_", "-")
-            for bound in ("min", "max"):
-                mib = getattr(args, f"symm_mem_{name}_{bound}_mib")
-                if mib is not None:
-                    if mib < 0:
-                        raise ValueError(
-                            f"--symm-mem-{flag}-{bound}-mib must be >= 0; got {mib}"
-                        )
-                    kwargs[f"{name}_{bound}_bytes"] = int(round(mib * _MIB))
+            for prefix in ("", "fp32_"):
+                flag = f"{prefix}{name}".replace("_", "-")
+                for bound in ("min", "max"):
+                    mib = getattr(args, f"symm_mem_{prefix}{name}_{bound}_mib")
+                    if mib is not None:
+                        if mib < 0:
+                            raise ValueError(
+                                f"--symm-mem-{flag}-{bound}-mib must be >= 0; got {mib}"
+                            )
+                        kwargs[f"{name}_{prefix}{bound}_bytes"] = int(round(mib * _MIB))
         return cls(**kwargs)
 
 
@@ -122,6 +165,14 @@ def add_fsdp_symm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
             help=f"auto mode: largest {name} buffer (MiB) to stage in symmetric memory "
                  f"(default {hi / _MIB:g}).",
         )
+        lo, hi = DEFAULT_BANDS_FP32[name]
+        for bound, value in (("min", lo), ("max", hi)):
+            group.add_argument(
+                f"--symm-mem-fp32-{flag}-{bound}-mib", type=float, default=None,
+                help=f"auto mode, float32 buffers: {'smallest' if bound == 'min' else 'largest'} "
+                     f"{name} buffer (MiB) to stage in symmetric memory (default {value / _MIB:g} "
+                     f"while the {name} band is at its default, else that band).",
+            )
     group.add_argument(
         "--symm-mem-no-report", action="store_true",
         help="Do not log which buckets use symmetric memory at start-up.",

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -29,7 +30,7 @@ from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer
 
 from .capability import probe
 from .config import SymmMemConfig
-from .memory import SymmetricMemory
+from .memory import SymmetricMemory, SymmetricPlacementMismatch, quiesce, release_storage
 from .policy import REPORTER, Decision, decide
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "SymmMemDistributedDataParallel",
     "SymmBufferMixin",
     "SymmParamAndGradBuffer",
+    "release_ddp_buffers",
     "stage_ddp_buffers",
 ]
 
@@ -53,6 +55,7 @@ class Segment:
     buckets: list = dataclasses.field(default_factory=list)
     nbytes: int = 0  # storage size while offloaded
     cpu_copy: torch.Tensor | None = None
+    fallback: str | None = None  # why a segment meant to be symmetric is plain
 
 
 class SymmBufferMixin:
@@ -140,10 +143,10 @@ class _PlainStandIn:
     def allocating(self):
         return contextlib.nullcontext()
 
-    def empty(self, numel, dtype):
+    def empty(self, numel, dtype, check=False):
         return torch.empty(numel, dtype=dtype, device=self.device)
 
-    def register(self, tensor):
+    def register(self, tensor, check=False):
         pass
 
 
@@ -181,6 +184,10 @@ def stage_ddp_buffers(
     ``_memory_factory`` replaces :class:`SymmetricMemory` (tests only).
     """
     rows: list[tuple[str, Decision]] = []
+    if config.mode != "off" and _memory_factory is None:
+        # Blocks of models dropped earlier go back to the pool now, on every
+        # rank, so all ranks' pools are in the same state when staging allocates.
+        quiesce()
     pairs = [(b, ddp.bucket_groups) for b in ddp.buffers] + \
             [(b, ddp.expert_parallel_bucket_groups) for b in ddp.expert_parallel_buffers]
     for index, (buffer, groups) in enumerate(pairs):
@@ -217,13 +224,8 @@ def _stage_buffer(ddp, buffer, bucket_groups, config, prefix, memory_factory):
         else:
             param_decisions.append(None)
         memories[id(bucket)] = group
-    rows = []
-    for bucket, gd, pd in zip(buffer.buckets, grad_decisions, param_decisions):
-        rows.append((f"{prefix}/bucket{bucket.bucket_id} grads", gd))
-        if pd is not None:
-            rows.append((f"{prefix}/bucket{bucket.bucket_id} params", pd))
-    if not any(d.symmetric for _, d in rows):
-        return rows
+    if not any(d.symmetric for d in grad_decisions + [p for p in param_decisions if p]):
+        return _rows(buffer, prefix, grad_decisions, param_decisions)
 
     make_memory = memory_factory or SymmetricMemory
     device = buffer.grad_data.device
@@ -237,10 +239,12 @@ def _stage_buffer(ddp, buffer, bucket_groups, config, prefix, memory_factory):
 
     grad_flags = [d.symmetric for d in grad_decisions]
     buffer.grad_segments = _restage(buffer, "grad_data", grad_flags, memory_for)
+    grad_decisions = _staged(buffer, buffer.grad_segments, grad_decisions)
     buffer.param_segments = []
     if buffer.param_data is not None:
         param_flags = [bool(d and d.symmetric) for d in param_decisions]
         buffer.param_segments = _restage(buffer, "param_data", param_flags, memory_for)
+        param_decisions = _staged(buffer, buffer.param_segments, param_decisions)
     base = type(buffer)
     if not isinstance(buffer, SymmBufferMixin):
         buffer.__class__ = (SymmParamAndGradBuffer if base is _ParamAndGradBuffer
@@ -258,7 +262,24 @@ def _stage_buffer(ddp, buffer, bucket_groups, config, prefix, memory_factory):
             group.ddp_config.average_in_collective = False
             for b in group.buckets:
                 b.gradient_scaling_factor = b.gradient_scaling_factor / size
+    return _rows(buffer, prefix, grad_decisions, param_decisions)
+
+
+def _rows(buffer, prefix, grad_decisions, param_decisions):
+    rows = []
+    for bucket, gd, pd in zip(buffer.buckets, grad_decisions, param_decisions):
+        rows.append((f"{prefix}/bucket{bucket.bucket_id} grads", gd))
+        if pd is not None:
+            rows.append((f"{prefix}/bucket{bucket.bucket_id} params", pd))
     return rows
+
+
+def _staged(buffer, segments, decisions):
+    """``decisions`` with the buckets of segments that ended up plain marked so."""
+    plain = {id(b): seg.fallback for seg in segments if seg.fallback for b in seg.buckets}
+    return [dataclasses.replace(d, symmetric=False, reason=plain[id(b)])
+            if d is not None and d.symmetric and id(b) in plain else d
+            for b, d in zip(buffer.buckets, decisions)]
 
 
 def _restage(buffer, attr: str, flags: list[bool], memory_for) -> list[Segment]:
@@ -288,8 +309,16 @@ def _restage(buffer, attr: str, flags: list[bool], memory_for) -> list[Segment]:
         n = seg.end - seg.start
         if seg.symmetric:
             seg.memory = memory_for(seg.buckets[0])
-            seg.tensor = seg.memory.empty(n, old.dtype)
-        else:
+            try:
+                # check=True: the same place of the pool on every rank, or a
+                # SymmetricPlacementMismatch on every rank (then plain for all).
+                seg.tensor = seg.memory.empty(n, old.dtype, check=True)
+            except SymmetricPlacementMismatch as exc:
+                warnings.warn(f"{exc} Staging this {attr} segment ({n} elements) in plain memory.",
+                              RuntimeWarning, stacklevel=2)
+                seg.symmetric, seg.memory = False, None
+                seg.fallback = "plain: symmetric buffer placement differed across ranks"
+        if not seg.symmetric:
             seg.tensor = torch.empty(n, dtype=old.dtype, device=old.device)
         seg.tensor.copy_(old[seg.start:seg.end])
 
@@ -319,6 +348,17 @@ def _restage(buffer, attr: str, flags: list[bool], memory_for) -> list[Segment]:
     return segments
 
 
+def release_ddp_buffers(ddp) -> int:
+    """Free the staged segments of ``ddp``'s buffers (grads, and params with the
+    distributed optimizer); returns the bytes freed. Collective in effect: call
+    it on every rank at the same point, so the symmetric pools stay in step.
+    The model is unusable afterwards; symmetric segments go back to the pool,
+    still registered, and the next staged model reuses them without new windows."""
+    buffers = list(ddp.buffers) + list(ddp.expert_parallel_buffers)
+    segments = [s for b in buffers for s in getattr(b, "grad_segments", []) + getattr(b, "param_segments", [])]
+    return release_storage([s.tensor for s in segments])
+
+
 class SymmMemDDPMixin:
     """Mix in front of Megatron's ``DistributedDataParallel`` (or a subclass of it):
     its buckets are staged per ``symm_mem_config`` right after they are built."""
@@ -327,6 +367,10 @@ class SymmMemDDPMixin:
         super().__init__(*args, **kwargs)
         self.symm_mem_config = symm_mem_config or SymmMemConfig()
         self.symm_mem_decisions = stage_ddp_buffers(self, self.symm_mem_config)
+
+    def release_symmetric_memory(self) -> int:
+        """See :func:`release_ddp_buffers`."""
+        return release_ddp_buffers(self)
 
 
 class SymmMemDistributedDataParallel(SymmMemDDPMixin, DistributedDataParallel):

@@ -14,7 +14,9 @@ allocated there. Each buffer is registered right after it is allocated.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -40,7 +42,7 @@ from megatron.core.distributed.fsdp.src.megatron_fsdp.mixed_precision import Mix
 
 from .capability import probe
 from .config import SymmMemConfig
-from .memory import SymmetricMemory, move_storage
+from .memory import SymmetricMemory, SymmetricPlacementMismatch, move_storage, release_storage
 from .policy import REPORTER, Decision, decide
 
 __all__ = ["SymmFsdpModule", "SymmFsdpParameterGroup", "fully_shard"]
@@ -98,16 +100,41 @@ class SymmFsdpParameterGroup(FsdpParameterGroup):
         if self.all_gather_decision.symmetric:
             # The all-gather input; may be the optimizer's main_weight (same dtype):
             # moving the storage keeps every view (the sharded parameters) valid.
-            move_storage(self.model_weight.local_buffer, self.symm.allocating)
-            self.symm.register(self.model_weight.local_buffer)
+            self.all_gather_decision = self._stage(self.model_weight.local_buffer,
+                                                   self.all_gather_decision)
         if self.reduce_scatter_decision.symmetric:
-            move_storage(self.main_grad.local_buffer, self.symm.allocating)
-            self.symm.register(self.main_grad.local_buffer)
+            self.reduce_scatter_decision = self._stage(self.main_grad.local_buffer,
+                                                       self.reduce_scatter_decision)
         if config.mode != "off":
             REPORTER.add(f"{self.name} (all-gather)", self.all_gather_decision)
             if self.requires_grad:
                 REPORTER.add(f"{self.name} (reduce-scatter)", self.reduce_scatter_decision)
         self._report = config.report
+
+    def _stage(self, buffer: torch.Tensor, decision: Decision) -> Decision:
+        """Move ``buffer`` into the pool and register it, checking that every rank
+        got the same place in its pool; if not, every rank keeps it plain."""
+        move_storage(buffer, self.symm.allocating)
+        try:
+            self.symm.register(buffer, check=True)
+        except SymmetricPlacementMismatch as exc:
+            move_storage(buffer, contextlib.nullcontext)
+            warnings.warn(f"{exc} Keeping the {decision.collective} buffers of {self.name} plain.",
+                          RuntimeWarning, stacklevel=3)
+            return _plain(decision.collective, decision.nbytes,
+                          "plain: symmetric buffer placement differed across ranks")
+        return decision
+
+    def symm_release_tensors(self) -> list[torch.Tensor]:
+        """The buffers this group allocated from the symmetric pool."""
+        tensors = []
+        if self.all_gather_decision.symmetric:
+            tensors += [self.model_weight.local_buffer, self._unsharded_model_weight.local_buffer]
+        if self.reduce_scatter_decision.symmetric:
+            tensors.append(self.main_grad.local_buffer)
+        if self._reduce_scratch is not None:
+            tensors.append(self._reduce_scratch.local_buffer)
+        return tensors
 
     def _unsupported_layout(self, placements: Placements) -> str | None:
         if self.mesh.ndim != 1:
@@ -232,6 +259,12 @@ class SymmFsdpModule(FsdpModule):
         if first:
             report = any(g._report for g in self._parameter_groups)
             REPORTER.flush(enabled=report)
+
+    def release_symmetric_memory(self) -> int:
+        """Free this module's symmetric buffers (the module is unusable afterwards);
+        returns the bytes freed. Call it on every rank at the same point, so the
+        symmetric pools stay in step; the next staged model reuses the segments."""
+        return release_storage([t for g in self._parameter_groups for t in g.symm_release_tensors()])
 
     def symm_decisions(self) -> list[tuple[SymmFsdpParameterGroup, Decision, Decision]]:
         """Each parameter group with its all-gather and reduce-scatter decisions."""

@@ -37,7 +37,8 @@ def decide(collective: str, nbytes: int, config: SymmMemConfig, unavailable: str
     ``unavailable`` is the capability probe's reason when this process group
     cannot run symmetric kernels (``None`` when it can). ``dtype`` (a
     ``torch.dtype``), when given, rules out reductions NCCL has no symmetric
-    kernel for (anything but floats of at most 32 bits).
+    kernel for (anything but floats of at most 32 bits) and picks the band
+    (float32 buffers have their own, see :class:`SymmMemConfig`).
     """
     if collective not in COLLECTIVES:
         raise ValueError(
@@ -56,12 +57,13 @@ def decide(collective: str, nbytes: int, config: SymmMemConfig, unavailable: str
                             f"{name}: no symmetric reduction kernel (floats <= 32 bit only)")
     if config.mode == "on":
         return Decision(collective, nbytes, True, "mode=on")
-    lo, hi = config.band(collective)
+    lo, hi = config.band(collective, dtype)
+    auto = "auto (fp32 band)" if str(dtype).removeprefix("torch.") == "float32" else "auto"
     if nbytes < lo:
-        return Decision(collective, nbytes, False, f"auto: {_mib(nbytes)} < min {_mib(lo)}")
+        return Decision(collective, nbytes, False, f"{auto}: {_mib(nbytes)} < min {_mib(lo)}")
     if nbytes > hi:
-        return Decision(collective, nbytes, False, f"auto: {_mib(nbytes)} > max {_mib(hi)}")
-    return Decision(collective, nbytes, True, f"auto: {_mib(lo)} <= {_mib(nbytes)} <= {_mib(hi)}")
+        return Decision(collective, nbytes, False, f"{auto}: {_mib(nbytes)} > max {_mib(hi)}")
+    return Decision(collective, nbytes, True, f"{auto}: {_mib(lo)} <= {_mib(nbytes)} <= {_mib(hi)}")
 
 
 def format_report(rows: list[tuple[str, Decision]]) -> str:

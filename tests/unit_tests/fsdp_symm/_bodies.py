@@ -137,7 +137,8 @@ def ddp_parity(distopt, microbatches, steps, avg, staged_variant, mode):
     del base_ddp
     mid = sizes[len(sizes) // 2]
     pmid = psizes[len(psizes) // 2] if psizes else 0
-    cfg = SymmMemConfig(mode=mode, all_reduce_max_bytes=mid, reduce_scatter_max_bytes=mid,
+    cfg = SymmMemConfig(mode=mode, all_reduce_min_bytes=0, all_reduce_max_bytes=mid,
+                        reduce_scatter_min_bytes=0, reduce_scatter_max_bytes=mid,
                         all_gather_min_bytes=0, all_gather_max_bytes=pmid)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -265,7 +266,7 @@ def fsdp_parity(microbatches, steps, mode, max_bytes):
     base, _ = train_fsdp(model, opt, steps, microbatches)
     del model, opt
     cfg = SymmMemConfig(mode=mode, all_gather_min_bytes=0, all_gather_max_bytes=max_bytes,
-                        reduce_scatter_max_bytes=max_bytes)
+                        reduce_scatter_min_bytes=0, reduce_scatter_max_bytes=max_bytes)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model, opt = _fsdp_model("ours", cfg)
@@ -296,10 +297,142 @@ def fsdp_standin_parity(microbatches, steps, max_bytes):
     fsdp.SymmetricMemory = _PlainStandIn
     fsdp.SymmFsdpParameterGroup._unsupported_layout = lambda self, placements: None
     cfg = SymmMemConfig(mode="auto", all_gather_min_bytes=0, all_gather_max_bytes=max_bytes,
-                        reduce_scatter_max_bytes=max_bytes)
+                        reduce_scatter_min_bytes=0, reduce_scatter_max_bytes=max_bytes)
     model, opt = _fsdp_model("ours", cfg)
     groups = _fsdp_groups(model)
     staged, _ = train_fsdp(model, opt, steps, microbatches)
     decisions = [(g.all_gather_decision, g.reduce_scatter_decision) for g in groups]
     scratch = [g._reduce_scratch is not None for g in groups]
-    return dict(base=base, staged=staged, decisions=decisions, scratch=scratch)
+    from megatron_ext.fsdp_symm import release_symmetric_memory
+
+    pooled = [t for g in groups for t in g.symm_release_tensors()]
+    total = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in pooled}.values())
+    freed = release_symmetric_memory(model)
+    after = [t.untyped_storage().nbytes() for t in pooled]
+    return dict(base=base, staged=staged, decisions=decisions, scratch=scratch,
+                release=(total, freed, after))
+
+
+# ------------------------------------------------------------- release, placement
+class _MismatchStandIn:
+    """Plain allocations standing in for the pool; the first checked registration
+    reports a placement mismatch, as a real pool does when the ranks' pools
+    diverged (every rank raises, so every rank falls back)."""
+
+    raised = False
+
+    def __init__(self, device, group):
+        self.device = torch.device(device)
+        self.rendezvous_calls = 0
+
+    def allocating(self):
+        return contextlib.nullcontext()
+
+    def empty(self, numel, dtype, check=False):
+        t = torch.empty(numel, dtype=dtype, device=self.device)
+        self.register(t, check)
+        return t
+
+    def register(self, tensor, check=False):
+        from megatron_ext.fsdp_symm import SymmetricPlacementMismatch
+
+        if check and not _MismatchStandIn.raised:
+            _MismatchStandIn.raised = True
+            raise SymmetricPlacementMismatch("stand-in: placements differ.")
+
+
+def ddp_fallback_and_release(distopt, steps):
+    """Plain DDP, then the staging layout where the first symmetric segment's
+    placement check fails (it must fall back to plain, say so, and still train
+    like plain), then release_symmetric_memory frees every staged segment."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_ext.fsdp_symm import SymmMemConfig, release_symmetric_memory, stage_ddp_buffers
+
+    ps.initialize_model_parallel()
+    base_ddp, _ = _build_ddp("plain", distopt, False, None)
+    base, _ = _train_ddp(base_ddp, distopt, steps, 1)
+    del base_ddp
+    cfg = SymmMemConfig(mode="on", report=False)
+    ddp, _ = _build_ddp("plain", distopt, False, None)
+    _MismatchStandIn.raised = False
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        decisions = stage_ddp_buffers(ddp, cfg, _memory_factory=_MismatchStandIn)
+    staged, _ = _train_ddp(ddp, distopt, steps, 1)
+    segments = [s for b in ddp.buffers for s in b.grad_segments + b.param_segments]
+    total = sum(s.tensor.untyped_storage().nbytes() for s in segments)
+    freed = release_symmetric_memory(ddp)
+    after = [s.tensor.untyped_storage().nbytes() for s in segments]
+    return dict(base=base, staged=staged, decisions=decisions, total=total, freed=freed, after=after,
+                warnings=[str(w.message) for w in caught],
+                segments=[(s.symmetric, s.fallback) for s in segments])
+
+
+def placement_check():
+    """SymmetricMemory's cross-rank placement check over the group: silent when
+    every rank has the same placement, SymmetricPlacementMismatch on every rank
+    when one differs."""
+    from megatron_ext.fsdp_symm.memory import SymmetricMemory, SymmetricPlacementMismatch
+
+    mem = SymmetricMemory.__new__(SymmetricMemory)
+    mem.group = dist.group.WORLD
+    out = {}
+    for case, mine in (("same", (0, 1 << 21, 0, 4096)),
+                       ("differ", (dist.get_rank() - 1, 1 << 21, 0, 4096))):
+        mem.placement = lambda tensor, mine=mine: mine
+        try:
+            mem._check_placement(torch.empty(1))
+            out[case] = "ok"
+        except SymmetricPlacementMismatch as exc:
+            out[case] = str(exc)
+    return out
+
+
+def _windows_by_group():
+    from megatron_ext.fsdp_symm import memory
+
+    return {group: len(wins) for (_, group), wins in memory._WINDOWS.items()}
+
+
+def staged_models_lifecycle(builds, steps):
+    """Build, train and release ``builds`` staged DDP models (distributed
+    optimizer, every bucket symmetric) and two staged FSDP models in one
+    process, recording the NCCL windows after each build; then build one more
+    DDP model after releasing the previous one on rank 0 only (the ranks' pools
+    diverge: its placement check must make both ranks fall back, not fail)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_ext.fsdp_symm import SymmMemConfig, release_symmetric_memory
+
+    ps.initialize_model_parallel()
+    cfg = SymmMemConfig(mode="on", report=False)
+    ddp_losses, ddp_windows, freed = [], [], []
+    for _ in range(builds):
+        ddp, decisions = _build_ddp("symm", True, True, cfg)
+        assert all(d.symmetric for _, d in decisions), decisions
+        losses, _ = _train_ddp(ddp, True, steps, 1)
+        ddp_losses.append(losses)
+        ddp_windows.append(_windows_by_group())
+        freed.append(release_symmetric_memory(ddp))
+        del ddp
+    fsdp_windows = []  # (group, windows before construction, after it, after training)
+    for _ in range(2):
+        before = _windows_by_group()
+        model, opt = _fsdp_model("ours", SymmMemConfig(mode="on", report=False))
+        group = _fsdp_groups(model)[0].symm.group_name
+        built = _windows_by_group()[group]
+        train_fsdp(model, opt, steps, 1)
+        fsdp_windows.append((group, before.get(group, 0), built, _windows_by_group()[group]))
+        release_symmetric_memory(model)
+        del model, opt
+    kept, _ = _build_ddp("symm", True, True, cfg)
+    if dist.get_rank() == 0:
+        release_symmetric_memory(kept)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ddp, decisions = _build_ddp("symm", True, True, cfg)
+    diverged, _ = _train_ddp(ddp, True, steps, 1)
+    return dict(ddp_losses=ddp_losses, ddp_windows=ddp_windows, freed=freed,
+                fsdp_windows=fsdp_windows, diverged=diverged, decisions=decisions,
+                warnings=[str(w.message) for w in caught if "fsdp_symm" in str(w.message)])

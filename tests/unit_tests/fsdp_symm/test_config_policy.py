@@ -5,16 +5,50 @@ import argparse
 import pytest
 
 from megatron_ext.fsdp_symm import SymmMemConfig, add_fsdp_symm_args, decide, format_report
-from megatron_ext.fsdp_symm.config import DEFAULT_BANDS
+from megatron_ext.fsdp_symm.config import DEFAULT_BANDS, DEFAULT_BANDS_FP32
 
 MIB = 1 << 20
 
 
 def test_defaults_are_the_measured_bands():
+    import torch
+
     cfg = SymmMemConfig()
     assert cfg.mode == "auto"
     for name, band in DEFAULT_BANDS.items():
-        assert cfg.band(name) == band
+        assert cfg.band(name) == band == cfg.band(name, torch.bfloat16) == cfg.band(name, torch.float16)
+        assert cfg.band(name, torch.float32) == DEFAULT_BANDS_FP32[name] == cfg.band(name, "float32")
+
+
+def test_fp32_band_follows_a_set_band_unless_set_itself():
+    import torch
+
+    # A band set alone applies to every dtype, float32 included.
+    cfg = SymmMemConfig(all_reduce_min_bytes=0, all_reduce_max_bytes=MIB)
+    assert cfg.band("all_reduce", torch.float32) == (0, MIB)
+    assert cfg.band("reduce_scatter", torch.float32) == DEFAULT_BANDS_FP32["reduce_scatter"]
+    # fp32 fields override, each bound on its own.
+    cfg = SymmMemConfig(all_reduce_fp32_max_bytes=64 * MIB)
+    assert cfg.band("all_reduce", torch.float32) == (DEFAULT_BANDS_FP32["all_reduce"][0], 64 * MIB)
+    assert cfg.band("all_reduce", torch.bfloat16) == DEFAULT_BANDS["all_reduce"]
+    fp32 = decide("all_reduce", 48 * MIB, cfg, dtype=torch.float32)
+    bf16 = decide("all_reduce", 48 * MIB, cfg, dtype=torch.bfloat16)
+    assert fp32.symmetric and "fp32 band" in fp32.reason
+    assert not bf16.symmetric and "> max" in bf16.reason
+
+
+@pytest.mark.parametrize("kwargs,field,hint", [
+    (dict(all_gather_fp32_max_bytes=-1), "all_gather_fp32_max_bytes", ">= 0"),
+    (dict(reduce_scatter_fp32_min_bytes=2.0), "reduce_scatter_fp32_min_bytes", "None or an int"),
+    (dict(all_reduce_fp32_min_bytes=64 * MIB, all_reduce_fp32_max_bytes=MIB),
+     "all_reduce_fp32_min_bytes", "must be <="),
+    # An fp32 min above the fp32 default max is caught on the resolved band.
+    (dict(all_reduce_fp32_min_bytes=1 << 40), "all_reduce_fp32_min_bytes", "float32 band"),
+])
+def test_bad_fp32_values_name_the_field(kwargs, field, hint):
+    with pytest.raises(ValueError) as err:
+        SymmMemConfig(**kwargs)
+    assert field in str(err.value) and hint in str(err.value)
 
 
 @pytest.mark.parametrize("kwargs,field,hint", [
@@ -51,6 +85,12 @@ def test_flags_round_trip():
     assert cfg.reduce_scatter_max_bytes == 2 * MIB
     assert cfg.all_gather_min_bytes == MIB // 4
     assert cfg.all_reduce_max_bytes == DEFAULT_BANDS["all_reduce"][1]
+    cfg = SymmMemConfig.from_args(parser.parse_args(
+        ["--symm-mem-fp32-reduce-scatter-max-mib", "16", "--symm-mem-fp32-all-gather-min-mib", "0"]))
+    assert cfg.reduce_scatter_fp32_max_bytes == 16 * MIB and cfg.all_gather_fp32_min_bytes == 0
+    assert cfg.all_reduce_fp32_max_bytes is None
+    with pytest.raises(ValueError, match="--symm-mem-fp32-all-reduce-min-mib must be >= 0"):
+        SymmMemConfig.from_args(parser.parse_args(["--symm-mem-fp32-all-reduce-min-mib", "-2"]))
 
 
 def test_flags_reject_bad_values():
@@ -95,7 +135,7 @@ def test_on_off_and_unavailable_override_the_band():
 
 
 def test_report_lists_every_buffer_and_why():
-    rows = [("buffer0/bucket0 grads", decide("all_reduce", MIB, SymmMemConfig())),
+    rows = [("buffer0/bucket0 grads", decide("all_reduce", 4 * MIB, SymmMemConfig())),
             ("buffer0/bucket1 grads", decide("all_reduce", 1 << 30, SymmMemConfig()))]
     text = format_report(rows)
     assert "1 of 2" in text

@@ -64,3 +64,6 @@ def test_gloo_symmetric_code_paths_train_like_upstream(microbatches):
         # The accumulation scratch exists exactly where a symmetric RS accumulated.
         expect = [rs.symmetric and microbatches > 1 for _, rs in r["decisions"]]
         assert r["scratch"] == expect
+        # release_symmetric_memory frees every pool buffer of the groups.
+        total, freed, after = r["release"]
+        assert total > 0 and freed == total and not any(after)
