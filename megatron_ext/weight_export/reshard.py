@@ -330,16 +330,19 @@ class ReshardExecutor:
         self._wrote = False
         refused: list[str] = []
         staged: list[tuple[torch.Tensor, list[tuple[Transfer, int]]]] = []
+        unchecked: list = []  # atomic: rounds whose headers are checked together after the last one
         inflight: deque = deque()
         try:
             for k in range(self.rounds):
                 if len(inflight) == self.max_inflight:
-                    self._complete(inflight.popleft(), version, refused, staged)
+                    self._complete(inflight.popleft(), version, refused, staged, unchecked)
                 posted, s, r = self._post(k, headers)
                 inflight.append(posted)
                 sent, received = sent + s, received + r
             while inflight:
-                self._complete(inflight.popleft(), version, refused, staged)
+                self._complete(inflight.popleft(), version, refused, staged, unchecked)
+            if unchecked:
+                self._check_headers(unchecked, version, refused)
         except BaseException:
             for _, reqs, _ in inflight:  # let posted transfers finish or fail before the buffers are reused
                 for req in reqs:
@@ -411,27 +414,36 @@ class ReshardExecutor:
         reqs = batch_isend_irecv(ops, self.group) if ops else []
         return (k, reqs, staged), sent, received
 
-    def _complete(self, posted, version: int, refused: list[str], staged: list) -> None:
+    def _complete(self, posted, version: int, refused: list[str], staged: list, unchecked: list) -> None:
         k, reqs, arrived = posted
         for req in reqs:
             req.wait()
         if not arrived or refused:
             return  # after a refusal: drain the remaining rounds, write nothing
-        got = torch.stack([buf[:HEADER_BYTES].view(torch.int64) for _, buf, _ in arrived]).tolist()
-        for (peer, _, _), (v, wire, sender, index) in zip(arrived, got):
+        bucket_pairs = [(buf, bucket) for _, buf, bucket in arrived]
+        if self.atomic:
+            # Nothing is written before the last round, so the headers are checked then, all at
+            # once: reading them here would stall the host on every round.
+            unchecked.append((k, arrived))
+            staged.extend(bucket_pairs)
+            return
+        self._check_headers([(k, arrived)], version, refused)
+        if refused:
+            return
+        self._unpack(bucket_pairs)
+        self._wrote = True
+
+    def _check_headers(self, rounds: list, version: int, refused: list[str]) -> None:
+        """Append to ``refused`` every source in ``rounds`` (``(k, arrived)``) that serves
+        another version or plan; one device-to-host read for all of them."""
+        rows = [(k, peer, buf) for k, arrived in rounds for peer, buf, _ in arrived]
+        got = torch.stack([buf[:HEADER_BYTES].view(torch.int64) for _, _, buf in rows]).tolist()
+        for (k, peer, _), (v, wire, sender, index) in zip(rows, got):
             if v != version:
                 held = "no valid version" if v == _NO_VERSION else f"version {v}"
                 refused.append(f"version: rank {peer} serves {held}")
             elif (wire, sender, index) != (self.wire_id, peer, k):
                 refused.append(f"plan: rank {peer} runs another plan or bucket size (bucket {k})")
-        if refused:
-            return
-        bucket_pairs = [(buf, bucket) for _, buf, bucket in arrived]
-        if self.atomic:
-            staged.extend(bucket_pairs)
-        else:
-            self._unpack(bucket_pairs)
-            self._wrote = True
 
     def _unpack(self, staged) -> None:
         for buf, bucket in staged:
