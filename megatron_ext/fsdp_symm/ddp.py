@@ -132,24 +132,6 @@ def _reallocate(seg: Segment) -> bool:
     return True
 
 
-class _PlainStandIn:
-    """Stands in for :class:`SymmetricMemory` where a test exercises the staging
-    layout without NCCL: plain allocations, registration a no-op."""
-
-    def __init__(self, device, group):
-        self.device = torch.device(device)
-        self.rendezvous_calls = 0
-
-    def allocating(self):
-        return contextlib.nullcontext()
-
-    def empty(self, numel, dtype, check=False):
-        return torch.empty(numel, dtype=dtype, device=self.device)
-
-    def register(self, tensor, check=False):
-        pass
-
-
 def _unsupported(ddp: DistributedDataParallel, buffer) -> str | None:
     cfg = ddp.ddp_config
     if cfg.num_distributed_optimizer_instances > 1:

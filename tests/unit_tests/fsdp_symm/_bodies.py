@@ -46,7 +46,7 @@ def _build_ddp(variant, distopt, avg, cfg):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from megatron_ext.fsdp_symm import SymmMemDistributedDataParallel, stage_ddp_buffers
-    from megatron_ext.fsdp_symm.ddp import _PlainStandIn
+    from megatron_ext.testing.symm_standins import PlainStandIn
 
     tcfg = tiny_gpt.transformer_config(SPEC)
     ddp_config = DistributedDataParallelConfig(
@@ -58,7 +58,7 @@ def _build_ddp(variant, distopt, avg, cfg):
         return DistributedDataParallel(config=tcfg, ddp_config=ddp_config, module=module), []
     if variant == "standin":  # the staging layout with plain allocations (CPU)
         ddp = DistributedDataParallel(config=tcfg, ddp_config=ddp_config, module=module)
-        return ddp, stage_ddp_buffers(ddp, cfg, _memory_factory=_PlainStandIn)
+        return ddp, stage_ddp_buffers(ddp, cfg, _memory_factory=PlainStandIn)
     ddp = SymmMemDistributedDataParallel(config=tcfg, ddp_config=ddp_config, module=module,
                                          symm_mem_config=cfg)
     return ddp, ddp.symm_mem_decisions
@@ -288,13 +288,13 @@ def fsdp_standin_parity(microbatches, steps, max_bytes):
     our own module). Returns upstream and staged losses and the decisions."""
     from megatron_ext.fsdp_symm import SymmMemConfig, fsdp
     from megatron_ext.fsdp_symm.capability import Capability
-    from megatron_ext.fsdp_symm.ddp import _PlainStandIn
+    from megatron_ext.testing.symm_standins import PlainStandIn
 
     model, opt = _fsdp_model("upstream", None)
     base, _ = train_fsdp(model, opt, steps, microbatches)
     del model, opt
     fsdp.probe = lambda group: Capability(True, "stand-in")
-    fsdp.SymmetricMemory = _PlainStandIn
+    fsdp.SymmetricMemory = PlainStandIn
     fsdp.SymmFsdpParameterGroup._unsupported_layout = lambda self, placements: None
     cfg = SymmMemConfig(mode="auto", all_gather_min_bytes=0, all_gather_max_bytes=max_bytes,
                         reduce_scatter_min_bytes=0, reduce_scatter_max_bytes=max_bytes)
@@ -314,33 +314,6 @@ def fsdp_standin_parity(microbatches, steps, max_bytes):
 
 
 # ------------------------------------------------------------- release, placement
-class _MismatchStandIn:
-    """Plain allocations standing in for the pool; the first checked registration
-    reports a placement mismatch, as a real pool does when the ranks' pools
-    diverged (every rank raises, so every rank falls back)."""
-
-    raised = False
-
-    def __init__(self, device, group):
-        self.device = torch.device(device)
-        self.rendezvous_calls = 0
-
-    def allocating(self):
-        return contextlib.nullcontext()
-
-    def empty(self, numel, dtype, check=False):
-        t = torch.empty(numel, dtype=dtype, device=self.device)
-        self.register(t, check)
-        return t
-
-    def register(self, tensor, check=False):
-        from megatron_ext.fsdp_symm import SymmetricPlacementMismatch
-
-        if check and not _MismatchStandIn.raised:
-            _MismatchStandIn.raised = True
-            raise SymmetricPlacementMismatch("stand-in: placements differ.")
-
-
 def ddp_fallback_and_release(distopt, steps):
     """Plain DDP, then the staging layout where the first symmetric segment's
     placement check fails (it must fall back to plain, say so, and still train
@@ -348,6 +321,7 @@ def ddp_fallback_and_release(distopt, steps):
     from megatron.core import parallel_state as ps
 
     from megatron_ext.fsdp_symm import SymmMemConfig, release_symmetric_memory, stage_ddp_buffers
+    from megatron_ext.testing.symm_standins import MismatchStandIn
 
     ps.initialize_model_parallel()
     base_ddp, _ = _build_ddp("plain", distopt, False, None)
@@ -355,10 +329,10 @@ def ddp_fallback_and_release(distopt, steps):
     del base_ddp
     cfg = SymmMemConfig(mode="on", report=False)
     ddp, _ = _build_ddp("plain", distopt, False, None)
-    _MismatchStandIn.raised = False
+    MismatchStandIn.raised = False
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        decisions = stage_ddp_buffers(ddp, cfg, _memory_factory=_MismatchStandIn)
+        decisions = stage_ddp_buffers(ddp, cfg, _memory_factory=MismatchStandIn)
     staged, _ = _train_ddp(ddp, distopt, steps, 1)
     segments = [s for b in ddp.buffers for s in b.grad_segments + b.param_segments]
     total = sum(s.tensor.untyped_storage().nbytes() for s in segments)
