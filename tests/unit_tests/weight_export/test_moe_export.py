@@ -7,6 +7,7 @@ logits and greedy generation match, each bucket costs one collective in its
 group, and unsupported MoE variants are refused by name."""
 
 import dataclasses
+import re
 import types
 
 import pytest
@@ -217,6 +218,9 @@ def _naive_full_state(model):
     state = {}
     for name, p in model.named_parameters():
         t = p.detach()
+        # TE names (as_te_grouped_moe) back to the local spec's: the reference knows only those.
+        name = re.sub(r"\.experts\.(linear_fc[12])\.weight(\d+)$", r".experts.local_experts.\2.\1.weight", name)
+        name = name.replace("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight")
         if name.startswith("decoder.layers."):  # global layer numbers (pipeline stages)
             j, rest = name[len("decoder.layers."):].split(".", 1)
             name = f"decoder.layers.{model.decoder.layers[int(j)].layer_number - 1}.{rest}"
@@ -258,8 +262,9 @@ def _count_collectives(counts):
     return lambda: [setattr(dist, n, fn) for n, fn in saved.items()]
 
 
-def _export_case(tp, pp, ep, target, transport):
-    """One trainer layout exporting versions 7 and 8; returns what the tests check."""
+def _export_case(tp, pp, ep, target, transport, te_grouped=False):
+    """One trainer layout exporting versions 7 and 8; returns what the tests check.
+    ``te_grouped``: the model's parameters under TE / TEGroupedMLP names."""
     from megatron.core import parallel_state as ps
 
     from megatron_ext import weight_export as wx
@@ -269,6 +274,8 @@ def _export_case(tp, pp, ep, target, transport):
     cfg = tiny_llama.transformer_config(SPEC, tp=tp, pp=pp, ep=ep)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
     model = tiny_llama.build_model(SPEC, cfg, device=device)
+    if te_grouped:
+        tiny_llama.as_te_grouped_moe(model)
     hf, receiver = None, None
     if transport == "inprocess" and dist.get_rank() == 0:  # the export rank
         hf = tiny_llama.hf_model(SPEC, tiny_llama.transformer_config(SPEC))
@@ -361,13 +368,21 @@ def test_ep2_trainer_streams_experts_to_hf_receiver_process(backend, transport, 
 
 
 def test_tp2_ep2_and_pp2_ep2_trainers_export_every_expert():
-    """4 ranks, two layouts one after the other, each into an HF model on the export
-    rank: TP2 x EP2 (expert-DP 2: ranks 2, 3 gather nothing) and PP2 x EP2."""
-    cases = {"tp2_ep2": (2, 1, 2, None, "inprocess"), "pp2_ep2": (1, 2, 2, None, "inprocess")}
+    """4 ranks, three layouts one after the other, each into an HF model on the export
+    rank: TP2 x EP2 (expert-DP 2: ranks 2, 3 gather nothing), PP2 x EP2, and TP2 x EP2
+    again with the parameters under TE's names (TEGroupedMLP experts), which must
+    export exactly the TP2 x EP2 tensors."""
+    cases = {"tp2_ep2": (2, 1, 2, None, "inprocess"), "pp2_ep2": (1, 2, 2, None, "inprocess"),
+             "tp2_ep2_te_grouped": (2, 1, 2, None, "inprocess", True)}
     out = run_on_ranks(_trainer, 4, args=(cases,), backend="gloo", timeout=TIMEOUT)
-    _check_case(out, "tp2_ep2")
-    _check_case(out, "pp2_ep2")
-    assert [bool(o["tp2_ep2"]["counts"]) for o in out] == [True, True, False, False]
+    for case in cases:
+        _check_case(out, case)
+        assert [bool(o[case]["counts"]) for o in out] == ([True, True, False, False] if case.startswith("tp2")
+                                                           else [True, True, True, True])
+    sequential, grouped = out[0]["tp2_ep2"]["received"], out[0]["tp2_ep2_te_grouped"]["received"]
+    assert grouped.keys() == sequential.keys()
+    for name, ref in sequential.items():
+        assert torch.equal(grouped[name], ref), name
 
 
 # ------------------------------------------------- names without a process group
