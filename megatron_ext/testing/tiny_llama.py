@@ -9,6 +9,8 @@ or EP degrees: a later pipeline stage draws its layers from a different point
 of the RNG stream (so do layers after experts when EP changes their count), so
 such tests need their own reference (gather the ranks' weights). Expert weights
 are redrawn from their global expert index, so experts differ across EP ranks.
+:func:`as_te_grouped_moe` renames a built MoE model's parameters to Transformer
+Engine's (TEGroupedMLP experts), keeping its forward, for export tests on CPU.
 """
 
 from __future__ import annotations
