@@ -9,6 +9,8 @@ or EP degrees: a later pipeline stage draws its layers from a different point
 of the RNG stream (so do layers after experts when EP changes their count), so
 such tests need their own reference (gather the ranks' weights). Expert weights
 are redrawn from their global expert index, so experts differ across EP ranks.
+:func:`as_te_grouped_moe` renames a built MoE model's parameters to Transformer
+Engine's (TEGroupedMLP experts), keeping its forward, for export tests on CPU.
 """
 
 from __future__ import annotations
@@ -125,6 +127,49 @@ def _redraw_experts(spec: TinyLlamaSpec, config, model) -> None:
                 continue
             gen = torch.Generator().manual_seed(zlib.crc32(f"{spec.seed}:layer{layer.layer_number}.{key}".encode()))
             p.copy_((torch.randn(p.shape, generator=gen) * scale).to(p.device, p.dtype))
+
+
+class _TEGroupedMLPNames(torch.nn.Module):
+    """A SequentialMLP's expert weights under TEGroupedMLP's names
+    (``linear_fc1.weight{i}`` / ``linear_fc2.weight{i}``, the same Parameter
+    objects, with TE's partition attributes); forward runs the SequentialMLP,
+    kept out of the module tree so every weight is listed once, under TE's name."""
+
+    def __init__(self, sequential):
+        super().__init__()
+        self._sequential = (sequential,)
+        self.linear_fc1, self.linear_fc2 = torch.nn.Module(), torch.nn.Module()
+        for i, expert in enumerate(sequential.local_experts):
+            for fc, partition_dim in (("linear_fc1", 0), ("linear_fc2", 1)):  # column / row parallel
+                p = getattr(expert, fc).weight
+                if getattr(expert, fc).bias is not None:
+                    raise ValueError("the stand-in renames expert weights only (add_bias_linear=False)")
+                p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, partition_dim, 1
+                getattr(self, fc).register_parameter(f"weight{i}", p)
+
+    def forward(self, *args, **kwargs):
+        return self._sequential[0](*args, **kwargs)
+
+
+def as_te_grouped_moe(model):
+    """Rename, in place, a local-spec SequentialMLP MoE GPTModel's parameters to
+    what Megatron's Transformer Engine layer spec with ``moe_grouped_gemm=True``
+    names them (TE cannot run on CPU): ``input_layernorm.weight`` becomes
+    ``self_attention.linear_qkv.layer_norm_weight`` (listed first, as TE's
+    LayerNormLinear does), ``pre_mlp_layernorm.weight`` stays (TE keeps a
+    separate norm before an MoE layer), and each local expert's weights become
+    TEGroupedMLP's ``mlp.experts.linear_fc{1,2}.weight{i}``. The parameters are
+    the same objects and forward is unchanged (the same logits); dense MLP
+    layers (``moe_layer_freq``) are left as they are. Returns ``model``."""
+    for layer in model.decoder.layers:
+        norm, qkv = layer.input_layernorm, layer.self_attention.linear_qkv
+        weight = norm._parameters.pop("weight")
+        object.__setattr__(norm, "weight", weight)  # still used by its forward, no longer listed
+        qkv._parameters = {"layer_norm_weight": weight, **qkv._parameters}
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is not None and hasattr(experts, "local_experts"):
+            layer.mlp.experts = _TEGroupedMLPNames(experts)
+    return model
 
 
 def _perturbed_params(model):

@@ -8,7 +8,8 @@ needs no temporary: QKV with GQA is split into ``q/k/v_proj``, the gated MLP's
 ``linear_fc1`` into ``gate/up_proj``, TE's fused layernorm weights become the
 HF layernorms, and a tied output layer is exported once (as the embedding).
 MoE layers (:mod:`.hf_moe`): the router becomes ``mlp.gate``, each local expert
-of each expert-parallel rank one HF expert under its global index.
+of each expert-parallel rank one HF expert under its global index, whether the
+experts are a ``SequentialMLP`` or Transformer Engine's ``TEGroupedMLP``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import re
 
 import torch
 
-from .hf_moe import EXPERT_PARAM, UNSUPPORTED_HINTS, expert_hf_names, qwen3_moe_kwargs, router_issue
+from .hf_moe import (UNSUPPORTED_HINTS, expert_hf_names, expert_param, grouped_expert_issue, qwen3_moe_kwargs,
+                     router_issue)
 
 __all__ = ["Source", "UnsupportedParameter", "copy_all", "hf_config_from_megatron", "local_sources", "shard_copies",
            "write_shard"]
@@ -120,8 +122,9 @@ def local_sources(model, *, pp_rank: int = 0, tp_size: int = 1, vocab_size: int 
     experts are listed for every expert-parallel rank of the stage (``ep_size``;
     each rank holds ``num_moe_experts / ep_size`` under the same local names),
     after the dense parameters, each local expert weight once per EP rank in a
-    row. Raises :class:`UnsupportedParameter` naming the first parameter with no
-    HF mapping.
+    row, ordered by layer, local expert, ``linear_fc1`` before ``linear_fc2``
+    (SequentialMLP's order, also for TEGroupedMLP's ``weight{i}``). Raises
+    :class:`UnsupportedParameter` naming the first parameter with no HF mapping.
     """
     model = unwrap(model)
     cfg = model.config
@@ -147,8 +150,9 @@ def local_sources(model, *, pp_rank: int = 0, tp_size: int = 1, vocab_size: int 
         if partition_dim is not None:
             full[partition_dim] *= tp_size
         m = _LAYER.match(name)
-        if m and EXPERT_PARAM.match(m.group(2)):
-            experts.append((int(m.group(1)), m.group(2), local_name, name, param))
+        expert = expert_param(m.group(2)) if m else None
+        if expert is not None:
+            experts.append((int(m.group(1)), *expert, local_name, name, param))
             continue
         if m:
             layer, suffix = m.groups()
@@ -184,17 +188,24 @@ def local_sources(model, *, pp_rank: int = 0, tp_size: int = 1, vocab_size: int 
 
 
 def _expert_sources(experts, cfg, *, pp_rank: int, ep_size: int, etp_size: int) -> list[Source]:
-    """Every EP rank's copy of each local expert weight (whole: expert TP must be 1)."""
+    """Every EP rank's copy of each local expert weight (whole: expert TP must be 1).
+
+    ``experts``: ``(layer, local index, fc, grouped, local name, global name, param)``.
+    SequentialMLP and TEGroupedMLP hold the same per-expert tensors, so both give
+    the same HF names and shapes; ``mcore_name`` keeps the trainer's naming with
+    the global expert index.
+    """
     if not experts:
         return []
+    experts = sorted(experts, key=lambda x: (x[0], x[1], x[2]))  # layer, local expert, fc1 before fc2
     num_experts = getattr(cfg, "num_moe_experts", None) or 0
     if num_experts % ep_size:
         raise ValueError(f"num_moe_experts={num_experts} is not divisible by expert_model_parallel_size={ep_size}")
     num_local = num_experts // ep_size
     out = []
-    for layer, suffix, local_name, name, param in experts:
-        local, fc = EXPERT_PARAM.match(suffix).groups()
-        local = int(local)
+    for layer, local, fc, grouped, local_name, name, param in experts:
+        if grouped and grouped_expert_issue(cfg):
+            raise UnsupportedParameter(f"{name}: {grouped_expert_issue(cfg)}")
         if etp_size != 1:
             raise UnsupportedParameter(
                 f"{name} is split by expert tensor parallelism (expert_tensor_parallel_size={etp_size}); "
@@ -211,7 +222,8 @@ def _expert_sources(experts, cfg, *, pp_rank: int, ep_size: int, etp_size: int) 
         for r in range(ep_size):
             e = r * num_local + local
             out.append(Source(
-                mcore_name=f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.{fc}.weight",
+                mcore_name=(f"decoder.layers.{layer}.mlp.experts.{fc}.weight{e}" if grouped
+                            else f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.{fc}.weight"),
                 local_name=local_name, pp_rank=pp_rank, dtype=param.dtype, shard_shape=shape,
                 partition_dim=None, kind=kind, outputs=tuple(zip(expert_hf_names(layer, e, fc), shapes)),
                 expert=e, ep_rank=r))

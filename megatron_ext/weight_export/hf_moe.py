@@ -1,10 +1,15 @@
 """Mixture-of-experts pieces of the Megatron -> Hugging Face mapping (Qwen3-MoE).
 
-Megatron's ``SequentialMLP`` holds ``num_moe_experts / EP`` local experts per
-rank (``mlp.experts.local_experts.{i}``); the HF checkpoint names each expert by
-its global index ``e = ep_rank * num_local + i`` (``mlp.experts.{e}.gate_proj``
-...), which is what vLLM / SGLang ``load_weights`` take and what
-:func:`~.layout.gpt_specs` uses. ``transformers`` 5 stores a layer's experts as
+Each expert-parallel rank holds ``num_moe_experts / EP`` local experts, either
+as Megatron's ``SequentialMLP`` (one module per expert:
+``mlp.experts.local_experts.{i}.linear_fc{1,2}.weight``) or as Transformer
+Engine's ``TEGroupedMLP`` (``moe_grouped_gemm=True``: numbered weights of one
+grouped linear per projection, ``mlp.experts.linear_fc{1,2}.weight{i}``). Both
+hold local expert ``i`` as the same tensors, ``linear_fc1`` ``[gate; up]``
+``(2F, H)`` and ``linear_fc2`` ``(H, F)``, so both map alike. The HF checkpoint
+names each expert by its global index ``e = ep_rank * num_local + i``
+(``mlp.experts.{e}.gate_proj`` ...), which is what vLLM / SGLang
+``load_weights`` take and what :func:`~.layout.gpt_specs` uses. ``transformers`` 5 stores a layer's experts as
 two fused 3-D parameters; :func:`fused_expert_views` gives the per-expert views
 into them so receivers can load per-expert names.
 """
@@ -15,24 +20,53 @@ import re
 
 import torch
 
-__all__ = ["EXPERT_PARAM", "expert_hf_names", "fused_expert_views", "moe_layer_pattern", "qwen3_moe_kwargs",
-           "router_issue"]
+__all__ = ["expert_hf_names", "expert_param", "fused_expert_views", "grouped_expert_issue", "moe_layer_pattern",
+           "qwen3_moe_kwargs", "router_issue"]
 
-# Layer suffix of one local expert's weight (SequentialMLP, expert TP 1).
-EXPERT_PARAM = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+# Layer suffixes of one local expert's weight (expert TP 1): SequentialMLP's module per
+# expert, and TEGroupedMLP's numbered weights (TEGroupedLinear registers weight{i} per GEMM).
+SEQUENTIAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc1|linear_fc2)\.weight(\d+)$")
 # Expert weights we recognise but cannot map; each hint says what to do.
 UNSUPPORTED_HINTS = (
     (re.compile(r"\.shared_experts\."),
      "shared experts (Qwen2-MoE / DeepSeek style) are not mapped to Qwen3-MoE; train without "
      "moe_shared_expert_intermediate_size or extend hf_moe.py"),
-    (re.compile(r"\.experts\.(weight[12]|linear_fc[12]\.weight\d+)$"),
-     "grouped-GEMM expert weights (GroupedMLP / TEGroupedMLP) are not mapped; build the model with "
-     "moe_grouped_gemm=False (SequentialMLP, one module per expert) for export"),
-    (re.compile(r"\.experts\.local_experts\.\d+\.linear_fc[12]\.bias$"),
+    (re.compile(r"\.experts\.weight[12]$"),
+     "legacy GroupedMLP weights (one (hidden, local experts x ffn) tensor per projection, transposed; "
+     "removed in megatron-core 0.19) are not mapped; use TEGroupedMLP (Transformer Engine layer spec with "
+     "moe_grouped_gemm=True) or SequentialMLP (moe_grouped_gemm=False)"),
+    (re.compile(r"\.experts\.linear_fc[12]\.weight$"),
+     "TEGroupedMLP with moe_single_grouped_weight=True (all local experts in one grouped tensor) is not "
+     "mapped; set moe_single_grouped_weight=False (one weight{i} per local expert)"),
+    (re.compile(r"\.experts\.(local_experts\.\d+\.linear_fc[12]\.bias|linear_fc[12]\.bias\d*)$"),
      "expert biases have no Qwen3-MoE counterpart; set add_bias_linear=False"),
     (re.compile(r"\.mlp\.router\."),
      "only the router weight maps to Qwen3-MoE's mlp.gate.weight"),
 )
+
+
+def expert_param(suffix: str) -> tuple[int, str, bool] | None:
+    """``(local expert index, "linear_fc1" | "linear_fc2", grouped)`` of a layer
+    suffix holding one local expert's weight (SequentialMLP, or TEGroupedMLP
+    when ``grouped``); None for any other parameter."""
+    m = SEQUENTIAL_EXPERT.match(suffix)
+    if m:
+        return int(m.group(1)), m.group(2), False
+    m = GROUPED_EXPERT.match(suffix)
+    if m:
+        return int(m.group(2)), m.group(1), True
+    return None
+
+
+def grouped_expert_issue(config) -> str | None:
+    """Why TEGroupedMLP's expert weights under ``config`` are not ``[gate; up]`` /
+    plain per-expert tensors; None when they are."""
+    interleave = getattr(config, "moe_mlp_glu_interleave_size", None)
+    if interleave is not None and getattr(config, "gated_linear_unit", False):
+        return (f"moe_mlp_glu_interleave_size={interleave!r} interleaves gate and up rows in blocks, which "
+                "Qwen3-MoE's gate_proj / up_proj do not; set moe_mlp_glu_interleave_size=None")
+    return None
 
 
 def expert_hf_names(layer: int, expert: int, fc: str) -> tuple[str, ...]:

@@ -7,6 +7,7 @@ logits and greedy generation match, each bucket costs one collective in its
 group, and unsupported MoE variants are refused by name."""
 
 import dataclasses
+import re
 import types
 
 import pytest
@@ -108,6 +109,26 @@ def _single_rank():
             out["unsupported"][what] = "no error"
         except wx.UnsupportedParameter as exc:
             out["unsupported"][what] = str(exc)
+
+    # The same model under Transformer Engine's names (TEGroupedMLP experts, fused input layernorm):
+    # exported into a fresh HF model, it must give exactly the SequentialMLP export's tensors.
+    from megatron_ext.weight_export.layout import specs_from_model
+
+    sequential_logits = wx.megatron_logits(model, toks)
+    tiny_llama.as_te_grouped_moe(model)
+    grouped_hf = tiny_llama.hf_model(SPEC, cfg)
+    grouped = wx.WeightExporter(model, wx.WeightExportConfig(vocab_size=SPEC.hf_vocab_size, bucket_size_mb=0.02),
+                                receiver=wx.WeightReceiver(wx.HFModelConsumer(grouped_hf)))
+    grouped.export()
+    specs = specs_from_model(model, vocab_size=SPEC.hf_vocab_size)
+    out["grouped"] = dict(
+        names=sorted(n for n, _ in model.named_parameters()), result=grouped.last_result,
+        verify=grouped.verify(toks), same_logits=torch.equal(wx.megatron_logits(model, toks), sequential_logits),
+        received=hf_checkpoint_names(dict(grouped_hf.named_parameters())), plan=_plan_summary(grouped.plan),
+        expert_order=[[t.name for t in b.tensors] for b in grouped.plan.buckets if b.group == "ep"],
+        sequential_order=[[t.name for t in b.tensors] for b in exporter.plan.buckets if b.group == "ep"],
+        owners=[o.mcore_name for b in grouped.plan.buckets for o in b.owners],
+        layout_names={s.name for s in specs}, layout_experts={s.megatron_name for s in specs if s.expert is not None})
     return out
 
 
@@ -163,6 +184,29 @@ def test_unsupported_real_moe_variants_are_named(single):
     assert "decoder.layers.0.mlp.router.weight" in sigmoid and "moe_router_score_function='softmax'" in sigmoid
 
 
+def test_te_grouped_gemm_names_export_exactly_the_sequential_tensors(single):
+    """TEGroupedMLP's per-expert weights and TE's fused layernorm name, on the same
+    model (TE cannot run on CPU): the HF tensors equal the SequentialMLP export's,
+    bit for bit, and the logits still match."""
+    g = single["grouped"]
+    assert "decoder.layers.1.mlp.experts.linear_fc1.weight3" in g["names"]
+    assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in g["names"]
+    assert "decoder.layers.0.pre_mlp_layernorm.weight" in g["names"]
+    assert not any("local_experts" in n or "input_layernorm" in n for n in g["names"])
+    assert g["received"].keys() == single["received"].keys()
+    for name, ref in single["received"].items():
+        assert torch.equal(g["received"][name], ref), name
+    # Same per-expert names, in the same order, gathered by EP rank 0 (single rank); the reshard layout agrees.
+    assert g["plan"]["names"] == single["plan"]["names"] == g["layout_names"]
+    assert g["expert_order"] == g["sequential_order"]
+    assert g["plan"]["owners"] == single["plan"]["owners"]
+    assert "decoder.layers.1.mlp.experts.linear_fc2.weight3" in g["owners"]
+    assert "decoder.layers.1.mlp.experts.linear_fc2.weight3" in g["layout_experts"]
+    assert g["result"].applied == (1,)
+    assert g["same_logits"]
+    assert g["verify"].max_abs_diff < 1e-4 and abs(g["verify"].kl) < 1e-6, g["verify"]
+
+
 # ------------------------------------------------------------------ multi rank
 def _naive_full_state(model):
     """Full Megatron weights under global names (experts under global indices),
@@ -174,6 +218,9 @@ def _naive_full_state(model):
     state = {}
     for name, p in model.named_parameters():
         t = p.detach()
+        # TE names (as_te_grouped_moe) back to the local spec's: the reference knows only those.
+        name = re.sub(r"\.experts\.(linear_fc[12])\.weight(\d+)$", r".experts.local_experts.\2.\1.weight", name)
+        name = name.replace("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight")
         if name.startswith("decoder.layers."):  # global layer numbers (pipeline stages)
             j, rest = name[len("decoder.layers."):].split(".", 1)
             name = f"decoder.layers.{model.decoder.layers[int(j)].layer_number - 1}.{rest}"
@@ -215,8 +262,9 @@ def _count_collectives(counts):
     return lambda: [setattr(dist, n, fn) for n, fn in saved.items()]
 
 
-def _export_case(tp, pp, ep, target, transport):
-    """One trainer layout exporting versions 7 and 8; returns what the tests check."""
+def _export_case(tp, pp, ep, target, transport, te_grouped=False):
+    """One trainer layout exporting versions 7 and 8; returns what the tests check.
+    ``te_grouped``: the model's parameters under TE / TEGroupedMLP names."""
     from megatron.core import parallel_state as ps
 
     from megatron_ext import weight_export as wx
@@ -226,6 +274,8 @@ def _export_case(tp, pp, ep, target, transport):
     cfg = tiny_llama.transformer_config(SPEC, tp=tp, pp=pp, ep=ep)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
     model = tiny_llama.build_model(SPEC, cfg, device=device)
+    if te_grouped:
+        tiny_llama.as_te_grouped_moe(model)
     hf, receiver = None, None
     if transport == "inprocess" and dist.get_rank() == 0:  # the export rank
         hf = tiny_llama.hf_model(SPEC, tiny_llama.transformer_config(SPEC))
@@ -318,13 +368,21 @@ def test_ep2_trainer_streams_experts_to_hf_receiver_process(backend, transport, 
 
 
 def test_tp2_ep2_and_pp2_ep2_trainers_export_every_expert():
-    """4 ranks, two layouts one after the other, each into an HF model on the export
-    rank: TP2 x EP2 (expert-DP 2: ranks 2, 3 gather nothing) and PP2 x EP2."""
-    cases = {"tp2_ep2": (2, 1, 2, None, "inprocess"), "pp2_ep2": (1, 2, 2, None, "inprocess")}
+    """4 ranks, three layouts one after the other, each into an HF model on the export
+    rank: TP2 x EP2 (expert-DP 2: ranks 2, 3 gather nothing), PP2 x EP2, and TP2 x EP2
+    again with the parameters under TE's names (TEGroupedMLP experts), which must
+    export exactly the TP2 x EP2 tensors."""
+    cases = {"tp2_ep2": (2, 1, 2, None, "inprocess"), "pp2_ep2": (1, 2, 2, None, "inprocess"),
+             "tp2_ep2_te_grouped": (2, 1, 2, None, "inprocess", True)}
     out = run_on_ranks(_trainer, 4, args=(cases,), backend="gloo", timeout=TIMEOUT)
-    _check_case(out, "tp2_ep2")
-    _check_case(out, "pp2_ep2")
-    assert [bool(o["tp2_ep2"]["counts"]) for o in out] == [True, True, False, False]
+    for case in cases:
+        _check_case(out, case)
+        assert [bool(o[case]["counts"]) for o in out] == ([True, True, False, False] if case.startswith("tp2")
+                                                           else [True, True, True, True])
+    sequential, grouped = out[0]["tp2_ep2"]["received"], out[0]["tp2_ep2_te_grouped"]["received"]
+    assert grouped.keys() == sequential.keys()
+    for name, ref in sequential.items():
+        assert torch.equal(grouped[name], ref), name
 
 
 # ------------------------------------------------- names without a process group
@@ -379,16 +437,61 @@ def test_expert_sources_cover_every_ep_rank_and_pack_per_unit():
         assert [o.ep_rank for o in b.owners] == [0, 1]
 
 
-@pytest.mark.parametrize("experts,needle", [
-    (_grouped(["weight1", "weight2"]), "moe_grouped_gemm=False"),
-    (nn.ModuleDict({"linear_fc1": _grouped(["weight0", "weight1"])}), "moe_grouped_gemm=False"),
-])
-def test_grouped_gemm_expert_weights_are_named(experts, needle):
+def _te_grouped(num_local=2, hidden=16, inter=8, fc1=None, fc2=None):
+    """TEGroupedMLP's parameter names and shapes: linear_fc{1,2}.weight{i}, TE's partition attributes."""
+    m = nn.Module()
+    m.linear_fc1, m.linear_fc2 = nn.Module(), nn.Module()
+    for i in range(num_local):
+        for fc, shape, dim, given in (("linear_fc1", (2 * inter, hidden), 0, fc1),
+                                      ("linear_fc2", (hidden, inter), 1, fc2)):
+            p = nn.Parameter(given[i] if given is not None else torch.zeros(shape))
+            p.tensor_model_parallel, p.partition_dim = True, dim
+            getattr(m, fc).register_parameter(f"weight{i}", p)
+    return m
+
+
+def test_te_grouped_expert_sources_match_sequential_ones():
+    from megatron_ext.weight_export import UnsupportedParameter, local_sources
+
+    sequential = _fake_moe_gpt()
+    experts = sequential.decoder.layers[0].mlp.experts.local_experts
+    grouped = _fake_moe_gpt(experts_module=_te_grouped(fc1=[e.linear_fc1.weight.detach() for e in experts],
+                                                       fc2=[e.linear_fc2.weight.detach() for e in experts]))
+    seq, grp = local_sources(sequential, ep_size=2, tp_size=2), local_sources(grouped, ep_size=2, tp_size=2)
+    fields = ("pp_rank", "dtype", "shard_shape", "partition_dim", "kind", "outputs", "expert", "ep_rank")
+    assert [[getattr(s, f) for f in fields] for s in grp] == [[getattr(s, f) for f in fields] for s in seq]
+    by_hf = {s.outputs[0][0]: s for s in grp}
+    src = by_hf["model.layers.0.mlp.experts.3.down_proj.weight"]  # EP rank 1's local expert 1
+    assert (src.local_name, src.mcore_name, src.partition_dim) == (
+        "decoder.layers.0.mlp.experts.linear_fc2.weight1", "decoder.layers.0.mlp.experts.linear_fc2.weight3", None)
+    # Block-interleaved gate/up rows and expert TP are refused, naming the weight.
+    grouped.config.moe_mlp_glu_interleave_size = 32
+    with pytest.raises(UnsupportedParameter, match="moe_mlp_glu_interleave_size=None") as info:
+        local_sources(grouped, ep_size=2)
+    assert str(info.value).startswith("decoder.layers.0.mlp.experts.linear_fc1.weight0: ")
+    with pytest.raises(UnsupportedParameter, match="expert_tensor_parallel_size=1") as info:
+        local_sources(_fake_moe_gpt(experts_module=_te_grouped()), ep_size=2, etp_size=2)
+    assert str(info.value).startswith("decoder.layers.0.mlp.experts.linear_fc1.weight0 ")
+
+
+def _with_bias(module, fc, name):
+    getattr(module, fc).register_parameter(name, nn.Parameter(torch.zeros(2)))
+    return module
+
+
+@pytest.mark.parametrize("experts,param,needle", [
+    (_grouped(["weight1", "weight2"]), "experts.weight1", "legacy GroupedMLP"),
+    (nn.ModuleDict({"linear_fc1": _grouped(["weight"])}), "experts.linear_fc1.weight",
+     "moe_single_grouped_weight=False"),
+    (_with_bias(_te_grouped(), "linear_fc1", "bias0"), "experts.linear_fc1.bias0", "add_bias_linear=False"),
+    (_with_bias(_te_grouped(), "linear_fc2", "bias"), "experts.linear_fc2.bias", "add_bias_linear=False"),
+], ids=["legacy_grouped_mlp", "single_grouped_weight", "grouped_bias", "single_grouped_bias"])
+def test_unmappable_grouped_gemm_weights_are_named(experts, param, needle):
     from megatron_ext.weight_export import UnsupportedParameter, local_sources
 
     with pytest.raises(UnsupportedParameter, match=needle) as info:
         local_sources(_fake_moe_gpt(experts_module=experts))
-    assert "'decoder.layers.0.mlp.experts." in str(info.value)
+    assert f"'decoder.layers.0.mlp.{param}'" in str(info.value)
 
 
 def test_expert_tensor_parallel_is_refused_by_name():
