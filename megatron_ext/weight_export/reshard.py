@@ -30,7 +30,7 @@ from typing import Callable
 
 import torch
 
-from .hf_mapping import _global_layer_names, unwrap
+from .hf_mapping import _global_layer_names, copy_all, unwrap
 from .refit_group import batch_isend_irecv, group_barrier
 from .reshard_plan import ReshardPlan, Run, Transfer, fanout_plans, run_view
 from .verify import VerifyResult, verify_export
@@ -361,10 +361,12 @@ class ReshardExecutor:
                                 + "; ".join(refused[:4]), reason=reason, stats=stats)
         # every bucket of this version is here and checked: apply it (local copies too) in one go
         self._unpack(staged)
+        pairs = []
         for t in self.local:
             dst = run_view(self.tensors[t.dst_run.local], t.dst_run)
-            dst.copy_(run_view(self.tensors[t.src_run.local], t.src_run).reshape(dst.shape))
+            pairs.append((dst, run_view(self.tensors[t.src_run.local], t.src_run).reshape(dst.shape)))
             stats.local_bytes += t.nbytes
+        copy_all(pairs)
         self.version = version
         stats.seconds = time.perf_counter() - start  # the move and apply; the gate's forward passes not included
         if verify is not None and self.rank in self.plan.dst.ranks:
@@ -396,10 +398,11 @@ class ReshardExecutor:
             if k < len(buckets):
                 bucket = buckets[k]
                 buf = self._send_buf[(peer, self._slot(k, recv=False))]
-                buf[:HEADER_BYTES].view(torch.int64).copy_(headers[self._header_index[(peer, k)]])
+                pairs = [(buf[:HEADER_BYTES].view(torch.int64), headers[self._header_index[(peer, k)]])]
                 for t, off in bucket:
                     view = buf[off:off + t.nbytes].view(self.tensors[t.src_run.local].dtype)
-                    view.copy_(run_view(self.tensors[t.src_run.local], t.src_run).reshape(-1))
+                    pairs.append((view, run_view(self.tensors[t.src_run.local], t.src_run).reshape(-1)))
+                copy_all(pairs)  # one launch per bucket, not one per piece
                 n = _bucket_nbytes(bucket)
                 ops.append(("send", buf[:n], peer))
                 sent += n
@@ -446,10 +449,14 @@ class ReshardExecutor:
                 refused.append(f"plan: rank {peer} runs another plan or bucket size (bucket {k})")
 
     def _unpack(self, staged) -> None:
+        # One batched copy for everything staged: an atomic refit unpacks the whole version after
+        # the last round, and per-piece copy_ calls would be bound by the host's launch rate.
+        pairs = []
         for buf, bucket in staged:
             for t, off in bucket:
                 dst = run_view(self.tensors[t.dst_run.local], t.dst_run)
-                dst.copy_(buf[off:off + t.nbytes].view(dst.dtype).view(dst.shape))
+                pairs.append((dst, buf[off:off + t.nbytes].view(dst.dtype).view(dst.shape)))
+        copy_all(pairs)
 
 
 class FanoutRefit:
