@@ -423,6 +423,12 @@ def specs_from_config(config, *, vocab_size: int, padded_vocab_size: int | None 
     ``te_layernorm=True`` for models built with Transformer Engine layer specs,
     ``grouped_gemm=True`` for TEGroupedMLP experts (TE specs with
     ``moe_grouped_gemm=True``; the local spec builds SequentialMLP either way)."""
+    if grouped_gemm and config.num_moe_experts:
+        from .hf_moe import grouped_expert_issue
+
+        issue = grouped_expert_issue(config)
+        if issue is not None:  # the per-expert [gate; up] row ranges would be wrong
+            raise ValueError(f"grouped-GEMM experts cannot be described: {issue}")
     heads = config.num_attention_heads
     return gpt_specs(
         num_layers=config.num_layers, hidden_size=config.hidden_size, num_heads=heads,

@@ -382,3 +382,14 @@ def test_unsupported_expert_layouts_name_the_parameter():
             name = "decoder.layers.1.mlp.experts.linear_fc1.weight"
         with pytest.raises(ValueError, match=rf"{name}'.*{match}"):
             specs_from_model(model, vocab_size=64)
+
+
+def test_interleaved_glu_experts_are_refused():
+    """TEGroupedMLP with ``moe_mlp_glu_interleave_size`` interleaves gate and up rows:
+    describing fc1 as [gate; up] would move the wrong rows, so the layout refuses."""
+    from megatron_ext.weight_export.layout import specs_from_model
+
+    model = _grouped_moe_like_gpt(0)
+    model.module.config.moe_mlp_glu_interleave_size = 32
+    with pytest.raises(ValueError, match="moe_mlp_glu_interleave_size=32"):
+        specs_from_model(model, vocab_size=64)
