@@ -74,3 +74,20 @@ def reference_for(spec, model) -> dict:
         state, num_layers=spec.num_layers, num_heads=spec.num_attention_heads,
         num_groups=spec.num_query_groups, hidden=spec.hidden_size, vocab=spec.hf_vocab_size,
         tied=spec.tie_embeddings)
+
+
+def gather_tp(name: str, param) -> torch.Tensor:
+    """``param``'s full tensor over the TP group, with one plain ``all_gather``
+    (independent of the exporter); GLU ``linear_fc1`` shards are ``[gate_r; up_r]``."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    t = param.detach()
+    tp = ps.get_tensor_model_parallel_world_size()
+    if tp == 1 or not getattr(param, "tensor_model_parallel", False):
+        return t
+    parts = [torch.empty_like(t) for _ in range(tp)]
+    dist.all_gather(parts, t.contiguous(), group=ps.get_tensor_model_parallel_group())
+    if name.endswith("linear_fc1.weight"):
+        return torch.cat([x.chunk(2)[0] for x in parts] + [x.chunk(2)[1] for x in parts], dim=0)
+    return torch.cat(parts, dim=param.partition_dim)

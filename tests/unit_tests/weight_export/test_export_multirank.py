@@ -15,7 +15,7 @@ from megatron_ext.testing import tiny_llama
 from megatron_ext.testing.multirank import run_on_ranks
 from megatron_ext.testing.receiver_proc import start_hf_receiver
 
-from ._reference import hf_state_from_megatron
+from ._reference import gather_tp, hf_state_from_megatron
 
 SPEC = tiny_llama.TinyLlamaSpec(arch="qwen2", num_layers=4)
 TIMEOUT = 240
@@ -26,20 +26,11 @@ def _naive_gathered_state(model):
     and one all_gather_object (PP), written independently of the exporter."""
     from megatron.core import parallel_state as ps
 
-    tp = ps.get_tensor_model_parallel_world_size()
     offset = {f"decoder.layers.{j}.": f"decoder.layers.{layer.layer_number - 1}."
               for j, layer in enumerate(model.decoder.layers)}
     state = {}
     for name, p in model.named_parameters():
-        t = p.detach()
-        if tp > 1 and getattr(p, "tensor_model_parallel", False):
-            parts = [torch.empty_like(t) for _ in range(tp)]
-            dist.all_gather(parts, t.contiguous(), group=ps.get_tensor_model_parallel_group())
-            if name.endswith("linear_fc1.weight"):  # each shard is [gate_r; up_r]
-                parts = [x.chunk(2)[0] for x in parts] + [x.chunk(2)[1] for x in parts]
-                t = torch.cat(parts, dim=0)
-            else:
-                t = torch.cat(parts, dim=p.partition_dim)
+        t = gather_tp(name, p)
         for local, glob in offset.items():
             if name.startswith(local):
                 name = glob + name[len(local):]

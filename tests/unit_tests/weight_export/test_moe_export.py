@@ -19,7 +19,7 @@ from megatron_ext.testing import tiny_llama
 from megatron_ext.testing.multirank import run_on_ranks
 from megatron_ext.testing.receiver_proc import start_hf_receiver
 
-from ._reference import hf_checkpoint_names, hf_state_from_megatron
+from ._reference import gather_tp, hf_checkpoint_names, hf_state_from_megatron
 
 SPEC = tiny_llama.TinyLlamaSpec(arch="qwen3_moe")
 TIMEOUT = 240
@@ -213,7 +213,7 @@ def _naive_full_state(model):
     gathered with one plain collective per parameter, independently of the exporter."""
     from megatron.core import parallel_state as ps
 
-    tp, ep = ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size()
+    ep = ps.get_expert_model_parallel_world_size()
     num_local = SPEC.num_moe_experts // ep
     state = {}
     for name, p in model.named_parameters():
@@ -232,14 +232,7 @@ def _naive_full_state(model):
             for r, c in enumerate(copies):
                 state[f"{head}.local_experts.{r * num_local + int(local)}.{suffix}"] = c
             continue
-        if tp > 1 and getattr(p, "tensor_model_parallel", False):
-            parts = [torch.empty_like(t) for _ in range(tp)]
-            dist.all_gather(parts, t.contiguous(), group=ps.get_tensor_model_parallel_group())
-            if name.endswith("linear_fc1.weight"):  # each shard is [gate_r; up_r]
-                parts = [x.chunk(2)[0] for x in parts] + [x.chunk(2)[1] for x in parts]
-                t = torch.cat(parts, dim=0)
-            else:
-                t = torch.cat(parts, dim=p.partition_dim)
+        t = gather_tp(name, p)
         state[name] = t.cpu().clone()
     stages = [None] * ps.get_pipeline_model_parallel_world_size()
     dist.all_gather_object(stages, state, group=ps.get_pipeline_model_parallel_group())
