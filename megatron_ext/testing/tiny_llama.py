@@ -109,13 +109,17 @@ def build_model(spec: TinyLlamaSpec, config, device: torch.device | str = "cpu")
 
 def _redraw_experts(spec: TinyLlamaSpec, config, model) -> None:
     """Each expert's weights from its global index (CPU init repeats the local
-    experts on every EP rank), and a router strong enough for clear top-k choices."""
+    experts on every EP rank), and a router strong enough for clear top-k choices.
+    With expert TP each rank keeps its shard of the whole expert (GLU ``linear_fc1``:
+    ``[gate_r; up_r]``), so the global model does not depend on the expert-TP degree."""
     from megatron.core import parallel_state
 
     if not config.num_moe_experts:
         return
     num_local = config.num_moe_experts // parallel_state.get_expert_model_parallel_world_size()
     first = parallel_state.get_expert_model_parallel_rank() * num_local
+    etp, etp_rank = (parallel_state.get_expert_tensor_parallel_world_size(),
+                     parallel_state.get_expert_tensor_parallel_rank())
     for layer in model.decoder.layers:
         for name, p in layer.mlp.named_parameters():
             parts = name.split(".")
@@ -126,7 +130,18 @@ def _redraw_experts(spec: TinyLlamaSpec, config, model) -> None:
             else:
                 continue
             gen = torch.Generator().manual_seed(zlib.crc32(f"{spec.seed}:layer{layer.layer_number}.{key}".encode()))
-            p.copy_((torch.randn(p.shape, generator=gen) * scale).to(p.device, p.dtype))
+            if key == "router" or etp == 1:
+                p.copy_((torch.randn(p.shape, generator=gen) * scale).to(p.device, p.dtype))
+                continue
+            dim = 0 if parts[-2] == "linear_fc1" else 1  # column- / row-parallel expert linears
+            shape = list(p.shape)
+            shape[dim] *= etp
+            full = torch.randn(shape, generator=gen) * scale
+            if dim == 0 and config.gated_linear_unit:
+                shard = torch.cat([half.chunk(etp)[etp_rank] for half in full.chunk(2)])
+            else:
+                shard = full.chunk(etp, dim)[etp_rank]
+            p.copy_(shard.to(p.device, p.dtype))
 
 
 class _TEGroupedMLPNames(torch.nn.Module):

@@ -8,7 +8,9 @@ flat buffers, and stages other than the first send their buckets to the export
 rank (pipeline stage 0, TP rank 0), which hands every bucket to the transport.
 MoE experts: expert buckets are gathered, one collective each, by the stage's
 expert-parallel group of expert-data-parallel rank 0 (which holds every expert
-of the stage and contains the stage leader), whatever their dense DP rank.
+of the stage and contains the stage leader), whatever their dense DP rank; with
+expert tensor parallelism by its expert-tensor-and-model-parallel group (ETP x
+EP ranks: every shard of every expert of the stage).
 While one buffer is on its way the other is being filled.
 """
 
@@ -55,8 +57,9 @@ class _Layout:
 
     def __init__(self, experts: bool = False):
         self.tp_size = self.pp_size = self.ep_size = self.etp_size = 1
-        self.tp_rank = self.pp_rank = self.dp_rank = self.ep_rank = self.edp_rank = 0
-        self.tp_group = self.ep_group = None
+        self.tp_rank = self.pp_rank = self.dp_rank = self.ep_rank = self.etp_rank = self.edp_rank = 0
+        self.tp_group = self.ep_group = self.expert_group = None
+        self.expert_rank, self.expert_coords = 0, [(0, 0)]  # rank in expert_group; (ep, etp) of its ranks
         self.stage_leaders = [dist.get_rank() if dist.is_initialized() else 0]
         try:
             from megatron.core import parallel_state as ps
@@ -81,7 +84,24 @@ class _Layout:
         self.ep_rank = ps.get_expert_model_parallel_rank()
         self.ep_group = ps.get_expert_model_parallel_group()
         self.etp_size = ps.get_expert_tensor_parallel_world_size()
+        self.etp_rank = ps.get_expert_tensor_parallel_rank()
         self.edp_rank = ps.get_expert_data_parallel_rank()
+        if self.etp_size == 1:
+            self.expert_group, self.expert_rank = self.ep_group, self.ep_rank
+            self.expert_coords = [(r, 0) for r in range(self.ep_size)]
+            return
+        # Expert TP: gather in the ETP x EP group; its rank order is asked (exchange_expert_coords), not assumed.
+        self.expert_group = ps.get_expert_tensor_and_model_parallel_group()
+        self.expert_rank = dist.get_rank(self.expert_group)
+        self.expert_coords = None
+
+    def exchange_expert_coords(self) -> None:
+        """``(ep_rank, etp_rank)`` of every rank of the expert group, once (collective over
+        that group: called by its ranks when they first plan; a no-op without expert TP)."""
+        if self.expert_coords is None:
+            coords = [None] * dist.get_world_size(self.expert_group)
+            dist.all_gather_object(coords, (self.ep_rank, self.etp_rank), group=self.expert_group)
+            self.expert_coords = [tuple(c) for c in coords]
 
 
 def auto_bucket_bytes(device: torch.device) -> int:
@@ -113,11 +133,12 @@ class WeightExporter:
         self.participates = self.gathers_dense or self.gathers_experts
         self.is_leader = self.gathers_dense and lay.tp_rank == 0
         self.is_export_rank = self.is_leader and lay.pp_rank == 0
-        if self.is_leader and self.has_experts and (lay.ep_rank != 0 or not self.gathers_experts):
+        if self.is_leader and self.has_experts and (lay.ep_rank != 0 or lay.etp_rank != 0
+                                                    or not self.gathers_experts):
             raise RuntimeError(
-                f"the stage leader (TP rank 0, DP rank 0) is EP rank {lay.ep_rank}, expert-DP rank {lay.edp_rank}; "
-                "the MoE export needs it to be EP rank 0 of expert-DP rank 0: use Megatron's default rank "
-                "order (order='tp-cp-ep-dp-pp')")
+                f"the stage leader (TP rank 0, DP rank 0) is EP rank {lay.ep_rank}, expert-TP rank {lay.etp_rank}, "
+                f"expert-DP rank {lay.edp_rank}; the MoE export needs it to be EP rank 0 and expert-TP rank 0 of "
+                "expert-DP rank 0: use Megatron's default rank order (order='tp-cp-ep-dp-pp')")
         self.device = next(self.model.parameters()).device
         self._receiver, self._sender = receiver, sender
         self._plan: ExportPlan | None = None
@@ -163,11 +184,14 @@ class WeightExporter:
         else:
             bucket_bytes = auto_bucket_bytes(self.device)
         self._plan, self._bucket_sources = build_plan(sources, bucket_bytes, tp_size=lay.tp_size,
-                                                      pp_size=lay.pp_size, ep_size=lay.ep_size)
+                                                      pp_size=lay.pp_size, ep_size=lay.ep_size,
+                                                      etp_size=lay.etp_size)
+        if self.gathers_experts:
+            lay.exchange_expert_coords()
         params = dict(self.model.named_parameters())
         self._gatherer = BucketGatherer(params, tp_group=lay.tp_group, tp_rank=lay.tp_rank, tp_size=lay.tp_size,
-                                        ep_group=lay.ep_group, ep_rank=lay.ep_rank, ep_size=lay.ep_size,
-                                        device=self.device)
+                                        expert_group=lay.expert_group, expert_rank=lay.expert_rank,
+                                        expert_coords=lay.expert_coords, etp_size=lay.etp_size, device=self.device)
         self._buffers = []
         self._signature = sig
         self.plans_built += 1
@@ -199,10 +223,10 @@ class WeightExporter:
                 self._sender = IpcPushSender(cfg.targets, timeout_s=cfg.timeout_s)
             else:
                 lay = self.layout
-                if lay.tp_size != 1 or lay.pp_size != 1 or lay.ep_size != 1:
-                    raise ValueError(f"transport='ipc-direct' needs TP=PP=EP=1, as the engine maps only the export "
-                                     f"rank's storage (got TP={lay.tp_size}, PP={lay.pp_size}, EP={lay.ep_size}); "
-                                     "use transport='ipc'")
+                if lay.tp_size != 1 or lay.pp_size != 1 or lay.ep_size != 1 or lay.etp_size != 1:
+                    raise ValueError(f"transport='ipc-direct' needs TP=PP=EP=ETP=1, as the engine maps only the "
+                                     f"export rank's storage (got TP={lay.tp_size}, PP={lay.pp_size}, "
+                                     f"EP={lay.ep_size}, ETP={lay.etp_size}); use transport='ipc'")
                 self._sender = IpcDirectSender(cfg.targets, timeout_s=cfg.timeout_s)
         return self._sender
 

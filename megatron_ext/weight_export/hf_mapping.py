@@ -51,10 +51,12 @@ class Source:
     num_groups: int = 0
     expert: int | None = None
     ep_rank: int | None = None
+    etp_size: int = 1  # experts: expert-TP ranks sharding it along partition_dim (1: whole)
 
     @property
     def group(self) -> str:
-        """The process group that gathers it: ``"ep"`` for experts, else ``"tp"``."""
+        """The process group that gathers it: ``"ep"`` for experts (the EP group, or
+        Megatron's expert-tensor-and-model-parallel group with expert TP > 1), else ``"tp"``."""
         return "tp" if self.ep_rank is None else "ep"
 
     @property
@@ -188,8 +190,12 @@ def local_sources(model, *, pp_rank: int = 0, tp_size: int = 1, vocab_size: int 
 
 
 def _expert_sources(experts, cfg, *, pp_rank: int, ep_size: int, etp_size: int) -> list[Source]:
-    """Every EP rank's copy of each local expert weight (whole: expert TP must be 1).
+    """Every EP rank's copy of each local expert weight.
 
+    With expert TP (``etp_size`` > 1) each copy is sharded over the expert-TP
+    ranks like a dense TP weight: ``linear_fc1`` on dim 0 (GLU: each shard
+    ``[gate_r; up_r]``), ``linear_fc2`` on dim 1; ``shard_shape`` is one shard,
+    ``outputs`` the whole expert's HF tensors.
     ``experts``: ``(layer, local index, fc, grouped, local name, global name, param)``.
     SequentialMLP and TEGroupedMLP hold the same per-expert tensors, so both give
     the same HF names and shapes; ``mcore_name`` keeps the trainer's naming with
@@ -206,27 +212,33 @@ def _expert_sources(experts, cfg, *, pp_rank: int, ep_size: int, etp_size: int) 
     for layer, local, fc, grouped, local_name, name, param in experts:
         if grouped and grouped_expert_issue(cfg):
             raise UnsupportedParameter(f"{name}: {grouped_expert_issue(cfg)}")
-        if etp_size != 1:
-            raise UnsupportedParameter(
-                f"{name} is split by expert tensor parallelism (expert_tensor_parallel_size={etp_size}); "
-                "export needs whole experts: set expert_tensor_parallel_size=1")
         if local >= num_local:
             raise ValueError(f"{name}: local expert {local} but num_moe_experts / EP = {num_local}; "
                              "pass the expert-parallel size the model was built with")
         shape = tuple(param.shape)
+        partition_dim = None
+        full = list(shape)
+        if etp_size > 1:
+            # Megatron's expert linears: column-parallel fc1 (dim 0), row-parallel fc2 (dim 1).
+            partition_dim = 0 if fc == "linear_fc1" else 1
+            if len(shape) != 2 or getattr(param, "partition_dim", partition_dim) != partition_dim:
+                raise UnsupportedParameter(
+                    f"{name}: expected an expert-TP shard split on dim {partition_dim}, got shape {shape}, "
+                    f"partition_dim={getattr(param, 'partition_dim', None)}")
+            full[partition_dim] *= etp_size
         if fc == "linear_fc1":
             _check_gated(name, cfg)
-            kind, shapes = "glu", ((shape[0] // 2, *shape[1:]), (shape[0] // 2, *shape[1:]))
+            kind, shapes = "glu", ((full[0] // 2, *full[1:]), (full[0] // 2, *full[1:]))
         else:
-            kind, shapes = "copy", (shape,)
+            kind, shapes = "copy", (tuple(full),)
         for r in range(ep_size):
             e = r * num_local + local
             out.append(Source(
                 mcore_name=(f"decoder.layers.{layer}.mlp.experts.{fc}.weight{e}" if grouped
                             else f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.{fc}.weight"),
                 local_name=local_name, pp_rank=pp_rank, dtype=param.dtype, shard_shape=shape,
-                partition_dim=None, kind=kind, outputs=tuple(zip(expert_hf_names(layer, e, fc), shapes)),
-                expert=e, ep_rank=r))
+                partition_dim=partition_dim, kind=kind, outputs=tuple(zip(expert_hf_names(layer, e, fc), shapes)),
+                expert=e, ep_rank=r, etp_size=etp_size))
     return out
 
 

@@ -23,7 +23,7 @@ import torch
 __all__ = ["expert_hf_names", "expert_param", "fused_expert_views", "grouped_expert_issue", "moe_layer_pattern",
            "qwen3_moe_kwargs", "router_issue"]
 
-# Layer suffixes of one local expert's weight (expert TP 1): SequentialMLP's module per
+# Layer suffixes of one local expert's weight (or its expert-TP shard): SequentialMLP's module per
 # expert, and TEGroupedMLP's numbered weights (TEGroupedLinear registers weight{i} per GEMM).
 SEQUENTIAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
 GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc1|linear_fc2)\.weight(\d+)$")

@@ -6,7 +6,9 @@ aligned offset in it. A bucket holds tensors of one pipeline stage and one
 gathering group, so it is gathered with one collective: dense tensors in the
 stage's TP group (``group="tp"``), experts in its expert-parallel group
 (``group="ep"``; every EP rank's copy of the same local expert weights, so each
-rank contributes an equal slot).
+rank contributes an equal slot). With expert tensor parallelism (ETP > 1) the
+expert group is Megatron's expert-tensor-and-model-parallel group (ETP x EP
+ranks of expert-DP rank 0), each rank contributing its expert-TP shards.
 """
 
 from __future__ import annotations
@@ -55,6 +57,16 @@ class SourceOwner:
     hf_names: tuple[str, ...]
     expert: int | None = None   # global expert index (experts only)
     ep_rank: int | None = None  # the expert-parallel rank holding it (experts only)
+    etp_size: int = 1           # expert-TP shards (experts only; 1: whole on ``ep_rank``)
+
+    @property
+    def holders(self) -> tuple[tuple[int, int], ...]:
+        """Experts: ``(ep_rank, etp_rank)`` of the rank holding each slice, in shard
+        order; slice ``k`` is expert-TP shard ``k`` along ``partition_dim`` (GLU
+        ``linear_fc1``: rows ``k`` of gate and of up). Empty for dense sources."""
+        if self.ep_rank is None:
+            return ()
+        return tuple((self.ep_rank, k) for k in range(self.etp_size))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +91,7 @@ class ExportPlan:
     tp_size: int = 1
     pp_size: int = 1
     ep_size: int = 1
+    etp_size: int = 1
 
     def tensors(self) -> Iterator[TensorMeta]:
         for b in self.buckets:
@@ -98,7 +111,7 @@ class ExportPlan:
 
 
 def build_plan(sources: list[Source], bucket_bytes: int, *, tp_size: int = 1, pp_size: int = 1,
-               ep_size: int = 1) -> tuple[ExportPlan, list[list[Source]]]:
+               ep_size: int = 1, etp_size: int = 1) -> tuple[ExportPlan, list[list[Source]]]:
     """Pack ``sources`` (in order, all stages) into buckets of at most ``bucket_bytes``.
 
     A parameter's HF tensors stay in one bucket, and so do the ``ep_size``
@@ -137,7 +150,8 @@ def build_plan(sources: list[Source], bucket_bytes: int, *, tp_size: int = 1, pp
                                           src.dtype.itemsize * _numel(shape)))
                 used += size
             owners.append(SourceOwner(src.mcore_name, src.pp_rank, src.partition_dim, src.shard_shape,
-                                      tuple(n for n, _ in src.outputs), src.expert, src.ep_rank))
+                                      tuple(n for n, _ in src.outputs), src.expert, src.ep_rank,
+                                      src.etp_size))
             members.append(src)
     close()
     names = [t.name for b in buckets for t in b.tensors]
@@ -145,7 +159,7 @@ def build_plan(sources: list[Source], bucket_bytes: int, *, tp_size: int = 1, pp
     if dup:
         raise ValueError(f"tensors exported twice: {sorted(dup)}")
     capacity = _block_size(max((b.nbytes for b in buckets), default=ALIGNMENT))
-    return ExportPlan(tuple(buckets), capacity, tp_size, pp_size, ep_size), bucket_sources
+    return ExportPlan(tuple(buckets), capacity, tp_size, pp_size, ep_size, etp_size), bucket_sources
 
 
 def _block_size(nbytes: int) -> int:

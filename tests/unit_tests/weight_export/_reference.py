@@ -76,18 +76,20 @@ def reference_for(spec, model) -> dict:
         tied=spec.tie_embeddings)
 
 
-def gather_tp(name: str, param) -> torch.Tensor:
-    """``param``'s full tensor over the TP group, with one plain ``all_gather``
-    (independent of the exporter); GLU ``linear_fc1`` shards are ``[gate_r; up_r]``."""
+def gather_tp(name: str, param, group=None) -> torch.Tensor:
+    """``param``'s full tensor over the TP group (or ``group``, e.g. the expert-TP
+    group), with one plain ``all_gather`` (independent of the exporter); GLU
+    ``linear_fc1`` shards are ``[gate_r; up_r]``."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     t = param.detach()
-    tp = ps.get_tensor_model_parallel_world_size()
+    group = ps.get_tensor_model_parallel_group() if group is None else group
+    tp = dist.get_world_size(group)
     if tp == 1 or not getattr(param, "tensor_model_parallel", False):
         return t
     parts = [torch.empty_like(t) for _ in range(tp)]
-    dist.all_gather(parts, t.contiguous(), group=ps.get_tensor_model_parallel_group())
+    dist.all_gather(parts, t.contiguous(), group=group)
     if name.endswith("linear_fc1.weight"):
         return torch.cat([x.chunk(2)[0] for x in parts] + [x.chunk(2)[1] for x in parts], dim=0)
     return torch.cat(parts, dim=param.partition_dim)

@@ -41,6 +41,9 @@ def _layout_names(cfg):
 def _plan_summary(plan):
     return dict(groups=[(b.pp_rank, b.group, len(b.owners)) for b in plan.buckets],
                 owners={o.expert: o.ep_rank for b in plan.buckets for o in b.owners if o.expert is not None},
+                holders={(int(o.mcore_name.split(".")[2]), o.expert, o.mcore_name.split(".")[-2]):
+                         (o.holders, o.partition_dim) for b in plan.buckets for o in b.owners if o.expert is not None},
+                etp_size=plan.etp_size,
                 names={t.name for t in plan.tensors()})
 
 
@@ -224,7 +227,8 @@ def _naive_full_state(model):
         if name.startswith("decoder.layers."):  # global layer numbers (pipeline stages)
             j, rest = name[len("decoder.layers."):].split(".", 1)
             name = f"decoder.layers.{model.decoder.layers[int(j)].layer_number - 1}.{rest}"
-        if ".local_experts." in name:  # whole experts (expert TP 1) on each EP rank
+        if ".local_experts." in name:  # expert-TP shards (plain all_gather), then EP ranks' experts
+            t = gather_tp(name, p, group=ps.get_expert_tensor_parallel_group())
             copies = [None] * ep
             dist.all_gather_object(copies, t.cpu().clone(), group=ps.get_expert_model_parallel_group())
             head, tail = name.split(".local_experts.")
@@ -255,16 +259,16 @@ def _count_collectives(counts):
     return lambda: [setattr(dist, n, fn) for n, fn in saved.items()]
 
 
-def _export_case(tp, pp, ep, target, transport, te_grouped=False):
+def _export_case(tp, pp, ep, target, transport, te_grouped=False, etp=1):
     """One trainer layout exporting versions 7 and 8; returns what the tests check.
-    ``te_grouped``: the model's parameters under TE / TEGroupedMLP names."""
+    ``te_grouped``: the model's parameters under TE / TEGroupedMLP names; ``etp``: expert TP."""
     from megatron.core import parallel_state as ps
 
     from megatron_ext import weight_export as wx
 
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
-    cfg = tiny_llama.transformer_config(SPEC, tp=tp, pp=pp, ep=ep)
+                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    cfg = tiny_llama.transformer_config(SPEC, tp=tp, pp=pp, ep=ep, expert_tensor_parallel_size=etp)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
     model = tiny_llama.build_model(SPEC, cfg, device=device)
     if te_grouped:
@@ -290,9 +294,11 @@ def _export_case(tp, pp, ep, target, transport, te_grouped=False):
     lay = exporter.layout
     out = dict(first=first, second=second, verify=verify, counts=counts,
                plan=_plan_summary(exporter.plan) if exporter.participates else None,
-               where=dict(pp=lay.pp_rank, dp=lay.dp_rank, edp=lay.edp_rank, tp=tp, ep=ep,
+               where=dict(pp=lay.pp_rank, dp=lay.dp_rank, edp=lay.edp_rank, tp=tp, ep=ep, etp=etp,
                           tp_group=tuple(dist.get_process_group_ranks(ps.get_tensor_model_parallel_group())),
-                          ep_group=tuple(dist.get_process_group_ranks(ps.get_expert_model_parallel_group()))),
+                          ep_group=tuple(dist.get_process_group_ranks(ps.get_expert_model_parallel_group())),
+                          etp_ep_group=tuple(dist.get_process_group_ranks(
+                              ps.get_expert_tensor_and_model_parallel_group()))),
                expected=_naive_full_state(model), layout_names=_layout_names(cfg),
                received=hf_checkpoint_names(dict(hf.named_parameters())) if hf is not None else None)
     exporter.close()
@@ -325,17 +331,27 @@ def _check_case(out, key, received_params=None):
     assert plan["names"] == export_rank["layout_names"]
     num_local = SPEC.num_moe_experts // export_rank["where"]["ep"]
     assert plan["owners"] == {e: e // num_local for e in range(SPEC.num_moe_experts)}
+    etp = export_rank["where"]["etp"]
+    assert plan["etp_size"] == etp
+    # Which (EP, expert-TP) rank holds which slice: fc1 split on rows, fc2 on columns (whole with ETP 1).
+    assert plan["holders"] == {(layer, e, fc): (tuple((e // num_local, k) for k in range(etp)),
+                                                None if etp == 1 else int(fc == "linear_fc2"))
+                               for layer in range(SPEC.num_layers) for e in range(SPEC.num_moe_experts)
+                               for fc in ("linear_fc1", "linear_fc2")}
     if export_rank["verify"] is not None:
         assert export_rank["verify"].max_abs_diff < 1e-4 and abs(export_rank["verify"].kl) < 1e-6
-    # One all_gather_into_tensor per bucket in the bucket's group, nothing per parameter.
+    # One all_gather_into_tensor per bucket in the bucket's group (experts: the EP group, with expert
+    # TP the ETP x EP group), nothing per parameter.
     for rank, r in enumerate(ranks):
         w = r["where"]
+        expert_group = w["ep_group"] if w["etp"] == 1 else w["etp_ep_group"]
+        assert len(expert_group) == w["ep"] * w["etp"]
         want = []
         for pp_rank, group, owners in plan["groups"]:
-            size = w["tp"] if group == "tp" else w["ep"]
+            size = w["tp"] if group == "tp" else w["ep"] * w["etp"]
             gathers = w["dp"] == 0 if group == "tp" else w["edp"] == 0
             if pp_rank == w["pp"] and gathers and size > 1:
-                want.append(("all_gather_into_tensor", w["tp_group"] if group == "tp" else w["ep_group"]))
+                want.append(("all_gather_into_tensor", w["tp_group"] if group == "tp" else expert_group))
         assert r["counts"] == want, f"{key} rank {rank}: {r['counts']} != {want}"
     ep = export_rank["where"]["ep"]
     assert any(group == "ep" and owners > ep for _, group, owners in plan["groups"]), \
@@ -357,25 +373,35 @@ def test_ep2_trainer_streams_experts_to_hf_receiver_process(backend, transport, 
     assert got["applied"] == [7, 8] and got["plans"] == 1
     _check_case(out, "ep2", got["state"])
     assert out[1]["ep2"]["counts"], "rank 1 must send its experts"
-    assert "needs TP=PP=EP=1" in out[0]["ep2"]["ipc_direct"] and "EP=2" in out[0]["ep2"]["ipc_direct"]
+    assert "needs TP=PP=EP=ETP=1" in out[0]["ep2"]["ipc_direct"] and "EP=2" in out[0]["ep2"]["ipc_direct"]
 
 
 def test_tp2_ep2_and_pp2_ep2_trainers_export_every_expert():
-    """4 ranks, three layouts one after the other, each into an HF model on the export
-    rank: TP2 x EP2 (expert-DP 2: ranks 2, 3 gather nothing), PP2 x EP2, and TP2 x EP2
+    """4 ranks, four layouts one after the other, each into an HF model on the export
+    rank: TP2 x EP2 (expert-DP 2: ranks 2, 3 gather nothing), PP2 x EP2, TP2 x EP2
     again with the parameters under TE's names (TEGroupedMLP experts), which must
-    export exactly the TP2 x EP2 tensors."""
+    export exactly the TP2 x EP2 tensors, and TP2 x EP2 with expert TP 2 (each
+    expert split over two ranks; all four ranks join the expert gathers)."""
     cases = {"tp2_ep2": (2, 1, 2, None, "inprocess"), "pp2_ep2": (1, 2, 2, None, "inprocess"),
-             "tp2_ep2_te_grouped": (2, 1, 2, None, "inprocess", True)}
+             "tp2_ep2_te_grouped": (2, 1, 2, None, "inprocess", True),
+             "tp2_ep2_etp2": (2, 1, 2, None, "inprocess", False, 2)}
     out = run_on_ranks(_trainer, 4, args=(cases,), backend="gloo", timeout=TIMEOUT)
     for case in cases:
         _check_case(out, case)
-        assert [bool(o[case]["counts"]) for o in out] == ([True, True, False, False] if case.startswith("tp2")
-                                                           else [True, True, True, True])
+        assert [bool(o[case]["counts"]) for o in out] == ([True, True, False, False] if case.startswith("tp2_ep2")
+                                                           and "etp2" not in case else [True, True, True, True])
     sequential, grouped = out[0]["tp2_ep2"]["received"], out[0]["tp2_ep2_te_grouped"]["received"]
     assert grouped.keys() == sequential.keys()
     for name, ref in sequential.items():
         assert torch.equal(grouped[name], ref), name
+    # Expert TP 2: the expert buckets' gather spans all four ranks (ETP x EP), the dense ones TP only;
+    # tiny_llama builds the same global model at ETP 1 and 2, so the exports agree bit for bit.
+    etp2 = out[0]["tp2_ep2_etp2"]
+    assert etp2["received"].keys() == sequential.keys()
+    for name, ref in sequential.items():
+        assert torch.equal(etp2["received"][name], ref), name
+    assert ("all_gather_into_tensor", (0, 1, 2, 3)) in etp2["counts"]
+    assert ("all_gather_into_tensor", (0, 1)) in etp2["counts"]
 
 
 # ------------------------------------------------- names without a process group
@@ -462,9 +488,11 @@ def test_te_grouped_expert_sources_match_sequential_ones():
     with pytest.raises(UnsupportedParameter, match="moe_mlp_glu_interleave_size=None") as info:
         local_sources(grouped, ep_size=2)
     assert str(info.value).startswith("decoder.layers.0.mlp.experts.linear_fc1.weight0: ")
-    with pytest.raises(UnsupportedParameter, match="expert_tensor_parallel_size=1") as info:
-        local_sources(_fake_moe_gpt(experts_module=_te_grouped()), ep_size=2, etp_size=2)
-    assert str(info.value).startswith("decoder.layers.0.mlp.experts.linear_fc1.weight0 ")
+    # Expert TP: the same shards under both namings.
+    grouped.config.moe_mlp_glu_interleave_size = None
+    seq, grp = (local_sources(m, ep_size=2, tp_size=2, etp_size=2) for m in (sequential, grouped))
+    assert [[getattr(s, f) for f in fields + ("etp_size",)] for s in grp] == \
+        [[getattr(s, f) for f in fields + ("etp_size",)] for s in seq]
 
 
 def _with_bias(module, fc, name):
@@ -487,12 +515,40 @@ def test_unmappable_grouped_gemm_weights_are_named(experts, param, needle):
     assert f"'decoder.layers.0.mlp.{param}'" in str(info.value)
 
 
-def test_expert_tensor_parallel_is_refused_by_name():
-    from megatron_ext.weight_export import UnsupportedParameter, local_sources
+def test_expert_tensor_parallel_sources_and_shard_reassembly():
+    """ETP 2: each EP rank's expert weight is an expert-TP shard (fc1 rows, fc2 columns) of a
+    whole HF expert; the plan records which (EP, expert-TP) rank holds which slice, and the
+    dense TP shard logic puts GLU shards [gate_r; up_r] back as [gate_0; gate_1], [up_0; up_1]."""
+    from megatron_ext.weight_export import UnsupportedParameter, build_plan, local_sources
+    from megatron_ext.weight_export.hf_mapping import write_shard
 
-    with pytest.raises(UnsupportedParameter, match="expert_tensor_parallel_size=1") as info:
-        local_sources(_fake_moe_gpt(), ep_size=2, etp_size=2)
-    assert "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight" in str(info.value)
+    sources = local_sources(_fake_moe_gpt(), ep_size=2, etp_size=2)  # shards: fc1 (16, 16), fc2 (16, 8)
+    by_hf = {s.outputs[0][0]: s for s in sources}
+    fc1, fc2 = by_hf["model.layers.0.mlp.experts.2.gate_proj.weight"], by_hf[
+        "model.layers.0.mlp.experts.2.down_proj.weight"]
+    assert (fc1.ep_rank, fc1.partition_dim, fc1.shard_shape, fc1.etp_size) == (1, 0, (16, 16), 2)
+    assert fc1.outputs == (("model.layers.0.mlp.experts.2.gate_proj.weight", (16, 16)),
+                           ("model.layers.0.mlp.experts.2.up_proj.weight", (16, 16)))
+    assert (fc2.partition_dim, fc2.shard_shape, fc2.outputs[0][1]) == (1, (16, 8), (16, 16))
+    plan, _ = build_plan(sources, 1 << 20, ep_size=2, etp_size=2)
+    assert plan.etp_size == 2
+    owners = {o.mcore_name: o for b in plan.buckets for o in b.owners}
+    assert owners["decoder.layers.0.mlp.experts.local_experts.2.linear_fc1.weight"].holders == ((1, 0), (1, 1))
+    assert owners["decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight"].holders == ((1, 0), (1, 1))
+    assert owners["decoder.layers.0.mlp.router.weight"].holders == ()
+    # Reassembly from hand-made shards.
+    gate, up, down = torch.randn(16, 16), torch.randn(16, 16), torch.randn(16, 16)
+    dests = [torch.zeros(16, 16), torch.zeros(16, 16)], [torch.zeros(16, 16)]
+    for r in range(2):
+        write_shard(fc1, torch.cat([gate[8 * r:8 * r + 8], up[8 * r:8 * r + 8]]), r, 2, dests[0])
+        write_shard(fc2, down[:, 8 * r:8 * r + 8], r, 2, dests[1])
+    assert torch.equal(dests[0][0], gate) and torch.equal(dests[0][1], up) and torch.equal(dests[1][0], down)
+    # A shard split on another dim than Megatron's expert linears is refused by name.
+    bad = _fake_moe_gpt(experts_module=_te_grouped())
+    bad.decoder.layers[0].mlp.experts.linear_fc2.weight1.partition_dim = 0
+    with pytest.raises(UnsupportedParameter, match="expected an expert-TP shard split on dim 1") as info:
+        local_sources(bad, ep_size=2, etp_size=2)
+    assert str(info.value).startswith("decoder.layers.0.mlp.experts.linear_fc2.weight1: ")
 
 
 def test_hf_config_for_qwen3_moe_checks_routing_and_maps_dense_layers():
