@@ -12,9 +12,9 @@ shard ``[q_r; k_r; v_r]`` / ``[gate_r; up_r]``.
 
 :class:`TensorSpec` lists the model's HF tensors with their placement (which dim
 tensor parallelism shards, the layer, the expert). :func:`megatron_layout` turns
-them into the trainer's layout (TP x PP x DP, EP for experts; Megatron's rank
-order ``tp-dp-pp``, experts ``ep-edp`` inside a stage), :func:`inference_layout`
-into an engine's (TP x DP, optionally EP).
+them into the trainer's layout (TP x PP x DP, EP and expert TP for experts;
+Megatron's rank order ``tp-dp-pp``, experts ``etp-ep-edp`` inside a stage),
+:func:`inference_layout` into an engine's (TP x DP, optionally EP).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 from .hf_mapping import _global_layer_names, unwrap
 
 __all__ = ["Box", "Layout", "LocalTensor", "Segment", "TensorSpec", "gpt_specs", "inference_layout",
-           "megatron_layout", "ntp_megatron_layout", "specs_from_config", "specs_from_model"]
+           "megatron_expert_coords", "megatron_layout", "ntp_megatron_layout", "specs_from_config", "specs_from_model"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,17 +236,23 @@ def _local_tensors(specs: list[TensorSpec], boxes: dict[str, Box], *, megatron: 
 
 
 def megatron_layout(specs: list[TensorSpec], *, tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1,
-                    ranks: Sequence[int] | None = None, layer_stage: Sequence[int] | None = None) -> Layout:
+                    etp: int | None = None, ranks: Sequence[int] | None = None,
+                    layer_stage: Sequence[int] | None = None) -> Layout:
     """The trainer's layout: dense tensors TP-sharded, replicated over DP;
-    experts split over EP (expert TP 1) inside each stage, replicated over the
-    stage's ``tp * dp / ep`` expert-DP ranks. ``ranks`` default ``range(tp*pp*dp)``;
-    ``layer_stage`` defaults to an even split of layers over stages."""
+    inside each stage experts split over EP, each expert sharded over ``etp``
+    expert-TP ranks (``linear_fc1`` rows, ``[gate_r; up_r]`` per shard;
+    ``linear_fc2`` columns) and replicated over the stage's
+    ``tp * dp / (ep * etp)`` expert-DP ranks. ``etp`` defaults to ``tp``, as
+    Megatron's ``expert_tensor_parallel_size`` does. ``ranks`` default
+    ``range(tp*pp*dp)``; ``layer_stage`` defaults to an even split of layers
+    over stages."""
+    etp = tp if etp is None else etp
     world = tp * pp * dp
     ranks = tuple(range(world)) if ranks is None else tuple(ranks)
     if len(ranks) != world:
         raise ValueError(f"ranks has {len(ranks)} entries, tp*pp*dp is {world}")
-    if (tp * dp) % ep:
-        raise ValueError(f"ep={ep} must divide tp*dp={tp * dp}")
+    if (tp * dp) % (ep * etp):
+        raise ValueError(f"ep={ep} x etp={etp} must divide tp*dp={tp * dp}")
     layer_stage = _layer_stages(specs, pp) if layer_stage is None else list(layer_stage)
     num_experts = 1 + max((s.expert for s in specs if s.expert is not None), default=0)
     if num_experts % ep:
@@ -254,14 +260,18 @@ def megatron_layout(specs: list[TensorSpec], *, tp: int = 1, pp: int = 1, dp: in
     tensors = {}
     for i, g in enumerate(ranks):
         tp_r, dp_r, pp_r = i % tp, (i // tp) % dp, i // (tp * dp)
-        ep_r = (i % (tp * dp)) % ep
+        ep_r, etp_r = megatron_expert_coords(i, tp=tp, dp=dp, ep=ep, etp=etp)
         boxes, mine = {}, []
         for s in specs:
             if _stage_of(s, layer_stage, pp) != pp_r:
                 continue
             if s.expert is not None:
                 if s.expert * ep // num_experts == ep_r:
-                    boxes[s.name] = Box.full(s.shape)
+                    b = _tp_box(s, etp, etp_r, megatron=True)
+                    if b is None or (s.tp_dim is not None and s.shape[s.tp_dim] % etp):
+                        raise ValueError(f"{s.name}: dim {s.tp_dim} ({s.shape[s.tp_dim]}) is not divisible "
+                                         f"by expert TP {etp}")
+                    boxes[s.name] = b
                     mine.append(_local_expert(s, s.expert - ep_r * (num_experts // ep)))
                 continue
             b = _tp_box(s, tp, tp_r, megatron=True)
@@ -269,8 +279,20 @@ def megatron_layout(specs: list[TensorSpec], *, tp: int = 1, pp: int = 1, dp: in
                 boxes[s.name] = b
                 mine.append(s)
         tensors[g] = _local_tensors(mine, boxes, megatron=True)
+    moe = any(s.expert is not None for s in specs)
     return Layout(ranks, tensors, {s.name: s for s in specs}, f"megatron TP{tp}xPP{pp}xDP{dp}"
-                  + (f" EP{ep}" if ep > 1 else ""))
+                  + (f" EP{ep}" if ep > 1 else "") + (f" ETP{etp}" if etp > 1 and moe else ""))
+
+
+def megatron_expert_coords(i: int, *, tp: int, dp: int, ep: int, etp: int) -> tuple[int, int]:
+    """``(ep_rank, etp_rank)`` of the ``i``-th rank of a Megatron job (``tp * dp``
+    ranks per stage). Megatron's expert ranks are ordered ``tp-ep-dp-pp`` with
+    expert TP fastest (``parallel_state.initialize_model_parallel``: the expert
+    ``RankGenerator(tp=etp, ep=ep, dp=tp*dp/(ep*etp), pp=pp)``, order
+    ``tp-cp-ep-dp-pp`` with cp 1), so inside a stage rank ``j`` is expert-TP rank
+    ``j % etp`` of EP rank ``j // etp % ep``."""
+    j = i % (tp * dp)
+    return (j // etp) % ep, j % etp
 
 
 def ntp_megatron_layout(specs: list[TensorSpec], ntp_layout) -> Layout:

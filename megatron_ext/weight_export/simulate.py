@@ -163,11 +163,11 @@ CONFIGS = {
     "qwen3-235b tp4xpp8xep16 -> tp8xdp16": (
         dict(num_layers=94, hidden_size=4096, num_heads=64, num_groups=4, head_dim=128, ffn_hidden_size=12288,
              vocab_size=151936, qk_norm=True, num_experts=128, moe_ffn_hidden_size=1536),
-        dict(tp=4, pp=8, dp=4, ep=16), dict(tp=8, dp=16), True, "4.6-4.9", "NeMo-RL NCCL reshard refit, H100"),
+        dict(tp=4, pp=8, dp=4, ep=16, etp=1), dict(tp=8, dp=16), True, "4.6-4.9", "NeMo-RL NCCL reshard refit, H100"),
     "qwen3-235b tp4xpp8xep16 -> tp8xdp16, separate GPUs": (
         dict(num_layers=94, hidden_size=4096, num_heads=64, num_groups=4, head_dim=128, ffn_hidden_size=12288,
              vocab_size=151936, qk_norm=True, num_experts=128, moe_ffn_hidden_size=1536),
-        dict(tp=4, pp=8, dp=4, ep=16), dict(tp=8, dp=16), False, "-", "(engine on its own 128 GPUs)"),
+        dict(tp=4, pp=8, dp=4, ep=16, etp=1), dict(tp=8, dp=16), False, "-", "(engine on its own 128 GPUs)"),
     "qwen3-4b tp1dp8 -> 32 replicas tp2, separate nodes": (
         dict(num_layers=36, hidden_size=2560, num_heads=32, num_groups=8, head_dim=128, ffn_hidden_size=9728,
              vocab_size=151936, tie_embeddings=True, qk_norm=True),

@@ -301,6 +301,7 @@ def _export_case(tp, pp, ep, target, transport, te_grouped=False, etp=1):
                               ps.get_expert_tensor_and_model_parallel_group()))),
                expected=_naive_full_state(model), layout_names=_layout_names(cfg),
                received=hf_checkpoint_names(dict(hf.named_parameters())) if hf is not None else None)
+    out["reshard"] = _reshard_layout_check(model, tp=tp, pp=pp, ep=ep, etp=etp)
     exporter.close()
     if exporter.is_export_rank:  # ipc-direct maps only the export rank's storage: refused with EP > 1
         direct = wx.WeightExporter(model, wx.WeightExportConfig(target="127.0.0.1:9", transport="ipc-direct"))
@@ -310,6 +311,26 @@ def _export_case(tp, pp, ep, target, transport, te_grouped=False, etp=1):
             out["ipc_direct"] = str(exc)
     ps.destroy_model_parallel()
     return out
+
+
+def _reshard_layout_check(model, *, tp, pp, ep, etp):
+    """The reshard trainer layout (``megatron_layout`` with this job's TP/PP/DP/EP/ETP)
+    against this rank's real parameters: names and shapes, and the rank's
+    ``(ep_rank, etp_rank)`` from parallel_state; the tensors come back for a plan."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_ext.weight_export.layout import megatron_expert_coords, megatron_layout, specs_from_model
+    from megatron_ext.weight_export.reshard import megatron_tensors
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    layout = megatron_layout(specs_from_model(model, vocab_size=SPEC.hf_vocab_size), tp=tp, pp=pp,
+                             dp=world // (tp * pp), ep=ep, etp=etp)
+    params = megatron_tensors(model)
+    return dict(layout={n: lt.shape for n, lt in layout.tensors[rank].items()},
+                params={n: tuple(t.shape) for n, t in params.items()},
+                coords=(ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank()),
+                layout_coords=megatron_expert_coords(rank, tp=tp, dp=world // (tp * pp), ep=ep, etp=etp),
+                tensors={n: t.clone() for n, t in params.items()})
 
 
 def _trainer(cases):
@@ -402,6 +423,42 @@ def test_tp2_ep2_and_pp2_ep2_trainers_export_every_expert():
         assert torch.equal(etp2["received"][name], ref), name
     assert ("all_gather_into_tensor", (0, 1, 2, 3)) in etp2["counts"]
     assert ("all_gather_into_tensor", (0, 1)) in etp2["counts"]
+    # The reshard trainer layout of each job: every rank's local tensors are its real parameters
+    # (names, shapes; SequentialMLP and TEGroupedMLP), its (EP, expert-TP) rank is parallel_state's,
+    # and a plan from the TP2 x EP2 x ETP2 job's real tensors gives the engines exactly the HF bytes.
+    for case in cases:
+        for rank, o in enumerate(out):
+            r = o[case]["reshard"]
+            assert r["layout"].keys() == r["params"].keys(), f"{case} rank {rank}"
+            for n, shape in r["layout"].items():  # the last vocabulary shard keeps only the HF rows
+                vocab = n in ("embedding.word_embeddings.weight", "output_layer.weight")
+                assert shape == r["params"][n] or vocab and shape[1:] == r["params"][n][1:], (case, rank, n)
+            assert r["layout_coords"] == r["coords"], f"{case} rank {rank}"
+    assert [o["tp2_ep2_etp2"]["reshard"]["coords"] for o in out] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [o["tp2_ep2"]["reshard"]["coords"] for o in out] == [(0, 0), (1, 0), (0, 0), (1, 0)]
+    _reshard_from_real_tensors(out, "tp2_ep2_etp2", tp=2, ep=2, etp=2)
+
+
+def _reshard_from_real_tensors(out, case, *, tp, ep, etp):
+    from megatron_ext.weight_export.layout import inference_layout, megatron_layout, specs_from_config
+    from megatron_ext.weight_export.reshard_plan import build_reshard_plan, check_reshard_plan, run_view
+
+    cfg = tiny_llama.transformer_config(SPEC, tp=tp, ep=ep, expert_tensor_parallel_size=etp)
+    specs = specs_from_config(cfg, vocab_size=SPEC.hf_vocab_size, padded_vocab_size=SPEC.vocab_size)
+    src = megatron_layout(specs, tp=tp, dp=len(out) // tp, ep=ep, etp=etp)
+    ref = _reference(out[0][case]["expected"])
+    for engine in (dict(tp=2), dict(tp=1, dp=2, ep=2)):
+        dst = inference_layout(specs, **engine, ranks=[4, 5])
+        plan = build_reshard_plan(src, dst)
+        check_reshard_plan(plan)
+        got = {r: {n: torch.full(lt.shape, float("nan")) for n, lt in dst.tensors[r].items()} for r in dst.ranks}
+        for t in plan.transfers:
+            view = run_view(got[t.dst][t.dst_run.local], t.dst_run)
+            view.copy_(run_view(out[t.src][case]["reshard"]["tensors"][t.src_run.local], t.src_run).reshape(view.shape))
+        for r in dst.ranks:
+            for n, lt in dst.tensors[r].items():
+                want = torch.cat([ref[s.name][tuple(slice(a, b) for a, b in s.box.ranges)] for s in lt.segments])
+                assert torch.equal(got[r][n], want), f"{case} -> {engine} rank {r} {n}"
 
 
 # ------------------------------------------------- names without a process group

@@ -30,10 +30,27 @@ def _engine_locals(layout, weights):
     return out
 
 
-def _megatron_locals(layout, weights, specs, tp):
+def _mcore_expert_coords(*, tp, dp, ep, etp, pp=1):
+    """``{rank: (ep_rank, etp_rank)}`` from megatron-core's own expert RankGenerator,
+    built with the arguments ``parallel_state.initialize_model_parallel`` gives it
+    (``tp=expert_tensor_parallel_size``, ``dp=world / (etp * ep * pp)``, ``cp=1``,
+    order ``tp-cp-ep-dp-pp`` with the gtp_remat axis injected after ``ep``)."""
+    from megatron.core import parallel_state as ps
+
+    gen = ps.RankGenerator(tp=etp, ep=ep, dp=tp * dp // (ep * etp), pp=pp, cp=1,
+                           order=ps._inject_gtp_remat_axis("tp-cp-ep-dp-pp", after="ep"))
+    ep_rank = {r: k for group in gen.get_ranks("ep") for k, r in enumerate(group)}
+    etp_rank = {r: k for group in gen.get_ranks("tp") for k, r in enumerate(group)}
+    return {r: (ep_rank[r], etp_rank[r]) for r in range(tp * dp * pp)}
+
+
+def _megatron_locals(layout, weights, specs, tp, *, coords=None, ep=1, etp=1):
     """Each trainer rank's local tensors as Megatron lays them out, built with
-    ``hf_mapping.shard_copies`` (HF -> shard direction), not with the layout."""
+    ``hf_mapping.shard_copies`` (HF -> shard direction), not with the layout.
+    Experts: the whole HF expert sharded by hand over expert TP, on the
+    ``(ep_rank, etp_rank)`` that ``coords`` (megatron-core's) gives each rank."""
     out = {}
+    num_experts = 1 + max((s.expert for s in specs if s.expert is not None), default=0)
     for i, (r, locals_) in enumerate(layout.tensors.items()):
         tp_rank = i % tp
         out[r] = {}
@@ -41,8 +58,12 @@ def _megatron_locals(layout, weights, specs, tp):
             members = sorted({seg.name: layout.specs[seg.name] for seg in lt.segments}.values(),
                              key=lambda s: s.fused[1] if s.fused else 0)
             first = members[0]
-            if first.expert is not None:  # experts: whole (expert TP 1) [gate; up] / down
-                out[r][name] = torch.cat([weights[m.name] for m in members])
+            if first.expert is not None:  # experts: fc1 [gate_r; up_r] (rows), fc2 columns of the ETP rank
+                ep_rank, etp_rank = coords[i] if coords else (None, 0)
+                if coords:
+                    assert first.expert // (num_experts // ep) == ep_rank, (r, name)
+                dim = 1 if "down_proj" in first.name else 0
+                out[r][name] = torch.cat([weights[m.name].chunk(etp, dim)[etp_rank] for m in members])
                 continue
             kind = first.fused[0] if first.fused else "copy"
             shard = torch.zeros(lt.shape)
@@ -81,7 +102,13 @@ CASES = {  # name: (spec kwargs, megatron kwargs, engine kwargs)
     "tp2pp2_to_tp2": (DENSE, dict(tp=2, pp=2), dict(tp=2)),
     "tp2_to_tp4dp2_kv_repeat": (DENSE, dict(tp=2), dict(tp=4, dp=2)),
     "ep2dp2_to_tp2": (MOE, dict(tp=1, dp=2, ep=2), dict(tp=2)),
-    "tp2ep2_to_tp2dp2ep4": (MOE, dict(tp=2, ep=2), dict(tp=2, dp=2, ep=4)),
+    "tp2ep2_to_tp2dp2ep4": (MOE, dict(tp=2, ep=2, etp=1), dict(tp=2, dp=2, ep=4)),
+    # expert TP (Megatron's default etp = tp): experts sharded over ETP inside each EP rank
+    "tp2dp2ep2etp2_to_tp2": (MOE, dict(tp=2, dp=2, ep=2, etp=2), dict(tp=2)),
+    "tp2dp2ep2etp2_to_ep2": (MOE, dict(tp=2, dp=2, ep=2, etp=2), dict(tp=1, dp=2, ep=2)),
+    "grouped_tp2dp2ep2_default_etp_to_tp2": (dict(MOE, grouped_gemm=True), dict(tp=2, dp=2, ep=2), dict(tp=2)),
+    "tp2pp2dp2etp2_to_ep2": (MOE, dict(tp=2, pp=2, dp=2, etp=2), dict(tp=1, dp=2, ep=2)),
+    "tp2dp4ep2etp2_to_tp2": (MOE, dict(tp=2, dp=4, ep=2, etp=2), dict(tp=2)),
 }
 
 
@@ -95,7 +122,9 @@ def test_plan_moves_exact_bytes(case):
     plan = build_reshard_plan(src, dst)
     check_reshard_plan(plan)
     weights = _hf_weights(specs)
-    src_locals = _megatron_locals(src, weights, specs, mkw["tp"])
+    ep, etp = mkw.get("ep", 1), mkw.get("etp", mkw["tp"])
+    coords = _mcore_expert_coords(tp=mkw["tp"], dp=mkw.get("dp", 1), pp=mkw.get("pp", 1), ep=ep, etp=etp)
+    src_locals = _megatron_locals(src, weights, specs, mkw["tp"], coords=coords, ep=ep, etp=etp)
     got = _apply(plan, src_locals, dst)
     want = _engine_locals(dst, weights)
     for r in dst.ranks:
@@ -114,6 +143,62 @@ def test_megatron_expert_names_are_local_to_the_ep_rank():
     fc1 = src.tensors[1]["decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"]
     assert [s.name for s in fc1.segments] == ["model.layers.0.mlp.experts.2.gate_proj.weight",
                                               "model.layers.0.mlp.experts.2.up_proj.weight"]
+
+
+def _layout_expert_coords(layout, num_experts, ep):
+    """``(ep_rank, etp_rank)`` per rank as the layout places experts: read back from
+    the first expert fc1 segment of layer 0 on each rank (its expert, its rows)."""
+    out = {}
+    for i, r in enumerate(layout.ranks):
+        fc1 = [lt for n, lt in layout.tensors[r].items() if "layers.0.mlp.experts" in n and "fc1" in n]
+        if not fc1:
+            continue
+        seg = min(fc1, key=lambda lt: lt.name).segments[0]
+        expert = int(seg.name.split(".experts.")[1].split(".")[0])
+        rows = seg.box.ranges[0]
+        out[i] = (expert // (num_experts // ep), rows[0] // (rows[1] - rows[0]))
+    return out
+
+
+@pytest.mark.parametrize("mkw", [dict(tp=2, dp=2, ep=2, etp=2), dict(tp=2, dp=1, ep=2, etp=1),
+                                 dict(tp=2, dp=2, ep=2), dict(tp=2, dp=4, ep=2, etp=2), dict(tp=2, dp=2, ep=4, etp=1),
+                                 dict(tp=2, dp=2, pp=2, ep=1, etp=2)],
+                         ids=["tp2dp2ep2etp2", "tp2ep2etp1", "tp2dp2ep2_default_etp", "tp2dp4ep2etp2",
+                              "tp2dp2ep4etp1", "tp2dp2pp2etp2"])
+def test_expert_ranks_follow_megatron_core(mkw):
+    """Each rank's (EP rank, expert-TP rank) in the layout is the one megatron-core's
+    expert RankGenerator gives it (order tp-ep-dp-pp, expert TP fastest)."""
+    from megatron_ext.weight_export.layout import megatron_expert_coords
+
+    layout = megatron_layout(gpt_specs(**MOE), **mkw)
+    tp, dp, ep = mkw["tp"], mkw.get("dp", 1), mkw["ep"]
+    etp = mkw.get("etp", tp)
+    want = _mcore_expert_coords(tp=tp, dp=dp, pp=mkw.get("pp", 1), ep=ep, etp=etp)
+    assert _layout_expert_coords(layout, 4, ep) == {i: want[i] for i in range(tp * dp)}  # stage 0 holds layer 0
+    assert {i: megatron_expert_coords(i, tp=tp, dp=dp, ep=ep, etp=etp) for i in want} == want
+    if mkw == dict(tp=2, dp=2, ep=2, etp=2):  # by hand: ranks 0..3 = (ep, etp) (0,0) (0,1) (1,0) (1,1)
+        assert [want[i] for i in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    if mkw == dict(tp=2, dp=1, ep=2, etp=1):  # ETP 1: EP fastest, the two TP ranks are different EP ranks
+        assert [want[i] for i in range(2)] == [(0, 0), (1, 0)]
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["sequential", "te_grouped"])
+def test_expert_tp_local_names_and_shapes(grouped):
+    """Expert TP 2 (TP2 x DP2 x EP2): each rank holds its EP rank's two experts by
+    their index within the rank, fc1 as ``[gate_r; up_r]`` (2F/2 x H), fc2 as H x F/2."""
+    src = megatron_layout(gpt_specs(**dict(MOE, grouped_gemm=grouped)), tp=2, dp=2, ep=2, etp=2)
+    for r in range(4):
+        experts = {n: lt for n, lt in src.tensors[r].items() if "layers.1.mlp.experts" in n}
+        m = "decoder.layers.1.mlp.experts."
+        fc = [m + (f"linear_fc{k}.weight{j}" if grouped else f"local_experts.{j}.linear_fc{k}.weight")
+              for j in (0, 1) for k in (1, 2)]
+        assert {n: lt.shape for n, lt in experts.items()} == {n: ((8, 16) if "fc1" in n else (16, 4)) for n in fc}
+        fc1 = experts[fc[2]]  # local expert 1 of EP rank r // 2: global expert 2 * (r // 2) + 1
+        e, half = 2 * (r // 2) + 1, r % 2
+        assert [(s.name, s.box, s.row) for s in fc1.segments] == [
+            (f"model.layers.1.mlp.experts.{e}.{p}_proj.weight", Box(((4 * half, 4 * half + 4), (0, 16))), 4 * k)
+            for k, p in enumerate(("gate", "up"))]
+        assert experts[fc[3]].segments[0].box == Box(((0, 16), (4 * half, 4 * half + 4)))
 
 
 def test_fused_engine_tensors_are_planned_per_part():
@@ -158,8 +243,10 @@ def test_mismatched_layouts_name_the_tensor():
     dst = inference_layout(gpt_specs(**dict(DENSE, num_layers=3)), tp=1, ranks=[1])
     with pytest.raises(ValueError, match="model.layers.2"):
         build_reshard_plan(src, dst)
-    with pytest.raises(ValueError, match="ep=3 must divide"):
+    with pytest.raises(ValueError, match="ep=3 x etp=1 must divide"):
         megatron_layout(gpt_specs(**MOE), dp=2, ep=3)
+    with pytest.raises(ValueError, match="ep=2 x etp=2 must divide tp\\*dp=2"):
+        megatron_layout(gpt_specs(**MOE), tp=2, ep=2)  # Megatron's default: expert TP = TP
 
 
 def test_fanout_waves_double_and_serve_from_updated_replicas():
