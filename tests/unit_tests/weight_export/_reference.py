@@ -93,3 +93,16 @@ def gather_tp(name: str, param, group=None) -> torch.Tensor:
     if name.endswith("linear_fc1.weight"):
         return torch.cat([x.chunk(2)[0] for x in parts] + [x.chunk(2)[1] for x in parts], dim=0)
     return torch.cat(parts, dim=param.partition_dim)
+
+
+def hook_reference(model, vocab_size: int):
+    """``(exporter, got)``: the export hook into a dict in this process. Each
+    ``exporter.export()`` fills ``got`` (on the export rank) with CPU copies of the
+    full HF tensors: the reference the reshard tests compare engine tensors to."""
+    from megatron_ext import weight_export as wx
+
+    got = {}
+    consumer = wx.LoadWeightsConsumer(lambda ws: got.update({n: t.cpu().clone() for n, t in ws}))
+    exporter = wx.WeightExporter(model, wx.WeightExportConfig(vocab_size=vocab_size),
+                                 receiver=wx.WeightReceiver(consumer))
+    return exporter, got

@@ -9,6 +9,8 @@ import torch
 from megatron_ext.testing import tiny_llama
 from megatron_ext.testing.multirank import run_on_ranks
 
+from ._reference import hook_reference
+
 SPEC = tiny_llama.TinyLlamaSpec(arch="qwen2")  # QKV bias: a fused 1-D tensor too
 # name: (trainer ranks, engine layout kwargs)
 CASES = {
@@ -48,9 +50,8 @@ def _body(backend):
     cfg = tiny_llama.transformer_config(SPEC, tp=2)
     model = tiny_llama.build_model(SPEC, cfg, device=device)
     # the reference: the export hook's full HF tensors (gathered to rank 0)
-    got = {}
-    receiver = wx.WeightReceiver(wx.LoadWeightsConsumer(lambda ws: got.update({n: t.cpu().clone() for n, t in ws})))
-    wx.WeightExporter(model, wx.WeightExportConfig(vocab_size=SPEC.hf_vocab_size), receiver=receiver).export()
+    exporter, got = hook_reference(model, SPEC.hf_vocab_size)
+    exporter.export()
     out = {"reference": got if rank == 0 else None}
     params = megatron_tensors(model)
     for case in CASES:
@@ -86,9 +87,9 @@ def _body(backend):
     ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
     cfg = tiny_llama.transformer_config(SPEC, tp=2, pp=2)
     model = tiny_llama.build_model(SPEC, cfg, device=device)
-    got = {}  # this model's own reference (stage 1 draws its random weights differently from PP1)
-    receiver = wx.WeightReceiver(wx.LoadWeightsConsumer(lambda ws: got.update({n: t.cpu().clone() for n, t in ws})))
-    wx.WeightExporter(model, wx.WeightExportConfig(vocab_size=SPEC.hf_vocab_size), receiver=receiver).export()
+    # this model's own reference (stage 1 draws its random weights differently from PP1)
+    exporter, got = hook_reference(model, SPEC.hf_vocab_size)
+    exporter.export()
     out["reference_pp2"] = got if rank == 0 else None
     specs = _specs(cfg)
     plan = build_reshard_plan(megatron_layout(specs, tp=2, pp=2), inference_layout(specs, tp=2, dp=2))

@@ -11,6 +11,8 @@ import torch
 from megatron_ext.testing import tiny_llama
 from megatron_ext.testing.multirank import run_on_ranks
 
+from ._reference import hook_reference
+
 SPEC = tiny_llama.TinyLlamaSpec(arch="qwen2")
 BUCKET = 2048  # small buckets: many rounds, transfers cut into rows
 DEPTHS = (1, 2, 4)
@@ -35,9 +37,8 @@ def _body(backend):
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     cfg = tiny_llama.transformer_config(SPEC, tp=2)
     model = tiny_llama.build_model(SPEC, cfg, device=device)
-    got = {}
-    receiver = wx.WeightReceiver(wx.LoadWeightsConsumer(lambda ws: got.update({n: t.cpu().clone() for n, t in ws})))
-    wx.WeightExporter(model, wx.WeightExportConfig(vocab_size=SPEC.hf_vocab_size), receiver=receiver).export()
+    exporter, got = hook_reference(model, SPEC.hf_vocab_size)
+    exporter.export()
     src, dst = _layouts(cfg)
     plan = build_reshard_plan(src, dst)
     out = {"reference": got if rank == 0 else None,

@@ -13,6 +13,8 @@ import torch
 from megatron_ext.testing import tiny_llama
 from megatron_ext.testing.multirank import free_port, run_on_ranks
 
+from ._reference import hook_reference
+
 SPEC = tiny_llama.TinyLlamaSpec(arch="qwen2")  # QKV bias: a fused 1-D tensor too
 BUCKET = 4096  # small buckets: many rounds
 
@@ -48,9 +50,7 @@ def _trainer_body(backend, port, n_engine):
     ps.initialize_model_parallel(tensor_model_parallel_size=n_trainer)
     cfg = tiny_llama.transformer_config(SPEC, tp=n_trainer)
     model = tiny_llama.build_model(SPEC, cfg, device=_device(backend))
-    got = {}  # the reference: the export hook's full HF tensors, gathered to rank 0
-    exporter = wx.WeightExporter(model, wx.WeightExportConfig(vocab_size=SPEC.hf_vocab_size), receiver=wx.WeightReceiver(
-        wx.LoadWeightsConsumer(lambda ws: got.update({n: t.cpu().clone() for n, t in ws}))))
+    exporter, got = hook_reference(model, SPEC.hf_vocab_size)  # the reference, gathered to rank 0
     group = wx.RefitGroup.join("127.0.0.1", port, rank, n_trainer + n_engine, backend=backend, timeout_s=60)
     specs = wx.specs_from_model(model, vocab_size=SPEC.hf_vocab_size)
     src, dst_a, dst_b = _layouts(specs, n_trainer, n_engine)
