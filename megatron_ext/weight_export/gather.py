@@ -65,8 +65,9 @@ class BucketGatherer:
         """Fill ``out`` (the stage leader's export buffer; None elsewhere) with
         ``bucket``, or, on the leader, write it straight into ``dests`` (HF name ->
         tensor, e.g. the engine's own weights)."""
+        leader = out is not None or dests is not None
         if dests is not None:
-            views, out = dests, True  # the leader, writing in place
+            views = dests  # written in place
         else:
             views = dict(unpack(bucket, out)) if out is not None else {}
         if bucket.group == "ep":
@@ -95,7 +96,7 @@ class BucketGatherer:
         copy_all([(mine[off:off + s.shard_nbytes].view(s.dtype).view(s.shard_shape),
                    self.params[s.local_name].detach()) for s, off in zip(per_rank[rank], offsets)])
         dist.all_gather_into_tensor(self._scratch[:need], mine, group=group)
-        if out is None:
+        if not leader:
             return
         pairs = []
         for r in range(size):
