@@ -302,6 +302,8 @@ def _export_case(tp, pp, ep, target, transport, te_grouped=False, etp=1):
                expected=_naive_full_state(model), layout_names=_layout_names(cfg),
                received=hf_checkpoint_names(dict(hf.named_parameters())) if hf is not None else None)
     out["reshard"] = _reshard_layout_check(model, tp=tp, pp=pp, ep=ep, etp=etp)
+    if etp > 1:
+        out["refit"] = _colocated_refit(model, tp=tp, ep=ep, etp=etp)
     exporter.close()
     if exporter.is_export_rank:  # ipc-direct maps only the export rank's storage: refused with EP > 1
         direct = wx.WeightExporter(model, wx.WeightExportConfig(target="127.0.0.1:9", transport="ipc-direct"))
@@ -316,7 +318,7 @@ def _export_case(tp, pp, ep, target, transport, te_grouped=False, etp=1):
 def _reshard_layout_check(model, *, tp, pp, ep, etp):
     """The reshard trainer layout (``megatron_layout`` with this job's TP/PP/DP/EP/ETP)
     against this rank's real parameters: names and shapes, and the rank's
-    ``(ep_rank, etp_rank)`` from parallel_state; the tensors come back for a plan."""
+    ``(ep_rank, etp_rank)`` from parallel_state."""
     from megatron.core import parallel_state as ps
 
     from megatron_ext.weight_export.layout import megatron_expert_coords, megatron_layout, specs_from_model
@@ -329,8 +331,33 @@ def _reshard_layout_check(model, *, tp, pp, ep, etp):
     return dict(layout={n: lt.shape for n, lt in layout.tensors[rank].items()},
                 params={n: tuple(t.shape) for n, t in params.items()},
                 coords=(ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank()),
-                layout_coords=megatron_expert_coords(rank, tp=tp, dp=world // (tp * pp), ep=ep, etp=etp),
-                tensors={n: t.clone() for n, t in params.items()})
+                layout_coords=megatron_expert_coords(rank, tp=tp, dp=world // (tp * pp), ep=ep, etp=etp))
+
+
+# Engines colocated on the trainer's 4 ranks; both need bytes from other ranks: TP2 x DP2 takes experts
+# of the other EP rank (expert-TP shards as they are), TP1 x DP4 x EP2 whole experts and whole dense tensors.
+ENGINES = {"tp2_dp2": dict(tp=2, dp=2), "tp1_dp4_ep2": dict(tp=1, dp=4, ep=2)}
+
+
+def _colocated_refit(model, *, tp, ep, etp):
+    """A ReshardExecutor refit from this job's trainer layout to each engine of
+    ``ENGINES`` on the same ranks (NaN before); returns this rank's engine tensors and stats."""
+    from megatron_ext.weight_export.layout import inference_layout, megatron_layout, specs_from_model
+    from megatron_ext.weight_export.reshard import ReshardExecutor, megatron_tensors
+    from megatron_ext.weight_export.reshard_plan import build_reshard_plan
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    specs = specs_from_model(model, vocab_size=SPEC.hf_vocab_size)
+    src = megatron_layout(specs, tp=tp, dp=world // tp, ep=ep, etp=etp)
+    trainer = megatron_tensors(model)
+    out = {}
+    for key, engine in ENGINES.items():
+        dst = inference_layout(specs, **engine)
+        tensors = {n: torch.full(lt.shape, float("nan"), dtype=lt.dtype) for n, lt in dst.tensors[rank].items()}
+        stats = ReshardExecutor(build_reshard_plan(src, dst), rank, {**trainer, **tensors}, bucket_bytes=4096,
+                                max_inflight=2).refit(1)
+        out[key] = dict(tensors=tensors, stats=stats)
+    return out
 
 
 def _trainer(cases):
@@ -402,7 +429,8 @@ def test_tp2_ep2_and_pp2_ep2_trainers_export_every_expert():
     rank: TP2 x EP2 (expert-DP 2: ranks 2, 3 gather nothing), PP2 x EP2, TP2 x EP2
     again with the parameters under TE's names (TEGroupedMLP experts), which must
     export exactly the TP2 x EP2 tensors, and TP2 x EP2 with expert TP 2 (each
-    expert split over two ranks; all four ranks join the expert gathers)."""
+    expert split over two ranks; all four ranks join the expert gathers), whose
+    ranks then refit colocated engines with ReshardExecutor."""
     cases = {"tp2_ep2": (2, 1, 2, None, "inprocess"), "pp2_ep2": (1, 2, 2, None, "inprocess"),
              "tp2_ep2_te_grouped": (2, 1, 2, None, "inprocess", True),
              "tp2_ep2_etp2": (2, 1, 2, None, "inprocess", False, 2)}
@@ -425,7 +453,7 @@ def test_tp2_ep2_and_pp2_ep2_trainers_export_every_expert():
     assert ("all_gather_into_tensor", (0, 1)) in etp2["counts"]
     # The reshard trainer layout of each job: every rank's local tensors are its real parameters
     # (names, shapes; SequentialMLP and TEGroupedMLP), its (EP, expert-TP) rank is parallel_state's,
-    # and a plan from the TP2 x EP2 x ETP2 job's real tensors gives the engines exactly the HF bytes.
+    # and a ReshardExecutor refit from the TP2 x EP2 x ETP2 job gives colocated engines exactly the HF bytes.
     for case in cases:
         for rank, o in enumerate(out):
             r = o[case]["reshard"]
@@ -436,29 +464,30 @@ def test_tp2_ep2_and_pp2_ep2_trainers_export_every_expert():
             assert r["layout_coords"] == r["coords"], f"{case} rank {rank}"
     assert [o["tp2_ep2_etp2"]["reshard"]["coords"] for o in out] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert [o["tp2_ep2"]["reshard"]["coords"] for o in out] == [(0, 0), (1, 0), (0, 0), (1, 0)]
-    _reshard_from_real_tensors(out, "tp2_ep2_etp2", tp=2, ep=2, etp=2)
+    _check_colocated_refit(out, "tp2_ep2_etp2", tp=2, ep=2, etp=2)
 
 
-def _reshard_from_real_tensors(out, case, *, tp, ep, etp):
-    from megatron_ext.weight_export.layout import inference_layout, megatron_layout, specs_from_config
-    from megatron_ext.weight_export.reshard_plan import build_reshard_plan, check_reshard_plan, run_view
+def _check_colocated_refit(out, case, *, tp, ep, etp):
+    """Every engine rank's tensors after the refit equal the HF reference of the
+    trainer's parameters (gathered independently), with no NaN left."""
+    from megatron_ext.weight_export.layout import inference_layout, specs_from_config
 
     cfg = tiny_llama.transformer_config(SPEC, tp=tp, ep=ep, expert_tensor_parallel_size=etp)
     specs = specs_from_config(cfg, vocab_size=SPEC.hf_vocab_size, padded_vocab_size=SPEC.vocab_size)
-    src = megatron_layout(specs, tp=tp, dp=len(out) // tp, ep=ep, etp=etp)
     ref = _reference(out[0][case]["expected"])
-    for engine in (dict(tp=2), dict(tp=1, dp=2, ep=2)):
-        dst = inference_layout(specs, **engine, ranks=[4, 5])
-        plan = build_reshard_plan(src, dst)
-        check_reshard_plan(plan)
-        got = {r: {n: torch.full(lt.shape, float("nan")) for n, lt in dst.tensors[r].items()} for r in dst.ranks}
-        for t in plan.transfers:
-            view = run_view(got[t.dst][t.dst_run.local], t.dst_run)
-            view.copy_(run_view(out[t.src][case]["reshard"]["tensors"][t.src_run.local], t.src_run).reshape(view.shape))
+    for key, engine in ENGINES.items():
+        dst = inference_layout(specs, **engine)
+        assert dst.ranks == tuple(range(len(out)))
+        assert {s.name for r in dst.ranks for lt in dst.tensors[r].values() for s in lt.segments} == ref.keys()
         for r in dst.ranks:
+            got = out[r][case]["refit"][key]["tensors"]
+            assert got.keys() == dst.tensors[r].keys(), f"{key} rank {r}"
             for n, lt in dst.tensors[r].items():
+                assert not got[n].isnan().any(), f"{key} rank {r} {n}: NaN left"
                 want = torch.cat([ref[s.name][tuple(slice(a, b) for a, b in s.box.ranges)] for s in lt.segments])
-                assert torch.equal(got[r][n], want), f"{case} -> {engine} rank {r} {n}"
+                assert torch.equal(got[n], want), f"{key} rank {r} {n}"
+        stats = [o[case]["refit"][key]["stats"] for o in out]
+        assert all(s.received_bytes > 0 and s.rounds > 1 for s in stats), (key, stats)
 
 
 # ------------------------------------------------- names without a process group
