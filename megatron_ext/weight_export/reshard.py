@@ -299,6 +299,39 @@ class ReshardExecutor:
         mk = lambda n: torch.empty(n, dtype=torch.uint8, device=self.device)  # noqa: E731
         self._send_buf = {(p, s): mk(n) for (kind, p, s), n in sizes.items() if kind == "send"}
         self._recv_buf = {(p, s): mk(n) for (kind, p, s), n in sizes.items() if kind == "recv"}
+        self._build_copies()
+
+    def _build_copies(self) -> None:
+        """Every copy of a refit as ``(dst, src)`` views, built once: buffers and tensors are
+        fixed, so a refit issues batched copies without rebuilding hundreds of views."""
+        self._header_rows = torch.zeros((len(self._send_sources), 4), dtype=torch.int64, device=self.device)
+        self._pack: dict[tuple[int, int], list] = {}
+        for peer, buckets in self.send.items():
+            for k, bucket in enumerate(buckets):
+                buf = self._send_buf[(peer, self._slot(k, recv=False))]
+                pairs = [(buf[:HEADER_BYTES].view(torch.int64), self._header_rows[self._header_index[(peer, k)]])]
+                for t, off in bucket:
+                    src = self.tensors[t.src_run.local]
+                    pairs.append((buf[off:off + t.nbytes].view(src.dtype), run_view(src, t.src_run).reshape(-1)))
+                self._pack[(peer, k)] = pairs
+        # Streaming receivers reuse a buffer max_inflight rounds later, so each unpack also keeps the
+        # bucket's header in a row of its own, to be checked after the last round.
+        keys = [(peer, k) for peer, buckets in self.recv.items() for k in range(len(buckets))]
+        self._seen_rows = torch.zeros((len(keys), 4), dtype=torch.int64, device=self.device)
+        self._seen = {key: self._seen_rows[i] for i, key in enumerate(keys)}
+        self._unpacks: dict[tuple[int, int], list] = {}
+        for peer, buckets in self.recv.items():
+            for k, bucket in enumerate(buckets):
+                buf = self._recv_buf[(peer, self._slot(k, recv=True))]
+                pairs = [] if self.atomic else [(self._seen[(peer, k)], buf[:HEADER_BYTES].view(torch.int64))]
+                for t, off in bucket:
+                    dst = run_view(self.tensors[t.dst_run.local], t.dst_run)
+                    pairs.append((dst, buf[off:off + t.nbytes].view(dst.dtype).view(dst.shape)))
+                self._unpacks[(peer, k)] = pairs
+        self._local_copies = []
+        for t in self.local:
+            dst = run_view(self.tensors[t.dst_run.local], t.dst_run)
+            self._local_copies.append((dst, run_view(self.tensors[t.src_run.local], t.src_run).reshape(dst.shape)))
 
     @property
     def staging_bytes(self) -> int:
@@ -325,23 +358,23 @@ class ReshardExecutor:
         start = time.perf_counter()
         if self.refresh is not None:
             self.refresh()
-        headers = self._headers(version, source_version)
+        self._set_headers(version, source_version)
         sent = received = 0
         self._wrote = False
         refused: list[str] = []
-        staged: list[tuple[torch.Tensor, list[tuple[Transfer, int]]]] = []
-        unchecked: list = []  # atomic: rounds whose headers are checked together after the last one
+        staged: list[tuple[int, int]] = []  # atomic: (peer, bucket) keys, unpacked once every round is checked
+        unchecked: list = []  # rounds whose headers are checked together later (see _complete)
         inflight: deque = deque()
         try:
             for k in range(self.rounds):
                 if len(inflight) == self.max_inflight:
                     self._complete(inflight.popleft(), version, refused, staged, unchecked)
-                posted, s, r = self._post(k, headers)
+                posted, s, r = self._post(k)
                 inflight.append(posted)
                 sent, received = sent + s, received + r
             while inflight:
                 self._complete(inflight.popleft(), version, refused, staged, unchecked)
-            if unchecked:
+            if unchecked and not refused:
                 self._check_headers(unchecked, version, refused)
         except BaseException:
             for _, reqs, _ in inflight:  # let posted transfers finish or fail before the buffers are reused
@@ -352,6 +385,7 @@ class ReshardExecutor:
                         pass
             raise
         stats = RefitStats(version, 0.0, sent, received, 0, self.rounds, self.max_inflight, self.staging_bytes)
+        stats.local_bytes = sum(t.nbytes for t in self.local)
         if refused:
             stats.seconds = time.perf_counter() - start
             reason = "version" if any(m.startswith("version") for m in refused) else "plan"
@@ -359,14 +393,10 @@ class ReshardExecutor:
                 self.version = None
             raise RefitRejected(f"rank {self.rank} refused version {version} and kept version {self.version}: "
                                 + "; ".join(refused[:4]), reason=reason, stats=stats)
-        # every bucket of this version is here and checked: apply it (local copies too) in one go
-        self._unpack(staged)
-        pairs = []
-        for t in self.local:
-            dst = run_view(self.tensors[t.dst_run.local], t.dst_run)
-            pairs.append((dst, run_view(self.tensors[t.src_run.local], t.src_run).reshape(dst.shape)))
-            stats.local_bytes += t.nbytes
-        copy_all(pairs)
+        if self.atomic:  # every bucket of this version is here and checked: apply it (local copies too) in one go
+            copy_all([pair for key in staged for pair in self._unpacks[key]] + self._local_copies)
+        elif not self._wrote:  # no round received anything: the local copies are all there is
+            copy_all(self._local_copies)
         self.version = version
         stats.seconds = time.perf_counter() - start  # the move and apply; the gate's forward passes not included
         if verify is not None and self.rank in self.plan.dst.ranks:
@@ -378,10 +408,10 @@ class ReshardExecutor:
                                     f" max logit diff {result.max_abs_diff:.3g})", reason="gate", stats=stats)
         return stats
 
-    def _headers(self, version: int, source_version) -> torch.Tensor | None:
-        """One header row per send bucket, in ``self._send_sources`` order (one host-to-device copy)."""
+    def _set_headers(self, version: int, source_version) -> None:
+        """This refit's header rows, one per send bucket (``self._send_sources`` order), in one copy."""
         if not self._send_sources:
-            return None
+            return
         held = source_version if isinstance(source_version, dict) else {}
         default = version if source_version is None or isinstance(source_version, dict) else source_version
         rows = []
@@ -389,74 +419,63 @@ class ReshardExecutor:
             vs = {held.get(n, default) for n in locals_}
             v = version if vs == {version} else next(iter(vs - {version}))
             rows.append([_NO_VERSION if v is None else v, self.wire_id, self.rank, k])
-        return torch.tensor(rows, dtype=torch.int64).to(self.device)
+        self._header_rows.copy_(torch.tensor(rows, dtype=torch.int64))
 
-    def _post(self, k: int, headers: torch.Tensor | None):
-        ops, staged = [], []
+    def _post(self, k: int):
+        ops, arrived = [], []
         sent = received = 0
         for peer, buckets in self.send.items():
             if k < len(buckets):
-                bucket = buckets[k]
-                buf = self._send_buf[(peer, self._slot(k, recv=False))]
-                pairs = [(buf[:HEADER_BYTES].view(torch.int64), headers[self._header_index[(peer, k)]])]
-                for t, off in bucket:
-                    view = buf[off:off + t.nbytes].view(self.tensors[t.src_run.local].dtype)
-                    pairs.append((view, run_view(self.tensors[t.src_run.local], t.src_run).reshape(-1)))
-                copy_all(pairs)  # one launch per bucket, not one per piece
-                n = _bucket_nbytes(bucket)
-                ops.append(("send", buf[:n], peer))
+                copy_all(self._pack[(peer, k)])  # the header and every piece: one batched copy
+                n = _bucket_nbytes(buckets[k])
+                ops.append(("send", self._send_buf[(peer, self._slot(k, recv=False))][:n], peer))
                 sent += n
         for peer, buckets in self.recv.items():
             if k < len(buckets):
-                bucket = buckets[k]
-                n = _bucket_nbytes(bucket)
+                n = _bucket_nbytes(buckets[k])
                 buf = self._recv_buf[(peer, self._slot(k, recv=True))]
                 ops.append(("recv", buf[:n], peer))
-                staged.append((peer, buf, bucket))
+                arrived.append((peer, buf))
                 received += n
         reqs = batch_isend_irecv(ops, self.group) if ops else []
-        return (k, reqs, staged), sent, received
+        return (k, reqs, arrived), sent, received
 
     def _complete(self, posted, version: int, refused: list[str], staged: list, unchecked: list) -> None:
         k, reqs, arrived = posted
         for req in reqs:
             req.wait()
         if not arrived or refused:
-            return  # after a refusal: drain the remaining rounds, write nothing
-        bucket_pairs = [(buf, bucket) for _, buf, bucket in arrived]
+            return  # after a refusal: drain the remaining rounds, write nothing more
         if self.atomic:
             # Nothing is written before the last round, so the headers are checked then, all at
-            # once: reading them here would stall the host on every round.
-            unchecked.append((k, arrived))
-            staged.extend(bucket_pairs)
+            # once (each bucket keeps its own buffer): reading them here would stall the host on every round.
+            unchecked.extend((k, peer, buf[:HEADER_BYTES].view(torch.int64)) for peer, buf in arrived)
+            staged.extend((peer, k) for peer, _ in arrived)
             return
-        self._check_headers([(k, arrived)], version, refused)
-        if refused:
-            return
-        self._unpack(bucket_pairs)
+        if not self._wrote:
+            # Streaming: the first round that arrives carries a bucket of every source (round 0),
+            # so its headers are checked before anything is written; later rounds are written as
+            # they arrive and checked at the end (a bad one then leaves the tensors mixed: version None).
+            self._check_headers([(k, peer, buf[:HEADER_BYTES].view(torch.int64)) for peer, buf in arrived],
+                                version, refused)
+            if refused:
+                return
+            copy_all(self._local_copies)
+        else:
+            unchecked.extend((k, peer, self._seen[(peer, k)]) for peer, _ in arrived)
+        copy_all([pair for peer, _ in arrived for pair in self._unpacks[(peer, k)]])
         self._wrote = True
 
-    def _check_headers(self, rounds: list, version: int, refused: list[str]) -> None:
-        """Append to ``refused`` every source in ``rounds`` (``(k, arrived)``) that serves
-        another version or plan; one device-to-host read for all of them."""
-        rows = [(k, peer, buf) for k, arrived in rounds for peer, buf, _ in arrived]
-        got = torch.stack([buf[:HEADER_BYTES].view(torch.int64) for _, _, buf in rows]).tolist()
-        for (k, peer, _), (v, wire, sender, index) in zip(rows, got):
+    def _check_headers(self, headers: list, version: int, refused: list[str]) -> None:
+        """Append to ``refused`` every source whose header (``(k, peer, header)`` entries)
+        says it serves another version or plan; one device-to-host read for all of them."""
+        got = torch.stack([h for _, _, h in headers]).tolist()
+        for (k, peer, _), (v, wire, sender, index) in zip(headers, got):
             if v != version:
                 held = "no valid version" if v == _NO_VERSION else f"version {v}"
                 refused.append(f"version: rank {peer} serves {held}")
             elif (wire, sender, index) != (self.wire_id, peer, k):
                 refused.append(f"plan: rank {peer} runs another plan or bucket size (bucket {k})")
-
-    def _unpack(self, staged) -> None:
-        # One batched copy for everything staged: an atomic refit unpacks the whole version after
-        # the last round, and per-piece copy_ calls would be bound by the host's launch rate.
-        pairs = []
-        for buf, bucket in staged:
-            for t, off in bucket:
-                dst = run_view(self.tensors[t.dst_run.local], t.dst_run)
-                pairs.append((dst, buf[off:off + t.nbytes].view(dst.dtype).view(dst.shape)))
-        copy_all(pairs)
 
 
 class FanoutRefit:

@@ -84,6 +84,26 @@ def _body(backend):
         ex.refit(3)  # every rank stayed in step: the next version applies
         out[("stale", atomic)] = dict(before=before, after=after, held=held, refused=refused, final=snap(e),
                                       version=ex.version)
+    # 2b. rank 1 is stale only in tensors that none of its first buckets carries: a streaming receiver
+    # has written round 0 by then and refuses at the end (mixed tensors: no version); an atomic one keeps version 1
+    for atomic in (True, False):
+        tr, e = trainer(), engine()
+        ex = wx.ReshardExecutor(plan, rank, {**tr, **e}, bucket_bytes=BUCKET, atomic=atomic)
+        ex.refit(1)
+        before = snap(e)
+        for t in tr.values():
+            t.mul_(2)
+        late = None
+        if rank == 1:
+            early = {t.src_run.local for b in ex.send.values() for t, _ in b[0]}
+            late = {t.src_run.local: 1 for b in ex.send.values() for t, _ in b[-1]} if len(ex.send) else {}
+            late = {n: v for n, v in late.items() if n not in early}
+            assert late, "the test needs a tensor that only a later bucket of rank 1 carries"
+        refused = attempt(lambda: ex.refit(2, source_version=late))
+        after, held = snap(e), ex.version
+        ex.refit(3)
+        out[("late_stale", atomic)] = dict(before=before, after=after, held=held, refused=refused, final=snap(e),
+                                           version=ex.version)
     # 3. another plan on rank 0 (same transfers per pair, another order: the same buckets, another fingerprint)
     other = ReshardPlan(plan.src, plan.dst, sorted(plan.transfers, key=lambda t: -t.dst))
     tr, e = trainer(), engine()
@@ -178,6 +198,20 @@ def test_reshard_refit_versions_pipelining_and_gate(backend):
                 assert torch.equal(res["after"][n], res["before"][n]), (atomic, r, n)
             _check(res["before"], ref, dst, r, "version 1")
             _check(res["final"], ref, dst, r, "version 3", scale=2.0)
+    # 2b. stale only in a later bucket: atomic keeps version 1 exactly; streaming wrote round 0, then refused
+    for atomic in (True, False):
+        for r in dst.ranks:
+            res = results[r][("late_stale", atomic)]
+            reason, msg, _ = res["refused"]
+            assert reason == "version" and "rank 1 serves version 1" in msg, msg
+            assert res["version"] == 3
+            _check(res["final"], ref, dst, r, "version 3", scale=2.0)
+            if atomic:
+                assert res["held"] == 1
+                _check(res["after"], ref, dst, r, "version 1 kept")
+            else:
+                assert res["held"] is None  # mixed: round 0 of version 2 is written
+                assert any(not torch.equal(res["after"][n], res["before"][n]) for n in res["before"])
     # 3. a source that runs another plan is refused; nothing written
     for r in dst.ranks:
         res = results[r]["other_plan"]
