@@ -30,7 +30,7 @@ from typing import Callable
 
 import torch
 
-from .hf_mapping import _global_layer_names, copy_all, unwrap
+from .hf_mapping import CopyBatch, _global_layer_names, unwrap
 from .refit_group import batch_isend_irecv, group_barrier
 from .reshard_plan import ReshardPlan, Run, Transfer, fanout_plans, run_view
 from .verify import VerifyResult, verify_export
@@ -305,33 +305,38 @@ class ReshardExecutor:
         """Every copy of a refit as ``(dst, src)`` views, built once: buffers and tensors are
         fixed, so a refit issues batched copies without rebuilding hundreds of views."""
         self._header_rows = torch.zeros((len(self._send_sources), 4), dtype=torch.int64, device=self.device)
-        self._pack: dict[tuple[int, int], list] = {}
+        pack: dict[int, list] = defaultdict(list)  # round -> every peer's header and pieces
         for peer, buckets in self.send.items():
             for k, bucket in enumerate(buckets):
                 buf = self._send_buf[(peer, self._slot(k, recv=False))]
-                pairs = [(buf[:HEADER_BYTES].view(torch.int64), self._header_rows[self._header_index[(peer, k)]])]
+                pack[k].append((buf[:HEADER_BYTES].view(torch.int64), self._header_rows[self._header_index[(peer, k)]]))
                 for t, off in bucket:
                     src = self.tensors[t.src_run.local]
-                    pairs.append((buf[off:off + t.nbytes].view(src.dtype), run_view(src, t.src_run).reshape(-1)))
-                self._pack[(peer, k)] = pairs
+                    pack[k].append((buf[off:off + t.nbytes].view(src.dtype), run_view(src, t.src_run).reshape(-1)))
+        self._pack = {k: CopyBatch(pairs) for k, pairs in pack.items()}
         # Streaming receivers reuse a buffer max_inflight rounds later, so each unpack also keeps the
         # bucket's header in a row of its own, to be checked after the last round.
         keys = [(peer, k) for peer, buckets in self.recv.items() for k in range(len(buckets))]
         self._seen_rows = torch.zeros((len(keys), 4), dtype=torch.int64, device=self.device)
         self._seen = {key: self._seen_rows[i] for i, key in enumerate(keys)}
-        self._unpacks: dict[tuple[int, int], list] = {}
+        unpack: dict[int, list] = defaultdict(list)  # round -> every peer's pieces
         for peer, buckets in self.recv.items():
             for k, bucket in enumerate(buckets):
                 buf = self._recv_buf[(peer, self._slot(k, recv=True))]
-                pairs = [] if self.atomic else [(self._seen[(peer, k)], buf[:HEADER_BYTES].view(torch.int64))]
+                if not self.atomic:
+                    unpack[k].append((self._seen[(peer, k)], buf[:HEADER_BYTES].view(torch.int64)))
                 for t, off in bucket:
                     dst = run_view(self.tensors[t.dst_run.local], t.dst_run)
-                    pairs.append((dst, buf[off:off + t.nbytes].view(dst.dtype).view(dst.shape)))
-                self._unpacks[(peer, k)] = pairs
-        self._local_copies = []
+                    unpack[k].append((dst, buf[off:off + t.nbytes].view(dst.dtype).view(dst.shape)))
+        local = []
         for t in self.local:
             dst = run_view(self.tensors[t.dst_run.local], t.dst_run)
-            self._local_copies.append((dst, run_view(self.tensors[t.src_run.local], t.src_run).reshape(dst.shape)))
+            local.append((dst, run_view(self.tensors[t.src_run.local], t.src_run).reshape(dst.shape)))
+        self._local_copies = CopyBatch(local)
+        if self.atomic:  # the whole version at once, after the last round's headers are checked
+            self._apply = CopyBatch([pair for k in sorted(unpack) for pair in unpack[k]] + local)
+        else:
+            self._unpack = {k: CopyBatch(pairs) for k, pairs in unpack.items()}
 
     @property
     def staging_bytes(self) -> int:
@@ -362,18 +367,17 @@ class ReshardExecutor:
         sent = received = 0
         self._wrote = False
         refused: list[str] = []
-        staged: list[tuple[int, int]] = []  # atomic: (peer, bucket) keys, unpacked once every round is checked
         unchecked: list = []  # rounds whose headers are checked together later (see _complete)
         inflight: deque = deque()
         try:
             for k in range(self.rounds):
                 if len(inflight) == self.max_inflight:
-                    self._complete(inflight.popleft(), version, refused, staged, unchecked)
+                    self._complete(inflight.popleft(), version, refused, unchecked)
                 posted, s, r = self._post(k)
                 inflight.append(posted)
                 sent, received = sent + s, received + r
             while inflight:
-                self._complete(inflight.popleft(), version, refused, staged, unchecked)
+                self._complete(inflight.popleft(), version, refused, unchecked)
             if unchecked and not refused:
                 self._check_headers(unchecked, version, refused)
         except BaseException:
@@ -394,9 +398,9 @@ class ReshardExecutor:
             raise RefitRejected(f"rank {self.rank} refused version {version} and kept version {self.version}: "
                                 + "; ".join(refused[:4]), reason=reason, stats=stats)
         if self.atomic:  # every bucket of this version is here and checked: apply it (local copies too) in one go
-            copy_all([pair for key in staged for pair in self._unpacks[key]] + self._local_copies)
+            self._apply.run()
         elif not self._wrote:  # no round received anything: the local copies are all there is
-            copy_all(self._local_copies)
+            self._local_copies.run()
         self.version = version
         stats.seconds = time.perf_counter() - start  # the move and apply; the gate's forward passes not included
         if verify is not None and self.rank in self.plan.dst.ranks:
@@ -424,9 +428,10 @@ class ReshardExecutor:
     def _post(self, k: int):
         ops, arrived = [], []
         sent = received = 0
+        if k in self._pack:
+            self._pack[k].run()  # every peer's header and pieces of this round: batched copies
         for peer, buckets in self.send.items():
             if k < len(buckets):
-                copy_all(self._pack[(peer, k)])  # the header and every piece: one batched copy
                 n = _bucket_nbytes(buckets[k])
                 ops.append(("send", self._send_buf[(peer, self._slot(k, recv=False))][:n], peer))
                 sent += n
@@ -440,7 +445,7 @@ class ReshardExecutor:
         reqs = batch_isend_irecv(ops, self.group) if ops else []
         return (k, reqs, arrived), sent, received
 
-    def _complete(self, posted, version: int, refused: list[str], staged: list, unchecked: list) -> None:
+    def _complete(self, posted, version: int, refused: list[str], unchecked: list) -> None:
         k, reqs, arrived = posted
         for req in reqs:
             req.wait()
@@ -450,7 +455,6 @@ class ReshardExecutor:
             # Nothing is written before the last round, so the headers are checked then, all at
             # once (each bucket keeps its own buffer): reading them here would stall the host on every round.
             unchecked.extend((k, peer, buf[:HEADER_BYTES].view(torch.int64)) for peer, buf in arrived)
-            staged.extend((peer, k) for peer, _ in arrived)
             return
         if not self._wrote:
             # Streaming: the first round that arrives carries a bucket of every source (round 0),
@@ -460,10 +464,10 @@ class ReshardExecutor:
                                 version, refused)
             if refused:
                 return
-            copy_all(self._local_copies)
+            self._local_copies.run()
         else:
             unchecked.extend((k, peer, self._seen[(peer, k)]) for peer, _ in arrived)
-        copy_all([pair for peer, _ in arrived for pair in self._unpacks[(peer, k)]])
+        self._unpack[k].run()
         self._wrote = True
 
     def _check_headers(self, headers: list, version: int, refused: list[str]) -> None:
