@@ -9,13 +9,16 @@ cut into rows); round ``k`` moves the ``k``-th bucket of every pair at once (one
 ``k + 1`` is posted before round ``k`` is waited on and unpacked.
 
 Every bucket starts with a 32-byte header (the sender's version, the plan's
-fingerprint, the sender's rank, the bucket index). A receiver checks every
-header before it writes anything and refuses the version
-(:class:`RefitRejected`) if any source serves another version or another plan;
-its tensors then keep the previous version. With ``atomic=True`` a receiver
-writes only after every bucket of the version has arrived.
+fingerprint, the sender's rank, the bucket index). A receiver refuses the
+version (:class:`RefitRejected`) if any source serves another version or
+another plan. With ``atomic=True`` (default) it writes only after every bucket
+has arrived and every header passed, so its tensors keep the previous version;
+streaming (``atomic=False``) checks round 0 (a bucket of every source) before
+the first write and later rounds at the end.
 
-Staging buffers are allocated on the first refit and reused. An optional
+Staging buffers are allocated on the first refit and reused, and every copy
+(pack, unpack, local) is built once then as views, issued as batched copies
+(:class:`~.hf_mapping.CopyBatch`). An optional
 :class:`RefitGate` runs the engine's logits against the trainer's after the
 refit and records the KL in :class:`RefitStats`.
 """
@@ -232,7 +235,12 @@ class ReshardExecutor:
     until every bucket arrived and passed its header check) or
     ``max_inflight`` buckets per peer with ``atomic=False`` (each round is
     written as it arrives; the headers of round 0, which carries a bucket of
-    every source, are still checked before the first write).
+    every source, are still checked before the first write, later rounds' at
+    the end: a source stale only in a later bucket leaves the tensors mixed
+    and :attr:`version` None).
+
+    The executor keeps views of ``tensors`` from the first refit on: update
+    them in place; replacing a tensor object needs a new executor.
     """
 
     def __init__(self, plan: ReshardPlan, rank: int, tensors: dict[str, torch.Tensor], *, group=None,
