@@ -206,6 +206,19 @@ def _bucket_nbytes(bucket: list[tuple[Transfer, int]]) -> int:
     return off + t.nbytes
 
 
+def _same_shape(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two run views of one box in the same shape, still views (never a copy: the copies are
+    built once and must see later in-place updates). A strided run is ``(rows, length)``; a
+    contiguous one ``(1, n)`` takes the other's shape."""
+    if a.shape == b.shape:
+        return a, b
+    if a.shape[0] == 1:
+        return a.view(b.shape), b
+    if b.shape[0] == 1:
+        return a, b.view(a.shape)
+    raise ValueError(f"runs of one box with shapes {tuple(a.shape)} and {tuple(b.shape)}")
+
+
 def _to_int64(hex16: str) -> int:
     v = int(hex16, 16)
     return v - (1 << 64) if v >= 1 << 63 else v
@@ -319,8 +332,8 @@ class ReshardExecutor:
                 buf = self._send_buf[(peer, self._slot(k, recv=False))]
                 pack[k].append((buf[:HEADER_BYTES].view(torch.int64), self._header_rows[self._header_index[(peer, k)]]))
                 for t, off in bucket:
-                    src = self.tensors[t.src_run.local]
-                    pack[k].append((buf[off:off + t.nbytes].view(src.dtype), run_view(src, t.src_run).reshape(-1)))
+                    src = run_view(self.tensors[t.src_run.local], t.src_run)
+                    pack[k].append((buf[off:off + t.nbytes].view(src.dtype).view(src.shape), src))
         self._pack = {k: CopyBatch(pairs) for k, pairs in pack.items()}
         # Streaming receivers reuse a buffer max_inflight rounds later, so each unpack also keeps the
         # bucket's header in a row of its own, to be checked after the last round.
@@ -338,8 +351,8 @@ class ReshardExecutor:
                     unpack[k].append((dst, buf[off:off + t.nbytes].view(dst.dtype).view(dst.shape)))
         local = []
         for t in self.local:
-            dst = run_view(self.tensors[t.dst_run.local], t.dst_run)
-            local.append((dst, run_view(self.tensors[t.src_run.local], t.src_run).reshape(dst.shape)))
+            local.append(_same_shape(run_view(self.tensors[t.dst_run.local], t.dst_run),
+                                     run_view(self.tensors[t.src_run.local], t.src_run)))
         self._local_copies = CopyBatch(local)
         if self.atomic:  # the whole version at once, after the last round's headers are checked
             self._apply = CopyBatch([pair for k in sorted(unpack) for pair in unpack[k]] + local)

@@ -1,4 +1,4 @@
-"""Reshard refit between real Megatron TP2 ranks and engine ranks in one job:
+"""Reshard refit between real Megatron ranks (TP2, TP1 x DP2, TP2 x PP2) and engine ranks in one job:
 the engine's local tensors (fused QKV / gate_up per engine TP rank) equal the
 HF weights that the export hook gathers from the same model, exactly, and each
 receiver gets only the bytes it keeps."""
@@ -82,6 +82,23 @@ def _body(backend):
     fan = FanoutRefit(src, dst, [[2], [3]], rank, tensors, bucket_bytes=4096)
     stats = fan.refit(7)
     out["fanout"] = dict(engine={n: t.cpu() for n, t in engine.items()}, stats=stats, version=fan.version)
+    # TP1 x DP2 (a real TP1 trainer: replicas on ranks 0, 1) -> engine TP2 on ranks 2, 3; tiny_llama
+    # builds the same global model at every TP degree, so the TP2 model's export is the reference
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    model1 = tiny_llama.build_model(SPEC, tiny_llama.transformer_config(SPEC, tp=1), device=device)
+    specs = _specs(tiny_llama.transformer_config(SPEC, tp=1))
+    plan = build_reshard_plan(megatron_layout(specs, tp=1, dp=2, ranks=[0, 1]),
+                              inference_layout(specs, tp=2, ranks=[2, 3]))
+    engine = {n: torch.full(lt.shape, float("nan"), device=device) for n, lt in plan.dst.tensors.get(rank, {}).items()}
+    trainer = megatron_tensors(model1) if rank in (0, 1) else {}
+    ex = ReshardExecutor(plan, rank, {**trainer, **engine}, bucket_bytes=4096)
+    first = ex.refit(1)
+    v1 = {n: t.cpu().clone() for n, t in engine.items()}
+    with torch.no_grad():  # the next version, written in place (as an optimizer step does): the executor's
+        for p in model1.parameters():  # copies are views built at the first refit, so they must see it
+            p.mul_(2)
+    out["tp1dp2_to_tp2"] = dict(engine=v1, stats=first, v2={n: t.cpu() for n, t in ex.refit(2) and engine.items()})
     # TP2 x PP2 -> engine TP2 x DP2 on the same four ranks (stage 1's layers move to ranks 0, 1)
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
@@ -143,6 +160,12 @@ def test_reshard_refit_exact(backend):
     wave0, wave1 = results[2]["fanout"]["stats"]
     assert wave0.sent_bytes == 0 and wave1.sent_bytes > 0
     assert results[3]["fanout"]["stats"][0].received_bytes == 0  # replica 3 waits for wave 1
+    # TP1 x DP2 -> TP2: exact, and both trainer replicas serve (the work is split by destination)
+    dst = inference_layout(_specs(tiny_llama.transformer_config(SPEC, tp=1)), tp=2, ranks=[2, 3])
+    for r in (2, 3):
+        _check(results[r]["tp1dp2_to_tp2"]["engine"], ref, dst, r, "tp1dp2_to_tp2")
+        _check(results[r]["tp1dp2_to_tp2"]["v2"], {n: 2 * t for n, t in ref.items()}, dst, r, "tp1dp2_to_tp2 v2")
+    assert all(results[r]["tp1dp2_to_tp2"]["stats"].sent_bytes > 0 for r in (0, 1))
     # TP2 x PP2 -> TP2 x DP2 (the same global model at every layout)
     dst = inference_layout(_specs(tiny_llama.transformer_config(SPEC, tp=2, pp=2)), tp=2, dp=2)
     for r in range(4):
