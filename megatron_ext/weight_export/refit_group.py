@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from .transport import make_group
 
-__all__ = ["RefitGroup", "RefitGroupError", "batch_isend_irecv", "group_barrier"]
+__all__ = ["RefitGroup", "RefitGroupError", "batch_isend_irecv", "gather_wire_ids"]
 
 
 class RefitGroupError(RuntimeError):
@@ -224,9 +224,19 @@ def batch_isend_irecv(ops: list[tuple[str, torch.Tensor, int]], group) -> list:
                                    for kind, t, peer in ops])
 
 
-def group_barrier(group) -> None:
-    """Before the first batch of point-to-point ops: every rank of ``group`` is there."""
+def gather_wire_ids(group, wire_id: int, device: torch.device) -> list[int] | None:
+    """Before the first batch of point-to-point ops: every rank of ``group`` is there, and
+    (on a ``torch.distributed`` group) every rank's ``wire_id`` comes back in group order,
+    so that a rank running another plan or bucket size is refused before a byte moves.
+    A :class:`RefitGroup` only meets (:meth:`RefitGroup.barrier`) and returns None:
+    ``TrainerRefit`` / ``EngineRefit`` check plans through its store when they are built."""
     if isinstance(group, RefitGroup):
         group.barrier()
-    elif dist.is_initialized():
-        dist.barrier(group=group)
+        return None
+    if not dist.is_initialized():
+        return [wire_id]
+    if dist.get_backend(group) == "nccl" and device.type == "cpu":  # a rank with no tensors of the plan
+        device = torch.device("cuda", torch.cuda.current_device())
+    out = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(out, torch.tensor([wire_id], dtype=torch.int64, device=device), group=group)
+    return out.tolist()

@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 
 from .hf_mapping import CopyBatch, _global_layer_names, unwrap
-from .refit_group import batch_isend_irecv, group_barrier
+from .refit_group import batch_isend_irecv, gather_wire_ids
 from .reshard_plan import ReshardPlan, Run, Transfer, fanout_plans, run_view
 from .verify import VerifyResult, verify_export
 
@@ -377,9 +377,10 @@ class ReshardExecutor:
         no tensor written) or whose ``verify`` gate fails.
         """
         if self._send_buf is None:
-            # one collective before the first batch of P2P ops: NCCL then has the communicator on every
-            # rank of the group (PyTorch asks all ranks to join the first batch_isend_irecv)
-            group_barrier(self.group)
+            # one collective before the first batch of P2P ops (NCCL then has the communicator on every
+            # rank; PyTorch asks all ranks to join the first batch_isend_irecv), which also compares the
+            # ranks' plans and bucket sizes: buckets cut another way would not match on the wire
+            self._check_same_plan(gather_wire_ids(self.group, self.wire_id, self.device))
             self._allocate()
         start = time.perf_counter()
         if self.refresh is not None:
@@ -432,6 +433,20 @@ class ReshardExecutor:
                 raise RefitRejected(f"rank {self.rank}: version {version} failed the refit gate (KL {result.kl:.3g},"
                                     f" max logit diff {result.max_abs_diff:.3g})", reason="gate", stats=stats)
         return stats
+
+    def _check_same_plan(self, ids: list[int] | None) -> None:
+        """Every rank raises :class:`RefitRejected` (``"plan"``) if any rank of the group runs
+        another plan or bucket size, naming the ranks that differ from the most common one."""
+        if ids is None or len(set(ids)) == 1:
+            return
+        group_ranks = (list(range(len(ids))) if self.group is None or not torch.distributed.is_initialized()
+                       else torch.distributed.get_process_group_ranks(self.group))
+        common = max(set(ids), key=lambda v: (ids.count(v), -ids.index(v)))
+        odd = [group_ranks[i] for i, v in enumerate(ids) if v != common]
+        raise RefitRejected(f"rank {self.rank}: ranks {odd} run another reshard plan or bucket_bytes than ranks "
+                            f"{[group_ranks[i] for i, v in enumerate(ids) if v == common]}; nothing was sent. Build "
+                            "the same layouts (specs, TP/PP/DP/EP, ranks, vocab padding) and the same bucket_bytes "
+                            "on every rank", reason="plan")
 
     def _set_headers(self, version: int, source_version) -> None:
         """This refit's header rows, one per send bucket (``self._send_sources`` order), in one copy."""

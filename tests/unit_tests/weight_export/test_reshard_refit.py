@@ -109,6 +109,12 @@ def _body(backend):
     tr, e = trainer(), engine()
     ex = wx.ReshardExecutor(other if rank == 0 else plan, rank, {**tr, **e}, bucket_bytes=BUCKET)
     out["other_plan"] = dict(refused=attempt(lambda: ex.refit(1)), engine=snap(e), version=ex.version)
+    # 3b. another bucket size on rank 3 (its buckets would not match on the wire; gloo raised, NCCL undefined)
+    ex = wx.ReshardExecutor(plan, rank, {**tr, **e}, bucket_bytes=BUCKET * 2 if rank == 3 else BUCKET)
+    out["other_bucket"] = dict(refused=attempt(lambda: ex.refit(1)), engine=snap(e), version=ex.version)
+    ex = wx.ReshardExecutor(plan, rank, {**tr, **e}, bucket_bytes=BUCKET)  # the same plan everywhere: it runs
+    ex.refit(1)
+    out["after_refusal"] = snap(e)
     # 4. the KL gate on each engine replica (an HF model per TP1 replica)
     toks = tiny_llama.tokens(SPEC)
     ref_logits = wx.megatron_logits(model, toks)  # every rank (TP collectives)
@@ -212,11 +218,16 @@ def test_reshard_refit_versions_pipelining_and_gate(backend):
             else:
                 assert res["held"] is None  # mixed: round 0 of version 2 is written
                 assert any(not torch.equal(res["after"][n], res["before"][n]) for n in res["before"])
-    # 3. a source that runs another plan is refused; nothing written
+    # 3. a rank that runs another plan or bucket size: every rank refuses at the first refit, before any
+    # byte moves, naming it; nothing written. Then the same plan everywhere runs.
+    for case, odd in (("other_plan", 0), ("other_bucket", 3)):
+        for r in range(4):
+            res = results[r][case]
+            reason, msg, _ = res["refused"]
+            assert reason == "plan" and f"ranks [{odd}] run another reshard plan or bucket_bytes" in msg, msg
+            assert res["version"] is None and all(t.isnan().all() for t in res["engine"].values())
     for r in dst.ranks:
-        res = results[r]["other_plan"]
-        assert res["refused"][0] == "plan" and "rank 0" in res["refused"][1]
-        assert res["version"] is None and all(t.isnan().all() for t in res["engine"].values())
+        _check(results[r]["after_refusal"], ref, dst, r, "after a refused plan")
     # 4. the gate: a correct refit passes, a corrupted one fails (raise), or is only reported
     for r in dst.ranks:
         g = results[r]["gate"]
