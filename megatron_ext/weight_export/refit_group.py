@@ -145,6 +145,14 @@ class RefitGroup:
                               f"at {self.address}, {self.world_size} ranks); is the other job running and calling "
                               "the same refit steps?") from err
 
+    def gather_ints(self, value: int, *, what: str) -> list[int]:
+        """Every refit rank's ``value``, in refit-rank order (through the store, bounded)."""
+        tag = self.next_tag("gather")
+        self.store.set(f"{tag}/{self.rank}", str(int(value)))
+        keys = [f"{tag}/{r}" for r in range(self.world_size)]
+        self.wait_keys(keys, range(self.world_size), what=what)
+        return [int(v) for v in self.store.multi_get(keys)]
+
     def barrier(self) -> None:
         """All ranks reach the first refit (bounded); on NCCL one all-reduce then creates the communicator on
         every rank, which PyTorch asks for before the first batch of point-to-point ops."""
@@ -224,15 +232,15 @@ def batch_isend_irecv(ops: list[tuple[str, torch.Tensor, int]], group) -> list:
                                    for kind, t, peer in ops])
 
 
-def gather_wire_ids(group, wire_id: int, device: torch.device) -> list[int] | None:
+def gather_wire_ids(group, wire_id: int, device: torch.device) -> list[int]:
     """Before the first batch of point-to-point ops: every rank of ``group`` is there, and
-    (on a ``torch.distributed`` group) every rank's ``wire_id`` comes back in group order,
-    so that a rank running another plan or bucket size is refused before a byte moves.
-    A :class:`RefitGroup` only meets (:meth:`RefitGroup.barrier`) and returns None:
-    ``TrainerRefit`` / ``EngineRefit`` check plans through its store when they are built."""
+    every rank's ``wire_id`` comes back in group order (refit-rank order on a
+    :class:`RefitGroup`, through its store), so that a rank running another plan or
+    bucket size, or one that could not allocate its buffers, is refused before a byte moves."""
     if isinstance(group, RefitGroup):
-        group.barrier()
-        return None
+        ids = group.gather_ints(wire_id, what="reach the refit")
+        group.barrier()  # on NCCL: creates the communicator
+        return ids
     if not dist.is_initialized():
         return [wire_id]
     if dist.get_backend(group) == "nccl" and device.type == "cpu":  # a rank with no tensors of the plan

@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 
 from .hf_mapping import CopyBatch, _global_layer_names, unwrap
-from .refit_group import batch_isend_irecv, gather_wire_ids
+from .refit_group import RefitGroup, batch_isend_irecv, gather_wire_ids
 from .reshard_plan import ReshardPlan, Run, Transfer, fanout_plans, run_view
 from .verify import VerifyResult, verify_export
 
@@ -44,6 +44,7 @@ __all__ = ["FanoutRefit", "HEADER_BYTES", "RefitGate", "RefitRejected", "RefitSt
 _ALIGN = 16
 HEADER_BYTES = 32  # int64 x 4: version, plan fingerprint, sender rank, bucket index
 _NO_VERSION = -1   # what a rank that holds no valid version sends
+_NO_STAGING = 0    # the wire id a rank reports when its staging buffers could not be allocated
 
 
 def _align(n: int) -> int:
@@ -114,8 +115,10 @@ class RefitStats:
 
 class RefitRejected(RuntimeError):
     """A receiver refused a version. ``reason``: ``"version"`` (a source serves
-    another version), ``"plan"`` (a source runs another plan or bucket size) or
-    ``"gate"`` (the :class:`RefitGate` failed). On ``"version"`` / ``"plan"`` no
+    another version), ``"plan"`` (a rank runs another plan or bucket size),
+    ``"staging"`` (a rank could not allocate its staging buffers; raised on every
+    rank at the first refit, before a byte moves) or ``"gate"`` (the
+    :class:`RefitGate` failed). On ``"version"`` / ``"plan"`` no
     tensor was written; on ``"gate"`` the bytes are written but the rank holds
     no accepted version (``version`` is None) and does not serve in a fan-out."""
 
@@ -309,14 +312,19 @@ class ReshardExecutor:
     def _slot(self, k: int, *, recv: bool) -> int:
         return k if (recv and self.atomic) else k % self.max_inflight
 
-    def _allocate(self) -> None:
-        """Every staging buffer, sized once: one per (peer, slot)."""
+    def _staging_sizes(self) -> dict[tuple[str, int, int], int]:
+        """Bytes of each staging buffer, by ``(send|recv, peer, slot)``."""
         sizes: dict[tuple[str, int, int], int] = {}
         for kind, table in (("send", self.send), ("recv", self.recv)):
             for peer, buckets in table.items():
                 for k, bucket in enumerate(buckets):
                     key = (kind, peer, self._slot(k, recv=kind == "recv"))
                     sizes[key] = max(sizes.get(key, 0), _bucket_nbytes(bucket))
+        return sizes
+
+    def _allocate(self) -> None:
+        """Every staging buffer, sized once: one per (peer, slot)."""
+        sizes = self._staging_sizes()
         mk = lambda n: torch.empty(n, dtype=torch.uint8, device=self.device)  # noqa: E731
         self._send_buf = {(p, s): mk(n) for (kind, p, s), n in sizes.items() if kind == "send"}
         self._recv_buf = {(p, s): mk(n) for (kind, p, s), n in sizes.items() if kind == "recv"}
@@ -380,8 +388,21 @@ class ReshardExecutor:
             # one collective before the first batch of P2P ops (NCCL then has the communicator on every
             # rank; PyTorch asks all ranks to join the first batch_isend_irecv), which also compares the
             # ranks' plans and bucket sizes: buckets cut another way would not match on the wire
-            self._check_same_plan(gather_wire_ids(self.group, self.wire_id, self.device))
-            self._allocate()
+            # Staging is allocated first, so that a rank out of memory tells every rank (through the
+            # same collective) instead of leaving its peers waiting on its transfers.
+            try:
+                self._allocate()
+                failed = None
+            except torch.OutOfMemoryError as exc:
+                self._send_buf = self._recv_buf = None
+                failed = exc
+            ids = gather_wire_ids(self.group, _NO_STAGING if failed else self.wire_id, self.device)
+            try:
+                self._check_staging(ids, failed)
+                self._check_same_plan(ids)
+            except RefitRejected:
+                self._send_buf = self._recv_buf = None  # the next refit allocates and checks again
+                raise
         start = time.perf_counter()
         if self.refresh is not None:
             self.refresh()
@@ -434,13 +455,36 @@ class ReshardExecutor:
                                     f" max logit diff {result.max_abs_diff:.3g})", reason="gate", stats=stats)
         return stats
 
-    def _check_same_plan(self, ids: list[int] | None) -> None:
+    def _group_ranks(self, n: int) -> list[int]:
+        if self.group is None or isinstance(self.group, RefitGroup) or not torch.distributed.is_initialized():
+            return list(range(n))  # the world's ranks, or a RefitGroup's refit ranks
+        return torch.distributed.get_process_group_ranks(self.group)
+
+    def _check_staging(self, ids: list[int], failed: BaseException | None) -> None:
+        """Every rank raises :class:`RefitRejected` (``"staging"``) if a rank could not
+        allocate its staging buffers; that rank's message says how to need less."""
+        if failed is not None:
+            need = sum(self._staging_sizes().values())
+            received = sum(_bucket_nbytes(b) for bs in self.recv.values() for b in bs)
+            raise RefitRejected(
+                f"rank {self.rank}: out of device memory for {need / 2**30:.2f} GiB of reshard staging buffers "
+                + (f"(atomic=True stages the whole version this rank receives, {received / 2**30:.2f} GiB; "
+                   "atomic=False stages max_inflight buckets per peer instead)" if self.atomic and received else
+                   f"(max_inflight={self.max_inflight} buckets of up to {self.bucket_bytes / 2**20:g} MiB per peer)")
+                + "; lower bucket_bytes or max_inflight, or free memory before the refit. Nothing was sent.",
+                reason="staging") from failed
+        if _NO_STAGING in ids:
+            ranks = self._group_ranks(len(ids))
+            raise RefitRejected(f"rank {self.rank}: ranks {[ranks[i] for i, v in enumerate(ids) if v == _NO_STAGING]} "
+                                "ran out of memory for their staging buffers (their errors say how much); nothing "
+                                "was sent", reason="staging")
+
+    def _check_same_plan(self, ids: list[int]) -> None:
         """Every rank raises :class:`RefitRejected` (``"plan"``) if any rank of the group runs
         another plan or bucket size, naming the ranks that differ from the most common one."""
-        if ids is None or len(set(ids)) == 1:
+        if len(set(ids)) == 1:
             return
-        group_ranks = (list(range(len(ids))) if self.group is None or not torch.distributed.is_initialized()
-                       else torch.distributed.get_process_group_ranks(self.group))
+        group_ranks = self._group_ranks(len(ids))
         common = max(set(ids), key=lambda v: (ids.count(v), -ids.index(v)))
         odd = [group_ranks[i] for i, v in enumerate(ids) if v != common]
         raise RefitRejected(f"rank {self.rank}: ranks {odd} run another reshard plan or bucket_bytes than ranks "

@@ -115,6 +115,19 @@ def _body(backend):
     ex = wx.ReshardExecutor(plan, rank, {**tr, **e}, bucket_bytes=BUCKET)  # the same plan everywhere: it runs
     ex.refit(1)
     out["after_refusal"] = snap(e)
+    # 3c. rank 3 runs out of memory for its staging buffers: every rank refuses at once (nobody waits
+    # on rank 3's transfers) and nothing is written; with the memory back, the same executor runs
+    e = engine()
+    ex = wx.ReshardExecutor(plan, rank, {**tr, **e}, bucket_bytes=BUCKET)
+    if rank == 3:
+        def out_of_memory():
+            raise torch.OutOfMemoryError("test: no memory left")
+        ex._allocate = out_of_memory
+    out["oom"] = dict(refused=attempt(lambda: ex.refit(1)), engine=snap(e))
+    if rank == 3:
+        del ex._allocate
+    ex.refit(2)
+    out["after_oom"] = snap(e)
     # 4. the KL gate on each engine replica (an HF model per TP1 replica)
     toks = tiny_llama.tokens(SPEC)
     ref_logits = wx.megatron_logits(model, toks)  # every rank (TP collectives)
@@ -228,6 +241,15 @@ def test_reshard_refit_versions_pipelining_and_gate(backend):
             assert res["version"] is None and all(t.isnan().all() for t in res["engine"].values())
     for r in dst.ranks:
         _check(results[r]["after_refusal"], ref, dst, r, "after a refused plan")
+        _check(results[r]["after_oom"], ref, dst, r, "after a staging failure")
+    for r in range(4):
+        reason, msg, _ = results[r]["oom"]["refused"]
+        assert reason == "staging", msg
+        assert all(t.isnan().all() for t in results[r]["oom"]["engine"].values())
+        if r == 3:  # the rank out of memory says how much and how to need less
+            assert "out of device memory for" in msg and "atomic=False stages max_inflight buckets" in msg, msg
+        else:
+            assert "ranks [3] ran out of memory for their staging buffers" in msg, msg
     # 4. the gate: a correct refit passes, a corrupted one fails (raise), or is only reported
     for r in dst.ranks:
         g = results[r]["gate"]
