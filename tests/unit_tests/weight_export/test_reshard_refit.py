@@ -71,39 +71,30 @@ def _body(backend):
             out[("depth", atomic, depth)] = dict(engine=snap(e), stats=stats, send_peers=len(ex.send),
                                                  recv_peers=len(ex.recv),
                                                  recv_buckets=sum(len(b) for b in ex.recv.values()))
-    # 2. a stale source: rank 1 serves version 1 while version 2 is applied
-    for atomic in (True, False):
-        tr, e = trainer(), engine()
-        ex = wx.ReshardExecutor(plan, rank, {**tr, **e}, bucket_bytes=BUCKET, atomic=atomic)
-        ex.refit(1)
-        before = snap(e)
-        for t in tr.values():
-            t.mul_(2)  # the trainer's next version (exact in floating point)
-        refused = attempt(lambda: ex.refit(2, source_version=1 if rank == 1 else None))
-        after, held = snap(e), ex.version
-        ex.refit(3)  # every rank stayed in step: the next version applies
-        out[("stale", atomic)] = dict(before=before, after=after, held=held, refused=refused, final=snap(e),
-                                      version=ex.version)
-    # 2b. rank 1 is stale only in tensors that none of its first buckets carries: a streaming receiver
-    # has written round 0 by then and refuses at the end (mixed tensors: no version); an atomic one keeps version 1
-    for atomic in (True, False):
-        tr, e = trainer(), engine()
-        ex = wx.ReshardExecutor(plan, rank, {**tr, **e}, bucket_bytes=BUCKET, atomic=atomic)
-        ex.refit(1)
-        before = snap(e)
-        for t in tr.values():
-            t.mul_(2)
-        late = None
-        if rank == 1:
-            early = {t.src_run.local for b in ex.send.values() for t, _ in b[0]}
-            late = {t.src_run.local: 1 for b in ex.send.values() for t, _ in b[-1]} if len(ex.send) else {}
-            late = {n: v for n, v in late.items() if n not in early}
-            assert late, "the test needs a tensor that only a later bucket of rank 1 carries"
-        refused = attempt(lambda: ex.refit(2, source_version=late))
-        after, held = snap(e), ex.version
-        ex.refit(3)
-        out[("late_stale", atomic)] = dict(before=before, after=after, held=held, refused=refused, final=snap(e),
-                                           version=ex.version)
+    # 2. a stale source: rank 1 serves version 1 while version 2 is applied ("stale"), or (2b,
+    # "late_stale") only in tensors that none of its first buckets carries: a streaming receiver has
+    # written round 0 by then and refuses at the end (mixed tensors: no version); an atomic one keeps 1
+    def late_only(ex):
+        if rank != 1:
+            return None
+        early = {t.src_run.local for b in ex.send.values() for t, _ in b[0]}
+        late = {t.src_run.local: 1 for b in ex.send.values() for t, _ in b[-1] if t.src_run.local not in early}
+        assert late, "the test needs a tensor that only a later bucket of rank 1 carries"
+        return late
+
+    for case, served in (("stale", lambda ex: 1 if rank == 1 else None), ("late_stale", late_only)):
+        for atomic in (True, False):
+            tr, e = trainer(), engine()
+            ex = wx.ReshardExecutor(plan, rank, {**tr, **e}, bucket_bytes=BUCKET, atomic=atomic)
+            ex.refit(1)
+            before = snap(e)
+            for t in tr.values():
+                t.mul_(2)  # the trainer's next version (exact in floating point)
+            refused = attempt(lambda: ex.refit(2, source_version=served(ex)))
+            after, held = snap(e), ex.version
+            ex.refit(3)  # every rank stayed in step: the next version applies
+            out[(case, atomic)] = dict(before=before, after=after, held=held, refused=refused, final=snap(e),
+                                       version=ex.version)
     # 3. another plan on rank 0 (same transfers per pair, another order: the same buckets, another fingerprint)
     other = ReshardPlan(plan.src, plan.dst, sorted(plan.transfers, key=lambda t: -t.dst))
     tr, e = trainer(), engine()
