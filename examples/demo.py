@@ -14,7 +14,13 @@ by side:
 - weight export: a Llama-shaped model trains on the same ranks, then its
   weights stream to a Hugging Face LlamaForCausalLM in another process
   (``megatron_ext.weight_export``); prints refit time, bytes, GB/s and the
-  verifier's KL between the two models.
+  verifier's KL between the two models;
+- symmetric memory: plain Megatron DDP vs ``SymmMemDistributedDataParallel``
+  on 2 ranks, same losses; on CPU the staging falls back to plain buffers with
+  one warning (``examples/demo_fsdp_symm.py``);
+- reshard refit: Megatron TP2 trainer ranks send two engine replicas (TP1)
+  only their own shards, the second replica served by the first (fan-out),
+  each passing a KL gate (``examples/demo_weight_export_reshard.py``, 4 ranks).
 """
 
 from __future__ import annotations
@@ -28,7 +34,9 @@ import time
 import torch
 
 from demo_nonuniform_tp import run_ntp_phase
+from demo_fsdp_symm import run_symm_demo
 from demo_weight_export import run_weight_export_demo
+from demo_weight_export_reshard import run_reshard_demo
 from megatron_ext.testing import tiny_gpt
 from megatron_ext.testing.multirank import run_on_ranks
 
@@ -103,6 +111,8 @@ def main(argv=None) -> int:
                         help='GPUs that fail for the NTP phase, "REPLICA:SLOT[,SLOT];..." '
                              '("" skips the phase)')
     parser.add_argument("--no-export", action="store_true", help="skip the weight-export phase")
+    parser.add_argument("--no-symm", action="store_true", help="skip the symmetric-memory phase (2 ranks)")
+    parser.add_argument("--no-reshard", action="store_true", help="skip the reshard-refit phase (4 ranks)")
     args = parser.parse_args(argv)
 
     if args.world_size % args.tp:
@@ -139,6 +149,16 @@ def main(argv=None) -> int:
         export = run_weight_export_demo(world_size=cfg.world_size, tp=cfg.tp, steps=10,
                                         global_batch=cfg.global_batch, backend=backend)
         print()
+    symm = None
+    if not args.no_symm:
+        start = time.perf_counter()
+        symm = run_symm_demo(world_size=2, steps=5, backend="nccl" if torch.cuda.device_count() >= 2 else "gloo")
+        print(f"[symm] done in {time.perf_counter() - start:.1f}s\n", flush=True)
+    reshard = None
+    if not args.no_reshard:
+        start = time.perf_counter()
+        reshard = run_reshard_demo(versions=2, backend=None if backend == "nccl" else "gloo")
+        print(f"[reshard] done in {time.perf_counter() - start:.1f}s\n", flush=True)
 
     print_table(phases)
     ok = True
@@ -153,6 +173,17 @@ def main(argv=None) -> int:
         ok &= export["kl"] < 1e-3
         print(f"weight export: refit {export['refit_s'] * 1e3:.1f} ms, {export['bytes'] / 1e6:.2f} MB, "
               f"{export['gbps']:.2f} GB/s ({export['transport']}), verifier KL {export['kl']:.2e}")
+    if symm is not None:
+        worst = max(abs(a - b) / abs(a) for a, b in zip(symm["plain DDP"], symm["symm-mem DDP"]))
+        ok &= worst < 1e-3
+        print(f"symmetric memory: {symm['symmetric_buckets']} bucket(s) staged symmetric; vs plain DDP loss: max "
+              f"relative difference {worst:.2e}")
+    if reshard is not None:
+        kls = [row["kl"] for res in reshard[2:] for row in res["rows"]]
+        ok &= max(kls) < 1e-3
+        print(f"reshard refit: {len(kls)} gated engine refits (2 replicas x 2 versions, fan-out), "
+              f"max KL {max(kls):.2e}, received {sum(r['received'] for res in reshard for r in res['rows']) / 1e6:.2f}"
+              " MB in all")
     return 0 if ok else 1
 
 

@@ -7,7 +7,7 @@ megatron-core GPT with plain Megatron DDP and with
 ``SymmMemDistributedDataParallel`` side by side. On CPU (gloo) the capability
 probe falls back to plain buffers with one warning and the losses are equal; on
 one GPU per rank (NCCL >= 2.27) the small buckets run NCCL's ``ncclSymk`` kernels.
-The lead's ``examples/demo.py`` calls :func:`run_symm_demo`.
+``examples/demo.py`` calls :func:`run_symm_demo` as one of its phases.
 """
 
 from __future__ import annotations

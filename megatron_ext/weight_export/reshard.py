@@ -381,28 +381,12 @@ class ReshardExecutor:
         ``version``; a dict maps local tensor names to the version they hold,
         e.g. an engine replica serving a fan-out wave; None: no valid version).
         Raises :class:`RefitRejected` on a receiver that a source serves another
-        version or plan (after draining every round, so all ranks stay in step;
-        no tensor written) or whose ``verify`` gate fails.
+        version (after draining every round, so all ranks stay in step) or whose
+        ``verify`` gate fails; on the first refit, on every rank if any rank runs
+        another plan or bucket size or cannot allocate its staging buffers.
         """
         if self._send_buf is None:
-            # one collective before the first batch of P2P ops (NCCL then has the communicator on every
-            # rank; PyTorch asks all ranks to join the first batch_isend_irecv), which also compares the
-            # ranks' plans and bucket sizes: buckets cut another way would not match on the wire
-            # Staging is allocated first, so that a rank out of memory tells every rank (through the
-            # same collective) instead of leaving its peers waiting on its transfers.
-            try:
-                self._allocate()
-                failed = None
-            except torch.OutOfMemoryError as exc:
-                self._send_buf = self._recv_buf = None
-                failed = exc
-            ids = gather_wire_ids(self.group, _NO_STAGING if failed else self.wire_id, self.device)
-            try:
-                self._check_staging(ids, failed)
-                self._check_same_plan(ids)
-            except RefitRejected:
-                self._send_buf = self._recv_buf = None  # the next refit allocates and checks again
-                raise
+            self._prepare()
         start = time.perf_counter()
         if self.refresh is not None:
             self.refresh()
@@ -454,6 +438,25 @@ class ReshardExecutor:
                 raise RefitRejected(f"rank {self.rank}: version {version} failed the refit gate (KL {result.kl:.3g},"
                                     f" max logit diff {result.max_abs_diff:.3g})", reason="gate", stats=stats)
         return stats
+
+    def _prepare(self) -> None:
+        """First refit: staging buffers and copies, then one collective over the group that compares
+        every rank's plan and bucket size (buckets cut another way would not match on the wire) and
+        reports a rank out of memory to all, so that nobody waits on a peer that will not send. It
+        also creates the NCCL communicator, which PyTorch wants before the first batch of P2P ops."""
+        try:
+            self._allocate()
+            failed = None
+        except torch.OutOfMemoryError as exc:
+            self._send_buf = self._recv_buf = None
+            failed = exc
+        ids = gather_wire_ids(self.group, _NO_STAGING if failed else self.wire_id, self.device)
+        try:
+            self._check_staging(ids, failed)
+            self._check_same_plan(ids)
+        except RefitRejected:
+            self._send_buf = self._recv_buf = None  # the next refit allocates and checks again
+            raise
 
     def _group_ranks(self, n: int) -> list[int]:
         if self.group is None or isinstance(self.group, RefitGroup) or not torch.distributed.is_initialized():
