@@ -10,7 +10,7 @@ consumer exposing ``load_weights(iterable of (hf_name, tensor))``; see
 docs/weight_export.md.
 """
 
-from .config import TRANSPORTS, WeightExportConfig, add_weight_export_args
+from .config import TRANSPORTS, ReshardRefitConfig, WeightExportConfig, add_reshard_refit_args, add_weight_export_args
 from .exporter import ExportResult, WeightExporter
 from .layout import (Box, Layout, TensorSpec, gpt_specs, inference_layout, megatron_layout, ntp_megatron_layout,
                      specs_from_config, specs_from_model)
@@ -38,5 +38,5 @@ __all__ = [
     "TensorMeta", "UnsupportedParameter", "VerifyResult", "WeightExportConfig", "WeightExporter",
     "WeightReceiver", "add_weight_export_args", "build_plan", "check_plan", "hf_config_from_megatron",
     "local_sources", "megatron_logits", "serve", "unpack", "verify_export",
-    "EngineRefit", "RefitGroup", "RefitGroupError", "TrainerRefit",
+    "EngineRefit", "RefitGroup", "RefitGroupError", "TrainerRefit", "ReshardRefitConfig", "add_reshard_refit_args",
 ]

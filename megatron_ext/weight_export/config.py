@@ -1,11 +1,12 @@
-"""Configuration of the weight export hook, with its argparse flags."""
+"""Configuration of the weight export hook and of the reshard refit, with their argparse flags."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 
-__all__ = ["TRANSPORTS", "WeightExportConfig", "add_weight_export_args"]
+__all__ = ["TRANSPORTS", "ReshardRefitConfig", "WeightExportConfig", "add_reshard_refit_args",
+           "add_weight_export_args"]
 
 TRANSPORTS = ("inprocess", "broadcast", "ipc", "ipc-push", "ipc-direct")
 BACKENDS = ("auto", "gloo", "nccl")
@@ -91,4 +92,125 @@ def add_weight_export_args(parser: argparse.ArgumentParser) -> argparse.Argument
                    help="fail an export when a receiver does not answer within this many seconds")
     g.add_argument("--weight-export-vocab-size", type=int, default=d.vocab_size,
                    help="HF vocabulary size (trims Megatron's padded embedding rows)")
+    return parser
+
+
+@dataclasses.dataclass
+class ReshardRefitConfig:
+    """The reshard refit (docs/weight_export_reshard.md) as a training script sets it.
+
+    The engine's layout: ``engine_tp`` x ``engine_dp`` ranks, experts split over
+    ``engine_ep`` of them (1: TP-sharded), vocabulary padded to ``vocab_padding``
+    rows. The executor: buckets of ``bucket_size_mb`` per peer, ``max_inflight``
+    rounds in flight, ``atomic`` (stage the whole version, apply it at the end)
+    or streaming. ``store``: ``"host:port"`` of the :class:`~.refit_group.RefitGroup`
+    when the engine is a separate job (None: its ranks are in this job).
+    ``every_n_steps``: refit after every N optimizer steps (0: only when called).
+    """
+
+    engine_tp: int = 1
+    engine_dp: int = 1
+    engine_ep: int = 1
+    vocab_padding: int = 64
+    bucket_size_mb: float = 64.0
+    max_inflight: int = 2
+    atomic: bool = True
+    every_n_steps: int = 0
+    store: str | None = None
+    backend: str = "auto"
+    timeout_s: float = 120.0
+
+    def __post_init__(self):
+        for name in ("engine_tp", "engine_dp", "engine_ep", "vocab_padding", "max_inflight"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if (self.engine_tp * self.engine_dp) % self.engine_ep:
+            raise ValueError(f"engine_ep must divide engine_tp * engine_dp = {self.engine_tp * self.engine_dp}, "
+                             f"got {self.engine_ep}")
+        if not self.bucket_size_mb * (1 << 20) > 32:
+            raise ValueError(f"bucket_size_mb must hold more than the 32-byte bucket header, got {self.bucket_size_mb}")
+        if self.every_n_steps < 0:
+            raise ValueError(f"every_n_steps must be >= 0 (0: refit only when called), got {self.every_n_steps}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.store is not None:
+            host, _, port = self.store.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"store must be 'host:port' (the refit group's TCP store), got {self.store!r}")
+
+    @property
+    def bucket_bytes(self) -> int:
+        return int(self.bucket_size_mb * (1 << 20))
+
+    @property
+    def executor_kwargs(self) -> dict:
+        """Keyword arguments of ``ReshardExecutor`` / ``FanoutRefit`` / ``TrainerRefit`` / ``EngineRefit``."""
+        return dict(bucket_bytes=self.bucket_bytes, max_inflight=self.max_inflight, atomic=self.atomic)
+
+    @property
+    def store_address(self) -> tuple[str, int] | None:
+        if self.store is None:
+            return None
+        host, _, port = self.store.rpartition(":")
+        return host, int(port)
+
+    def engine_layout(self, specs, ranks=None):
+        """The engine's :func:`~.layout.inference_layout` on ``ranks`` (default ``0..tp*dp-1``)."""
+        from .layout import inference_layout
+
+        return inference_layout(specs, tp=self.engine_tp, dp=self.engine_dp, ep=self.engine_ep, ranks=ranks,
+                                vocab_padding=self.vocab_padding)
+
+    def join(self, rank: int, world_size: int, *, device=None):
+        """Join the :class:`~.refit_group.RefitGroup` at ``store`` as refit rank ``rank`` of
+        ``world_size`` (trainer ranks first, then the engine's), with this config's backend and timeout."""
+        import torch
+
+        from .refit_group import RefitGroup
+
+        if self.store_address is None:
+            raise ValueError("store is not set: pass --reshard-refit-store host:port (refit rank 0's address) "
+                             "when the engine runs as a separate job")
+        backend = self.backend if self.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
+        host, port = self.store_address
+        return RefitGroup.join(host, port, rank, world_size, backend=backend, device=device, timeout_s=self.timeout_s)
+
+    def due(self, step: int) -> bool:
+        """Whether optimizer step ``step`` (1-based) ends with a refit."""
+        return self.every_n_steps > 0 and step % self.every_n_steps == 0
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "ReshardRefitConfig":
+        return cls(**{f.name: getattr(args, "reshard_refit_" + f.name) for f in dataclasses.fields(cls)})
+
+
+def add_reshard_refit_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``--reshard-refit-*`` flags (a Megatron ``extra_args_provider`` works too)."""
+    d = ReshardRefitConfig
+    g = parser.add_argument_group("reshard refit", "move weights from the trainer's layout straight to the "
+                                  "engine's (megatron_ext)")
+    g.add_argument("--reshard-refit-engine-tp", type=int, default=d.engine_tp, help="engine tensor parallel size")
+    g.add_argument("--reshard-refit-engine-dp", type=int, default=d.engine_dp, help="engine replicas")
+    g.add_argument("--reshard-refit-engine-ep", type=int, default=d.engine_ep,
+                   help="engine expert parallel size (whole experts per rank; 1: experts TP-sharded)")
+    g.add_argument("--reshard-refit-vocab-padding", type=int, default=d.vocab_padding,
+                   help="the engine pads its vocabulary to a multiple of this many rows (vLLM: 64)")
+    g.add_argument("--reshard-refit-bucket-size-mb", type=float, default=d.bucket_size_mb,
+                   help="staging bucket per peer, MiB (larger: fewer rounds, more staging memory)")
+    g.add_argument("--reshard-refit-max-inflight", type=int, default=d.max_inflight,
+                   help="rounds in flight before the oldest is waited on")
+    g.add_argument("--reshard-refit-atomic", action=argparse.BooleanOptionalAction, default=d.atomic,
+                   help="stage the whole version and apply it only when all of it arrived (default); "
+                        "--no-reshard-refit-atomic streams (max_inflight buckets per peer of staging)")
+    g.add_argument("--reshard-refit-every-n-steps", type=int, default=d.every_n_steps,
+                   help="refit after every N optimizer steps (0: off)")
+    g.add_argument("--reshard-refit-store", default=d.store,
+                   help="'host:port' of the refit group's TCP store when the engine runs as a separate job")
+    g.add_argument("--reshard-refit-backend", choices=BACKENDS, default=d.backend,
+                   help="refit group backend (auto: nccl on GPU)")
+    g.add_argument("--reshard-refit-timeout-s", type=float, default=d.timeout_s,
+                   help="fail a refit group wait (join, plan check, announcement) after this many seconds")
     return parser
