@@ -13,6 +13,12 @@ BACKENDS = ("auto", "gloo", "nccl")
 MIN_BUCKET_MB, MAX_BUCKET_MB = 16, 1024
 
 
+def _host_port(addr: str) -> tuple[str, int] | None:
+    """``"host:port"`` as ``(host, port)``; None if it is not of that form."""
+    host, _, port = addr.strip().rpartition(":")
+    return (host, int(port)) if host and port.isdigit() else None
+
+
 @dataclasses.dataclass
 class WeightExportConfig:
     """How and when the trainer streams its weights to inference engines.
@@ -42,10 +48,8 @@ class WeightExportConfig:
             raise ValueError(f"target is required for transport={self.transport!r}: the engines' receiver "
                              "endpoints as 'host:port[,host:port...]'")
         if self.target:
-            for addr in self.targets:
-                host, _, port = addr.rpartition(":")
-                if not host or not port.isdigit():
-                    raise ValueError(f"target must be 'host:port[,host:port...]', got {self.target!r}")
+            if not all(_host_port(a) for a in self.targets):
+                raise ValueError(f"target must be 'host:port[,host:port...]', got {self.target!r}")
         if self.bucket_size_mb is not None and not self.bucket_size_mb > 0:
             raise ValueError(f"bucket_size_mb must be > 0 (or None for automatic), got {self.bucket_size_mb}")
         if self.every_n_steps < 0:
@@ -136,10 +140,8 @@ class ReshardRefitConfig:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
-        if self.store is not None:
-            host, _, port = self.store.rpartition(":")
-            if not host or not port.isdigit():
-                raise ValueError(f"store must be 'host:port' (the refit group's TCP store), got {self.store!r}")
+        if self.store is not None and _host_port(self.store) is None:
+            raise ValueError(f"store must be 'host:port' (the refit group's TCP store), got {self.store!r}")
 
     @property
     def bucket_bytes(self) -> int:
@@ -152,10 +154,7 @@ class ReshardRefitConfig:
 
     @property
     def store_address(self) -> tuple[str, int] | None:
-        if self.store is None:
-            return None
-        host, _, port = self.store.rpartition(":")
-        return host, int(port)
+        return None if self.store is None else _host_port(self.store)
 
     def engine_layout(self, specs, ranks=None):
         """The engine's :func:`~.layout.inference_layout` on ``ranks`` (default ``0..tp*dp-1``)."""
