@@ -153,10 +153,9 @@ class RefitGroup:
         self.wait_keys(keys, range(self.world_size), what=what)
         return [int(v) for v in self.store.multi_get(keys)]
 
-    def barrier(self) -> None:
-        """All ranks reach the first refit (bounded); on NCCL one all-reduce then creates the communicator on
-        every rank, which PyTorch asks for before the first batch of point-to-point ops."""
-        self.arrive("barrier", what="reach the refit")
+    def create_communicator(self) -> None:
+        """On NCCL, one all-reduce creates the communicator on every rank, which PyTorch asks for
+        before the first batch of point-to-point ops (call it after every rank arrived)."""
         if self.backend == "nccl":
             self.pg.allreduce([torch.zeros(1, device=self.device)]).wait()
 
@@ -238,8 +237,8 @@ def gather_wire_ids(group, wire_id: int, device: torch.device) -> list[int]:
     :class:`RefitGroup`, through its store), so that a rank running another plan or
     bucket size, or one that could not allocate its buffers, is refused before a byte moves."""
     if isinstance(group, RefitGroup):
-        ids = group.gather_ints(wire_id, what="reach the refit")
-        group.barrier()  # on NCCL: creates the communicator
+        ids = group.gather_ints(wire_id, what="reach the refit")  # every rank arrived: no barrier needed
+        group.create_communicator()
         return ids
     if not dist.is_initialized():
         return [wire_id]
