@@ -26,6 +26,7 @@ from typing import Iterator, Sequence
 import torch
 
 from .hf_mapping import _global_layer_names, unwrap
+from .hf_moe import UNSUPPORTED_HINTS, grouped_expert_issue
 
 __all__ = ["Box", "Layout", "LocalTensor", "Segment", "TensorSpec", "gpt_specs", "inference_layout",
            "megatron_expert_coords", "megatron_layout", "ntp_megatron_layout", "specs_from_config", "specs_from_model"]
@@ -446,8 +447,6 @@ def specs_from_config(config, *, vocab_size: int, padded_vocab_size: int | None 
     ``grouped_gemm=True`` for TEGroupedMLP experts (TE specs with
     ``moe_grouped_gemm=True``; the local spec builds SequentialMLP either way)."""
     if grouped_gemm and config.num_moe_experts:
-        from .hf_moe import grouped_expert_issue
-
         issue = grouped_expert_issue(config)
         if issue is not None:  # the per-expert [gate; up] row ranges would be wrong
             raise ValueError(f"grouped-GEMM experts cannot be described: {issue}")
@@ -463,15 +462,6 @@ def specs_from_config(config, *, vocab_size: int, padded_vocab_size: int | None 
 
 _LOCAL_EXPERT = re.compile(r"local_experts\.\d+\.")          # SequentialMLP: local_experts.{j}.linear_fc1.weight
 _GROUPED_EXPERT = re.compile(r"(\.experts\.linear_fc[12]\.weight)\d+$")  # TEGroupedMLP: linear_fc1.weight{j}
-_UNSUPPORTED_EXPERTS = (
-    (re.compile(r"\.experts\.weight[12]$"),
-     "legacy GroupedMLP (one (hidden, experts * ffn) tensor per layer, transposed; not in megatron-core 0.19): "
-     "per-expert HF tensors are not row ranges of it; train with TEGroupedMLP or SequentialMLP"),
-    (re.compile(r"\.experts\.linear_fc[12]\.(weight|bias)$"),
-     "TEGroupedMLP with moe_single_grouped_weight / moe_single_grouped_bias (all local experts in one "
-     "GroupedTensor) is not described; turn them off"),
-)
-
 
 def _expert_pattern(name: str) -> str:
     """``name`` with the expert index within the EP rank replaced by ``*``."""
@@ -496,10 +486,6 @@ def specs_from_model(model, *, vocab_size: int, dtype: torch.dtype | None = None
     def global_name(name):
         return next((gp + name[len(lp):] for lp, gp in prefixes.items() if name.startswith(lp)), name)
 
-    for name in params:
-        for pattern, why in _UNSUPPORTED_EXPERTS:
-            if pattern.search(name):
-                raise ValueError(f"parameter {global_name(name)!r}: {why}")
     te = any(n.endswith("linear_qkv.layer_norm_weight") for n in params)
     grouped = any(_GROUPED_EXPERT.search(n) for n in params)
     specs = specs_from_config(
@@ -512,7 +498,11 @@ def specs_from_model(model, *, vocab_size: int, dtype: torch.dtype | None = None
     for name in params:
         glob = global_name(name)
         if _expert_pattern(glob) not in known:
-            raise ValueError(f"parameter {glob!r} is not in the layout specs (supported: Llama / Qwen2 / Qwen3 "
+            # the export hook's hints for parameters it recognises but cannot map (legacy GroupedMLP, TE's
+            # single grouped weight, shared experts, expert biases, ...)
+            why = next((why for pattern, why in UNSUPPORTED_HINTS if pattern.search(glob)), None)
+            raise ValueError(f"parameter {glob!r}: {why}" if why else
+                             f"parameter {glob!r} is not in the layout specs (supported: Llama / Qwen2 / Qwen3 "
                              "dense and MoE with local, sequential or TE grouped-GEMM experts, local or TE "
                              "layer specs)")
     return specs
