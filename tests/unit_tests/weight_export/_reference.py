@@ -106,3 +106,17 @@ def hook_reference(model, vocab_size: int):
     exporter = wx.WeightExporter(model, wx.WeightExportConfig(vocab_size=vocab_size),
                                  receiver=wx.WeightReceiver(consumer))
     return exporter, got
+
+
+def tp_job(spec, backend: str, tp: int):
+    """One rank of a Megatron TP ``tp`` job (parallel state initialised): ``(rank, device,
+    config, model)``, the tiny Llama ``spec`` on this rank's GPU (NCCL) or the CPU."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_ext.testing import tiny_llama
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    cfg = tiny_llama.transformer_config(spec, tp=tp)
+    return dist.get_rank(), device, cfg, tiny_llama.build_model(spec, cfg, device=device)

@@ -9,7 +9,7 @@ import torch
 from megatron_ext.testing import tiny_llama
 from megatron_ext.testing.multirank import run_on_ranks
 
-from ._reference import hook_reference
+from ._reference import hook_reference, tp_job
 
 SPEC = tiny_llama.TinyLlamaSpec(arch="qwen2")  # QKV bias: a fused 1-D tensor too
 # name: (trainer ranks, engine layout kwargs)
@@ -36,7 +36,6 @@ def _layouts(cfg, case):
 
 
 def _body(backend):
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from megatron_ext import weight_export as wx
@@ -44,11 +43,7 @@ def _body(backend):
     from megatron_ext.weight_export.reshard import FanoutRefit, ReshardExecutor, megatron_tensors
     from megatron_ext.weight_export.reshard_plan import build_reshard_plan
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=2)
-    rank = dist.get_rank()
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    cfg = tiny_llama.transformer_config(SPEC, tp=2)
-    model = tiny_llama.build_model(SPEC, cfg, device=device)
+    rank, device, cfg, model = tp_job(SPEC, backend, tp=2)
     # the reference: the export hook's full HF tensors (gathered to rank 0)
     exporter, got = hook_reference(model, SPEC.hf_vocab_size)
     exporter.export()

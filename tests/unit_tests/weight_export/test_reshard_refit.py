@@ -11,7 +11,7 @@ import torch
 from megatron_ext.testing import tiny_llama
 from megatron_ext.testing.multirank import run_on_ranks
 
-from ._reference import hook_reference
+from ._reference import hook_reference, tp_job
 
 SPEC = tiny_llama.TinyLlamaSpec(arch="qwen2")
 BUCKET = 2048  # small buckets: many rounds, transfers cut into rows
@@ -26,17 +26,10 @@ def _layouts(cfg):
 
 
 def _body(backend):
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
     from megatron_ext import weight_export as wx
     from megatron_ext.weight_export.reshard_plan import ReshardPlan, build_reshard_plan
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=2)
-    rank = dist.get_rank()
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    cfg = tiny_llama.transformer_config(SPEC, tp=2)
-    model = tiny_llama.build_model(SPEC, cfg, device=device)
+    rank, device, cfg, model = tp_job(SPEC, backend, tp=2)
     exporter, got = hook_reference(model, SPEC.hf_vocab_size)
     exporter.export()
     src, dst = _layouts(cfg)
