@@ -280,6 +280,7 @@ class ReshardExecutor:
                 out[t.dst].append(t)
             elif t.dst == rank:
                 inc[t.src].append(t)
+        self.local_bytes = sum(t.nbytes for t in self.local)
         self.send = {p: _buckets(ts, bucket_bytes) for p, ts in sorted(out.items())}
         self.recv = {p: _buckets(ts, bucket_bytes) for p, ts in sorted(inc.items())}
         self.rounds = max([len(b) for b in (*self.send.values(), *self.recv.values())], default=0)
@@ -415,8 +416,8 @@ class ReshardExecutor:
                     except Exception:  # noqa: BLE001 - the first error is the one raised
                         pass
             raise
-        stats = RefitStats(version, 0.0, sent, received, 0, self.rounds, self.max_inflight, self.staging_bytes)
-        stats.local_bytes = sum(t.nbytes for t in self.local)
+        stats = RefitStats(version, 0.0, sent, received, self.local_bytes, self.rounds, self.max_inflight,
+                           self.staging_bytes)
         if refused:
             stats.seconds = time.perf_counter() - start
             reason = "version" if any(m.startswith("version") for m in refused) else "plan"
