@@ -1,12 +1,13 @@
 # The two commands in the README: `make demo` and `make test`.
 # Both create .venv (Python 3.12) when it is missing; PYTHON=... overrides the interpreter.
+# The demo streams weights to a Hugging Face model: its venv needs the `hf` extra.
 VENV_PY := .venv/bin/python
 PYTEST_ARGS ?=
 
 .PHONY: demo test test-gpu clean-venv
 
 demo:
-	@tools/venv.sh
+	@tools/venv.sh hf
 	OMP_NUM_THREADS=1 $(VENV_PY) examples/demo.py
 
 test:

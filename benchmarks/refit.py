@@ -336,7 +336,8 @@ def main(argv=None) -> int:
                                   transport=transport, address=address, where=where))
     try:
         rows = run_on_ranks(_trainer, 1, args=(spec, scenarios, args.bucket_size_mb, args.iters, args.timeout_s),
-                            backend=backend, timeout=max(600, args.timeout_s * 2))[0]
+                            backend=backend, timeout=max(600, args.timeout_s * 2),
+                            watch=lambda: next(filter(None, (r.failure() for r in receivers)), None))[0]
         for rec in receivers:
             res = rec.result(timeout=args.timeout_s)
             if not res["ok"]:

@@ -74,7 +74,7 @@ def run_weight_export_demo(world_size: int = 4, tp: int = 2, steps: int = 10, gl
     start = time.perf_counter()
     with start_hf_receiver(tiny_llama.build_hf, (SPEC,), device=receiver_device, keep_state=False) as receiver:
         out = run_on_ranks(_train_and_export, world_size, args=(receiver.address, transport, tp, steps, global_batch, lr),
-                           backend=backend, timeout=timeout)[0]
+                           backend=backend, timeout=timeout, watch=receiver.failure)[0]
         got = receiver.result()
     if not got["ok"]:
         raise RuntimeError(f"the HF receiver failed:\n{got['error']}")

@@ -12,7 +12,8 @@ runs on every rank; its return value comes back in rank order.
 
 Failures never hang the caller: an exception on any rank, a rank that dies, or a
 job that outlives ``timeout`` seconds raises :class:`RankFailure` with every
-rank's status and traceback; the remaining ranks are killed.
+rank's status and traceback; the remaining ranks are killed. So does a process
+the job depends on that dies (``watch``, e.g. a receiver the ranks send to).
 """
 
 from __future__ import annotations
@@ -121,6 +122,7 @@ def run_on_ranks(
     backend: str | None = None,
     timeout: float = 180.0,
     env: dict[str, str] | None = None,
+    watch: Callable[[], str | None] | None = None,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh ranks; return each
     rank's return value in rank order.
@@ -129,6 +131,9 @@ def run_on_ranks(
     ``backend`` defaults to NCCL when there are at least ``world_size`` GPUs,
     else gloo. Collectives time out after 75% of ``timeout`` so a hung one
     surfaces as an error on its rank; the whole job is killed at ``timeout``.
+    ``watch()`` is polled while the ranks run: a message (e.g. "the receiver
+    process exited with code 1: ...") kills the ranks and heads the
+    :class:`RankFailure`.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -161,8 +166,11 @@ def run_on_ranks(
         deadline = time.monotonic() + timeout
         failed_at = None
         timed_out = False
+        watched = None
         while any(p.is_alive() for p in procs):
             now = time.monotonic()
+            if watch is not None and (watched := watch()) is not None:
+                break
             if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
                 failed_at = now
             if failed_at is not None and now - failed_at > _GRACE_AFTER_FAILURE_S:
@@ -179,19 +187,21 @@ def run_on_ranks(
             p.join()
         results = [_read_result(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world_size)]
 
-    if not timed_out and all(res is not None and res["ok"] for res in results):
+    if not timed_out and watched is None and all(res is not None and res["ok"] for res in results):
         return [res["value"] for res in results]
 
     lines = [f"{world_size}-rank job ({backend}) of {getattr(fn, '__qualname__', fn)} failed"]
     if timed_out:
         lines[0] += f": timed out after {timeout:.0f}s"
+    if watched is not None:
+        lines[0] += f", stopped because {watched}"
     for r, (p, res) in enumerate(zip(procs, results)):
         if res is not None and res["ok"]:
             status = "ok"
         elif res is not None:
             status = "raised"
         elif r in still_running:
-            status = "killed (still running: hung?)"
+            status = "killed (still running)" if watched is not None else "killed (still running: hung?)"
         else:
             status = f"died with exit code {p.exitcode} before reporting"
         lines.append(f"--- rank {r}: {status}")

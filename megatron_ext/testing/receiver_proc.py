@@ -4,12 +4,18 @@
 from a :class:`~megatron_ext.testing.tiny_llama.TinyLlamaSpec`-like config and
 serves weight exports at ``address`` (``megatron_ext.weight_export.serve``) until
 the trainer closes; :meth:`ReceiverProcess.result` returns what it saw.
+
+A receiver that dies is reported with its own error within seconds, not after
+the trainer's connect timeout: ``run_on_ranks(..., watch=receiver.failure)``
+ends the trainer job as soon as the receiver is gone, with the receiver's exit
+code and the end of its traceback (:meth:`ReceiverProcess.failure`).
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
 import tempfile
 import traceback
 
@@ -37,6 +43,10 @@ class _DieAfter:
         return self.consumer.logits(tokens)
 
 
+# How much of a dead receiver's traceback its error message quotes.
+_TRACEBACK_LINES = 12
+
+
 def _main(build, build_args, address, device, out_path, die_after, timeout_s, keep_state):
     try:
         from megatron_ext import weight_export as wx
@@ -57,6 +67,8 @@ def _main(build, build_args, address, device, out_path, die_after, timeout_s, ke
     except BaseException:  # noqa: BLE001
         result = {"ok": False, "error": traceback.format_exc()}
     torch.save(result, out_path)
+    if not result["ok"]:
+        sys.exit(1)
 
 
 class ReceiverProcess:
@@ -71,15 +83,30 @@ class ReceiverProcess:
             self.proc.kill()
             self.proc.join()
 
+    def _saved(self) -> dict | None:
+        path = os.path.join(self._dir.name, "result.pt")
+        return torch.load(path, weights_only=False) if os.path.exists(path) else None
+
+    def failure(self) -> str | None:
+        """``None`` while the process runs or after it exited cleanly; else what
+        killed it: exit code and the last lines of its traceback."""
+        code = self.proc.exitcode
+        if code is None or code == 0:
+            return None
+        saved = self._saved()
+        head = f"the HF receiver process for {self.address} exited with code {code}"
+        if saved is None or "error" not in saved:
+            return head + " without writing an error (killed or crashed; its stderr, above, may say more)"
+        tail = saved["error"].rstrip().splitlines()[-_TRACEBACK_LINES:]
+        return head + "; the end of its traceback:\n" + "\n".join(tail)
+
     def result(self, timeout: float = 120.0) -> dict:
         self.proc.join(timeout)
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join()
             raise RuntimeError(f"receiver at {self.address} did not exit within {timeout:.0f}s")
-        path = os.path.join(self._dir.name, "result.pt")
-        res = torch.load(path, weights_only=False) if os.path.exists(path) else {
-            "ok": False, "error": f"exited with code {self.proc.exitcode} before reporting"}
+        res = self._saved() or {"ok": False, "error": f"exited with code {self.proc.exitcode} before reporting"}
         res["exitcode"] = self.proc.exitcode
         self._dir.cleanup()
         return res

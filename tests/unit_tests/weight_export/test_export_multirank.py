@@ -87,7 +87,7 @@ def tiny_llama_device():
 def test_trainer_streams_to_hf_receiver_process(tp, pp, dp, backend, transport, receiver_device):
     with start_hf_receiver(tiny_llama.build_hf, (SPEC,), device=receiver_device) as receiver:
         out = run_on_ranks(_trainer, tp * pp * dp, args=(tp, pp, receiver.address, backend, transport),
-                           backend=backend, timeout=TIMEOUT)
+                           backend=backend, timeout=TIMEOUT, watch=receiver.failure)
         got = receiver.result()
     assert got["ok"], got.get("error")
     assert got["applied"] == [7, 8]

@@ -415,7 +415,7 @@ def test_ep2_trainer_streams_experts_to_hf_receiver_process(backend, transport, 
     """TP1 x DP2 x EP2: rank 1 (DP rank 1) holds experts 2, 3 and joins only the expert gathers."""
     with start_hf_receiver(tiny_llama.build_hf, (SPEC,), device=receiver_device) as receiver:
         out = run_on_ranks(_trainer, 2, args=({"ep2": (1, 1, 2, receiver.address, transport)},),
-                           backend=backend, timeout=TIMEOUT)
+                           backend=backend, timeout=TIMEOUT, watch=receiver.failure)
         got = receiver.result()
     assert got["ok"], got.get("error")
     assert got["applied"] == [7, 8] and got["plans"] == 1

@@ -51,7 +51,7 @@ def _trainer(target, transport, backend):
 def test_single_trainer_streams_over_transport(transport, backend, receiver_device):
     with start_hf_receiver(tiny_llama.build_hf, (SPEC,), device=receiver_device) as receiver:
         (out,) = run_on_ranks(_trainer, 1, args=(receiver.address, transport, backend),
-                              backend=backend, timeout=240)
+                              backend=backend, timeout=240, watch=receiver.failure)
         got = receiver.result()
     assert got["ok"], got.get("error")
     assert got["applied"] == [1, 2] and got["plans"] == 1
