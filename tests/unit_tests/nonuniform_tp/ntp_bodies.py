@@ -10,10 +10,12 @@ import torch.distributed as dist
 from megatron_ext.testing import tiny_gpt
 
 GLOBAL_BATCH = 4
+LR = 1e-3
+WEIGHT_DECAY = 0.01
 
 
 def train(ntp_kwargs, steps, *, spec=tiny_gpt.TinyGPTSpec(), tp=1, distributed_optimizer=False,
-          overlap=False, grad_reduce_in_fp32=True, global_batch=GLOBAL_BATCH, lr=1e-3, microbatches=1, bf16=False,
+          overlap=False, grad_reduce_in_fp32=True, global_batch=GLOBAL_BATCH, lr=LR, microbatches=1, bf16=False,
           symm_mem=None):
     """Train the tiny GPT for ``steps`` Megatron-optimizer steps.
 
@@ -66,7 +68,7 @@ def train(ntp_kwargs, steps, *, spec=tiny_gpt.TinyGPTSpec(), tp=1, distributed_o
         ddp = NonuniformTPDistributedDataParallel(cfg, ddp_config, model, ntp_config=ntp_cfg,
                                                   symm_mem_config=symm_cfg)
     opt = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.01, clip_grad=1.0, bf16=bf16,
+        OptimizerConfig(optimizer="adam", lr=lr, weight_decay=WEIGHT_DECAY, clip_grad=1.0, bf16=bf16,
                         use_distributed_optimizer=distributed_optimizer), [ddp])
     n_local = global_batch // replicas
     losses, times = [], []
