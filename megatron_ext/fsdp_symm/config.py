@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 
 __all__ = ["COLLECTIVES", "DEFAULT_BANDS", "DEFAULT_BANDS_FP32", "MODES", "SymmMemConfig", "add_fsdp_symm_args"]
 
@@ -136,9 +137,10 @@ class SymmMemConfig:
                 for bound in ("min", "max"):
                     mib = getattr(args, f"symm_mem_{prefix}{name}_{bound}_mib")
                     if mib is not None:
-                        if mib < 0:
+                        # nan and inf would fail below in int(round(...)) without naming the flag.
+                        if not (math.isfinite(mib) and mib >= 0):
                             raise ValueError(
-                                f"--symm-mem-{flag}-{bound}-mib must be >= 0; got {mib}"
+                                f"--symm-mem-{flag}-{bound}-mib must be >= 0 and finite (MiB); got {mib}"
                             )
                         kwargs[f"{name}_{prefix}{bound}_bytes"] = int(round(mib * _MIB))
         return cls(**kwargs)

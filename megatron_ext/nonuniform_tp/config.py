@@ -151,20 +151,41 @@ class NonuniformTPConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "NonuniformTPConfig | None":
-        """Build from :func:`add_nonuniform_tp_args` flags; ``None`` when NTP is off."""
+        """Build from :func:`add_nonuniform_tp_args` flags; ``None`` when NTP is off.
+
+        The other ``--ntp-*`` flags without ``--ntp-tp-base`` are refused (they would
+        otherwise be ignored, leaving NTP off)."""
         tp_base = getattr(args, "ntp_tp_base", None)
+        failed_text = getattr(args, "ntp_failed_slots", None) or ""
+        spares = getattr(args, "ntp_spares", None)
+        data_parallel_size = getattr(args, "ntp_data_parallel_size", None)
+        launch_mode = getattr(args, "ntp_launch_mode", "packed")
         if tp_base is None:
+            given = [f"{flag} {value!r}" for flag, value, unset in (
+                ("--ntp-failed-slots", failed_text, ""), ("--ntp-spares", spares, None),
+                ("--ntp-data-parallel-size", data_parallel_size, None), ("--ntp-launch-mode", launch_mode, "packed"),
+            ) if value != unset]
+            if given:
+                raise ValueError(
+                    f"{', '.join(given)} given without --ntp-tp-base, which turns NTP on: "
+                    "--ntp-failed-slots, --ntp-spares and the other --ntp-* flags need --ntp-tp-base N "
+                    "(an int >= 1, the TP degree of a healthy replica); pass --ntp-tp-base or drop them"
+                )
             return None
-        failed = parse_failed_slots(args.ntp_failed_slots or "")
-        spares = args.ntp_spares
+        failed = parse_failed_slots(
+            failed_text,
+            tp_base=tp_base if isinstance(tp_base, int) and tp_base >= 1 else None,
+            data_parallel_size=(data_parallel_size if isinstance(data_parallel_size, int)
+                                and data_parallel_size >= 1 else None),
+        )
         if spares is None:
             spares, failed = compute_uniform_tp_spares_with_parity(failed, tp_base)
         return cls(
             tp_base=tp_base,
             tp_spares=spares,
             non_active_ranks_per_dp=failed,
-            data_parallel_size=getattr(args, "ntp_data_parallel_size", None),
-            launch_mode=getattr(args, "ntp_launch_mode", "packed"),
+            data_parallel_size=data_parallel_size,
+            launch_mode=launch_mode,
         )
 
 
@@ -205,8 +226,23 @@ def compute_uniform_tp_spares_with_parity(
     return spares, out
 
 
-def parse_failed_slots(text: str) -> dict[int, tuple[int, ...]]:
-    """``"0:3;2:1,5"`` -> ``{0: (3,), 2: (1, 5)}``."""
+FAILED_SLOTS_FORM = (
+    "'REPLICA:SLOT[,SLOT...]' entries separated by ';' (REPLICA >= 0, SLOT in 0..tp_base-1, each listed "
+    "once), e.g. '0:3;2:1,5'"
+)
+
+
+def parse_failed_slots(
+    text: str, tp_base: int | None = None, data_parallel_size: int | None = None
+) -> dict[int, tuple[int, ...]]:
+    """``"0:3;2:1,5"`` -> ``{0: (3,), 2: (1, 5)}``.
+
+    Refused, with a ValueError naming ``--ntp-failed-slots``: an entry not of the
+    form ``REPLICA:SLOT[,SLOT...]``, a negative replica index or slot, a replica
+    listed twice or with no slot, a slot listed twice for one replica; with
+    ``tp_base`` also a slot ``>= tp_base``, with ``data_parallel_size`` also a
+    replica index ``>= data_parallel_size``.
+    """
     out: dict[int, tuple[int, ...]] = {}
     for part in filter(None, (p.strip() for p in text.split(";"))):
         replica, sep, slots = part.partition(":")
@@ -217,18 +253,65 @@ def parse_failed_slots(text: str) -> dict[int, tuple[int, ...]]:
             vals = tuple(int(s) for s in slots.split(",") if s.strip())
         except ValueError:
             raise ValueError(
-                f"--ntp-failed-slots: cannot parse {part!r}; expected 'REPLICA:SLOT[,SLOT...]' entries "
-                "separated by ';', e.g. '0:3;2:1,5'"
+                f"--ntp-failed-slots: cannot parse {part!r}; expected {FAILED_SLOTS_FORM}"
             ) from None
+        if key < 0 or (data_parallel_size is not None and key >= data_parallel_size):
+            allowed = ("REPLICA >= 0" if data_parallel_size is None else
+                       f"0..{data_parallel_size - 1} (--ntp-data-parallel-size {data_parallel_size})")
+            raise ValueError(
+                f"--ntp-failed-slots: replica index {key} in {part!r} is out of range; allowed: {allowed}"
+            )
         if key in out:
             raise ValueError(f"--ntp-failed-slots: replica {key} listed twice in {text!r}")
+        if not vals:
+            raise ValueError(
+                f"--ntp-failed-slots: replica {key} lists no slot in {part!r}; expected {FAILED_SLOTS_FORM} "
+                "(leave healthy replicas out)"
+            )
+        for s in vals:
+            if s < 0 or (tp_base is not None and s >= tp_base):
+                allowed = "SLOT >= 0" if tp_base is None else f"0..{tp_base - 1} (--ntp-tp-base {tp_base})"
+                raise ValueError(
+                    f"--ntp-failed-slots: slot {s} of replica {key} is out of range; allowed: {allowed}"
+                )
+        dup = sorted({s for s in vals if vals.count(s) > 1})
+        if dup:
+            raise ValueError(
+                f"--ntp-failed-slots: slot {dup[0]} listed twice for replica {key} in {part!r}; "
+                "list each failed TP slot once"
+            )
         out[key] = vals
     return out
 
 
 def format_failed_slots(slots: Mapping[int, tuple[int, ...]]) -> str:
-    """Inverse of :func:`parse_failed_slots`."""
-    return ";".join(f"{r}:{','.join(map(str, s))}" for r, s in sorted(slots.items()))
+    """Inverse of :func:`parse_failed_slots` (replicas with no slot, i.e. healthy ones, are left out)."""
+    return ";".join(f"{r}:{','.join(map(str, s))}" for r, s in sorted(slots.items()) if s)
+
+
+def _failed_slots_arg(text: str) -> str:
+    """argparse ``type`` of ``--ntp-failed-slots``: the text, checked by :func:`parse_failed_slots`
+    (argparse prefixes the message with the flag)."""
+    try:
+        parse_failed_slots(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--ntp-failed-slots: ")) from None
+    return text
+
+
+class _FailedSlotsAction(argparse.Action):
+    """``--ntp-failed-slots`` takes ``nargs="?"`` so that a value argparse reads as
+    an option (``-1:1`` starts with ``-``) arrives here as a missing value and is
+    refused with the allowed form, not argparse's bare "expected one argument"."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if values is None:
+            raise argparse.ArgumentError(
+                self,
+                f"expected a value {FAILED_SLOTS_FORM}; got none (a value that starts with '-', like "
+                "'-1:1', is read as another option; replica indices and slots are >= 0)",
+            )
+        setattr(namespace, self.dest, values)
 
 
 def add_nonuniform_tp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -239,8 +322,11 @@ def add_nonuniform_tp_args(parser: argparse.ArgumentParser) -> argparse.Argument
     group.add_argument("--ntp-spares", type=int, default=None,
                        help="TP slots each degraded replica gives up; default: derived from "
                             "--ntp-failed-slots with spare parity.")
-    group.add_argument("--ntp-failed-slots", type=str, default="",
-                       help="Failed TP slots per replica, e.g. '0:3;2:1,5'.")
+    group.add_argument("--ntp-failed-slots", type=_failed_slots_arg, default="", nargs="?",
+                       action=_FailedSlotsAction, metavar="REPLICA:SLOTS",
+                       help="Failed TP slots per replica: 'REPLICA:SLOT[,SLOT...]' entries separated "
+                            "by ';' (REPLICA >= 0, SLOT in 0..tp_base-1, each listed once), e.g. "
+                            "'0:3;2:1,5'. Needs --ntp-tp-base.")
     group.add_argument("--ntp-data-parallel-size", type=int, default=None,
                        help="Number of replicas; default: derived from the world size.")
     group.add_argument("--ntp-launch-mode", choices=LAUNCH_MODES, default="packed",

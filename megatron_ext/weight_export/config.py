@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 
 __all__ = ["TRANSPORTS", "ReshardRefitConfig", "WeightExportConfig", "add_reshard_refit_args",
            "add_weight_export_args"]
@@ -11,12 +12,38 @@ __all__ = ["TRANSPORTS", "ReshardRefitConfig", "WeightExportConfig", "add_reshar
 TRANSPORTS = ("inprocess", "broadcast", "ipc", "ipc-push", "ipc-direct")
 BACKENDS = ("auto", "gloo", "nccl")
 MIN_BUCKET_MB, MAX_BUCKET_MB = 16, 1024
+# The smallest bucket_size_mb either config accepts: one 4 KiB page. Below it the
+# size means nothing: an export bucket (plan.build_plan) rounds every tensor up to
+# plan.ALIGNMENT = 256 bytes, so a smaller bucket holds no tensor and each one gets
+# an oversized bucket of its own; a reshard bucket (reshard._buckets) starts with a
+# reshard.HEADER_BYTES = 32-byte header and cuts transfers into rows of at most
+# bucket_bytes - 32 bytes, so a tiny bucket moves a few bytes per message (and at
+# 1e-9 MiB, int(bucket_size_mb * 2**20) is 0). And a bucket under a page saves no
+# memory: the ipc transports share their buffers as /dev/shm files mapped in whole
+# pages, or as CUDA allocations of whole segments.
+MIN_BUCKET_BYTES = 4096
+PORTS = (1, 65535)
 
 
 def _host_port(addr: str) -> tuple[str, int] | None:
-    """``"host:port"`` as ``(host, port)``; None if it is not of that form."""
+    """``"host:port"`` as ``(host, port)``; None if it is not of that form or the port is not in
+    ``PORTS`` (1..65535). The one parser of the export target and the refit store."""
     host, _, port = addr.strip().rpartition(":")
-    return (host, int(port)) if host and port.isdigit() else None
+    if not (host and port.isascii() and port.isdigit() and PORTS[0] <= int(port) <= PORTS[1]):
+        return None
+    return host, int(port)
+
+
+def _finite_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _bucket_size_error(owner: str, value) -> str | None:
+    """Why ``bucket_size_mb`` is refused (see MIN_BUCKET_BYTES), or None."""
+    if _finite_number(value) and value * (1 << 20) >= MIN_BUCKET_BYTES:
+        return None
+    return (f"{owner}.bucket_size_mb must be > 0: a finite number of MiB >= {MIN_BUCKET_BYTES / (1 << 20):g} "
+            f"({MIN_BUCKET_BYTES // 1024} KiB, one page)")
 
 
 @dataclasses.dataclass
@@ -41,23 +68,32 @@ class WeightExportConfig:
 
     def __post_init__(self):
         if self.transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+            raise ValueError(f"WeightExportConfig.transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+            raise ValueError(f"WeightExportConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.transport != "inprocess" and not self.target:
-            raise ValueError(f"target is required for transport={self.transport!r}: the engines' receiver "
-                             "endpoints as 'host:port[,host:port...]'")
+            raise ValueError(f"WeightExportConfig.target is required for transport={self.transport!r}: the "
+                             "engines' receiver endpoints as 'host:port[,host:port...]'")
         if self.target:
-            if not all(_host_port(a) for a in self.targets):
-                raise ValueError(f"target must be 'host:port[,host:port...]', got {self.target!r}")
-        if self.bucket_size_mb is not None and not self.bucket_size_mb > 0:
-            raise ValueError(f"bucket_size_mb must be > 0 (or None for automatic), got {self.bucket_size_mb}")
+            bad = [a for a in self.targets if _host_port(a) is None]
+            if bad or not self.targets:
+                raise ValueError(f"WeightExportConfig.target must be 'host:port[,host:port...]' with every port in "
+                                 f"{PORTS[0]}..{PORTS[1]}, got {self.target!r}"
+                                 + (f" ({bad[0]!r} is not)" if bad else ""))
+        if self.transport == "ipc-push" and len(self.targets) != 1:
+            # The same reason IpcPushSender gives, here before any process group or engine is touched.
+            raise ValueError(f"WeightExportConfig.transport='ipc-push' writes into one engine's weights; got "
+                             f"{len(self.targets)} targets in target={self.target!r} (use transport='ipc' or "
+                             "'broadcast' for several engines)")
+        if self.bucket_size_mb is not None and (why := _bucket_size_error("WeightExportConfig", self.bucket_size_mb)):
+            raise ValueError(f"{why} or None (automatic), got {self.bucket_size_mb}")
         if self.every_n_steps < 0:
-            raise ValueError(f"every_n_steps must be >= 0 (0: export only when called), got {self.every_n_steps}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+            raise ValueError(f"WeightExportConfig.every_n_steps must be >= 0 (0: export only when called), "
+                             f"got {self.every_n_steps}")
+        if not (_finite_number(self.timeout_s) and self.timeout_s > 0):
+            raise ValueError(f"WeightExportConfig.timeout_s must be > 0 and finite (seconds), got {self.timeout_s}")
         if self.vocab_size is not None and self.vocab_size <= 0:
-            raise ValueError(f"vocab_size must be > 0, got {self.vocab_size}")
+            raise ValueError(f"WeightExportConfig.vocab_size must be > 0, got {self.vocab_size}")
 
     @property
     def targets(self) -> list[str]:
@@ -85,9 +121,11 @@ def add_weight_export_args(parser: argparse.ArgumentParser) -> argparse.Argument
                    help="receiver endpoints 'host:port[,host:port...]' (engines run weight_export.serve)")
     g.add_argument("--weight-export-transport", choices=TRANSPORTS, default=d.transport,
                    help="inprocess; broadcast (NCCL/gloo to engines on other GPUs); ipc (engine on the same GPU, "
-                        "two shared buffers); ipc-direct (same GPU, TP=PP=1, engine copies from the weights)")
+                        "two shared buffers); ipc-push (one engine on the same GPU, written in place: one target); "
+                        "ipc-direct (same GPU, TP=PP=1, engine copies from the weights)")
     g.add_argument("--weight-export-bucket-size-mb", type=float, default=d.bucket_size_mb,
-                   help=f"bucket size in MiB (default: from free memory, {MIN_BUCKET_MB}..{MAX_BUCKET_MB})")
+                   help=f"bucket size in MiB, at least {MIN_BUCKET_BYTES / (1 << 20):g} (4 KiB) "
+                        f"(default: from free memory, {MIN_BUCKET_MB}..{MAX_BUCKET_MB})")
     g.add_argument("--weight-export-every-n-steps", type=int, default=d.every_n_steps,
                    help="export after every N optimizer steps (0: off)")
     g.add_argument("--weight-export-backend", choices=BACKENDS, default=d.backend,
@@ -128,20 +166,22 @@ class ReshardRefitConfig:
         for name in ("engine_tp", "engine_dp", "engine_ep", "vocab_padding", "max_inflight"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+                raise ValueError(f"ReshardRefitConfig.{name} must be an integer >= 1, got {value!r}")
         if (self.engine_tp * self.engine_dp) % self.engine_ep:
-            raise ValueError(f"engine_ep must divide engine_tp * engine_dp = {self.engine_tp * self.engine_dp}, "
-                             f"got {self.engine_ep}")
-        if not self.bucket_size_mb * (1 << 20) > 32:
-            raise ValueError(f"bucket_size_mb must hold more than the 32-byte bucket header, got {self.bucket_size_mb}")
+            raise ValueError(f"ReshardRefitConfig.engine_ep must divide engine_tp * engine_dp = "
+                             f"{self.engine_tp * self.engine_dp}, got {self.engine_ep}")
+        if why := _bucket_size_error("ReshardRefitConfig", self.bucket_size_mb):
+            raise ValueError(f"{why}, got {self.bucket_size_mb}")
         if self.every_n_steps < 0:
-            raise ValueError(f"every_n_steps must be >= 0 (0: refit only when called), got {self.every_n_steps}")
+            raise ValueError(f"ReshardRefitConfig.every_n_steps must be >= 0 (0: refit only when called), "
+                             f"got {self.every_n_steps}")
         if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+            raise ValueError(f"ReshardRefitConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
+        if not (_finite_number(self.timeout_s) and self.timeout_s > 0):
+            raise ValueError(f"ReshardRefitConfig.timeout_s must be > 0 and finite (seconds), got {self.timeout_s}")
         if self.store is not None and _host_port(self.store) is None:
-            raise ValueError(f"store must be 'host:port' (the refit group's TCP store), got {self.store!r}")
+            raise ValueError(f"ReshardRefitConfig.store must be 'host:port' with a port in {PORTS[0]}..{PORTS[1]} "
+                             f"(the refit group's TCP store), got {self.store!r}")
 
     @property
     def bucket_bytes(self) -> int:
@@ -198,7 +238,8 @@ def add_reshard_refit_args(parser: argparse.ArgumentParser) -> argparse.Argument
     g.add_argument("--reshard-refit-vocab-padding", type=int, default=d.vocab_padding,
                    help="the engine pads its vocabulary to a multiple of this many rows (vLLM: 64)")
     g.add_argument("--reshard-refit-bucket-size-mb", type=float, default=d.bucket_size_mb,
-                   help="staging bucket per peer, MiB (larger: fewer rounds, more staging memory)")
+                   help=f"staging bucket per peer, MiB, at least {MIN_BUCKET_BYTES / (1 << 20):g} (4 KiB) "
+                        "(larger: fewer rounds, more staging memory)")
     g.add_argument("--reshard-refit-max-inflight", type=int, default=d.max_inflight,
                    help="rounds in flight before the oldest is waited on")
     g.add_argument("--reshard-refit-atomic", action=argparse.BooleanOptionalAction, default=d.atomic,

@@ -152,3 +152,23 @@ def test_reductions_need_a_float_of_at_most_32_bits():
     assert not f64.symmetric and "float64" in f64.reason
     assert not decide("all_reduce", MIB, cfg, dtype=torch.int64).symmetric
     assert decide("all_gather", MIB, cfg, dtype=torch.int64).symmetric
+
+
+@pytest.mark.parametrize("flag", ["--symm-mem-all-gather-min-mib", "--symm-mem-reduce-scatter-max-mib",
+                                  "--symm-mem-fp32-all-reduce-min-mib", "--symm-mem-fp32-all-gather-max-mib"])
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_non_finite_mib_flags_name_the_flag_and_the_range(flag, value):
+    # Before: a bare ValueError (nan) / OverflowError (inf) from int(round(...)) that named no flag.
+    parser = add_fsdp_symm_args(argparse.ArgumentParser())
+    with pytest.raises(ValueError) as err:
+        SymmMemConfig.from_args(parser.parse_args([flag, value]))
+    assert f"{flag} must be >= 0 and finite (MiB); got {value}" in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("field", ["all_gather_min_bytes", "reduce_scatter_max_bytes", "all_reduce_fp32_min_bytes",
+                                   "all_gather_fp32_max_bytes"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_byte_fields_name_the_field(field, value):
+    with pytest.raises(ValueError) as err:
+        SymmMemConfig(**{field: value})
+    assert f"SymmMemConfig.{field} must be" in str(err.value) and "int >= 0 (bytes)" in str(err.value)

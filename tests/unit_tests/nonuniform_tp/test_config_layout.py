@@ -129,3 +129,70 @@ def test_replicated_params_come_from_core_ranks():
     pieces = reshard.reshard_pieces(7, reshard.ShardSpec(None), 0, 4, 3)
     assert [(p.src, p.dst) for p in pieces] == [(0, 0), (1, 1), (2, 2)]
     assert sorted((p.src, p.dst) for p in reshard.reverse(pieces, 4, 3)) == [(0, 0), (0, 3), (1, 1), (2, 2)]
+
+
+FORM = "'REPLICA:SLOT[,SLOT...]' entries separated by ';'"
+
+
+@pytest.mark.parametrize("text,kwargs,needles", [
+    ("0:", {}, ["--ntp-failed-slots: replica 0 lists no slot in '0:'", FORM]),
+    ("0:1,1", {}, ["--ntp-failed-slots: slot 1 listed twice for replica 0", "list each failed TP slot once"]),
+    ("1:2,2", dict(tp_base=4), ["--ntp-failed-slots: slot 2 listed twice for replica 1"]),
+    ("-1:1", {}, ["--ntp-failed-slots: replica index -1 in '-1:1' is out of range; allowed: REPLICA >= 0"]),
+    ("0:-2", {}, ["--ntp-failed-slots: slot -2 of replica 0 is out of range; allowed: SLOT >= 0"]),
+    ("0:4", dict(tp_base=4), ["--ntp-failed-slots: slot 4 of replica 0 is out of range; allowed: 0..3 (--ntp-tp-base 4)"]),
+    ("2:0", dict(data_parallel_size=2),
+     ["--ntp-failed-slots: replica index 2 in '2:0' is out of range; allowed: 0..1 (--ntp-data-parallel-size 2)"]),
+])
+def test_parse_failed_slots_refuses_naming_the_flag_and_the_form(text, kwargs, needles):
+    with pytest.raises(ValueError) as err:
+        parse_failed_slots(text, **kwargs)
+    for needle in needles:
+        assert needle in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("argv,needles", [
+    # accepted and silently deduplicated before
+    (["--ntp-tp-base", "4", "--ntp-failed-slots", "1:2,2"],
+     ["argument --ntp-failed-slots: slot 2 listed twice for replica 1"]),
+    (["--ntp-tp-base", "4", "--ntp-failed-slots", "0:"], ["argument --ntp-failed-slots: replica 0 lists no slot", FORM]),
+    # argparse reads '-1:1' as an option: the user gets the flag and the allowed form, not 'expected one argument'
+    (["--ntp-tp-base", "4", "--ntp-failed-slots", "-1:1"],
+     ["argument --ntp-failed-slots: expected a value", FORM, "replica indices and slots are >= 0"]),
+    (["--ntp-tp-base", "4", "--ntp-failed-slots=-1:1"],
+     ["argument --ntp-failed-slots: replica index -1 in '-1:1' is out of range; allowed: REPLICA >= 0"]),
+    (["--ntp-tp-base", "4", "--ntp-failed-slots"], ["argument --ntp-failed-slots: expected a value", FORM]),
+])
+def test_failed_slots_flag_refused_at_parse_time(argv, needles, capsys):
+    parser = add_nonuniform_tp_args(argparse.ArgumentParser())
+    with pytest.raises(SystemExit):
+        parser.parse_args(argv)
+    err = capsys.readouterr().err
+    for needle in needles:
+        assert needle in err, err
+
+
+@pytest.mark.parametrize("argv,needles", [
+    (["--ntp-tp-base", "4", "--ntp-failed-slots", "0:4"],
+     ["--ntp-failed-slots: slot 4 of replica 0 is out of range; allowed: 0..3 (--ntp-tp-base 4)"]),
+    (["--ntp-tp-base", "4", "--ntp-spares", "1", "--ntp-failed-slots", "0:9"],
+     ["--ntp-failed-slots: slot 9 of replica 0 is out of range; allowed: 0..3"]),
+    (["--ntp-tp-base", "2", "--ntp-data-parallel-size", "2", "--ntp-failed-slots", "3:0"],
+     ["--ntp-failed-slots: replica index 3 in '3:0' is out of range; allowed: 0..1 (--ntp-data-parallel-size 2)"]),
+    # silently turned NTP off before
+    (["--ntp-failed-slots", "0:1"], ["--ntp-failed-slots '0:1' given without --ntp-tp-base", "--ntp-spares",
+                                     "need --ntp-tp-base N (an int >= 1"]),
+    (["--ntp-spares", "1"], ["--ntp-spares 1 given without --ntp-tp-base", "--ntp-failed-slots",
+                             "need --ntp-tp-base N (an int >= 1"]),
+])
+def test_failed_slots_and_spares_refused_by_from_args_naming_the_flags(argv, needles):
+    parser = add_nonuniform_tp_args(argparse.ArgumentParser())
+    with pytest.raises(ValueError) as err:
+        NonuniformTPConfig.from_args(parser.parse_args(argv))
+    for needle in needles:
+        assert needle in str(err.value), str(err.value)
+
+
+def test_format_failed_slots_leaves_healthy_replicas_out():
+    assert format_failed_slots({0: (), 1: (0, 2)}) == "1:0,2"
+    assert parse_failed_slots(format_failed_slots({0: (), 1: (0, 2)})) == {1: (0, 2)}

@@ -61,3 +61,44 @@ def test_config_builds_the_engine_layout_and_runs_a_refit():
     hf = dst.hf_tensors(0, engine)
     assert hf and all(not t.isnan().any() for t in engine.values())
     assert torch.equal(dict(hf)["model.layers.0.mlp.down_proj.weight"], trainer["decoder.layers.0.mlp.linear_fc2.weight"])
+
+
+# Accepted before, failing later with unrelated errors.
+BAD_REFIT_CONFIGS = [
+    (dict(store="10.0.0.1:70000"), ["--reshard-refit-store", "10.0.0.1:70000"],
+     "ReshardRefitConfig.store must be 'host:port' with a port in 1..65535"),
+    (dict(store="10.0.0.1:0"), ["--reshard-refit-store", "10.0.0.1:0"],
+     "ReshardRefitConfig.store must be 'host:port' with a port in 1..65535"),
+    (dict(bucket_size_mb=float("inf")), ["--reshard-refit-bucket-size-mb", "inf"],
+     "ReshardRefitConfig.bucket_size_mb must be > 0: a finite number of MiB >= 0.00390625 (4 KiB, one page)"),
+    (dict(bucket_size_mb=1e-9), ["--reshard-refit-bucket-size-mb", "1e-9"],
+     "ReshardRefitConfig.bucket_size_mb must be > 0: a finite number of MiB >= 0.00390625 (4 KiB, one page)"),
+    (dict(bucket_size_mb=0.001), ["--reshard-refit-bucket-size-mb", "0.001"],  # 1048 bytes: below one page
+     "ReshardRefitConfig.bucket_size_mb must be > 0: a finite number of MiB >= 0.00390625 (4 KiB, one page)"),
+    (dict(timeout_s=float("inf")), ["--reshard-refit-timeout-s", "inf"],
+     "ReshardRefitConfig.timeout_s must be > 0 and finite (seconds), got inf"),
+]
+
+
+@pytest.mark.parametrize("kw,argv,needle", BAD_REFIT_CONFIGS)
+def test_bad_values_refused_directly_naming_the_field_and_range(kw, argv, needle):
+    with pytest.raises(ValueError) as err:
+        ReshardRefitConfig(**kw)
+    assert needle in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("kw,argv,needle", BAD_REFIT_CONFIGS)
+def test_bad_flags_refused_by_from_args_naming_the_field_and_range(kw, argv, needle):
+    parser = add_reshard_refit_args(argparse.ArgumentParser())
+    with pytest.raises(ValueError) as err:
+        ReshardRefitConfig.from_args(parser.parse_args(argv))
+    assert needle in str(err.value), str(err.value)
+
+
+def test_smallest_bucket_fits_the_alignment_and_header_it_is_derived_from():
+    from megatron_ext.weight_export import config, plan, reshard
+
+    assert config.MIN_BUCKET_BYTES >= plan.ALIGNMENT and config.MIN_BUCKET_BYTES > reshard.HEADER_BYTES
+    cfg = ReshardRefitConfig(bucket_size_mb=config.MIN_BUCKET_BYTES / (1 << 20), store="10.0.0.1:65535")
+    assert cfg.bucket_bytes == config.MIN_BUCKET_BYTES and cfg.store_address == ("10.0.0.1", 65535)
+    assert ReshardRefitConfig(store="h:1").store_address == ("h", 1)
