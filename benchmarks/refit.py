@@ -31,6 +31,7 @@ import dataclasses
 import json
 import os
 import platform
+import secrets
 import statistics
 import sys
 import time
@@ -126,18 +127,7 @@ def _naive_tensors(model, spec):
 def _naive_share(t):
     from torch.multiprocessing.reductions import reduce_tensor
 
-    if t.is_cuda:
-        return ("cuda", reduce_tensor(t))
-    import tempfile
-
-    fd, path = tempfile.mkstemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    os.close(fd)
-    nbytes = t.numel() * t.element_size()
-    with open(path, "wb") as f:
-        f.truncate(nbytes)
-    shared = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-    shared.view(t.dtype).view(t.shape).copy_(t)
-    return ("file", path, nbytes)
+    return reduce_tensor(t)  # CUDA: the naive ipc rows run on GPUs only
 
 
 def naive_export(model, spec, conn, pg, mode):
@@ -154,23 +144,56 @@ def naive_export(model, spec, conn, pg, mode):
     assert conn.recv()[0] == "applied"
 
 
-def naive_receiver(spec, address, device, mode):
-    """Engine side of the naive baseline: per-tensor messages, HF model updates."""
+def _naive_open(handle):
+    fn, args = handle
+    return fn(*args)
+
+
+def _no_delay(conn):
+    """Nagle off on a multiprocessing connection: the same control-channel latency as ours."""
+    import socket
+
+    sock = socket.fromfd(conn.fileno(), socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    finally:
+        sock.close()
+    return conn
+
+
+def _naive_connect(address, timeout_s, key):
+    from multiprocessing.connection import Client
+
+    from megatron_ext.weight_export.config import parse_address
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return _no_delay(Client(parse_address(address), authkey=key))
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def naive_receiver(spec, address, device, mode, key):
+    """Engine side of the naive baseline: per-tensor messages (pickles over a multiprocessing
+    connection with this run's random key), HF model updates."""
     import datetime
     from multiprocessing.connection import Listener
 
     import torch.distributed as dist
 
     from megatron_ext.weight_export import HFModelConsumer
-    from megatron_ext.weight_export.transport import (DEFAULT_AUTHKEY, _no_delay, make_group, open_shared,
-                                                      parse_address)
+    from megatron_ext.weight_export.config import parse_address
+    from megatron_ext.weight_export.transport import make_group
 
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     consumer = HFModelConsumer(build_receiver_model(spec, device))
-    with Listener(parse_address(address), authkey=DEFAULT_AUTHKEY) as listener:
-        conn = _no_delay(listener.accept())  # same control-channel latency as ours
+    with Listener(parse_address(address), authkey=key) as listener:
+        conn = _no_delay(listener.accept())
     pg = None
     while True:
         try:
@@ -184,7 +207,7 @@ def naive_receiver(spec, address, device, mode):
         elif msg[0] == "tensor":
             _, name, dtype, shape, handle = msg
             if handle is not None:
-                buf = open_shared(handle)
+                buf = _naive_open(handle)
                 t = buf.view(dtype).view(shape) if buf.dtype == torch.uint8 else buf
             else:
                 t = torch.empty(shape, dtype=dtype, device=device)
@@ -193,8 +216,6 @@ def naive_receiver(spec, address, device, mode):
             if mode == "ipc":
                 _sync(device)
                 conn.send(("done", name))
-                if handle[0] == "file":
-                    os.unlink(handle[1])
         elif msg[0] == "end":
             _sync(device)
             conn.send(("applied", 0))
@@ -202,14 +223,14 @@ def naive_receiver(spec, address, device, mode):
             break
 
 
-def start_naive_receiver(spec, device, mode):
+def start_naive_receiver(spec, device, mode, key):
     import multiprocessing
 
     from megatron_ext.testing.multirank import free_port
 
     address = f"127.0.0.1:{free_port()}"
     proc = multiprocessing.get_context("spawn").Process(
-        target=naive_receiver, args=(spec, address, str(device), mode), daemon=True)
+        target=naive_receiver, args=(spec, address, str(device), mode, key), daemon=True)
     proc.start()
     return proc, address
 
@@ -222,7 +243,7 @@ def _trainer(spec, scenarios, bucket_mb, iters, timeout_s):
     from megatron.core import parallel_state as ps
 
     from megatron_ext import weight_export as wx
-    from megatron_ext.weight_export.transport import _connect, DEFAULT_AUTHKEY, make_group
+    from megatron_ext.weight_export.transport import make_group
 
     ps.initialize_model_parallel()
     gpu = dist.get_backend() == "nccl"
@@ -257,7 +278,7 @@ def _trainer(spec, scenarios, bucket_mb, iters, timeout_s):
                        max_abs_logit_diff=verify.max_abs_diff)
             exporter.close()
         else:
-            conn = _connect(sc["address"], timeout_s, DEFAULT_AUTHKEY)
+            conn = _naive_connect(sc["address"], timeout_s, sc["key"])
             pg = None
             if sc["transport"] == "broadcast":
                 store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True,
@@ -320,7 +341,8 @@ def main(argv=None) -> int:
     receivers = []
     # (where, transport, receiver device, with a naive baseline row); ipc-direct needs CUDA.
     plan = [("colocated", "ipc-direct", colocated, False), ("colocated", "ipc-push", colocated, False)] if gpu else []
-    plan.append(("colocated", "ipc", colocated, True))
+    if gpu:  # CUDA IPC; on CPU only the broadcast rows run
+        plan.append(("colocated", "ipc", colocated, True))
     if cross is not None:
         plan.append(("cross-gpu", "broadcast", cross, True))
     for where, transport, device, with_naive in plan:
@@ -330,10 +352,11 @@ def main(argv=None) -> int:
         scenarios.append(dict(name=f"{where} ours ({transport})", kind="ours", transport=transport,
                               address=rec.address, where=where))
         if with_naive and not args.no_naive:
-            proc, address = start_naive_receiver(spec, device, transport)
+            key = secrets.token_bytes(16)
+            proc, address = start_naive_receiver(spec, device, transport, key)
             procs.append(proc)
             scenarios.append(dict(name=f"{where} naive (per-tensor {transport})", kind="naive",
-                                  transport=transport, address=address, where=where))
+                                  transport=transport, address=address, where=where, key=key))
     try:
         rows = run_on_ranks(_trainer, 1, args=(spec, scenarios, args.bucket_size_mb, args.iters, args.timeout_s),
                             backend=backend, timeout=max(600, args.timeout_s * 2),

@@ -7,7 +7,7 @@ import dataclasses
 import math
 
 __all__ = ["TRANSPORTS", "ReshardRefitConfig", "WeightExportConfig", "add_reshard_refit_args",
-           "add_weight_export_args"]
+           "add_weight_export_args", "parse_address"]
 
 TRANSPORTS = ("inprocess", "broadcast", "ipc", "ipc-push", "ipc-direct")
 BACKENDS = ("auto", "gloo", "nccl")
@@ -32,6 +32,14 @@ def _host_port(addr: str) -> tuple[str, int] | None:
     if not (host and port.isascii() and port.isdigit() and PORTS[0] <= int(port) <= PORTS[1]):
         return None
     return host, int(port)
+
+
+def parse_address(addr: str, what: str = "the address") -> tuple[str, int]:
+    """``"host:port"`` as ``(host, port)``; ValueError naming ``what`` otherwise."""
+    parsed = _host_port(addr) if isinstance(addr, str) else None
+    if parsed is None:
+        raise ValueError(f"{what} must be 'host:port' with a port in {PORTS[0]}..{PORTS[1]}, got {addr!r}")
+    return parsed
 
 
 def _finite_number(value) -> bool:

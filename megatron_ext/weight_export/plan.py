@@ -19,6 +19,7 @@ from typing import Iterator, Mapping
 
 import torch
 
+from .control import ControlError, dtype_name, dtype_of
 from .hf_mapping import Source
 
 __all__ = ["ALIGNMENT", "BucketMeta", "ExportPlan", "PlanMismatch", "TensorMeta", "build_plan", "check_plan",
@@ -100,6 +101,41 @@ class ExportPlan:
     @property
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors())
+
+    def to_wire(self) -> dict:
+        """What a receiver needs of the plan, as plain data (names, dtypes, shapes, offsets;
+        the trainer-side owners stay home). :meth:`from_wire` rebuilds it."""
+        return {"buffer_bytes": self.buffer_bytes, "tp_size": self.tp_size, "pp_size": self.pp_size,
+                "ep_size": self.ep_size, "etp_size": self.etp_size,
+                "buckets": [{"index": b.index, "pp_rank": b.pp_rank, "nbytes": b.nbytes, "group": b.group,
+                             "tensors": [[t.name, dtype_name(t.dtype), list(t.shape), t.offset,
+                                          t.nbytes] for t in b.tensors]} for b in self.buckets]}
+
+    @classmethod
+    def from_wire(cls, data: dict) -> "ExportPlan":
+        """The plan :meth:`to_wire` described; ``PlanMismatch`` for anything malformed or
+        inconsistent (a tensor outside its bucket, sizes that disagree with shapes)."""
+        try:
+            buckets = []
+            for b in data["buckets"]:
+                tensors = []
+                for name, dtype, shape, offset, nbytes in b["tensors"]:
+                    dt = dtype_of(dtype)
+                    numel = 1
+                    for s in shape:
+                        numel *= int(s)
+                    if (not isinstance(name, str) or min(shape, default=0) < 0
+                            or nbytes != numel * dt.itemsize or not 0 <= offset <= offset + nbytes <= b["nbytes"]):
+                        raise ValueError(f"tensor {name!r}")
+                    tensors.append(TensorMeta(name, dt, tuple(int(s) for s in shape), int(offset), int(nbytes)))
+                if b["group"] not in ("tp", "ep") or not 0 <= b["nbytes"] <= data["buffer_bytes"]:
+                    raise ValueError(f"bucket {b['index']}")
+                buckets.append(BucketMeta(int(b["index"]), int(b["pp_rank"]), int(b["nbytes"]), tuple(tensors), (),
+                                          b["group"]))
+            return cls(tuple(buckets), int(data["buffer_bytes"]), int(data["tp_size"]), int(data["pp_size"]),
+                       int(data["ep_size"]), int(data["etp_size"]))
+        except (KeyError, TypeError, ValueError, ControlError) as exc:
+            raise PlanMismatch(f"the trainer sent a malformed export plan ({exc})") from None
 
     @property
     def fingerprint(self) -> str:

@@ -75,39 +75,92 @@ class LoadWeightsConsumer:
 
 class WeightReceiver:
     """Checks a plan once, loads its buckets, and counts a version as applied
-    only when every bucket of it arrived."""
+    only when every bucket of it arrived.
 
-    def __init__(self, consumer):
+    ``atomic=True``: buckets are staged in one buffer of the whole version (on
+    ``device``) and reach the consumer only at :meth:`finish`, so an interrupted
+    version (:meth:`abort`: the trainer died, hung or gave up) leaves the
+    previous complete version in place, bit for bit. ``atomic=False`` writes
+    each bucket as it arrives (no staging memory); an interrupted version then
+    leaves the consumer's weights mixed, and the receiver says so:
+    :attr:`applied_version` becomes None and :attr:`holds_complete_version`
+    False until the next complete version. In-place transports (``ipc-push``,
+    ``ipc-direct``) always write in place.
+    """
+
+    def __init__(self, consumer, *, atomic: bool = False, device: torch.device | str = "cpu"):
         self.consumer = consumer
+        self.atomic, self.device = atomic, torch.device(device)
         self.plan: ExportPlan | None = None
         self.applied_version: int | None = None
         self._version: int | None = None
         self._arrived: set[int] = set()
+        self._mixed = False  # some of a version was written but not all of it
+        self._staging: torch.Tensor | None = None
+        self._offsets: dict[int, int] = {}
         self.plans_received = 0
 
+    @property
+    def holds_complete_version(self) -> bool:
+        """False while (or after) a version was partly written in place."""
+        return not self._mixed
+
     def set_plan(self, plan: ExportPlan) -> None:
-        """Validate ``plan`` against the consumer before any byte is written."""
+        """Validate ``plan`` against the consumer before any byte is written (and,
+        when atomic, allocate the staging buffer for a whole version)."""
         expected = getattr(self.consumer, "expected_tensors", lambda: None)()
         if expected is not None:
             check_plan(plan, expected)
+        if self.atomic:
+            self._offsets, total = {}, 0
+            for b in plan.buckets:
+                self._offsets[b.index] = total
+                total += (b.nbytes + 255) // 256 * 256
+            try:
+                self._staging = torch.empty(total, dtype=torch.uint8, device=self.device)
+            except torch.OutOfMemoryError as exc:
+                raise PlanMismatch(f"the engine has no memory to stage a whole version ({total / 2**30:.2f} GiB on "
+                                   f"{self.device}) for an atomic refit; serve with atomic=False (each bucket "
+                                   "written as it arrives; an interrupted refit then leaves no complete "
+                                   "version)") from exc
         self.plan = plan
         self.plans_received += 1
 
-    def begin(self, version: int) -> None:
+    def begin(self, version: int, *, in_place: bool = False) -> None:
+        """A version starts; ``in_place``: the transport writes the weights directly."""
         if self.plan is None:
             raise PlanMismatch("no plan received before version begin")
         self._version, self._arrived = version, set()
+        if in_place:
+            self._mixed = True
+
+    def staging(self, bucket: BucketMeta) -> torch.Tensor | None:
+        """Where an atomic receiver keeps ``bucket`` until :meth:`finish` (None when not atomic):
+        a transport may receive into it directly and then call :meth:`arrived`."""
+        if self._staging is None:
+            return None
+        off = self._offsets[bucket.index]
+        return self._staging[off:off + bucket.nbytes]
+
+    def arrived(self, bucket: BucketMeta) -> None:
+        self._arrived.add(bucket.index)
 
     def load_bucket(self, bucket: BucketMeta, buf: torch.Tensor) -> None:
         if self._version is None:
             raise RuntimeError(f"bucket {bucket.index} arrived outside a version")
-        self.consumer.load_weights(unpack(bucket, buf))
+        stage = self.staging(bucket)
+        if stage is not None:
+            stage.copy_(buf[:bucket.nbytes])
+        else:
+            self._mixed = True
+            self.consumer.load_weights(unpack(bucket, buf))
         self._arrived.add(bucket.index)
 
     def load_direct(self, pairs, loads) -> None:
         """Apply a whole version from mapped trainer storage (``ipc-direct``)."""
         if self._version is None:
             raise RuntimeError("direct load outside a version")
+        self._mixed = True
         if pairs:
             dsts, srcs = zip(*pairs)
             torch._foreach_copy_(list(dsts), list(srcs))
@@ -128,7 +181,19 @@ class WeightReceiver:
         missing = [b.index for b in self.plan.buckets if b.index not in self._arrived]
         if missing:
             raise RuntimeError(f"version {version} incomplete: buckets {missing[:5]} never arrived")
+        if self._staging is not None:  # commit the staged version
+            self._mixed = True
+            for b in self.plan.buckets:
+                self.consumer.load_weights(unpack(b, self.staging(b)))
         if torch.cuda.is_available():
             torch.cuda.current_stream().synchronize()
-        self.applied_version, self._version = version, None
+        self.applied_version, self._version, self._mixed = version, None, False
         return version
+
+    def abort(self) -> int | None:
+        """The version in progress will not complete: drop it. Returns the version the
+        consumer still holds (None when part of this one was already written in place)."""
+        self._version, self._arrived = None, set()
+        if self._mixed:
+            self.applied_version = None
+        return self.applied_version

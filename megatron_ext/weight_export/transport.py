@@ -6,67 +6,52 @@ Senders (trainer side) share one protocol::
     sender.start(plan, buffers, version) # plan sent and checked once per layout
     handle = sender.send(bucket, buf)    # handle.wait(): buf may be reused
     sender.finish(version) -> [applied version reported by each receiver]
+    sender.abort(version)                # the version will not complete
 
 - :class:`InProcessSender`: a :class:`WeightReceiver` in the same process.
 - :class:`BroadcastSender`: one ``broadcast`` per bucket over a process group
   that only the trainer's export rank and the engine ranks join (NCCL on GPUs,
   gloo on CPU). Metadata goes once over the control connection; then only bytes.
-- :class:`IpcSender`: an engine on the same GPU maps the two export buffers
-  through CUDA IPC handles sent once per buffer (on CPU: shared-memory files),
-  and acknowledges each bucket before its buffer is reused.
+- :class:`IpcSender` (CUDA): an engine on the same GPU maps the two export
+  buffers through CUDA IPC handles sent once per buffer, and acknowledges each
+  bucket before its buffer is reused.
 - :class:`IpcDirectSender` (CUDA, TP=PP=EP=1 trainers): no export buffers; the
   engine maps the trainer's parameter storage (one handle per storage, sent
   with the plan) and copies each HF tensor straight out of it: one copy per
   refit instead of two.
+- :class:`IpcPushSender` (CUDA): the engine shares its weights' storage and the
+  trainer's gather writes into them.
 
-The control connection (:mod:`multiprocessing.connection`, authenticated) carries
-the plan, version begin/end, per-bucket IPC notices and acknowledgements. A
-receiver that dies closes it, so the trainer fails at once with
+The control connection (:mod:`.control`: authenticated JSON frames, never
+pickles) carries the plan, version begin/end/abort, per-bucket IPC notices,
+acknowledgements and the verifier's tokens and logits; tensors never travel on
+it. A receiver that dies closes it, so the trainer fails at once with
 :class:`ReceiverError`; one that hangs fails it after ``timeout_s``.
-:func:`serve` is the matching engine-side loop.
+:func:`serve` is the matching engine-side loop; by default it stages a whole
+version and applies it at the end, so a trainer that dies mid-refit leaves the
+engine's previous version in place.
 """
 
 from __future__ import annotations
 
 import datetime
-import os
-import socket
-import tempfile
-import time
-from multiprocessing.connection import Client, Connection, Listener
+import logging
 
 import torch
 import torch.distributed as dist
 
+from . import control
+from .control import ControlError
 from .plan import BucketMeta, ExportPlan, PlanMismatch
 from .receiver import WeightReceiver
 
 __all__ = ["BroadcastSender", "InProcessSender", "IpcDirectSender", "IpcPushSender", "IpcSender", "ReceiverError",
            "push_targets", "serve"]
 
-DEFAULT_AUTHKEY = b"megatron_ext.weight_export"
-AUTHKEY_ENV = "MEGATRON_EXT_EXPORT_AUTHKEY"
-_LOOPBACK = ("127.", "localhost", "::1")
+log = logging.getLogger(__name__)
 
 
-def resolve_authkey(authkey: bytes | None, address: str) -> bytes:
-    """The control channel's shared secret: ``authkey``, else ``$MEGATRON_EXT_EXPORT_AUTHKEY``,
-    else (loopback addresses only) a built-in default. The channel carries pickled
-    messages, so a listener reachable from other hosts must not use a well-known key."""
-    if authkey is not None:
-        return authkey
-    env = os.environ.get(AUTHKEY_ENV)
-    if env:
-        return env.encode()
-    host, _ = parse_address(address)
-    if host.startswith(_LOOPBACK):
-        return DEFAULT_AUTHKEY
-    raise ValueError(
-        f"weight-export control address {address!r} is not loopback: set the same secret on the "
-        f"trainer and the engine (authkey=... or the {AUTHKEY_ENV} environment variable)")
-
-
-class ReceiverError(RuntimeError):
+class ReceiverError(ControlError):
     """A receiver refused, died or did not answer in time."""
 
 
@@ -95,7 +80,7 @@ class InProcessSender:
             if self.push:
                 self.views = push_targets(plan, self.receiver.consumer, need_cuda=False)
             self._fingerprint = plan.fingerprint
-        self.receiver.begin(version)
+        self.receiver.begin(version, in_place=self.push)
 
     def send(self, bucket: BucketMeta, buf: torch.Tensor):
         self.receiver.load_bucket(bucket, buf)
@@ -106,39 +91,11 @@ class InProcessSender:
             self.receiver.pushed()
         return [self.receiver.finish(version)]
 
+    def abort(self, version: int) -> None:
+        self.receiver.abort()
+
     def close(self) -> None:
         pass
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"address must be 'host:port', got {address!r}")
-    return host, int(port)
-
-
-def _no_delay(conn: Connection) -> Connection:
-    """Turn off Nagle's algorithm: control messages are small and latency-bound
-    (with it, each reply can wait ~40 ms for a delayed ACK)."""
-    sock = socket.fromfd(conn.fileno(), socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    finally:
-        sock.close()  # closes the duplicate descriptor only
-    return conn
-
-
-def _connect(address: str, timeout_s: float, authkey: bytes) -> Connection:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return _no_delay(Client(parse_address(address), authkey=resolve_authkey(authkey, address)))
-        except (ConnectionRefusedError, FileNotFoundError, OSError) as exc:
-            if time.monotonic() > deadline:
-                raise ReceiverError(
-                    f"no receiver listening at {address} after {timeout_s:.0f}s ({exc}); start the engine's "
-                    "weight receiver (weight_export.serve) first or fix --weight-export-target") from exc
-            time.sleep(0.1)
 
 
 class _RemoteSender:
@@ -147,7 +104,14 @@ class _RemoteSender:
             raise ValueError("addresses must name at least one receiver endpoint 'host:port'")
         self.addresses = list(addresses)
         self.timeout_s = timeout_s
-        self.conns = [_connect(a, timeout_s, authkey) for a in self.addresses]
+        self.chans: list[control.Channel] = []
+        try:
+            for a in self.addresses:
+                self.chans.append(control.connect(a, timeout_s=timeout_s, key=authkey, what="weight receiver"))
+        except ControlError as exc:
+            self.close()
+            raise ReceiverError(f"{exc}; start the engine's weight receiver (weight_export.serve) first or fix "
+                                "--weight-export-target") from exc
         self._fingerprint = None
 
     def allocate(self, nbytes: int, device) -> torch.Tensor:
@@ -156,55 +120,70 @@ class _RemoteSender:
     def _transport_info(self, buffers) -> dict:
         return {}
 
-    def _expect(self, i: int, kind: str, what: str):
-        conn, address = self.conns[i], self.addresses[i]
+    def _expect(self, i: int, kind: str, what: str) -> control.Message:
+        ch, address = self.chans[i], self.addresses[i]
         try:
-            if not conn.poll(self.timeout_s):
-                raise ReceiverError(f"receiver at {address} did not answer within {self.timeout_s:.0f}s "
-                                    f"while {what}; it is hung or overloaded")
-            msg = conn.recv()
-        except (EOFError, ConnectionError, OSError) as exc:
-            raise ReceiverError(f"receiver at {address} died while {what} ({type(exc).__name__}); "
-                                "see the engine's log, then restart it and export again") from exc
-        if msg[0] == "refuse":
-            raise PlanMismatch(f"receiver at {address} refused the plan: {msg[1]}")
-        if msg[0] == "error":
-            raise ReceiverError(f"receiver at {address} failed while {what}: {msg[1]}")
-        if msg[0] != kind:
-            raise ReceiverError(f"receiver at {address} sent {msg[0]!r}, expected {kind!r} while {what}")
+            msg = ch.recv(self.timeout_s)
+        except ControlError as exc:
+            raise ReceiverError(f"receiver at {address} died or hung while {what} ({exc}); see the engine's log, "
+                                "then restart it and export again") from exc
+        if msg.kind == "refuse":
+            raise PlanMismatch(f"receiver at {address} refused the plan: {msg['reason']}")
+        if msg.kind == "error":
+            raise ReceiverError(f"receiver at {address} failed while {what}: {msg['reason']}")
+        if msg.kind != kind:
+            raise ReceiverError(f"receiver at {address} sent {msg.kind!r}, expected {kind!r} while {what}")
         return msg
 
-    def _send_all(self, msg, what: str) -> None:
-        for conn, address in zip(self.conns, self.addresses):
+    def _send_all(self, kind: str, what: str, **fields) -> None:
+        for ch, address in zip(self.chans, self.addresses):
             try:
-                conn.send(msg)
-            except (ConnectionError, OSError) as exc:
+                ch.send(kind, **fields)
+            except ControlError as exc:
                 raise ReceiverError(f"receiver at {address} died while {what} ({exc})") from exc
 
     def start(self, plan: ExportPlan, buffers, version: int) -> None:
         if plan.fingerprint != self._fingerprint:
-            self._send_all(("plan", plan, self._transport_info(buffers)), "sending the plan")
-            for i in range(len(self.conns)):
+            self._send_all("plan", "sending the plan", plan=plan.to_wire(), info=self._transport_info(buffers))
+            for i in range(len(self.chans)):
                 self._expect(i, "ready", "checking the plan")
             self._fingerprint = plan.fingerprint
-        self._send_all(("begin", version), f"starting version {version}")
+        self._send_all("begin", f"starting version {version}", version=version)
 
     def finish(self, version: int) -> list[int]:
-        self._send_all(("end", version), f"finishing version {version}")
-        return [self._expect(i, "applied", f"applying version {version}")[1] for i in range(len(self.conns))]
+        self._send_all("end", f"finishing version {version}", version=version)
+        return [self._expect(i, "applied", f"applying version {version}")["version"] for i in range(len(self.chans))]
+
+    def abort(self, version: int) -> list[int | None]:
+        """Tell every receiver that ``version`` will not complete; returns the version each
+        still holds (None: none complete). Best effort: a receiver that is gone is skipped."""
+        held = []
+        for i, ch in enumerate(self.chans):
+            try:
+                ch.send("abort", version=version)
+                held.append(self._expect(i, "aborted", f"aborting version {version}")["holds"])
+            except (ControlError, PlanMismatch):
+                held.append(None)
+        return held
 
     def request_logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits of the first receiver's model for ``tokens`` (for :func:`verify_export`)."""
-        self.conns[0].send(("forward", tokens.cpu()))
-        return self._expect(0, "logits", "computing logits")[1]
+        meta, blob = control.tensor_blob(tokens)
+        try:
+            self.chans[0].send("forward", tokens=meta, blobs=[blob])
+        except ControlError as exc:
+            raise ReceiverError(f"receiver at {self.addresses[0]} died while computing logits ({exc})") from exc
+        msg = self._expect(0, "logits", "computing logits")
+        return control.blob_tensor(msg["logits"], msg.blobs[0])
 
     def close(self) -> None:
-        for conn in self.conns:
+        for ch in self.chans:
             try:
-                conn.send(("close",))
-                conn.close()
-            except OSError:
+                ch.send("close")
+            except ControlError:
                 pass
+            ch.close()
+        self.chans = []
 
 
 class _Work:
@@ -231,20 +210,18 @@ class BroadcastSender(_RemoteSender):
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
         super().__init__(addresses, timeout_s=timeout_s, authkey=authkey)
-        world = len(self.conns) + 1
+        world = len(self.chans) + 1
         store = dist.TCPStore(store_host, 0, world, is_master=True,
                               timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
-        for rank, conn in enumerate(self.conns, start=1):
-            conn.send(("join", store_host, store.port, rank, world, backend, timeout_s))
+        for rank in range(1, world):
+            self.chans[rank - 1].send("join", host=store_host, port=store.port, rank=rank, world=world,
+                                      backend=backend, timeout_s=timeout_s)
         self.store = store
         self.pg = make_group(store, 0, world, backend, timeout_s)
         self.backend = backend
 
     def send(self, bucket: BucketMeta, buf: torch.Tensor):
         return _Work(self.pg.broadcast(buf[:bucket.nbytes], 0), self, bucket.index)
-
-    def close(self) -> None:
-        super().close()
 
 
 def make_group(store, rank: int, world: int, backend: str, timeout_s: float):
@@ -258,21 +235,30 @@ def make_group(store, rank: int, world: int, backend: str, timeout_s: float):
     return dist.ProcessGroupNCCL(prefix, rank, world, opts)
 
 
-def share(buf: torch.Tensor):
-    """A picklable handle another process on this host opens with :func:`open_shared`."""
-    if buf.is_cuda:
-        from torch.multiprocessing.reductions import reduce_tensor
+def share(buf: torch.Tensor) -> dict:
+    """A CUDA IPC handle of ``buf`` as plain data, for another process on this host
+    (:func:`open_shared`)."""
+    if not buf.is_cuda:
+        raise ValueError(f"CUDA IPC shares CUDA tensors, got one on {buf.device}; on CPU use transport='broadcast'")
+    from torch.multiprocessing.reductions import reduce_tensor
 
-        return ("cuda", reduce_tensor(buf))
-    return ("file", getattr(buf, "_shm_path"), buf.numel())
+    _, args = reduce_tensor(buf)
+    if args[0] is not torch.Tensor or args[4] is not torch.storage.TypedStorage:
+        raise ValueError(f"cannot share a {args[0].__name__} over {args[4].__name__} through CUDA IPC")
+    return {"cuda": control.to_wire(list(args[1:4]) + list(args[5:]))}
 
 
-def open_shared(handle) -> torch.Tensor:
-    if handle[0] == "cuda":
-        fn, args = handle[1]
-        return fn(*args)
-    _, path, nbytes = handle
-    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+def open_shared(handle: dict) -> torch.Tensor:
+    """The tensor :func:`share` described (mapped, not copied). Only this fixed rebuild
+    runs; the handle is data."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    args = control.from_wire(handle["cuda"]) if isinstance(handle, dict) and "cuda" in handle else None
+    if not isinstance(args, list) or len(args) != 13:
+        raise ControlError("malformed CUDA IPC handle from the trainer")
+    size, stride, offset, *rest = args
+    return rebuild_cuda_tensor(torch.Tensor, torch.Size(size), tuple(stride), offset, torch.storage.TypedStorage,
+                               *rest)
 
 
 class _Ack:
@@ -280,45 +266,35 @@ class _Ack:
         self.sender, self.index = sender, index
 
     def wait(self):
-        for i in range(len(self.sender.conns)):
+        for i in range(len(self.sender.chans)):
             msg = self.sender._expect(i, "done", f"loading bucket {self.index}")
-            if msg[1] != self.index:
-                raise ReceiverError(f"receiver acknowledged bucket {msg[1]}, expected {self.index}")
+            if msg["index"] != self.index:
+                raise ReceiverError(f"receiver acknowledged bucket {msg['index']}, expected {self.index}")
 
 
 class IpcSender(_RemoteSender):
-    """Shares the two export buffers with engines on this GPU (handles sent once
-    per buffer); each bucket is a notice plus an acknowledgement before reuse."""
+    """Shares the two export buffers (CUDA) with engines on this GPU (handles sent
+    once per buffer); each bucket is a notice plus an acknowledgement before reuse."""
 
     def __init__(self, addresses: list[str], *, timeout_s: float = 120.0, authkey: bytes | None = None):
         super().__init__(addresses, timeout_s=timeout_s, authkey=authkey)
         self._slots: dict[int, int] = {}
-        self._tmp = tempfile.TemporaryDirectory(prefix="megatron_ext_ipc_", dir="/dev/shm"
-                                                if os.path.isdir("/dev/shm") else None)
 
     def allocate(self, nbytes: int, device) -> torch.Tensor:
-        if torch.device(device).type != "cpu":
-            return torch.empty(nbytes, dtype=torch.uint8, device=device)
-        path = os.path.join(self._tmp.name, f"buf{len(os.listdir(self._tmp.name))}")
-        with open(path, "wb") as f:
-            f.truncate(nbytes)
-        buf = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-        buf._shm_path = path
-        return buf
+        if torch.device(device).type != "cuda":
+            raise ValueError(f"transport='ipc' shares CUDA buffers with an engine on the same GPU; the model is on "
+                             f"{device}: use transport='broadcast' (gloo on CPU)")
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
     def _transport_info(self, buffers) -> dict:
         self._slots = {b.data_ptr(): i for i, b in enumerate(buffers)}
         return {"kind": "ipc", "handles": [share(b) for b in buffers]}
 
     def send(self, bucket: BucketMeta, buf: torch.Tensor):
-        if buf.is_cuda:
-            torch.cuda.current_stream(buf.device).synchronize()  # bytes visible to the engine
-        self._send_all(("bucket", bucket.index, self._slots[buf.data_ptr()]), f"sending bucket {bucket.index}")
+        torch.cuda.current_stream(buf.device).synchronize()  # bytes visible to the engine
+        self._send_all("bucket", f"sending bucket {bucket.index}", index=bucket.index,
+                       slot=self._slots[buf.data_ptr()])
         return _Ack(self, bucket.index)
-
-    def close(self) -> None:
-        super().close()
-        self._tmp.cleanup()
 
 
 class IpcDirectSender(_RemoteSender):
@@ -375,13 +351,13 @@ class IpcPushSender(_RemoteSender):
 
     def start(self, plan: ExportPlan, buffers, version: int) -> None:
         if plan.fingerprint != self._fingerprint:
-            self._send_all(("plan", plan, {"kind": "ipc-push"}), "sending the plan")
-            handles, entries = self._expect(0, "ready", "checking the plan")[1]
-            self._bases = [open_shared(h) for h in handles]
+            self._send_all("plan", "sending the plan", plan=plan.to_wire(), info={"kind": "ipc-push"})
+            ready = self._expect(0, "ready", "checking the plan")
+            self._bases = [open_shared(h) for h in ready["handles"]]
             self.views = {name: self._bases[i].view(dtype).as_strided(shape, stride, offset)
-                          for name, (i, dtype, shape, stride, offset) in entries.items()}
+                          for name, (i, dtype, shape, stride, offset) in ready["entries"].items()}
             self._fingerprint = plan.fingerprint
-        self._send_all(("begin", version), f"starting version {version}")
+        self._send_all("begin", f"starting version {version}", version=version)
 
     def send(self, bucket, buf):
         raise RuntimeError("IpcPushSender writes in place; it has no buckets to send")
@@ -414,7 +390,7 @@ def push_targets(plan: ExportPlan, consumer, *, need_cuda: bool = True) -> dict[
 
 def _share_targets(views: dict[str, torch.Tensor]):
     """CUDA IPC handles of the storages behind ``views`` and, per name,
-    ``(storage index, dtype, shape, stride, offset)`` to rebuild each view."""
+    ``[storage index, dtype, shape, stride, offset]`` to rebuild each view."""
     storages: dict[int, int] = {}
     handles, entries = [], {}
     for name, v in views.items():
@@ -484,110 +460,164 @@ def _dest_view(dst: torch.Tensor, name: str, shape, stride, offset) -> torch.Ten
 
 
 def serve(consumer, address: str, *, device: torch.device | str = "cpu", timeout_s: float = 600.0,
-          authkey: bytes | None = None, on_version=None) -> WeightReceiver:
+          authkey: bytes | None = None, on_version=None, atomic: bool = True) -> WeightReceiver:
     """Engine-side loop: accept one trainer at ``address`` and apply its exports
-    to ``consumer`` until the trainer closes. Returns the receiver (its
-    ``applied_version`` is the last complete version). ``on_version(v)`` runs
-    after each applied version."""
-    receiver = WeightReceiver(consumer)
+    to ``consumer`` until the trainer closes (or goes away). Returns the receiver:
+    its ``applied_version`` is the last complete version the consumer holds.
+    ``on_version(v)`` runs after each applied version.
+
+    Listens on exactly ``address``; connections that fail the control channel's
+    handshake (health checks, port scans, garbage, a wrong key) are logged and
+    dropped. ``authkey``: the control channel's shared secret (see
+    :func:`.control.resolve_key`). ``atomic`` (default): stage each version in
+    one buffer on ``device`` and apply it at its end, so an interrupted version
+    leaves the previous one in place; ``atomic=False`` writes buckets as they
+    arrive (no staging memory) and, after an interruption, reports no complete
+    version (``applied_version`` None) and refuses the verifier's forward passes
+    until the next complete version. ``ipc-direct`` and ``ipc-push`` always
+    write in place."""
+    receiver = WeightReceiver(consumer, atomic=atomic, device=device)
     device = torch.device(device)
-    with Listener(parse_address(address), authkey=resolve_authkey(authkey, address)) as listener:
-        sock = getattr(getattr(listener, "_listener", None), "_socket", None)
-        if sock is not None:
-            sock.settimeout(timeout_s)
+    with control.Listener(address, key=authkey) as listener:
         try:
-            conn = _no_delay(listener.accept())
-        except TimeoutError as exc:
-            raise ReceiverError(f"no trainer connected to {address} within {timeout_s:.0f}s") from exc
-    pg, bufs, plan, direct, push = None, [], None, None, False
+            ch = listener.accept(timeout_s)
+        except ControlError as exc:
+            raise ReceiverError(str(exc)) from exc
+    state = _Serving(receiver, consumer, device)
     try:
         while True:
-            if not conn.poll(timeout_s):
-                raise ReceiverError(f"trainer sent nothing for {timeout_s:.0f}s")
             try:
-                msg = conn.recv()
-            except EOFError:
-                break
-            kind = msg[0]
-            if kind == "join":
-                _, host, port, rank, world, backend, t = msg
-                store = dist.TCPStore(host, port, world, is_master=False, timeout=datetime.timedelta(seconds=t))
-                pg = make_group(store, rank, world, backend, t)
-            elif kind == "plan":
                 try:
-                    receiver.set_plan(msg[1])
-                except PlanMismatch as exc:
-                    conn.send(("refuse", str(exc)))
-                    continue
-                plan, info = msg[1], msg[2]
-                push = info.get("kind") == "ipc-push"
-                if push:
-                    try:
-                        shared = _share_targets(push_targets(plan, consumer))
-                    except ValueError as exc:
-                        receiver.plan = None
-                        conn.send(("refuse", str(exc)))
-                        continue
-                    torch.cuda.synchronize(device)  # nothing of ours still reads the weights
-                    conn.send(("ready", shared))
-                    continue
-                if info.get("kind") == "ipc":
-                    bufs = [open_shared(h) for h in info["handles"]]
-                elif info.get("kind") == "ipc-direct":
-                    bases = [open_shared(h) for h in info["handles"]]
-                    direct = (bases, *direct_copies(bases, info["entries"], consumer))
-                elif pg is not None:
-                    bufs = [torch.empty(plan.buffer_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
-                conn.send(("ready",))
-            elif kind == "begin":
-                receiver.begin(msg[1])
-                if direct is not None:
-                    receiver.load_direct(direct[1], direct[2])
-                elif pg is not None:
-                    _receive_broadcast(pg, plan, bufs, receiver)
-            elif kind == "bucket":
-                _, index, slot = msg
-                receiver.load_bucket(plan.buckets[index], bufs[slot])
-                if device.type == "cuda":
-                    torch.cuda.current_stream(device).synchronize()
-                conn.send(("done", index))
-            elif kind == "end":
-                if push:
-                    receiver.pushed()
-                conn.send(("applied", receiver.finish(msg[1])))
-                if on_version is not None:
-                    on_version(receiver.applied_version)
-            elif kind == "forward":
-                conn.send(("logits", consumer.logits(msg[1])))
-            elif kind == "close":
+                    msg = ch.recv(timeout_s)
+                except ControlError as exc:
+                    if "closed the connection" in str(exc):
+                        raise _TrainerGone(str(exc)) from exc
+                    raise ReceiverError(f"weight receiver at {address}: {exc}") from exc
+                if msg.kind == "close":
+                    break
+                state.handle(msg, ch)
+            except _TrainerGone as exc:
+                if receiver._version is not None:
+                    held = receiver.abort()
+                    log.warning("weight receiver at %s: the trainer went away during a version (%s); the engine "
+                                "holds %s", address, exc,
+                                f"version {held}" if held is not None else "no complete version")
                 break
-            else:
-                raise ReceiverError(f"unknown message {kind!r} from the trainer")
-    except Exception as exc:
-        try:
-            conn.send(("error", f"{type(exc).__name__}: {exc}"))
-        except OSError:
-            pass
-        raise
+            except PlanMismatch as exc:
+                receiver.plan = None
+                ch.send("refuse", reason=str(exc))
+                continue
+            except Exception as exc:
+                receiver.abort()
+                try:
+                    ch.send("error", reason=f"{type(exc).__name__}: {exc}")
+                except ControlError:
+                    pass
+                raise
+            if msg.kind == "end" and on_version is not None:
+                on_version(receiver.applied_version)
     finally:
-        conn.close()
+        ch.close()
     return receiver
+
+
+class _TrainerGone(ReceiverError):
+    """The trainer closed its connection or its process group went away."""
+
+
+class _Serving:
+    """The engine side of one trainer connection: what each control message does."""
+
+    def __init__(self, receiver: WeightReceiver, consumer, device: torch.device):
+        self.receiver, self.consumer, self.device = receiver, consumer, device
+        self.pg, self.bufs, self.plan, self.direct, self.push = None, [], None, None, False
+
+    def handle(self, msg: control.Message, ch: control.Channel) -> None:
+        r = self.receiver
+        if msg.kind == "join":
+            store = dist.TCPStore(msg["host"], msg["port"], msg["world"], is_master=False,
+                                  timeout=datetime.timedelta(seconds=msg["timeout_s"]))
+            self.pg = make_group(store, msg["rank"], msg["world"], msg["backend"], msg["timeout_s"])
+        elif msg.kind == "plan":
+            self._plan(ExportPlan.from_wire(msg["plan"]), msg["info"], ch)
+        elif msg.kind == "begin":
+            r.begin(msg["version"], in_place=self.push or self.direct is not None)
+            if self.direct is not None:
+                r.load_direct(self.direct[1], self.direct[2])
+            elif self.pg is not None:
+                _receive_broadcast(self.pg, self.plan, self.bufs, r)
+        elif msg.kind == "bucket":
+            bucket = self.plan.buckets[msg["index"]]
+            r.load_bucket(bucket, self.bufs[msg["slot"]])
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+            ch.send("done", index=bucket.index)
+        elif msg.kind == "end":
+            if self.push:
+                r.pushed()
+            ch.send("applied", version=r.finish(msg["version"]))
+        elif msg.kind == "abort":
+            ch.send("aborted", holds=r.abort())
+        elif msg.kind == "forward":
+            if not r.holds_complete_version:
+                ch.send("error", reason="the engine holds no complete version (the last refit was interrupted "
+                                        "after it wrote part of the weights); refit again before running it")
+                return
+            tokens = control.blob_tensor(msg["tokens"], msg.blobs[0])
+            meta, blob = control.tensor_blob(self.consumer.logits(tokens))
+            ch.send("logits", logits=meta, blobs=[blob])
+        else:
+            raise ReceiverError(f"unknown message {msg.kind!r} from the trainer")
+
+    def _plan(self, plan: ExportPlan, info: dict, ch: control.Channel) -> None:
+        r = self.receiver
+        r.set_plan(plan)
+        self.plan, self.direct, self.bufs = plan, None, []
+        kind = info.get("kind")
+        self.push = kind == "ipc-push"
+        if self.push:
+            try:
+                handles, entries = _share_targets(push_targets(plan, self.consumer))
+            except ValueError as exc:
+                raise PlanMismatch(str(exc)) from None
+            torch.cuda.synchronize(self.device)  # nothing of ours still reads the weights
+            ch.send("ready", handles=handles, entries=entries)
+            return
+        if kind == "ipc":
+            self.bufs = [open_shared(h) for h in info["handles"]]
+        elif kind == "ipc-direct":
+            bases = [open_shared(h) for h in info["handles"]]
+            self.direct = (bases, *direct_copies(bases, info["entries"], self.consumer))
+        elif self.pg is not None and not r.atomic:  # atomic receivers take broadcasts into their staging
+            self.bufs = [torch.empty(plan.buffer_bytes, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        ch.send("ready")
 
 
 def _receive_broadcast(pg, plan: ExportPlan, bufs, receiver: WeightReceiver) -> None:
     """Receive every bucket of one version; the next bucket's broadcast is posted
-    before the current one is loaded, so receiving and loading overlap."""
+    before the current one is loaded, so receiving and loading overlap. An atomic
+    receiver takes each bucket straight into its staging buffer."""
     buckets = plan.buckets
     works = {}
 
-    def post(i):
+    def target(i):
         b = buckets[i]
-        works[i] = pg.broadcast(bufs[i % 2][:b.nbytes], 0)
+        stage = receiver.staging(b)
+        return stage if stage is not None else bufs[i % 2][:b.nbytes]
+
+    def post(i):
+        works[i] = pg.broadcast(target(i), 0)
 
     if buckets:
         post(0)
     for i, b in enumerate(buckets):
-        works.pop(i).wait()
+        try:
+            works.pop(i).wait()
+        except Exception as exc:  # gloo: the trainer is gone; NCCL: timeout/abort
+            raise _TrainerGone(f"the trainer's broadcast of bucket {b.index} failed ({exc})") from exc
         if i + 1 < len(buckets):
             post(i + 1)
-        receiver.load_bucket(b, bufs[i % 2])
+        if receiver.staging(b) is not None:
+            receiver.arrived(b)
+        else:
+            receiver.load_bucket(b, bufs[i % 2])

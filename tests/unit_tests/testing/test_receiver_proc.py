@@ -29,7 +29,7 @@ def _export_to(address):
     ps.initialize_model_parallel()
     model = tiny_llama.build_model(SPEC, tiny_llama.transformer_config(SPEC))
     exporter = wx.WeightExporter(model, wx.WeightExportConfig(
-        target=address, transport="ipc", vocab_size=SPEC.hf_vocab_size, timeout_s=CONNECT_TIMEOUT_S))
+        target=address, transport="broadcast", vocab_size=SPEC.hf_vocab_size, timeout_s=CONNECT_TIMEOUT_S))
     exporter.export()
 
 

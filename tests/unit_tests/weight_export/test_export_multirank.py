@@ -106,7 +106,7 @@ def test_trainer_streams_to_hf_receiver_process(tp, pp, dp, backend, transport, 
         assert rank_out["extra"] <= 4 * rank_out["buffer"]
 
 
-def _trainer_against_bad_receivers(wrong_target, dying_target, dying_ipc_target):
+def _trainer_against_bad_receivers(wrong_target, dying_target):
     from megatron.core import parallel_state as ps
 
     from megatron_ext import weight_export as wx
@@ -114,8 +114,7 @@ def _trainer_against_bad_receivers(wrong_target, dying_target, dying_ipc_target)
     ps.initialize_model_parallel()
     model = tiny_llama.build_model(SPEC, tiny_llama.transformer_config(SPEC))
     outcomes = {}
-    for what, target, transport in (("wrong", wrong_target, "broadcast"), ("dying", dying_target, "broadcast"),
-                                    ("dying-ipc", dying_ipc_target, "ipc")):
+    for what, target, transport in (("wrong", wrong_target, "broadcast"), ("dying", dying_target, "broadcast")):
         exporter = wx.WeightExporter(model, wx.WeightExportConfig(
             target=target, transport=transport, backend="gloo", bucket_size_mb=0.03,
             vocab_size=SPEC.hf_vocab_size, timeout_s=30))
@@ -132,12 +131,11 @@ def _trainer_against_bad_receivers(wrong_target, dying_target, dying_ipc_target)
 def test_wrong_plan_refused_and_dead_receiver_fails_fast():
     wrong_spec = dataclasses.replace(SPEC, num_query_groups=4)  # k/v_proj shapes differ
     with start_hf_receiver(tiny_llama.build_hf, (wrong_spec,)) as wrong, \
-            start_hf_receiver(tiny_llama.build_hf, (SPEC,), die_after=2) as dying, \
-            start_hf_receiver(tiny_llama.build_hf, (SPEC,), die_after=2) as dying_ipc:
+            start_hf_receiver(tiny_llama.build_hf, (SPEC,), die_after=2) as dying:
         (outcomes,) = run_on_ranks(_trainer_against_bad_receivers, 1,
-                                   args=(wrong.address, dying.address, dying_ipc.address),
+                                   args=(wrong.address, dying.address),
                                    backend="gloo", timeout=TIMEOUT)
-        got_wrong, got_dying, got_dying_ipc = wrong.result(), dying.result(), dying_ipc.result()
+        got_wrong, got_dying = wrong.result(), dying.result()
     message, kind, _ = outcomes["wrong"]
     assert kind == "PlanMismatch", message
     assert "'model.layers.0.self_attn.k_proj.weight' has shape (32, 64), the receiver's has (64, 64)" in message
@@ -147,10 +145,10 @@ def test_wrong_plan_refused_and_dead_receiver_fails_fast():
     for name, p in untouched.named_parameters():
         assert torch.equal(got["state"][name], p), f"{name} was written despite the refusal"
 
-    for what, got in (("dying", got_dying), ("dying-ipc", got_dying_ipc)):
+    for what, got in (("dying", got_dying),):
         message, kind, seconds = outcomes[what]
         assert kind == "ReceiverError", message
         assert "receiver" in message and ("died" in message or "failed" in message), message
         assert seconds < 30, f"{what}: took {seconds:.1f}s to notice the dead receiver"
         assert got["exitcode"] == 3
-    assert dying_ipc.address in outcomes["dying-ipc"][0]
+    assert dying.address in outcomes["dying"][0]

@@ -1,6 +1,6 @@
 """One trainer rank streams to a Hugging Face model in another process over each
-cross-process transport: shared buffers with acknowledgements (CUDA IPC on a
-GPU, shared-memory files on CPU) and NCCL broadcast from GPU 0 to GPU 1."""
+cross-process transport: broadcast (gloo on CPU, NCCL from GPU 0 to GPU 1) and
+CUDA IPC on one GPU (shared buffers with acknowledgements, direct, push)."""
 
 import pytest
 import torch
@@ -42,7 +42,7 @@ def _trainer(target, transport, backend):
 
 
 @pytest.mark.parametrize("transport,backend,receiver_device", [
-    ("ipc", "gloo", "cpu"),
+    ("broadcast", "gloo", "cpu"),
     pytest.param("ipc", "nccl", "cuda:0", marks=pytest.mark.gpus(1), id="cuda-ipc-same-gpu"),
     pytest.param("ipc-direct", "nccl", "cuda:0", marks=pytest.mark.gpus(1), id="cuda-ipc-direct-same-gpu"),
     pytest.param("ipc-push", "nccl", "cuda:0", marks=pytest.mark.gpus(1), id="cuda-ipc-push-same-gpu"),

@@ -1,0 +1,163 @@
+"""The control channel (weight_export.control): keys, loopback decided on resolved
+addresses, framed JSON (no pickles), and a listener that survives strangers while
+every wait is bounded."""
+
+import os
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from megatron_ext.weight_export import control
+from megatron_ext.weight_export.control import KEY_ENV, ControlError
+from megatron_ext.weight_export.plan import BucketMeta, ExportPlan, PlanMismatch, TensorMeta
+
+
+@pytest.fixture
+def key_dir(tmp_path, monkeypatch):
+    """This test's own per-user key directory, and no key in the environment."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    return tmp_path
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("host,loopback", [
+    ("127.0.0.1", True), ("localhost", True), ("::1", True), ("[::1]", True),
+    ("10.1.2.3", False), ("localhost.invalid", False), ("127.attacker.invalid", False), ("::1ab", False),
+])
+def test_loopback_is_decided_on_resolved_addresses(host, loopback):
+    assert control.is_loopback(host) is loopback
+
+
+def test_keys_explicit_env_or_a_private_per_user_file(key_dir, monkeypatch):
+    assert control.resolve_key("10.1.2.3:5000", b"s3cret") == b"s3cret"
+    with pytest.raises(ValueError, match=KEY_ENV):  # off loopback a key must be given
+        control.resolve_key("10.1.2.3:5000")
+    with pytest.raises(ValueError, match=KEY_ENV):  # a name that only looks like loopback
+        control.resolve_key("127.attacker.invalid:5000")
+    with pytest.raises(ControlError, match="start the engine"):  # the trainer side never creates it
+        control.resolve_key("127.0.0.1:5000")
+    engine = control.resolve_key("127.0.0.1:5000", create=True)
+    assert len(engine) == 64 and engine == control.resolve_key("localhost:5001")
+    path = key_dir / f"megatron_ext-{os.getuid()}"
+    assert (path.stat().st_mode & 0o777) == 0o700 and ((path / "control.key").stat().st_mode & 0o077) == 0
+    monkeypatch.setenv(KEY_ENV, "from-env")
+    assert control.resolve_key("10.1.2.3:5000") == b"from-env" == control.resolve_key("127.0.0.1:5000")
+    monkeypatch.delenv(KEY_ENV)
+    path.chmod(0o777)  # a key directory others may write to is refused
+    with pytest.raises(ControlError, match="mode 0700"):
+        control.resolve_key("127.0.0.1:5000")
+
+
+def test_tensors_and_plans_travel_as_data():
+    for t in (torch.randn(3, 5).to(torch.bfloat16), torch.arange(7), torch.empty(0, 4)):
+        meta, blob = control.tensor_blob(t)
+        assert torch.equal(control.blob_tensor(meta, blob), t)
+    with pytest.raises(ControlError, match="needs 8 bytes"):
+        control.blob_tensor({"dtype": "float32", "shape": [2]}, b"\0" * 7)
+    with pytest.raises(ControlError, match="unknown dtype"):
+        control.blob_tensor({"dtype": "object", "shape": [1]}, b"\0")
+    plan = ExportPlan((BucketMeta(0, 0, 512, (TensorMeta("a", torch.bfloat16, (4, 8), 0, 64),
+                                               TensorMeta("b", torch.float32, (3,), 256, 12)), ()),), 512)
+    back = ExportPlan.from_wire(control.from_wire(control.to_wire(plan.to_wire())))
+    assert back.fingerprint == plan.fingerprint and back.buckets[0].tensors == plan.buckets[0].tensors
+    bad = plan.to_wire()
+    bad["buckets"][0]["tensors"][1][3] = 510  # runs past its bucket
+    with pytest.raises(PlanMismatch, match="malformed"):
+        ExportPlan.from_wire(bad)
+
+
+def _strangers(address, port, results):
+    """What a deployment meets: a health check, a port scan, garbage, a wrong key, a peer that says nothing."""
+    for payload in (b"", b"GET / HTTP/1.0\r\n\r\n", b"\x00\x00\x00\x05{bad}", os.urandom(64)):
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(payload)
+    try:
+        control.connect(address, timeout_s=5, key=b"not the key")
+    except ControlError as exc:
+        results["wrong_key"] = str(exc)
+    silent = socket.create_connection(("127.0.0.1", port))
+    start = time.monotonic()
+    results["good"] = control.connect(address, timeout_s=30, what="engine")
+    results["good_s"] = time.monotonic() - start
+    silent.close()
+
+
+def test_listener_survives_strangers_and_serves_its_trainer(key_dir):
+    port = _port()
+    address = f"127.0.0.1:{port}"
+    results = {}
+    with control.Listener(address) as listener:
+        t = threading.Thread(target=_strangers, args=(address, port, results))
+        t.start()
+        ch = listener.accept(60, handshake_s=2)
+        t.join()
+        assert listener.rejected == 6, listener.rejected  # 4 strangers, the wrong key, the silent one
+    assert "refused the connection: wrong key" in results["wrong_key"], results
+    assert results["good_s"] < 15, results  # the silent peer held the listener for its 2 s handshake only
+    good = results["good"]
+    meta, blob = control.tensor_blob(torch.arange(6.0))
+    good.send("forward", tokens=meta, blobs=[blob], note="hi")
+    msg = ch.recv(5)
+    assert (msg.kind, msg["note"]) == ("forward", "hi")
+    assert torch.equal(control.blob_tensor(msg["tokens"], msg.blobs[0]), torch.arange(6.0))
+    with pytest.raises(ControlError, match="did not answer in time"):
+        good.recv(0.3)
+    ch.close()
+    with pytest.raises(ControlError, match="closed the connection"):
+        good.recv(5)
+    good.close()
+
+
+def test_every_wait_is_bounded_and_names_the_peer(key_dir):
+    control.resolve_key("127.0.0.1:1", create=True)  # as an engine on this host would
+    port = _port()
+    start = time.monotonic()
+    with pytest.raises(ControlError, match=f"nothing is listening at 127.0.0.1:{port} after 1s.*is the engine running"):
+        control.connect(f"127.0.0.1:{port}", timeout_s=1)
+    assert time.monotonic() - start < 5
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts TCP, never speaks (a stopped engine)
+        start = time.monotonic()
+        with pytest.raises(ControlError, match="did not answer in time"):
+            control.connect(f"127.0.0.1:{silent.getsockname()[1]}", timeout_s=2)
+        assert time.monotonic() - start < 6
+    with control.Listener(f"127.0.0.1:{port}") as listener:
+        start = time.monotonic()
+        with pytest.raises(ControlError, match=f"no trainer connected to 127.0.0.1:{port} within 1s"):
+            listener.accept(1)
+        assert time.monotonic() - start < 5
+
+
+def _other_addresses() -> list[str]:
+    out = set()
+    for host in (socket.gethostname(), socket.getfqdn()):
+        try:
+            out.update(i[4][0] for i in socket.getaddrinfo(host, None, socket.AF_INET))
+        except socket.gaierror:
+            pass
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # the interface of the default route
+        try:
+            s.connect(("10.255.255.255", 1))
+            out.add(s.getsockname()[0])
+        except OSError:
+            pass
+    return sorted(a for a in out if not a.startswith(("127.", "0.")))
+
+
+def test_listener_binds_only_the_interface_it_is_given(key_dir):
+    others = _other_addresses()
+    if not others:
+        pytest.skip("this machine has no non-loopback IPv4 address to probe")
+    port = _port()
+    with control.Listener(f"127.0.0.1:{port}"):
+        for addr in others:
+            with pytest.raises(OSError):
+                socket.create_connection((addr, port), timeout=2).close()
