@@ -6,12 +6,13 @@ Trainer side::
     result = exporter.maybe_export(step)       # or exporter.export()
 
 Engine side: :func:`serve` (a process listening at the target address) with a
-consumer exposing ``load_weights(iterable of (hf_name, tensor))``; see
-docs/weight_export.md.
+consumer exposing ``load_weights(iterable of (hf_name, tensor))``, or the
+command ``python -m megatron_ext.weight_export.engine --model DIR --address
+HOST:PORT`` for a Hugging Face model; see docs/weight_export.md.
 """
 
 from .config import TRANSPORTS, ReshardRefitConfig, WeightExportConfig, add_reshard_refit_args, add_weight_export_args
-from .exporter import ExportResult, WeightExporter
+from .exporter import ExportResult, NonFiniteWeights, WeightExporter
 from .layout import (Box, Layout, TensorSpec, gpt_specs, inference_layout, megatron_layout, ntp_megatron_layout,
                      specs_from_config, specs_from_model)
 from .reshard import (FanoutRefit, RefitGate, RefitRejected, RefitStats, ReshardExecutor, megatron_tensors,
@@ -33,7 +34,8 @@ __all__ = [
     "specs_from_config",
     "specs_from_model",
     "TRANSPORTS", "BroadcastSender", "BucketMeta", "ExportPlan", "ExportResult", "HFModelConsumer",
-    "InProcessSender", "IpcDirectSender", "IpcPushSender", "IpcSender", "LoadWeightsConsumer", "PlanMismatch",
+    "InProcessSender", "IpcDirectSender", "IpcPushSender", "IpcSender", "LoadWeightsConsumer", "NonFiniteWeights",
+    "PlanMismatch",
     "ReceiverError", "Source",
     "TensorMeta", "UnsupportedParameter", "VerifyResult", "WeightExportConfig", "WeightExporter",
     "WeightReceiver", "add_weight_export_args", "build_plan", "check_plan", "hf_config_from_megatron",

@@ -63,7 +63,9 @@ class WeightExportConfig:
     None sizes it from free device memory (5%, within 16..1024 MiB).
     ``every_n_steps``: export after every N optimizer steps (0: only when
     ``exporter.export()`` is called). ``vocab_size``: the HF vocabulary (Megatron's
-    padded rows beyond it are not exported).
+    padded rows beyond it are not exported). ``check_finite``: refuse to publish a
+    version with a NaN or Inf weight (one fused max-abs reduction per bucket on the
+    export rank, read once per export: one more read of the exported bytes).
     """
 
     target: str | None = None
@@ -73,6 +75,7 @@ class WeightExportConfig:
     backend: str = "auto"
     timeout_s: float = 120.0
     vocab_size: int | None = None
+    check_finite: bool = True
 
     def __post_init__(self):
         if self.transport not in TRANSPORTS:
@@ -113,12 +116,8 @@ class WeightExportConfig:
             target=args.weight_export_target, transport=args.weight_export_transport,
             bucket_size_mb=args.weight_export_bucket_size_mb, every_n_steps=args.weight_export_every_n_steps,
             backend=args.weight_export_backend, timeout_s=args.weight_export_timeout_s,
-            vocab_size=args.weight_export_vocab_size,
+            vocab_size=args.weight_export_vocab_size, check_finite=args.weight_export_check_finite,
         )
-
-    @property
-    def enabled_in_training(self) -> bool:
-        return self.every_n_steps > 0
 
 
 def add_weight_export_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -142,6 +141,8 @@ def add_weight_export_args(parser: argparse.ArgumentParser) -> argparse.Argument
                    help="fail an export when a receiver does not answer within this many seconds")
     g.add_argument("--weight-export-vocab-size", type=int, default=d.vocab_size,
                    help="HF vocabulary size (trims Megatron's padded embedding rows)")
+    g.add_argument("--weight-export-check-finite", action=argparse.BooleanOptionalAction, default=d.check_finite,
+                   help="refuse to publish a version with NaN/Inf weights (one fused check per bucket)")
     return parser
 
 

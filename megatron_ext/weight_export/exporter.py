@@ -30,7 +30,7 @@ from .hf_mapping import Source, copy_all, local_sources, unwrap
 from .plan import ExportPlan, build_plan, unpack
 from .transport import BroadcastSender, InProcessSender, IpcDirectSender, IpcPushSender, IpcSender
 
-__all__ = ["ExportResult", "WeightExporter"]
+__all__ = ["ExportResult", "NonFiniteWeights", "WeightExporter"]
 
 log = logging.getLogger(__name__)
 MiB = 1 << 20
@@ -102,6 +102,41 @@ class _Layout:
             coords = [None] * dist.get_world_size(self.expert_group)
             dist.all_gather_object(coords, (self.ep_rank, self.etp_rank), group=self.expert_group)
             self.expert_coords = [tuple(c) for c in coords]
+
+
+class NonFiniteWeights(ValueError):
+    """A version had NaN or Inf weights; it was not published (the engines keep the
+    version they had, or, after an in-place write, report that they hold none)."""
+
+
+_CHECKED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+class _FiniteCheck:
+    """Per-tensor "all finite" flags of one export, computed with one fused max-abs
+    reduction per dtype and batch of tensors, kept on the device and read once."""
+
+    def __init__(self):
+        self.names: list[str] = []
+        self.flags: list[torch.Tensor] = []
+
+    def add(self, named) -> None:
+        groups: dict[torch.dtype, tuple[list, list]] = {}
+        for name, t in named:
+            if t.dtype in _CHECKED_DTYPES and t.numel():
+                names, ts = groups.setdefault(t.dtype, ([], []))
+                names.append(name)
+                ts.append(t)
+        for names, ts in groups.values():
+            self.names += names
+            self.flags.append(torch.stack(torch._foreach_norm(ts, float("inf"))).isfinite())
+
+    def bad(self) -> list[str]:
+        """The tensors with a NaN or Inf (one device-to-host read)."""
+        if not self.flags:
+            return []
+        ok = torch.cat([f.to(self.flags[0].device) for f in self.flags]).tolist()
+        return [n for n, good in zip(self.names, ok) if not good]
 
 
 def auto_bucket_bytes(device: torch.device) -> int:
@@ -261,6 +296,11 @@ class WeightExporter:
             if sender._info is None or self._direct_for != self._signature:
                 sender.prepare([s for b in self._bucket_sources for s in b], dict(self.model.named_parameters()))
                 self._direct_for = self._signature
+            if self.config.check_finite:  # before the engine copies anything
+                check = _FiniteCheck()
+                check.add((s.mcore_name, self.model.get_parameter(s.local_name).detach())
+                          for b in self._bucket_sources for s in b)
+                self._refuse_nonfinite(check)
             sender.start(plan, [], self.version)
             applied = tuple(sender.finish(self.version))
             self.last_result = ExportResult(self.version, plan.total_bytes, time.perf_counter() - start,
@@ -276,23 +316,42 @@ class WeightExporter:
         if sender is not None:
             sender.start(plan, self._buffers, self.version)
         pending = [None, None]
+        check = _FiniteCheck() if self.config.check_finite and self.is_export_rank else None
         try:
-            self._stream_buckets(plan, sender, pending)
+            self._stream_buckets(plan, sender, pending, check)
+            if check is not None:
+                self._refuse_nonfinite(check)
         except BaseException:
             # Let in-flight sends finish or fail (each bounded by the timeout), so no
-            # transfer is left writing into a buffer or blocking the group's teardown.
+            # transfer is left writing into a buffer or blocking the group's teardown;
+            # then the receivers drop the version (they keep the previous one).
             for p in pending:
                 try:
                     if p is not None:
                         p.wait()
                 except Exception:  # noqa: BLE001 - the first error is the one raised
                     pass
+            if sender is not None:
+                sender.abort(self.version)
             raise
         applied = tuple(sender.finish(self.version)) if sender is not None else ()
         nbytes = plan.total_bytes if self.is_export_rank else 0
         self.last_result = ExportResult(self.version, nbytes, time.perf_counter() - start,
                                         len(plan.buckets), applied)
+        if self.is_export_rank:
+            r = self.last_result
+            log.info("weight export: version %d, %.1f MB in %d buckets, %.1f ms, %.2f GB/s; receivers applied %s",
+                     r.version, r.nbytes / 1e6, r.num_buckets, r.seconds * 1e3, r.gbps, list(r.applied))
         return self.last_result
+
+    def _refuse_nonfinite(self, check: _FiniteCheck) -> None:
+        bad = check.bad()
+        if bad:
+            raise NonFiniteWeights(
+                f"version {self.version} has NaN/Inf in {len(bad)} tensor(s): {', '.join(bad[:5])}"
+                f"{' ...' if len(bad) > 5 else ''}; it was not published (the engines keep their version). Fix "
+                "the training step (loss scale, learning rate, data), or pass check_finite=False / "
+                "--no-weight-export-check-finite to export anyway")
 
     def verify(self, tokens: torch.Tensor):
         """Run ``tokens`` through the Megatron model (every rank of the replica) and
@@ -309,7 +368,7 @@ class WeightExporter:
             got = sender.request_logits(tokens)
         return verify_export(reference, got)
 
-    def _stream_buckets(self, plan, sender, pending) -> None:
+    def _stream_buckets(self, plan, sender, pending, check: _FiniteCheck | None = None) -> None:
         lay = self.layout
         push = self.is_export_rank and getattr(sender, "push", False)
         for bucket, sources in zip(plan.buckets, self._bucket_sources):
@@ -330,6 +389,9 @@ class WeightExporter:
                 dist.recv(out[:bucket.nbytes], src=lay.stage_leaders[bucket.pp_rank])
                 if push:
                     copy_all([(sender.views[name], t) for name, t in unpack(bucket, out)])
+            if check is not None:
+                check.add((t.name, sender.views[t.name]) for t in bucket.tensors) if push else check.add(
+                    unpack(bucket, out))
             if push:
                 continue
             if self.is_export_rank:

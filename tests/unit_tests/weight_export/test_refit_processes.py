@@ -1,0 +1,142 @@
+"""The export hook with the trainer and the engine as independent processes, each started
+by its own command (``python -m megatron_ext.weight_export.engine`` and
+``python -m megatron_ext.testing.export_trainer``), with the faults deployments hit:
+strangers on the engine's port, the trainer killed mid-refit, non-finite weights, an
+engine stopped before the handshake. The engine keeps its previous complete version
+bit for bit (or says it holds none), and every wait is bounded."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from megatron_ext.testing import tiny_llama
+
+SPEC = tiny_llama.TinyLlamaSpec()  # the export trainer's default model
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def env(tmp_path):
+    """Both commands' environment: a private key directory (the engine creates the loopback key there)."""
+    keys = tmp_path / "run"
+    keys.mkdir(mode=0o700)
+    return {**os.environ, "XDG_RUNTIME_DIR": str(keys), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    path = tmp_path / "hf_model"
+    tiny_llama.build_hf(SPEC).save_pretrained(path)
+    return path
+
+
+def _engine(model_dir, address, env, *extra):
+    return subprocess.Popen([sys.executable, "-m", "megatron_ext.weight_export.engine", "--model", str(model_dir),
+                             "--address", address, "--device", "cpu", "--timeout-s", "90", *extra],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_listening(port: int, proc, timeout_s: float = 90) -> None:
+    """Until the engine accepts TCP (each probe is a bare connect: the engine must shrug it off)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[0]
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise AssertionError(f"the engine did not listen at {port} within {timeout_s}s")
+
+
+def _trainer(address, out, env, *extra, timeout=180):
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "megatron_ext.testing.export_trainer", "--target", address,
+                           "--out", str(out), *extra], env=env, capture_output=True, text=True, timeout=timeout)
+    return proc, torch.load(out, weights_only=False), time.monotonic() - start
+
+
+def _saved_state(path):
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+def _assert_holds(state, sent):
+    assert state.keys() == sent.keys()
+    for name, t in sent.items():
+        assert torch.equal(state[name], t), name
+
+
+def test_engine_keeps_its_complete_version_through_strangers_a_killed_trainer_and_nan(tmp_path, env, model_dir):
+    port = _port()
+    address = f"127.0.0.1:{port}"
+    saved = tmp_path / "after"
+    engine = _engine(model_dir, address, env, "--sessions", "2", "--save", str(saved))
+    try:
+        _wait_listening(port, engine)
+        for payload in (b"GET / HTTP/1.0\r\n\r\n", os.urandom(100), b"\x00\x00\x10\x00{"):
+            with socket.create_connection(("127.0.0.1", port)) as s:
+                s.sendall(payload)
+        # Session 1: version 1 (and the verifier's forward pass across processes), then the
+        # trainer is SIGKILLed after 3 buckets of version 2 have reached the engine.
+        killed, first, _ = _trainer(address, tmp_path / "t1.pt", env, "--verify", "--kill-in-version", "2",
+                                    "--kill-after-buckets", "3")
+        assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+        assert first["applied"] == [(1,)] and first["error"] is None and 2 in first["sent"]
+        assert first["kl"] is not None and first["kl"] < 1e-6
+        # Session 2: version 1 again, then a NaN weight: version 2 is refused by name, never published.
+        nan, second, _ = _trainer(address, tmp_path / "t2.pt", env, "--nan-in-version", "2")
+        assert nan.returncode == 3 and second["error_type"] == "NonFiniteWeights", second["error"]
+        assert "NaN/Inf in 1 tensor(s): model.embed_tokens.weight" in second["error"]
+        assert second["applied"] == [(1,)]
+        out, _ = engine.communicate(timeout=120)
+    finally:
+        engine.kill()
+    assert engine.returncode == 0, out
+    assert out.count("session 1 ended; the model holds version 1") == 1, out
+    assert out.count("session 2 ended; the model holds version 1") == 1, out
+    assert "dropped a connection" in out, out  # the strangers were logged, not fatal
+    _assert_holds(_saved_state(saved), first["sent"][1])  # bit for bit: nothing of the killed or NaN version
+    assert not torch.equal(first["sent"][2]["model.norm.weight"], first["sent"][1]["model.norm.weight"])
+
+
+def test_streaming_engine_reports_no_complete_version_and_a_stopped_engine_fails_the_trainer_in_time(
+        tmp_path, env, model_dir):
+    port = _port()
+    address = f"127.0.0.1:{port}"
+    engine = _engine(model_dir, address, env, "--no-atomic")
+    try:
+        killed, first, _ = _trainer(address, tmp_path / "t1.pt", env, "--kill-in-version", "2",
+                                    "--kill-after-buckets", "3")
+        assert killed.returncode == -signal.SIGKILL and first["applied"] == [(1,)], killed.stderr[-3000:]
+        out, _ = engine.communicate(timeout=120)
+    finally:
+        engine.kill()
+    assert engine.returncode == 0 and "session 1 ended; the model holds no complete version" in out, out
+    # An engine stopped (SIGSTOP) before the handshake: the trainer's wait is bounded by its timeout.
+    port = _port()
+    address = f"127.0.0.1:{port}"
+    engine = _engine(model_dir, address, env)
+    try:
+        _wait_listening(port, engine)
+        engine.send_signal(signal.SIGSTOP)
+        stopped, got, seconds = _trainer(address, tmp_path / "t2.pt", env, "--timeout-s", "5")
+        assert stopped.returncode == 3 and got["error_type"] == "ReceiverError", got["error"]
+        assert f"the weight receiver at {address} did not answer in time" in got["error"], got["error"]
+        assert seconds < 60, f"the trainer took {seconds:.0f}s with --timeout-s 5"
+    finally:
+        engine.send_signal(signal.SIGCONT)
+        engine.kill()
+        engine.communicate()
