@@ -94,7 +94,7 @@ def _rank(spec, iters, limit_bytes, bucket_bytes, settings, layout="cross"):
     from megatron_ext.weight_export.layout import inference_layout, megatron_layout, specs_from_config
     from megatron_ext.weight_export.reshard import ReshardExecutor, megatron_tensors
     from megatron_ext.weight_export.reshard_plan import build_reshard_plan
-    from refit import _mconfig
+    from common import megatron_config as _mconfig
 
     world, rank = dist.get_world_size(), dist.get_rank()
     tp = world // 2 if layout == "cross" else world
@@ -213,7 +213,7 @@ def _settings(sweep: str | None, bucket_mb: float, max_inflight: int, streaming:
 
 
 def main(argv=None) -> int:
-    from refit import PRESETS, spec_for
+    from common import PRESETS, spec_for
 
     from megatron_ext.weight_export import simulate
 
