@@ -27,12 +27,18 @@ from __future__ import annotations
 import collections
 import copy
 import io
+import logging
+import re
+import time
 from typing import Any, Mapping, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
 from .reshard import ShardSpec, shard_spec
+
+log = logging.getLogger(__name__)
+_LAYER = re.compile(r"(.*?layers\.\d+)\.")
 
 __all__ = ["gather_full_state", "is_extra_state", "merge_tp_shards", "ntp_to_uniform", "shard_specs",
            "split_tp_full", "uniform_to_ntp"]
@@ -59,6 +65,32 @@ def shard_specs(module: torch.nn.Module, gated_linear_unit: bool) -> dict[str, S
         if n not in specs and torch.is_tensor(t) and not is_extra_state(n):
             specs[n] = shard_spec(n, t, gated_linear_unit)
     return specs
+
+
+class _Progress:
+    """One INFO line per tensor group (a transformer layer, or the rest) of a conversion."""
+
+    def __init__(self, what: str, total: int):
+        self.what, self.total, self.done = what, total, 0
+        self.group, self.group_tensors, self.group_bytes = None, 0, 0
+        self.start = time.perf_counter()
+
+    def step(self, name: str, nbytes: int) -> None:
+        m = _LAYER.match(name)
+        group = m.group(1) if m else "other tensors"
+        if group != self.group:
+            self.flush()
+            self.group = group
+        self.group_tensors += 1
+        self.group_bytes += nbytes
+        self.done += 1
+
+    def flush(self) -> None:
+        if self.group is not None and self.group_tensors:
+            log.info("%s: %s: %d tensors, %.1f MB (%d/%d tensors, %.1f s)", self.what, self.group,
+                     self.group_tensors, self.group_bytes / 1e6, self.done, self.total,
+                     time.perf_counter() - self.start)
+        self.group_tensors = self.group_bytes = 0
 
 
 def _check_degree(value, arg: str) -> int:
@@ -212,6 +244,7 @@ def _merge(shards, specs, tp, arg: str, tp_arg: str) -> dict[str, Any]:
                                  f"split into the {spec.chunks} chunks of its ShardSpec")
     _refuse_duplicates(ranked, split, arg)
     full = _new_state_dict(ranked[0])
+    progress = _Progress(f"merging {len(ranked)} TP shards", len(spec_of))
     for name in names:
         if is_extra_state(name):
             full[name] = _copy_extra(ranked[0][name])
@@ -219,10 +252,12 @@ def _merge(shards, specs, tp, arg: str, tp_arg: str) -> dict[str, Any]:
         spec, parts = spec_of[name], [sd[name] for sd in ranked]
         if spec.dim is None:
             full[name] = parts[0].clone()
-            continue
-        chunked = [p.chunk(spec.chunks, spec.dim) for p in parts]
-        full[name] = torch.cat([torch.cat([c[k] for c in chunked], spec.dim)
-                                for k in range(spec.chunks)], spec.dim)
+        else:
+            chunked = [p.chunk(spec.chunks, spec.dim) for p in parts]
+            full[name] = torch.cat([torch.cat([c[k] for c in chunked], spec.dim)
+                                    for k in range(spec.chunks)], spec.dim)
+        progress.step(name, full[name].numel() * full[name].element_size())
+    progress.flush()
     return full
 
 
@@ -253,6 +288,7 @@ def _split(full, specs, tp, tp_arg: str) -> list[dict[str, Any]]:
             raise ValueError(f"{name}: size {t.shape[spec.dim]} along dim {spec.dim} does not split "
                              f"into {tp_arg}={tp} TP shards of {spec.chunks} chunk(s)")
     out = [_new_state_dict(full) for _ in range(tp)]
+    progress = _Progress(f"splitting into {tp} TP shards", len(spec_of))
     for name, t in full.items():
         if is_extra_state(name):
             for rank in range(tp):
@@ -262,10 +298,12 @@ def _split(full, specs, tp, tp_arg: str) -> list[dict[str, Any]]:
         if spec.dim is None:
             for rank in range(tp):
                 out[rank][name] = t.clone()
-            continue
-        chunks = [c.chunk(tp, spec.dim) for c in t.chunk(spec.chunks, spec.dim)]
-        for rank in range(tp):
-            out[rank][name] = torch.cat([c[rank] for c in chunks], spec.dim).contiguous()
+        else:
+            chunks = [c.chunk(tp, spec.dim) for c in t.chunk(spec.chunks, spec.dim)]
+            for rank in range(tp):
+                out[rank][name] = torch.cat([c[rank] for c in chunks], spec.dim).contiguous()
+        progress.step(name, t.numel() * t.element_size())
+    progress.flush()
     return out
 
 

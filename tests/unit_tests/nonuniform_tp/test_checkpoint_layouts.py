@@ -221,3 +221,15 @@ def test_real_state_dicts_convert_between_tp_degrees_bit_for_bit():
             ntp_to_uniform([tp2[0], tp2[0]], specs, tp_base=4)
         with pytest.raises(ValueError, match=r"embedding.word_embeddings.weight: no ShardSpec"):
             ntp_to_uniform(tp2, {}, tp_base=4)
+
+
+def test_conversions_log_progress_per_layer(caplog):
+    full = {**_full(), "decoder.layers.1.input_layernorm.weight": torch.ones(64), "output_layer.weight": torch.ones(4)}
+    specs = {**SPECS, "decoder.layers.1.input_layernorm.weight": ShardSpec(None), "output_layer.weight": ShardSpec(0)}
+    with caplog.at_level("INFO", logger="megatron_ext.nonuniform_tp.checkpoint"):
+        ntp_to_uniform(split_tp_full(full, specs, 2), specs, tp_base=4)
+    lines = [r.getMessage() for r in caplog.records]
+    merging = [line for line in lines if line.startswith("merging 2 TP shards")]
+    assert [line.split(": ")[1] for line in merging] == ["decoder.layers.0", "decoder.layers.1", "other tensors"]
+    assert "3 tensors" in merging[0] and "(5/5 tensors" in merging[-1], lines
+    assert sum(line.startswith("splitting into 4 TP shards") for line in lines) == 3
