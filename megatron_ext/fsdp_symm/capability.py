@@ -151,9 +151,3 @@ def warn_fallback(reason: str) -> None:
         RuntimeWarning,
         stacklevel=3,
     )
-
-
-def _reset_for_tests() -> None:
-    global _WARNED
-    _CACHE.clear()
-    _WARNED = False

@@ -116,7 +116,7 @@ def _release(seg: Segment) -> None:
         if seg.symmetric:
             # The pool may hand back another allocation (e.g. after empty_cache):
             # register whatever comes back, torch returns the cached window if it is the same.
-            getattr(seg.memory, "registered_ptrs", set()).discard(storage.data_ptr())
+            seg.memory.registered_ptrs.discard(storage.data_ptr())
         storage.resize_(0)
 
 
@@ -153,20 +153,14 @@ def _collective_group(ddp, bucket_group):
     return bucket_group.data_parallel_group
 
 
-def stage_ddp_buffers(
-    ddp: DistributedDataParallel,
-    config: SymmMemConfig,
-    *,
-    _memory_factory=None,
-) -> list[tuple[str, Decision]]:
+def stage_ddp_buffers(ddp: DistributedDataParallel, config: SymmMemConfig) -> list[tuple[str, Decision]]:
     """Stage the buckets of a built Megatron DDP as ``config``'s policy decides.
 
     Collective over each data-parallel group (all ranks call it, in the same
     order). Returns ``(bucket name, decision)`` for every collective buffer.
-    ``_memory_factory`` replaces :class:`SymmetricMemory` (tests only).
     """
     rows: list[tuple[str, Decision]] = []
-    if config.mode != "off" and _memory_factory is None:
+    if config.mode != "off":
         # Blocks of models dropped earlier go back to the pool now, on every
         # rank, so all ranks' pools are in the same state when staging allocates.
         quiesce()
@@ -174,7 +168,7 @@ def stage_ddp_buffers(
             [(b, ddp.expert_parallel_bucket_groups) for b in ddp.expert_parallel_buffers]
     for index, (buffer, groups) in enumerate(pairs):
         prefix = f"{'expert-' if buffer in ddp.expert_parallel_buffers else ''}buffer{index}"
-        rows += _stage_buffer(ddp, buffer, groups, config, prefix, _memory_factory)
+        rows += _stage_buffer(ddp, buffer, groups, config, prefix)
     if rows and config.mode != "off":
         for name, decision in rows:
             REPORTER.add(name, decision)
@@ -182,7 +176,7 @@ def stage_ddp_buffers(
     return rows
 
 
-def _stage_buffer(ddp, buffer, bucket_groups, config, prefix, memory_factory):
+def _stage_buffer(ddp, buffer, bucket_groups, config, prefix):
     cfg = ddp.ddp_config
     owner = {id(b): g for g in bucket_groups for b in g.buckets}
     grad_op = "reduce_scatter" if cfg.use_distributed_optimizer else "all_reduce"
@@ -190,7 +184,7 @@ def _stage_buffer(ddp, buffer, bucket_groups, config, prefix, memory_factory):
     for bucket in buffer.buckets:
         group = _collective_group(ddp, owner[id(bucket)])
         reason = None
-        if config.mode != "off" and memory_factory is None:
+        if config.mode != "off":
             cap = probe(group)
             reason = None if cap.available else cap.reason
             reason = reason or _unsupported(ddp, buffer)
@@ -209,14 +203,13 @@ def _stage_buffer(ddp, buffer, bucket_groups, config, prefix, memory_factory):
     if not any(d.symmetric for d in grad_decisions + [p for p in param_decisions if p]):
         return _rows(buffer, prefix, grad_decisions, param_decisions)
 
-    make_memory = memory_factory or SymmetricMemory
     device = buffer.grad_data.device
     cache: dict = {}
 
     def memory_for(bucket):
         group = memories[id(bucket)]
         if id(group) not in cache:
-            cache[id(group)] = make_memory(device, group)
+            cache[id(group)] = SymmetricMemory(device, group)
         return cache[id(group)]
 
     grad_flags = [d.symmetric for d in grad_decisions]

@@ -170,11 +170,6 @@ class SymmetricMemory:
                 "every rank before dropping it."
             )
 
-    @property
-    def windows(self) -> int:
-        """Distinct allocations registered so far (constant in steady state)."""
-        return len(self.registered_ptrs)
-
 
 def _segment_of(pool, ptr: int) -> tuple[int, int] | None:
     """``(base address, bytes)`` of the pool segment holding ``ptr``, or ``None``."""

@@ -33,7 +33,8 @@ class NonuniformTPConfig:
             parity, see :func:`compute_uniform_tp_spares_with_parity`); a
             degraded replica runs at ``tp_reduced = tp_base - tp_spares``.
         non_active_ranks_per_dp: replica index -> TP slots that are out. Every
-            listed replica must list exactly ``tp_spares`` slots.
+            listed replica must list exactly ``tp_spares`` slots. Every replica
+            may be listed (the job is then uniform TP at ``tp_reduced``).
         data_parallel_size: number of replicas; ``None`` derives it from the
             world size in :meth:`layout`.
         launch_mode: ``"packed"``: the failed GPUs have no process, the job
@@ -103,9 +104,6 @@ class NonuniformTPConfig:
                 f"NonuniformTPConfig.tp_spares={self.tp_spares} but non_active_ranks_per_dp is empty; "
                 "set tp_spares=0 or list the failed slots"
             )
-        if self.data_parallel_size is not None and len(normalized) == self.data_parallel_size and normalized:
-            # Allowed (every replica degraded), but then NTP is just uniform TP at tp_reduced.
-            pass
         self.non_active_ranks_per_dp = dict(sorted(normalized.items()))
         self._check_model_shape()
 

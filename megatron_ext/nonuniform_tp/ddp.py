@@ -26,7 +26,6 @@ state on each spare.
 from __future__ import annotations
 
 import dataclasses
-from contextlib import contextmanager
 from typing import Optional
 
 import torch
@@ -264,8 +263,3 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
         for _, p in self._ntp.compute:
             p.main_grad.zero_()
             p.grad_added_to_main_grad = False
-
-    @contextmanager
-    def no_sync(self):
-        with super().no_sync():
-            yield

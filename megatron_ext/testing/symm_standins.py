@@ -1,9 +1,11 @@
 """Stand-ins for :class:`megatron_ext.fsdp_symm.memory.SymmetricMemory` that let
-CPU tests run the symmetric staging layout without NCCL."""
+CPU tests run the symmetric staging layout without NCCL, and
+:func:`standin_pool`, which puts one in place of the pool."""
 
 from __future__ import annotations
 
 import contextlib
+from unittest import mock
 
 import torch
 
@@ -13,6 +15,7 @@ class PlainStandIn:
 
     def __init__(self, device, group):
         self.device = torch.device(device)
+        self.registered_ptrs: set[int] = set()
         self.rendezvous_calls = 0
 
     def allocating(self):
@@ -40,3 +43,26 @@ class MismatchStandIn(PlainStandIn):
         if check and not MismatchStandIn.raised:
             MismatchStandIn.raised = True
             raise SymmetricPlacementMismatch("stand-in: placements differ.")
+
+
+@contextlib.contextmanager
+def standin_pool(memory_cls=PlainStandIn):
+    """Within this context, DDP staging (``stage_ddp_buffers``) and our FSDP
+    parameter groups see every process group as capable and every layout as
+    supported (CPU buffers and gloo included), and take their "symmetric"
+    buffers from ``memory_cls`` instead of the NCCL pool. Test-only patches of
+    our own modules, undone on exit; staged buffers keep their stand-in."""
+    from megatron_ext.fsdp_symm import ddp, fsdp
+    from megatron_ext.fsdp_symm.capability import Capability
+
+    def capable(group=None):
+        return Capability(True, "stand-in")
+
+    with contextlib.ExitStack() as stack:
+        for module in (ddp, fsdp):
+            stack.enter_context(mock.patch.object(module, "probe", capable))
+            stack.enter_context(mock.patch.object(module, "SymmetricMemory", memory_cls))
+        stack.enter_context(mock.patch.object(ddp, "_unsupported", lambda ddp, buffer: None))
+        stack.enter_context(mock.patch.object(fsdp.SymmFsdpParameterGroup, "_unsupported_layout",
+                                              lambda self, placements: None))
+        yield

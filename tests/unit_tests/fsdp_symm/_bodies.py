@@ -46,7 +46,7 @@ def _build_ddp(variant, distopt, avg, cfg):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from megatron_ext.fsdp_symm import SymmMemDistributedDataParallel, stage_ddp_buffers
-    from megatron_ext.testing.symm_standins import PlainStandIn
+    from megatron_ext.testing.symm_standins import standin_pool
 
     tcfg = tiny_gpt.transformer_config(SPEC)
     ddp_config = DistributedDataParallelConfig(
@@ -58,7 +58,8 @@ def _build_ddp(variant, distopt, avg, cfg):
         return DistributedDataParallel(config=tcfg, ddp_config=ddp_config, module=module), []
     if variant == "standin":  # the staging layout with plain allocations (CPU)
         ddp = DistributedDataParallel(config=tcfg, ddp_config=ddp_config, module=module)
-        return ddp, stage_ddp_buffers(ddp, cfg, _memory_factory=PlainStandIn)
+        with standin_pool():
+            return ddp, stage_ddp_buffers(ddp, cfg)
     ddp = SymmMemDistributedDataParallel(config=tcfg, ddp_config=ddp_config, module=module,
                                          symm_mem_config=cfg)
     return ddp, ddp.symm_mem_decisions
@@ -284,21 +285,19 @@ def fsdp_parity(microbatches, steps, mode, max_bytes):
 
 def fsdp_standin_parity(microbatches, steps, max_bytes):
     """The symmetric code paths of our FSDP groups on CPU: the probe reports
-    available and plain allocations stand in for the pool (test-only patches of
-    our own module). Returns upstream and staged losses and the decisions."""
-    from megatron_ext.fsdp_symm import SymmMemConfig, fsdp
-    from megatron_ext.fsdp_symm.capability import Capability
-    from megatron_ext.testing.symm_standins import PlainStandIn
+    available and plain allocations stand in for the pool (``standin_pool``:
+    test-only patches of our own module). Returns upstream and staged losses
+    and the decisions."""
+    from megatron_ext.fsdp_symm import SymmMemConfig
+    from megatron_ext.testing.symm_standins import standin_pool
 
     model, opt = _fsdp_model("upstream", None)
     base, _ = train_fsdp(model, opt, steps, microbatches)
     del model, opt
-    fsdp.probe = lambda group: Capability(True, "stand-in")
-    fsdp.SymmetricMemory = PlainStandIn
-    fsdp.SymmFsdpParameterGroup._unsupported_layout = lambda self, placements: None
     cfg = SymmMemConfig(mode="auto", all_gather_min_bytes=0, all_gather_max_bytes=max_bytes,
                         reduce_scatter_min_bytes=0, reduce_scatter_max_bytes=max_bytes)
-    model, opt = _fsdp_model("ours", cfg)
+    with standin_pool():
+        model, opt = _fsdp_model("ours", cfg)
     groups = _fsdp_groups(model)
     staged, _ = train_fsdp(model, opt, steps, microbatches)
     decisions = [(g.all_gather_decision, g.reduce_scatter_decision) for g in groups]
@@ -321,7 +320,7 @@ def ddp_fallback_and_release(distopt, steps):
     from megatron.core import parallel_state as ps
 
     from megatron_ext.fsdp_symm import SymmMemConfig, release_symmetric_memory, stage_ddp_buffers
-    from megatron_ext.testing.symm_standins import MismatchStandIn
+    from megatron_ext.testing.symm_standins import MismatchStandIn, standin_pool
 
     ps.initialize_model_parallel()
     base_ddp, _ = _build_ddp("plain", distopt, False, None)
@@ -330,9 +329,9 @@ def ddp_fallback_and_release(distopt, steps):
     cfg = SymmMemConfig(mode="on", report=False)
     ddp, _ = _build_ddp("plain", distopt, False, None)
     MismatchStandIn.raised = False
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, standin_pool(MismatchStandIn):
         warnings.simplefilter("always")
-        decisions = stage_ddp_buffers(ddp, cfg, _memory_factory=MismatchStandIn)
+        decisions = stage_ddp_buffers(ddp, cfg)
     staged, _ = _train_ddp(ddp, distopt, steps, 1)
     segments = [s for b in ddp.buffers for s in b.grad_segments + b.param_segments]
     total = sum(s.tensor.untyped_storage().nbytes() for s in segments)
