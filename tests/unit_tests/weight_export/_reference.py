@@ -95,6 +95,39 @@ def gather_tp(name: str, param, group=None) -> torch.Tensor:
     return torch.cat(parts, dim=param.partition_dim)
 
 
+def gathered_hf_state(spec, model) -> dict:
+    """The full HF tensors (CPU) of a TP x PP Megatron model of ``spec``, on every rank,
+    gathered by hand, independently of the export hook and the reshard executor: one
+    plain ``all_gather`` per parameter over its TP group (:func:`gather_tp`), stage-local
+    layer names made global from Megatron's own ``layer_number``, the stages' states
+    combined with one ``all_gather_object`` over the PP group, then
+    :func:`hf_state_from_megatron`. Collective over the TP and PP groups."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    state = {}
+    for name, p in model.named_parameters():
+        t = gather_tp(name, p)
+        if name.startswith("decoder.layers."):
+            j, rest = name[len("decoder.layers."):].split(".", 1)
+            name = f"decoder.layers.{model.decoder.layers[int(j)].layer_number - 1}.{rest}"
+        state[name] = t.detach().to("cpu", copy=True)
+    stages = [None] * ps.get_pipeline_model_parallel_world_size()
+    dist.all_gather_object(stages, state, group=ps.get_pipeline_model_parallel_group())
+    full = {k: v for stage in stages for k, v in stage.items()}
+    return hf_state_from_megatron(
+        full, num_layers=spec.num_layers, num_heads=spec.num_attention_heads, num_groups=spec.num_query_groups,
+        hidden=spec.hidden_size, vocab=spec.hf_vocab_size, tied=spec.tie_embeddings)
+
+
+def snapshot(tensors: dict) -> dict:
+    """CPU copies of ``tensors``, taken now. Always a copy: ``Tensor.cpu()`` copies a CUDA
+    tensor but returns a CPU tensor itself, so a snapshot taken too early (before the
+    refit that writes the tensors) would still see the later writes on gloo and pass
+    there, yet fail on NCCL."""
+    return {n: t.detach().to("cpu", copy=True) for n, t in tensors.items()}
+
+
 def hook_reference(model, vocab_size: int):
     """``(exporter, got)``: the export hook into a dict in this process. Each
     ``exporter.export()`` fills ``got`` (on the export rank) with CPU copies of the

@@ -15,35 +15,10 @@ from megatron_ext.testing import tiny_llama
 from megatron_ext.testing.multirank import run_on_ranks
 from megatron_ext.testing.receiver_proc import start_hf_receiver
 
-from ._reference import gather_tp, hf_state_from_megatron
+from ._reference import gathered_hf_state
 
 SPEC = tiny_llama.TinyLlamaSpec(arch="qwen2", num_layers=4)
 TIMEOUT = 240
-
-
-def _naive_gathered_state(model):
-    """Full Megatron weights under global names: one all_gather per parameter (TP)
-    and one all_gather_object (PP), written independently of the exporter."""
-    from megatron.core import parallel_state as ps
-
-    offset = {f"decoder.layers.{j}.": f"decoder.layers.{layer.layer_number - 1}."
-              for j, layer in enumerate(model.decoder.layers)}
-    state = {}
-    for name, p in model.named_parameters():
-        t = gather_tp(name, p)
-        for local, glob in offset.items():
-            if name.startswith(local):
-                name = glob + name[len(local):]
-                break
-        state[name] = t.cpu().clone()
-    stages = [None] * ps.get_pipeline_model_parallel_world_size()
-    dist.all_gather_object(stages, state, group=ps.get_pipeline_model_parallel_group())
-    full = {}
-    for s in stages:
-        full.update(s)
-    return hf_state_from_megatron(
-        full, num_layers=SPEC.num_layers, num_heads=SPEC.num_attention_heads, num_groups=SPEC.num_query_groups,
-        hidden=SPEC.hidden_size, vocab=SPEC.hf_vocab_size, tied=SPEC.tie_embeddings)
 
 
 def _trainer(tp, pp, target, backend, transport="broadcast"):
@@ -63,7 +38,7 @@ def _trainer(tp, pp, target, backend, transport="broadcast"):
             p.mul_(1.5).add_(0.01)
     second = exporter.export(version=8)
     verify = exporter.verify(tiny_llama.tokens(SPEC).to(device)) if pp == 1 else None
-    expected = _naive_gathered_state(model)
+    expected = gathered_hf_state(SPEC, model)
     exporter.close()
     return dict(first=first, second=second, verify=verify, buckets=len(exporter.plan.buckets),
                 expected=expected if exporter.is_export_rank else None,
