@@ -16,7 +16,7 @@ test:
 
 # GPU tests on a machine that already has torch + CUDA (no venv is made); see README.
 test-gpu:
-	tools/gpu_tests.sh
+	tools/gpu_tests.sh $(PYTEST_ARGS)
 
 clean-venv:
 	rm -rf .venv
