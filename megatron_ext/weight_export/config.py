@@ -154,7 +154,8 @@ class ReshardRefitConfig:
     ``engine_ep`` of them (1: TP-sharded), vocabulary padded to ``vocab_padding``
     rows. The executor: buckets of ``bucket_size_mb`` per peer, ``max_inflight``
     rounds in flight, ``atomic`` (stage the whole version, apply it at the end)
-    or streaming. ``store``: ``"host:port"`` of the :class:`~.refit_group.RefitGroup`
+    or streaming, ``check_finite`` (refuse a version with NaN/Inf on every rank before a
+    byte moves). ``store``: ``"host:port"`` of the :class:`~.refit_group.RefitGroup`
     when the engine is a separate job (None: its ranks are in this job).
     ``every_n_steps``: refit after every N optimizer steps (0: only when called).
     """
@@ -166,6 +167,7 @@ class ReshardRefitConfig:
     bucket_size_mb: float = 64.0
     max_inflight: int = 2
     atomic: bool = True
+    check_finite: bool = True
     every_n_steps: int = 0
     store: str | None = None
     backend: str = "auto"
@@ -199,7 +201,8 @@ class ReshardRefitConfig:
     @property
     def executor_kwargs(self) -> dict:
         """Keyword arguments of ``ReshardExecutor`` / ``FanoutRefit`` / ``TrainerRefit`` / ``EngineRefit``."""
-        return dict(bucket_bytes=self.bucket_bytes, max_inflight=self.max_inflight, atomic=self.atomic)
+        return dict(bucket_bytes=self.bucket_bytes, max_inflight=self.max_inflight, atomic=self.atomic,
+                    check_finite=self.check_finite)
 
     @property
     def store_address(self) -> tuple[str, int] | None:
@@ -254,6 +257,8 @@ def add_reshard_refit_args(parser: argparse.ArgumentParser) -> argparse.Argument
     g.add_argument("--reshard-refit-atomic", action=argparse.BooleanOptionalAction, default=d.atomic,
                    help="stage the whole version and apply it only when all of it arrived (default); "
                         "--no-reshard-refit-atomic streams (max_inflight buckets per peer of staging)")
+    g.add_argument("--reshard-refit-check-finite", action=argparse.BooleanOptionalAction, default=d.check_finite,
+                   help="refuse a version with NaN/Inf weights on every rank before a byte moves (default)")
     g.add_argument("--reshard-refit-every-n-steps", type=int, default=d.every_n_steps,
                    help="refit after every N optimizer steps (0: off)")
     g.add_argument("--reshard-refit-store", default=d.store,

@@ -9,9 +9,11 @@ engine's ``T..T+E-1`` (the layouts' ``ranks`` say which is which). Plans and
 
 Every wait is bounded by ``timeout_s`` and fails with :class:`RefitGroupError`
 naming the refit ranks that did not arrive, so a missing job is an error, not a
-hang. The store also carries the small control messages of
-:mod:`~.remote_refit` (plan fingerprints, announced versions, acknowledgements):
-strings and integers only, nothing is unpickled.
+hang. Refit rank 0's store listens only on the address it is given (``host``,
+resolved once), not on every interface of the machine. The store also carries
+the small control messages of :mod:`~.remote_refit` (plan fingerprints,
+announced versions, acknowledgements): strings and integers only, nothing is
+unpickled.
 
 Point-to-point: gloo ``send`` / ``recv`` on the backend object; NCCL batched
 between the backend's coalescing calls, as ``torch.distributed.batch_isend_irecv``
@@ -21,17 +23,42 @@ does for a registered group (:func:`_nccl_coalesced`).
 from __future__ import annotations
 
 import datetime
+import socket
 
 import torch
 import torch.distributed as dist
 
 from .transport import make_group
 
-__all__ = ["RefitGroup", "RefitGroupError", "batch_isend_irecv", "gather_wire_ids"]
+__all__ = ["NOTE_BYTES", "RefitGroup", "RefitGroupError", "batch_isend_irecv", "gather_notes", "gather_wire_ids",
+           "sum_over_group"]
 
 
 class RefitGroupError(RuntimeError):
     """A refit peer is missing, died, or did not answer within the group's timeout."""
+
+
+NOTE_BYTES = 1016  # the longest reason a rank gives its peers at the first-refit agreement (utf-8, cut there)
+
+
+def _cut_note(note: str) -> str:
+    return note.encode()[:NOTE_BYTES].decode(errors="ignore")
+
+
+def _listen(host: str, port: int) -> tuple[str, int]:
+    """A TCP socket listening on ``host``'s address only (the first that ``getaddrinfo`` gives), for
+    refit rank 0's store: ``(numeric address, file descriptor)``. The store takes the descriptor
+    over (``TCPStore(master_listen_fd=...)``); left to itself it would listen on every interface."""
+    family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(socket.SOMAXCONN)
+    except OSError:
+        sock.close()
+        raise
+    return addr[0], sock.detach()
 
 
 def _missing(store, keys: list[str], ranks) -> list[int]:
@@ -60,8 +87,10 @@ class RefitGroup:
         """Join refit group ``name`` at ``host:port`` as refit rank ``rank`` of ``world_size``.
 
         Refit rank 0 hosts the store at ``port`` (pick a port neither job's
-        default world uses). Every rank of both jobs calls this; it returns once
-        all ``world_size`` ranks joined with the same ``world_size`` and
+        default world uses), listening on ``host``'s address only: give the
+        address the other job reaches it at (``127.0.0.1`` when both jobs share
+        the machine), not a wildcard. Every rank of both jobs calls this; it
+        returns once all ``world_size`` ranks joined with the same ``world_size`` and
         ``backend``, and raises :class:`RefitGroupError` after ``timeout_s``
         naming the ranks that did not. ``device``: where the refit's buffers
         live (NCCL: this rank's GPU, default the current one; gloo: CPU).
@@ -82,10 +111,15 @@ class RefitGroup:
         address = f"{host}:{port}"
         timeout = datetime.timedelta(seconds=timeout_s)
         try:
-            tcp = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout,
-                                wait_for_workers=False)
-        except (RuntimeError, dist.DistError) as exc:
-            what = (f"refit rank 0 could not host the refit group's store at {address} (port in use?)" if rank == 0
+            if rank == 0:  # bind the one address asked for, then hand the socket to the store
+                bound, fd = _listen(host, port)
+                tcp = dist.TCPStore(bound, port, world_size, is_master=True, timeout=timeout,
+                                    wait_for_workers=False, master_listen_fd=fd)
+            else:
+                tcp = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+        except (OSError, RuntimeError, dist.DistError) as exc:
+            what = (f"refit rank 0 could not host the refit group's store at {address} (port in use, or {host} "
+                    "is not an address of this machine?)" if rank == 0
                     else f"refit rank {rank} could not reach the refit group's store at {address} within "
                          f"{timeout_s:g}s: refit rank 0 (the trainer's first rank) hosts it; is that job up?")
             raise RefitGroupError(f"{what} ({exc})") from exc
@@ -147,11 +181,20 @@ class RefitGroup:
 
     def gather_ints(self, value: int, *, what: str) -> list[int]:
         """Every refit rank's ``value``, in refit-rank order (through the store, bounded)."""
+        return [v for v, _ in self.gather_notes(value, "", what=what)]
+
+    def gather_notes(self, value: int, note: str, *, what: str) -> list[tuple[int, str]]:
+        """Every refit rank's ``(value, note)``, in refit-rank order (through the store, bounded); a note is
+        a short text (cut at :data:`NOTE_BYTES`), e.g. why a rank cannot take part."""
         tag = self.next_tag("gather")
-        self.store.set(f"{tag}/{self.rank}", str(int(value)))
+        self.store.set(f"{tag}/{self.rank}", f"{int(value)} {_cut_note(note)}")
         keys = [f"{tag}/{r}" for r in range(self.world_size)]
         self.wait_keys(keys, range(self.world_size), what=what)
-        return [int(v) for v in self.store.multi_get(keys)]
+        out = []
+        for raw in self.store.multi_get(keys):
+            v, _, n = raw.decode(errors="replace").partition(" ")
+            out.append((int(v), n))
+        return out
 
     def create_communicator(self) -> None:
         """On NCCL, one all-reduce creates the communicator on every rank, which PyTorch asks for
@@ -231,19 +274,52 @@ def batch_isend_irecv(ops: list[tuple[str, torch.Tensor, int]], group) -> list:
                                    for kind, t, peer in ops])
 
 
-def gather_wire_ids(group, wire_id: int, device: torch.device) -> list[int]:
+def gather_wire_ids(group, wire_id: int, device: torch.device, note: str = "") -> list[tuple[int, str]]:
     """Before the first batch of point-to-point ops: every rank of ``group`` is there, and
-    every rank's ``wire_id`` comes back in group order (refit-rank order on a
+    every rank's ``(wire_id, note)`` comes back in group order (refit-rank order on a
     :class:`RefitGroup`, through its store), so that a rank running another plan or
-    bucket size, or one that could not allocate its buffers, is refused before a byte moves."""
+    bucket size, or one that cannot take part (its buffers could not be allocated, its
+    tensors are not the layout's: a status code instead of its wire id, and ``note``,
+    a short reason its peers can quote), is refused on every rank before a byte moves."""
+    out = gather_notes(group, wire_id, device, note, what="reach the refit")
     if isinstance(group, RefitGroup):
-        ids = group.gather_ints(wire_id, what="reach the refit")  # every rank arrived: no barrier needed
-        group.create_communicator()
-        return ids
+        group.create_communicator()  # every rank arrived: no barrier needed
+    return out
+
+
+def gather_notes(group, value: int, device: torch.device, note: str = "", *, what: str) -> list[tuple[int, str]]:
+    """Every rank's ``(value, note)`` in group order: one all-gather of ``8 +`` :data:`NOTE_BYTES` bytes per
+    rank (a :class:`RefitGroup`: through its store, bounded; ``what`` names the step in its timeout error)."""
+    if isinstance(group, RefitGroup):
+        return group.gather_notes(value, note, what=what)
     if not dist.is_initialized():
-        return [wire_id]
+        return [(value, _cut_note(note))]
     if dist.get_backend(group) == "nccl" and device.type == "cpu":  # a rank with no tensors of the plan
         device = torch.device("cuda", torch.cuda.current_device())
-    out = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(out, torch.tensor([wire_id], dtype=torch.int64, device=device), group=group)
-    return out.tolist()
+    raw = _cut_note(note).encode()
+    mine = torch.zeros(8 + NOTE_BYTES, dtype=torch.uint8)
+    mine[:8].view(torch.int64)[0] = value
+    if raw:
+        mine[8:8 + len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    world = dist.get_world_size(group)
+    out = torch.empty(world * mine.numel(), dtype=torch.uint8, device=device)
+    dist.all_gather_into_tensor(out, mine.to(device), group=group)
+    rows = out.view(world, -1).cpu()
+    return [(int(row[:8].view(torch.int64)[0]), bytes(row[8:].tolist()).rstrip(b"\0").decode(errors="ignore"))
+            for row in rows]
+
+
+def sum_over_group(group, value: torch.Tensor) -> int:
+    """The sum over every rank of ``group`` of a one-element int64 tensor (on this rank's device; one
+    all-reduce, then one device-to-host read)."""
+    if isinstance(group, RefitGroup):
+        t = value.to(group.device).clone()
+        _Request(group.pg.allreduce([t]), group, "the refit's all-reduce").wait()
+        return int(t.item())
+    if not dist.is_initialized():
+        return int(value.item())
+    t = value.clone()
+    if dist.get_backend(group) == "nccl" and t.device.type == "cpu":
+        t = t.to(torch.device("cuda", torch.cuda.current_device()))
+    dist.all_reduce(t, group=group)
+    return int(t.item())

@@ -20,9 +20,13 @@ version takes the announced one, and one that names a version refuses any other
 (:class:`~.reshard.RefitRejected`, reason ``"version"``, its tensors untouched).
 When the helpers are built, every rank checks that all ranks run the same plan
 and bucket size (fingerprints through the store) and raises
-:class:`~.reshard.RefitRejected` (reason ``"plan"``) on every rank if not.
+:class:`~.reshard.RefitRejected` (reason ``"plan"``) on every rank if not; a rank
+whose tensors are not the layout's publishes why, and every rank raises
+``"tensors"`` with that reason at once (nobody waits for the timeout).
 After each refit an engine rank acknowledges the version it holds
-(:meth:`TrainerRefit.engine_versions`). Every wait is bounded
+(:meth:`TrainerRefit.engine_versions`), also after a failed one: the previous
+version (atomic), or None once a streaming refit wrote a round. A version with a
+NaN or Inf is refused on every rank before a byte moves (``"nonfinite"``). Every wait is bounded
 (:class:`~.refit_group.RefitGroupError` names the ranks that did not come).
 """
 
@@ -31,9 +35,10 @@ from __future__ import annotations
 from typing import Callable, Iterable
 
 import torch
+import torch.distributed as dist
 
 from .layout import Layout
-from .refit_group import RefitGroup, RefitGroupError
+from .refit_group import NOTE_BYTES, RefitGroup, RefitGroupError
 from .reshard import RefitGate, RefitRejected, RefitStats, ReshardExecutor
 from .reshard_plan import build_reshard_plan
 
@@ -44,7 +49,7 @@ _CLOSE = "close"
 
 class _RemoteRefit:
     def __init__(self, group: RefitGroup, src: Layout, dst: Layout, tensors: dict[str, torch.Tensor], *,
-                 bucket_bytes: int, max_inflight: int, atomic: bool):
+                 bucket_bytes: int, max_inflight: int, atomic: bool, check_finite: bool):
         outside = sorted(r for r in (*src.ranks, *dst.ranks) if not 0 <= r < group.world_size)
         if outside:
             raise ValueError(f"layout ranks {outside} are not refit ranks of this group (0..{group.world_size - 1}); "
@@ -54,7 +59,7 @@ class _RemoteRefit:
         self.group, self.src, self.dst, self.rank = group, src, dst, group.rank
         self.plan = build_reshard_plan(src, dst)
         self.executor = ReshardExecutor(self.plan, self.rank, tensors, group=group, bucket_bytes=bucket_bytes,
-                                        atomic=atomic, max_inflight=max_inflight)
+                                        atomic=atomic, max_inflight=max_inflight, check_finite=check_finite)
         self.tensors = tensors
         self.announcer = min(src.ranks)  # the trainer rank that announces versions
         self.tag = group.next_tag("refit")
@@ -62,11 +67,19 @@ class _RemoteRefit:
         self._check_plans()
 
     def _check_plans(self) -> None:
-        """Every rank runs the same plan and bucket size; if not, every rank raises (nobody waits on a
-        peer that will never send)."""
+        """Every rank runs the same plan and bucket size, with the layout's tensors; if not, every rank
+        raises (nobody waits on a peer that will never send). A rank whose tensors are wrong publishes
+        its problem before it arrives, so that its peers quote it."""
         g, tag = self.group, self.tag
         g.store.set(f"{tag}/plan/{self.rank}", str(self.executor.wire_id))
+        if self.executor.problem is not None:
+            g.store.set(f"{tag}/bad/{self.rank}", self.executor.problem.encode()[:NOTE_BYTES].decode(errors="ignore"))
+            g.store.add(f"{tag}/bad", 1)
         g.arrive("plan", what="build its reshard plan")
+        if g.store.add(f"{tag}/bad", 0):  # set before every rank arrived: every rank sees the same
+            bad = [(r, g.store.get(f"{tag}/bad/{r}").decode(errors="replace")) for r in range(g.world_size)
+                   if g.store.check([f"{tag}/bad/{r}"])]
+            raise self.executor.tensors_rejected(bad)
         ref = int(g.store.get(f"{tag}/plan/{self.announcer}"))
         if ref != self.executor.wire_id:
             g.store.set(f"{tag}/odd/{self.rank}", "1")
@@ -94,9 +107,10 @@ class TrainerRefit(_RemoteRefit):
     """
 
     def __init__(self, group: RefitGroup, src: Layout, dst: Layout, tensors: dict[str, torch.Tensor], *,
-                 bucket_bytes: int = 64 << 20, max_inflight: int = 2, atomic: bool = True):
+                 bucket_bytes: int = 64 << 20, max_inflight: int = 2, atomic: bool = True,
+                 check_finite: bool = True):
         super().__init__(group, src, dst, tensors, bucket_bytes=bucket_bytes, max_inflight=max_inflight,
-                         atomic=atomic)
+                         atomic=atomic, check_finite=check_finite)
         self._last: int | None = None  # the last refit's sequence number
 
     def _announce(self, value: str) -> None:
@@ -115,7 +129,8 @@ class TrainerRefit(_RemoteRefit):
 
     def engine_versions(self, timeout_s: float | None = None) -> dict[int, int | None]:
         """After :meth:`refit`: the version each engine rank holds once it finished (and loaded) that refit
-        (None: none accepted). A rank that refused keeps its previous version. Bounded by ``timeout_s``."""
+        (None: none accepted). A rank that refused keeps its previous version; a streaming rank whose refit
+        failed after its first write holds None. Bounded by ``timeout_s``."""
         seq = self._last
         if seq is None:
             raise RuntimeError("engine_versions() needs a refit() first")
@@ -149,13 +164,14 @@ class EngineRefit(_RemoteRefit):
 
     def __init__(self, group: RefitGroup, src: Layout, dst: Layout, tensors: dict[str, torch.Tensor] | None = None,
                  *, load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object] | None = None,
-                 bucket_bytes: int = 64 << 20, max_inflight: int = 2, atomic: bool = True):
+                 bucket_bytes: int = 64 << 20, max_inflight: int = 2, atomic: bool = True,
+                 check_finite: bool = True):
         if tensors is None:
             tensors = {n: torch.empty(lt.shape, dtype=lt.dtype, device=group.device)
                        for n, lt in dst.tensors.get(group.rank, {}).items()}
         self.load_weights = load_weights
         super().__init__(group, src, dst, tensors, bucket_bytes=bucket_bytes, max_inflight=max_inflight,
-                         atomic=atomic)
+                         atomic=atomic, check_finite=check_finite)
 
     def next_version(self, timeout_s: float | None = None) -> int | None:
         """Wait for the trainer's next announcement: a version, or None when the trainer closed."""
@@ -172,7 +188,9 @@ class EngineRefit(_RemoteRefit):
         announcement. ``version=None`` takes the announced version; a given
         version refuses any other (:class:`~.reshard.RefitRejected`, reason
         ``"version"``, tensors untouched; still in step with the trainer).
-        ``verify``: a :class:`~.reshard.RefitGate`, as in the executor.
+        ``verify``: a :class:`~.reshard.RefitGate`, as in the executor. A refit
+        that fails still acknowledges what the rank holds, if the trainer's
+        store is still there (else the refit's own error is raised).
         """
         announced = self.next_version(timeout_s)
         if announced is None:
@@ -187,8 +205,13 @@ class EngineRefit(_RemoteRefit):
                 except BaseException:
                     self.executor.version = None  # the engine's model holds no complete version
                     raise
-        finally:
-            self._ack(seq)
+        except BaseException:
+            try:  # say what this rank holds now (None after a streaming refit that died midway)
+                self._ack(seq)
+            except (RuntimeError, dist.DistError):
+                pass  # the store went with the trainer: the refit's own error is the one to raise
+            raise
+        self._ack(seq)
         return stats
 
     def serve(self, on_version: Callable[[RefitStats], object] | None = None, *,
@@ -207,8 +230,11 @@ class EngineRefit(_RemoteRefit):
     def _ack(self, seq: int) -> None:
         store = self.group.store
         store.set(f"{self.tag}/ack/{seq}/{self.rank}", str(-1 if self.version is None else self.version))
-        if seq:
-            store.delete_key(f"{self.tag}/ack/{seq - 1}/{self.rank}")
+        # Keep the previous refit's ack: a trainer rank may still read it (engine_versions) while the
+        # first trainer rank already announced the next version (e.g. close()). Two refits back, every
+        # trainer rank has moved on: the next refit needs all of them.
+        if seq >= 2:
+            store.delete_key(f"{self.tag}/ack/{seq - 2}/{self.rank}")
 
 
 def _version(raw: bytes) -> int | None:

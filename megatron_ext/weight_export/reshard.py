@@ -14,7 +14,16 @@ version (:class:`RefitRejected`) if any source serves another version or
 another plan. With ``atomic=True`` (default) it writes only after every bucket
 has arrived and every header passed, so its tensors keep the previous version;
 streaming (``atomic=False``) checks round 0 (a bucket of every source) before
-the first write and later rounds at the end.
+the first write and later rounds at the end; from its first write until it
+completes, the rank holds no complete version (:attr:`~ReshardExecutor.version`
+is None).
+
+Before a byte moves, every refit checks, with one fused reduction, that the
+tensors each source serves are finite, and one all-reduce tells every rank: a
+version with a NaN or Inf is refused everywhere (``reason="nonfinite"``). A rank
+whose tensors are not the layout's does not raise when its executor is built: it
+reports this at the first refit's agreement, so that every rank refuses at once
+(``reason="tensors"``) instead of waiting on it.
 
 Staging buffers are allocated on the first refit and reused, and every copy
 (pack, unpack, local) is built once then as views, issued as batched copies
@@ -27,6 +36,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
+import math
 import time
 from collections import defaultdict, deque
 from typing import Callable
@@ -34,7 +45,7 @@ from typing import Callable
 import torch
 
 from .hf_mapping import CopyBatch, _global_layer_names, unwrap
-from .refit_group import RefitGroup, batch_isend_irecv, gather_wire_ids
+from .refit_group import RefitGroup, batch_isend_irecv, gather_notes, gather_wire_ids, sum_over_group
 from .reshard_plan import ReshardPlan, Run, Transfer, fanout_plans, run_view
 from .verify import VerifyResult, verify_export
 
@@ -45,6 +56,9 @@ _ALIGN = 16
 HEADER_BYTES = 32  # int64 x 4: version, plan fingerprint, sender rank, bucket index
 _NO_VERSION = -1   # what a rank that holds no valid version sends
 _NO_STAGING = 0    # the wire id a rank reports when its staging buffers could not be allocated
+_BAD_TENSORS = 1   # ... and when its tensors are not the layout's (its note says which and how)
+
+log = logging.getLogger(__name__)
 
 
 def _align(n: int) -> int:
@@ -114,13 +128,24 @@ class RefitStats:
 
 
 class RefitRejected(RuntimeError):
-    """A receiver refused a version. ``reason``: ``"version"`` (a source serves
-    another version), ``"plan"`` (a rank runs another plan or bucket size),
-    ``"staging"`` (a rank could not allocate its staging buffers; raised on every
-    rank at the first refit, before a byte moves) or ``"gate"`` (the
-    :class:`RefitGate` failed). On ``"version"`` / ``"plan"`` no
-    tensor was written; on ``"gate"`` the bytes are written but the rank holds
-    no accepted version (``version`` is None) and does not serve in a fan-out."""
+    """A rank refused a version. ``reason``:
+
+    - ``"version"``: a source serves another version (or none);
+    - ``"plan"``: a rank runs another plan or bucket size;
+    - ``"staging"``: a rank could not allocate its staging buffers;
+    - ``"tensors"``: a rank's tensors are not the layout's (a missing name, another
+      shape or dtype, not contiguous); that rank's message says which, the others
+      quote it;
+    - ``"nonfinite"``: a source serves a NaN or Inf for this version; the rank that
+      holds it names the first such HF tensor, the others quote it;
+    - ``"gate"``: the :class:`RefitGate` failed (including non-finite logits).
+
+    ``"plan"``, ``"staging"`` and ``"tensors"`` are raised on every rank at the first
+    refit, ``"nonfinite"`` on every rank at any refit, all before a byte moves: no
+    tensor was written. On ``"version"`` an atomic receiver wrote nothing; a streaming
+    one wrote nothing if the source was wrong from its first bucket, else it holds no
+    complete version (``version`` None). On ``"gate"`` the bytes are written but the
+    rank holds no accepted version (``version`` is None) and does not serve in a fan-out."""
 
     def __init__(self, message: str, *, reason: str, stats: RefitStats | None = None):
         super().__init__(message)
@@ -137,9 +162,10 @@ class RefitGate:
     ``load_weights`` (e.g. :class:`~.receiver.HFModelConsumer` on a TP1 replica).
     Pass ``load=False`` when the refit writes straight into the engine's
     weights. The gate passes when ``kl <= max_kl`` (and, if given,
-    ``max_abs_diff <= max_logit_diff``); otherwise it raises
-    :class:`RefitRejected` (``on_fail="raise"``) or only records the result
-    (``"report"``).
+    ``max_abs_diff <= max_logit_diff``), both finite: NaN or Inf logits fail it.
+    Otherwise it raises :class:`RefitRejected` (``on_fail="raise"``) or only
+    records the result (``"report"``). ``max_kl`` / ``max_logit_diff`` must be
+    finite numbers >= 0.
     """
 
     def __init__(self, consumer, tokens: torch.Tensor, reference: torch.Tensor | Callable[[int], torch.Tensor], *,
@@ -147,22 +173,43 @@ class RefitGate:
                  load: bool = True):
         if on_fail not in ("raise", "report"):
             raise ValueError(f"on_fail must be 'raise' or 'report', got {on_fail!r}")
-        if max_kl < 0 or (max_logit_diff is not None and max_logit_diff < 0):
-            raise ValueError(f"max_kl and max_logit_diff must be >= 0, got {max_kl}, {max_logit_diff}")
+        for arg, value in (("max_kl", max_kl), ("max_logit_diff", max_logit_diff)):
+            if value is None and arg == "max_logit_diff":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value < 0:
+                raise ValueError(f"RefitGate: {arg} must be a finite number >= 0, got {value!r}")
         self.consumer, self.tokens, self.reference = consumer, tokens, reference
         self.max_kl, self.max_logit_diff, self.on_fail, self.load = max_kl, max_logit_diff, on_fail, load
         self.last: VerifyResult | None = None
+        self._nonfinite: str | None = None  # which logits of the last check were not finite
 
     def __call__(self, layout, rank: int, tensors: dict[str, torch.Tensor], version: int) -> VerifyResult:
         if self.load:
             self.consumer.load_weights(layout.hf_tensors(rank, tensors))
         ref = self.reference(version) if callable(self.reference) else self.reference
-        self.last = verify_export(ref, self.consumer.logits(self.tokens))
+        got = self.consumer.logits(self.tokens)
+        self.last = verify_export(ref, got)
+        bad = [what for what, t in (("the trainer's reference logits", ref), ("the engine's logits", got))
+               if not bool(torch.isfinite(t).all())]
+        self._nonfinite = " and ".join(bad) or None
         return self.last
 
     def passes(self, result: VerifyResult) -> bool:
+        """``kl <= max_kl`` (and ``max_abs_diff <= max_logit_diff``, if given), both finite."""
+        if not (math.isfinite(result.kl) and math.isfinite(result.max_abs_diff)):
+            return False
         return result.ok(max_kl=self.max_kl) and (self.max_logit_diff is None
                                                    or result.max_abs_diff <= self.max_logit_diff)
+
+    def why(self, result: VerifyResult) -> str:
+        """Why ``result`` fails the gate, in words."""
+        if not (math.isfinite(result.kl) and math.isfinite(result.max_abs_diff)):
+            return (f"the logits are not finite ({self._nonfinite or 'NaN/Inf'}: KL {result.kl:.3g}, "
+                    f"max logit diff {result.max_abs_diff:.3g})")
+        limits = f"max_kl {self.max_kl:g}" + ("" if self.max_logit_diff is None
+                                               else f", max_logit_diff {self.max_logit_diff:g}")
+        return f"KL {result.kl:.3g}, max logit diff {result.max_abs_diff:.3g} ({limits})"
 
 
 def _rows(run: Run, rows: int, r0: int, r1: int) -> Run:
@@ -257,11 +304,26 @@ class ReshardExecutor:
 
     The executor keeps views of ``tensors`` from the first refit on: update
     them in place; replacing a tensor object needs a new executor.
+
+    Tensors that are not the layout's (a missing name, another shape or dtype,
+    not contiguous) do not raise here: :attr:`problem` says what is wrong, and
+    the first :meth:`refit` raises :class:`RefitRejected` (``"tensors"``) on
+    every rank of the group, with this message on this rank and quoted on the
+    others, so that no peer waits on a rank that cannot send.
+
+    Every refit checks the tensors this rank serves for the version (the rows
+    of its source tensors that the layout keeps) for NaN / Inf with one fused
+    reduction per dtype, before anything is packed; one all-reduce over the
+    group then tells every rank. A non-finite version is refused on every rank
+    (``"nonfinite"``) before a byte moves. That costs one read of the served
+    tensors, one small all-reduce and one device-to-host read per refit;
+    ``check_finite=False`` skips it (every rank must agree: it is part of the
+    first refit's plan check).
     """
 
     def __init__(self, plan: ReshardPlan, rank: int, tensors: dict[str, torch.Tensor], *, group=None,
                  bucket_bytes: int = 64 << 20, atomic: bool = True, max_inflight: int = 2,
-                 refresh: Callable[[], None] | None = None):
+                 refresh: Callable[[], None] | None = None, check_finite: bool = True):
         if bucket_bytes <= HEADER_BYTES:
             raise ValueError(f"bucket_bytes must be > {HEADER_BYTES} (the bucket header), got {bucket_bytes}")
         if max_inflight < 1:
@@ -270,7 +332,7 @@ class ReshardExecutor:
         self.tensors, self.atomic, self.max_inflight = tensors, atomic, max_inflight
         self.bucket_bytes = bucket_bytes
         self.refresh = refresh
-        self._check_tensors()
+        self.problem: str | None = self._check_tensors()  # why this rank cannot take part (None: it can)
         out, inc = defaultdict(list), defaultdict(list)
         self.local: list[Transfer] = []
         for t in plan.transfers:
@@ -285,8 +347,14 @@ class ReshardExecutor:
         self.recv = {p: _buckets(ts, bucket_bytes) for p, ts in sorted(inc.items())}
         self.rounds = max([len(b) for b in (*self.send.values(), *self.recv.values())], default=0)
         self.device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
+        # what this rank serves (plan order) and how many rows of each source tensor the layout keeps
+        self._sourced = [t for t in plan.transfers if t.src == rank]
+        served = {t.src_run.local for t in self._sourced}
+        self._source_rows = {n: lt.shape[0] for n, lt in plan.src.tensors.get(rank, {}).items() if n in served}
         # what every header of this plan carries: the plan and the bucket size both sides cut it with
-        self.wire_id = _to_int64(hashlib.sha256(f"{plan.fingerprint}:{bucket_bytes}".encode()).hexdigest()[:16])
+        self.check_finite = check_finite
+        self.wire_id = _to_int64(hashlib.sha256(f"{plan.fingerprint}:{bucket_bytes}:{check_finite}".encode())
+                                 .hexdigest()[:16])
         self._send_sources = {(p, k): sorted({t.src_run.local for t, _ in b})
                               for p, bs in self.send.items() for k, b in enumerate(bs)}
         self._header_index = {key: i for i, key in enumerate(self._send_sources)}
@@ -294,20 +362,35 @@ class ReshardExecutor:
         self._recv_buf: dict[tuple[int, int], torch.Tensor] | None = None
         self.version: int | None = None  # the version this rank's destination tensors hold (None: none accepted)
 
-    def _check_tensors(self) -> None:
+    @property
+    def _who(self) -> str:
+        return f"{'refit rank' if isinstance(self.group, RefitGroup) else 'rank'} {self.rank}"
+
+    def _check_tensors(self) -> str | None:
+        """What is wrong with this rank's tensors for the plan (the first problem), or None."""
         for layout in (self.plan.src, self.plan.dst):
             for name, lt in layout.tensors.get(self.rank, {}).items():
                 t = self.tensors.get(name)
                 if t is None:
-                    raise KeyError(f"rank {self.rank}: the plan needs local tensor {name!r} "
-                                   f"({layout.description}); pass it in `tensors`")
+                    return (f"{self._who}: the plan needs local tensor {name!r} ({layout.description}); "
+                            "pass it in `tensors`")
                 if tuple(t.shape[1:]) != lt.shape[1:] or t.shape[0] < lt.shape[0] or t.dtype != lt.dtype:
-                    raise ValueError(f"rank {self.rank}: {name} is {tuple(t.shape)} {t.dtype}, the layout "
-                                     f"keeps {lt.shape} {lt.dtype}; build the layout from this model's config "
-                                     "(a nonuniform-TP trainer: pass ntp_megatron_tensors(ddp), not the "
-                                     "training shadow)")
+                    return (f"{self._who}: {name} is {tuple(t.shape)} {t.dtype}, the layout keeps {lt.shape} "
+                            f"{lt.dtype}; build the layout from this model's config (a nonuniform-TP trainer: "
+                            "pass ntp_megatron_tensors(ddp), not the training shadow)")
                 if not t.is_contiguous():
-                    raise ValueError(f"rank {self.rank}: {name} must be contiguous")
+                    return f"{self._who}: {name} must be contiguous"
+        return None
+
+    def tensors_rejected(self, bad: list[tuple[int, str]]) -> RefitRejected:
+        """The error every rank raises when ranks ``bad`` (``(rank, problem)``) cannot take part: a rank in
+        ``bad`` gives its own problem, the others name the ranks and quote the first problems."""
+        if self.problem is not None:
+            return RefitRejected(f"{self.problem}. Every rank of the refit refused it; nothing was sent",
+                                 reason="tensors")
+        word = "refit ranks" if isinstance(self.group, RefitGroup) else "ranks"
+        return RefitRejected(f"{self._who}: {word} {[r for r, _ in bad]} cannot take part in the refit, nothing "
+                             "was sent: " + " | ".join(n for _, n in bad[:2]), reason="tensors")
 
     # ------------------------------------------------------------------ staging
     def _slot(self, k: int, *, recv: bool) -> int:
@@ -363,6 +446,9 @@ class ReshardExecutor:
             local.append(_same_shape(run_view(self.tensors[t.dst_run.local], t.dst_run),
                                      run_view(self.tensors[t.src_run.local], t.src_run)))
         self._local_copies = CopyBatch(local)
+        # the rows of each source tensor that the layout keeps (padded vocabulary rows excluded), by dtype
+        self._finite_views = {n: self.tensors[n][:rows] for n, rows in self._source_rows.items()
+                              if self.tensors[n].is_floating_point() and self.tensors[n].numel()}
         if self.atomic:  # the whole version at once, after the last round's headers are checked
             self._apply = CopyBatch([pair for k in sorted(unpack) for pair in unpack[k]] + local)
         else:
@@ -383,14 +469,20 @@ class ReshardExecutor:
         e.g. an engine replica serving a fan-out wave; None: no valid version).
         Raises :class:`RefitRejected` on a receiver that a source serves another
         version (after draining every round, so all ranks stay in step) or whose
-        ``verify`` gate fails; on the first refit, on every rank if any rank runs
-        another plan or bucket size or cannot allocate its staging buffers.
+        ``verify`` gate fails; on every rank, before a byte moves, if a source
+        serves a NaN or Inf for this version; on the first refit, on every rank if
+        any rank runs another plan or bucket size, cannot allocate its staging
+        buffers or has tensors that are not the layout's. A streaming receiver
+        holds no complete version (:attr:`version` None) from its first write
+        until the refit completes, so a refit that dies midway leaves it None.
         """
         if self._send_buf is None:
             self._prepare()
         start = time.perf_counter()
         if self.refresh is not None:
             self.refresh()
+        if self.check_finite:
+            self._check_finite(version, source_version, start)
         self._set_headers(version, source_version)
         sent = received = 0
         self._wrote = False
@@ -421,38 +513,52 @@ class ReshardExecutor:
         if refused:
             stats.seconds = time.perf_counter() - start
             reason = "version" if any(m.startswith("version") for m in refused) else "plan"
-            if self._wrote:  # atomic=False and a later round failed its check: the tensors are mixed
-                self.version = None
-            raise RefitRejected(f"rank {self.rank} refused version {version} and kept version {self.version}: "
-                                + "; ".join(refused[:4]), reason=reason, stats=stats)
-        if self.atomic:  # every bucket of this version is here and checked: apply it (local copies too) in one go
-            self._apply.run()
-        elif not self._wrote:  # no round received anything: the local copies are all there is
-            self._local_copies.run()
+            held = ("holds no complete version (the rounds written before the check are mixed)" if self._wrote
+                    else f"kept version {self.version}")  # streaming: version became None at the first write
+            raise RefitRejected(f"rank {self.rank} refused version {version} and {held}: " + "; ".join(refused[:4]),
+                                reason=reason, stats=stats)
+        if self.atomic or not self._wrote:
+            self.version = None  # writing: no complete version until the copies below are done
+            # atomic: every bucket of this version is here and checked, apply it (local copies too) in one go;
+            # streaming with no round received: the local copies are all there is
+            (self._apply if self.atomic else self._local_copies).run()
         self.version = version
         stats.seconds = time.perf_counter() - start  # the move and apply; the gate's forward passes not included
+        if sent or received or self.local_bytes:
+            moved = sent + received + self.local_bytes
+            log.info("reshard refit: %s version %d: sent %.2f MB, received %.2f MB, local %.2f MB in %.1f ms "
+                     "(%.2f GB/s), %d rounds", self._who, version, sent / 1e6, received / 1e6, self.local_bytes / 1e6,
+                     stats.seconds * 1e3, moved / max(stats.seconds, 1e-9) / 1e9, self.rounds)
         if verify is not None and self.rank in self.plan.dst.ranks:
             result = verify(self.plan.dst, self.rank, self.tensors, version)
             stats.kl, stats.max_logit_diff, stats.gate_ok = result.kl, result.max_abs_diff, verify.passes(result)
             if not stats.gate_ok and verify.on_fail == "raise":
                 self.version = None
-                raise RefitRejected(f"rank {self.rank}: version {version} failed the refit gate (KL {result.kl:.3g},"
-                                    f" max logit diff {result.max_abs_diff:.3g})", reason="gate", stats=stats)
+                raise RefitRejected(f"rank {self.rank}: version {version} failed the refit gate: {verify.why(result)}",
+                                    reason="gate", stats=stats)
         return stats
 
     def _prepare(self) -> None:
         """First refit: staging buffers and copies, then one collective over the group that compares
         every rank's plan and bucket size (buckets cut another way would not match on the wire) and
         reports a rank out of memory to all, so that nobody waits on a peer that will not send. It
-        also creates the NCCL communicator, which PyTorch wants before the first batch of P2P ops."""
+        also creates the NCCL communicator, which PyTorch wants before the first batch of P2P ops.
+        A rank whose tensors are not the layout's (:attr:`problem`) allocates nothing and takes part
+        with a status code and its problem, which every rank then raises."""
+        failed = None
+        if self.problem is None:
+            try:
+                self._allocate()
+            except torch.OutOfMemoryError as exc:
+                self._send_buf = self._recv_buf = None
+                failed = exc
+        code = _BAD_TENSORS if self.problem is not None else _NO_STAGING if failed else self.wire_id
+        got = gather_wire_ids(self.group, code, self.device, self.problem or "")
+        ids = [v for v, _ in got]
         try:
-            self._allocate()
-            failed = None
-        except torch.OutOfMemoryError as exc:
-            self._send_buf = self._recv_buf = None
-            failed = exc
-        ids = gather_wire_ids(self.group, _NO_STAGING if failed else self.wire_id, self.device)
-        try:
+            if _BAD_TENSORS in ids:
+                ranks = self._group_ranks(len(ids))
+                raise self.tensors_rejected([(ranks[i], note) for i, (v, note) in enumerate(got) if v == _BAD_TENSORS])
             self._check_staging(ids, failed)
             self._check_same_plan(ids)
         except RefitRejected:
@@ -495,6 +601,61 @@ class ReshardExecutor:
                             f"{[group_ranks[i] for i, v in enumerate(ids) if v == common]}; nothing was sent. Build "
                             "the same layouts (specs, TP/PP/DP/EP, ranks, vocab padding) and the same bucket_bytes "
                             "on every rank", reason="plan")
+
+    def _serving(self, version: int, source_version) -> list[str]:
+        """This rank's source tensors that serve ``version`` (a tensor that holds another version is refused
+        by its receivers for that, and is not checked)."""
+        if source_version is None or (not isinstance(source_version, dict) and source_version == version):
+            return list(self._finite_views)
+        if not isinstance(source_version, dict):
+            return []
+        return [n for n in self._finite_views if source_version.get(n, version) == version]
+
+    def _check_finite(self, version: int, source_version, start: float) -> None:
+        """Every rank raises :class:`RefitRejected` (``"nonfinite"``) before a byte moves if any source
+        serves a NaN or Inf for ``version``. Fast path: one max-abs reduction per dtype over the rows of
+        this rank's source tensors that the layout keeps (NaN and Inf survive a max), kept on the device,
+        and one all-reduce of the flag over the group: one device-to-host read. Slow path, only when
+        some rank is flagged: each flagged rank looks, in plan order, for the first transfer it really
+        sends or copies with a non-finite value, and every rank learns the HF names (one gather)."""
+        serving = self._serving(version, source_version)
+        groups: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
+        for n in serving:
+            groups[self._finite_views[n].dtype].append(self._finite_views[n])
+        flag = torch.zeros(1, dtype=torch.int64, device=self.device)
+        for ts in groups.values():
+            flag |= (~torch.stack(torch._foreach_norm(ts, float("inf"))).isfinite()).any().to(torch.int64)
+        if not sum_over_group(self.group, flag):
+            return
+        note = self._first_nonfinite(set(serving)) if flag.item() else ""
+        got = gather_notes(self.group, 0, self.device, note, what=f"check version {version} for NaN/Inf")
+        ranks = self._group_ranks(len(got))
+        bad = [(ranks[i], n) for i, (_, n) in enumerate(got) if n]
+        if not bad:
+            return  # the NaN / Inf lie in rows that no rank sends (another replica serves them)
+        stats = RefitStats(version, time.perf_counter() - start, 0, 0, 0, self.rounds, self.max_inflight,
+                           self.staging_bytes)
+        if note:
+            raise RefitRejected(f"{self._who}: version {version} has a NaN or Inf in {note}; refused on every rank "
+                                "before a byte moved (the engines keep the version they hold). Fix the training "
+                                "step (loss scale, learning rate, data) and refit again", reason="nonfinite",
+                                stats=stats)
+        word = "refit rank" if isinstance(self.group, RefitGroup) else "rank"
+        held = f"; this rank keeps version {self.version}" if self.rank in self.plan.dst.ranks else ""
+        raise RefitRejected(f"{self._who}: refused version {version} before a byte moved: "
+                            + "; ".join(f"{word} {r} serves a NaN or Inf in {n}" for r, n in bad[:4]) + held,
+                            reason="nonfinite", stats=stats)
+
+    def _first_nonfinite(self, serving: set[str]) -> str:
+        """The HF name of the first tensor this rank sends or copies for the version with a NaN or Inf
+        (exact runs, plan order), or ""."""
+        for t in self._sourced:
+            if t.src_run.local in serving:
+                view = run_view(self.tensors[t.src_run.local], t.src_run)
+                if not bool(torch.isfinite(view).all()):
+                    box = ", ".join(f"{a}:{b}" for a, b in t.box.ranges)
+                    return f"{t.name}[{box}] (this rank's {t.src_run.local})"
+        return ""
 
     def _set_headers(self, version: int, source_version) -> None:
         """This refit's header rows, one per send bucket (``self._send_sources`` order), in one copy."""
@@ -548,6 +709,7 @@ class ReshardExecutor:
                                 version, refused)
             if refused:
                 return
+            self.version = None  # from the first write until the refit completes: no complete version
             self._local_copies.run()
         else:
             unchecked.extend((k, peer, self._seen[(peer, k)]) for peer, _ in arrived)
@@ -578,12 +740,13 @@ class FanoutRefit:
 
     def __init__(self, src, dst, replicas: list[list[int]], rank: int, tensors: dict[str, torch.Tensor], *,
                  group=None, bucket_bytes: int = 64 << 20, first_wave: int = 1, atomic: bool = True,
-                 max_inflight: int = 2, refresh: Callable[[], None] | None = None):
+                 max_inflight: int = 2, refresh: Callable[[], None] | None = None, check_finite: bool = True):
         self.plans = fanout_plans(src, dst, replicas, first_wave=first_wave)
         self.rank = rank
         self._engine_locals = tuple(dst.tensors.get(rank, {}))
         self.waves = [ReshardExecutor(p, rank, tensors, group=group, bucket_bytes=bucket_bytes, atomic=atomic,
-                                      max_inflight=max_inflight, refresh=refresh) for p in self.plans]
+                                      max_inflight=max_inflight, refresh=refresh, check_finite=check_finite)
+                      for p in self.plans]
         self.version: int | None = None
 
     def refit(self, version: int, *, verify: RefitGate | None = None) -> list[RefitStats]:

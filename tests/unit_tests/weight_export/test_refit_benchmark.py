@@ -20,8 +20,8 @@ def test_refit_benchmark_cpu_smoke(tmp_path):
         sys.path.remove(str(REPO / "benchmarks"))
     result = json.loads(out.read_text())
     names = [r["name"] for r in result["rows"]]
-    assert names == ["colocated ours (ipc)", "colocated naive (per-tensor ipc)",
-                     "cross-gpu ours (broadcast)", "cross-gpu naive (per-tensor broadcast)"]
+    # CUDA IPC rows (colocated) run on GPUs only; on CPU the broadcast rows (gloo) run
+    assert names == ["cross-gpu ours (broadcast)", "cross-gpu naive (per-tensor broadcast)"]
     ours = [r for r in result["rows"] if r["kind"] == "ours"]
     assert all(abs(r["kl"]) < 1e-3 and r["applied"] == [2] for r in ours), ours
     assert all(r["nbytes"] == ours[0]["nbytes"] > 0 for r in result["rows"])

@@ -30,12 +30,13 @@ def test_flags_round_trip_and_defaults():
     cfg = ReshardRefitConfig.from_args(parser.parse_args([
         "--reshard-refit-engine-tp", "2", "--reshard-refit-engine-dp", "4", "--reshard-refit-engine-ep", "8",
         "--reshard-refit-bucket-size-mb", "256", "--reshard-refit-max-inflight", "4", "--no-reshard-refit-atomic",
-        "--reshard-refit-every-n-steps", "10", "--reshard-refit-store", "10.0.0.1:29600",
+        "--no-reshard-refit-check-finite", "--reshard-refit-every-n-steps", "10", "--reshard-refit-store", "10.0.0.1:29600",
         "--reshard-refit-backend", "nccl", "--reshard-refit-timeout-s", "30", "--reshard-refit-vocab-padding", "128"]))
     assert cfg == ReshardRefitConfig(engine_tp=2, engine_dp=4, engine_ep=8, vocab_padding=128, bucket_size_mb=256,
-                                     max_inflight=4, atomic=False, every_n_steps=10, store="10.0.0.1:29600",
+                                     max_inflight=4, atomic=False, check_finite=False, every_n_steps=10,
+                                     store="10.0.0.1:29600",
                                      backend="nccl", timeout_s=30)
-    assert cfg.executor_kwargs == dict(bucket_bytes=256 << 20, max_inflight=4, atomic=False)
+    assert cfg.executor_kwargs == dict(bucket_bytes=256 << 20, max_inflight=4, atomic=False, check_finite=False)
     assert cfg.store_address == ("10.0.0.1", 29600)
     assert [s for s in range(1, 31) if cfg.due(s)] == [10, 20, 30] and not ReshardRefitConfig().due(10)
     with pytest.raises(ValueError, match="--reshard-refit-store"):

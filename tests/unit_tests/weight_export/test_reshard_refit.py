@@ -1,9 +1,13 @@
 """Reshard refit between real Megatron TP2 ranks (0, 1) and two engine TP1
 replicas (2, 3): pipelined rounds give the same bytes at every in-flight depth
 with bounded staging; a receiver refuses a source that serves another version
-or plan and keeps its previous tensors exactly; the KL gate passes a correct
-refit and fails a corrupted one; a fan-out replica that failed its gate cannot
-pass its version on. The reference is the export hook's gathered HF weights."""
+or plan and keeps its previous tensors exactly; a rank whose tensors are not
+the layout's, or a NaN in what a trainer rank serves, is refused on every rank
+within seconds, before a byte moves; the KL gate passes a correct refit and
+fails a corrupted one; a fan-out replica that failed its gate cannot pass its
+version on. The reference is the export hook's gathered HF weights."""
+
+import time
 
 import pytest
 import torch
@@ -16,6 +20,8 @@ from ._reference import hook_reference, tp_job
 SPEC = tiny_llama.TinyLlamaSpec(arch="qwen2")
 BUCKET = 2048  # small buckets: many rounds, transfers cut into rows
 DEPTHS = (1, 2, 4)
+QKV = "model.layers.0.self_attn.qkv_proj.weight"  # an engine tensor
+FC2 = "decoder.layers.1.mlp.linear_fc2.weight"    # a trainer tensor (down_proj, TP-split by columns)
 
 
 def _layouts(cfg):
@@ -112,6 +118,34 @@ def _body(backend):
         del ex._allocate
     ex.refit(2)
     out["after_oom"] = snap(e)
+    # 3d. rank 3's engine qkv has another dtype: its executor is built without an error, and the first refit
+    # raises RefitRejected("tensors") on every rank at once (rank 3 its problem, the others quoting it)
+    e = engine()
+    if rank == 3:
+        e[QKV] = e[QKV].half()
+    start = time.monotonic()
+    ex = wx.ReshardExecutor(plan, rank, {**tr, **e}, bucket_bytes=BUCKET)
+    out["bad_tensors"] = dict(refused=attempt(lambda: ex.refit(1)), seconds=time.monotonic() - start,
+                              problem=ex.problem)
+    # 3e. a NaN in what rank 1 serves for version 2: every rank refuses it before a byte moves, rank 1 naming
+    # the HF tensor; the engines keep version 1 bit for bit (atomic or streaming); then version 3 applies
+    for atomic in (True, False):
+        tr, e = trainer(), engine()
+        ex = wx.ReshardExecutor(plan, rank, {**tr, **e}, bucket_bytes=BUCKET, atomic=atomic)
+        ex.refit(1)
+        before = snap(e)
+        for t in tr.values():
+            t.mul_(2)
+        if rank == 1:
+            kept = tr[FC2].view(-1)[3].item()
+            tr[FC2].view(-1)[3] = float("nan")
+        refused = attempt(lambda: ex.refit(2))
+        after, held = snap(e), ex.version
+        if rank == 1:
+            tr[FC2].view(-1)[3] = kept
+        ex.refit(3)
+        out[("nonfinite", atomic)] = dict(refused=refused, before=before, after=after, held=held, final=snap(e),
+                                          version=ex.version)
     # 4. the KL gate on each engine replica (an HF model per TP1 replica)
     toks = tiny_llama.tokens(SPEC)
     ref_logits = wx.megatron_logits(model, toks)  # every rank (TP collectives)
@@ -223,6 +257,30 @@ def test_reshard_refit_versions_pipelining_and_gate(backend):
             reason, msg, _ = res["refused"]
             assert reason == "plan" and f"ranks [{odd}] run another reshard plan or bucket_bytes" in msg, msg
             assert res["version"] is None and all(t.isnan().all() for t in res["engine"].values())
+    for r in range(4):  # wrong tensors on rank 3: every rank refuses at once, naming rank 3 and the problem
+        res = results[r]["bad_tensors"]
+        reason, msg, _ = res["refused"]
+        problem = (f"rank 3: {QKV} is {tuple(dst.tensors[3][QKV].shape)} torch.float16, the layout keeps "
+                   f"{dst.tensors[3][QKV].shape} torch.float32")
+        assert reason == "tensors" and res["seconds"] < 15, (res["seconds"], msg)
+        if r == 3:
+            assert res["problem"].startswith(problem) and msg.startswith(problem), msg
+        else:
+            assert res["problem"] is None
+            assert msg.startswith(f"rank {r}: ranks [3] cannot take part in the refit") and problem in msg, msg
+    for atomic in (True, False):  # a NaN served by rank 1: refused everywhere, nothing written
+        for r in range(4):
+            res = results[r][("nonfinite", atomic)]
+            reason, msg, stats = res["refused"]
+            assert reason == "nonfinite" and stats.sent_bytes == stats.received_bytes == 0, msg
+            assert "model.layers.1.mlp.down_proj.weight[0:64, 48:96]" in msg, msg
+            assert ("has a NaN or Inf in" if r == 1 else "rank 1 serves a NaN or Inf in") in msg, msg
+            assert res["version"] == 3
+            if r in dst.ranks:
+                assert res["held"] == 1
+                for n in res["before"]:
+                    assert torch.equal(res["after"][n], res["before"][n]), (atomic, r, n)
+                _check(res["final"], ref, dst, r, "version 3 after a non-finite one", scale=2.0)
     for r in dst.ranks:
         _check(results[r]["after_refusal"], ref, dst, r, "after a refused plan")
         _check(results[r]["after_oom"], ref, dst, r, "after a staging failure")

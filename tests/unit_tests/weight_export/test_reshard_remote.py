@@ -1,9 +1,17 @@
 """Reshard refit between a Megatron trainer job and a SEPARATE engine job (own
 default worlds, one RefitGroup over a TCP store): the engine's tensors equal the
 export hook's HF weights exactly after each version, a mismatched version or plan
-is refused with RefitRejected, and a missing peer fails within the timeout
-with a message naming it (no hang)."""
+is refused with RefitRejected, an engine rank with wrong tensors is refused on
+every rank within seconds, naming it, a missing peer fails within the timeout
+with a message naming it (no hang), a trainer killed mid-refit leaves an atomic
+engine at its previous version and a streaming one at none, and the store
+listens only on the address it is given."""
 
+import multiprocessing
+import os
+import re
+import socket
+import subprocess
 import threading
 import time
 
@@ -17,6 +25,7 @@ from ._reference import hook_reference
 
 SPEC = tiny_llama.TinyLlamaSpec(arch="qwen2")  # QKV bias: a fused 1-D tensor too
 BUCKET = 4096  # small buckets: many rounds
+QKV = "model.layers.0.self_attn.qkv_proj.weight"  # an engine tensor (TP-sharded)
 
 
 def _specs(n_trainer):
@@ -73,6 +82,12 @@ def _trainer_body(backend, port, n_engine):
         out["plan"] = None
     except wx.RefitRejected as e:
         out["plan"] = (e.reason, str(e))
+    start = time.monotonic()
+    try:  # an engine rank's qkv has another dtype: every rank refuses at once, quoting it (timeout: 60 s)
+        wx.TrainerRefit(group, src, dst_a, tensors, bucket_bytes=BUCKET)
+        out["tensors"] = None
+    except wx.RefitRejected as e:
+        out["tensors"] = (e.reason, str(e), time.monotonic() - start)
     refit_b = wx.TrainerRefit(group, src, dst_b, tensors, bucket_bytes=BUCKET)  # a second helper on the group
     out["stats5"] = refit_b.refit(5)
     out["acks5"] = refit_b.engine_versions()
@@ -112,6 +127,15 @@ def _engine_body(backend, port, n_trainer):
         out["plan"] = None
     except wx.RefitRejected as e:
         out["plan"] = (e.reason, str(e))
+    bad = dict(own)
+    if rank == n_trainer + n_engine - 1:  # the last engine rank
+        bad[QKV] = own[QKV].half()
+    start = time.monotonic()
+    try:
+        wx.EngineRefit(group, src, dst_a, bad, bucket_bytes=BUCKET)
+        out["tensors"] = None
+    except wx.RefitRejected as e:
+        out["tensors"] = (e.reason, str(e), time.monotonic() - start)
     # B: TP1 replicas; after each version the whole HF tensors go to load_weights (as a vLLM worker would)
     loaded = {}
     refit_b = wx.EngineRefit(group, src, dst_b, load_weights=lambda ws: loaded.update(
@@ -178,6 +202,18 @@ def test_remote_refit_exact(backend, n_trainer, n_engine):
         # another bucket size: every rank refuses the plan when the helpers are built
         reason, msg = res["plan"]
         assert reason == "plan" and f"refit ranks {engine_ranks}" in msg, msg
+    # wrong tensors on the last engine rank: every rank of both jobs refuses within seconds, naming it
+    bad = engine_ranks[-1]
+    problem = (f"refit rank {bad}: {QKV} is {tuple(dst_a.tensors[bad][QKV].shape)} torch.float16, the layout keeps "
+               f"{dst_a.tensors[bad][QKV].shape} torch.float32")
+    for r, res in [*zip(range(n_trainer), trainer), *zip(engine_ranks, engine)]:
+        reason, msg, seconds = res["tensors"]
+        assert reason == "tensors" and seconds < 15, (r, seconds, msg)
+        if r == bad:
+            assert msg.startswith(problem), msg
+        else:
+            assert msg.startswith(f"refit rank {r}: refit ranks [{bad}] cannot take part") and problem in msg, msg
+    for res in engine:
         # B: load_weights got every HF tensor whole, exactly the export hook's (version 2's weights, served as 5)
         assert res["served"] == 5 and res["seen"] == [5]
         assert sorted(res["loaded"]) == sorted(ref2)
@@ -262,3 +298,182 @@ def test_missing_peer_fails_within_timeout():
         else:
             assert isinstance(e_out, wx.RefitGroupError), e_out
             assert "refit ranks [0] did not announce refit 0 within 1.5s" in str(e_out), e_out
+
+
+# ----------------------------------------------------------------- a trainer killed mid-refit
+# Refit ranks 0, 1: the trainer (TP2; rank 0 hosts the store); 2, 3: the engine (TP1 x DP2; rank 2 atomic,
+# rank 3 streaming), threads of this process. The trainer ranks that die run in a process of their own,
+# which exits hard (os._exit) after KILL_AFTER rounds of version 2: trainer rank 1 alone (rank 0, in this
+# process, then reads the engines' acknowledgements), or the whole trainer job, store included. Every
+# engine rank receives from both trainer ranks.
+KILL_BUCKET = 512   # many rounds
+KILL_AFTER = 3      # rounds of version 2 that a dying trainer rank posts before its process exits
+KILLED = 77         # the process's exit code
+KILL_TIMEOUT_S = 30
+
+
+def _kill_layouts():
+    from megatron_ext.weight_export.layout import gpt_specs, inference_layout, megatron_layout
+
+    specs = gpt_specs(num_layers=2, hidden_size=16, num_heads=2, num_groups=2, head_dim=8, ffn_hidden_size=32,
+                      vocab_size=32, dtype=torch.float32)
+    return megatron_layout(specs, tp=2, ranks=[0, 1]), inference_layout(specs, tp=1, dp=2, ranks=[2, 3])
+
+
+def _kill_tensors(src, rank):
+    """Trainer rank ``rank``'s version 1 (version 2 is twice that, exactly)."""
+    g = torch.Generator().manual_seed(rank)
+    return {n: torch.randn(lt.shape, generator=g) for n, lt in src.tensors[rank].items()}
+
+
+def _trainer_rank(port, rank, *, before_v2=lambda: None):
+    """One trainer refit rank: versions 1 and 2 (returns the TrainerRefit and its group)."""
+    from megatron_ext import weight_export as wx
+
+    src, dst = _kill_layouts()
+    group = wx.RefitGroup.join("127.0.0.1", port, rank, 4, timeout_s=KILL_TIMEOUT_S)
+    tensors = _kill_tensors(src, rank)
+    refit = wx.TrainerRefit(group, src, dst, tensors, bucket_bytes=KILL_BUCKET, max_inflight=1)
+    refit.refit(1)
+    before_v2()
+    for t in tensors.values():
+        t.mul_(2)
+    return refit, group
+
+
+def _trainer_ranks_that_die(port, ranks):
+    """Trainer ``ranks`` (threads of this process) serve version 1, then the process exits after KILL_AFTER
+    rounds of version 2."""
+    from megatron_ext.weight_export import reshard
+
+    post, posted = reshard.batch_isend_irecv, {}
+
+    def post_then_die(ops, grp):  # test-only hook, in this process only
+        # gloo sends a bucket only once its receiver posted the receive, and an engine posts round k only
+        # after it wrote round k - 1 (max_inflight=1): rounds 0 .. KILL_AFTER - 2 are written when this dies
+        if posted.setdefault(grp.rank, 0) == KILL_AFTER:
+            os._exit(KILLED)
+        posted[grp.rank] += 1
+        return post(ops, grp)
+
+    def rank_body(r):
+        refit, _ = _trainer_rank(port, r, before_v2=lambda: arrived.wait())
+        refit.refit(2)
+
+    arrived = threading.Barrier(len(ranks), action=lambda: setattr(reshard, "batch_isend_irecv", post_then_die))
+    threads = [threading.Thread(target=rank_body, args=(r,)) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    os._exit(1)  # not reached: the hook exits first
+
+
+@pytest.mark.parametrize("dying", [[1], [0, 1]], ids=["trainer rank 1", "trainer job with the store"])
+def test_trainer_killed_mid_refit(dying):
+    from megatron_ext import weight_export as wx
+
+    src, dst = _kill_layouts()
+    port = free_port()
+    child = multiprocessing.get_context("spawn").Process(target=_trainer_ranks_that_die, args=(port, dying),
+                                                         daemon=True)
+    child.start()
+
+    def trainer():  # trainer rank 0, when it survives
+        refit, group = _trainer_rank(port, 0)
+        acks1 = refit.engine_versions()
+        try:
+            refit.refit(2)
+        except (wx.RefitGroupError, wx.RefitRejected):
+            pass  # its own sends may or may not complete: not what this test is about
+        acks = refit.engine_versions()
+        group.close()
+        return acks1, acks
+
+    def engine(rank, atomic):
+        group = wx.RefitGroup.join("127.0.0.1", port, rank, 4, timeout_s=KILL_TIMEOUT_S)
+        own = {n: torch.full(lt.shape, float("nan")) for n, lt in dst.tensors[rank].items()}
+        refit = wx.EngineRefit(group, src, dst, own, bucket_bytes=KILL_BUCKET, max_inflight=1, atomic=atomic)
+        stats = refit.refit()
+        v1, held1 = {n: t.clone() for n, t in own.items()}, refit.version
+        try:
+            refit.refit()
+            err = None
+        except Exception as e:  # noqa: BLE001 - returned to the test, without its traceback: that would
+            err = (type(e), str(e))  # keep this rank's gloo pairs open, and trainer rank 0's sends waiting
+        group.close()
+        return dict(rounds=stats.rounds, v1=v1, held1=held1, after=own, held=refit.version, error=err)
+
+    start = time.monotonic()
+    bodies = [lambda: engine(2, True), lambda: engine(3, False)] + ([trainer] if 0 not in dying else [])
+    try:
+        atomic, streaming, *rest = _in_threads(*bodies)
+    finally:
+        child.join(KILL_TIMEOUT_S)
+        if child.is_alive():
+            child.kill()
+    assert child.exitcode == KILLED, f"the trainer process exited with {child.exitcode}, not through the test's hook"
+    assert time.monotonic() - start < KILL_TIMEOUT_S  # the engine learnt of the death from the connection
+    for res in (atomic, streaming):
+        assert isinstance(res, dict), res
+        assert res["held1"] == 1 and res["rounds"] > 3 * KILL_AFTER
+        # the transfer's error, not the store's (a dead store makes the failed refit's acknowledgement fail)
+        kind, msg = res["error"]
+        assert kind is wx.RefitGroupError and "recv from refit rank" in msg, msg
+    # atomic: the previous version bit for bit, and it says so
+    assert atomic["held"] == 1
+    for n, t in atomic["v1"].items():
+        assert torch.equal(atomic["after"][n], t), n
+    # streaming: rounds of version 2 were written before the death, so the rank holds no complete version
+    assert streaming["held"] is None
+    mixed = [n for n, t in streaming["v1"].items() if not torch.equal(streaming["after"][n], t)]
+    assert mixed and len(mixed) < len(streaming["v1"]), mixed
+    for n in mixed:  # what was written is version 2 (twice version 1) or still version 1
+        got, v1 = streaming["after"][n], streaming["v1"][n]
+        assert bool(((got == v1) | (got == 2 * v1)).all()), n
+    if rest:  # trainer rank 0 survived: the engines acknowledged what they hold
+        assert not isinstance(rest[0], BaseException), rest[0]
+        assert rest[0] == ({2: 1, 3: 1}, {2: 1, 3: None})
+
+
+# ----------------------------------------------------------------- the store's listening address
+def _non_loopback_ipv4() -> list[str]:
+    """This machine's IPv4 addresses other than 127.x (hostname, the default route's source, `ip -4 addr`)."""
+    found = set()
+    try:
+        found.update(socket.gethostbyname_ex(socket.gethostname())[2])
+    except OSError:
+        pass
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 9))  # a UDP connect sends nothing; it picks the outgoing address
+            found.add(s.getsockname()[0])
+    except OSError:
+        pass
+    try:
+        text = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True, timeout=5).stdout
+        found.update(re.findall(r"inet (\d+\.\d+\.\d+\.\d+)/", text))
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return sorted(a for a in found if not a.startswith("127.") and a != "0.0.0.0")
+
+
+def test_store_listens_only_on_the_address_given():
+    from megatron_ext import weight_export as wx
+
+    others = _non_loopback_ipv4()
+    if not others:
+        pytest.skip("this machine has no non-loopback IPv4 address to probe the store from")
+    port = free_port()
+    groups = _in_threads(*(lambda r=r: wx.RefitGroup.join("127.0.0.1", port, r, 2, timeout_s=10) for r in (0, 1)))
+    try:
+        assert all(isinstance(g, wx.RefitGroup) for g in groups), groups  # a normal join works, and its store
+        assert _in_threads(*(lambda g=g: g.gather_ints(10 + g.rank, what="gather") for g in groups)) == [[10, 11]] * 2
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        for address in others:
+            with pytest.raises(OSError):
+                socket.create_connection((address, port), timeout=2).close()
+    finally:
+        for g in groups:
+            if isinstance(g, wx.RefitGroup):
+                g.close()
