@@ -17,7 +17,8 @@ Measured in one run and printed as a table (and written as JSON):
 - ours: ``WeightExporter`` over CUDA IPC (receiver on GPU 0; ``ipc-direct``:
   the engine copies straight from the trainer's mapped weights; ``ipc-push``:
   the trainer writes straight into the engine's mapped weights; ``ipc``:
-  two shared export buffers) and NCCL broadcast (receiver on GPU 1): time per refit (median of ``--iters`` after a warm-up),
+  two shared export buffers) and NCCL broadcast (receiver on GPU 1): time per refit (median of ``--iters``
+  after a warm-up),
   GB/s of HF payload, fraction of the limit, peak extra trainer memory in units
   of one export buffer, and the verifier's KL.
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import time
 
-import torch
 
 from megatron_ext.testing import tiny_gpt
 from megatron_ext.testing.multirank import run_on_ranks

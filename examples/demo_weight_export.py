@@ -73,7 +73,8 @@ def run_weight_export_demo(world_size: int = 4, tp: int = 2, steps: int = 10, gl
         transport, receiver_device = ("broadcast", f"cuda:{world_size}") if spare else ("ipc", "cuda:0")
     start = time.perf_counter()
     with start_hf_receiver(tiny_llama.build_hf, (SPEC,), device=receiver_device, keep_state=False) as receiver:
-        out = run_on_ranks(_train_and_export, world_size, args=(receiver.address, transport, tp, steps, global_batch, lr),
+        out = run_on_ranks(_train_and_export, world_size,
+                           args=(receiver.address, transport, tp, steps, global_batch, lr),
                            backend=backend, timeout=timeout, watch=receiver.failure)[0]
         got = receiver.result()
     if not got["ok"]:

@@ -30,7 +30,8 @@ import io
 import logging
 import re
 import time
-from typing import Any, Mapping, Sequence, Union
+from typing import Any
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -45,7 +46,7 @@ __all__ = ["gather_full_state", "is_extra_state", "merge_tp_shards", "ntp_to_uni
 
 #: One replica's state dicts, one per TP rank: ``{tp_rank: state_dict}`` or a
 #: list in TP-rank order (position = TP rank).
-TPShards = Union[Mapping[int, Mapping[str, Any]], Sequence[Mapping[str, Any]]]
+TPShards = Mapping[int, Mapping[str, Any]] | Sequence[Mapping[str, Any]]
 
 _SPEC_HINT = ("build specs with shard_specs(model, gated_linear_unit) from a model of the same "
               "architecture, or give ShardSpec(None) for a tensor that is replicated over TP")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Mapping
+from collections.abc import Mapping
 
 __all__ = [
     "NonuniformTPConfig",

@@ -26,7 +26,6 @@ state on each spare.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 import torch
 
@@ -58,7 +57,7 @@ class NonuniformTPBucketGroup(_ParamAndGradBucketGroup):
 
     ntp_fold = None  # set by NonuniformTPDistributedDataParallel
 
-    def start_grad_sync(self, force_all_reduce: Optional[bool] = False):
+    def start_grad_sync(self, force_all_reduce: bool | None = False):
         if self.is_first_batch and self.grad_reduce_handle is not None:
             return
         self.ntp_fold()
@@ -250,7 +249,7 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
             self._compute_module.train(mode)
         return self
 
-    def finish_grad_sync(self, force_all_reduce: Optional[bool] = False):
+    def finish_grad_sync(self, force_all_reduce: bool | None = False):
         super().finish_grad_sync(force_all_reduce=force_all_reduce)
         if self._ntp is not None:
             self._ntp.stale = True

@@ -17,7 +17,7 @@ and spare rank ``j`` receives it from core rank ``j % tp_reduced``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist

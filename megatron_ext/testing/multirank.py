@@ -27,7 +27,8 @@ import tempfile
 import time
 import traceback
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
 

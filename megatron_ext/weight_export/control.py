@@ -36,7 +36,8 @@ import stat
 import struct
 import tempfile
 import time
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import torch
 
@@ -274,7 +275,7 @@ class Channel:
             self.sock.settimeout(left)
             try:
                 chunk = self.sock.recv(min(n - len(buf), 1 << 20))
-            except socket.timeout:
+            except TimeoutError:
                 raise ControlError(f"{self.peer} did not answer in time") from None
             except OSError as exc:
                 raise ControlError(f"{self.peer} went away ({exc})") from exc

@@ -22,7 +22,8 @@ import torch
 from .hf_moe import (UNSUPPORTED_HINTS, expert_hf_names, expert_param, grouped_expert_issue, qwen3_moe_kwargs,
                      router_issue)
 
-__all__ = ["CopyBatch", "Source", "UnsupportedParameter", "copy_all", "hf_config_from_megatron", "local_sources", "shard_copies",
+__all__ = ["CopyBatch", "Source", "UnsupportedParameter", "copy_all", "hf_config_from_megatron", "local_sources",
+           "shard_copies",
            "write_shard"]
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -260,7 +260,7 @@ def megatron_layout(specs: list[TensorSpec], *, tp: int = 1, pp: int = 1, dp: in
         raise ValueError(f"ep={ep} must divide the number of experts ({num_experts})")
     tensors = {}
     for i, g in enumerate(ranks):
-        tp_r, dp_r, pp_r = i % tp, (i // tp) % dp, i // (tp * dp)
+        tp_r, pp_r = i % tp, i // (tp * dp)
         ep_r, etp_r = megatron_expert_coords(i, tp=tp, dp=dp, ep=ep, etp=etp)
         boxes, mine = {}, []
         for s in specs:

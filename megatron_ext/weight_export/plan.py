@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Iterator, Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 

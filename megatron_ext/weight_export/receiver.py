@@ -9,7 +9,7 @@ for a ``transformers`` model.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 

@@ -32,7 +32,7 @@ NaN or Inf is refused on every rank before a byte moves (``"nonfinite"``). Every
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist

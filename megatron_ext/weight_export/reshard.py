@@ -40,7 +40,7 @@ import logging
 import math
 import time
 from collections import defaultdict, deque
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -664,7 +664,7 @@ class ReshardExecutor:
         held = source_version if isinstance(source_version, dict) else {}
         default = version if source_version is None or isinstance(source_version, dict) else source_version
         rows = []
-        for (peer, k), locals_ in self._send_sources.items():
+        for (_peer, k), locals_ in self._send_sources.items():
             vs = {held.get(n, default) for n in locals_}
             v = version if vs == {version} else next(iter(vs - {version}))
             rows.append([_NO_VERSION if v is None else v, self.wire_id, self.rank, k])

@@ -20,7 +20,8 @@ from collections import defaultdict
 
 from .layout import Box, Layout, LocalTensor, Segment
 
-__all__ = ["ReshardPlan", "Run", "Transfer", "build_reshard_plan", "check_reshard_plan", "fanout_plans", "merge_layouts",
+__all__ = ["ReshardPlan", "Run", "Transfer", "build_reshard_plan", "check_reshard_plan", "fanout_plans",
+           "merge_layouts",
            "run_view", "sub_layout"]
 
 

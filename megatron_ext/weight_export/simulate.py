@@ -97,7 +97,7 @@ def predict(plan: ReshardPlan, links: Links = Links(), *, layer_weight: dict[int
         if s > seconds:
             busy, seconds = f"rank {rank} {port}", s
     per_rank: dict[int, float] = defaultdict(float)
-    for (rank, port), b in ports.items():
+    for (rank, _port), b in ports.items():
         per_rank[rank] = max(per_rank[rank], b)
     buckets = max((-(-int(b) // links.bucket_bytes) for b in per_rank.values()), default=0)
     seconds += buckets * links.latency_s
@@ -116,7 +116,7 @@ def _lower_bound(plan: ReshardPlan, links: Links, layer_weight) -> float:
     nic_in: dict[int, float] = defaultdict(float)
     nvl_in: dict[int, float] = defaultdict(float)
     for d in plan.dst.ranks:
-        for lt, seg in plan.dst.segments(d):
+        for _lt, seg in plan.dst.segments(d):
             spec = plan.dst.specs[seg.name]
             w = layer_weight.get(spec.layer, 1.0) if (layer_weight and spec.layer is not None) else 1.0
             # bytes of this segment by best path: held here, on this node, or off-node
@@ -213,7 +213,8 @@ def simulate_config(name: str, links: Links = Links()) -> dict:
 
 
 def format_rows(rows: list[dict]) -> str:
-    head = f"{'config':<60} {'model GB':>8} {'pred s':>7} {'bound s':>7} {'max recv GB':>11} {'published s':>11}  busiest"
+    head = (f"{'config':<60} {'model GB':>8} {'pred s':>7} {'bound s':>7} {'max recv GB':>11} {'published s':>11}"
+            "  busiest")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['config']:<60} {r['model_gb']:>8.1f} {r['predicted_s']:>7.3f} {r['lower_bound_s']:>7.3f} "

@@ -140,7 +140,8 @@ FORM = "'REPLICA:SLOT[,SLOT...]' entries separated by ';'"
     ("1:2,2", dict(tp_base=4), ["--ntp-failed-slots: slot 2 listed twice for replica 1"]),
     ("-1:1", {}, ["--ntp-failed-slots: replica index -1 in '-1:1' is out of range; allowed: REPLICA >= 0"]),
     ("0:-2", {}, ["--ntp-failed-slots: slot -2 of replica 0 is out of range; allowed: SLOT >= 0"]),
-    ("0:4", dict(tp_base=4), ["--ntp-failed-slots: slot 4 of replica 0 is out of range; allowed: 0..3 (--ntp-tp-base 4)"]),
+    ("0:4", dict(tp_base=4),
+     ["--ntp-failed-slots: slot 4 of replica 0 is out of range; allowed: 0..3 (--ntp-tp-base 4)"]),
     ("2:0", dict(data_parallel_size=2),
      ["--ntp-failed-slots: replica index 2 in '2:0' is out of range; allowed: 0..1 (--ntp-data-parallel-size 2)"]),
 ])
@@ -155,7 +156,8 @@ def test_parse_failed_slots_refuses_naming_the_flag_and_the_form(text, kwargs, n
     # accepted and silently deduplicated before
     (["--ntp-tp-base", "4", "--ntp-failed-slots", "1:2,2"],
      ["argument --ntp-failed-slots: slot 2 listed twice for replica 1"]),
-    (["--ntp-tp-base", "4", "--ntp-failed-slots", "0:"], ["argument --ntp-failed-slots: replica 0 lists no slot", FORM]),
+    (["--ntp-tp-base", "4", "--ntp-failed-slots", "0:"],
+     ["argument --ntp-failed-slots: replica 0 lists no slot", FORM]),
     # argparse reads '-1:1' as an option: the user gets the flag and the allowed form, not 'expected one argument'
     (["--ntp-tp-base", "4", "--ntp-failed-slots", "-1:1"],
      ["argument --ntp-failed-slots: expected a value", FORM, "replica indices and slots are >= 0"]),

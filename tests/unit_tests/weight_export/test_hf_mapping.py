@@ -117,7 +117,7 @@ def _direct(model, spec, cfg, exporter):
     out = {}
     hf = tiny_llama.hf_model(spec, cfg)
     loaded = {}
-    for key, consumer in (("target", wx.HFModelConsumer(hf)),
+    for _key, consumer in (("target", wx.HFModelConsumer(hf)),
                           ("load_weights", wx.LoadWeightsConsumer(
                               lambda ws: loaded.update({n: t.clone() for n, t in ws})))):
         receiver = wx.WeightReceiver(consumer)

@@ -29,7 +29,8 @@ def test_flags_round_trip_into_config():
 
 
 @pytest.mark.parametrize("kwargs,needle", [
-    (dict(transport="tcp"), "transport must be one of ('inprocess', 'broadcast', 'ipc', 'ipc-push', 'ipc-direct'), got 'tcp'"),
+    (dict(transport="tcp"),
+     "transport must be one of ('inprocess', 'broadcast', 'ipc', 'ipc-push', 'ipc-direct'), got 'tcp'"),
     (dict(transport="broadcast"), "target is required for transport='broadcast'"),
     (dict(transport="ipc", target="localhost"), "target must be 'host:port"),
     (dict(bucket_size_mb=0), "bucket_size_mb must be > 0"),

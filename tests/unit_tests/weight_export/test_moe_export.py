@@ -395,7 +395,7 @@ def _check_case(out, key, received_params=None):
         expert_group = w["ep_group"] if w["etp"] == 1 else w["etp_ep_group"]
         assert len(expert_group) == w["ep"] * w["etp"]
         want = []
-        for pp_rank, group, owners in plan["groups"]:
+        for pp_rank, group, _owners in plan["groups"]:
             size = w["tp"] if group == "tp" else w["ep"] * w["etp"]
             gathers = w["dp"] == 0 if group == "tp" else w["edp"] == 0
             if pp_rank == w["pp"] and gathers and size > 1:

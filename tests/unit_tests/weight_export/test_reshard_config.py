@@ -30,7 +30,8 @@ def test_flags_round_trip_and_defaults():
     cfg = ReshardRefitConfig.from_args(parser.parse_args([
         "--reshard-refit-engine-tp", "2", "--reshard-refit-engine-dp", "4", "--reshard-refit-engine-ep", "8",
         "--reshard-refit-bucket-size-mb", "256", "--reshard-refit-max-inflight", "4", "--no-reshard-refit-atomic",
-        "--no-reshard-refit-check-finite", "--reshard-refit-every-n-steps", "10", "--reshard-refit-store", "10.0.0.1:29600",
+        "--no-reshard-refit-check-finite", "--reshard-refit-every-n-steps", "10",
+        "--reshard-refit-store", "10.0.0.1:29600",
         "--reshard-refit-backend", "nccl", "--reshard-refit-timeout-s", "30", "--reshard-refit-vocab-padding", "128"]))
     assert cfg == ReshardRefitConfig(engine_tp=2, engine_dp=4, engine_ep=8, vocab_padding=128, bucket_size_mb=256,
                                      max_inflight=4, atomic=False, check_finite=False, every_n_steps=10,
@@ -61,7 +62,8 @@ def test_config_builds_the_engine_layout_and_runs_a_refit():
     ex.refit(1)
     hf = dst.hf_tensors(0, engine)
     assert hf and all(not t.isnan().any() for t in engine.values())
-    assert torch.equal(dict(hf)["model.layers.0.mlp.down_proj.weight"], trainer["decoder.layers.0.mlp.linear_fc2.weight"])
+    assert torch.equal(dict(hf)["model.layers.0.mlp.down_proj.weight"],
+                       trainer["decoder.layers.0.mlp.linear_fc2.weight"])
 
 
 # Accepted before, failing later with unrelated errors.

@@ -7,7 +7,6 @@ exactly too, with specs built for grouped-GEMM experts."""
 
 import re
 
-import pytest
 import torch
 
 from megatron_ext.testing import tiny_llama

@@ -42,7 +42,8 @@ def _layouts(specs, n_trainer, n_engine):
 
     engine = range(n_trainer, n_trainer + n_engine)
     return (megatron_layout(specs, tp=n_trainer, ranks=range(n_trainer)),
-            inference_layout(specs, tp=n_engine, ranks=engine), inference_layout(specs, tp=1, dp=n_engine, ranks=engine))
+            inference_layout(specs, tp=n_engine, ranks=engine),
+            inference_layout(specs, tp=1, dp=n_engine, ranks=engine))
 
 
 def _device(backend):
