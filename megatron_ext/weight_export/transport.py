@@ -49,6 +49,7 @@ __all__ = ["BroadcastSender", "InProcessSender", "IpcDirectSender", "IpcPushSend
            "push_targets", "serve"]
 
 log = logging.getLogger(__name__)
+_ABORT_WAIT_S = 5.0  # how long a trainer waits for an engine to confirm a dropped version
 
 
 class ReceiverError(ControlError):
@@ -120,10 +121,10 @@ class _RemoteSender:
     def _transport_info(self, buffers) -> dict:
         return {}
 
-    def _expect(self, i: int, kind: str, what: str) -> control.Message:
+    def _expect(self, i: int, kind: str, what: str, timeout_s: float | None = None) -> control.Message:
         ch, address = self.chans[i], self.addresses[i]
         try:
-            msg = ch.recv(self.timeout_s)
+            msg = ch.recv(self.timeout_s if timeout_s is None else timeout_s)
         except ControlError as exc:
             raise ReceiverError(f"receiver at {address} died or hung while {what} ({exc}); see the engine's log, "
                                 "then restart it and export again") from exc
@@ -156,12 +157,15 @@ class _RemoteSender:
 
     def abort(self, version: int) -> list[int | None]:
         """Tell every receiver that ``version`` will not complete; returns the version each
-        still holds (None: none complete). Best effort: a receiver that is gone is skipped."""
+        still holds (None: none complete, or no answer). Best effort and short: a receiver that is
+        gone, or still waiting for a bucket that will not come, is skipped after a few seconds (it
+        drops the version itself when this trainer closes)."""
         held = []
         for i, ch in enumerate(self.chans):
             try:
                 ch.send("abort", version=version)
-                held.append(self._expect(i, "aborted", f"aborting version {version}")["holds"])
+                held.append(self._expect(i, "aborted", f"aborting version {version}",
+                                         min(self.timeout_s, _ABORT_WAIT_S))["holds"])
             except (ControlError, PlanMismatch):
                 held.append(None)
         return held
