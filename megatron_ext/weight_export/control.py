@@ -44,7 +44,7 @@ import torch
 from .config import parse_address
 
 __all__ = ["Channel", "ControlError", "KEY_ENV", "Listener", "Message", "blob_tensor", "connect", "is_loopback",
-           "resolve_key", "tensor_blob"]
+           "listen_socket", "resolve_key", "tensor_blob"]
 
 log = logging.getLogger(__name__)
 
@@ -367,6 +367,22 @@ def connect(address: str, *, timeout_s: float, key: bytes | str | None = None, w
     return ch
 
 
+def listen_socket(host: str, port: int, backlog: int = socket.SOMAXCONN) -> socket.socket:
+    """A TCP socket listening on ``host``'s address only (the first that ``getaddrinfo`` gives,
+    resolved once; no wildcard unless ``host`` is one). ``OSError`` if it cannot bind."""
+    family, _, _, _, sockaddr = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM,
+                                                   proto=socket.IPPROTO_TCP)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(backlog)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 class Listener:
     """Listens on exactly ``address`` (host resolved once; no wildcard) and hands out
     authenticated channels. Connections that fail the handshake are logged and dropped."""
@@ -375,15 +391,10 @@ class Listener:
         host, port = parse_address(address, "the listen address")
         self.address, self.what = address, what
         self.key = resolve_key(address, key, create=True)
-        family, _, _, _, sockaddr = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)[0]
-        self.sock = socket.socket(family, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            self.sock.bind(sockaddr)
+            self.sock = listen_socket(host, port, backlog=8)
         except OSError as exc:
-            self.sock.close()
             raise ControlError(f"cannot listen at {address} ({exc}); is another engine using that port?") from exc
-        self.sock.listen(8)
         self.rejected = 0  # connections that failed the handshake
 
     def accept(self, timeout_s: float, *, handshake_s: float = 10.0) -> Channel:

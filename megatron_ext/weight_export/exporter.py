@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from .config import MAX_BUCKET_MB, MIN_BUCKET_MB, WeightExportConfig
 from .gather import BucketGatherer
-from .hf_mapping import Source, copy_all, local_sources, unwrap
+from .hf_mapping import Source, copy_all, finite_flags, local_sources, unwrap
 from .plan import ExportPlan, build_plan, unpack
 from .transport import BroadcastSender, InProcessSender, IpcDirectSender, IpcPushSender, IpcSender
 
@@ -109,9 +109,6 @@ class NonFiniteWeights(ValueError):
     version they had, or, after an in-place write, report that they hold none)."""
 
 
-_CHECKED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
 class _FiniteCheck:
     """Per-tensor "all finite" flags of one export, computed with one fused max-abs
     reduction per dtype and batch of tensors, kept on the device and read once."""
@@ -121,15 +118,11 @@ class _FiniteCheck:
         self.flags: list[torch.Tensor] = []
 
     def add(self, named) -> None:
-        groups: dict[torch.dtype, tuple[list, list]] = {}
-        for name, t in named:
-            if t.dtype in _CHECKED_DTYPES and t.numel():
-                names, ts = groups.setdefault(t.dtype, ([], []))
-                names.append(name)
-                ts.append(t)
-        for names, ts in groups.values():
-            self.names += names
-            self.flags.append(torch.stack(torch._foreach_norm(ts, float("inf"))).isfinite())
+        named = list(named)
+        names, tensors = [n for n, _ in named], [t for _, t in named]
+        for idx, flags in finite_flags(tensors):
+            self.names += [names[i] for i in idx]
+            self.flags.append(flags)
 
     def bad(self) -> list[str]:
         """The tensors with a NaN or Inf (one device-to-host read)."""

@@ -353,6 +353,22 @@ def copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         CopyBatch(pairs).run()
 
 
+FINITE_CHECKED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def finite_flags(tensors: list[torch.Tensor]) -> list[tuple[list[int], torch.Tensor]]:
+    """Whether each tensor is all finite, batched: per checked dtype (fp32, bf16, fp16, fp64),
+    the indices of ``tensors`` of that dtype and their flags (a bool tensor on the device),
+    from one fused max-abs reduction (a NaN or Inf survives a max). No host sync; tensors of
+    other dtypes and empty ones are not checked."""
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.dtype in FINITE_CHECKED_DTYPES and t.numel():
+            groups.setdefault(t.dtype, []).append(i)
+    return [(idx, torch.stack(torch._foreach_norm([tensors[i] for i in idx], float("inf"))).isfinite())
+            for idx in groups.values()]
+
+
 def hf_config_from_megatron(config, *, arch: str = "llama", vocab_size: int, max_position_embeddings: int = 4096,
                             rope_theta: float = 10000.0, tie_word_embeddings: bool = False):
     """A ``transformers`` config (Llama / Qwen2 / Qwen3 / Qwen3-MoE) with the shape of a

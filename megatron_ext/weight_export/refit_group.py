@@ -23,11 +23,11 @@ does for a registered group (:func:`_nccl_coalesced`).
 from __future__ import annotations
 
 import datetime
-import socket
 
 import torch
 import torch.distributed as dist
 
+from .control import listen_socket
 from .transport import make_group
 
 __all__ = ["NOTE_BYTES", "RefitGroup", "RefitGroupError", "batch_isend_irecv", "gather_notes", "gather_wire_ids",
@@ -43,22 +43,6 @@ NOTE_BYTES = 1016  # the longest reason a rank gives its peers at the first-refi
 
 def _cut_note(note: str) -> str:
     return note.encode()[:NOTE_BYTES].decode(errors="ignore")
-
-
-def _listen(host: str, port: int) -> tuple[str, int]:
-    """A TCP socket listening on ``host``'s address only (the first that ``getaddrinfo`` gives), for
-    refit rank 0's store: ``(numeric address, file descriptor)``. The store takes the descriptor
-    over (``TCPStore(master_listen_fd=...)``); left to itself it would listen on every interface."""
-    family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(addr)
-        sock.listen(socket.SOMAXCONN)
-    except OSError:
-        sock.close()
-        raise
-    return addr[0], sock.detach()
 
 
 def _missing(store, keys: list[str], ranks) -> list[int]:
@@ -112,9 +96,11 @@ class RefitGroup:
         timeout = datetime.timedelta(seconds=timeout_s)
         try:
             if rank == 0:  # bind the one address asked for, then hand the socket to the store
-                bound, fd = _listen(host, port)
+                # the store takes the descriptor over; left to itself it would listen on every interface
+                sock = listen_socket(host, port)
+                bound = sock.getsockname()[0]
                 tcp = dist.TCPStore(bound, port, world_size, is_master=True, timeout=timeout,
-                                    wait_for_workers=False, master_listen_fd=fd)
+                                    wait_for_workers=False, master_listen_fd=sock.detach())
             else:
                 tcp = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
         except (OSError, RuntimeError, dist.DistError) as exc:

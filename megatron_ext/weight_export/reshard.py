@@ -44,7 +44,7 @@ from collections.abc import Callable
 
 import torch
 
-from .hf_mapping import CopyBatch, _global_layer_names, unwrap
+from .hf_mapping import CopyBatch, _global_layer_names, finite_flags, unwrap
 from .refit_group import RefitGroup, batch_isend_irecv, gather_notes, gather_wire_ids, sum_over_group
 from .reshard_plan import ReshardPlan, Run, Transfer, fanout_plans, run_view
 from .verify import VerifyResult, verify_export
@@ -619,12 +619,9 @@ class ReshardExecutor:
         some rank is flagged: each flagged rank looks, in plan order, for the first transfer it really
         sends or copies with a non-finite value, and every rank learns the HF names (one gather)."""
         serving = self._serving(version, source_version)
-        groups: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
-        for n in serving:
-            groups[self._finite_views[n].dtype].append(self._finite_views[n])
         flag = torch.zeros(1, dtype=torch.int64, device=self.device)
-        for ts in groups.values():
-            flag |= (~torch.stack(torch._foreach_norm(ts, float("inf"))).isfinite()).any().to(torch.int64)
+        for _, flags in finite_flags([self._finite_views[n] for n in serving]):
+            flag |= (~flags).any().to(torch.int64)
         if not sum_over_group(self.group, flag):
             return
         note = self._first_nonfinite(set(serving)) if flag.item() else ""
