@@ -2,15 +2,17 @@
 
     python -m megatron_ext.testing.export_trainer --target 127.0.0.1:PORT --out result.pt \\
         [--spec '{"arch": "qwen3"}'] [--versions 2] [--transport broadcast] [--timeout-s 60] \\
-        [--kill-in-version 2 --kill-after-buckets 3] [--nan-in-version 2] [--verify]
+        [--kill-in-version 2 --kill-after-buckets 3] [--nan-in-version 2] [--verify] [--device cuda]
 
 It builds the tiny Llama-shaped Megatron model (:mod:`.tiny_llama`) on one gloo
-rank, exports versions ``1..--versions`` (each a changed copy of the weights),
-and writes what it sent (HF tensors per version, from an in-process reference
-receiver), the versions the engine applied and any error to ``--out``. Faults:
+rank (on ``--device``; ``cuda`` for the same-GPU IPC transports), exports
+versions ``1..--versions`` (each a changed copy of the weights), and writes what
+it sent (HF tensors per version, from an in-process reference receiver), the
+versions the engine applied and any error to ``--out``. Faults:
 ``--kill-in-version V --kill-after-buckets K`` SIGKILLs this process after it
-sent ``K`` buckets of version ``V``; ``--nan-in-version V`` puts a NaN into one
-weight before version ``V``.
+sent ``K`` buckets of version ``V`` (``K=0``: after all of its bytes, before it
+is committed; the in-place transports send no buckets); ``--nan-in-version V``
+puts a NaN into one weight before version ``V``.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ def _args(argv):
     p.add_argument("--kill-after-buckets", type=int, default=1)
     p.add_argument("--nan-in-version", type=int, default=None)
     p.add_argument("--verify", action="store_true", help="run the verifier (engine logits) after version 1")
+    p.add_argument("--device", default="cpu", help="where the model lives (cuda: the ipc transports)")
     return p.parse_args(argv)
 
 
@@ -59,12 +62,17 @@ class _KillAfter:
 
     def send(self, bucket, buf):
         work = self.sender.send(bucket, buf)
-        if self.current == self.version:
+        if self.current == self.version and self.n > 0:
             work.wait()  # the bucket has left
             self.n -= 1
-            if self.n <= 0:
+            if self.n == 0:
                 os.kill(os.getpid(), signal.SIGKILL)
         return work
+
+    def finish(self, version):
+        if version == self.version and self.n == 0:  # every byte written, the version not yet committed
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.sender.finish(version)
 
 
 def _reference(model, spec):
@@ -96,7 +104,11 @@ def main(argv=None) -> int:
         dist.init_process_group("gloo", rank=0, world_size=1)
         ps.initialize_model_parallel()
         spec = dataclasses.replace(tiny_llama.TinyLlamaSpec(), **json.loads(args.spec))
-        model = tiny_llama.build_model(spec, tiny_llama.transformer_config(spec))
+        device = torch.device(args.device)
+        if device.type == "cuda":
+            device = torch.device("cuda", device.index or 0)
+            torch.cuda.set_device(device)
+        model = tiny_llama.build_model(spec, tiny_llama.transformer_config(spec), device=device)
         exporter = wx.WeightExporter(model, wx.WeightExportConfig(
             target=args.target, transport=args.transport, bucket_size_mb=args.bucket_size_mb,
             vocab_size=spec.hf_vocab_size, timeout_s=args.timeout_s))
@@ -114,7 +126,7 @@ def main(argv=None) -> int:
             torch.save(out, args.out)  # what was sent so far survives a kill
             out["applied"].append(exporter.export(version=v).applied)
             if v == 1 and args.verify:
-                out["kl"] = exporter.verify(tiny_llama.tokens(spec)).kl
+                out["kl"] = exporter.verify(tiny_llama.tokens(spec).to(device)).kl
         exporter.close()
     except Exception as exc:  # noqa: BLE001 - the test reads it
         out["error"], out["error_type"] = f"{exc}\n{traceback.format_exc()}", type(exc).__name__

@@ -66,6 +66,7 @@ def main(argv=None) -> int:
 
     device = torch.device(args.device)
     if device.type == "cuda":
+        device = torch.device("cuda", device.index or 0)  # set_device needs an index ("cuda" means cuda:0)
         torch.cuda.set_device(device)
     model = transformers.AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=_DTYPES[args.dtype]).to(device)
     model.eval()

@@ -97,6 +97,7 @@ class WeightReceiver:
         self._arrived: set[int] = set()
         self._mixed = False  # some of a version was written but not all of it
         self._staging: torch.Tensor | None = None
+        self._in_place = False  # the version in progress is written by the transport itself
         self._offsets: dict[int, int] = {}
         self.plans_received = 0
 
@@ -105,13 +106,16 @@ class WeightReceiver:
         """False while (or after) a version was partly written in place."""
         return not self._mixed
 
-    def set_plan(self, plan: ExportPlan) -> None:
+    def set_plan(self, plan: ExportPlan, *, in_place: bool = False) -> None:
         """Validate ``plan`` against the consumer before any byte is written (and,
-        when atomic, allocate the staging buffer for a whole version)."""
+        when atomic, allocate the staging buffer for a whole version). ``in_place``:
+        the transport writes the consumer's weights itself (``ipc-push``,
+        ``ipc-direct``), so nothing is staged whatever ``atomic`` says."""
         expected = getattr(self.consumer, "expected_tensors", lambda: None)()
         if expected is not None:
             check_plan(plan, expected)
-        if self.atomic:
+        self._staging, self._offsets = None, {}
+        if self.atomic and not in_place:
             self._offsets, total = {}, 0
             for b in plan.buckets:
                 self._offsets[b.index] = total
@@ -130,7 +134,7 @@ class WeightReceiver:
         """A version starts; ``in_place``: the transport writes the weights directly."""
         if self.plan is None:
             raise PlanMismatch("no plan received before version begin")
-        self._version, self._arrived = version, set()
+        self._version, self._arrived, self._in_place = version, set(), in_place
         if in_place:
             self._mixed = True
 
@@ -181,7 +185,7 @@ class WeightReceiver:
         missing = [b.index for b in self.plan.buckets if b.index not in self._arrived]
         if missing:
             raise RuntimeError(f"version {version} incomplete: buckets {missing[:5]} never arrived")
-        if self._staging is not None:  # commit the staged version
+        if self._staging is not None and not self._in_place:  # commit the staged version
             self._mixed = True
             for b in self.plan.buckets:
                 self.consumer.load_weights(unpack(b, self.staging(b)))

@@ -77,7 +77,7 @@ class InProcessSender:
 
     def start(self, plan: ExportPlan, buffers, version: int) -> None:
         if plan.fingerprint != self._fingerprint:
-            self.receiver.set_plan(plan)
+            self.receiver.set_plan(plan, in_place=self.push)
             if self.push:
                 self.views = push_targets(plan, self.receiver.consumer, need_cuda=False)
             self._fingerprint = plan.fingerprint
@@ -575,9 +575,9 @@ class _Serving:
 
     def _plan(self, plan: ExportPlan, info: dict, ch: control.Channel) -> None:
         r = self.receiver
-        r.set_plan(plan)
-        self.plan, self.direct, self.bufs = plan, None, []
         kind = info.get("kind")
+        r.set_plan(plan, in_place=kind in ("ipc-push", "ipc-direct"))
+        self.plan, self.direct, self.bufs = plan, None, []
         self.push = kind == "ipc-push"
         if self.push:
             try:

@@ -33,7 +33,9 @@ def _export_cases():
         hf = tiny_llama.hf_model(spec, cfg)
         toks = tiny_llama.tokens(spec)
         before = wx.verify_export(wx.megatron_logits(model, toks), wx.HFModelConsumer(hf).logits(toks))
-        receiver = wx.WeightReceiver(wx.HFModelConsumer(hf))
+        # atomic: a version is staged unless the transport writes in place, as this in-process
+        # push into the HF model does (a staged copy must never be committed over it).
+        receiver = wx.WeightReceiver(wx.HFModelConsumer(hf), atomic=True)
         # A small bucket size, so the model spans many buckets.
         exporter = wx.WeightExporter(model, wx.WeightExportConfig(vocab_size=spec.hf_vocab_size,
                                                                   bucket_size_mb=0.02), receiver=receiver)

@@ -140,3 +140,45 @@ def test_streaming_engine_reports_no_complete_version_and_a_stopped_engine_fails
         engine.send_signal(signal.SIGCONT)
         engine.kill()
         engine.communicate()
+
+
+@pytest.mark.gpus(1)
+@pytest.mark.parametrize("transport", ["ipc", "ipc-direct", "ipc-push"])
+def test_same_gpu_engine_as_its_own_process(tmp_path, env, model_dir, transport):
+    """CUDA IPC between two independent processes on one GPU: the handles travel as JSON
+    fields of the control channel. Session 1 refits twice and runs the verifier; session 2's
+    trainer is SIGKILLed inside version 2 (``ipc``: after one bucket; the in-place transports
+    send no buckets: after all bytes, before the commit). ``ipc`` stages (the engine keeps
+    version 1 bit for bit); ``ipc-direct`` and ``ipc-push`` write in place (the engine says it
+    holds no complete version)."""
+    port = _port()
+    address = f"127.0.0.1:{port}"
+    saved = tmp_path / "after"
+    engine = subprocess.Popen([sys.executable, "-m", "megatron_ext.weight_export.engine", "--model", str(model_dir),
+                               "--address", address, "--device", "cuda", "--timeout-s", "90", "--sessions", "2",
+                               "--save", str(saved)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
+    try:
+        _wait_listening(port, engine)
+        ok, first, _ = _trainer(address, tmp_path / "t1.pt", env, "--device", "cuda", "--transport", transport,
+                                "--verify")
+        assert ok.returncode == 0 and first["error"] is None, (first["error"], ok.stderr[-3000:])
+        assert first["applied"] == [(1,), (2,)]
+        # Same fp32 weights and the same tokens on one GPU; the engine (HF) and Megatron differ
+        # only in kernel choice and reduction order: fp32 logits agree to ~1e-5, KL ~1e-10.
+        assert first["kl"] is not None and first["kl"] < 1e-6, first["kl"]
+        after = "1" if transport == "ipc" else "0"
+        killed, second, _ = _trainer(address, tmp_path / "t2.pt", env, "--device", "cuda", "--transport", transport,
+                                     "--kill-in-version", "2", "--kill-after-buckets", after)
+        assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+        assert second["applied"] == [(1,)]
+        out, _ = engine.communicate(timeout=120)
+    finally:
+        engine.kill()
+    assert engine.returncode == 0, out
+    assert "session 1 ended; the model holds version 2" in out, out
+    if transport == "ipc":
+        assert "session 2 ended; the model holds version 1" in out, out
+        _assert_holds(_saved_state(saved), second["sent"][1])
+    else:
+        assert "session 2 ended; the model holds no complete version" in out, out
