@@ -91,7 +91,8 @@ def _sync(device):
 # ------------------------------------------------------------ naive baseline
 def _naive_tensors(model, spec):
     """Per parameter: materialise each HF tensor as a new contiguous tensor."""
-    from megatron_ext.weight_export.hf_mapping import local_sources, unwrap, write_shard
+    from megatron_ext.sharding.names import unwrap
+    from megatron_ext.weight_export.hf_mapping import local_sources, write_shard
 
     model = unwrap(model)
     params = dict(model.named_parameters())

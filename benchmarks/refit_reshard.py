@@ -91,7 +91,8 @@ def _rank(spec, iters, limit_bytes, bucket_bytes, settings, layout="cross"):
     from megatron.core.transformer.module import Float16Module
 
     from megatron_ext import weight_export as wx
-    from megatron_ext.weight_export.layout import inference_layout, megatron_layout, specs_from_config
+    from megatron_ext.sharding import megatron_layout, specs_from_config
+    from megatron_ext.weight_export.layout import inference_layout
     from megatron_ext.weight_export.reshard import ReshardExecutor, megatron_tensors
     from megatron_ext.weight_export.reshard_plan import build_reshard_plan
     from common import megatron_config as _mconfig

@@ -44,7 +44,7 @@ __all__ = [
 
 
 @dataclasses.dataclass
-class Segment:
+class BucketRun:
     """A run of consecutive buckets ``[start, end)`` of a buffer in one allocation."""
 
     start: int
@@ -64,8 +64,8 @@ class SymmBufferMixin:
     Mixed in front of ``_ParamAndGradBuffer`` or any subclass of it.
     """
 
-    grad_segments: list[Segment]
-    param_segments: list[Segment]
+    grad_segments: list[BucketRun]
+    param_segments: list[BucketRun]
 
     def reset(self):
         """Zero the gradient segments."""
@@ -109,7 +109,7 @@ class SymmParamAndGradBuffer(SymmBufferMixin, _ParamAndGradBuffer):
     """Megatron's param/grad buffer, bucket runs staged in symmetric or plain memory."""
 
 
-def _release(seg: Segment) -> None:
+def _release(seg: BucketRun) -> None:
     storage = seg.tensor.untyped_storage()
     if storage.nbytes() > 0:
         seg.nbytes = storage.nbytes()
@@ -120,7 +120,7 @@ def _release(seg: Segment) -> None:
         storage.resize_(0)
 
 
-def _reallocate(seg: Segment) -> bool:
+def _reallocate(seg: BucketRun) -> bool:
     storage = seg.tensor.untyped_storage()
     if storage.nbytes() > 0 or not getattr(seg, "nbytes", 0):
         return False
@@ -257,16 +257,16 @@ def _staged(buffer, segments, decisions):
             for b, d in zip(buffer.buckets, decisions)]
 
 
-def _restage(buffer, attr: str, flags: list[bool], memory_for) -> list[Segment]:
+def _restage(buffer, attr: str, flags: list[bool], memory_for) -> list[BucketRun]:
     """Move ``buffer.<attr>`` into per-run allocations; re-point every view.
     Without a symmetric run the flat tensor stays as it is (one plain segment)."""
     old = getattr(buffer, attr)
     if not any(flags):
-        return [Segment(0, old.numel(), old, False, buckets=list(buffer.buckets))]
+        return [BucketRun(0, old.numel(), old, False, buckets=list(buffer.buckets))]
     field = "grad_data" if attr == "grad_data" else "param_data"
     buckets = sorted(buffer.buckets, key=lambda b: b.offset)
     by_id = {id(b): f for b, f in zip(buffer.buckets, flags)}
-    segments: list[Segment] = []
+    segments: list[BucketRun] = []
     for bucket in buckets:
         view = getattr(bucket, field)
         start = view.storage_offset() - old.storage_offset()
@@ -276,7 +276,7 @@ def _restage(buffer, attr: str, flags: list[bool], memory_for) -> list[Segment]:
             segments[-1].end = end
             segments[-1].buckets.append(bucket)
         else:
-            segments.append(Segment(start, end, None, symmetric, buckets=[bucket]))
+            segments.append(BucketRun(start, end, None, symmetric, buckets=[bucket]))
     if segments:
         segments[0].start = 0
         segments[-1].end = old.numel()

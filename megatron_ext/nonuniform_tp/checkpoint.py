@@ -36,7 +36,7 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from .reshard import ShardSpec, shard_spec
+from ..sharding.megatron import ShardSpec, shard_spec
 
 log = logging.getLogger(__name__)
 _LAYER = re.compile(r"(.*?layers\.\d+)\.")

@@ -1,7 +1,9 @@
 """Move TP shards between the healthy layout (``tp_base`` ranks) and the
 degraded layout (``tp_reduced`` ranks) inside one healthy replica's TP group.
 
-Megatron's TP-sharded tensors concatenate, rank after rank, into the TP=1
+How a parameter is sharded is :func:`megatron_ext.sharding.shard_spec`'s
+description, shared with the checkpoint converters and the refit. Megatron's
+TP-sharded tensors concatenate, rank after rank, into the TP=1
 tensor along ``partition_dim`` -- true for the column-parallel QKV (grouped
 per query group), fc1, the vocab-parallel embedding and output layer, and the
 row-parallel weights. fc1 with gated linear units is the exception: each rank
@@ -22,25 +24,9 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from ..sharding.megatron import ShardSpec, shard_spec
+
 __all__ = ["Piece", "ShardSpec", "exchange", "reshard_pieces", "shard_spec"]
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardSpec:
-    """How a parameter is split over TP: along ``dim`` in ``chunks`` chunks
-    (``dim is None``: replicated)."""
-
-    dim: int | None
-    chunks: int = 1
-
-
-def shard_spec(name: str, param: torch.Tensor, gated_linear_unit: bool) -> ShardSpec:
-    """The :class:`ShardSpec` of a Megatron parameter (local spec or TE)."""
-    if not getattr(param, "tensor_model_parallel", False):
-        return ShardSpec(None)
-    dim = getattr(param, "partition_dim", 0)
-    chunks = 2 if gated_linear_unit and dim == 0 and ".linear_fc1." in f".{name}" else 1
-    return ShardSpec(dim, chunks)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,22 +12,25 @@ HOST:PORT`` for a Hugging Face model; see docs/weight_export.md.
 """
 
 from .config import TRANSPORTS, ReshardRefitConfig, WeightExportConfig, add_reshard_refit_args, add_weight_export_args
-from .exporter import ExportResult, NonFiniteWeights, WeightExporter
-from .layout import (Box, Layout, TensorSpec, gpt_specs, inference_layout, megatron_layout, ntp_megatron_layout,
-                     specs_from_config, specs_from_model)
-from .reshard import (FanoutRefit, RefitGate, RefitRejected, RefitStats, ReshardExecutor, megatron_tensors,
+from .errors import (ControlError, NonFiniteWeights, PlanMismatch, ReceiverError, RefitError, RefitGroupError,
+                     RefitRejected)
+from .exporter import ExportResult, WeightExporter
+from ..sharding import (Box, Layout, TensorSpec, gpt_specs, megatron_layout, ntp_megatron_layout, specs_from_config,
+                        specs_from_model)
+from .layout import inference_layout
+from .reshard import (FanoutRefit, RefitGate, RefitStats, ReshardExecutor, megatron_tensors,
                       ntp_megatron_tensors)
-from .refit_group import RefitGroup, RefitGroupError
+from .refit_group import RefitGroup
 from .remote_refit import EngineRefit, TrainerRefit
 from .reshard_plan import ReshardPlan, Transfer, build_reshard_plan, check_reshard_plan, fanout_plans
 from .hf_mapping import Source, UnsupportedParameter, hf_config_from_megatron, local_sources
-from .plan import BucketMeta, ExportPlan, PlanMismatch, TensorMeta, build_plan, check_plan, unpack
+from .plan import BucketMeta, ExportPlan, TensorMeta, build_plan, check_plan, unpack
 from .receiver import HFModelConsumer, LoadWeightsConsumer, WeightReceiver
-from .transport import (BroadcastSender, InProcessSender, IpcDirectSender, IpcPushSender, IpcSender, ReceiverError,
-                        serve)
+from .transport import BroadcastSender, InProcessSender, IpcDirectSender, IpcPushSender, IpcSender, serve
 from .verify import VerifyResult, megatron_logits, verify_export
 
 __all__ = [
+    "RefitError", "ControlError",
     "Box", "FanoutRefit", "Layout", "RefitGate", "RefitRejected", "RefitStats", "ReshardExecutor", "ReshardPlan",
     "TensorSpec", "Transfer", "build_reshard_plan", "check_reshard_plan", "fanout_plans", "gpt_specs",
     "inference_layout", "megatron_layout", "megatron_tensors", "ntp_megatron_layout", "ntp_megatron_tensors",

@@ -41,6 +41,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .errors import ControlError
 from .config import parse_address
 
 __all__ = ["Channel", "ControlError", "KEY_ENV", "Listener", "Message", "blob_tensor", "connect", "is_loopback",
@@ -55,10 +56,6 @@ MAX_BLOB_BYTES = 4 << 30      # one binary payload (logits of a verify batch)
 _HANDSHAKE_HEADER_BYTES = 4096
 _LEN = struct.Struct(">I")
 _WARN_AFTER_S = 5.0           # when a connect that keeps being refused says so
-
-
-class ControlError(RuntimeError):
-    """The peer broke the protocol, failed authentication, went away, or did not answer in time."""
 
 
 # ----------------------------------------------------------------------------- keys

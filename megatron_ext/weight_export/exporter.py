@@ -24,9 +24,11 @@ import time
 import torch
 import torch.distributed as dist
 
+from .errors import NonFiniteWeights
 from .config import MAX_BUCKET_MB, MIN_BUCKET_MB, WeightExportConfig
 from .gather import BucketGatherer
-from .hf_mapping import Source, copy_all, finite_flags, local_sources, unwrap
+from ..sharding.names import unwrap
+from .hf_mapping import Source, copy_all, finite_flags, local_sources
 from .plan import ExportPlan, build_plan, unpack
 from .transport import BroadcastSender, InProcessSender, IpcDirectSender, IpcPushSender, IpcSender
 
@@ -102,11 +104,6 @@ class _Layout:
             coords = [None] * dist.get_world_size(self.expert_group)
             dist.all_gather_object(coords, (self.ep_rank, self.etp_rank), group=self.expert_group)
             self.expert_coords = [tuple(c) for c in coords]
-
-
-class NonFiniteWeights(ValueError):
-    """A version had NaN or Inf weights; it was not published (the engines keep the
-    version they had, or, after an in-place write, report that they hold none)."""
 
 
 class _FiniteCheck:

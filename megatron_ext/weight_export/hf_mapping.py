@@ -15,12 +15,13 @@ experts are a ``SequentialMLP`` or Transformer Engine's ``TEGroupedMLP``.
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import torch
 
-from .hf_moe import (UNSUPPORTED_HINTS, expert_hf_names, expert_param, grouped_expert_issue, qwen3_moe_kwargs,
-                     router_issue)
+from ..sharding.megatron import shard_spec
+from ..sharding.moe import UNSUPPORTED_HINTS, expert_hf_names, expert_param, grouped_expert_issue, qwen3_moe_kwargs, \
+    router_issue
+from ..sharding.names import GLOBAL_NAMES, LAYER, LAYER_NAMES, VOCAB_PARAMS, global_layer_names, unwrap
 
 __all__ = ["CopyBatch", "Source", "UnsupportedParameter", "copy_all", "hf_config_from_megatron", "local_sources",
            "shard_copies",
@@ -68,55 +69,6 @@ class Source:
         return n
 
 
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-
-# Per-layer Megatron suffix -> (kind, HF names relative to ``model.layers.{i}.``).
-_LAYER_MAP = {
-    "input_layernorm.weight": ("copy", ("input_layernorm.weight",)),
-    "self_attention.linear_qkv.layer_norm_weight": ("copy", ("input_layernorm.weight",)),
-    "self_attention.linear_qkv.weight": (
-        "qkv", ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")),
-    "self_attention.linear_qkv.bias": (
-        "qkv", ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")),
-    "self_attention.q_layernorm.weight": ("copy", ("self_attn.q_norm.weight",)),
-    "self_attention.k_layernorm.weight": ("copy", ("self_attn.k_norm.weight",)),
-    "self_attention.linear_proj.weight": ("copy", ("self_attn.o_proj.weight",)),
-    "pre_mlp_layernorm.weight": ("copy", ("post_attention_layernorm.weight",)),
-    "mlp.linear_fc1.layer_norm_weight": ("copy", ("post_attention_layernorm.weight",)),
-    "mlp.linear_fc1.weight": ("glu", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
-    "mlp.linear_fc2.weight": ("copy", ("mlp.down_proj.weight",)),
-    "mlp.router.weight": ("copy", ("mlp.gate.weight",)),
-}
-_GLOBAL_MAP = {
-    "embedding.word_embeddings.weight": "model.embed_tokens.weight",
-    "decoder.final_layernorm.weight": "model.norm.weight",
-    "output_layer.weight": "lm_head.weight",
-}
-_VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
-
-
-def unwrap(model):
-    """The GPTModel inside DDP / Float16Module wrappers. For the nonuniform-TP
-    DDP that is the module forward runs (``compute_module``: the ``tp_base``
-    layout on healthy replicas), not the training shadow."""
-    while True:
-        if hasattr(model, "compute_module"):
-            model = model.compute_module
-        elif hasattr(model, "module"):
-            model = model.module
-        else:
-            return model
-
-
-def _global_layer_names(model) -> dict[str, str]:
-    """Local ``decoder.layers.{j}.`` prefix -> global prefix (PP / VPP offsets)."""
-    prefixes = {}
-    decoder = getattr(model, "decoder", None)
-    for j, layer in enumerate(getattr(decoder, "layers", [])):
-        prefixes[f"decoder.layers.{j}."] = f"decoder.layers.{layer.layer_number - 1}."
-    return prefixes
-
-
 def local_sources(model, *, pp_rank: int = 0, tp_size: int = 1, vocab_size: int | None = None,
                   ep_size: int = 1, etp_size: int = 1) -> list[Source]:
     """The :class:`Source` of every exported parameter of this rank's stage.
@@ -132,7 +84,7 @@ def local_sources(model, *, pp_rank: int = 0, tp_size: int = 1, vocab_size: int 
     model = unwrap(model)
     cfg = model.config
     tied = bool(getattr(model, "share_embeddings_and_output_weights", False))
-    prefixes = _global_layer_names(model)
+    prefixes = global_layer_names(model)
     num_heads = cfg.num_attention_heads
     num_groups = cfg.num_query_groups or num_heads
     head_dim = cfg.kv_channels or cfg.hidden_size // num_heads
@@ -145,32 +97,30 @@ def local_sources(model, *, pp_rank: int = 0, tp_size: int = 1, vocab_size: int 
                 break
         if name == "output_layer.weight" and tied:
             continue  # the embedding is exported once; HF ties lm_head to it
-        partition_dim = param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
-        if tp_size == 1:
-            partition_dim = None
+        partition_dim = shard_spec(local_name, param, cfg.gated_linear_unit).dim if tp_size > 1 else None
         shard_shape = tuple(param.shape)
         full = list(shard_shape)
         if partition_dim is not None:
             full[partition_dim] *= tp_size
-        m = _LAYER.match(name)
+        m = LAYER.match(name)
         expert = expert_param(m.group(2)) if m else None
         if expert is not None:
             experts.append((int(m.group(1)), *expert, local_name, name, param))
             continue
         if m:
             layer, suffix = m.groups()
-            if suffix not in _LAYER_MAP:
+            if suffix not in LAYER_NAMES:
                 raise UnsupportedParameter(_unsupported(name, cfg))
             if suffix == "mlp.router.weight" and router_issue(cfg):
                 raise UnsupportedParameter(f"{name}: {router_issue(cfg)}")
-            kind, hf = _LAYER_MAP[suffix]
+            kind, hf, _ = LAYER_NAMES[suffix]
             hf = tuple(f"model.layers.{layer}.{h}" for h in hf)
-        elif name in _GLOBAL_MAP:
-            kind, hf = "copy", (_GLOBAL_MAP[name],)
+        elif name in GLOBAL_NAMES:
+            kind, hf, _ = GLOBAL_NAMES[name]
         else:
             raise UnsupportedParameter(_unsupported(name, cfg))
         if kind == "copy":
-            if name in _VOCAB_PARAMS and vocab_size is not None:
+            if name in VOCAB_PARAMS and vocab_size is not None:
                 if vocab_size > full[0]:
                     raise ValueError(f"vocab_size={vocab_size} exceeds {name}'s {full[0]} rows")
                 full[0] = vocab_size

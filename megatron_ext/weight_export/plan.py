@@ -19,6 +19,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
+from .errors import PlanMismatch
 from .control import ControlError, dtype_name, dtype_of
 from .hf_mapping import Source
 
@@ -26,10 +27,6 @@ __all__ = ["ALIGNMENT", "BucketMeta", "ExportPlan", "PlanMismatch", "TensorMeta"
            "unpack"]
 
 ALIGNMENT = 256  # bytes; keeps every view aligned for vectorised copies and NCCL
-
-
-class PlanMismatch(ValueError):
-    """The receiver's model does not match the plan; nothing was written."""
 
 
 def _align(n: int) -> int:

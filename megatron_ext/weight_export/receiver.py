@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from .hf_moe import fused_expert_views
+from ..sharding.moe import fused_expert_views
 from .plan import BucketMeta, ExportPlan, PlanMismatch, check_plan, unpack
 
 __all__ = ["HFModelConsumer", "LoadWeightsConsumer", "WeightReceiver"]

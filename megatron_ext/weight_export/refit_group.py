@@ -27,15 +27,12 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from .errors import RefitGroupError
 from .control import listen_socket
 from .transport import make_group
 
 __all__ = ["NOTE_BYTES", "RefitGroup", "RefitGroupError", "batch_isend_irecv", "gather_notes", "gather_wire_ids",
            "sum_over_group"]
-
-
-class RefitGroupError(RuntimeError):
-    """A refit peer is missing, died, or did not answer within the group's timeout."""
 
 
 NOTE_BYTES = 1016  # the longest reason a rank gives its peers at the first-refit agreement (utf-8, cut there)

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from .layout import Layout
+from ..sharding.geometry import Layout
 from .refit_group import NOTE_BYTES, RefitGroup, RefitGroupError
 from .reshard import RefitGate, RefitRejected, RefitStats, ReshardExecutor
 from .reshard_plan import build_reshard_plan

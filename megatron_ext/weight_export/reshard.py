@@ -44,7 +44,9 @@ from collections.abc import Callable
 
 import torch
 
-from .hf_mapping import CopyBatch, _global_layer_names, finite_flags, unwrap
+from .errors import RefitRejected
+from ..sharding.names import global_layer_names, unwrap
+from .hf_mapping import CopyBatch, finite_flags
 from .refit_group import RefitGroup, batch_isend_irecv, gather_notes, gather_wire_ids, sum_over_group
 from .reshard_plan import ReshardPlan, Run, Transfer, fanout_plans, run_view
 from .verify import VerifyResult, verify_export
@@ -72,7 +74,7 @@ def megatron_tensors(model) -> dict[str, torch.Tensor]:
     compute parameters as they are, stale on a healthy replica after an
     optimizer step."""
     model = unwrap(model)
-    prefixes = _global_layer_names(model)
+    prefixes = global_layer_names(model)
     out = {}
     for name, p in model.named_parameters():
         for lp, gp in prefixes.items():
@@ -84,7 +86,7 @@ def megatron_tensors(model) -> dict[str, torch.Tensor]:
 
 
 def ntp_megatron_tensors(ddp) -> dict[str, torch.Tensor]:
-    """This rank's local tensors for :func:`~.layout.ntp_megatron_layout`, from a
+    """This rank's local tensors for :func:`~megatron_ext.sharding.ntp_megatron_layout`, from a
     ``NonuniformTPDistributedDataParallel``.
 
     The NTP layout holds each replica at the TP degree it computes at. On a
@@ -125,32 +127,6 @@ class RefitStats:
     kl: float | None = None
     max_logit_diff: float | None = None
     gate_ok: bool | None = None
-
-
-class RefitRejected(RuntimeError):
-    """A rank refused a version. ``reason``:
-
-    - ``"version"``: a source serves another version (or none);
-    - ``"plan"``: a rank runs another plan or bucket size;
-    - ``"staging"``: a rank could not allocate its staging buffers;
-    - ``"tensors"``: a rank's tensors are not the layout's (a missing name, another
-      shape or dtype, not contiguous); that rank's message says which, the others
-      quote it;
-    - ``"nonfinite"``: a source serves a NaN or Inf for this version; the rank that
-      holds it names the first such HF tensor, the others quote it;
-    - ``"gate"``: the :class:`RefitGate` failed (including non-finite logits).
-
-    ``"plan"``, ``"staging"`` and ``"tensors"`` are raised on every rank at the first
-    refit, ``"nonfinite"`` on every rank at any refit, all before a byte moves: no
-    tensor was written. On ``"version"`` an atomic receiver wrote nothing; a streaming
-    one wrote nothing if the source was wrong from its first bucket, else it holds no
-    complete version (``version`` None). On ``"gate"`` the bytes are written but the
-    rank holds no accepted version (``version`` is None) and does not serve in a fan-out."""
-
-    def __init__(self, message: str, *, reason: str, stats: RefitStats | None = None):
-        super().__init__(message)
-        self.reason, self.stats = reason, stats
-        self.wave_stats: list[RefitStats] | None = None  # FanoutRefit: this rank's stats of every wave
 
 
 class RefitGate:

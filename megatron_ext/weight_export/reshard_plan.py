@@ -1,4 +1,4 @@
-"""A transfer plan from one :class:`~.layout.Layout` to another, computed once.
+"""A transfer plan from one :class:`~megatron_ext.sharding.Layout` to another, computed once.
 
 For every destination rank and every segment it keeps (an HF tensor's box in
 one of its local tensors), the plan names the source rank and the exact element
@@ -18,7 +18,7 @@ import hashlib
 import itertools
 from collections import defaultdict
 
-from .layout import Box, Layout, LocalTensor, Segment
+from ..sharding.geometry import Box, Layout, LocalTensor, Segment
 
 __all__ = ["ReshardPlan", "Run", "Transfer", "build_reshard_plan", "check_reshard_plan", "fanout_plans",
            "merge_layouts",
@@ -89,9 +89,6 @@ class ReshardPlan:
 
     def for_dst(self, rank: int) -> list[Transfer]:
         return [t for t in self.transfers if t.dst == rank]
-
-    def for_src(self, rank: int) -> list[Transfer]:
-        return [t for t in self.transfers if t.src == rank]
 
     def sent_bytes(self) -> dict[int, int]:
         out: dict[int, int] = defaultdict(int)

@@ -21,7 +21,8 @@ import json
 import time
 from collections import defaultdict
 
-from .layout import TensorSpec, gpt_specs, inference_layout, megatron_layout
+from ..sharding import TensorSpec, gpt_specs, megatron_layout
+from .layout import inference_layout
 from .reshard_plan import ReshardPlan, build_reshard_plan, fanout_plans
 
 __all__ = ["CONFIGS", "Links", "Prediction", "predict", "sample_layers", "simulate_config"]

@@ -40,6 +40,7 @@ import logging
 import torch
 import torch.distributed as dist
 
+from .errors import ReceiverError
 from . import control
 from .control import ControlError
 from .plan import BucketMeta, ExportPlan, PlanMismatch
@@ -50,10 +51,6 @@ __all__ = ["BroadcastSender", "InProcessSender", "IpcDirectSender", "IpcPushSend
 
 log = logging.getLogger(__name__)
 _ABORT_WAIT_S = 5.0  # how long a trainer waits for an engine to confirm a dropped version
-
-
-class ReceiverError(ControlError):
-    """A receiver refused, died or did not answer in time."""
 
 
 class _Done:

@@ -26,7 +26,7 @@ def megatron_logits(model, tokens: torch.Tensor) -> torch.Tensor:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    from .hf_mapping import unwrap
+    from ..sharding.names import unwrap
 
     if ps.model_parallel_is_initialized() and ps.get_pipeline_model_parallel_world_size() > 1:
         raise NotImplementedError("megatron_logits needs pipeline size 1; pass reference logits from "

@@ -161,3 +161,16 @@ def test_listener_binds_only_the_interface_it_is_given(key_dir):
         for addr in others:
             with pytest.raises(OSError):
                 socket.create_connection((addr, port), timeout=2).close()
+
+
+def test_every_refit_error_is_one_family_and_keeps_its_builtin_base():
+    from megatron_ext import weight_export as wx
+
+    family = {wx.ControlError: RuntimeError, wx.ReceiverError: RuntimeError, wx.PlanMismatch: ValueError,
+              wx.NonFiniteWeights: ValueError, wx.RefitRejected: RuntimeError, wx.RefitGroupError: RuntimeError}
+    for cls, builtin in family.items():
+        assert issubclass(cls, wx.RefitError) and issubclass(cls, builtin), cls
+    try:
+        raise wx.RefitRejected("a rank refused", reason="plan")
+    except wx.RefitError as exc:  # one except clause for any refit failure
+        assert exc.reason == "plan"

@@ -33,7 +33,7 @@ def _reference(state):
 
 
 def _layout_names(cfg):
-    from megatron_ext.weight_export.layout import specs_from_config
+    from megatron_ext.sharding import specs_from_config
 
     return {s.name for s in specs_from_config(cfg, vocab_size=SPEC.hf_vocab_size, padded_vocab_size=SPEC.vocab_size)}
 
@@ -115,7 +115,7 @@ def _single_rank():
 
     # The same model under Transformer Engine's names (TEGroupedMLP experts, fused input layernorm):
     # exported into a fresh HF model, it must give exactly the SequentialMLP export's tensors.
-    from megatron_ext.weight_export.layout import specs_from_model
+    from megatron_ext.sharding import specs_from_model
 
     sequential_logits = wx.megatron_logits(model, toks)
     tiny_llama.as_te_grouped_moe(model)
@@ -321,7 +321,7 @@ def _reshard_layout_check(model, *, tp, pp, ep, etp):
     ``(ep_rank, etp_rank)`` from parallel_state."""
     from megatron.core import parallel_state as ps
 
-    from megatron_ext.weight_export.layout import megatron_expert_coords, megatron_layout, specs_from_model
+    from megatron_ext.sharding import megatron_expert_coords, megatron_layout, specs_from_model
     from megatron_ext.weight_export.reshard import megatron_tensors
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -342,7 +342,8 @@ ENGINES = {"tp2_dp2": dict(tp=2, dp=2), "tp1_dp4_ep2": dict(tp=1, dp=4, ep=2)}
 def _colocated_refit(model, *, tp, ep, etp):
     """A ReshardExecutor refit from this job's trainer layout to each engine of
     ``ENGINES`` on the same ranks (NaN before); returns this rank's engine tensors and stats."""
-    from megatron_ext.weight_export.layout import inference_layout, megatron_layout, specs_from_model
+    from megatron_ext.sharding import megatron_layout, specs_from_model
+    from megatron_ext.weight_export.layout import inference_layout
     from megatron_ext.weight_export.reshard import ReshardExecutor, megatron_tensors
     from megatron_ext.weight_export.reshard_plan import build_reshard_plan
 
@@ -470,7 +471,8 @@ def test_tp2_ep2_and_pp2_ep2_trainers_export_every_expert():
 def _check_colocated_refit(out, case, *, tp, ep, etp):
     """Every engine rank's tensors after the refit equal the HF reference of the
     trainer's parameters (gathered independently), with no NaN left."""
-    from megatron_ext.weight_export.layout import inference_layout, specs_from_config
+    from megatron_ext.sharding import specs_from_config
+    from megatron_ext.weight_export.layout import inference_layout
 
     cfg = tiny_llama.transformer_config(SPEC, tp=tp, ep=ep, expert_tensor_parallel_size=etp)
     specs = specs_from_config(cfg, vocab_size=SPEC.hf_vocab_size, padded_vocab_size=SPEC.vocab_size)

@@ -25,14 +25,15 @@ CASES = {
 
 
 def _specs(cfg):
-    from megatron_ext.weight_export.layout import specs_from_config
+    from megatron_ext.sharding import specs_from_config
 
     return specs_from_config(cfg, vocab_size=SPEC.hf_vocab_size, padded_vocab_size=SPEC.vocab_size,
                              tie_embeddings=SPEC.tie_embeddings)
 
 
 def _layouts(cfg, case):
-    from megatron_ext.weight_export.layout import inference_layout, megatron_layout
+    from megatron_ext.sharding import megatron_layout
+    from megatron_ext.weight_export.layout import inference_layout
 
     mk, ek = CASES[case]
     specs = _specs(cfg)
@@ -43,7 +44,8 @@ def _body(backend):
     from megatron.core import parallel_state as ps
 
     from megatron_ext import weight_export as wx
-    from megatron_ext.weight_export.layout import inference_layout, megatron_layout
+    from megatron_ext.sharding import megatron_layout
+    from megatron_ext.weight_export.layout import inference_layout
     from megatron_ext.weight_export.reshard import FanoutRefit, ReshardExecutor, megatron_tensors
     from megatron_ext.weight_export.reshard_plan import build_reshard_plan
 

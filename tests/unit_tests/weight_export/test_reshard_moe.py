@@ -23,7 +23,8 @@ def _config():
 
 
 def _layouts(case, grouped_gemm=False):
-    from megatron_ext.weight_export.layout import inference_layout, megatron_layout, specs_from_config
+    from megatron_ext.sharding import megatron_layout, specs_from_config
+    from megatron_ext.weight_export.layout import inference_layout
 
     specs = specs_from_config(_config(), vocab_size=SPEC.hf_vocab_size, padded_vocab_size=SPEC.vocab_size,
                               grouped_gemm=grouped_gemm)

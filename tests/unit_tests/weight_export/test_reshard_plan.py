@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from megatron_ext.weight_export import hf_mapping
-from megatron_ext.weight_export.layout import Box, gpt_specs, inference_layout, megatron_layout
+from megatron_ext.sharding import Box, gpt_specs, megatron_layout
+from megatron_ext.weight_export.layout import inference_layout
 from megatron_ext.weight_export.reshard_plan import build_reshard_plan, check_reshard_plan, run_view
 
 DENSE = dict(num_layers=2, hidden_size=16, num_heads=4, num_groups=2, head_dim=4, ffn_hidden_size=24,
@@ -168,7 +169,7 @@ def _layout_expert_coords(layout, num_experts, ep):
 def test_expert_ranks_follow_megatron_core(mkw):
     """Each rank's (EP rank, expert-TP rank) in the layout is the one megatron-core's
     expert RankGenerator gives it (order tp-ep-dp-pp, expert TP fastest)."""
-    from megatron_ext.weight_export.layout import megatron_expert_coords
+    from megatron_ext.sharding import megatron_expert_coords
 
     layout = megatron_layout(gpt_specs(**MOE), **mkw)
     tp, dp, ep = mkw["tp"], mkw.get("dp", 1), mkw["ep"]
@@ -279,7 +280,7 @@ def test_fanout_waves_double_and_serve_from_updated_replicas():
 def test_ntp_trainer_layout_serves_from_healthy_and_degraded_replicas():
     from megatron_ext.nonuniform_tp.config import NonuniformTPConfig
     from megatron_ext.nonuniform_tp.layout import NTPLayout
-    from megatron_ext.weight_export.layout import ntp_megatron_layout
+    from megatron_ext.sharding import ntp_megatron_layout
 
     specs = gpt_specs(**dict(DENSE, padded_vocab_size=32))
     ntp = NTPLayout.from_config(NonuniformTPConfig(tp_base=2, tp_spares=1, non_active_ranks_per_dp={1: (1,)}), 3)
@@ -305,7 +306,7 @@ def test_te_layer_spec_names():
     """Transformer Engine's fused layernorm names, detected from a model's parameters
     (a hand-written stand-in with TE's names: TE does not run on CPU)."""
     from megatron_ext.testing import tiny_llama
-    from megatron_ext.weight_export.layout import specs_from_model
+    from megatron_ext.sharding import specs_from_model
 
     from .test_te_names import _te_like_gpt
 
@@ -424,7 +425,7 @@ def test_grouped_gemm_expert_names(engine):
     """TEGroupedMLP's per-expert names (``linear_fc1.weight{j}``), detected from a
     model's parameters: the trainer layout's local tensors are exactly the
     parameters of each EP rank, and a plan moves their bytes exactly."""
-    from megatron_ext.weight_export.layout import specs_from_model
+    from megatron_ext.sharding import specs_from_model
     from megatron_ext.weight_export.reshard import megatron_tensors
 
     models = [_grouped_moe_like_gpt(r) for r in range(2)]
@@ -454,7 +455,7 @@ def test_grouped_gemm_expert_names(engine):
 def test_unsupported_expert_layouts_name_the_parameter():
     from torch import nn
 
-    from megatron_ext.weight_export.layout import specs_from_model
+    from megatron_ext.sharding import specs_from_model
 
     for attr, shape, match in (("weight1", (32, 32), "legacy GroupedMLP"),  # (hidden, local experts * 2 ffn)
                                ("weight", (2, 16, 32), "moe_single_grouped_weight")):
@@ -474,7 +475,7 @@ def test_unsupported_expert_layouts_name_the_parameter():
 def test_interleaved_glu_experts_are_refused():
     """TEGroupedMLP with ``moe_mlp_glu_interleave_size`` interleaves gate and up rows:
     describing fc1 as [gate; up] would move the wrong rows, so the layout refuses."""
-    from megatron_ext.weight_export.layout import specs_from_model
+    from megatron_ext.sharding import specs_from_model
 
     model = _grouped_moe_like_gpt(0)
     model.module.config.moe_mlp_glu_interleave_size = 32

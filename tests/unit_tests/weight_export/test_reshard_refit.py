@@ -25,7 +25,8 @@ FC2 = "decoder.layers.1.mlp.linear_fc2.weight"    # a trainer tensor (down_proj,
 
 
 def _layouts(cfg):
-    from megatron_ext.weight_export.layout import inference_layout, megatron_layout, specs_from_config
+    from megatron_ext.sharding import megatron_layout, specs_from_config
+    from megatron_ext.weight_export.layout import inference_layout
 
     specs = specs_from_config(cfg, vocab_size=SPEC.hf_vocab_size, padded_vocab_size=SPEC.vocab_size)
     return megatron_layout(specs, tp=2, ranks=[0, 1]), inference_layout(specs, tp=1, dp=2, ranks=[2, 3])

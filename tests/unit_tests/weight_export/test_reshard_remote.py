@@ -29,7 +29,7 @@ QKV = "model.layers.0.self_attn.qkv_proj.weight"  # an engine tensor (TP-sharded
 
 
 def _specs(n_trainer):
-    from megatron_ext.weight_export.layout import specs_from_config
+    from megatron_ext.sharding import specs_from_config
 
     cfg = tiny_llama.transformer_config(SPEC, tp=n_trainer)
     return specs_from_config(cfg, vocab_size=SPEC.hf_vocab_size, padded_vocab_size=SPEC.vocab_size,
@@ -38,7 +38,8 @@ def _specs(n_trainer):
 
 def _layouts(specs, n_trainer, n_engine):
     """Trainer TP=T at refit ranks 0..T-1; engine A: TP=E (in place), engine B: TP1 x DP=E (load_weights)."""
-    from megatron_ext.weight_export.layout import inference_layout, megatron_layout
+    from megatron_ext.sharding import megatron_layout
+    from megatron_ext.weight_export.layout import inference_layout
 
     engine = range(n_trainer, n_trainer + n_engine)
     return (megatron_layout(specs, tp=n_trainer, ranks=range(n_trainer)),
@@ -229,7 +230,8 @@ def test_remote_refit_exact(backend, n_trainer, n_engine):
 
 
 def _tiny_layouts():
-    from megatron_ext.weight_export.layout import gpt_specs, inference_layout, megatron_layout
+    from megatron_ext.sharding import gpt_specs, megatron_layout
+    from megatron_ext.weight_export.layout import inference_layout
 
     specs = gpt_specs(num_layers=1, hidden_size=8, num_heads=2, num_groups=1, head_dim=4, ffn_hidden_size=8,
                       vocab_size=16, dtype=torch.float32)
@@ -314,7 +316,8 @@ KILL_TIMEOUT_S = 30
 
 
 def _kill_layouts():
-    from megatron_ext.weight_export.layout import gpt_specs, inference_layout, megatron_layout
+    from megatron_ext.sharding import gpt_specs, megatron_layout
+    from megatron_ext.weight_export.layout import inference_layout
 
     specs = gpt_specs(num_layers=2, hidden_size=16, num_heads=2, num_groups=2, head_dim=8, ffn_hidden_size=32,
                       vocab_size=32, dtype=torch.float32)

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from megatron_ext.weight_export.layout import TensorSpec, gpt_specs, inference_layout, megatron_layout
+from megatron_ext.sharding import TensorSpec, gpt_specs, megatron_layout
+from megatron_ext.weight_export.layout import inference_layout
 from megatron_ext.weight_export.reshard_plan import build_reshard_plan
 from megatron_ext.weight_export.simulate import Links, main, predict, sample_layers
 

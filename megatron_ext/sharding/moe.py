@@ -9,7 +9,7 @@ hold local expert ``i`` as the same tensors, ``linear_fc1`` ``[gate; up]``
 ``(2F, H)`` and ``linear_fc2`` ``(H, F)``, so both map alike. The HF checkpoint
 names each expert by its global index ``e = ep_rank * num_local + i``
 (``mlp.experts.{e}.gate_proj`` ...), which is what vLLM / SGLang
-``load_weights`` take and what :func:`~.layout.gpt_specs` uses. ``transformers`` 5 stores a layer's experts as
+``load_weights`` take and what :func:`~.spec.gpt_specs` uses. ``transformers`` 5 stores a layer's experts as
 two fused 3-D parameters; :func:`fused_expert_views` gives the per-expert views
 into them so receivers can load per-expert names.
 """
@@ -71,10 +71,9 @@ def grouped_expert_issue(config) -> str | None:
 
 def expert_hf_names(layer: int, expert: int, fc: str) -> tuple[str, ...]:
     """HF names of global expert ``expert``'s ``linear_fc1`` (gate, up) or ``linear_fc2`` (down)."""
-    prefix = f"model.layers.{layer}.mlp.experts.{expert}."
-    if fc == "linear_fc1":
-        return prefix + "gate_proj.weight", prefix + "up_proj.weight"
-    return (prefix + "down_proj.weight",)
+    from .names import EXPERT_NAMES
+
+    return tuple(f"model.layers.{layer}.mlp.experts.{expert}.{hf}" for hf in EXPERT_NAMES[fc][1])
 
 
 def router_issue(config) -> str | None:

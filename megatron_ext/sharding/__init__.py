@@ -1,0 +1,19 @@
+"""Megatron sharding facts, with no communication: how each tensor is split over
+TP / EP / PP, the one Megatron -> Hugging Face name table, and where every HF
+tensor lives on a trainer's or an engine's ranks. Nonuniform TP's fold/unfold and
+checkpoint converters, the export hook and the reshard refit all read them here.
+
+- :mod:`.names`: the name table (per-layer, expert and whole-model entries).
+- :mod:`.moe`: the MoE names and the hints for expert layouts that have no HF form.
+- :mod:`.spec`: :class:`TensorSpec` and the specs of a model (from a config or a built model).
+- :mod:`.geometry`: boxes, TP boxes, fused stacking and :class:`Layout`.
+- :mod:`.megatron`: a Megatron parameter's :class:`ShardSpec` and a Megatron job's layout.
+"""
+
+from .geometry import Box, Layout, LocalTensor, Segment
+from .megatron import ShardSpec, megatron_expert_coords, megatron_layout, ntp_megatron_layout, shard_spec
+from .spec import TensorSpec, gpt_specs, specs_from_config, specs_from_model
+
+__all__ = ["Box", "Layout", "LocalTensor", "Segment", "ShardSpec", "TensorSpec", "gpt_specs",
+           "megatron_expert_coords", "megatron_layout", "ntp_megatron_layout", "shard_spec", "specs_from_config",
+           "specs_from_model"]

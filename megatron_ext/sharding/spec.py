@@ -1,0 +1,193 @@
+"""What a model's Hugging Face tensors are and how both sides place them (no communication).
+
+:class:`TensorSpec` lists one HF tensor with its placement facts: the dim tensor
+parallelism shards, the layer, the expert, Megatron's padded vocabulary rows,
+and the local tensors that hold it on the trainer (Megatron's name) and on an
+engine (the vLLM-style fused name). :func:`gpt_specs` builds them from the name
+table in :mod:`.names`; :func:`specs_from_model` reads a built Megatron model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import torch
+
+from .moe import UNSUPPORTED_HINTS, grouped_expert_issue
+from .names import EXPERT_NAMES, GLOBAL_NAMES, LAYER_NAMES, engine_name, global_layer_names, unwrap
+
+__all__ = ["TensorSpec", "gpt_specs", "specs_from_config", "specs_from_model"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """One HF tensor: full shape, dtype and how both sides place it.
+
+    ``tp_dim``: the dim tensor parallelism shards (None: replicated). ``layer``:
+    the decoder layer (None: embedding / final norm / lm_head; the embedding is
+    on the first stage, the rest on the last). ``expert``: the expert index of
+    an expert's tensor. ``padded_rows``: Megatron's padded vocabulary rows (the
+    trainer splits the padded rows; the HF tensor keeps the first ``shape[0]``).
+    ``fused``: ``(kind, part)`` for tensors fused on both sides, kind ``"qkv"``
+    (part 0/1/2 = q/k/v) or ``"glu"`` (0/1 = gate/up); ``megatron_name`` and
+    ``engine_name`` are the local tensors holding it on each side.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    tp_dim: int | None
+    megatron_name: str
+    engine_name: str
+    layer: int | None = None
+    expert: int | None = None
+    padded_rows: int | None = None
+    fused: tuple[str, int] | None = None
+    num_heads: int = 0
+    num_groups: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def gpt_specs(*, num_layers: int, hidden_size: int, num_heads: int, num_groups: int, head_dim: int,
+              ffn_hidden_size: int, vocab_size: int, padded_vocab_size: int | None = None,
+              tie_embeddings: bool = False, qkv_bias: bool = False, qk_norm: bool = False,
+              num_experts: int = 0, moe_ffn_hidden_size: int = 0, dtype: torch.dtype = torch.bfloat16,
+              te_layernorm: bool = False, grouped_gemm: bool = False) -> list[TensorSpec]:
+    """The HF tensors of a Llama / Qwen2 / Qwen3 (MoE: Qwen3-MoE) model with
+    their Megatron and engine (vLLM-style fused) local names.
+
+    ``te_layernorm``: Megatron's Transformer Engine layer specs fuse the
+    layernorms into the next linear layer, so ``input_layernorm`` is held as
+    ``self_attention.linear_qkv.layer_norm_weight`` and (dense MLP only)
+    ``post_attention_layernorm`` as ``mlp.linear_fc1.layer_norm_weight``.
+
+    ``grouped_gemm``: experts in Megatron's ``TEGroupedMLP`` (TE layer specs with
+    ``moe_grouped_gemm=True``), which holds expert ``j`` of an EP rank as
+    ``mlp.experts.linear_fc1.weight{j}`` (``[gate; up]``, ``(2 * moe_ffn, hidden)``)
+    and ``mlp.experts.linear_fc2.weight{j}`` (``(hidden, moe_ffn)``) instead of
+    SequentialMLP's ``mlp.experts.local_experts.{j}.linear_fc{1,2}.weight``; the
+    bytes are the same. Specs carry the global expert index; the layout renames
+    it to the index within the EP rank."""
+    specs: list[TensorSpec] = []
+    pv = padded_vocab_size if padded_vocab_size and padded_vocab_size != vocab_size else None
+    heads = dict(num_heads=num_heads, num_groups=num_groups)
+
+    def add(entry, megatron_name: str, hf_prefix: str, shapes, **kw):
+        kind, hf_names, tp_dim = entry
+        for part, (hf, shape) in enumerate(zip(hf_names, shapes)):
+            fused = None if kind == "copy" else (kind, part)
+            specs.append(TensorSpec(hf_prefix + hf, tuple(shape), dtype, tp_dim, megatron_name,
+                                    engine_name(hf_prefix + hf, kind), fused=fused, **kw))
+
+    def add_global(name: str, shape, **kw):
+        add(GLOBAL_NAMES[name], name, "", [shape], **kw)
+
+    q_rows, kv_rows = num_heads * head_dim, num_groups * head_dim
+    add_global("embedding.word_embeddings.weight", (vocab_size, hidden_size), padded_rows=pv)
+    for i in range(num_layers):
+        m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+
+        def layer(suffix: str, shapes, _m=m, _h=h, _i=i, **kw):
+            add(LAYER_NAMES[suffix], _m + suffix, _h, shapes, layer=_i, **kw)
+
+        layer("self_attention.linear_qkv.layer_norm_weight" if te_layernorm else "input_layernorm.weight",
+              [(hidden_size,)])
+        layer("self_attention.linear_qkv.weight", [(q_rows, hidden_size), (kv_rows, hidden_size),
+                                                   (kv_rows, hidden_size)], **heads)
+        if qkv_bias:
+            layer("self_attention.linear_qkv.bias", [(q_rows,), (kv_rows,), (kv_rows,)], **heads)
+        if qk_norm:
+            layer("self_attention.q_layernorm.weight", [(head_dim,)])
+            layer("self_attention.k_layernorm.weight", [(head_dim,)])
+        layer("self_attention.linear_proj.weight", [(hidden_size, q_rows)])
+        fused_norm = te_layernorm and not num_experts  # MoE: TE keeps a separate pre_mlp_layernorm
+        layer("mlp.linear_fc1.layer_norm_weight" if fused_norm else "pre_mlp_layernorm.weight", [(hidden_size,)])
+        if num_experts:
+            layer("mlp.router.weight", [(num_experts, hidden_size)])
+            for e in range(num_experts):
+                for fc, shapes in (("linear_fc1", [(moe_ffn_hidden_size, hidden_size)] * 2),
+                                   ("linear_fc2", [(hidden_size, moe_ffn_hidden_size)])):
+                    megatron = (m + f"mlp.experts.{fc}.weight{e}" if grouped_gemm
+                                else m + f"mlp.experts.local_experts.{e}.{fc}.weight")
+                    add(EXPERT_NAMES[fc], megatron, h + f"mlp.experts.{e}.", shapes, layer=i, expert=e)
+        else:
+            layer("mlp.linear_fc1.weight", [(ffn_hidden_size, hidden_size)] * 2)
+            layer("mlp.linear_fc2.weight", [(hidden_size, ffn_hidden_size)])
+    add_global("decoder.final_layernorm.weight", (hidden_size,))
+    if not tie_embeddings:
+        add_global("output_layer.weight", (vocab_size, hidden_size), padded_rows=pv)
+    return specs
+
+
+def specs_from_config(config, *, vocab_size: int, padded_vocab_size: int | None = None,
+                      tie_embeddings: bool = False, dtype: torch.dtype | None = None,
+                      te_layernorm: bool = False, grouped_gemm: bool = False) -> list[TensorSpec]:
+    """:func:`gpt_specs` for a Megatron ``TransformerConfig`` (dense or MoE);
+    ``te_layernorm=True`` for models built with Transformer Engine layer specs,
+    ``grouped_gemm=True`` for TEGroupedMLP experts (TE specs with
+    ``moe_grouped_gemm=True``; the local spec builds SequentialMLP either way)."""
+    if grouped_gemm and config.num_moe_experts:
+        issue = grouped_expert_issue(config)
+        if issue is not None:  # the per-expert [gate; up] row ranges would be wrong
+            raise ValueError(f"grouped-GEMM experts cannot be described: {issue}")
+    heads = config.num_attention_heads
+    return gpt_specs(
+        num_layers=config.num_layers, hidden_size=config.hidden_size, num_heads=heads,
+        num_groups=config.num_query_groups or heads, head_dim=config.kv_channels or config.hidden_size // heads,
+        ffn_hidden_size=config.ffn_hidden_size, vocab_size=vocab_size, padded_vocab_size=padded_vocab_size,
+        tie_embeddings=tie_embeddings, qkv_bias=bool(config.add_qkv_bias), qk_norm=bool(config.qk_layernorm),
+        num_experts=config.num_moe_experts or 0, moe_ffn_hidden_size=config.moe_ffn_hidden_size or 0,
+        dtype=dtype or config.params_dtype, te_layernorm=te_layernorm, grouped_gemm=grouped_gemm)
+
+
+_LOCAL_EXPERT = re.compile(r"local_experts\.\d+\.")          # SequentialMLP: local_experts.{j}.linear_fc1.weight
+_GROUPED_EXPERT = re.compile(r"(\.experts\.linear_fc[12]\.weight)\d+$")  # TEGroupedMLP: linear_fc1.weight{j}
+
+def _expert_pattern(name: str) -> str:
+    """``name`` with the expert index within the EP rank replaced by ``*``."""
+    return _GROUPED_EXPERT.sub(r"\g<1>*", _LOCAL_EXPERT.sub("local_experts.*.", name))
+
+
+def specs_from_model(model, *, vocab_size: int, dtype: torch.dtype | None = None) -> list[TensorSpec]:
+    """:func:`specs_from_config` for a built Megatron GPT model (this rank's stage).
+
+    Reads from the model what the config does not say: Transformer Engine's
+    fused layernorm names, grouped-GEMM experts (TEGroupedMLP's
+    ``linear_fc1.weight{j}``), the padded vocabulary (``model.vocab_size``),
+    tied embeddings, and the parameters' dtype (unless ``dtype`` is given).
+    Raises ``ValueError`` naming the first parameter the specs do not describe
+    (e.g. legacy GroupedMLP's ``experts.weight1``), so a layout never silently
+    skips a tensor.
+    """
+    m = unwrap(model)
+    params = dict(m.named_parameters())
+    prefixes = global_layer_names(m)
+
+    def global_name(name):
+        return next((gp + name[len(lp):] for lp, gp in prefixes.items() if name.startswith(lp)), name)
+
+    te = any(n.endswith("linear_qkv.layer_norm_weight") for n in params)
+    grouped = any(_GROUPED_EXPERT.search(n) for n in params)
+    specs = specs_from_config(
+        m.config, vocab_size=vocab_size, padded_vocab_size=getattr(m, "vocab_size", None),
+        tie_embeddings=bool(getattr(m, "share_embeddings_and_output_weights", False)),
+        dtype=dtype or next(iter(params.values())).dtype, te_layernorm=te, grouped_gemm=grouped)
+    known = {_expert_pattern(s.megatron_name) for s in specs}
+    if not any(s.name == "lm_head.weight" for s in specs):
+        known.add("output_layer.weight")  # tied (a later stage's copy): the engine ties lm_head to the embedding
+    for name in params:
+        glob = global_name(name)
+        if _expert_pattern(glob) not in known:
+            # the export hook's hints for parameters it recognises but cannot map (legacy GroupedMLP, TE's
+            # single grouped weight, shared experts, expert biases, ...)
+            why = next((why for pattern, why in UNSUPPORTED_HINTS if pattern.search(glob)), None)
+            raise ValueError(f"parameter {glob!r}: {why}" if why else
+                             f"parameter {glob!r} is not in the layout specs (supported: Llama / Qwen2 / Qwen3 "
+                             "dense and MoE with local, sequential or TE grouped-GEMM experts, local or TE "
+                             "layer specs)")
+    return specs
