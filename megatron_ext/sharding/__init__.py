@@ -11,9 +11,10 @@ checkpoint converters, the export hook and the reshard refit all read them here.
 """
 
 from .geometry import Box, Layout, LocalTensor, Segment
-from .megatron import ShardSpec, megatron_expert_coords, megatron_layout, ntp_megatron_layout, shard_spec
+from .megatron import (ShardSpec, layout_from_recipe, megatron_expert_coords, megatron_layout,
+                       megatron_layout_from_groups, ntp_megatron_layout, shard_spec)
 from .spec import TensorSpec, gpt_specs, specs_from_config, specs_from_model
 
-__all__ = ["Box", "Layout", "LocalTensor", "Segment", "ShardSpec", "TensorSpec", "gpt_specs",
-           "megatron_expert_coords", "megatron_layout", "ntp_megatron_layout", "shard_spec", "specs_from_config",
-           "specs_from_model"]
+__all__ = ["Box", "Layout", "LocalTensor", "Segment", "ShardSpec", "TensorSpec", "gpt_specs", "layout_from_recipe",
+           "megatron_expert_coords", "megatron_layout", "megatron_layout_from_groups", "ntp_megatron_layout",
+           "shard_spec", "specs_from_config", "specs_from_model"]

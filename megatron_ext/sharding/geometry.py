@@ -93,6 +93,7 @@ class Layout:
     tensors: dict[int, dict[str, LocalTensor]]
     specs: dict[str, TensorSpec]
     description: str = ""
+    recipe: dict | None = None  # JSON-able: how to rebuild it from the same specs (megatron.layout_from_recipe)
 
     def holdings(self, name: str) -> list[tuple[int, str, Segment]]:
         """``(rank, local tensor, segment)`` of every copy of any part of HF tensor ``name``."""

@@ -23,7 +23,8 @@ import torch
 from .geometry import Layout, local_tensors, tp_box
 from .spec import TensorSpec
 
-__all__ = ["ShardSpec", "megatron_expert_coords", "megatron_layout", "ntp_megatron_layout", "shard_spec"]
+__all__ = ["ShardSpec", "layout_from_recipe", "megatron_expert_coords", "megatron_layout",
+           "megatron_layout_from_groups", "ntp_megatron_layout", "shard_spec"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,8 +97,58 @@ def megatron_layout(specs: list[TensorSpec], *, tp: int = 1, pp: int = 1, dp: in
                 mine.append(s)
         tensors[g] = local_tensors(mine, boxes, megatron=True)
     moe = any(s.expert is not None for s in specs)
+    recipe = {"kind": "megatron", "tp": tp, "pp": pp, "dp": dp, "ep": ep, "etp": etp, "ranks": list(ranks),
+              "layer_stage": list(layer_stage)}
     return Layout(ranks, tensors, {s.name: s for s in specs}, f"megatron TP{tp}xPP{pp}xDP{dp}"
-                  + (f" EP{ep}" if ep > 1 else "") + (f" ETP{etp}" if etp > 1 and moe else ""))
+                  + (f" EP{ep}" if ep > 1 else "") + (f" ETP{etp}" if etp > 1 and moe else ""), recipe)
+
+
+def megatron_layout_from_groups(specs: list[TensorSpec], *, ranks: Sequence[int] | None = None) -> Layout:
+    """The trainer's layout read from this process's live Megatron groups
+    (``parallel_state``: TP, PP, DP, EP and expert-TP sizes), so nobody types the
+    trainer's topology by hand. ``ranks``: the job's ranks in the group that moves
+    the bytes (default: its global ranks ``0..world-1``). Checks, without
+    communication, that this rank's TP and PP groups are where Megatron's default
+    order (``tp-cp-ep-dp-pp``) puts them, and raises ValueError if not (context
+    parallelism > 1 or another ``order`` is not described)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        raise ValueError("megatron_layout_from_groups needs parallel_state.initialize_model_parallel() first")
+    if ps.get_context_parallel_world_size() != 1:
+        raise ValueError("context parallelism > 1 is not described by megatron_layout; build the layout by hand")
+    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    dp = ps.get_data_parallel_world_size()
+    ep, etp = ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
+    world = dist.get_world_size()
+    if tp * pp * dp != world:
+        raise ValueError(f"TP={tp} x PP={pp} x DP={dp} != world size {world}")
+    me = dist.get_rank()
+    expected = {"tensor": [me // tp * tp + t for t in range(tp)],
+                "pipeline": [me % (tp * dp) + s * tp * dp for s in range(pp)]}
+    actual = {"tensor": dist.get_process_group_ranks(ps.get_tensor_model_parallel_group()),
+              "pipeline": dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())}
+    for kind in expected:
+        if sorted(actual[kind]) != expected[kind]:
+            raise ValueError(f"rank {me}: its {kind}-parallel group is {actual[kind]}, Megatron's default order "
+                             f"tp-cp-ep-dp-pp puts it at {expected[kind]}; build the layout by hand for another "
+                             "order")
+    layout = megatron_layout(specs, tp=tp, pp=pp, dp=dp, ep=ep, etp=etp,
+                             ranks=range(world) if ranks is None else ranks)
+    return layout
+
+
+def layout_from_recipe(specs: list[TensorSpec], recipe: dict) -> Layout:
+    """The layout that ``recipe`` (:attr:`Layout.recipe`, e.g. sent by the trainer)
+    describes, built from ``specs``."""
+    kind = recipe.get("kind") if isinstance(recipe, dict) else None
+    if kind == "megatron":
+        return megatron_layout(specs, **{k: recipe[k] for k in ("tp", "pp", "dp", "ep", "etp", "ranks",
+                                                                 "layer_stage")})
+    if kind == "replicas":
+        return _replicas_layout(specs, recipe["groups"], recipe["description"])
+    raise ValueError(f"unknown layout recipe {recipe!r}: expected kind 'megatron' or 'replicas'")
 
 
 def megatron_expert_coords(i: int, *, tp: int, dp: int, ep: int, etp: int) -> tuple[int, int]:
@@ -122,15 +173,19 @@ def ntp_megatron_layout(specs: list[TensorSpec], ntp_layout) -> Layout:
     (``NonuniformTPDistributedDataParallel.compute_module``), not the training
     shadow that ``ddp.module`` holds: give the executor
     :func:`~.reshard.ntp_megatron_tensors` and ``refresh=ddp.refresh_compute_params``."""
+    groups = [list(ntp_layout.tp_group_ranks(d)) for d in range(ntp_layout.num_replicas)]
+    return _replicas_layout(specs, groups, f"megatron NTP tp_base={ntp_layout.tp_base} "
+                                           f"tp_reduced={ntp_layout.tp_reduced} x{ntp_layout.num_replicas} replicas")
+
+
+def _replicas_layout(specs: list[TensorSpec], groups: list[list[int]], description: str) -> Layout:
+    """Whole-model replicas, each TP-sharded over its own ranks (``groups``)."""
     ranks, tensors = [], {}
-    for d in range(ntp_layout.num_replicas):
-        group = ntp_layout.tp_group_ranks(d)
-        rep = megatron_layout(specs, tp=len(group), ranks=group)
+    for group in groups:
         ranks += group
-        tensors.update(rep.tensors)
-    return Layout(tuple(ranks), tensors, {s.name: s for s in specs},
-                  f"megatron NTP tp_base={ntp_layout.tp_base} tp_reduced={ntp_layout.tp_reduced} "
-                  f"x{ntp_layout.num_replicas} replicas")
+        tensors.update(megatron_layout(specs, tp=len(group), ranks=group).tensors)
+    return Layout(tuple(ranks), tensors, {s.name: s for s in specs}, description,
+                  {"kind": "replicas", "groups": groups, "description": description})
 
 
 def _local_expert(spec: TensorSpec, local: int) -> TensorSpec:

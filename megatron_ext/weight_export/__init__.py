@@ -15,8 +15,8 @@ from .config import TRANSPORTS, ReshardRefitConfig, WeightExportConfig, add_resh
 from .errors import (ControlError, NonFiniteWeights, PlanMismatch, ReceiverError, RefitError, RefitGroupError,
                      RefitRejected)
 from .exporter import ExportResult, WeightExporter
-from ..sharding import (Box, Layout, TensorSpec, gpt_specs, megatron_layout, ntp_megatron_layout, specs_from_config,
-                        specs_from_model)
+from ..sharding import (Box, Layout, TensorSpec, gpt_specs, megatron_layout, megatron_layout_from_groups,
+                        ntp_megatron_layout, specs_from_config, specs_from_model)
 from .layout import inference_layout
 from .reshard import (FanoutRefit, RefitGate, RefitStats, ReshardExecutor, megatron_tensors,
                       ntp_megatron_tensors)
@@ -33,7 +33,8 @@ __all__ = [
     "RefitError", "ControlError",
     "Box", "FanoutRefit", "Layout", "RefitGate", "RefitRejected", "RefitStats", "ReshardExecutor", "ReshardPlan",
     "TensorSpec", "Transfer", "build_reshard_plan", "check_reshard_plan", "fanout_plans", "gpt_specs",
-    "inference_layout", "megatron_layout", "megatron_tensors", "ntp_megatron_layout", "ntp_megatron_tensors",
+    "inference_layout", "megatron_layout", "megatron_layout_from_groups", "megatron_tensors", "ntp_megatron_layout",
+    "ntp_megatron_tensors",
     "specs_from_config",
     "specs_from_model",
     "TRANSPORTS", "BroadcastSender", "BucketMeta", "ExportPlan", "ExportResult", "HFModelConsumer",

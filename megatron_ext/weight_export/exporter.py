@@ -30,7 +30,7 @@ from .gather import BucketGatherer
 from ..sharding.names import unwrap
 from .hf_mapping import Source, copy_all, finite_flags, local_sources
 from .plan import ExportPlan, build_plan, unpack
-from .transport import BroadcastSender, InProcessSender, IpcDirectSender, IpcPushSender, IpcSender
+from .transport import InProcessSender, make_sender
 
 __all__ = ["ExportResult", "NonFiniteWeights", "WeightExporter"]
 
@@ -229,30 +229,7 @@ class WeightExporter:
     @property
     def sender(self):
         if self._sender is None and self.is_export_rank:
-            cfg = self.config
-            if cfg.transport == "inprocess":
-                if self._receiver is None:
-                    raise ValueError("transport='inprocess' needs receiver=WeightReceiver(...) "
-                                     "(or pass transport='broadcast'/'ipc' with a target)")
-                self._sender = InProcessSender(self._receiver)
-            elif cfg.transport == "broadcast":
-                backend = cfg.backend
-                if backend == "auto":
-                    backend = "nccl" if self.device.type == "cuda" else "gloo"
-                self._sender = BroadcastSender(cfg.targets, backend=backend, timeout_s=cfg.timeout_s)
-            elif cfg.transport == "ipc":
-                self._sender = IpcSender(cfg.targets, timeout_s=cfg.timeout_s)
-            elif cfg.transport == "ipc-push":
-                if self.device.type != "cuda":
-                    raise ValueError("transport='ipc-push' needs the model on a CUDA device; use transport='ipc'")
-                self._sender = IpcPushSender(cfg.targets, timeout_s=cfg.timeout_s)
-            else:
-                lay = self.layout
-                if lay.tp_size != 1 or lay.pp_size != 1 or lay.ep_size != 1 or lay.etp_size != 1:
-                    raise ValueError(f"transport='ipc-direct' needs TP=PP=EP=ETP=1, as the engine maps only the "
-                                     f"export rank's storage (got TP={lay.tp_size}, PP={lay.pp_size}, "
-                                     f"EP={lay.ep_size}, ETP={lay.etp_size}); use transport='ipc'")
-                self._sender = IpcDirectSender(cfg.targets, timeout_s=cfg.timeout_s)
+            self._sender = make_sender(self)
         return self._sender
 
     @property

@@ -1,17 +1,20 @@
 """Reshard refit between a trainer job and a separate engine job, over a :class:`~.refit_group.RefitGroup`.
 
 Both sides build the same plan from the same two layouts (the trainer's at
-refit ranks ``0..T-1``, the engine's at ``T..T+E-1``)::
+refit ranks ``0..T-1``, the engine's at ``T..T+E-1``); the engine takes the
+trainer's layout from the trainer (``src=None``: refit rank 0 publishes how to
+build it, :attr:`~megatron_ext.sharding.Layout.recipe`)::
 
     # trainer job, every rank
     group = wx.RefitGroup.join(host, port, rank=dist.get_rank(), world_size=T + E, backend="nccl")
+    src = wx.megatron_layout_from_groups(specs)   # read from parallel_state: ranks 0..T-1
     refit = wx.TrainerRefit(group, src, dst, wx.megatron_tensors(model))
     refit.refit(version)                    # after each optimizer step that should reach the engine
     refit.close()                           # the engine's serve() loop returns
 
     # engine job, every worker
     group = wx.RefitGroup.join(host, port, rank=T + engine_rank, world_size=T + E, backend="nccl")
-    refit = wx.EngineRefit(group, src, dst, load_weights=model.load_weights)   # or tensors=<its own params>
+    refit = wx.EngineRefit(group, None, dst, load_weights=model.load_weights)  # or tensors=<its own params>
     refit.refit()                           # waits for the trainer's next version, then loads it
 
 The trainer's first refit rank announces each version through the store before
@@ -32,12 +35,14 @@ NaN or Inf is refused on every rank before a byte moves (``"nonfinite"``). Every
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 
 from ..sharding.geometry import Layout
+from ..sharding.megatron import layout_from_recipe
 from .refit_group import NOTE_BYTES, RefitGroup, RefitGroupError
 from .reshard import RefitGate, RefitRejected, RefitStats, ReshardExecutor
 from .reshard_plan import build_reshard_plan
@@ -48,8 +53,10 @@ _CLOSE = "close"
 
 
 class _RemoteRefit:
-    def __init__(self, group: RefitGroup, src: Layout, dst: Layout, tensors: dict[str, torch.Tensor], *,
+    def __init__(self, group: RefitGroup, src: Layout | None, dst: Layout, tensors: dict[str, torch.Tensor], *,
                  bucket_bytes: int, max_inflight: int, atomic: bool, check_finite: bool):
+        self.tag = group.next_tag("refit")
+        src = self._exchange_trainer_layout(group, src, dst)
         outside = sorted(r for r in (*src.ranks, *dst.ranks) if not 0 <= r < group.world_size)
         if outside:
             raise ValueError(f"layout ranks {outside} are not refit ranks of this group (0..{group.world_size - 1}); "
@@ -62,9 +69,24 @@ class _RemoteRefit:
                                         atomic=atomic, max_inflight=max_inflight, check_finite=check_finite)
         self.tensors = tensors
         self.announcer = min(src.ranks)  # the trainer rank that announces versions
-        self.tag = group.next_tag("refit")
         self.seq = 0  # refits so far: the same count on every rank
         self._check_plans()
+
+    def _exchange_trainer_layout(self, group: RefitGroup, src: Layout | None, dst: Layout) -> Layout:
+        """Refit rank 0 (a trainer rank) publishes how to build its layout (:attr:`Layout.recipe`); an
+        engine rank given ``src=None`` builds the trainer's layout from it and its own specs, so the
+        engine never types the trainer's topology."""
+        key = f"{self.tag}/src"
+        if src is not None:
+            if group.rank == 0:
+                group.store.set(key, json.dumps(src.recipe))
+            return src
+        group.wait_keys([key], [0], what="publish the trainer's layout")
+        recipe = json.loads(group.store.get(key).decode())
+        if recipe is None:
+            raise ValueError("the trainer's layout was built by hand (no recipe to send); pass src= on the "
+                             "engine side too")
+        return layout_from_recipe(list(dst.specs.values()), recipe)
 
     def _check_plans(self) -> None:
         """Every rank runs the same plan and bucket size, with the layout's tensors; if not, every rank
@@ -162,7 +184,8 @@ class EngineRefit(_RemoteRefit):
     engine TP > 1 write in place instead (pass the engine's tensors).
     """
 
-    def __init__(self, group: RefitGroup, src: Layout, dst: Layout, tensors: dict[str, torch.Tensor] | None = None,
+    def __init__(self, group: RefitGroup, src: Layout | None, dst: Layout,
+                 tensors: dict[str, torch.Tensor] | None = None,
                  *, load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object] | None = None,
                  bucket_bytes: int = 64 << 20, max_inflight: int = 2, atomic: bool = True,
                  check_finite: bool = True):

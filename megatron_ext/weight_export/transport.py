@@ -46,8 +46,8 @@ from .control import ControlError
 from .plan import BucketMeta, ExportPlan, PlanMismatch
 from .receiver import WeightReceiver
 
-__all__ = ["BroadcastSender", "InProcessSender", "IpcDirectSender", "IpcPushSender", "IpcSender", "ReceiverError",
-           "push_targets", "serve"]
+__all__ = ["SENDERS", "BroadcastSender", "InProcessSender", "IpcDirectSender", "IpcPushSender", "IpcSender",
+           "ReceiverError", "make_sender", "push_targets", "serve"]
 
 log = logging.getLogger(__name__)
 _ABORT_WAIT_S = 5.0  # how long a trainer waits for an engine to confirm a dropped version
@@ -622,3 +622,48 @@ def _receive_broadcast(pg, plan: ExportPlan, bufs, receiver: WeightReceiver) -> 
             receiver.arrived(b)
         else:
             receiver.load_bucket(b, bufs[i % 2])
+
+
+# ------------------------------------------------------------------ registry
+def _inprocess(exporter) -> InProcessSender:
+    if exporter._receiver is None:
+        raise ValueError("transport='inprocess' needs receiver=WeightReceiver(...) "
+                         "(or pass transport='broadcast'/'ipc' with a target)")
+    return InProcessSender(exporter._receiver)
+
+
+def _broadcast(exporter) -> BroadcastSender:
+    cfg = exporter.config
+    backend = cfg.backend
+    if backend == "auto":
+        backend = "nccl" if exporter.device.type == "cuda" else "gloo"
+    return BroadcastSender(cfg.targets, backend=backend, timeout_s=cfg.timeout_s)
+
+
+def _ipc(exporter) -> IpcSender:
+    return IpcSender(exporter.config.targets, timeout_s=exporter.config.timeout_s)
+
+
+def _ipc_push(exporter) -> IpcPushSender:
+    if exporter.device.type != "cuda":
+        raise ValueError("transport='ipc-push' needs the model on a CUDA device; use transport='ipc'")
+    return IpcPushSender(exporter.config.targets, timeout_s=exporter.config.timeout_s)
+
+
+def _ipc_direct(exporter) -> IpcDirectSender:
+    lay = exporter.layout
+    if lay.tp_size != 1 or lay.pp_size != 1 or lay.ep_size != 1 or lay.etp_size != 1:
+        raise ValueError(f"transport='ipc-direct' needs TP=PP=EP=ETP=1, as the engine maps only the "
+                         f"export rank's storage (got TP={lay.tp_size}, PP={lay.pp_size}, "
+                         f"EP={lay.ep_size}, ETP={lay.etp_size}); use transport='ipc'")
+    return IpcDirectSender(exporter.config.targets, timeout_s=exporter.config.timeout_s)
+
+
+# ``WeightExportConfig.transport`` -> the factory of its sender (checks what the transport needs, then builds it).
+SENDERS = {"inprocess": _inprocess, "broadcast": _broadcast, "ipc": _ipc, "ipc-push": _ipc_push,
+           "ipc-direct": _ipc_direct}
+
+
+def make_sender(exporter):
+    """The sender of ``exporter.config.transport`` for the export rank of ``exporter``."""
+    return SENDERS[exporter.config.transport](exporter)

@@ -174,3 +174,10 @@ def test_every_refit_error_is_one_family_and_keeps_its_builtin_base():
         raise wx.RefitRejected("a rank refused", reason="plan")
     except wx.RefitError as exc:  # one except clause for any refit failure
         assert exc.reason == "plan"
+
+
+def test_every_configurable_transport_has_a_sender_factory():
+    from megatron_ext.weight_export.config import TRANSPORTS
+    from megatron_ext.weight_export.transport import SENDERS
+
+    assert set(SENDERS) == set(TRANSPORTS)

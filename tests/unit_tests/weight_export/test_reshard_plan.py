@@ -4,6 +4,8 @@ share the work, and applying the plan's runs to the trainer's local tensors
 gives exactly the engine's local tensors built independently from the HF
 weights (Megatron's own QKV / fc1 shard layout comes from ``hf_mapping``)."""
 
+import json
+
 import pytest
 import torch
 
@@ -292,6 +294,14 @@ def test_ntp_trainer_layout_serves_from_healthy_and_degraded_replicas():
     plan = build_reshard_plan(src, dst)
     check_reshard_plan(plan)
     assert set(plan.sent_bytes()) == {0, 1, 2}
+    # what an engine given src=None rebuilds from the recipe the trainer publishes (as JSON)
+    from megatron_ext.sharding import layout_from_recipe
+
+    for layout in (src, megatron_layout(specs, tp=2, pp=2, dp=1, ranks=[4, 5, 6, 7])):
+        rebuilt = layout_from_recipe(specs, json.loads(json.dumps(layout.recipe)))
+        assert rebuilt.ranks == layout.ranks and rebuilt.tensors == layout.tensors
+    with pytest.raises(ValueError, match="unknown layout recipe"):
+        layout_from_recipe(specs, {"kind": "fsdp"})
     weights = _hf_weights(specs)
     state = {**_megatron_locals(megatron_layout(specs, tp=2), weights, specs, 2),
              **{2: _megatron_locals(megatron_layout(specs, tp=1), weights, specs, 1)[0]}}

@@ -65,8 +65,10 @@ def _trainer_body(backend, port, n_engine):
     group = wx.RefitGroup.join("127.0.0.1", port, rank, n_trainer + n_engine, backend=backend, timeout_s=60)
     specs = wx.specs_from_model(model, vocab_size=SPEC.hf_vocab_size)
     src, dst_a, dst_b = _layouts(specs, n_trainer, n_engine)
+    live = wx.megatron_layout_from_groups(specs)  # read from parallel_state, not typed
     tensors = wx.megatron_tensors(model)
-    out = {"specs_match": specs == _specs(n_trainer)}
+    out = {"specs_match": specs == _specs(n_trainer), "live_layout": live.tensors == src.tensors}
+    src = live
     refit = wx.TrainerRefit(group, src, dst_a, tensors, bucket_bytes=BUCKET)
     for v in (1, 2):
         if v == 2:
@@ -113,7 +115,7 @@ def _engine_body(backend, port, n_trainer):
 
     # A: the engine's own tensors (vLLM-style fused shards) are written in place
     own = {n: torch.full(lt.shape, float("nan"), device=group.device) for n, lt in dst_a.tensors[rank].items()}
-    refit = wx.EngineRefit(group, src, dst_a, own, bucket_bytes=BUCKET)
+    refit = wx.EngineRefit(group, None, dst_a, own, bucket_bytes=BUCKET)  # the trainer sends its layout
     out = {}
     for v in (1, 2):
         out[f"stats{v}"] = refit.refit()  # the announced version
@@ -188,6 +190,7 @@ def test_remote_refit_exact(backend, n_trainer, n_engine):
     src, dst_a, dst_b = _layouts(_specs(n_trainer), n_trainer, n_engine)
     ref1, ref2 = trainer[0]["ref1"], trainer[0]["ref2"]
     assert all(t["specs_match"] for t in trainer)
+    assert all(t["live_layout"] for t in trainer)  # megatron_layout_from_groups == the typed layout
     assert any(not torch.equal(ref1[n], ref2[n]) for n in ref1)
     engine_ranks = list(range(n_trainer, n_trainer + n_engine))
     for i, r in enumerate(engine_ranks):
