@@ -18,7 +18,7 @@ from .exporter import ExportResult, WeightExporter
 from ..sharding import (Box, Layout, TensorSpec, gpt_specs, megatron_layout, megatron_layout_from_groups,
                         ntp_megatron_layout, specs_from_config, specs_from_model)
 from .layout import inference_layout
-from .reshard import (FanoutRefit, RefitGate, RefitStats, ReshardExecutor, megatron_tensors,
+from .reshard import (FanoutRefit, RefitStats, ReshardExecutor, megatron_tensors,
                       ntp_megatron_tensors)
 from .refit_group import RefitGroup
 from .remote_refit import EngineRefit, TrainerRefit
@@ -27,7 +27,7 @@ from .hf_mapping import Source, UnsupportedParameter, hf_config_from_megatron, l
 from .plan import BucketMeta, ExportPlan, TensorMeta, build_plan, check_plan, unpack
 from .receiver import HFModelConsumer, LoadWeightsConsumer, WeightReceiver
 from .transport import BroadcastSender, InProcessSender, IpcDirectSender, IpcPushSender, IpcSender, serve
-from .verify import VerifyResult, megatron_logits, verify_export
+from .gate import RefitGate, VerifyResult, megatron_logits, verify_export
 
 __all__ = [
     "RefitError", "ControlError",

@@ -323,7 +323,7 @@ class WeightExporter:
     def verify(self, tokens: torch.Tensor):
         """Run ``tokens`` through the Megatron model (every rank of the replica) and
         the first receiver; on the export rank return :class:`VerifyResult`."""
-        from .verify import megatron_logits, verify_export
+        from .gate import megatron_logits, verify_export
 
         reference = megatron_logits(self.model, tokens)
         if not self.is_export_rank:

@@ -44,7 +44,8 @@ import torch.distributed as dist
 from ..sharding.geometry import Layout
 from ..sharding.megatron import layout_from_recipe
 from .refit_group import NOTE_BYTES, RefitGroup, RefitGroupError
-from .reshard import RefitGate, RefitRejected, RefitStats, ReshardExecutor
+from .gate import RefitGate
+from .reshard import RefitRejected, RefitStats, ReshardExecutor
 from .reshard_plan import build_reshard_plan
 
 __all__ = ["EngineRefit", "TrainerRefit"]

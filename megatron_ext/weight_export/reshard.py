@@ -37,7 +37,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-import math
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable
@@ -49,7 +48,7 @@ from ..sharding.names import global_layer_names, unwrap
 from .hf_mapping import CopyBatch, finite_flags
 from .refit_group import RefitGroup, batch_isend_irecv, gather_notes, gather_wire_ids, sum_over_group
 from .reshard_plan import ReshardPlan, Run, Transfer, fanout_plans, run_view
-from .verify import VerifyResult, verify_export
+from .gate import RefitGate
 
 __all__ = ["FanoutRefit", "HEADER_BYTES", "RefitGate", "RefitRejected", "RefitStats", "ReshardExecutor",
            "megatron_tensors", "ntp_megatron_tensors"]
@@ -127,65 +126,6 @@ class RefitStats:
     kl: float | None = None
     max_logit_diff: float | None = None
     gate_ok: bool | None = None
-
-
-class RefitGate:
-    """Checks an engine rank after each refit: its logits on ``tokens`` against
-    the trainer's ``reference`` logits (a tensor, or ``reference(version)``).
-
-    ``consumer`` needs ``logits(tokens)``; with ``load=True`` the rank's whole HF
-    tensors (``dst.hf_tensors(rank, tensors)``) are first fed to its
-    ``load_weights`` (e.g. :class:`~.receiver.HFModelConsumer` on a TP1 replica).
-    Pass ``load=False`` when the refit writes straight into the engine's
-    weights. The gate passes when ``kl <= max_kl`` (and, if given,
-    ``max_abs_diff <= max_logit_diff``), both finite: NaN or Inf logits fail it.
-    Otherwise it raises :class:`RefitRejected` (``on_fail="raise"``) or only
-    records the result (``"report"``). ``max_kl`` / ``max_logit_diff`` must be
-    finite numbers >= 0.
-    """
-
-    def __init__(self, consumer, tokens: torch.Tensor, reference: torch.Tensor | Callable[[int], torch.Tensor], *,
-                 max_kl: float = 1e-3, max_logit_diff: float | None = None, on_fail: str = "raise",
-                 load: bool = True):
-        if on_fail not in ("raise", "report"):
-            raise ValueError(f"on_fail must be 'raise' or 'report', got {on_fail!r}")
-        for arg, value in (("max_kl", max_kl), ("max_logit_diff", max_logit_diff)):
-            if value is None and arg == "max_logit_diff":
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                    or value < 0:
-                raise ValueError(f"RefitGate: {arg} must be a finite number >= 0, got {value!r}")
-        self.consumer, self.tokens, self.reference = consumer, tokens, reference
-        self.max_kl, self.max_logit_diff, self.on_fail, self.load = max_kl, max_logit_diff, on_fail, load
-        self.last: VerifyResult | None = None
-        self._nonfinite: str | None = None  # which logits of the last check were not finite
-
-    def __call__(self, layout, rank: int, tensors: dict[str, torch.Tensor], version: int) -> VerifyResult:
-        if self.load:
-            self.consumer.load_weights(layout.hf_tensors(rank, tensors))
-        ref = self.reference(version) if callable(self.reference) else self.reference
-        got = self.consumer.logits(self.tokens)
-        self.last = verify_export(ref, got)
-        bad = [what for what, t in (("the trainer's reference logits", ref), ("the engine's logits", got))
-               if not bool(torch.isfinite(t).all())]
-        self._nonfinite = " and ".join(bad) or None
-        return self.last
-
-    def passes(self, result: VerifyResult) -> bool:
-        """``kl <= max_kl`` (and ``max_abs_diff <= max_logit_diff``, if given), both finite."""
-        if not (math.isfinite(result.kl) and math.isfinite(result.max_abs_diff)):
-            return False
-        return result.ok(max_kl=self.max_kl) and (self.max_logit_diff is None
-                                                   or result.max_abs_diff <= self.max_logit_diff)
-
-    def why(self, result: VerifyResult) -> str:
-        """Why ``result`` fails the gate, in words."""
-        if not (math.isfinite(result.kl) and math.isfinite(result.max_abs_diff)):
-            return (f"the logits are not finite ({self._nonfinite or 'NaN/Inf'}: KL {result.kl:.3g}, "
-                    f"max logit diff {result.max_abs_diff:.3g})")
-        limits = f"max_kl {self.max_kl:g}" + ("" if self.max_logit_diff is None
-                                               else f", max_logit_diff {self.max_logit_diff:g}")
-        return f"KL {result.kl:.3g}, max logit diff {result.max_abs_diff:.3g} ({limits})"
 
 
 def _rows(run: Run, rows: int, r0: int, r1: int) -> Run:
