@@ -9,9 +9,23 @@ Usage (every rank)::
         model = build_model(...)                         # sees its replica's TP degree
         ddp = NonuniformTPDistributedDataParallel(config, ddp_config, model, ntp_config=ntp_config)
 
+Balanced batch shares (``--ntp-balance tp``)::
+
+    shares = ntp_config.batch_shares(global_batch_size, micro_batch_size)
+    ddp = NonuniformTPDistributedDataParallel(..., ntp_config=ntp_config, batch_shares=shares)
+    sampler = BalancedPretrainingSampler(len(dataset), consumed_samples, shares)   # DataLoader batch_sampler
+    forward_backward_func(..., num_microbatches=shares.num_microbatches())
+
 See docs/nonuniform_tp.md.
 """
 
+from .balance import (
+    BalancedPretrainingSampler,
+    BatchShares,
+    balanced_batch_shares,
+    equal_batch_shares,
+    reduce_loss_over_replicas,
+)
 from .config import (
     NonuniformTPConfig,
     add_nonuniform_tp_args,
@@ -42,6 +56,8 @@ def __getattr__(name):
 
 
 __all__ = [
+    "BalancedPretrainingSampler",
+    "BatchShares",
     "NTPLayout",
     "NTPProcessGroups",
     "NonuniformTPBucketGroup",
@@ -49,14 +65,17 @@ __all__ = [
     "NonuniformTPDistributedDataParallel",
     "RankRole",
     "add_nonuniform_tp_args",
+    "balanced_batch_shares",
     "compute_uniform_tp_spares_with_parity",
     "destroy_nonuniform_tp_process_groups",
+    "equal_batch_shares",
     "format_failed_slots",
     "get_ntp_process_groups",
     "initialize_nonuniform_tp_process_groups",
     "merge_tp_shards",
     "ntp_to_uniform",
     "parse_failed_slots",
+    "reduce_loss_over_replicas",
     "split_tp_full",
     "uniform_to_ntp",
 ]

@@ -21,6 +21,7 @@ __all__ = [
 ]
 
 LAUNCH_MODES = ("packed", "simulate")
+BALANCE_MODES = ("none", "tp", "measured")
 
 
 @dataclasses.dataclass
@@ -42,6 +43,12 @@ class NonuniformTPConfig:
             every slot has a process and the non-active ones leave (tests).
         num_attention_heads, num_query_groups, ffn_hidden_size, vocab_size:
             optional model shape; when given, checked to split at both degrees.
+        balance: how each global batch is shared among the replicas
+            (:meth:`batch_shares`). ``"none"``: equal shares, as Megatron.
+            ``"tp"``: micro-batches in proportion to each replica's TP degree,
+            so a degraded replica gets ``tp_reduced / tp_base`` of a healthy
+            share. ``"measured"`` (shares from measured step times) is not
+            implemented and refused.
     """
 
     tp_base: int
@@ -53,6 +60,7 @@ class NonuniformTPConfig:
     num_query_groups: int | None = None
     ffn_hidden_size: int | None = None
     vocab_size: int | None = None
+    balance: str = "none"
 
     def __post_init__(self):
         if not isinstance(self.tp_base, int) or self.tp_base < 1:
@@ -65,6 +73,17 @@ class NonuniformTPConfig:
         if self.launch_mode not in LAUNCH_MODES:
             raise ValueError(
                 f"NonuniformTPConfig.launch_mode must be one of {LAUNCH_MODES}, got {self.launch_mode!r}"
+            )
+        if self.balance not in BALANCE_MODES:
+            raise ValueError(
+                f"NonuniformTPConfig.balance (--ntp-balance) must be one of {BALANCE_MODES}, got {self.balance!r}"
+            )
+        if self.balance == "measured":
+            raise NotImplementedError(
+                "NonuniformTPConfig.balance='measured' (--ntp-balance measured) is not implemented: use 'tp' "
+                "(shares in proportion to the TP degrees) or 'none'; shares from your own per-replica timings "
+                "can be built with megatron_ext.nonuniform_tp.balance.balanced_batch_shares(throughputs, ...) "
+                "and passed to the DDP and the sampler"
             )
         if self.data_parallel_size is not None and self.data_parallel_size < 1:
             raise ValueError(
@@ -141,6 +160,57 @@ class NonuniformTPConfig:
             vocab_size=vocab_size,
         )
 
+    def replica_tp_degrees(self, num_replicas: int) -> list[int]:
+        """TP degree of every replica: ``tp_reduced`` for the listed ones, else ``tp_base``."""
+        return [self.tp_reduced if d in self.non_active_ranks_per_dp else self.tp_base
+                for d in range(num_replicas)]
+
+    def batch_shares(self, global_batch_size: int, micro_batch_size: int, num_replicas: int | None = None):
+        """How many micro-batches of each global batch every replica processes,
+        per :attr:`balance` (a :class:`megatron_ext.nonuniform_tp.balance.BatchShares`;
+        logged once at INFO).
+
+        ``num_replicas`` defaults to :attr:`data_parallel_size`, else to the job
+        of the installed NTP process groups. Raises ValueError, saying which
+        sizes work, when the global batch cannot be split that way."""
+        from . import balance as balance_mod
+
+        if num_replicas is None:
+            num_replicas = self.data_parallel_size
+        if num_replicas is None:
+            from .process_groups import get_ntp_process_groups
+
+            groups = get_ntp_process_groups()
+            if groups is None:
+                raise ValueError(
+                    "NonuniformTPConfig.batch_shares: the number of replicas is unknown; pass num_replicas, set "
+                    "data_parallel_size (--ntp-data-parallel-size), or call it after "
+                    "initialize_nonuniform_tp_process_groups()"
+                )
+            num_replicas = groups.layout.num_replicas
+        shares = self._batch_shares(global_batch_size, micro_batch_size, num_replicas)
+        balance_mod.logger.info("nonuniform TP (--ntp-balance %s) %s", self.balance, shares.describe())
+        return shares
+
+    def _batch_shares(self, global_batch_size, micro_batch_size, num_replicas):
+        from . import balance as balance_mod
+
+        if self.data_parallel_size is not None and num_replicas != self.data_parallel_size:
+            raise ValueError(f"num_replicas={num_replicas} differs from NonuniformTPConfig.data_parallel_size="
+                             f"{self.data_parallel_size}")
+        bad = [d for d in self.non_active_ranks_per_dp if d >= num_replicas]
+        if bad:
+            raise ValueError(f"NonuniformTPConfig.non_active_ranks_per_dp names replica(s) {bad} but the job has "
+                             f"{num_replicas} replicas")
+        try:
+            if self.balance == "none":
+                return balance_mod.equal_batch_shares(num_replicas, global_batch_size, micro_batch_size)
+            return balance_mod.balanced_batch_shares(
+                self.replica_tp_degrees(num_replicas), global_batch_size, micro_batch_size, what="TP degrees")
+        except ValueError as exc:
+            raise ValueError(f"NonuniformTPConfig.balance={self.balance!r} (--ntp-balance {self.balance}): "
+                             f"{exc}") from None
+
     def layout(self, world_size: int):
         """The rank layout of this job for ``world_size`` processes."""
         from .layout import NTPLayout
@@ -158,10 +228,12 @@ class NonuniformTPConfig:
         spares = getattr(args, "ntp_spares", None)
         data_parallel_size = getattr(args, "ntp_data_parallel_size", None)
         launch_mode = getattr(args, "ntp_launch_mode", "packed")
+        balance = getattr(args, "ntp_balance", "none")
         if tp_base is None:
             given = [f"{flag} {value!r}" for flag, value, unset in (
                 ("--ntp-failed-slots", failed_text, ""), ("--ntp-spares", spares, None),
                 ("--ntp-data-parallel-size", data_parallel_size, None), ("--ntp-launch-mode", launch_mode, "packed"),
+                ("--ntp-balance", balance, "none"),
             ) if value != unset]
             if given:
                 raise ValueError(
@@ -178,13 +250,25 @@ class NonuniformTPConfig:
         )
         if spares is None:
             spares, failed = compute_uniform_tp_spares_with_parity(failed, tp_base)
-        return cls(
+        config = cls(
             tp_base=tp_base,
             tp_spares=spares,
             non_active_ranks_per_dp=failed,
             data_parallel_size=data_parallel_size,
             launch_mode=launch_mode,
+            balance=balance,
         )
+        # Megatron's --global-batch-size / --micro-batch-size (and its world size): refuse a global batch
+        # that the replicas cannot share as --ntp-balance asks, before anything is built.
+        sizes = [getattr(args, name, None) for name in ("global_batch_size", "micro_batch_size")]
+        world_size = getattr(args, "world_size", None)
+        if config.balance != "none" and all(isinstance(v, int) for v in sizes):
+            replicas = data_parallel_size
+            if replicas is None and isinstance(world_size, int):
+                replicas = config.layout(world_size).num_replicas
+            if replicas is not None:
+                config._batch_shares(*sizes, replicas)
+        return config
 
 
 def compute_uniform_tp_spares_with_parity(
@@ -330,4 +414,8 @@ def add_nonuniform_tp_args(parser: argparse.ArgumentParser) -> argparse.Argument
     group.add_argument("--ntp-launch-mode", choices=LAUNCH_MODES, default="packed",
                        help="packed: only healthy GPUs have processes; simulate: every slot has one "
                             "and the non-active ones leave (tests).")
+    group.add_argument("--ntp-balance", choices=BALANCE_MODES, default="none",
+                       help="Share of each global batch per replica: none: equal (Megatron's); tp: micro-batches "
+                            "in proportion to each replica's TP degree (a degraded replica is no straggler); "
+                            "measured: not implemented. Needs --ntp-tp-base.")
     return parser

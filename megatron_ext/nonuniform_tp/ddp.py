@@ -21,6 +21,10 @@ Spare ranks hold a zero shadow that never receives gradients; it keeps every
 rank of a healthy TP group on the same code path (optimizer, grad norm) and
 costs ``1/tp_reduced`` of the model in parameters, gradients and optimizer
 state on each spare.
+
+Balanced batch shares (:mod:`.balance`): with ``batch_shares``, each bucket
+scales its gradients by the replica's share of the global batch before the
+data-parallel collective, in place of Megatron's ``1 / data_parallel_size``.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from megatron.core.distributed import DistributedDataParallel
 from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
 
 from . import reshard
+from .balance import BatchShares
 from .config import NonuniformTPConfig
 from .process_groups import NTPProcessGroups, get_ntp_process_groups
 
@@ -94,14 +99,26 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
     Megatron's DDP. On healthy replicas ``self.module`` is the training shadow
     (``tp_reduced`` layout; what the optimizer and ``state_dict`` see) and
     :attr:`compute_module` is the ``tp_base`` model that ``forward`` runs.
+
+    ``batch_shares`` (a :class:`~megatron_ext.nonuniform_tp.balance.BatchShares`,
+    from ``ntp_config.batch_shares(global_batch_size, micro_batch_size)``) makes
+    the gradient the exact global-batch mean when replicas process unequal
+    shares; it is required when ``ntp_config.balance`` is not ``"none"``. See
+    :meth:`set_batch_shares`.
     """
 
     def __init__(self, config, ddp_config, module: torch.nn.Module, disable_bucketing: bool = False,
                  pg_collection=None, full_param_layout=None, *,
                  ntp_config: NonuniformTPConfig, ntp_groups: NTPProcessGroups | None = None,
-                 symm_mem_config=None):
+                 symm_mem_config=None, batch_shares: BatchShares | None = None):
+        if batch_shares is None and ntp_config.balance != "none":
+            raise ValueError(
+                f"NonuniformTPConfig.balance={ntp_config.balance!r} gives the replicas unequal shares of the "
+                "global batch: pass batch_shares=ntp_config.batch_shares(global_batch_size, micro_batch_size) "
+                "(the same shares the sampler and num_microbatches use) so that gradients are weighted by them")
         self._init_ntp(config, ddp_config, module, disable_bucketing, pg_collection,
                        full_param_layout, ntp_config, ntp_groups)
+        self.batch_shares = None
         self.symm_mem_config = symm_mem_config
         self.symm_mem_decisions = []
         if symm_mem_config is not None:
@@ -110,6 +127,8 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
             from megatron_ext.fsdp_symm.ddp import stage_ddp_buffers
 
             self.symm_mem_decisions = stage_ddp_buffers(self, symm_mem_config)
+        if batch_shares is not None:
+            self.set_batch_shares(batch_shares)
 
     def _init_ntp(self, config, ddp_config, module, disable_bucketing, pg_collection,
                   full_param_layout, ntp_config, ntp_groups):
@@ -123,6 +142,7 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
             raise ValueError("ntp_config differs from the config the NTP process groups were built "
                              f"with: {ntp_config} vs {groups.config}")
         ntp_config.check_model(config)
+        self._ntp_groups = groups
         if getattr(config, "sequence_parallel", False) or config.pipeline_model_parallel_size != 1:
             raise ValueError("nonuniform TP supports sequence_parallel=False and "
                              "pipeline_model_parallel_size=1 only; turn them off in the model config")
@@ -183,6 +203,45 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
             acc.register_hook(self._make_compute_hook(p, s))
             self._compute_hooks.append(acc)
 
+    # ---- batch shares ---------------------------------------------------------------
+    def set_batch_shares(self, shares: BatchShares) -> None:
+        """Weight this replica's gradient by its share of every global batch.
+
+        Megatron scales each bucket by ``1 / data_parallel_size`` before the
+        data-parallel sum (all-reduce, or reduce-scatter with the distributed
+        optimizer). Here the factor is ``shares.gradient_weight(replica)`` =
+        ``num_microbatches(replica) / total_microbatches`` (times the group size
+        where the collective averages), so that the sum is the mean over every
+        micro-batch of the global batch when each replica's loss is divided by its
+        own ``num_microbatches`` (Megatron's forward-backward function does that).
+        With ``calculate_per_token_loss`` the factor stays 1: the collective sums
+        per-token losses and ``finalize_model_grads`` divides by the global token
+        count, which is exact for any shares.
+
+        Takes effect at the next gradient sync; call it between steps on every
+        rank with the shares the sampler and ``num_microbatches`` use."""
+        if not isinstance(shares, BatchShares):
+            raise TypeError(f"batch_shares must be a BatchShares (ntp_config.batch_shares(...)), got {shares!r}")
+        layout, replica = self._ntp_groups.layout, self._ntp_groups.role.replica
+        if shares.num_replicas != layout.num_replicas:
+            raise ValueError(f"batch_shares are for {shares.num_replicas} replicas but the job has "
+                             f"{layout.num_replicas}; build them with ntp_config.batch_shares(...)")
+        if self.ddp_config.num_distributed_optimizer_instances > 1 and len(set(shares.microbatches)) > 1:
+            raise NotImplementedError("unequal batch shares with num_distributed_optimizer_instances > 1 are not "
+                                      "supported; use one distributed-optimizer instance or --ntp-balance none")
+        self.batch_shares = shares
+        if self.config.calculate_per_token_loss:
+            return
+        weight = shares.gradient_weight(replica)
+        for bucket_group in self.bucket_groups + self.expert_parallel_bucket_groups:
+            factor = weight
+            if bucket_group.ddp_config.average_in_collective:
+                group = (bucket_group.intra_distributed_optimizer_instance_group
+                         if bucket_group.ddp_config.use_distributed_optimizer else bucket_group.data_parallel_group)
+                factor *= group.size()
+            for bucket in bucket_group.buckets:
+                bucket.gradient_scaling_factor = factor
+
     # ---- healthy-replica machinery -------------------------------------------------
     @property
     def compute_module(self) -> torch.nn.Module:
@@ -237,6 +296,19 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
             self.sync_compute_params()
 
     # ---- DDP interface -------------------------------------------------------------
+    def __getattr__(self, name):
+        # Megatron reads model attributes through the DDP wrapper (utils.get_attr_wrapped_model
+        # follows ``.module``: model_type, set_input_tensor, decoder, post_process, ... in the
+        # forward-backward functions). On a healthy replica ``.module`` is the shadow, so what the
+        # wrapper itself lacks comes from the compute model, the one forward runs.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            compute = self.__dict__.get("_compute_module")
+            if compute is None:
+                raise
+            return getattr(compute, name)
+
     def forward(self, *inputs, **kwargs):
         if self._ntp is None:
             return super().forward(*inputs, **kwargs)

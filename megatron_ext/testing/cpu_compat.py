@@ -18,7 +18,8 @@ Call sites covered (megatron-core 0.19.2):
 - ``torch.cuda.{synchronize, empty_cache}``: DDP buffer offload helpers.
 - ``torch.cuda.device(cpu)`` and ``Stream.device``: experimental FSDP's context.
 - ``device='cuda'`` literals in optimizer/optimizer.py, optimizer/clip_grads.py,
-  optimizer/grad_scaler.py and utils.local_multi_tensor_l2_norm.
+  optimizer/grad_scaler.py, utils.local_multi_tensor_l2_norm and
+  pipeline_parallel/schedules.py (the forward-backward functions' token count).
 - ``Tensor.type() == 'torch.cuda.FloatTensor'`` checks in the optimizer,
   distributed optimizer and clip_grads.
 """
@@ -142,6 +143,7 @@ def _patch_megatron():
     import megatron.core.optimizer.clip_grads as clip_grads
     import megatron.core.optimizer.grad_scaler as grad_scaler
     import megatron.core.optimizer.optimizer as optimizer
+    import megatron.core.pipeline_parallel.schedules as schedules
     import megatron.core.tensor_parallel.random as mrandom
     import megatron.core.utils as mutils
 
@@ -152,7 +154,7 @@ def _patch_megatron():
         lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
     )
     cpu_torch = _CpuTorch()
-    for module in (optimizer, clip_grads, grad_scaler, mutils):
+    for module in (optimizer, clip_grads, grad_scaler, mutils, schedules):
         module.torch = cpu_torch
 
 

@@ -107,3 +107,123 @@ def train(ntp_kwargs, steps, *, spec=tiny_gpt.TinyGPTSpec(), tp=1, distributed_o
                 final=final if keep else None,
                 train_state=cpu(ddp.module), compute_state=cpu(compute),
                 specs=shard_specs(compute, spec.gated_linear_unit))
+
+
+def train_cases(cases):
+    """Several :func:`train_with_schedule` runs in one spawned job (one start-up for
+    all): ``cases`` is a list of ``(ntp_kwargs, steps, kwargs)``; the model-parallel
+    state is torn down between them. Returns the list of results."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_ext.nonuniform_tp import destroy_nonuniform_tp_process_groups
+
+    results = []
+    for ntp_kwargs, steps, kwargs in cases:
+        results.append(train_with_schedule(ntp_kwargs, steps, **kwargs))
+        dist.barrier()
+        destroy_nonuniform_tp_process_groups()
+        ps.destroy_model_parallel()
+    return results
+
+
+def loss_mask(spec, step, num_samples):
+    """A per-token loss mask with a different number of tokens per sample:
+    sample ``j`` of step ``step`` masks its first ``(3 * j + step) % 11`` tokens."""
+    mask = torch.ones(num_samples, spec.seq_length)
+    for j in range(num_samples):
+        mask[j, : (3 * j + step) % 11] = 0
+    return mask
+
+
+def train_with_schedule(ntp_kwargs, steps, *, spec=tiny_gpt.TinyGPTSpec(), global_batch=GLOBAL_BATCH,
+                        micro_batch_size=1, distributed_optimizer=False, overlap=False, per_token_loss=False):
+    """Train the tiny GPT as a Megatron training loop does: each replica gets its
+    micro-batches of every global batch from ``BalancedPretrainingSampler`` and runs
+    Megatron's forward-backward function with ``shares.num_microbatches()``.
+
+    ``ntp_kwargs is None``: uniform TP=1 with Megatron's DDP and equal shares, else
+    ``NonuniformTPConfig(**ntp_kwargs)`` (packed) with ``ntp_config.batch_shares``.
+    The loss function reports ``(loss sum, token count)`` per micro-batch;
+    ``per_token_loss``: ``calculate_per_token_loss`` with :func:`loss_mask`, else
+    every token counts. Returns this rank's replica, its micro-batch count, the
+    sample indices and ``(sum, count)`` of every micro-batch per step, the
+    replica-weighted mean loss per step from ``reduce_loss_over_replicas``, and the
+    full weights at init and after training (TP rank 0 only)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_ext.nonuniform_tp import (BalancedPretrainingSampler, NonuniformTPDistributedDataParallel,
+                                            equal_batch_shares, reduce_loss_over_replicas)
+    from megatron_ext.nonuniform_tp.checkpoint import gather_full_state
+    from megatron_ext.testing.ntp_job import init_job
+
+    job = init_job(ntp_kwargs)
+    ntp_cfg = job.ntp_config
+    if ntp_cfg is None:
+        shares = equal_batch_shares(job.replicas, global_batch, micro_batch_size)
+    else:
+        shares = ntp_cfg.batch_shares(global_batch, micro_batch_size)
+    tp_rank, tp_group = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
+    cfg = tiny_gpt.transformer_config(spec, tp=ps.get_tensor_model_parallel_world_size(),
+                                      calculate_per_token_loss=per_token_loss)
+    dev = tiny_gpt.rank_device()
+    model = tiny_gpt.build_model(spec, cfg, device=dev)
+    init = gather_full_state(model, tp_group, spec.gated_linear_unit)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=overlap, use_distributed_optimizer=distributed_optimizer,
+        bucket_size=4096 if overlap else None)
+    if ntp_cfg is None:
+        ddp = DistributedDataParallel(config=cfg, ddp_config=ddp_config, module=model)
+    else:
+        ddp = NonuniformTPDistributedDataParallel(cfg, ddp_config, model, ntp_config=ntp_cfg, batch_shares=shares)
+    opt = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=LR, weight_decay=WEIGHT_DECAY, clip_grad=1.0,
+                        use_distributed_optimizer=distributed_optimizer), [ddp])
+    cfg.no_sync_func = ddp.no_sync
+    cfg.finalize_model_grads_func = finalize_model_grads
+    forward_backward = get_forward_backward_func()
+    sampler = iter(BalancedPretrainingSampler(steps * global_batch, 0, shares))
+    seq = spec.seq_length
+    position_ids = torch.arange(seq, device=dev).unsqueeze(0)
+    attention_mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool, device=dev), diagonal=1)
+
+    def forward_step(data_iterator, model):
+        tokens, labels, mask = next(data_iterator)
+        per_token = model(tokens, position_ids.expand_as(tokens), attention_mask, labels=labels)
+
+        def loss_func(output):
+            total = (output.float() * mask).sum()
+            count = mask.sum().to(torch.int)
+            return total, count, (total.detach().clone(), count.clone())
+
+        return per_token, loss_func
+
+    indices, reports, weighted = [], [], []
+    for step in range(steps):
+        tokens, labels = tiny_gpt.global_batch(spec, step=step, num_samples=global_batch)
+        mask = loss_mask(spec, step, global_batch) if per_token_loss else torch.ones(global_batch, seq)
+        mine = [next(sampler) for _ in range(shares.num_microbatches())]
+        rows = [[i - step * global_batch for i in micro] for micro in mine]
+        assert all(0 <= r < global_batch for micro in rows for r in micro), (step, mine)
+        data = iter([(tokens[r].to(dev), labels[r].to(dev), mask[r].to(dev)) for r in rows])
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        out = forward_backward(forward_step_func=forward_step, data_iterator=data, model=[ddp],
+                               num_microbatches=shares.num_microbatches(), seq_length=seq,
+                               micro_batch_size=shares.micro_batch_size)
+        ok, _, _ = opt.step()
+        assert ok, f"optimizer step {step} was skipped"
+        indices.append(mine)
+        reports.append([(s.item(), int(c)) for s, c in out])
+        local_mean = torch.stack([s / c for s, c in out]).mean().to(dev)
+        weighted.append(reduce_loss_over_replicas(local_mean, shares).item())
+    assert next(sampler, None) is None, "the sampler has samples beyond the last global batch"
+    ddp.zero_grad_buffer()  # healthy NTP replicas refresh their compute weights here
+    final = gather_full_state(getattr(ddp, "compute_module", ddp.module), tp_group, spec.gated_linear_unit)
+    keep = tp_rank == 0
+    return dict(replica=job.replica, tp_rank=tp_rank, degraded=job.degraded,
+                microbatches=list(shares.microbatches), indices=indices, reports=reports, weighted=weighted,
+                init=init if keep else None, final=final if keep else None)

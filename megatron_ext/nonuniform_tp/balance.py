@@ -1,0 +1,335 @@
+"""Balanced batch shares: how many micro-batches of each global batch every
+data-parallel replica processes.
+
+Megatron gives every replica ``global_batch_size / (micro_batch_size * dp)``
+micro-batches. Under NTP a degraded replica computes at ``tp_reduced`` GPUs and
+is then the straggler of every step. With balanced shares each replica gets a
+number of micro-batches proportional to its throughput (by default its TP
+degree), the global batch stays the same, every sample is used exactly once,
+and the gradient stays the exact mean over the global batch:
+
+- :class:`BatchShares` holds the per-replica micro-batch counts; pass
+  ``shares.num_microbatches()`` to ``get_forward_backward_func()``'s
+  ``num_microbatches``.
+- :class:`BalancedPretrainingSampler` is a ``batch_sampler`` in the form of
+  Megatron's ``MegatronPretrainingSampler``: it yields this replica's
+  micro-batches (lists of sample indices) of every global batch.
+- ``NonuniformTPDistributedDataParallel(..., batch_shares=shares)`` weights
+  each replica's gradient by its share (see :meth:`BatchShares.gradient_weight`).
+
+See docs/nonuniform_tp.md, section "Balanced batch shares".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import logging
+import math
+from collections.abc import Iterator, Sequence
+from fractions import Fraction
+
+__all__ = [
+    "BalancedPretrainingSampler",
+    "BatchShares",
+    "balanced_batch_shares",
+    "equal_batch_shares",
+    "reduce_loss_over_replicas",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def _this_replica() -> int:
+    # Under NTP, get_data_parallel_rank() is the replica index on every rank
+    # (spares included; see process_groups.py); in a uniform job it is the DP rank.
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_rank()
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchShares:
+    """The split of one global batch over the data-parallel replicas.
+
+    Args:
+        micro_batch_size: samples per micro-batch (the same on every replica).
+        microbatches: micro-batches of every global batch per replica, indexed
+            by replica (``parallel_state.get_data_parallel_rank()``); each >= 1.
+        throughputs: relative throughput per replica the shares were computed
+            from (for :meth:`describe` and :attr:`efficiency`); ``None`` if unknown.
+
+    Replica ``d`` processes ``microbatches[d] * micro_batch_size`` samples of
+    every global batch of ``global_batch_size = sum(microbatches) * micro_batch_size``.
+    The ``replica`` argument of the methods defaults to this rank's replica.
+    """
+
+    micro_batch_size: int
+    microbatches: tuple[int, ...]
+    throughputs: tuple[float, ...] | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.micro_batch_size, int) or self.micro_batch_size < 1:
+            raise ValueError(f"BatchShares.micro_batch_size must be an int >= 1, got {self.micro_batch_size!r}")
+        counts = tuple(self.microbatches)
+        if not counts or any(not isinstance(m, int) or m < 1 for m in counts):
+            raise ValueError(
+                f"BatchShares.microbatches must list an int >= 1 per replica (every replica needs at least "
+                f"one micro-batch), got {self.microbatches!r}"
+            )
+        object.__setattr__(self, "microbatches", counts)
+        if self.throughputs is not None:
+            rates = tuple(float(t) for t in self.throughputs)
+            if len(rates) != len(counts) or any(not t > 0 or math.isinf(t) for t in rates):
+                raise ValueError(
+                    f"BatchShares.throughputs must list a finite number > 0 per replica ({len(counts)}), "
+                    f"got {self.throughputs!r}"
+                )
+            object.__setattr__(self, "throughputs", rates)
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.microbatches)
+
+    @property
+    def total_microbatches(self) -> int:
+        """Micro-batches of one global batch, over all replicas."""
+        return sum(self.microbatches)
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.total_microbatches * self.micro_batch_size
+
+    def _replica(self, replica: int | None) -> int:
+        replica = _this_replica() if replica is None else replica
+        if not 0 <= replica < self.num_replicas:
+            raise ValueError(
+                f"replica {replica} is out of range: these shares are for {self.num_replicas} replicas "
+                f"(0..{self.num_replicas - 1}); build them for the job's data-parallel size"
+            )
+        return replica
+
+    def num_microbatches(self, replica: int | None = None) -> int:
+        """The ``num_microbatches`` to pass to Megatron's forward-backward function."""
+        return self.microbatches[self._replica(replica)]
+
+    def num_samples(self, replica: int | None = None) -> int:
+        """Samples of every global batch that ``replica`` processes."""
+        return self.num_microbatches(replica) * self.micro_batch_size
+
+    def gradient_weight(self, replica: int | None = None) -> float:
+        """Weight of ``replica``'s gradient in the global mean:
+        ``num_microbatches(replica) / total_microbatches``.
+
+        Megatron's forward-backward function divides each micro-batch loss by
+        the replica's own ``num_microbatches``, so a replica's gradient is the
+        mean over its micro-batches; weighting it by its share of the global
+        batch gives the mean over all micro-batches of the global batch, as
+        Megatron's ``1 / data_parallel_size`` does for equal shares."""
+        return self.num_microbatches(replica) / self.total_microbatches
+
+    def micro_batch_offsets(self, replica: int | None = None) -> list[int]:
+        """Offsets (within a global batch) of the first sample of each of
+        ``replica``'s micro-batches, in the order it processes them.
+
+        Micro-batches are dealt round-robin over the replicas that still have
+        some left, so with equal shares replica ``d`` gets exactly what
+        Megatron's ``MegatronPretrainingSampler`` gives data-parallel rank ``d``."""
+        replica = self._replica(replica)
+        offsets, pos = [], 0
+        for k in range(max(self.microbatches)):
+            for d, m in enumerate(self.microbatches):
+                if k < m:
+                    if d == replica:
+                        offsets.append(pos)
+                    pos += self.micro_batch_size
+        return offsets
+
+    @property
+    def efficiency(self) -> float | None:
+        """Ideal step time over the predicted one (1.0: perfectly balanced): the
+        slowest replica needs ``max(m_d / t_d)`` for ``m_d`` micro-batches at
+        throughput ``t_d``; the ideal is ``total_microbatches / sum(t_d)``."""
+        if self.throughputs is None:
+            return None
+        slowest = max(m / t for m, t in zip(self.microbatches, self.throughputs))
+        return self.total_microbatches / sum(self.throughputs) / slowest
+
+    def describe(self) -> str:
+        """One line for a start-up log."""
+        text = (f"batch shares: {list(self.microbatches)} micro-batches of {self.micro_batch_size} per replica "
+                f"(global batch {self.global_batch_size})")
+        if self.throughputs is not None:
+            rates = [int(t) if t == int(t) else round(t, 3) for t in self.throughputs]
+            text += f" for throughputs {rates}; predicted step at {self.efficiency:.1%} of the balanced ideal"
+        return text
+
+
+def equal_batch_shares(num_replicas: int, global_batch_size: int, micro_batch_size: int) -> BatchShares:
+    """Megatron's split: ``global_batch_size / (micro_batch_size * num_replicas)``
+    micro-batches per replica (refused, with the sizes that work, when it does not divide)."""
+    _check_sizes(global_batch_size, micro_batch_size, num_replicas)
+    unit = micro_batch_size * num_replicas
+    if global_batch_size % unit:
+        raise ValueError(
+            f"global_batch_size={global_batch_size} is not a multiple of micro_batch_size * data-parallel "
+            f"replicas = {micro_batch_size} * {num_replicas} = {unit}, so the replicas cannot get equal shares: "
+            f"use a multiple of {unit} (e.g. {_multiples(unit, global_batch_size)}), or unequal shares "
+            "(--ntp-balance tp)"
+        )
+    return BatchShares(micro_batch_size, (global_batch_size // unit,) * num_replicas)
+
+
+def balanced_batch_shares(throughputs: Sequence[float], global_batch_size: int, micro_batch_size: int, *,
+                          what: str = "throughputs") -> BatchShares:
+    """Micro-batch counts proportional to ``throughputs`` (one positive number per
+    replica, e.g. its TP degree or its measured micro-batches per second).
+
+    The counts minimise the predicted step time ``max_d(m_d / throughputs[d])``
+    subject to ``sum(m_d) = global_batch_size / micro_batch_size`` and
+    ``m_d >= 1`` (each further micro-batch goes to the replica that would finish
+    it first), so they are exactly proportional whenever that is possible.
+
+    Refused with a ValueError saying what to change: ``global_batch_size`` not a
+    multiple of ``micro_batch_size``, fewer micro-batches than replicas, and
+    -- when the throughputs differ -- too few micro-batches to make the slowest
+    replica any faster than with equal shares. ``what`` names the throughputs
+    in the messages (e.g. "TP degrees (--ntp-balance tp)")."""
+    rates = [Fraction(t) for t in throughputs]
+    if not rates or any(t <= 0 for t in rates):
+        raise ValueError(f"{what} must be one number > 0 per replica, got {list(throughputs)}")
+    replicas = len(rates)
+    _check_sizes(global_batch_size, micro_batch_size, replicas)
+    if global_batch_size % micro_batch_size:
+        raise ValueError(
+            f"global_batch_size={global_batch_size} is not a multiple of micro_batch_size={micro_batch_size}: "
+            f"use a multiple of {micro_batch_size} (e.g. {_multiples(micro_batch_size, global_batch_size)})"
+        )
+    total = global_batch_size // micro_batch_size
+    if total < replicas:
+        raise ValueError(
+            f"global_batch_size={global_batch_size} / micro_batch_size={micro_batch_size} = {total} micro-batches, "
+            f"fewer than the {replicas} data-parallel replicas (each needs at least one): use global_batch_size "
+            f">= {replicas * micro_batch_size} or a smaller micro_batch_size"
+        )
+    counts = [1] * replicas
+    # Finish time of each replica's next micro-batch; ties go to the lower replica index.
+    heap = [(Fraction(2) / t, d) for d, t in enumerate(rates)]
+    heapq.heapify(heap)
+    for _ in range(total - replicas):
+        _, d = heapq.heappop(heap)
+        counts[d] += 1
+        heapq.heappush(heap, ((counts[d] + 1) / rates[d], d))
+    if len(set(rates)) > 1:
+        slowest = max(m / t for m, t in zip(counts, rates))
+        unbalanced = Fraction(total, replicas) / min(rates)
+        if slowest >= unbalanced:
+            raise ValueError(_no_gain_message(rates, counts, total, global_batch_size, micro_batch_size, what))
+    return BatchShares(micro_batch_size, tuple(counts), tuple(float(t) for t in rates))
+
+
+def _check_sizes(global_batch_size, micro_batch_size, replicas):
+    for name, value in (("global_batch_size", global_batch_size), ("micro_batch_size", micro_batch_size),
+                        ("number of replicas", replicas)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def _multiples(unit: int, near: int, count: int = 3) -> str:
+    first = max(1, -(-near // unit))
+    return ", ".join(str(unit * k) for k in range(first, first + count))
+
+
+def _no_gain_message(rates, counts, total, global_batch_size, micro_batch_size, what) -> str:
+    shown = [int(t) if t.denominator == 1 else float(t) for t in rates]
+    text = (f"global_batch_size={global_batch_size} / micro_batch_size={micro_batch_size} = {total} micro-batches "
+            f"are too few to split in proportion to the replicas' {what} {shown}: the best split {counts} is no "
+            "faster than equal shares. ")
+    if all(t.denominator == 1 for t in rates):
+        ints = [int(t) for t in rates]
+        unit = sum(ints) // math.gcd(*ints)  # micro-batches per exactly proportional global batch
+        text += (f"Exactly proportional shares need a multiple of {unit} micro-batches: use global_batch_size "
+                 f"{_multiples(unit * micro_batch_size, global_batch_size)} (multiples of micro_batch_size * "
+                 f"{unit} = {unit * micro_batch_size}), a smaller micro_batch_size")
+    else:
+        text += "Use a larger global_batch_size or a smaller micro_batch_size"
+    return text + ", or equal shares (--ntp-balance none)."
+
+
+class BalancedPretrainingSampler:
+    """Megatron's ``MegatronPretrainingSampler`` for (possibly unequal) batch shares.
+
+    A ``batch_sampler`` for ``torch.utils.data.DataLoader``: iterating it yields
+    this replica's micro-batches (lists of ``shares.micro_batch_size`` sample
+    indices), ``shares.num_microbatches(replica)`` per global batch. Global
+    batch ``k`` covers samples ``consumed_samples + k * G ... + G - 1``
+    (``G = shares.global_batch_size``); over all replicas each of them is
+    yielded exactly once (see :meth:`BatchShares.micro_batch_offsets` for which
+    replica gets which; equal shares give Megatron's assignment). An incomplete
+    last global batch is dropped.
+
+    Args:
+        total_samples: dataset length.
+        consumed_samples: samples of the run consumed before (a multiple of the
+            global batch size; Megatron's ``args.consumed_train_samples``).
+        shares: the job's :class:`BatchShares` (the same on every rank).
+        data_parallel_rank: this rank's replica; default
+            ``parallel_state.get_data_parallel_rank()`` (the replica under NTP).
+    """
+
+    def __init__(self, total_samples: int, consumed_samples: int, shares: BatchShares,
+                 data_parallel_rank: int | None = None):
+        if not isinstance(total_samples, int) or total_samples < 1:
+            raise ValueError(f"total_samples must be an int >= 1, got {total_samples!r}")
+        size = shares.global_batch_size
+        if not isinstance(consumed_samples, int) or consumed_samples < 0 or consumed_samples % size:
+            raise ValueError(
+                f"consumed_samples={consumed_samples!r} must be a multiple of the global batch size {size} "
+                "(training resumes at a global-batch boundary)"
+            )
+        if consumed_samples + size > total_samples:
+            raise ValueError(
+                f"no complete global batch of {size} samples left: consumed_samples={consumed_samples}, "
+                f"total_samples={total_samples}"
+            )
+        self.total_samples = total_samples
+        self.consumed_samples = consumed_samples
+        self.shares = shares
+        self.data_parallel_rank = shares._replica(data_parallel_rank)
+        self.micro_batch_size = shares.micro_batch_size
+        self._offsets = shares.micro_batch_offsets(self.data_parallel_rank)
+
+    def __len__(self) -> int:
+        """Micro-batches this replica yields."""
+        return (self.total_samples - self.consumed_samples) // self.shares.global_batch_size * len(self._offsets)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        size = self.shares.global_batch_size
+        for start in range(self.consumed_samples, self.total_samples - size + 1, size):
+            for offset in self._offsets:
+                yield list(range(start + offset, start + offset + self.micro_batch_size))
+
+
+def reduce_loss_over_replicas(local_mean_loss, shares: BatchShares, group=None):
+    """The mean loss of the global batch on every rank, from this replica's mean
+    over its own micro-batches (what Megatron's loss function reports, averaged
+    over the micro-batches of one step). Collective over all active ranks of an
+    NTP job (``group``: default the NTP group of all active ranks): each rank adds
+    ``gradient_weight * loss / tp_size``, so every replica counts once.
+
+    ``local_mean_loss`` is a tensor on this rank's device; the result is a new
+    tensor. (Per-token losses need no weighting: sum the per-token loss and token
+    count over the data-parallel group, as Megatron's training loop does.)"""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from .process_groups import get_ntp_process_groups
+
+    groups = get_ntp_process_groups()
+    if group is None and groups is not None:
+        group = groups.active_group
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    value = local_mean_loss.detach().to(torch.float64) * (shares.gradient_weight() / tp_size)
+    dist.all_reduce(value, group=group)
+    return value.to(local_mean_loss.dtype)
