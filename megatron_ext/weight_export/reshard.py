@@ -35,7 +35,6 @@ refit and records the KL in :class:`RefitStats`.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import time
 from collections import defaultdict, deque
@@ -47,23 +46,14 @@ from .errors import RefitRejected
 from ..sharding.names import global_layer_names, unwrap
 from .hf_mapping import CopyBatch, finite_flags
 from .refit_group import RefitGroup, batch_isend_irecv, gather_notes, gather_wire_ids, sum_over_group
-from .reshard_plan import ReshardPlan, Run, Transfer, fanout_plans, run_view
+from .reshard_plan import ReshardPlan, Transfer, fanout_plans, run_view
 from .gate import RefitGate
+from .wire import BAD_TENSORS, HEADER_BYTES, NO_STAGING, NO_VERSION, bucket_nbytes, bucketize, wire_id
 
 __all__ = ["FanoutRefit", "HEADER_BYTES", "RefitGate", "RefitRejected", "RefitStats", "ReshardExecutor",
            "megatron_tensors", "ntp_megatron_tensors"]
 
-_ALIGN = 16
-HEADER_BYTES = 32  # int64 x 4: version, plan fingerprint, sender rank, bucket index
-_NO_VERSION = -1   # what a rank that holds no valid version sends
-_NO_STAGING = 0    # the wire id a rank reports when its staging buffers could not be allocated
-_BAD_TENSORS = 1   # ... and when its tensors are not the layout's (its note says which and how)
-
 log = logging.getLogger(__name__)
-
-
-def _align(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
 def megatron_tensors(model) -> dict[str, torch.Tensor]:
@@ -128,50 +118,6 @@ class RefitStats:
     gate_ok: bool | None = None
 
 
-def _rows(run: Run, rows: int, r0: int, r1: int) -> Run:
-    """Rows ``[r0, r1)`` of a run that covers ``rows`` rows of a box."""
-    if run.count == 1:  # the rows lie back to back
-        per_row = run.length // rows
-        return Run(run.local, run.offset + r0 * per_row, (r1 - r0) * per_row, (r1 - r0) * per_row, 1)
-    return Run(run.local, run.offset + r0 * run.stride, run.length, run.stride, r1 - r0)
-
-
-def _pieces(t: Transfer, max_bytes: int) -> list[Transfer]:
-    """``t`` cut along dim 0 of its box into pieces of at most ``max_bytes`` (at least one row each)."""
-    rows = t.box.shape[0]
-    per = max(1, max_bytes // (t.nbytes // rows))
-    if per >= rows:
-        return [t]
-    a = t.box.ranges[0][0]
-    return [dataclasses.replace(t, box=t.box.replace(0, a + r0, a + min(rows, r0 + per)),
-                                src_run=_rows(t.src_run, rows, r0, min(rows, r0 + per)),
-                                dst_run=_rows(t.dst_run, rows, r0, min(rows, r0 + per)))
-            for r0 in range(0, rows, per)]
-
-
-def _buckets(transfers: list[Transfer], bucket_bytes: int) -> list[list[tuple[Transfer, int]]]:
-    """``(transfer, byte offset)`` per bucket, after a :data:`HEADER_BYTES` header;
-    a transfer larger than a bucket is cut into rows (a single row larger than a
-    bucket fills one alone)."""
-    cap = bucket_bytes - HEADER_BYTES
-    out, cur, used = [], [], HEADER_BYTES
-    for whole in transfers:
-        for t in _pieces(whole, cap):
-            if cur and used + t.nbytes > bucket_bytes:
-                out.append(cur)
-                cur, used = [], HEADER_BYTES
-            cur.append((t, used))
-            used = _align(used + t.nbytes)
-    if cur:
-        out.append(cur)
-    return out
-
-
-def _bucket_nbytes(bucket: list[tuple[Transfer, int]]) -> int:
-    t, off = bucket[-1]
-    return off + t.nbytes
-
-
 def _same_shape(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Two run views of one box in the same shape, still views (never a copy: the copies are
     built once and must see later in-place updates). A strided run is ``(rows, length)``; a
@@ -183,11 +129,6 @@ def _same_shape(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.T
     if b.shape[0] == 1:
         return a, b.view(a.shape)
     raise ValueError(f"runs of one box with shapes {tuple(a.shape)} and {tuple(b.shape)}")
-
-
-def _to_int64(hex16: str) -> int:
-    v = int(hex16, 16)
-    return v - (1 << 64) if v >= 1 << 63 else v
 
 
 class ReshardExecutor:
@@ -259,8 +200,8 @@ class ReshardExecutor:
             elif t.dst == rank:
                 inc[t.src].append(t)
         self.local_bytes = sum(t.nbytes for t in self.local)
-        self.send = {p: _buckets(ts, bucket_bytes) for p, ts in sorted(out.items())}
-        self.recv = {p: _buckets(ts, bucket_bytes) for p, ts in sorted(inc.items())}
+        self.send = {p: bucketize(ts, bucket_bytes) for p, ts in sorted(out.items())}
+        self.recv = {p: bucketize(ts, bucket_bytes) for p, ts in sorted(inc.items())}
         self.rounds = max([len(b) for b in (*self.send.values(), *self.recv.values())], default=0)
         self.device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
         # what this rank serves (plan order) and how many rows of each source tensor the layout keeps
@@ -269,8 +210,7 @@ class ReshardExecutor:
         self._source_rows = {n: lt.shape[0] for n, lt in plan.src.tensors.get(rank, {}).items() if n in served}
         # what every header of this plan carries: the plan and the bucket size both sides cut it with
         self.check_finite = check_finite
-        self.wire_id = _to_int64(hashlib.sha256(f"{plan.fingerprint}:{bucket_bytes}:{check_finite}".encode())
-                                 .hexdigest()[:16])
+        self.wire_id = wire_id(plan.fingerprint, bucket_bytes, check_finite)
         self._send_sources = {(p, k): sorted({t.src_run.local for t, _ in b})
                               for p, bs in self.send.items() for k, b in enumerate(bs)}
         self._header_index = {key: i for i, key in enumerate(self._send_sources)}
@@ -319,7 +259,7 @@ class ReshardExecutor:
             for peer, buckets in table.items():
                 for k, bucket in enumerate(buckets):
                     key = (kind, peer, self._slot(k, recv=kind == "recv"))
-                    sizes[key] = max(sizes.get(key, 0), _bucket_nbytes(bucket))
+                    sizes[key] = max(sizes.get(key, 0), bucket_nbytes(bucket))
         return sizes
 
     def _allocate(self) -> None:
@@ -468,13 +408,13 @@ class ReshardExecutor:
             except torch.OutOfMemoryError as exc:
                 self._send_buf = self._recv_buf = None
                 failed = exc
-        code = _BAD_TENSORS if self.problem is not None else _NO_STAGING if failed else self.wire_id
+        code = BAD_TENSORS if self.problem is not None else NO_STAGING if failed else self.wire_id
         got = gather_wire_ids(self.group, code, self.device, self.problem or "")
         ids = [v for v, _ in got]
         try:
-            if _BAD_TENSORS in ids:
+            if BAD_TENSORS in ids:
                 ranks = self._group_ranks(len(ids))
-                raise self.tensors_rejected([(ranks[i], note) for i, (v, note) in enumerate(got) if v == _BAD_TENSORS])
+                raise self.tensors_rejected([(ranks[i], note) for i, (v, note) in enumerate(got) if v == BAD_TENSORS])
             self._check_staging(ids, failed)
             self._check_same_plan(ids)
         except RefitRejected:
@@ -491,7 +431,7 @@ class ReshardExecutor:
         allocate its staging buffers; that rank's message says how to need less."""
         if failed is not None:
             need = sum(self._staging_sizes().values())
-            received = sum(_bucket_nbytes(b) for bs in self.recv.values() for b in bs)
+            received = sum(bucket_nbytes(b) for bs in self.recv.values() for b in bs)
             raise RefitRejected(
                 f"rank {self.rank}: out of device memory for {need / 2**30:.2f} GiB of reshard staging buffers "
                 + (f"(atomic=True stages the whole version this rank receives, {received / 2**30:.2f} GiB; "
@@ -499,9 +439,9 @@ class ReshardExecutor:
                    f"(max_inflight={self.max_inflight} buckets of up to {self.bucket_bytes / 2**20:g} MiB per peer)")
                 + "; lower bucket_bytes or max_inflight, or free memory before the refit. Nothing was sent.",
                 reason="staging") from failed
-        if _NO_STAGING in ids:
+        if NO_STAGING in ids:
             ranks = self._group_ranks(len(ids))
-            raise RefitRejected(f"rank {self.rank}: ranks {[ranks[i] for i, v in enumerate(ids) if v == _NO_STAGING]} "
+            raise RefitRejected(f"rank {self.rank}: ranks {[ranks[i] for i, v in enumerate(ids) if v == NO_STAGING]} "
                                 "ran out of memory for their staging buffers (their errors say how much); nothing "
                                 "was sent", reason="staging")
 
@@ -580,7 +520,7 @@ class ReshardExecutor:
         for (_peer, k), locals_ in self._send_sources.items():
             vs = {held.get(n, default) for n in locals_}
             v = version if vs == {version} else next(iter(vs - {version}))
-            rows.append([_NO_VERSION if v is None else v, self.wire_id, self.rank, k])
+            rows.append([NO_VERSION if v is None else v, self.wire_id, self.rank, k])
         self._header_rows.copy_(torch.tensor(rows, dtype=torch.int64))
 
     def _post(self, k: int):
@@ -590,12 +530,12 @@ class ReshardExecutor:
             self._pack[k].run()  # every peer's header and pieces of this round: batched copies
         for peer, buckets in self.send.items():
             if k < len(buckets):
-                n = _bucket_nbytes(buckets[k])
+                n = bucket_nbytes(buckets[k])
                 ops.append(("send", self._send_buf[(peer, self._slot(k, recv=False))][:n], peer))
                 sent += n
         for peer, buckets in self.recv.items():
             if k < len(buckets):
-                n = _bucket_nbytes(buckets[k])
+                n = bucket_nbytes(buckets[k])
                 buf = self._recv_buf[(peer, self._slot(k, recv=True))]
                 ops.append(("recv", buf[:n], peer))
                 arrived.append((peer, buf))
@@ -635,7 +575,7 @@ class ReshardExecutor:
         got = torch.stack([h for _, _, h in headers]).tolist()
         for (k, peer, _), (v, wire, sender, index) in zip(headers, got):
             if v != version:
-                held = "no valid version" if v == _NO_VERSION else f"version {v}"
+                held = "no valid version" if v == NO_VERSION else f"version {v}"
                 refused.append(f"version: rank {peer} serves {held}")
             elif (wire, sender, index) != (self.wire_id, peer, k):
                 refused.append(f"plan: rank {peer} runs another plan or bucket size (bucket {k})")

@@ -1,0 +1,80 @@
+"""What travels with the bytes of a reshard refit: the bucket layout and its header.
+
+Each bucket a rank sends a peer starts with a :data:`HEADER_BYTES` header (int64
+x 4: version, wire id, sender rank, bucket index) that the receiver checks
+before it keeps the bucket, so a stale or foreign source is refused by name.
+The wire id is the plan's fingerprint with the bucket size and check flags
+(:func:`wire_id`); at the first refit every rank also reports its wire id or a
+refusal code (:data:`NO_STAGING`, :data:`BAD_TENSORS`) so that all ranks agree
+before a byte moves. :func:`bucketize` lays a peer's transfers out behind the
+header, cutting transfers larger than a bucket into rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+from .reshard_plan import Run, Transfer
+
+__all__ = ["BAD_TENSORS", "HEADER_BYTES", "NO_STAGING", "NO_VERSION", "bucket_nbytes", "bucketize", "wire_id"]
+
+ALIGN = 16         # byte alignment of each transfer inside a bucket
+HEADER_BYTES = 32  # int64 x 4: version, plan fingerprint, sender rank, bucket index
+NO_VERSION = -1    # what a rank that holds no valid version sends
+NO_STAGING = 0     # the wire id a rank reports when its staging buffers could not be allocated
+BAD_TENSORS = 1    # ... and when its tensors are not the layout's (its note says which and how)
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def wire_id(fingerprint: str, bucket_bytes: int, check_finite: bool) -> int:
+    """The int64 every rank of one refit must share: plan, bucket size and checks."""
+    v = int(hashlib.sha256(f"{fingerprint}:{bucket_bytes}:{check_finite}".encode()).hexdigest()[:16], 16)
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def _rows(run: Run, rows: int, r0: int, r1: int) -> Run:
+    """Rows ``[r0, r1)`` of a run that covers ``rows`` rows of a box."""
+    if run.count == 1:  # the rows lie back to back
+        per_row = run.length // rows
+        return Run(run.local, run.offset + r0 * per_row, (r1 - r0) * per_row, (r1 - r0) * per_row, 1)
+    return Run(run.local, run.offset + r0 * run.stride, run.length, run.stride, r1 - r0)
+
+
+def _pieces(t: Transfer, max_bytes: int) -> list[Transfer]:
+    """``t`` cut along dim 0 of its box into pieces of at most ``max_bytes`` (at least one row each)."""
+    rows = t.box.shape[0]
+    per = max(1, max_bytes // (t.nbytes // rows))
+    if per >= rows:
+        return [t]
+    a = t.box.ranges[0][0]
+    return [dataclasses.replace(t, box=t.box.replace(0, a + r0, a + min(rows, r0 + per)),
+                                src_run=_rows(t.src_run, rows, r0, min(rows, r0 + per)),
+                                dst_run=_rows(t.dst_run, rows, r0, min(rows, r0 + per)))
+            for r0 in range(0, rows, per)]
+
+
+def bucketize(transfers: list[Transfer], bucket_bytes: int) -> list[list[tuple[Transfer, int]]]:
+    """``(transfer, byte offset)`` per bucket, after a :data:`HEADER_BYTES` header;
+    a transfer larger than a bucket is cut into rows (a single row larger than a
+    bucket fills one alone)."""
+    cap = bucket_bytes - HEADER_BYTES
+    out, cur, used = [], [], HEADER_BYTES
+    for whole in transfers:
+        for t in _pieces(whole, cap):
+            if cur and used + t.nbytes > bucket_bytes:
+                out.append(cur)
+                cur, used = [], HEADER_BYTES
+            cur.append((t, used))
+            used = _align(used + t.nbytes)
+    if cur:
+        out.append(cur)
+    return out
+
+
+def bucket_nbytes(bucket: list[tuple[Transfer, int]]) -> int:
+    t, off = bucket[-1]
+    return off + t.nbytes
