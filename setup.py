@@ -20,6 +20,8 @@ setup(
         "megatron-core>=0.19,<0.20",
         "torch>=2.10",
         "numpy",
+        # megatron-core's dist_checkpointing writer (torch_dist save) imports it but does not declare it.
+        "psutil",
     ],
     extras_require={
         # Transformer Engine: optional, never installed by default. It needs CUDA to

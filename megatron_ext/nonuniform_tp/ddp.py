@@ -301,13 +301,20 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
         # follows ``.module``: model_type, set_input_tensor, decoder, post_process, ... in the
         # forward-backward functions). On a healthy replica ``.module`` is the shadow, so what the
         # wrapper itself lacks comes from the compute model, the one forward runs.
+        # The compute model may itself be wrapped (Float16Module with --bf16): follow its ``.module``s.
         try:
             return super().__getattr__(name)
         except AttributeError:
-            compute = self.__dict__.get("_compute_module")
-            if compute is None:
+            inner = self.__dict__.get("_compute_module")
+            if inner is None:
                 raise
-            return getattr(compute, name)
+            while True:
+                try:
+                    return getattr(inner, name)
+                except AttributeError:
+                    inner = inner._modules.get("module") if isinstance(inner, torch.nn.Module) else None
+                    if inner is None:
+                        raise
 
     def forward(self, *inputs, **kwargs):
         if self._ntp is None:

@@ -1,0 +1,934 @@
+"""Pretrain a megatron-core GPT, with megatron_ext's capabilities switched on by flags.
+
+    torchrun --nproc-per-node 4 examples/pretrain_gpt.py \\
+        --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 16 \\
+        --vocab-size 128 --micro-batch-size 2 --global-batch-size 8 --train-iters 20 \\
+        --lr 1e-3 --tensor-model-parallel-size 2 [plugin flags]
+
+Built on megatron-core only (Megatron-LM's ``megatron.training`` is not a pip
+package), with Megatron-LM's flag names and semantics: ``get_forward_backward_func``
+runs the micro-batches, ``get_megatron_optimizer`` and ``OptimizerParamScheduler``
+step, ``dist_checkpointing`` saves and loads model + optimizer, and
+``MockGPTDataset`` (megatron.core.datasets) feeds synthetic tokens. The plugin's
+flag groups switch its capabilities on:
+
+- ``--ntp-tp-base N --ntp-failed-slots R:S``: nonuniform tensor parallelism
+  (launch the healthy GPUs only; ``--ntp-balance tp`` gives each replica a share
+  of every global batch by its TP degree); checkpoints are written in the layout that
+  any TP degree resumes from (an NTP job resumes a uniform one's, and back;
+  with --use-distributed-optimizer only at the layout that saved them).
+- ``--symm-mem {auto,on,off}``: the DDP buckets staged in NCCL symmetric memory
+  (default auto; gloo/CPU falls back to plain buffers and says so).
+- ``--weight-export-target HOST:PORT --weight-export-transport broadcast``:
+  the weights go to an engine started on its own
+  (``python -m megatron_ext.weight_export.engine --model DIR --address HOST:PORT``)
+  at start, every ``--weight-export-every-n-steps`` iterations and at the end.
+- ``--reshard-refit-*`` flags are listed but refused: the reshard refit's engine
+  side has no command of its own yet (use the library, docs/weight_export_reshard.md).
+
+The same command runs on CPU (gloo; a tiny model) and on GPUs (NCCL, one GPU per
+rank). Rank 0 prints a start-up summary of what the plugin enabled; the last rank
+prints one line per ``--log-interval`` iterations (loss, tokens/s, ms/step,
+memory on CUDA). See docs/megatron_lm.md.
+"""
+
+from __future__ import annotations
+
+# Only the standard library at module level: megatron-core's checkpoint writer starts a
+# helper process with the "spawn" method, which re-imports this file.
+import argparse
+import dataclasses
+import datetime
+import math
+import os
+import random
+import sys
+import time
+from functools import partial
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+# ----------------------------------------------------------------------------------------- arguments
+def build_parser() -> argparse.ArgumentParser:
+    from megatron_ext.fsdp_symm import add_fsdp_symm_args
+    from megatron_ext.nonuniform_tp import add_nonuniform_tp_args
+    from megatron_ext.weight_export import add_reshard_refit_args, add_weight_export_args
+
+    p = argparse.ArgumentParser(prog="torchrun --nproc-per-node N examples/pretrain_gpt.py",
+                                description=__doc__.split("\n")[0], allow_abbrev=False)
+    g = p.add_argument_group("model (Megatron-LM names)")
+    g.add_argument("--num-layers", type=int, required=True)
+    g.add_argument("--hidden-size", type=int, required=True)
+    g.add_argument("--num-attention-heads", type=int, required=True)
+    g.add_argument("--group-query-attention", action="store_true", help="use --num-query-groups KV heads")
+    g.add_argument("--num-query-groups", type=int, default=None,
+                   help="KV heads with --group-query-attention (Megatron-LM ignores it without that flag; "
+                        "this script refuses it)")
+    g.add_argument("--ffn-hidden-size", type=int, default=None,
+                   help="default 4 x hidden (with --swiglu: 8/3 x hidden, rounded down to a multiple of 64)")
+    g.add_argument("--kv-channels", type=int, default=None, help="default hidden / heads")
+    g.add_argument("--seq-length", type=int, required=True)
+    g.add_argument("--max-position-embeddings", type=int, default=None, help="default --seq-length")
+    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"), default="learned_absolute")
+    g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--swiglu", action="store_true", help="gated SiLU MLP (Llama)")
+    g.add_argument("--disable-bias-linear", action="store_true", help="no bias in linear layers")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="vocabulary of the mock data (NullTokenizer); the model pads it (see next flag)")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad the vocabulary to a multiple of this x TP (x lcm(tp_base, tp_reduced) under NTP)")
+    g.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default="local",
+                   help="layer spec; only local is supported here (Transformer Engine is untested in megatron_ext)")
+    g.add_argument("--use-cpu-initialization", action="store_true",
+                   help="draw the full weights on CPU from --seed, so every TP degree holds the same global "
+                        "model (always on without CUDA; required with --ntp-tp-base)")
+
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, required=True)
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="default micro-batch-size x data-parallel size (one micro-batch per rank)")
+    g.add_argument("--train-iters", type=int, required=True)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--bf16", action="store_true", help="bf16 model, fp32 main params and grads reduced in fp32")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                   help="reduce gradients in fp32 (on with --bf16, as in Megatron-LM)")
+    g.add_argument("--log-interval", type=int, default=100)
+
+    g = p.add_argument_group("optimizer and learning rate")
+    g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    g.add_argument("--lr", type=float, required=True)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine", "inverse-square-root"),
+                   default="linear")
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-init", type=float, default=0.0)
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters")
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+
+    g = p.add_argument_group("distributed")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                   help="uniform TP degree; with --ntp-tp-base leave it at 1 or set it to tp_base")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="only 1 is supported")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--ddp-bucket-size", type=int, default=None, help="elements per DDP bucket (Megatron's default)")
+    g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
+                   help="default nccl with CUDA, gloo without")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+
+    g = p.add_argument_group("checkpointing (dist_checkpointing, torch_dist format)")
+    g.add_argument("--save", default=None, help="directory to save checkpoints to")
+    g.add_argument("--save-interval", type=int, default=None, help="save every N iterations (and at the end)")
+    g.add_argument("--load", default=None, help="directory to resume from (its latest checkpoint)")
+    g.add_argument("--no-load-optim", action="store_true", help="load the model only")
+
+    g = p.add_argument_group("data")
+    g.add_argument("--mock-data", action="store_true", help="MockGPTDataset (the default; accepted for Megatron-LM)")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="a tokenized (.bin/.idx) dataset: [weight] prefix ...; token ids must be < --vocab-size")
+    g.add_argument("--split", default="99,1,0", help="train/valid/test split of --data-path")
+    g.add_argument("--data-cache-path", default=None)
+
+    add_nonuniform_tp_args(p)
+    add_fsdp_symm_args(p)
+    add_weight_export_args(p)
+    add_reshard_refit_args(p)
+    return p
+
+
+@dataclasses.dataclass
+class Plan:
+    """What the flags resolve to (parse time, before any process group exists)."""
+
+    world_size: int
+    tp: int                      # uniform TP degree (tp_base under NTP)
+    dp: int                      # data-parallel replicas
+    padded_vocab_size: int
+    num_microbatches: int
+    ntp: object | None           # NonuniformTPConfig
+    symm: object                 # SymmMemConfig
+    export: object | None        # WeightExportConfig
+    cuda: bool
+    shares: object | None = None  # NTP BatchShares with --ntp-balance other than none
+
+
+def _refuse(parser, msg: str):
+    """Refuse a flag combination on every rank; only rank 0 prints it."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        parser.error(msg)
+    sys.exit(2)
+
+
+def parse_args(argv=None, world_size: int | None = None, cuda: bool | None = None):
+    """Parse and check the flags; returns ``(args, plan)``. Bad combinations exit with status 2
+    and a message naming the flag and what it accepts."""
+    import torch
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    try:
+        plan = _check(args, world_size, cuda, parser)
+    except ValueError as exc:
+        _refuse(parser, str(exc))
+    return args, plan
+
+
+def _positive(args, *names):
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+
+def _check(args, world_size: int, cuda: bool, parser) -> Plan:
+    from megatron_ext.fsdp_symm import SymmMemConfig
+    from megatron_ext.nonuniform_tp import NonuniformTPConfig
+    from megatron_ext.weight_export import WeightExportConfig
+
+    _positive(args, "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+              "kv_channels", "seq_length", "max_position_embeddings", "vocab_size", "micro_batch_size",
+              "global_batch_size", "train_iters", "log_interval", "tensor_model_parallel_size",
+              "pipeline_model_parallel_size", "save_interval", "make_vocab_size_divisible_by")
+    if args.pipeline_model_parallel_size != 1:
+        raise ValueError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: this script supports "
+                         "only 1 (no pipeline parallelism); use TP and DP")
+    if args.transformer_impl != "local":
+        raise ValueError("--transformer-impl transformer_engine: not supported by this script (Transformer Engine "
+                         "paths are untested in megatron_ext); use --transformer-impl local")
+    if args.vocab_size is None:
+        raise ValueError("--vocab-size is required: the mock data and --data-path use a NullTokenizer of that size")
+    if args.num_query_groups is not None and not args.group_query_attention:
+        raise ValueError("--num-query-groups needs --group-query-attention (Megatron-LM ignores it without; "
+                         "add the flag or drop --num-query-groups)")
+    if args.hidden_size % args.num_attention_heads and args.kv_channels is None:
+        raise ValueError(f"--hidden-size {args.hidden_size} must be divisible by --num-attention-heads "
+                         f"{args.num_attention_heads} (or set --kv-channels)")
+    groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
+    if args.group_query_attention and groups is None:
+        raise ValueError("--group-query-attention needs --num-query-groups N (N divides --num-attention-heads)")
+    if args.num_attention_heads % groups:
+        raise ValueError(f"--num-query-groups {groups} must divide --num-attention-heads {args.num_attention_heads}")
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = (int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu else 4 * args.hidden_size)
+        if args.ffn_hidden_size < 1:
+            raise ValueError(f"--swiglu with --hidden-size {args.hidden_size}: the default ffn size rounds to 0; "
+                             "set --ffn-hidden-size")
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.seq_length > args.max_position_embeddings:
+        raise ValueError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
+                         f"{args.max_position_embeddings}")
+    if args.bf16:
+        args.accumulate_allreduce_grads_in_fp32 = True
+    if not cuda:
+        args.use_cpu_initialization = True
+    if args.distributed_backend is None:
+        args.distributed_backend = "nccl" if cuda else "gloo"
+    if args.distributed_backend == "nccl" and not cuda:
+        raise ValueError("--distributed-backend nccl needs CUDA; this machine has none: use gloo (the default here)")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if not 0 <= args.min_lr <= args.lr:
+        raise ValueError(f"--min-lr {args.min_lr} must be in 0..--lr ({args.lr})")
+    if not 0 <= args.lr_warmup_iters <= args.lr_decay_iters:
+        raise ValueError(f"--lr-warmup-iters {args.lr_warmup_iters} must be in 0..--lr-decay-iters "
+                         f"({args.lr_decay_iters})")
+    if args.save_interval is not None and args.save is None:
+        raise ValueError("--save-interval needs --save DIR")
+    if args.data_path is not None and not args.data_path:
+        raise ValueError("--data-path needs at least one dataset prefix (or leave it out for mock data)")
+    if args.data_path and args.mock_data:
+        raise ValueError("--mock-data and --data-path: pick one (mock data is the default without --data-path)")
+
+    symm = SymmMemConfig.from_args(args)
+    ntp = NonuniformTPConfig.from_args(args)
+    tp = args.tensor_model_parallel_size
+    if ntp is not None:
+        if tp not in (1, ntp.tp_base):
+            raise ValueError(f"--tensor-model-parallel-size {tp} with --ntp-tp-base {ntp.tp_base}: leave it at 1 "
+                             f"or set it to {ntp.tp_base} (NTP builds the TP groups)")
+        if cuda and not args.use_cpu_initialization:
+            raise ValueError("--ntp-tp-base needs --use-cpu-initialization on GPUs: replicas at different TP "
+                             "degrees must draw the same global model")
+        tp = ntp.tp_base
+        degrees = sorted({ntp.tp_base, ntp.tp_reduced})
+        multiple = args.make_vocab_size_divisible_by * math.lcm(*degrees)
+        padded = -(-args.vocab_size // multiple) * multiple
+        dataclasses.replace(ntp, num_attention_heads=args.num_attention_heads,
+                            num_query_groups=groups if args.group_query_attention else None,
+                            ffn_hidden_size=args.ffn_hidden_size, vocab_size=padded)
+        dp = ntp.layout(world_size).num_replicas
+        degrees_text = f"TP degrees {degrees}"
+    else:
+        if world_size % tp:
+            raise ValueError(f"--tensor-model-parallel-size {tp} must divide the number of processes "
+                             f"({world_size}, torchrun --nproc-per-node x --nnodes)")
+        multiple = args.make_vocab_size_divisible_by * tp
+        padded = -(-args.vocab_size // multiple) * multiple
+        dp = world_size // tp
+        degrees, degrees_text = [tp], f"--tensor-model-parallel-size {tp}"
+    for name, value in (("--num-attention-heads", args.num_attention_heads),
+                        ("--num-query-groups", groups), ("--ffn-hidden-size", args.ffn_hidden_size)):
+        bad = [d for d in degrees if value % d]
+        if bad:
+            raise ValueError(f"{name} {value} must be divisible by {degrees_text} (not by {bad})")
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * dp
+    per_step = args.micro_batch_size * dp
+    shares = None
+    if ntp is not None and getattr(ntp, "balance", "none") != "none":
+        # Each replica takes a share of every global batch (--ntp-balance); refused here if impossible.
+        shares = ntp.batch_shares(args.global_batch_size, args.micro_batch_size, num_replicas=dp)
+    elif args.global_batch_size % per_step:
+        lo = max(per_step, args.global_batch_size // per_step * per_step)
+        raise ValueError(
+            f"--global-batch-size {args.global_batch_size} must be a multiple of --micro-batch-size x data-parallel "
+            f"size = {args.micro_batch_size} x {dp} = {per_step} (e.g. {lo} or {lo + per_step})")
+
+    export = None
+    changed = [f for f in ("weight_export_every_n_steps", "weight_export_bucket_size_mb")
+               if getattr(args, f) != parser.get_default(f)]
+    if args.weight_export_target is None:
+        if changed or args.weight_export_transport != "inprocess":
+            flags = ", ".join("--" + f.replace("_", "-") for f in changed
+                              + (["weight_export_transport"] if args.weight_export_transport != "inprocess" else []))
+            raise ValueError(f"{flags} given without --weight-export-target HOST:PORT (the engine's address: "
+                             "python -m megatron_ext.weight_export.engine --model DIR --address HOST:PORT)")
+    else:
+        if args.weight_export_transport == "inprocess":
+            raise ValueError("--weight-export-target needs --weight-export-transport broadcast (engine on CPU or "
+                             "another GPU), ipc or ipc-push (engine on this job's first GPU); inprocess has no "
+                             "engine in this script")
+        llama = {"--position-embedding-type rope": args.position_embedding_type == "rope",
+                 "--normalization RMSNorm": args.normalization == "RMSNorm", "--swiglu": args.swiglu,
+                 "--disable-bias-linear": args.disable_bias_linear}
+        missing = [flag for flag, ok in llama.items() if not ok]
+        if missing:
+            raise ValueError(f"--weight-export-target exports in Hugging Face Llama naming: add {' '.join(missing)} "
+                             "(the model must be Llama-shaped)")
+        if args.weight_export_vocab_size is None:
+            args.weight_export_vocab_size = args.vocab_size
+        export = WeightExportConfig.from_args(args)
+
+    refit_changed = [f for f in vars(args) if f.startswith("reshard_refit_")
+                     and getattr(args, f) != parser.get_default(f)]
+    if refit_changed:
+        raise ValueError(f"{', '.join('--' + f.replace('_', '-') for f in refit_changed)}: the reshard refit is not "
+                         "wired into this script (its engine side has no command of its own yet); stream to an "
+                         "engine started on its own with --weight-export-target HOST:PORT, or use the library "
+                         "(TrainerRefit / EngineRefit, docs/weight_export_reshard.md)")
+    if args.data_path is None:
+        args.mock_data = True
+    return Plan(world_size=world_size, tp=tp, dp=dp, padded_vocab_size=padded,
+                num_microbatches=args.global_batch_size // per_step, ntp=ntp, symm=symm, export=export, cuda=cuda,
+                shares=shares)
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def print_rank_0(msg: str) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+def print_rank_last(msg: str) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1:
+        print(msg, flush=True)
+
+
+def set_random_seed(seed: int) -> None:
+    """Megatron-LM's ``_set_random_seed`` (no pipeline stages here)."""
+    import numpy as np
+    import torch
+    from megatron.core import tensor_parallel
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def initialize_distributed(args, plan: Plan):
+    """Process group, Megatron's parallel state, NTP groups. Returns the NTP groups (None without NTP)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if plan.cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    else:
+        # megatron-core calls torch.cuda unconditionally in a few places; these shims
+        # redirect them to CPU in this process only (examples and tests, never the plugin).
+        from megatron_ext.testing import cpu_compat
+
+        cpu_compat.install()
+    kwargs = {}
+    if args.distributed_backend == "nccl":
+        kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group(args.distributed_backend,
+                            timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes), **kwargs)
+    if plan.ntp is None:
+        ps.initialize_model_parallel(tensor_model_parallel_size=plan.tp)
+        return None
+    from megatron_ext.nonuniform_tp import initialize_nonuniform_tp_process_groups
+
+    ps.initialize_model_parallel()  # TP=1: the NTP groups replace TP and DP
+    return initialize_nonuniform_tp_process_groups(plan.ntp)
+
+
+def transformer_config(args, plan: Plan, tp: int):
+    import torch
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    return TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        ffn_hidden_size=args.ffn_hidden_size, kv_channels=args.kv_channels,
+        init_method_std=args.init_method_std, hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout, layernorm_epsilon=args.norm_epsilon,
+        normalization=args.normalization, gated_linear_unit=args.swiglu,
+        activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
+        add_bias_linear=not args.disable_bias_linear,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
+        use_cpu_initialization=args.use_cpu_initialization,
+        bf16=args.bf16, params_dtype=dtype, pipeline_dtype=dtype,
+        # The local layer spec: no fused kernels (they need Apex / Transformer Engine).
+        gradient_accumulation_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
+        bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
+    )
+
+
+def build_model(args, plan: Plan, config, device):
+    """Megatron-LM's ``model_provider`` for GPT on the local layer spec."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.module import Float16Module
+
+    # The same draws on every layout: the weights depend on --seed only (with CPU initialization).
+    set_random_seed(args.seed)
+    model = GPTModel(
+        config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization=args.normalization),
+        vocab_size=plan.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
+        pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+    ).to(device)
+    if args.bf16:
+        model = Float16Module(config, model)
+    return model
+
+
+def wrap_model(args, plan: Plan, config, model):
+    """The DDP wrapper the flags ask for: the plugin's NTP DDP, its symmetric-memory DDP, or Megatron's."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32, overlap_grad_reduce=args.overlap_grad_reduce,
+        use_distributed_optimizer=args.use_distributed_optimizer, bucket_size=args.ddp_bucket_size)
+    symm = plan.symm if plan.symm.mode != "off" else None
+    if plan.ntp is not None:
+        from megatron_ext.nonuniform_tp import NonuniformTPDistributedDataParallel
+
+        kwargs = {} if plan.shares is None else {"batch_shares": plan.shares}
+        return NonuniformTPDistributedDataParallel(config, ddp_config, model, ntp_config=plan.ntp,
+                                                   symm_mem_config=symm, **kwargs)
+    if symm is not None:
+        from megatron_ext.fsdp_symm import SymmMemDistributedDataParallel
+
+        return SymmMemDistributedDataParallel(config=config, ddp_config=ddp_config, module=model,
+                                              symm_mem_config=symm)
+    return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+
+
+# --------------------------------------------------------------------------------------------- data
+class PretrainingSampler:
+    """Megatron-LM's ``MegatronPretrainingSampler``: consecutive global samples from
+    ``consumed_samples`` on, each micro-batch of ``micro_batch_size x dp`` split by DP rank."""
+
+    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp: int):
+        self.total, self.consumed, self.mbs, self.dp_rank, self.dp = (
+            total_samples, consumed_samples, micro_batch_size, dp_rank, dp)
+
+    def __len__(self):
+        return (self.total - self.consumed) // (self.mbs * self.dp)
+
+    def __iter__(self):
+        step = self.mbs * self.dp
+        for start in range(self.consumed, self.total - step + 1, step):
+            yield list(range(start + self.dp_rank * self.mbs, start + (self.dp_rank + 1) * self.mbs))
+
+
+class NullTokenizer:
+    """Megatron-LM's ``--tokenizer-type NullTokenizer`` for pre-tokenized and mock data: ids
+    ``0..vocab_size-1``, the last one end-of-document, no padding id. (megatron-core has one in
+    ``megatron.core.tokenizers``, but importing it imports ``transformers``.)"""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.eod = vocab_size - 1
+        self.pad = -1
+
+    @property
+    def unique_identifiers(self) -> dict:
+        return {"class": "NullTokenizer", "vocab_size": self.vocab_size, "eod_id": self.eod}
+
+
+def build_train_iterator(args, plan: Plan, consumed_samples: int):
+    """The training split of MockGPTDataset (or GPTDataset over --data-path), read from ``consumed_samples``."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    total = args.train_iters * args.global_batch_size
+    config = GPTDatasetConfig(
+        random_seed=args.seed, sequence_length=args.seq_length, tokenizer=NullTokenizer(vocab_size=args.vocab_size),
+        blend=None if args.mock_data else get_blend_from_list(args.data_path),
+        split=args.split, path_to_cache=args.data_cache_path, reset_position_ids=False,
+        reset_attention_mask=False, eod_mask_loss=False, mid_level_dataset_surplus=0.005)
+    cls = MockGPTDataset if config.mock else GPTDataset
+    # Every rank reads its batches itself (an NTP replica has no TP rank 0 to broadcast from); with
+    # --data-cache-path rank 0 builds the index and the others read it.
+    train, _, _ = BlendedMegatronDatasetBuilder(cls, [total, 0, 0], lambda: True, config).build()
+    dist.barrier()
+    if plan.shares is not None:
+        from megatron_ext.nonuniform_tp import BalancedPretrainingSampler
+
+        sampler = BalancedPretrainingSampler(total, consumed_samples, plan.shares)
+    else:
+        sampler = PretrainingSampler(total, consumed_samples, args.micro_batch_size, ps.get_data_parallel_rank(),
+                                     ps.get_data_parallel_world_size())
+    return iter(torch.utils.data.DataLoader(train, batch_sampler=sampler, num_workers=0, pin_memory=False))
+
+
+def loss_func(loss_mask, output_tensor):
+    """Megatron-LM's GPT loss: sum over unmasked tokens, their count, and both for the log."""
+    import torch
+
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.stack([loss.detach(), mask.sum()])}
+
+
+def forward_step(device, data_iterator, model):
+    batch = next(data_iterator)
+    tokens, labels = batch["tokens"].to(device), batch["labels"].to(device)
+    output = model(tokens, batch["position_ids"].to(device), batch["attention_mask"].to(device), labels=labels)
+    return output, partial(loss_func, batch["loss_mask"].to(device))
+
+
+# -------------------------------------------------------------------------------------- checkpoints
+def _ntp_reduced_sharded_state_dict(ddp, ntp_config, tp_rank: int) -> dict:
+    """A healthy NTP replica's core rank: its training state (the shadow, the ``tp_reduced``
+    layout) described exactly as a degraded replica's rank ``tp_rank`` describes its model,
+    so the job's checkpoint is one ``tp_reduced`` layout whatever the replica."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+    from megatron_ext.nonuniform_tp.checkpoint import shard_specs
+
+    compute = ddp.compute_module
+    shadows = dict(ddp.module.named_parameters())
+    names = {id(p): n for n, p in compute.named_parameters()}
+    specs = shard_specs(compute, compute.config.gated_linear_unit)
+    r = ntp_config.tp_reduced
+    out = {}
+    for key, sh in compute.sharded_state_dict().items():
+        if isinstance(sh, ShardedObject):
+            out[key] = sh
+            continue
+        name = names.get(id(sh.data))
+        if name is None:
+            raise NotImplementedError(f"{key}: a checkpoint tensor that is not a parameter; the NTP checkpoint "
+                                      "layout covers parameters (and _extra_state) only")
+        shadow, spec = shadows[name], specs[name]
+        if isinstance(sh, ShardedTensorFactory):
+            built = sh.build()
+            first = next(iter(built.values())) if isinstance(built, dict) else built[0]
+            n = first.prepend_axis_num
+            offsets = tuple((i, first.global_offset[i], first.axis_fragmentations[i]) for i in range(n))
+            if spec.dim != 0 or spec.chunks != 2:
+                raise NotImplementedError(f"{key}: only the gated linear_fc1 factory is supported under NTP")
+            original = ShardedTensor.from_rank_offsets(sh.key, shadow, *offsets, (n, tp_rank, r),
+                                                       replica_id=sh.replica_id, prepend_axis_num=n)
+            out[key] = apply_swiglu_sharded_factory(original, offsets)
+        elif spec.dim is None:
+            out[key] = dataclasses.replace(sh, data=shadow)
+        else:
+            ax = sh.prepend_axis_num + spec.dim
+            offset, frags = list(sh.global_offset), list(sh.axis_fragmentations)
+            offset[ax], frags[ax] = tp_rank * shadow.shape[spec.dim], r
+            out[key] = dataclasses.replace(sh, data=shadow, local_shape=tuple(shadow.shape),
+                                           global_offset=tuple(offset), axis_fragmentations=tuple(frags))
+    return out
+
+
+def model_sharded_state_dict(ddp, ntp_groups):
+    """This rank's model entry of the checkpoint; None on an NTP spare rank (it holds no training state)."""
+    if ntp_groups is not None and ntp_groups.ntp_active and not ntp_groups.role.degraded:
+        if ntp_groups.role.spare:
+            return None
+        return _ntp_reduced_sharded_state_dict(ddp, ntp_groups.config, ntp_groups.role.tp_rank)
+    return ddp.module.sharded_state_dict()
+
+
+def optimizer_metadata(args) -> dict:
+    """The distributed optimizer's checkpoint format: ``dp_reshardable`` (per DP shard; resumes
+    at the same TP layout, any DP size). Its TP-reshardable formats do not work in megatron-core
+    0.19.2 without Apex / Transformer Engine: ``fully_sharded_model_space`` is refused by the
+    writer, and loading ``fully_reshardable`` fails on torch Adam's ``step`` state (KeyError in
+    ``DistributedOptimizer._set_main_param_and_optimizer_states``)."""
+    return {"distrib_optim_sharding_type": "dp_reshardable"} if args.use_distributed_optimizer else {}
+
+
+def _layout_text(plan: Plan) -> str:
+    if plan.ntp is None:
+        return f"uniform TP={plan.tp} x DP={plan.dp}"
+    return (f"NTP tp_base={plan.ntp.tp_base} tp_reduced={plan.ntp.tp_reduced} x {plan.dp} replicas "
+            f"(failed slots {plan.ntp.non_active_ranks_per_dp})")
+
+
+def _tp_layout(plan: Plan) -> list:
+    """What a checkpoint's training state is laid out by: one TP degree (uniform) or the NTP
+    layout (its state is the ``tp_reduced`` layout on the core ranks)."""
+    if plan.ntp is None:
+        return ["uniform", plan.tp]
+    return ["ntp", plan.ntp.tp_base, plan.ntp.tp_reduced, format_failed(plan.ntp.non_active_ranks_per_dp)]
+
+
+def format_failed(slots) -> str:
+    from megatron_ext.nonuniform_tp import format_failed_slots
+
+    return format_failed_slots(slots)
+
+
+def save_checkpoint(args, plan: Plan, iteration: int, consumed: int, ddp, optimizer, scheduler, ntp_groups):
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    start = time.perf_counter()
+    state = {"iteration": iteration, "consumed_train_samples": consumed, "checkpoint_version": 3.0,
+             "opt_param_scheduler": scheduler.state_dict(), "layout": _layout_text(plan),
+             "tp_layout": _tp_layout(plan), "distributed_optimizer": args.use_distributed_optimizer,
+             "padded_vocab_size": plan.padded_vocab_size}
+    model_sd = model_sharded_state_dict(ddp, ntp_groups)
+    if model_sd is not None:
+        state["model"] = model_sd
+        state["optimizer"] = optimizer.sharded_state_dict(model_sd, metadata=optimizer_metadata(args))
+    path = os.path.join(args.save, f"iter_{iteration:07d}")
+    if dist.get_rank() == 0:
+        os.makedirs(path, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(state, path)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(args.save, TRACKER), "w") as f:
+            f.write(str(iteration))
+    dist.barrier()
+    print_rank_0(f"saved checkpoint at iteration {iteration:7d} to {args.save} ({_layout_text(plan)}) in "
+                 f"{time.perf_counter() - start:.2f} s")
+
+
+def _restore_adam_steps(optimizer) -> None:
+    """megatron-core 0.19.2's distributed optimizer over torch's Adam (no Apex / Transformer Engine)
+    loads the checkpoint's step count into its param groups and gives every parameter's state
+    one shared step tensor, which its per-bucket state copy then overwrites with the step held
+    before the load; torch's Adam increments each parameter's step in place, so a shared tensor
+    would count once per parameter. Give every parameter its own step, the group's loaded one."""
+    import torch
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for group in opt.optimizer.param_groups:
+            if "step" not in group:
+                continue
+            for p in group["params"]:
+                state = opt.optimizer.state.get(p, {})
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = torch.full_like(state["step"], float(group["step"]))
+
+
+def load_checkpoint(args, plan: Plan, ddp, optimizer, scheduler, ntp_groups) -> tuple[int, int]:
+    """Resume from ``--load``'s latest checkpoint (any TP layout, NTP or uniform).
+    Returns ``(iteration, consumed_samples)``; ``(0, 0)`` when there is none."""
+    import torch
+    from megatron.core import dist_checkpointing
+
+    tracker = os.path.join(args.load, TRACKER)
+    if not os.path.isfile(tracker):
+        print_rank_0(f"no checkpoint at --load {args.load} (no {TRACKER}); training from scratch")
+        return 0, 0
+    with open(tracker) as f:
+        iteration = int(f.read().strip())
+    path = os.path.join(args.load, f"iter_{iteration:07d}")
+    common = dist_checkpointing.load_common_state_dict(path)
+    if common.get("padded_vocab_size", plan.padded_vocab_size) != plan.padded_vocab_size:
+        raise RuntimeError(
+            f"--load {args.load}: the checkpoint's embedding has {common['padded_vocab_size']} rows, this job pads "
+            f"--vocab-size {args.vocab_size} to {plan.padded_vocab_size} (--make-vocab-size-divisible-by "
+            f"{args.make_vocab_size_divisible_by} x its TP degree); pick --make-vocab-size-divisible-by so that both "
+            "layouts pad to the same size")
+    if not args.no_load_optim and common.get("distributed_optimizer", args.use_distributed_optimizer) != \
+            args.use_distributed_optimizer:
+        raise RuntimeError(
+            f"--load {args.load}: the checkpoint's optimizer state was saved "
+            f"{'with' if common.get('distributed_optimizer') else 'without'} --use-distributed-optimizer and this "
+            "job runs the other way; match the flag, or resume the model only with --no-load-optim")
+    if args.use_distributed_optimizer and not args.no_load_optim and common.get("tp_layout") != _tp_layout(plan):
+        raise RuntimeError(
+            f"--load {args.load}: the distributed optimizer's state was saved by {common.get('layout')} and resumes "
+            f"only at that TP layout (megatron-core 0.19.2's TP-reshardable optimizer formats do not work without "
+            f"Apex / Transformer Engine); this job is {_layout_text(plan)}. Resume with that layout, or the model "
+            "only with --no-load-optim (a fresh optimizer state), or save without --use-distributed-optimizer")
+    if args.use_distributed_optimizer and not args.no_load_optim:
+        # megatron-core 0.19's distributed optimizer over torch's Adam (no Apex / Transformer Engine)
+        # has no state to describe before its first step (DistributedOptimizer.state_dict needs
+        # Adam's "step"): take one with zero gradients; the load overwrites what it changed.
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        optimizer.step()
+    model_sd = model_sharded_state_dict(ddp, ntp_groups)
+    state = {}
+    if model_sd is not None:
+        state["model"] = model_sd
+        if not args.no_load_optim:
+            state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True,
+                                                              metadata=optimizer_metadata(args))
+    loaded = dist_checkpointing.load(state, path)
+    if model_sd is not None:
+        with torch.no_grad():
+            for key, sh in model_sd.items():
+                got = loaded["model"].get(key)
+                if torch.is_tensor(got) and got.data_ptr() != sh.data.data_ptr():
+                    sh.data.copy_(got)
+        if "optimizer" in state:
+            with torch.no_grad():  # the distributed optimizer copies into fp32 main params in place
+                optimizer.load_state_dict(loaded["optimizer"])
+            if args.use_distributed_optimizer:
+                _restore_adam_steps(optimizer)
+    if hasattr(ddp, "sync_compute_params"):
+        ddp.sync_compute_params()  # NTP healthy replicas: shadow -> tp_base compute weights (spares too)
+    if not args.no_load_optim:
+        scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    print_rank_0(f"loaded checkpoint from {args.load} at iteration {iteration} (saved as {loaded.get('layout')}; "
+                 f"resumed as {_layout_text(plan)})")
+    return iteration, int(loaded["consumed_train_samples"])
+
+
+# ---------------------------------------------------------------------------------------- start-up
+def startup_summary(args, plan: Plan, ddp, ntp_groups, exporter) -> None:
+    """What the plugin enabled, printed once by rank 0 (facts gathered from every rank)."""
+    import torch.distributed as dist
+
+    decisions = [d for _, d in getattr(ddp, "symm_mem_decisions", [])]
+    mine = (len(decisions), sum(d.symmetric for d in decisions),
+            sorted({d.reason for d in decisions if not d.symmetric}))
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    lines = [f"megatron_ext: {plan.world_size} ranks ({args.distributed_backend}), {_layout_text(plan)}, "
+             + (f"global batch {args.global_batch_size} = {args.micro_batch_size} x {plan.dp} x "
+                f"{plan.num_microbatches} micro-batches" if plan.shares is None else
+                f"global batch {args.global_batch_size} in micro-batches of {args.micro_batch_size} (shares below)")
+             + f", padded vocab {plan.padded_vocab_size}, "
+             f"DDP wrapper {type(ddp).__name__}"]
+    if ntp_groups is not None:
+        lay = ntp_groups.layout
+        degraded = [d for d in range(lay.num_replicas) if lay.is_degraded(d)]
+        shares = "" if plan.shares is None else f", --ntp-balance {plan.ntp.balance}: {plan.shares.describe()}"
+        lines.append(f"megatron_ext: nonuniform TP: on, tp_base={lay.tp_base}, replica(s) {degraded} at "
+                     f"TP={lay.tp_reduced}, TP groups {lay.all_tp_groups()}, launch {plan.ntp.launch_mode}{shares}")
+    else:
+        lines.append("megatron_ext: nonuniform TP: off")
+    if plan.symm.mode == "off":
+        lines.append("megatron_ext: symmetric memory: off (Megatron's DDP buffers)")
+    else:
+        total, symm = sum(e[0] for e in everyone), sum(e[1] for e in everyone)
+        reasons = sorted({r for e in everyone for r in e[2]})
+        line = (f"megatron_ext: symmetric memory: mode={plan.symm.mode}, {symm} of {total} bucket buffers symmetric "
+                "over all ranks")
+        if total and not symm and all(r.startswith("unavailable") for r in reasons):
+            line += " (fallback to plain buffers)"
+        if reasons:
+            more = f" (+{len(reasons) - 3} more)" if len(reasons) > 3 else ""
+            line += f"; plain because: {' | '.join(reasons[:3])}{more}"
+        lines.append(line)
+    if exporter is not None:
+        p = exporter.plan
+        when = (f"at start, every {plan.export.every_n_steps} iterations and at the end" if plan.export.every_n_steps
+                else "at start and after the last iteration")
+        lines.append(f"megatron_ext: weight export: {plan.export.transport} to {plan.export.target} {when}; "
+                     f"{sum(1 for _ in p.tensors())} HF tensors, {p.total_bytes / 2**20:.2f} MiB in "
+                     f"{len(p.buckets)} buckets")
+    else:
+        lines.append("megatron_ext: weight export: off")
+    print_rank_0("\n".join(lines))
+
+
+def report_export(exporter, result) -> None:
+    if result is not None and exporter.is_export_rank:
+        print(f"weight export: version {result.version} ({result.nbytes / 1e6:.2f} MB, {result.seconds * 1e3:.1f} ms); "
+              f"engine applied {list(result.applied)}", flush=True)
+
+
+# ------------------------------------------------------------------------------------------- train
+def train(args, plan: Plan) -> int:
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    ntp_groups = initialize_distributed(args, plan)
+    if ntp_groups is not None and not ntp_groups.is_active:
+        print(f"rank {os.environ.get('RANK')}: its NTP slot is out (launch_mode=simulate); leaving", flush=True)
+        return 0
+    device = torch.device("cuda", torch.cuda.current_device()) if plan.cuda else torch.device("cpu")
+    tp = ps.get_tensor_model_parallel_world_size()
+    config = transformer_config(args, plan, tp)
+    model = build_model(args, plan, config, device)
+    ddp = wrap_model(args, plan, config, model)
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
+        bf16=args.bf16, params_dtype=config.params_dtype, use_distributed_optimizer=args.use_distributed_optimizer),
+        [ddp])
+    gbs = args.global_batch_size
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * gbs, lr_decay_steps=args.lr_decay_iters * gbs,
+        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters * gbs, wd_incr_style="constant")
+    # What Megatron-LM's setup_model_and_optimizer hands the schedule.
+    config.grad_scale_func = optimizer.scale_loss
+    config.finalize_model_grads_func = finalize_model_grads
+    if args.overlap_grad_reduce:
+        config.no_sync_func = ddp.no_sync
+        config.grad_sync_func = ddp.start_grad_sync
+
+    iteration, consumed = 0, 0
+    if args.load:
+        iteration, consumed = load_checkpoint(args, plan, ddp, optimizer, scheduler, ntp_groups)
+    first_iteration = iteration
+
+    exporter = None
+    if plan.export is not None:
+        from megatron_ext.weight_export import WeightExporter
+
+        exporter = WeightExporter(ddp, plan.export)
+    startup_summary(args, plan, ddp, ntp_groups, exporter)
+    if exporter is not None:
+        # The starting weights go first (version = the iteration they are from): the engine checks the
+        # plan (names, shapes, dtypes) now, not after the first --weight-export-every-n-steps iterations.
+        report_export(exporter, exporter.export(version=iteration))
+    if iteration >= args.train_iters:
+        print_rank_0(f"checkpoint iteration {iteration} >= --train-iters {args.train_iters}: nothing to train")
+
+    data = build_train_iterator(args, plan, consumed)
+    forward_backward = get_forward_backward_func()
+    # This replica's micro-batches per global batch (unequal under --ntp-balance).
+    num_microbatches = plan.shares.num_microbatches() if plan.shares is not None else plan.num_microbatches
+    is_tp0 = ps.get_tensor_model_parallel_rank() == 0
+    tokens_per_iter = gbs * args.seq_length
+    window = dict(loss=0.0, iters=0, seconds=0.0, skipped=0, nan=0)
+    saved_at = None
+    ddp.train()
+    while iteration < args.train_iters:
+        start = time.perf_counter()
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        losses = forward_backward(forward_step_func=partial(forward_step, device), data_iterator=data, model=[ddp],
+                                  num_microbatches=num_microbatches, seq_length=args.seq_length,
+                                  micro_batch_size=args.micro_batch_size, forward_only=False)
+        ok, grad_norm, _ = optimizer.step()
+        iteration += 1
+        consumed += gbs
+        if ok:
+            scheduler.step(increment=gbs)
+        # The global batch's loss: token-weighted over every replica. One rank per replica
+        # (TP rank 0) contributes, so the same sum comes out of any TP layout, NTP included.
+        total = torch.zeros(2, dtype=torch.float64, device=device)
+        if is_tp0:
+            for x in losses:
+                total += x["lm loss"].to(torch.float64)
+        dist.all_reduce(total)
+        if plan.cuda:
+            torch.cuda.synchronize()
+        window["seconds"] += time.perf_counter() - start
+        loss = (total[0] / total[1]).item()
+        window["skipped"] += int(not ok)
+        if not math.isfinite(loss):
+            window["nan"] += 1
+        else:
+            window["loss"] += loss
+            window["iters"] += 1
+        if exporter is not None:
+            report_export(exporter, exporter.maybe_export(iteration))
+        if iteration % args.log_interval == 0 or iteration == args.train_iters:
+            n = max(window["iters"] + window["nan"], 1)
+            ms = window["seconds"] * 1e3 / n
+            lr = optimizer.param_groups[0]["lr"]
+            line = (f" [{datetime.datetime.now():%Y-%m-%d %H:%M:%S}] iteration {iteration:8d}/{args.train_iters:8d} |"
+                    f" consumed samples: {consumed:12d} | elapsed time per iteration (ms): {ms:.1f} |"
+                    f" throughput (tokens/s): {tokens_per_iter * 1e3 / ms:.0f} | learning rate: {lr:.6E} |"
+                    f" global batch size: {gbs:5d} |")
+            if window["iters"]:
+                line += f" lm loss: {window['loss'] / window['iters']:.6E} |"
+            line += f" loss scale: {optimizer.get_loss_scale().item():.1f} |"
+            if grad_norm is not None:
+                line += f" grad norm: {grad_norm:.3f} |"
+            line += (f" number of skipped iterations: {window['skipped']:3d} |"
+                     f" number of nan iterations: {window['nan']:3d} |")
+            if plan.cuda:
+                line += (f" mem (GiB) allocated: {torch.cuda.memory_allocated() / 2**30:.2f} |"
+                         f" max allocated: {torch.cuda.max_memory_allocated() / 2**30:.2f} |")
+            print_rank_last(line)
+            window = dict(loss=0.0, iters=0, seconds=0.0, skipped=0, nan=0)
+        if args.save and args.save_interval and iteration % args.save_interval == 0:
+            save_checkpoint(args, plan, iteration, consumed, ddp, optimizer, scheduler, ntp_groups)
+            saved_at = iteration
+    trained = iteration > first_iteration
+    if args.save and trained and saved_at != iteration:
+        save_checkpoint(args, plan, iteration, consumed, ddp, optimizer, scheduler, ntp_groups)
+    if exporter is not None:
+        if trained and (not plan.export.every_n_steps or iteration % plan.export.every_n_steps):
+            report_export(exporter, exporter.export(version=iteration))  # the final weights
+        exporter.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def main(argv=None) -> int:
+    args, plan = parse_args(argv)
+    return train(args, plan)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,340 @@
+"""examples/pretrain_gpt.py launched the way Megatron users launch training:
+``python -m torch.distributed.run --standalone --nproc-per-node N examples/pretrain_gpt.py ...``,
+each capability switched on by flags only, the weight-export engine started by its own
+command (``python -m megatron_ext.weight_export.engine``).
+
+On CPU (gloo) four launches, each checked for several things:
+
+- side by side: A = uniform TP1 x DP2 with Megatron's own DDP (``--symm-mem off``),
+  exporting its starting weights and then every 2 iterations to a separately started engine,
+  saving at iteration 3;
+  B = NTP ``--ntp-tp-base 2 --ntp-failed-slots 0:1`` on the 3 healthy ranks with
+  ``--symm-mem on``, saving at iteration 3;
+- then C = NTP with batch shares by TP degree (``--ntp-balance tp``: 1 and 3 of the 4
+  micro-batches) resuming A's uniform checkpoint (once A is done) and D = uniform TP2 x DP1
+  (``--symm-mem`` at its default, auto) resuming B's NTP checkpoint (once B is done).
+
+Loss tolerance. Every layout trains the same global model (CPU initialisation from the
+seed) on the same global batches in fp32; they differ only in the order of floating-point
+reductions (TP partial sums, the gradient all-reduce, the NTP fold). That agrees with a
+single-rank run within 1e-5 relative per step over 10 steps
+(tests/unit_tests/nonuniform_tp/test_ntp_training.py, RTOL); the script prints the loss
+with 7 significant digits (``%.6E``), up to 5e-7 relative off per value. So two layouts
+must agree within RTOL = 1e-5 + 2 x 5e-7. Faults are far outside it: a wrong NTP fold moves
+the loss by 8e-3 and more (that file's bf16 test); resuming with a wrong Adam step count put
+the next loss 5e-3 off here, resuming without the optimizer state 0.6 off.
+"""
+
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+SCRIPT = os.path.join(ROOT, "examples", "pretrain_gpt.py")
+RTOL = 1e-5 + 2 * 5e-7
+ITERS = 6
+VOCAB = 120  # the HF vocabulary; Megatron pads it to 128 at every layout used here
+# A tiny Llama-shaped model (the export maps it to transformers' LlamaForCausalLM).
+MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--group-query-attention",
+         "--num-query-groups", "2", "--ffn-hidden-size", "96", "--seq-length", "16",
+         "--vocab-size", str(VOCAB), "--make-vocab-size-divisible-by", "64",
+         "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+         "--untie-embeddings-and-output-weights", "--hidden-dropout", "0", "--attention-dropout", "0"]
+TRAIN = ["--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", str(ITERS), "--lr", "3e-3",
+         "--log-interval", "1", "--seed", "1234"]
+NTP = ["--ntp-tp-base", "2", "--ntp-failed-slots", "0:1"]
+LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|")
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(tmp) -> dict:
+    keys = os.path.join(tmp, "run")  # the engine's loopback key lives here (both sides read it)
+    os.makedirs(keys, mode=0o700, exist_ok=True)
+    return {**os.environ, "XDG_RUNTIME_DIR": keys, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _start(cmd: list[str], env: dict, log: str) -> subprocess.Popen:
+    """Start ``cmd`` with its output in the file ``log`` (a pipe nobody reads yet could fill and block it)."""
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, text=True)
+    proc.log = log
+    return proc
+
+
+def launch(nproc: int, *flags: str, env: dict, log: str) -> subprocess.Popen:
+    """``python -m torch.distributed.run --standalone --nproc-per-node N examples/pretrain_gpt.py FLAGS``."""
+    return _start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                   SCRIPT, *MODEL, *TRAIN, *flags], env, log)
+
+
+def engine_command(model_dir: str, address: str, device: str, env: dict, log: str) -> subprocess.Popen:
+    """The engine on its own: ``python -m megatron_ext.weight_export.engine --model DIR --address HOST:PORT``."""
+    return _start([sys.executable, "-m", "megatron_ext.weight_export.engine", "--model", model_dir,
+                   "--address", address, "--device", device, "--timeout-s", "240", "--sessions", "1"], env, log)
+
+
+def finish(proc: subprocess.Popen, what: str, timeout: float = 300) -> str:
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        with open(proc.log) as f:
+            raise AssertionError(f"{what} did not finish in {timeout}s:\n{f.read()[-6000:]}") from None
+    with open(proc.log) as f:
+        out = f.read()
+    assert proc.returncode == 0, f"{what} failed (exit {proc.returncode}):\n{out[-6000:]}"
+    return out
+
+
+def losses(out: str) -> dict[int, float]:
+    return {int(i): float(v) for i, v in LOSS.findall(out)}
+
+
+def assert_same_losses(got: dict, want: dict, iterations, what: str) -> None:
+    for it in iterations:
+        assert it in got and it in want, f"{what}: iteration {it} missing: {got} vs {want}"
+        assert abs(got[it] - want[it]) <= RTOL * abs(want[it]), f"{what}, iteration {it}: {got[it]} vs {want[it]}"
+
+
+def hf_model_dir(path: str) -> str:
+    """A Hugging Face Llama with the script's model shape (random weights): the engine's model."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=16, rms_norm_eps=1e-5, rope_theta=10000.0,
+        tie_word_embeddings=False, hidden_act="silu", attention_bias=False, mlp_bias=False)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The four launches and the engine; their outputs. A and B (and the engine) start together;
+    C starts when A is done, D when B is."""
+    tmp = str(tmp_path_factory.mktemp("pretrain"))
+    env = _env(tmp)
+    ck_uniform, ck_ntp = os.path.join(tmp, "ckpt_uniform"), os.path.join(tmp, "ckpt_ntp")
+    # A and B cache the dataset index each in its own folder (rank 0 builds it, the other ranks
+    # read it); C and D read those caches.
+    cache_a, cache_b = os.path.join(tmp, "cache_a"), os.path.join(tmp, "cache_b")
+    log = lambda name: os.path.join(tmp, f"{name}.log")  # noqa: E731
+    b = launch(3, *NTP, "--symm-mem", "on", "--save", ck_ntp, "--save-interval", "3", "--data-cache-path", cache_b,
+               env=env, log=log("B"))
+    port = _port()
+    address = f"127.0.0.1:{port}"
+    engine = engine_command(hf_model_dir(os.path.join(tmp, "hf")), address, "cpu", env, log("engine"))
+    procs = [engine, b]
+    out = {}
+
+    def resume_from(ck: str) -> None:
+        # Resume from iteration 3 of the other layout (the job also saved its last iteration).
+        with open(os.path.join(ck, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write("3")
+
+    try:
+        a = launch(2, "--symm-mem", "off", "--save", ck_uniform, "--save-interval", "3", "--data-cache-path", cache_a,
+                   "--weight-export-target", address, "--weight-export-transport", "broadcast",
+                   "--weight-export-every-n-steps", "2", env=env, log=log("A"))
+        procs.append(a)
+        # Each resume starts as soon as the checkpoint it reads is complete.
+        out["A"] = finish(a, "A (uniform, export)")
+        resume_from(ck_uniform)
+        c = launch(3, *NTP, "--ntp-balance", "tp", "--load", ck_uniform, "--data-cache-path", cache_a, env=env,
+                   log=log("C"))
+        procs.append(c)
+        out["B"] = finish(b, "B (NTP, symm-mem on)")
+        resume_from(ck_ntp)
+        d = launch(2, "--tensor-model-parallel-size", "2", "--load", ck_ntp, "--data-cache-path", cache_b, env=env,
+                   log=log("D"))
+        procs.append(d)
+        out["engine"] = finish(engine, "the engine", timeout=60)
+        out["C"] = finish(c, "C (NTP resuming the uniform checkpoint)")
+        out["D"] = finish(d, "D (uniform TP2 resuming the NTP checkpoint)")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return out
+
+
+def test_ntp_with_a_failed_slot_trains_like_uniform_tp(runs):
+    """B (NTP: replica 0 at TP1 after losing slot 1, replica 1 at TP2) vs A (uniform TP1 x DP2)."""
+    a, b = losses(runs["A"]), losses(runs["B"])
+    assert sorted(a) == list(range(1, ITERS + 1)), runs["A"][-3000:]
+    assert a[ITERS] < a[1] - 0.3, f"the baseline did not learn: {a}"
+    assert_same_losses(b, a, range(1, ITERS + 1), "NTP vs uniform")
+    assert "nonuniform TP: on, tp_base=2, replica(s) [0] at TP=1, TP groups [[0], [1, 2]], launch packed" in runs["B"]
+    assert "DDP wrapper NonuniformTPDistributedDataParallel" in runs["B"]
+    assert "nonuniform TP: off" in runs["A"] and "DDP wrapper DistributedDataParallel" in runs["A"]
+    line = next(ln for ln in runs["B"].splitlines() if re.search(r"iteration\s+6/", ln))
+    assert "throughput (tokens/s):" in line and "elapsed time per iteration (ms):" in line, line
+
+
+def test_symmetric_memory_flags_fall_back_on_gloo_and_train(runs):
+    """--symm-mem on (B, NTP buckets) and the default auto (D, SymmMemDistributedDataParallel): on gloo every
+    bucket stays plain, the start-up summary says so and why, and training matches plain Megatron DDP (A)."""
+    assert re.search(r"symmetric memory: mode=on, 0 of [1-9]\d* bucket buffers symmetric over all ranks \(fallback "
+                     r"to plain buffers\); plain because: unavailable: process-group backend is 'gloo'",
+                     runs["B"]), runs["B"][-3000:]
+    assert re.search(r"symmetric memory: mode=auto, 0 of [1-9]\d* bucket buffers symmetric over all ranks \(fallback",
+                     runs["D"]), runs["D"][-3000:]
+    assert "DDP wrapper SymmMemDistributedDataParallel" in runs["D"]
+    assert "NCCL symmetric memory is unavailable" in runs["B"]  # the one-time warning
+    assert "symmetric memory: off (Megatron's DDP buffers)" in runs["A"]
+    assert_same_losses(losses(runs["D"]), losses(runs["A"]), range(4, ITERS + 1), "symm-mem auto vs plain DDP")
+
+
+def test_weight_export_to_an_engine_started_on_its_own(runs):
+    """A exports its starting weights and then every 2 iterations over the broadcast transport (gloo) to
+    ``python -m megatron_ext.weight_export.engine``; the engine applies each version atomically."""
+    engine, a = runs["engine"], runs["A"]
+    assert re.search(r"weight export: broadcast to 127\.0\.0\.1:\d+ at start, every 2 iterations and at the end; "
+                     r"\d+ HF tensors", a), a[-3000:]
+    for version in (0, 2, 4, 6):
+        assert f"engine: applied version {version}\n" in engine, engine
+        assert f"weight export: version {version} (" in a and f"engine applied [{version}]" in a, a[-3000:]
+    assert engine.count("engine: applied version") == 4, engine  # the end (6) is not sent twice
+    assert "session 1 ended; the model holds version 6" in engine, engine
+
+
+def test_checkpoints_resume_across_layouts(runs):
+    """C: an NTP job resumes the uniform job's iteration-3 checkpoint, its replicas taking unequal shares
+    of each global batch (--ntp-balance tp); D: a uniform TP2 job resumes the NTP job's. Both go on
+    exactly as the uninterrupted runs did (model, optimizer state, learning-rate schedule and data
+    position restored; the shares change who computes which sample, not the global batch)."""
+    a, b, c, d = (losses(runs[k]) for k in "ABCD")
+    assert sorted(c) == sorted(d) == [4, 5, 6], (c, d)
+    assert_same_losses(c, a, range(4, ITERS + 1), "NTP resumed from uniform")
+    assert_same_losses(d, b, range(4, ITERS + 1), "uniform TP2 resumed from NTP")
+    assert "saved as uniform TP=1 x DP=2; resumed as NTP tp_base=2" in runs["C"]
+    assert "--ntp-balance tp: batch shares: [1, 3] micro-batches of 2 per replica" in runs["C"]
+    assert "saved as NTP tp_base=2 tp_reduced=1 x 2 replicas" in runs["D"]
+    assert "resumed as uniform TP=2 x DP=1" in runs["D"]
+    assert "consumed samples:           32" in runs["C"]  # the data goes on from the checkpoint's position
+
+
+# ------------------------------------------------------------------------ flags refused at parse time
+def _script():
+    import importlib.util
+
+    if "pretrain_gpt" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("pretrain_gpt", SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["pretrain_gpt"] = module  # dataclasses look their module up there
+        spec.loader.exec_module(module)
+    return sys.modules["pretrain_gpt"]
+
+
+@pytest.mark.parametrize("flags, world, message", [
+    (["--global-batch-size", "10"], 4,
+     "--global-batch-size 10 must be a multiple of --micro-batch-size x data-parallel size = 2 x 4 = 8 (e.g. 8 or 16)"),
+    (["--tensor-model-parallel-size", "3"], 4, "--tensor-model-parallel-size 3 must divide the number of processes"),
+    (["--pipeline-model-parallel-size", "2"], 4, "--pipeline-model-parallel-size 2: this script supports only 1"),
+    (["--tensor-model-parallel-size", "8"], 8, "--num-attention-heads 4 must be divisible by"),
+    (NTP, 4, "launch_mode='packed': world size 4 + 1 failed GPU(s) is not a multiple of tp_base=2"),
+    (["--ntp-failed-slots", "0:1"], 3, "given without --ntp-tp-base"),
+    (["--weight-export-target", "127.0.0.1:1"], 2, "needs --weight-export-transport broadcast"),
+    (["--weight-export-every-n-steps", "2"], 2, "given without --weight-export-target"),
+    (["--symm-mem", "sometimes"], 2, "argument --symm-mem: invalid choice: 'sometimes'"),
+    (["--save-interval", "2"], 2, "--save-interval needs --save DIR"),
+    (["--reshard-refit-every-n-steps", "2"], 2, "the reshard refit is not wired into this script"),
+    (["--mock-data", "--data-path", "/data/x"], 2, "--mock-data and --data-path: pick one"),
+])
+def test_bad_flag_combinations_are_refused_at_parse_time(flags, world, message, capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        _script().parse_args([*MODEL, *TRAIN, *flags], world_size=world, cuda=False)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_gpt2_shaped_models_are_refused_for_the_weight_export(capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    gpt2 = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16",
+            "--vocab-size", "128"]
+    with pytest.raises(SystemExit):
+        _script().parse_args([*gpt2, *TRAIN, "--weight-export-target", "127.0.0.1:1", "--weight-export-transport",
+                              "broadcast"], world_size=2, cuda=False)
+    assert ("add --position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear"
+            in capsys.readouterr().err)
+
+
+# ------------------------------------------------------------------------------------------- GPUs
+def _export_run(tmp_path, env, engine_device, nproc, transport, *flags):
+    """A GPU job exporting every 3 iterations to an engine started on its own on ``engine_device``:
+    the engine applies versions 0, 3 and 6 and ends holding 6. Returns the job's output."""
+    port = _port()
+    engine = engine_command(hf_model_dir(str(tmp_path / "hf")), f"127.0.0.1:{port}", engine_device, env,
+                            str(tmp_path / "engine.log"))
+    try:
+        out = finish(launch(nproc, *flags, "--weight-export-target", f"127.0.0.1:{port}",
+                            "--weight-export-transport", transport, "--weight-export-every-n-steps", "3",
+                            env=env, log=str(tmp_path / "A.log")), f"{nproc} GPU(s) exporting over {transport}")
+        out_engine = finish(engine, f"the engine on {engine_device}", timeout=60)
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+            engine.wait()
+    assert all(f"engine applied [{v}]" in out for v in (0, 3, 6)), out[-3000:]
+    assert "session 1 ended; the model holds version 6" in out_engine, out_engine
+    return out
+
+
+@pytest.mark.gpus(4)
+def test_gpu_ntp_symm_export_and_resume(tmp_path):
+    """The same commands on NCCL: uniform TP1 x DP2 exporting to an engine on the 4th GPU; NTP on 3 GPUs
+    with symmetric memory on (its buckets staged in NCCL symmetric memory), loss parity with the uniform
+    run; a uniform TP2 job resuming the NTP checkpoint; and an NTP job with --bf16, the distributed
+    optimizer and overlapped gradient reduction resuming its own checkpoint exactly."""
+    env = _env(str(tmp_path))
+    log = lambda name: str(tmp_path / f"{name}.log")  # noqa: E731
+    gpu = ["--use-cpu-initialization"]  # the same global model at every TP degree (NTP needs it on GPUs)
+    ck, ck_bf16 = str(tmp_path / "ckpt_ntp"), str(tmp_path / "ckpt_ntp_bf16")
+    out_a = _export_run(tmp_path, env, "cuda:3", 2, "broadcast", *gpu, "--symm-mem", "off")
+    assert "mem (GiB) allocated:" in out_a
+    out_b = finish(launch(3, *gpu, *NTP, "--symm-mem", "on", "--save", ck, "--save-interval", "3", env=env,
+                          log=log("B")), "NTP on 3 GPUs")
+    a, b = losses(out_a), losses(out_b)
+    assert_same_losses(b, a, range(1, ITERS + 1), "NTP vs uniform on NCCL")
+    assert re.search(r"symmetric memory: mode=on, [1-9]\d* of \d+ bucket buffers symmetric", out_b), out_b[-3000:]
+    with open(os.path.join(ck, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("3")
+    out_d = finish(launch(2, *gpu, "--tensor-model-parallel-size", "2", "--load", ck, env=env, log=log("D")),
+                   "uniform TP2 on 2 GPUs resuming the NTP checkpoint")
+    assert_same_losses(losses(out_d), b, range(4, ITERS + 1), "uniform TP2 resumed from NTP on NCCL")
+    bf16 = [*gpu, *NTP, "--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", "4096"]
+    out_f = finish(launch(3, *bf16, "--save", ck_bf16, "--save-interval", "3", env=env, log=log("F")),
+                   "NTP bf16 + distributed optimizer on 3 GPUs")
+    with open(os.path.join(ck_bf16, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("3")
+    out_g = finish(launch(3, *bf16, "--load", ck_bf16, env=env, log=log("G")), "the same job resuming")
+    assert_same_losses(losses(out_g), losses(out_f), range(4, ITERS + 1), "NTP bf16 + distributed optimizer resumed")
+
+
+@pytest.mark.gpus(1)
+def test_one_gpu_export_over_cuda_ipc_and_bf16_distributed_optimizer_resume(tmp_path):
+    """One GPU: export over CUDA IPC to an engine on the same GPU (started on its own), and a --bf16 job with
+    the distributed optimizer and overlapped gradient reduction resuming its own checkpoint exactly."""
+    env = _env(str(tmp_path))
+    log = lambda name: str(tmp_path / f"{name}.log")  # noqa: E731
+    ck = str(tmp_path / "ckpt")
+    out_a = _export_run(tmp_path, env, "cuda:0", 1, "ipc", "--symm-mem", "on")
+    assert "mem (GiB) allocated:" in out_a and "symmetric memory: mode=on" in out_a, out_a[-3000:]
+    bf16 = ["--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", "4096"]
+    out_f = finish(launch(1, *bf16, "--save", ck, "--save-interval", "3", env=env, log=log("F")), "bf16 on one GPU")
+    with open(os.path.join(ck, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("3")
+    out_g = finish(launch(1, *bf16, "--load", ck, env=env, log=log("G")), "the same job resuming")
+    assert_same_losses(losses(out_g), losses(out_f), range(4, ITERS + 1), "bf16 + distributed optimizer resumed")
