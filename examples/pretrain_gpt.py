@@ -463,23 +463,6 @@ def wrap_model(args, plan: Plan, config, model):
 
 
 # --------------------------------------------------------------------------------------------- data
-class PretrainingSampler:
-    """Megatron-LM's ``MegatronPretrainingSampler``: consecutive global samples from
-    ``consumed_samples`` on, each micro-batch of ``micro_batch_size x dp`` split by DP rank."""
-
-    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp: int):
-        self.total, self.consumed, self.mbs, self.dp_rank, self.dp = (
-            total_samples, consumed_samples, micro_batch_size, dp_rank, dp)
-
-    def __len__(self):
-        return (self.total - self.consumed) // (self.mbs * self.dp)
-
-    def __iter__(self):
-        step = self.mbs * self.dp
-        for start in range(self.consumed, self.total - step + 1, step):
-            yield list(range(start + self.dp_rank * self.mbs, start + (self.dp_rank + 1) * self.mbs))
-
-
 class NullTokenizer:
     """Megatron-LM's ``--tokenizer-type NullTokenizer`` for pre-tokenized and mock data: ids
     ``0..vocab_size-1``, the last one end-of-document, no padding id. (megatron-core has one in
@@ -515,13 +498,12 @@ def build_train_iterator(args, plan: Plan, consumed_samples: int):
     # --data-cache-path rank 0 builds the index and the others read it.
     train, _, _ = BlendedMegatronDatasetBuilder(cls, [total, 0, 0], lambda: True, config).build()
     dist.barrier()
-    if plan.shares is not None:
-        from megatron_ext.nonuniform_tp import BalancedPretrainingSampler
+    # Megatron-LM's MegatronPretrainingSampler order; with --ntp-balance each replica takes its own share.
+    from megatron_ext.nonuniform_tp import BalancedPretrainingSampler, equal_batch_shares
 
-        sampler = BalancedPretrainingSampler(total, consumed_samples, plan.shares)
-    else:
-        sampler = PretrainingSampler(total, consumed_samples, args.micro_batch_size, ps.get_data_parallel_rank(),
-                                     ps.get_data_parallel_world_size())
+    shares = plan.shares or equal_batch_shares(ps.get_data_parallel_world_size(), args.global_batch_size,
+                                               args.micro_batch_size)
+    sampler = BalancedPretrainingSampler(total, consumed_samples, shares)
     return iter(torch.utils.data.DataLoader(train, batch_sampler=sampler, num_workers=0, pin_memory=False))
 
 
