@@ -82,19 +82,24 @@ def _body(backend):
         assert late, "the test needs a tensor that only a later bucket of rank 1 carries"
         return late
 
+    def faulty_second_version(atomic, refit2):
+        """Version 1, then ``refit2(ex, trainer tensors)`` tries version 2 (the trainer's weights doubled,
+        exact in floating point) with a fault and returns what it raised; then version 3 applies."""
+        tr, e = trainer(), engine()
+        ex = wx.ReshardExecutor(plan, rank, {**tr, **e}, bucket_bytes=BUCKET, atomic=atomic)
+        ex.refit(1)
+        before = snap(e)
+        for t in tr.values():
+            t.mul_(2)
+        refused = refit2(ex, tr)
+        after, held = snap(e), ex.version
+        ex.refit(3)  # every rank stayed in step: the next version applies
+        return dict(before=before, after=after, held=held, refused=refused, final=snap(e), version=ex.version)
+
     for case, served in (("stale", lambda ex: 1 if rank == 1 else None), ("late_stale", late_only)):
         for atomic in (True, False):
-            tr, e = trainer(), engine()
-            ex = wx.ReshardExecutor(plan, rank, {**tr, **e}, bucket_bytes=BUCKET, atomic=atomic)
-            ex.refit(1)
-            before = snap(e)
-            for t in tr.values():
-                t.mul_(2)  # the trainer's next version (exact in floating point)
-            refused = attempt(lambda: ex.refit(2, source_version=served(ex)))
-            after, held = snap(e), ex.version
-            ex.refit(3)  # every rank stayed in step: the next version applies
-            out[(case, atomic)] = dict(before=before, after=after, held=held, refused=refused, final=snap(e),
-                                       version=ex.version)
+            out[(case, atomic)] = faulty_second_version(
+                atomic, lambda ex, tr, served=served: attempt(lambda: ex.refit(2, source_version=served(ex))))
     # 3. another plan on rank 0 (same transfers per pair, another order: the same buckets, another fingerprint)
     other = ReshardPlan(plan.src, plan.dst, sorted(plan.transfers, key=lambda t: -t.dst))
     tr, e = trainer(), engine()
@@ -130,23 +135,17 @@ def _body(backend):
                               problem=ex.problem)
     # 3e. a NaN in what rank 1 serves for version 2: every rank refuses it before a byte moves, rank 1 naming
     # the HF tensor; the engines keep version 1 bit for bit (atomic or streaming); then version 3 applies
-    for atomic in (True, False):
-        tr, e = trainer(), engine()
-        ex = wx.ReshardExecutor(plan, rank, {**tr, **e}, bucket_bytes=BUCKET, atomic=atomic)
-        ex.refit(1)
-        before = snap(e)
-        for t in tr.values():
-            t.mul_(2)
-        if rank == 1:
-            kept = tr[FC2].view(-1)[3].item()
-            tr[FC2].view(-1)[3] = float("nan")
+    def nan_on_rank1(ex, tr):
+        if rank != 1:
+            return attempt(lambda: ex.refit(2))
+        kept = tr[FC2].view(-1)[3].item()
+        tr[FC2].view(-1)[3] = float("nan")
         refused = attempt(lambda: ex.refit(2))
-        after, held = snap(e), ex.version
-        if rank == 1:
-            tr[FC2].view(-1)[3] = kept
-        ex.refit(3)
-        out[("nonfinite", atomic)] = dict(refused=refused, before=before, after=after, held=held, final=snap(e),
-                                          version=ex.version)
+        tr[FC2].view(-1)[3] = kept
+        return refused
+
+    for atomic in (True, False):
+        out[("nonfinite", atomic)] = faulty_second_version(atomic, nan_on_rank1)
     # 4. the KL gate on each engine replica (an HF model per TP1 replica)
     toks = tiny_llama.tokens(SPEC)
     ref_logits = wx.megatron_logits(model, toks)  # every rank (TP collectives)
