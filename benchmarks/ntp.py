@@ -15,7 +15,17 @@ parameters), forward+backward, grad sync (``finish_grad_sync()`` with overlap of
 fold all-to-all plus the DP collective on healthy ranks, and the wait for the
 slowest replica), and the whole step (after a barrier); the table shows the
 slowest rank of each group; "sync vs uniform" compares unfold + grad sync.
-Prints a table and writes JSON.
+
+A second table gives the memory each rank holds for the model, counted exactly
+from the tensors (``ddp_memory_report``: works on CPU too): parameters (the
+ones forward runs), their gradients (``main_grad`` buffers), NTP's training
+shadow (healthy replicas: the ``tp_reduced`` shadow parameters and their grad
+buffer; spares hold a zero one), and the optimizer (fp32 main-param copies and
+Adam's state), for uniform ranks, NTP healthy core ranks, healthy spare ranks
+and degraded ranks (the largest rank of each group), and on GPUs the peak
+``torch.cuda.max_memory_allocated`` of the run (activations and workspaces
+included). Prints both tables and writes JSON (``memory``: per group; ``per_rank``:
+every rank's timings and memory).
 """
 
 from __future__ import annotations
@@ -46,7 +56,7 @@ def _bench_rank(ntp_kwargs, tp, spec, steps, warmup, global_batch, backend):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from megatron_ext.nonuniform_tp import NonuniformTPDistributedDataParallel
+    from megatron_ext.nonuniform_tp import NonuniformTPDistributedDataParallel, ddp_memory_report
     from megatron_ext.testing.ntp_job import init_job
 
     job = init_job(ntp_kwargs, tp)
@@ -90,10 +100,43 @@ def _bench_rank(ntp_kwargs, tp, spec, steps, warmup, global_batch, backend):
             compute_s.append(t1 - ta)
             sync_s.append(t2 - t1)
             step_s.append(t3 - t0)
-    return dict(replica=replica, tp_size=tp_size, degraded=degraded,
+    memory = ddp_memory_report(ddp, opt)  # after the steps: Adam's state exists
+    return dict(replica=replica, tp_size=tp_size, degraded=degraded, role=memory.role,
                 unfold_s=statistics.median(unfold_s), compute_s=statistics.median(compute_s),
                 sync_s=statistics.median(sync_s),
-                step_s=statistics.median(step_s))
+                step_s=statistics.median(step_s), memory=memory.as_dict(),
+                peak_cuda_bytes=torch.cuda.max_memory_allocated() if backend == "nccl" else None)
+
+
+MEMORY_GROUPS = (("uniform DDP, all ranks", "uniform", "uniform"), ("NTP healthy core", "ntp", "healthy core"),
+                 ("NTP healthy spare", "ntp", "healthy spare"), ("NTP degraded replica", "ntp", "degraded"))
+MEMORY_FIELDS = ("params", "grads", "shadow", "optimizer", "total")
+
+
+def memory_table(uniform, ntp_out) -> dict:
+    """Print the per-rank memory table; return ``{group: the group's largest rank}`` (bytes)."""
+    runs = dict(uniform=uniform, ntp=ntp_out)
+    groups = {}
+    for name, run, role in MEMORY_GROUPS:
+        rows = [r for r in runs[run] if r["role"] == role]
+        if rows:
+            top = max(rows, key=lambda r: r["memory"]["total"])
+            peaks = [r["peak_cuda_bytes"] for r in rows if r["peak_cuda_bytes"] is not None]
+            groups[name] = dict(top["memory"], ranks=len(rows), peak_cuda_bytes=max(peaks) if peaks else None)
+    base = groups["uniform DDP, all ranks"]["total"]
+    mib = 2.0 ** 20
+    print(f"\nmemory per rank (MiB, exact tensor bytes; the largest rank of each group)\n"
+          f"{'ranks':24} | {'n':>2} | {'params':>8} | {'grads':>8} | {'shadow':>8} | {'optimizer':>9} | "
+          f"{'total':>8} | {'vs uniform':>10} | {'peak CUDA':>9}")
+    print("-" * 112)
+    for name, g in groups.items():
+        peak = "-" if g["peak_cuda_bytes"] is None else f"{g['peak_cuda_bytes'] / mib:9.2f}"
+        print(f"{name:24} | {g['ranks']:2d} | " + " | ".join(
+            f"{g[k] / mib:{9 if k == 'optimizer' else 8}.2f}" for k in MEMORY_FIELDS)
+            + f" | {g['total'] / base:9.2f}x | {peak:>9}")
+    print("shadow: the tp_reduced training shadow's parameters and grad buffer (healthy replicas; a spare's is "
+          "zero and never trained); optimizer: fp32 main params + Adam state over the shadow on healthy ranks.")
+    return groups
 
 
 def main(argv=None) -> int:
@@ -155,11 +198,12 @@ def main(argv=None) -> int:
     print(f"\ndegraded / healthy fwd+bwd time: {ratio:.2f}x (ideal: tp_base/tp_reduced = "
           f"{args.tp_base / (args.tp_base - args.spares):.2f}x). The DP collective waits for the "
           "slowest replica: grad sync includes that wait.")
+    memory = memory_table(uniform, ntp_out)
     result = dict(world=world, backend=backend, tp_base=args.tp_base, spares=args.spares,
                   replicas=args.replicas, hidden=args.hidden, layers=args.layers, steps=args.steps,
                   device=torch.cuda.get_device_name() if backend == "nccl" else "cpu",
                   uniform=u, ntp_healthy=h, ntp_degraded=d, degraded_over_healthy_compute=ratio,
-                  per_rank=dict(uniform=uniform, ntp=ntp_out))
+                  memory=memory, per_rank=dict(uniform=uniform, ntp=ntp_out))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

@@ -158,12 +158,16 @@ class Plan:
     tp: int                      # uniform TP degree (tp_base under NTP)
     dp: int                      # data-parallel replicas
     padded_vocab_size: int
-    num_microbatches: int
+    shares: object               # BatchShares: each replica's micro-batches of every global batch
     ntp: object | None           # NonuniformTPConfig
     symm: object                 # SymmMemConfig
     export: object | None        # WeightExportConfig
     cuda: bool
-    shares: object | None = None  # NTP BatchShares with --ntp-balance other than none
+
+    @property
+    def balanced(self) -> bool:
+        """--ntp-balance other than none: replicas take unequal shares (else Megatron's equal split)."""
+        return self.ntp is not None and self.ntp.balance != "none"
 
 
 def _refuse(parser, msg: str):
@@ -198,7 +202,7 @@ def _positive(args, *names):
 
 def _check(args, world_size: int, cuda: bool, parser) -> Plan:
     from megatron_ext.fsdp_symm import SymmMemConfig
-    from megatron_ext.nonuniform_tp import NonuniformTPConfig
+    from megatron_ext.nonuniform_tp import NonuniformTPConfig, equal_batch_shares
     from megatron_ext.weight_export import WeightExportConfig
 
     _positive(args, "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
@@ -291,8 +295,7 @@ def _check(args, world_size: int, cuda: bool, parser) -> Plan:
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * dp
     per_step = args.micro_batch_size * dp
-    shares = None
-    if ntp is not None and getattr(ntp, "balance", "none") != "none":
+    if ntp is not None and ntp.balance != "none":
         # Each replica takes a share of every global batch (--ntp-balance); refused here if impossible.
         shares = ntp.batch_shares(args.global_batch_size, args.micro_batch_size, num_replicas=dp)
     elif args.global_batch_size % per_step:
@@ -300,6 +303,8 @@ def _check(args, world_size: int, cuda: bool, parser) -> Plan:
         raise ValueError(
             f"--global-batch-size {args.global_batch_size} must be a multiple of --micro-batch-size x data-parallel "
             f"size = {args.micro_batch_size} x {dp} = {per_step} (e.g. {lo} or {lo + per_step})")
+    else:
+        shares = equal_batch_shares(dp, args.global_batch_size, args.micro_batch_size)  # Megatron's split
 
     export = None
     changed = [f for f in ("weight_export_every_n_steps", "weight_export_bucket_size_mb")
@@ -335,9 +340,8 @@ def _check(args, world_size: int, cuda: bool, parser) -> Plan:
                          "(TrainerRefit / EngineRefit, docs/weight_export_reshard.md)")
     if args.data_path is None:
         args.mock_data = True
-    return Plan(world_size=world_size, tp=tp, dp=dp, padded_vocab_size=padded,
-                num_microbatches=args.global_batch_size // per_step, ntp=ntp, symm=symm, export=export, cuda=cuda,
-                shares=shares)
+    return Plan(world_size=world_size, tp=tp, dp=dp, padded_vocab_size=padded, shares=shares, ntp=ntp, symm=symm,
+                export=export, cuda=cuda)
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -451,7 +455,7 @@ def wrap_model(args, plan: Plan, config, model):
     if plan.ntp is not None:
         from megatron_ext.nonuniform_tp import NonuniformTPDistributedDataParallel
 
-        kwargs = {} if plan.shares is None else {"batch_shares": plan.shares}
+        kwargs = {"batch_shares": plan.shares} if plan.balanced else {}
         return NonuniformTPDistributedDataParallel(config, ddp_config, model, ntp_config=plan.ntp,
                                                    symm_mem_config=symm, **kwargs)
     if symm is not None:
@@ -482,7 +486,6 @@ def build_train_iterator(args, plan: Plan, consumed_samples: int):
     """The training split of MockGPTDataset (or GPTDataset over --data-path), read from ``consumed_samples``."""
     import torch
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
     from megatron.core.datasets.utils import get_blend_from_list
@@ -499,11 +502,9 @@ def build_train_iterator(args, plan: Plan, consumed_samples: int):
     train, _, _ = BlendedMegatronDatasetBuilder(cls, [total, 0, 0], lambda: True, config).build()
     dist.barrier()
     # Megatron-LM's MegatronPretrainingSampler order; with --ntp-balance each replica takes its own share.
-    from megatron_ext.nonuniform_tp import BalancedPretrainingSampler, equal_batch_shares
+    from megatron_ext.nonuniform_tp import BalancedPretrainingSampler
 
-    shares = plan.shares or equal_batch_shares(ps.get_data_parallel_world_size(), args.global_batch_size,
-                                               args.micro_batch_size)
-    sampler = BalancedPretrainingSampler(total, consumed_samples, shares)
+    sampler = BalancedPretrainingSampler(total, consumed_samples, plan.shares)
     return iter(torch.utils.data.DataLoader(train, batch_sampler=sampler, num_workers=0, pin_memory=False))
 
 
@@ -526,60 +527,6 @@ def forward_step(device, data_iterator, model):
 
 
 # -------------------------------------------------------------------------------------- checkpoints
-def _ntp_reduced_sharded_state_dict(ddp, ntp_config, tp_rank: int) -> dict:
-    """A healthy NTP replica's core rank: its training state (the shadow, the ``tp_reduced``
-    layout) described exactly as a degraded replica's rank ``tp_rank`` describes its model,
-    so the job's checkpoint is one ``tp_reduced`` layout whatever the replica."""
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
-    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
-
-    from megatron_ext.nonuniform_tp.checkpoint import shard_specs
-
-    compute = ddp.compute_module
-    shadows = dict(ddp.module.named_parameters())
-    names = {id(p): n for n, p in compute.named_parameters()}
-    specs = shard_specs(compute, compute.config.gated_linear_unit)
-    r = ntp_config.tp_reduced
-    out = {}
-    for key, sh in compute.sharded_state_dict().items():
-        if isinstance(sh, ShardedObject):
-            out[key] = sh
-            continue
-        name = names.get(id(sh.data))
-        if name is None:
-            raise NotImplementedError(f"{key}: a checkpoint tensor that is not a parameter; the NTP checkpoint "
-                                      "layout covers parameters (and _extra_state) only")
-        shadow, spec = shadows[name], specs[name]
-        if isinstance(sh, ShardedTensorFactory):
-            built = sh.build()
-            first = next(iter(built.values())) if isinstance(built, dict) else built[0]
-            n = first.prepend_axis_num
-            offsets = tuple((i, first.global_offset[i], first.axis_fragmentations[i]) for i in range(n))
-            if spec.dim != 0 or spec.chunks != 2:
-                raise NotImplementedError(f"{key}: only the gated linear_fc1 factory is supported under NTP")
-            original = ShardedTensor.from_rank_offsets(sh.key, shadow, *offsets, (n, tp_rank, r),
-                                                       replica_id=sh.replica_id, prepend_axis_num=n)
-            out[key] = apply_swiglu_sharded_factory(original, offsets)
-        elif spec.dim is None:
-            out[key] = dataclasses.replace(sh, data=shadow)
-        else:
-            ax = sh.prepend_axis_num + spec.dim
-            offset, frags = list(sh.global_offset), list(sh.axis_fragmentations)
-            offset[ax], frags[ax] = tp_rank * shadow.shape[spec.dim], r
-            out[key] = dataclasses.replace(sh, data=shadow, local_shape=tuple(shadow.shape),
-                                           global_offset=tuple(offset), axis_fragmentations=tuple(frags))
-    return out
-
-
-def model_sharded_state_dict(ddp, ntp_groups):
-    """This rank's model entry of the checkpoint; None on an NTP spare rank (it holds no training state)."""
-    if ntp_groups is not None and ntp_groups.ntp_active and not ntp_groups.role.degraded:
-        if ntp_groups.role.spare:
-            return None
-        return _ntp_reduced_sharded_state_dict(ddp, ntp_groups.config, ntp_groups.role.tp_rank)
-    return ddp.module.sharded_state_dict()
-
-
 def optimizer_metadata(args) -> dict:
     """The distributed optimizer's checkpoint format: ``dp_reshardable`` (per DP shard; resumes
     at the same TP layout, any DP size). Its TP-reshardable formats do not work in megatron-core
@@ -610,16 +557,18 @@ def format_failed(slots) -> str:
     return format_failed_slots(slots)
 
 
-def save_checkpoint(args, plan: Plan, iteration: int, consumed: int, ddp, optimizer, scheduler, ntp_groups):
+def save_checkpoint(args, plan: Plan, iteration: int, consumed: int, ddp, optimizer, scheduler):
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
+
+    from megatron_ext.nonuniform_tp import model_sharded_state_dict
 
     start = time.perf_counter()
     state = {"iteration": iteration, "consumed_train_samples": consumed, "checkpoint_version": 3.0,
              "opt_param_scheduler": scheduler.state_dict(), "layout": _layout_text(plan),
              "tp_layout": _tp_layout(plan), "distributed_optimizer": args.use_distributed_optimizer,
              "padded_vocab_size": plan.padded_vocab_size}
-    model_sd = model_sharded_state_dict(ddp, ntp_groups)
+    model_sd = model_sharded_state_dict(ddp)  # None on an NTP spare rank (it holds no training state)
     if model_sd is not None:
         state["model"] = model_sd
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, metadata=optimizer_metadata(args))
@@ -655,11 +604,13 @@ def _restore_adam_steps(optimizer) -> None:
                     state["step"] = torch.full_like(state["step"], float(group["step"]))
 
 
-def load_checkpoint(args, plan: Plan, ddp, optimizer, scheduler, ntp_groups) -> tuple[int, int]:
+def load_checkpoint(args, plan: Plan, ddp, optimizer, scheduler) -> tuple[int, int]:
     """Resume from ``--load``'s latest checkpoint (any TP layout, NTP or uniform).
     Returns ``(iteration, consumed_samples)``; ``(0, 0)`` when there is none."""
     import torch
     from megatron.core import dist_checkpointing
+
+    from megatron_ext.nonuniform_tp import model_sharded_state_dict
 
     tracker = os.path.join(args.load, TRACKER)
     if not os.path.isfile(tracker):
@@ -694,7 +645,7 @@ def load_checkpoint(args, plan: Plan, ddp, optimizer, scheduler, ntp_groups) -> 
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
         optimizer.step()
-    model_sd = model_sharded_state_dict(ddp, ntp_groups)
+    model_sd = model_sharded_state_dict(ddp)
     state = {}
     if model_sd is not None:
         state["model"] = model_sd
@@ -734,14 +685,14 @@ def startup_summary(args, plan: Plan, ddp, ntp_groups, exporter) -> None:
     dist.all_gather_object(everyone, mine)
     lines = [f"megatron_ext: {plan.world_size} ranks ({args.distributed_backend}), {_layout_text(plan)}, "
              + (f"global batch {args.global_batch_size} = {args.micro_batch_size} x {plan.dp} x "
-                f"{plan.num_microbatches} micro-batches" if plan.shares is None else
+                f"{plan.shares.microbatches[0]} micro-batches" if not plan.balanced else
                 f"global batch {args.global_batch_size} in micro-batches of {args.micro_batch_size} (shares below)")
              + f", padded vocab {plan.padded_vocab_size}, "
              f"DDP wrapper {type(ddp).__name__}"]
     if ntp_groups is not None:
         lay = ntp_groups.layout
         degraded = [d for d in range(lay.num_replicas) if lay.is_degraded(d)]
-        shares = "" if plan.shares is None else f", --ntp-balance {plan.ntp.balance}: {plan.shares.describe()}"
+        shares = f", --ntp-balance {plan.ntp.balance}: {plan.shares.describe()}" if plan.balanced else ""
         lines.append(f"megatron_ext: nonuniform TP: on, tp_base={lay.tp_base}, replica(s) {degraded} at "
                      f"TP={lay.tp_reduced}, TP groups {lay.all_tp_groups()}, launch {plan.ntp.launch_mode}{shares}")
     else:
@@ -816,7 +767,7 @@ def train(args, plan: Plan) -> int:
 
     iteration, consumed = 0, 0
     if args.load:
-        iteration, consumed = load_checkpoint(args, plan, ddp, optimizer, scheduler, ntp_groups)
+        iteration, consumed = load_checkpoint(args, plan, ddp, optimizer, scheduler)
     first_iteration = iteration
 
     exporter = None
@@ -835,7 +786,7 @@ def train(args, plan: Plan) -> int:
     data = build_train_iterator(args, plan, consumed)
     forward_backward = get_forward_backward_func()
     # This replica's micro-batches per global batch (unequal under --ntp-balance).
-    num_microbatches = plan.shares.num_microbatches() if plan.shares is not None else plan.num_microbatches
+    num_microbatches = plan.shares.num_microbatches()
     is_tp0 = ps.get_tensor_model_parallel_rank() == 0
     tokens_per_iter = gbs * args.seq_length
     window = dict(loss=0.0, iters=0, seconds=0.0, skipped=0, nan=0)
@@ -893,11 +844,11 @@ def train(args, plan: Plan) -> int:
             print_rank_last(line)
             window = dict(loss=0.0, iters=0, seconds=0.0, skipped=0, nan=0)
         if args.save and args.save_interval and iteration % args.save_interval == 0:
-            save_checkpoint(args, plan, iteration, consumed, ddp, optimizer, scheduler, ntp_groups)
+            save_checkpoint(args, plan, iteration, consumed, ddp, optimizer, scheduler)
             saved_at = iteration
     trained = iteration > first_iteration
     if args.save and trained and saved_at != iteration:
-        save_checkpoint(args, plan, iteration, consumed, ddp, optimizer, scheduler, ntp_groups)
+        save_checkpoint(args, plan, iteration, consumed, ddp, optimizer, scheduler)
     if exporter is not None:
         if trained and (not plan.export.every_n_steps or iteration % plan.export.every_n_steps):
             report_export(exporter, exporter.export(version=iteration))  # the final weights

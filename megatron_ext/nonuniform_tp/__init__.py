@@ -16,6 +16,10 @@ Balanced batch shares (``--ntp-balance tp``)::
     sampler = BalancedPretrainingSampler(len(dataset), consumed_samples, shares)   # DataLoader batch_sampler
     forward_backward_func(..., num_microbatches=shares.num_microbatches())
 
+Distributed checkpoints (megatron-core ``dist_checkpointing``, any TP layout resumes them)::
+
+    model_sd = model_sharded_state_dict(ddp)            # None on a healthy replica's spare rank
+
 See docs/nonuniform_tp.md.
 """
 
@@ -44,11 +48,12 @@ from .process_groups import (
 
 def __getattr__(name):
     # The DDP subclass imports megatron-core's DDP; load it on first use.
-    if name in ("NonuniformTPDistributedDataParallel", "NonuniformTPBucketGroup"):
+    if name in ("NonuniformTPDistributedDataParallel", "NonuniformTPBucketGroup", "DDPMemoryReport",
+                "ddp_memory_report"):
         from . import ddp
 
         return getattr(ddp, name)
-    if name in ("ntp_to_uniform", "uniform_to_ntp", "merge_tp_shards", "split_tp_full"):
+    if name in ("ntp_to_uniform", "uniform_to_ntp", "merge_tp_shards", "split_tp_full", "model_sharded_state_dict"):
         from . import checkpoint
 
         return getattr(checkpoint, name)
@@ -58,6 +63,7 @@ def __getattr__(name):
 __all__ = [
     "BalancedPretrainingSampler",
     "BatchShares",
+    "DDPMemoryReport",
     "NTPLayout",
     "NTPProcessGroups",
     "NonuniformTPBucketGroup",
@@ -67,12 +73,14 @@ __all__ = [
     "add_nonuniform_tp_args",
     "balanced_batch_shares",
     "compute_uniform_tp_spares_with_parity",
+    "ddp_memory_report",
     "destroy_nonuniform_tp_process_groups",
     "equal_batch_shares",
     "format_failed_slots",
     "get_ntp_process_groups",
     "initialize_nonuniform_tp_process_groups",
     "merge_tp_shards",
+    "model_sharded_state_dict",
     "ntp_to_uniform",
     "parse_failed_slots",
     "reduce_loss_over_replicas",

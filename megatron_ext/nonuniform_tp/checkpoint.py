@@ -20,12 +20,20 @@ on the local spec, Transformer Engine's metadata as bytes or a tensor) are not
 TP-split; they are carried through: the merged dict keeps TP rank 0's entry and
 every split shard gets a copy of it. The shard specs come from a live model
 (:func:`shard_specs`).
+
+For megatron-core's distributed checkpointing (``dist_checkpointing.save`` /
+``load``), :func:`model_sharded_state_dict` describes a rank's model entry in
+one layout whatever the rank's replica: a healthy replica's core rank
+describes its training shadow exactly as a degraded replica's rank of the same
+TP rank describes its model, so any TP layout, NTP or uniform, resumes the
+checkpoint (torch_dist reshards on load).
 """
 
 from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import io
 import logging
 import re
@@ -41,8 +49,8 @@ from ..sharding.megatron import ShardSpec, shard_spec
 log = logging.getLogger(__name__)
 _LAYER = re.compile(r"(.*?layers\.\d+)\.")
 
-__all__ = ["gather_full_state", "is_extra_state", "merge_tp_shards", "ntp_to_uniform", "shard_specs",
-           "split_tp_full", "uniform_to_ntp"]
+__all__ = ["gather_full_state", "is_extra_state", "merge_tp_shards", "model_sharded_state_dict", "ntp_to_uniform",
+           "shard_specs", "split_tp_full", "uniform_to_ntp"]
 
 #: One replica's state dicts, one per TP rank: ``{tp_rank: state_dict}`` or a
 #: list in TP-rank order (position = TP rank).
@@ -348,3 +356,86 @@ def gather_full_state(module: torch.nn.Module, tp_group, gated_linear_unit: bool
         for s, part in zip(shards, parts):
             s[name] = part
     return {k: v.cpu() for k, v in merge_tp_shards(shards, specs).items()}
+
+
+# ---- megatron-core distributed checkpointing ---------------------------------------------------
+def model_sharded_state_dict(ddp) -> dict | None:
+    """This rank's ``"model"`` entry of a megatron-core distributed checkpoint
+    (``dist_checkpointing.save`` / ``load``), in the layout every TP layout resumes.
+
+    ``ddp``: Megatron's ``DistributedDataParallel`` (or a subclass) of a uniform
+    job, or a :class:`~megatron_ext.nonuniform_tp.NonuniformTPDistributedDataParallel`.
+
+    - Uniform jobs, NTP jobs without failures and degraded replicas: the
+      model's own ``ddp.module.sharded_state_dict()``.
+    - A healthy replica's core rank (TP rank ``i < tp_reduced``): its training
+      shadow (what the optimizer steps) described as the ``ShardedTensor`` s a
+      degraded replica's TP rank ``i`` gives for its model: the same keys and
+      global shapes, offset ``i`` of ``tp_reduced`` fragments along each tensor's
+      TP dim (the gated ``linear_fc1`` through Megatron's SwiGLU factory), the
+      replica ids of the ``tp_base`` model. So the job's checkpoint is one
+      ``tp_reduced`` layout, and torch_dist reshards it on load to any degree.
+    - A healthy replica's spare rank: ``None``. It holds no training state of
+      its own (its shadow is zero); leave the ``"model"`` and ``"optimizer"``
+      entries out of its state dict, but call ``dist_checkpointing.save`` /
+      ``load`` on it too (they are collective).
+
+    The optimizer's entry comes from the result as usual:
+    ``optimizer.sharded_state_dict(model_sd)`` (the shadow parameters are the
+    optimizer's parameters on healthy replicas). After ``dist_checkpointing.load``
+    copy the loaded tensors into ``model_sd``'s ``data`` where the load did not
+    write in place, then call ``ddp.sync_compute_params()`` so that healthy
+    replicas' ``tp_base`` compute parameters (spare ranks' included) take the
+    loaded shadow.
+
+    Raises NotImplementedError on a healthy core rank whose model's sharded
+    state dict has a tensor that is not a parameter, or a factory other than
+    the gated ``linear_fc1``'s.
+    """
+    if not getattr(ddp, "is_ntp_healthy_rank", False):
+        return ddp.module.sharded_state_dict()
+    groups = ddp._ntp_groups
+    if groups.role.spare:
+        return None
+    return _healthy_core_sharded_state_dict(ddp, groups.config.tp_reduced, groups.role.tp_rank)
+
+
+def _healthy_core_sharded_state_dict(ddp, tp_reduced: int, tp_rank: int) -> dict:
+    """A healthy replica's core rank: the shadow described as degraded rank ``tp_rank`` describes its model."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+    compute = ddp.compute_module
+    shadows = dict(ddp.module.named_parameters())
+    names = {id(p): n for n, p in compute.named_parameters()}
+    specs = shard_specs(compute, compute.config.gated_linear_unit)
+    r = tp_reduced
+    out = {}
+    for key, sh in compute.sharded_state_dict().items():
+        if isinstance(sh, ShardedObject):
+            out[key] = sh
+            continue
+        name = names.get(id(sh.data))
+        if name is None:
+            raise NotImplementedError(f"{key}: a checkpoint tensor that is not a parameter; the NTP checkpoint "
+                                      "layout covers parameters (and _extra_state) only")
+        shadow, spec = shadows[name], specs[name]
+        if isinstance(sh, ShardedTensorFactory):
+            built = sh.build()
+            first = next(iter(built.values())) if isinstance(built, dict) else built[0]
+            n = first.prepend_axis_num
+            offsets = tuple((i, first.global_offset[i], first.axis_fragmentations[i]) for i in range(n))
+            if spec.dim != 0 or spec.chunks != 2:
+                raise NotImplementedError(f"{key}: only the gated linear_fc1 factory is supported under NTP")
+            original = ShardedTensor.from_rank_offsets(sh.key, shadow, *offsets, (n, tp_rank, r),
+                                                       replica_id=sh.replica_id, prepend_axis_num=n)
+            out[key] = apply_swiglu_sharded_factory(original, offsets)
+        elif spec.dim is None:
+            out[key] = dataclasses.replace(sh, data=shadow)
+        else:
+            ax = sh.prepend_axis_num + spec.dim
+            offset, frags = list(sh.global_offset), list(sh.axis_fragmentations)
+            offset[ax], frags[ax] = tp_rank * shadow.shape[spec.dim], r
+            out[key] = dataclasses.replace(sh, data=shadow, local_shape=tuple(shadow.shape),
+                                           global_offset=tuple(offset), axis_fragmentations=tuple(frags))
+    return out

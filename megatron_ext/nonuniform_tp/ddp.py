@@ -25,6 +25,10 @@ state on each spare.
 Balanced batch shares (:mod:`.balance`): with ``batch_shares``, each bucket
 scales its gradients by the replica's share of the global batch before the
 data-parallel collective, in place of Megatron's ``1 / data_parallel_size``.
+
+Memory: :meth:`NonuniformTPDistributedDataParallel.memory_report` (and
+:func:`ddp_memory_report` for Megatron's own DDP) counts the bytes a rank holds
+for parameters, gradients, the shadow and the optimizer, from the tensors.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from .balance import BatchShares
 from .config import NonuniformTPConfig
 from .process_groups import NTPProcessGroups, get_ntp_process_groups
 
-__all__ = ["NonuniformTPBucketGroup", "NonuniformTPDistributedDataParallel"]
+__all__ = ["DDPMemoryReport", "NonuniformTPBucketGroup", "NonuniformTPDistributedDataParallel", "ddp_memory_report"]
 
 
 @dataclasses.dataclass
@@ -54,6 +58,115 @@ class _HealthyState:
     tp_group: object
     unfold: list  # reshard.Piece, shadow (core ranks) -> compute (all ranks)
     stale: bool = False  # shadow updated since the last unfold
+
+
+@dataclasses.dataclass(frozen=True)
+class DDPMemoryReport:
+    """Bytes one rank holds for the model, by what holds them (``numel * element_size``
+    of the tensors themselves, on any device; not allocator statistics).
+
+    ``role``: ``"uniform"`` (Megatron's DDP, or NTP without a degraded replica),
+    ``"degraded"``, ``"healthy core"`` or ``"healthy spare"``.
+
+    - ``params``: the parameters ``forward`` runs (``tp_base`` layout on healthy
+      replicas); Megatron's whole param buffer where the distributed optimizer
+      allocated one (bucket padding included).
+    - ``grads``: the ``main_grad`` tensors backward accumulates into: Megatron's
+      grad buffer (padding included), or on healthy replicas the ``tp_base``
+      compute gradients.
+    - ``shadow_params``, ``shadow_grads``: healthy replicas only (else 0): the
+      ``tp_reduced`` training shadow and its grad buffer, the one the
+      data-parallel collective reduces. Core rank ``i`` holds what degraded rank
+      ``i`` holds; a spare holds a zero shadow of the same size.
+    - ``optimizer_main_params``: the optimizer's own copies of the parameters
+      (fp32 main params of a bf16/fp16 model; 0 when it steps the model's
+      tensors in place), and ``optimizer_state``: its state tensors (Adam's
+      moments and step counts). ``None`` when no optimizer was given.
+    """
+
+    role: str
+    params: int
+    grads: int
+    shadow_params: int = 0
+    shadow_grads: int = 0
+    optimizer_main_params: int | None = None
+    optimizer_state: int | None = None
+
+    @property
+    def shadow(self) -> int:
+        """NTP's extra training state on this rank: shadow parameters and gradients."""
+        return self.shadow_params + self.shadow_grads
+
+    @property
+    def optimizer(self) -> int:
+        return (self.optimizer_main_params or 0) + (self.optimizer_state or 0)
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.shadow + self.optimizer
+
+    def as_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "shadow": self.shadow, "optimizer": self.optimizer,
+                "total": self.total}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _param_bytes(params, buffers) -> int:
+    """Megatron's param buffers where allocated (distributed optimizer), the other parameters' own bytes."""
+    total, inside = 0, set()
+    for b in buffers:
+        if b.param_data is not None:
+            total += _nbytes(b.param_data)
+            inside.update(id(p) for p in b.params)
+    return total + sum(_nbytes(p) for p in params if id(p) not in inside)
+
+
+def _optimizer_bytes(optimizer, model_tensors) -> tuple[int, int]:
+    """``(main params, state)`` bytes of a Megatron optimizer (chained or not): the
+    parameters it steps that are not the model's own storage, and its state tensors."""
+    model = {t.untyped_storage().data_ptr() for t in model_tensors if t.numel()}
+    main = state = 0
+    seen = set()
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", opt)  # the torch optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if id(p) not in seen and p.numel() and p.untyped_storage().data_ptr() not in model:
+                    main += _nbytes(p)
+                seen.add(id(p))
+        for per_param in inner.state.values():
+            state += sum(_nbytes(v) for v in per_param.values() if torch.is_tensor(v))
+    return main, state
+
+
+def ddp_memory_report(ddp, optimizer=None) -> DDPMemoryReport:
+    """:class:`DDPMemoryReport` of this rank for megatron-core's ``DistributedDataParallel``
+    or :class:`NonuniformTPDistributedDataParallel` (``optimizer``: the Megatron optimizer
+    built over it, for the optimizer's share). Local: no communication."""
+    buffers = list(ddp.buffers) + list(ddp.expert_parallel_buffers)
+    grad_buffers = sum(_nbytes(b.grad_data) for b in buffers)
+    ntp = getattr(ddp, "_ntp", None)
+    if ntp is None:
+        groups = getattr(ddp, "_ntp_groups", None)
+        degraded = groups is not None and groups.ntp_active and groups.role.degraded
+        params = list(ddp.module.parameters())
+        report = DDPMemoryReport("degraded" if degraded else "uniform", _param_bytes(params, buffers), grad_buffers)
+        model_tensors = params + [b.param_data for b in buffers if b.param_data is not None]
+    else:
+        compute = list(ddp.compute_module.parameters())
+        shadows = list(ddp.module.parameters())
+        spare = ddp._ntp_groups.role.spare
+        report = DDPMemoryReport("healthy spare" if spare else "healthy core", _param_bytes(compute, []),
+                                 sum(_nbytes(p.main_grad) for _, p in ntp.compute),
+                                 _param_bytes(shadows, buffers), grad_buffers)
+        model_tensors = compute + shadows + [b.param_data for b in buffers if b.param_data is not None]
+    if optimizer is not None:
+        main, state = _optimizer_bytes(optimizer, model_tensors)
+        report = dataclasses.replace(report, optimizer_main_params=main, optimizer_state=state)
+    return report
 
 
 class NonuniformTPBucketGroup(_ParamAndGradBucketGroup):
@@ -251,6 +364,13 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
     @property
     def is_ntp_healthy_rank(self) -> bool:
         return self._ntp is not None
+
+    def memory_report(self, optimizer=None) -> DDPMemoryReport:
+        """This rank's bytes for parameters, gradients, the training shadow and
+        (given the Megatron optimizer) the optimizer: :class:`DDPMemoryReport`.
+        Local, no communication; sizes do not change during training except the
+        optimizer state, which torch's Adam allocates at the first step."""
+        return ddp_memory_report(self, optimizer)
 
     @staticmethod
     def _make_fold(pieces, compute, shadows, tp_rank, tp_group):

@@ -32,8 +32,8 @@ def train(ntp_kwargs, steps, *, spec=tiny_gpt.TinyGPTSpec(), tp=1, distributed_o
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from megatron_ext.nonuniform_tp import NonuniformTPDistributedDataParallel
-    from megatron_ext.nonuniform_tp.checkpoint import gather_full_state, shard_specs
+    from megatron_ext.nonuniform_tp import NonuniformTPDistributedDataParallel, ddp_memory_report
+    from megatron_ext.nonuniform_tp.checkpoint import gather_full_state, model_sharded_state_dict, shard_specs
     from megatron_ext.testing.ntp_job import init_job
 
     job = init_job(ntp_kwargs, tp)
@@ -97,6 +97,7 @@ def train(ntp_kwargs, steps, *, spec=tiny_gpt.TinyGPTSpec(), tp=1, distributed_o
     ddp.zero_grad_buffer()  # healthy NTP replicas refresh their compute weights here
     compute = getattr(ddp, "compute_module", ddp.module)
     final = gather_full_state(compute, tp_group, spec.gated_linear_unit)
+    sharded = model_sharded_state_dict(ddp)
     dist.barrier(group=tp_group)
     keep = tp_rank == 0
     cpu = lambda m: {n: p.detach().cpu().clone() for n, p in m.named_parameters()}  # noqa: E731
@@ -106,7 +107,27 @@ def train(ntp_kwargs, steps, *, spec=tiny_gpt.TinyGPTSpec(), tp=1, distributed_o
                 losses=losses, times=times, init=init if keep else None,
                 final=final if keep else None,
                 train_state=cpu(ddp.module), compute_state=cpu(compute),
-                specs=shard_specs(compute, spec.gated_linear_unit))
+                specs=shard_specs(compute, spec.gated_linear_unit),
+                sharded=None if sharded is None else describe_sharded(sharded),
+                memory=ddp_memory_report(ddp, opt))
+
+
+def describe_sharded(sharded_state_dict):
+    """``{key: [(key, global_shape, global_offset, axis_fragmentations, data), ...]}``: the
+    ShardedTensors of a sharded state dict (factories built), without replica ids; data on CPU."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+
+    out = {}
+    for key, sh in sharded_state_dict.items():
+        if isinstance(sh, ShardedObject):
+            out[key] = [(sh.key, "object")]
+            continue
+        parts = sh.build() if isinstance(sh, ShardedTensorFactory) else [sh]
+        parts = list(parts.values()) if isinstance(parts, dict) else parts
+        assert all(isinstance(t, ShardedTensor) for t in parts), (key, parts)
+        out[key] = [(t.key, tuple(t.global_shape), tuple(t.global_offset), tuple(t.axis_fragmentations),
+                     t.data.detach().cpu().clone()) for t in parts]
+    return out
 
 
 def train_cases(cases):

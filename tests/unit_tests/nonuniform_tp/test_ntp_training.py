@@ -1,8 +1,9 @@
 """NTP jobs train exactly like uniform TP: per-step loss of the global batch
 equal to a single-rank (TP=1) baseline within 1e-5 over 10 Megatron-optimizer
 steps, the same global model at init in every replica, degraded and healthy
-replicas holding the same weights after training, and checkpoints converting
-between the NTP and the uniform layout. (The single-rank baseline equals
+replicas holding the same weights after training, checkpoints converting
+between the NTP and the uniform layout (and described for dist-checkpointing
+as one ``tp_reduced`` layout), and exact per-rank memory reports. (The single-rank baseline equals
 uniform TP=2 x DP=2: tests/unit_tests/testing/test_megatron_training.py.)"""
 
 import math
@@ -74,6 +75,55 @@ def _check_parity(out, ref, replicas, rtol=RTOL, weight_atol=WEIGHT_ATOL):
         assert not torch.equal(degraded["final"][name], want) or name.endswith("bias")
         err = (degraded["final"][name] - ref["final"][name]).abs().max().item()
         assert err <= weight_atol, f"{name}: {err}"
+
+
+def _check_sharded_state_dicts(out):
+    """``model_sharded_state_dict`` (what dist-checkpointing saves and loads): a healthy core
+    rank describes its training shadow as Megatron describes the degraded replica's model at
+    the same TP rank (keys, global shapes, offsets and fragmentations, values), so the job's
+    checkpoint is one ``tp_reduced`` layout; spare ranks describe nothing."""
+    ranks = [o for o in out if o is not None]
+    degraded = {o["tp_rank"]: o for o in ranks if o["degraded"]}
+    healthy = [o for o in ranks if not o["degraded"]]
+    assert any(o["tp_rank"] >= len(degraded) for o in healthy), "the job has no spare rank"
+    for o in healthy:
+        if o["tp_rank"] >= len(degraded):
+            assert o["sharded"] is None, o["tp_rank"]
+            continue
+        got, want = o["sharded"], degraded[o["tp_rank"]]["sharded"]
+        assert got.keys() == want.keys()
+        for key, parts in want.items():
+            assert len(got[key]) == len(parts), key
+            for g, w in zip(got[key], parts):
+                assert g[:-1] == w[:-1], (key, g[:-1], w[:-1])
+                if torch.is_tensor(w[-1]):
+                    assert torch.allclose(g[-1], w[-1], rtol=0, atol=1e-6), key
+
+
+def _nbytes(state):
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def _check_memory_reports(out, tp_reduced):
+    """``ddp_memory_report`` / ``memory_report`` count exactly the tensors each rank holds
+    (fp32 model and gradients, plain Adam, no distributed optimizer: no bucket padding).
+    Every healthy rank's shadow is the size of a degraded rank's model (Megatron's TP=tp_reduced
+    shards); the spares' is the zero shadow they carry for nothing; Adam keeps two fp32
+    moments and an fp32 step per parameter of the layout it steps (``tp_reduced`` everywhere)."""
+    ranks = [o for o in out if o is not None]
+    degraded = {o["tp_rank"]: o for o in ranks if o["degraded"]}
+    assert len(degraded) == tp_reduced
+    for o in ranks:
+        m, i = o["memory"], o["tp_rank"]
+        reduced = degraded[i % tp_reduced]["train_state"]  # Megatron's model at TP=tp_reduced
+        role = "degraded" if o["degraded"] else "healthy spare" if i >= tp_reduced else "healthy core"
+        shadow = 0 if o["degraded"] else _nbytes(reduced)
+        assert m.role == role, (i, m)
+        assert m.params == m.grads == _nbytes(o["compute_state"]), (role, m)
+        assert m.shadow_params == m.shadow_grads == shadow, (role, m)
+        assert m.optimizer_main_params == 0, (role, m)
+        assert m.optimizer_state == 2 * _nbytes(reduced) + 4 * len(reduced), (role, m)
+        assert m.total == m.params + m.grads + 2 * shadow + m.optimizer_state
 
 
 @pytest.mark.parametrize("backend", _backends(3))
@@ -152,6 +202,18 @@ def test_simulated_tp2_distributed_optimizer_overlap_glu_gqa(backend):
     assert out[0] is None, "the process of the failed slot must leave"
     _check_overlap(out)
     _check_parity(out, _baseline(SPEC_GLU_GQA, backend), replicas=2)
+    _check_sharded_state_dicts(out)  # the gated fc1's SwiGLU factory included
+    # Distributed optimizer: the healthy core rank's shadow buffers are the degraded rank's (same
+    # DP group, same bucket padding); the two DP peers' optimizer shards hold Adam's two fp32 moments
+    # of every shadow element once, plus an fp32 step per parameter piece (1 or 2 per parameter).
+    # The spare's DP group holds the healthy replica alone: it keeps the whole zero shadow's state.
+    by_role = {o["memory"].role: o for o in out if o is not None}
+    core, deg, spare = (by_role[r]["memory"] for r in ("healthy core", "degraded", "healthy spare"))
+    reduced = by_role["degraded"]["train_state"]
+    assert (core.shadow_params, core.shadow_grads) == (deg.params, deg.grads), (core, deg)
+    moments, n = 2 * _nbytes(reduced), len(reduced)
+    assert moments + 4 * n <= core.optimizer_state + deg.optimizer_state <= moments + 8 * n, (core, deg)
+    assert spare.optimizer_state == moments + 4 * n, spare
 
 
 @pytest.mark.parametrize("backend", _backends(6))
@@ -163,6 +225,8 @@ def test_packed_tp4_two_spares_overlap_and_checkpoint_conversion(backend):
                        backend=backend)
     _check_parity(out, _baseline(SPEC, backend), replicas=2)
     _check_overlap(out)
+    _check_sharded_state_dicts(out)
+    _check_memory_reports(out, tp_reduced=2)
 
     degraded = sorted((o for o in out if o["degraded"]), key=lambda o: o["tp_rank"])
     healthy = sorted((o for o in out if not o["degraded"]), key=lambda o: o["tp_rank"])
