@@ -90,17 +90,20 @@ def _sync(device):
 
 # ------------------------------------------------------------ naive baseline
 def _naive_tensors(model, spec):
-    """Per parameter: materialise each HF tensor as a new contiguous tensor."""
-    from megatron_ext.sharding.names import unwrap
-    from megatron_ext.weight_export.hf_mapping import local_sources, write_shard
+    """Per HF tensor: materialise it as a new contiguous tensor from its pieces."""
+    from megatron_ext.sharding import megatron_tensors, specs_from_model
+    from megatron_ext.weight_export.plan import build_plan
+    from megatron_ext.weight_export.reshard_plan import run_view
 
-    model = unwrap(model)
-    params = dict(model.named_parameters())
-    for src in local_sources(model, vocab_size=spec.hf_vocab_size):
-        outs = [torch.empty(shape, dtype=src.dtype, device=params[src.local_name].device)
-                for _, shape in src.outputs]
-        write_shard(src, params[src.local_name].detach(), 0, 1, outs)
-        yield from zip((n for n, _ in src.outputs), outs)
+    tensors = megatron_tensors(model)
+    plan = build_plan(specs_from_model(model, vocab_size=spec.hf_vocab_size), 1 << 30)
+    for bucket in plan.buckets:
+        for meta in bucket.tensors:
+            out = torch.empty(meta.shape, dtype=meta.dtype, device=next(iter(tensors.values())).device)
+            for t in bucket.transfers:
+                if t.name == meta.name:
+                    out[t.box.slices] = run_view(tensors[t.src_run.local], t.src_run).view(t.box.shape)
+            yield meta.name, out
 
 
 def _naive_share(t):

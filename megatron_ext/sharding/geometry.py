@@ -21,7 +21,7 @@ import torch
 
 from .spec import TensorSpec
 
-__all__ = ["Box", "Layout", "LocalTensor", "Segment", "local_tensors", "split_range", "tp_box"]
+__all__ = ["Box", "Layout", "LocalTensor", "Segment", "local_tensors", "split_range", "tp_box", "whole_layout"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +56,11 @@ class Box:
         for s in self.shape:
             n *= s
         return n
+
+    @property
+    def slices(self) -> tuple[slice, ...]:
+        """Index the HF tensor with these to get the box's view."""
+        return tuple(slice(a, b) for a, b in self.ranges)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,3 +194,11 @@ def local_tensors(specs: list[TensorSpec], boxes: dict[str, Box], *, megatron: b
             raise ValueError(f"{local}: fused parts differ beyond dim 0: {sorted(trailing)}")
         out[local] = LocalTensor(local, members[0].dtype, (row, *trailing.pop()), tuple(placed))
     return out
+
+
+def whole_layout(specs: Sequence[TensorSpec], rank: int = 0) -> Layout:
+    """One rank holding every HF tensor of ``specs`` whole under its own name: the
+    export hook's destination (engines that load checkpoint-format tensors)."""
+    tensors = {s.name: LocalTensor(s.name, s.dtype, s.shape, (Segment(s.name, Box.full(s.shape), 0),))
+               for s in specs}
+    return Layout((rank,), {rank: tensors}, {s.name: s for s in specs}, "whole HF tensors")

@@ -21,10 +21,11 @@ from collections.abc import Sequence
 import torch
 
 from .geometry import Layout, local_tensors, tp_box
+from .names import global_layer_names, unwrap
 from .spec import TensorSpec
 
 __all__ = ["ShardSpec", "layout_from_recipe", "megatron_expert_coords", "megatron_layout",
-           "megatron_layout_from_groups", "ntp_megatron_layout", "shard_spec"]
+           "megatron_layout_from_groups", "megatron_tensors", "ntp_megatron_layout", "shard_spec"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,3 +202,21 @@ def _layer_stages(specs: list[TensorSpec], pp: int) -> list[int]:
     if n and n < pp:
         raise ValueError(f"{n} layers cannot fill pp={pp} stages")
     return [layer * pp // n for layer in range(n)]
+
+
+def megatron_tensors(model) -> dict[str, torch.Tensor]:
+    """A Megatron model's parameters under global names (pipeline-stage layer offsets applied).
+
+    For a nonuniform-TP DDP use :func:`~megatron_ext.weight_export.ntp_megatron_tensors`: this returns its
+    compute parameters as they are, stale on a healthy replica after an
+    optimizer step."""
+    model = unwrap(model)
+    prefixes = global_layer_names(model)
+    out = {}
+    for name, p in model.named_parameters():
+        for lp, gp in prefixes.items():
+            if name.startswith(lp):
+                name = gp + name[len(lp):]
+                break
+        out[name] = p.detach()
+    return out

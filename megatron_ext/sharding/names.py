@@ -1,8 +1,8 @@
 """The one Megatron-Core GPT -> Hugging Face name table (Llama / Qwen2 / Qwen3 / Qwen3-MoE).
 
 Every capability that needs a Megatron name's HF counterpart reads it here: the
-export hook's sources (:mod:`megatron_ext.weight_export.hf_mapping`), the refit
-layouts' specs (:func:`.spec.gpt_specs`) and the engines' fused names. An entry
+refit layouts' specs (:func:`.spec.gpt_specs`, which the export hook and the reshard
+refit both plan with) and the engines' fused names. An entry
 is ``(kind, HF names, TP dim)``: ``kind`` is ``"copy"`` (one HF tensor),
 ``"qkv"`` (Megatron's ``[q heads; k; v]`` per query group -> ``q/k/v_proj``) or
 ``"glu"`` (``[gate; up]`` -> ``gate/up_proj``); the TP dim is the dim of the

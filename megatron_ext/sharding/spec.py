@@ -15,10 +15,26 @@ import re
 
 import torch
 
-from .moe import UNSUPPORTED_HINTS, grouped_expert_issue
+from .moe import UNSUPPORTED_HINTS, grouped_expert_issue, router_issue
 from .names import EXPERT_NAMES, GLOBAL_NAMES, LAYER_NAMES, engine_name, global_layer_names, unwrap
 
-__all__ = ["TensorSpec", "gpt_specs", "specs_from_config", "specs_from_model"]
+__all__ = ["TensorSpec", "UnsupportedParameter", "gpt_specs", "specs_from_config", "specs_from_model"]
+
+
+class UnsupportedParameter(ValueError):
+    """A Megatron parameter has no Hugging Face counterpart in the GPT name table
+    (the message names it and says which setting to change)."""
+
+
+# Parameters of common Megatron GPT variants that Llama / Qwen do not have, and what to change.
+_HINTS = UNSUPPORTED_HINTS + (
+    (re.compile(r"layernorm\.bias$|layer_norm_bias$"),
+     "LayerNorm with bias: Llama/Qwen use RMSNorm, set normalization='RMSNorm'"),
+    (re.compile(r"position_embeddings"),
+     "learned absolute positions: Llama/Qwen use RoPE, set position_embedding_type='rope'"),
+    (re.compile(r"\.bias$"),
+     "linear bias: Llama/Qwen have none except Qwen2's QKV bias; set add_bias_linear=False"),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,9 +176,10 @@ def specs_from_model(model, *, vocab_size: int, dtype: torch.dtype | None = None
     fused layernorm names, grouped-GEMM experts (TEGroupedMLP's
     ``linear_fc1.weight{j}``), the padded vocabulary (``model.vocab_size``),
     tied embeddings, and the parameters' dtype (unless ``dtype`` is given).
-    Raises ``ValueError`` naming the first parameter the specs do not describe
-    (e.g. legacy GroupedMLP's ``experts.weight1``), so a layout never silently
-    skips a tensor.
+    Raises :class:`UnsupportedParameter` naming the first parameter the specs do
+    not describe (e.g. legacy GroupedMLP's ``experts.weight1``, a LayerNorm bias)
+    or that is split on another dim than the table says, so a layout never
+    silently skips or misplaces a tensor.
     """
     m = unwrap(model)
     params = dict(m.named_parameters())
@@ -171,23 +188,40 @@ def specs_from_model(model, *, vocab_size: int, dtype: torch.dtype | None = None
     def global_name(name):
         return next((gp + name[len(lp):] for lp, gp in prefixes.items() if name.startswith(lp)), name)
 
+    cfg = m.config
     te = any(n.endswith("linear_qkv.layer_norm_weight") for n in params)
     grouped = any(_GROUPED_EXPERT.search(n) for n in params)
+    router = next((n for n in params if n.endswith("mlp.router.weight")), None)
+    if router is not None and router_issue(cfg):
+        raise UnsupportedParameter(f"{global_name(router)}: {router_issue(cfg)}")
+    if grouped and cfg.num_moe_experts and grouped_expert_issue(cfg):
+        name = global_name(next(n for n in params if _GROUPED_EXPERT.search(n)))
+        raise UnsupportedParameter(f"{name}: {grouped_expert_issue(cfg)}")
+    padded = getattr(m, "vocab_size", None)
+    if padded is not None and vocab_size > padded:
+        raise ValueError(f"vocab_size={vocab_size} exceeds the model's {padded} (padded) vocabulary rows")
     specs = specs_from_config(
-        m.config, vocab_size=vocab_size, padded_vocab_size=getattr(m, "vocab_size", None),
+        cfg, vocab_size=vocab_size, padded_vocab_size=padded,
         tie_embeddings=bool(getattr(m, "share_embeddings_and_output_weights", False)),
         dtype=dtype or next(iter(params.values())).dtype, te_layernorm=te, grouped_gemm=grouped)
-    known = {_expert_pattern(s.megatron_name) for s in specs}
+    known = {_expert_pattern(s.megatron_name): s for s in specs}
     if not any(s.name == "lm_head.weight" for s in specs):
-        known.add("output_layer.weight")  # tied (a later stage's copy): the engine ties lm_head to the embedding
-    for name in params:
+        known["output_layer.weight"] = None  # tied (a later stage's copy): the engine ties lm_head to the embedding
+    for name, param in params.items():
         glob = global_name(name)
         if _expert_pattern(glob) not in known:
-            # the export hook's hints for parameters it recognises but cannot map (legacy GroupedMLP, TE's
-            # single grouped weight, shared experts, expert biases, ...)
-            why = next((why for pattern, why in UNSUPPORTED_HINTS if pattern.search(glob)), None)
-            raise ValueError(f"parameter {glob!r}: {why}" if why else
-                             f"parameter {glob!r} is not in the layout specs (supported: Llama / Qwen2 / Qwen3 "
-                             "dense and MoE with local, sequential or TE grouped-GEMM experts, local or TE "
-                             "layer specs)")
+            why = next((why for pattern, why in _HINTS if pattern.search(glob)), None)
+            raise UnsupportedParameter(
+                f"parameter {glob!r} has no Hugging Face counterpart: {why}" if why else
+                f"parameter {glob!r} has no Hugging Face counterpart in the GPT name table (supported: Llama / "
+                "Qwen2 / Qwen3 dense and MoE with local, sequential or TE grouped-GEMM experts, local or TE "
+                "layer specs)")
+        spec = known[_expert_pattern(glob)]
+        split = getattr(param, "partition_dim", None) if getattr(param, "tensor_model_parallel", False) else None
+        if spec is not None and split is not None and split != spec.tp_dim:
+            raise UnsupportedParameter(f"{glob}: split on dim {split} over tensor parallelism, but the name "
+                                       f"table shards it on dim {spec.tp_dim}")
+    if not cfg.gated_linear_unit:
+        raise UnsupportedParameter("mlp.linear_fc1.weight: a non-gated MLP has no Llama/Qwen counterpart "
+                                   "(set gated_linear_unit=True)")
     return specs

@@ -15,15 +15,15 @@ from .config import TRANSPORTS, ReshardRefitConfig, WeightExportConfig, add_resh
 from .errors import (ControlError, NonFiniteWeights, PlanMismatch, ReceiverError, RefitError, RefitGroupError,
                      RefitRejected)
 from .exporter import ExportResult, WeightExporter
-from ..sharding import (Box, Layout, TensorSpec, gpt_specs, megatron_layout, megatron_layout_from_groups,
-                        ntp_megatron_layout, specs_from_config, specs_from_model)
+from ..sharding import (Box, Layout, TensorSpec, UnsupportedParameter, gpt_specs, hf_config_from_megatron,
+                        megatron_layout, megatron_layout_from_groups, ntp_megatron_layout, specs_from_config,
+                        specs_from_model)
 from .layout import inference_layout
 from .reshard import (FanoutRefit, RefitStats, ReshardExecutor, megatron_tensors,
                       ntp_megatron_tensors)
 from .refit_group import RefitGroup
 from .remote_refit import EngineRefit, TrainerRefit
 from .reshard_plan import ReshardPlan, Transfer, build_reshard_plan, check_reshard_plan, fanout_plans
-from .hf_mapping import Source, UnsupportedParameter, hf_config_from_megatron, local_sources
 from .plan import BucketMeta, ExportPlan, TensorMeta, build_plan, check_plan, unpack
 from .receiver import HFModelConsumer, LoadWeightsConsumer, WeightReceiver
 from .transport import BroadcastSender, InProcessSender, IpcDirectSender, IpcPushSender, IpcSender, serve
@@ -40,9 +40,9 @@ __all__ = [
     "TRANSPORTS", "BroadcastSender", "BucketMeta", "ExportPlan", "ExportResult", "HFModelConsumer",
     "InProcessSender", "IpcDirectSender", "IpcPushSender", "IpcSender", "LoadWeightsConsumer", "NonFiniteWeights",
     "PlanMismatch",
-    "ReceiverError", "Source",
+    "ReceiverError",
     "TensorMeta", "UnsupportedParameter", "VerifyResult", "WeightExportConfig", "WeightExporter",
     "WeightReceiver", "add_weight_export_args", "build_plan", "check_plan", "hf_config_from_megatron",
-    "local_sources", "megatron_logits", "serve", "unpack", "verify_export",
+    "megatron_logits", "serve", "unpack", "verify_export",
     "EngineRefit", "RefitGroup", "RefitGroupError", "TrainerRefit", "ReshardRefitConfig", "add_reshard_refit_args",
 ]

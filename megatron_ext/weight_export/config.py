@@ -14,10 +14,10 @@ BACKENDS = ("auto", "gloo", "nccl")
 MIN_BUCKET_MB, MAX_BUCKET_MB = 16, 1024
 # The smallest bucket_size_mb either config accepts: one 4 KiB page. Below it the
 # size means nothing: an export bucket (plan.build_plan) rounds every tensor up to
-# plan.ALIGNMENT = 256 bytes, so a smaller bucket holds no tensor and each one gets
-# an oversized bucket of its own; a reshard bucket (reshard._buckets) starts with a
-# reshard.HEADER_BYTES = 32-byte header and cuts transfers into rows of at most
-# bucket_bytes - 32 bytes, so a tiny bucket moves a few bytes per message (and at
+# wire.ALIGN = 256 bytes, so a smaller bucket holds no tensor and each one gets
+# an oversized bucket of its own; a reshard bucket (wire.bucketize) starts with a
+# 32-byte header padded to wire.ALIGN and cuts transfers into rows of at most
+# bucket_bytes - 256 bytes, so a tiny bucket moves a few bytes per message (and at
 # 1e-9 MiB, int(bucket_size_mb * 2**20) is 0). And a bucket under a page saves no
 # memory: the ipc transports share their buffers as /dev/shm files mapped in whole
 # pages, or as CUDA allocations of whole segments.

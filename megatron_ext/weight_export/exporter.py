@@ -24,12 +24,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from .errors import NonFiniteWeights
+from ..sharding.megatron import megatron_tensors
+from ..sharding.names import global_layer_names, unwrap
+from ..sharding.spec import specs_from_model
 from .config import MAX_BUCKET_MB, MIN_BUCKET_MB, WeightExportConfig
-from .gather import BucketGatherer
-from ..sharding.names import unwrap
-from .hf_mapping import Source, copy_all, finite_flags, local_sources
-from .plan import ExportPlan, build_plan, unpack
+from .copies import copy_all, finite_flags
+from .errors import NonFiniteWeights, PlanMismatch
+from .gather import BucketGatherer, GatherGroup
+from .plan import ExportPlan, build_plan, members, unpack
 from .transport import InProcessSender, make_sender
 
 __all__ = ["ExportResult", "NonFiniteWeights", "WeightExporter"]
@@ -167,11 +169,12 @@ class WeightExporter:
         self.device = next(self.model.parameters()).device
         self._receiver, self._sender = receiver, sender
         self._plan: ExportPlan | None = None
-        self._bucket_sources: list[list[Source]] = []
+        self._tensors: dict[str, torch.Tensor] = {}
         self._signature = None
         self._buffers: list[torch.Tensor] = []
         self._gatherer = None
         self._direct_for = None
+        self._auto_bucket_bytes: int | None = None
         self.plans_built = 0
         self.version = 0
         self.last_result: ExportResult | None = None
@@ -185,38 +188,47 @@ class WeightExporter:
 
     @property
     def plan(self) -> ExportPlan:
-        """The current plan (computed on first use; collective over the PP group)."""
+        """The current plan (computed on first use: collective over every trainer rank the
+        first time, as :meth:`export` is; afterwards over the PP group)."""
+        self._agree_on_bucket_bytes()
         self._ensure_plan()
         return self._plan
 
     def _ensure_plan(self) -> None:
         lay = self.layout
         sig = self._local_signature()
+        if sig == self._signature and lay.pp_size == 1:
+            return
+        # Every stage's signature, global layers and specs check travel together, so every rank
+        # rebuilds at the same time and learns why any stage cannot be exported.
+        vocab = self.config.vocab_size or getattr(self.model, "vocab_size", None)
+        try:
+            specs, problem = specs_from_model(self.model, vocab_size=vocab), None
+        except ValueError as exc:
+            specs, problem = None, f"{type(exc).__name__}: {exc}"
+        layers = sorted(int(gp.split(".")[2]) for gp in global_layer_names(self.model).values())
+        stages = [(sig, layers, problem)]
         if lay.pp_size > 1:
-            sigs = [None] * lay.pp_size
-            dist.all_gather_object(sigs, sig, group=lay.pp_group)
-            sig = "|".join(sigs)
+            stages = [None] * lay.pp_size
+            dist.all_gather_object(stages, (sig, layers, problem), group=lay.pp_group)
+        problems = [f"stage {i}: {p}" for i, (_, _, p) in enumerate(stages) if p]
+        if problems:
+            raise PlanMismatch(f"the model cannot be exported: {'; '.join(problems)}")
+        sig = "|".join(s for s, _, _ in stages)
         if sig == self._signature:
             return
-        sources = local_sources(self.model, pp_rank=lay.pp_rank, tp_size=lay.tp_size,
-                                vocab_size=self.config.vocab_size, ep_size=lay.ep_size, etp_size=lay.etp_size)
-        if lay.pp_size > 1:
-            per_stage = [None] * lay.pp_size
-            dist.all_gather_object(per_stage, sources, group=lay.pp_group)
-            sources = [s for stage in per_stage for s in stage]
-        if self.config.bucket_size_mb is not None:
-            bucket_bytes = int(self.config.bucket_size_mb * MiB)
-        else:
-            bucket_bytes = auto_bucket_bytes(self.device)
-        self._plan, self._bucket_sources = build_plan(sources, bucket_bytes, tp_size=lay.tp_size,
-                                                      pp_size=lay.pp_size, ep_size=lay.ep_size,
-                                                      etp_size=lay.etp_size)
+        layer_stage = {layer: i for i, (_, ls, _) in enumerate(stages) for layer in ls}
+        sizes = dict(tp=lay.tp_size, ep=lay.ep_size, etp=lay.etp_size)
+        self._plan = build_plan(specs, self._bucket_bytes(), pp=lay.pp_size, **sizes,
+                                layer_stage=[layer_stage[i] for i in range(len(layer_stage))])
         if self.gathers_experts:
             lay.exchange_expert_coords()
-        params = dict(self.model.named_parameters())
-        self._gatherer = BucketGatherer(params, tp_group=lay.tp_group, tp_rank=lay.tp_rank, tp_size=lay.tp_size,
-                                        expert_group=lay.expert_group, expert_rank=lay.expert_rank,
-                                        expert_coords=lay.expert_coords, etp_size=lay.etp_size, device=self.device)
+        self._tensors = megatron_tensors(self.model)
+        groups = {"tp": GatherGroup(lay.tp_group, lay.tp_rank, tuple(members("tp", lay.pp_rank, **sizes)))}
+        if self.gathers_experts:
+            groups["ep"] = GatherGroup(lay.expert_group, lay.expert_rank, tuple(
+                members("ep", lay.pp_rank, **sizes, coords=lay.expert_coords)))
+        self._gatherer = BucketGatherer(self._tensors, groups, device=self.device)
         self._buffers = []
         self._signature = sig
         self.plans_built += 1
@@ -224,6 +236,11 @@ class WeightExporter:
             log.info("weight export plan: %d tensors, %.1f MiB in %d buckets of <= %.1f MiB",
                      sum(1 for _ in self._plan.tensors()), self._plan.total_bytes / MiB,
                      len(self._plan.buckets), self._plan.buffer_bytes / MiB)
+
+    def _bucket_bytes(self) -> int:
+        if self.config.bucket_size_mb is not None:
+            return int(self.config.bucket_size_mb * MiB)
+        return self._auto_bucket_bytes
 
     # ------------------------------------------------------------ transport
     @property
@@ -254,6 +271,7 @@ class WeightExporter:
         start = time.perf_counter()
         if self._refresh is not None:  # every rank: collective over its TP group
             self._refresh()
+        self._agree_on_bucket_bytes()
         if not self.participates:
             return ExportResult(self.version, 0, 0.0, 0)
         self._ensure_plan()
@@ -261,12 +279,11 @@ class WeightExporter:
         sender = self.sender if self.is_export_rank else None
         if getattr(sender, "direct", False):
             if sender._info is None or self._direct_for != self._signature:
-                sender.prepare([s for b in self._bucket_sources for s in b], dict(self.model.named_parameters()))
+                sender.prepare([t for b in plan.buckets for t in b.transfers], self._tensors)
                 self._direct_for = self._signature
             if self.config.check_finite:  # before the engine copies anything
                 check = _FiniteCheck()
-                check.add((s.mcore_name, self.model.get_parameter(s.local_name).detach())
-                          for b in self._bucket_sources for s in b)
+                check.add(self._tensors.items())
                 self._refuse_nonfinite(check)
             sender.start(plan, [], self.version)
             applied = tuple(sender.finish(self.version))
@@ -311,6 +328,19 @@ class WeightExporter:
                      r.version, r.nbytes / 1e6, r.num_buckets, r.seconds * 1e3, r.gbps, list(r.applied))
         return self.last_result
 
+    def _agree_on_bucket_bytes(self) -> None:
+        """Set the automatic bucket size, the smallest over all trainer ranks (every rank that
+        gathers a bucket must cut the plan the same way; free memory differs per GPU).
+        Collective over the default group, once; nothing with ``bucket_size_mb`` set."""
+        if self.config.bucket_size_mb is not None or self._auto_bucket_bytes is not None:
+            return
+        nbytes = auto_bucket_bytes(self.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            t = torch.tensor([nbytes], dtype=torch.int64, device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            nbytes = int(t.item())
+        self._auto_bucket_bytes = nbytes
+
     def _refuse_nonfinite(self, check: _FiniteCheck) -> None:
         bad = check.bad()
         if bad:
@@ -338,7 +368,7 @@ class WeightExporter:
     def _stream_buckets(self, plan, sender, pending, check: _FiniteCheck | None = None) -> None:
         lay = self.layout
         push = self.is_export_rank and getattr(sender, "push", False)
-        for bucket, sources in zip(plan.buckets, self._bucket_sources):
+        for bucket in plan.buckets:
             slot = bucket.index % 2
             gathers = self.gathers_experts if bucket.group == "ep" else self.gathers_dense
             mine = bucket.pp_rank == lay.pp_rank and gathers
@@ -351,7 +381,8 @@ class WeightExporter:
                     p.wait()
                 out = self._buffers[slot] if self._buffers else None
             if mine:
-                self._gatherer.gather(bucket, sources, out, dests=sender.views if push else None)
+                dests = sender.views if push else dict(unpack(bucket, out)) if out is not None else None
+                self._gatherer.gather(bucket, dests)
             else:  # the export rank receives another stage's bucket
                 dist.recv(out[:bucket.nbytes], src=lay.stage_leaders[bucket.pp_rank])
                 if push:

@@ -1,36 +1,35 @@
-"""The export plan: where every HF tensor lives in which bucket.
+"""The export plan: which HF tensor goes in which bucket, and from where.
 
-Computed once per model layout and sent to receivers once; afterwards only
-bucket bytes travel. A bucket is one flat byte buffer; each tensor sits at an
-aligned offset in it. A bucket holds tensors of one pipeline stage and one
-gathering group, so it is gathered with one collective: dense tensors in the
-stage's TP group (``group="tp"``), experts in its expert-parallel group
-(``group="ep"``; every EP rank's copy of the same local expert weights, so each
-rank contributes an equal slot). With expert tensor parallelism (ETP > 1) the
-expert group is Megatron's expert-tensor-and-model-parallel group (ETP x EP
-ranks of expert-DP rank 0), each rank contributing its expert-TP shards.
+Computed once per model layout and sent to receivers once (names, dtypes,
+shapes, offsets); afterwards only bucket bytes travel. A bucket is one flat
+byte buffer; each whole HF tensor sits at an aligned offset in it. A bucket
+holds tensors of one pipeline stage and one gathering group, so it is gathered
+with one collective: dense tensors in the stage's TP group (``group="tp"``),
+experts in its expert group (``group="ep"``: the EP group, or with expert
+tensor parallelism Megatron's expert-tensor-and-model-parallel group). Where
+each piece comes from is the reshard planner's answer for the full-tensor
+destination (:func:`~megatron_ext.sharding.whole_layout`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Iterator, Mapping
+import math
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
-from .errors import PlanMismatch
+from ..sharding.geometry import whole_layout
+from ..sharding.megatron import megatron_layout
+from ..sharding.spec import TensorSpec
 from .control import ControlError, dtype_name, dtype_of
-from .hf_mapping import Source
+from .errors import PlanMismatch
+from .reshard_plan import Transfer, build_reshard_plan, sub_layout
+from .wire import ALIGN, align
 
-__all__ = ["ALIGNMENT", "BucketMeta", "ExportPlan", "PlanMismatch", "TensorMeta", "build_plan", "check_plan",
-           "unpack"]
-
-ALIGNMENT = 256  # bytes; keeps every view aligned for vectorised copies and NCCL
-
-
-def _align(n: int) -> int:
-    return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+__all__ = ["BucketMeta", "ExportPlan", "PlanMismatch", "TensorMeta", "build_plan", "check_plan", "members",
+           "stage_ranks", "unpack"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,39 +44,18 @@ class TensorMeta:
 
 
 @dataclasses.dataclass(frozen=True)
-class SourceOwner:
-    """Which trainer ranks hold the slices of one Megatron parameter."""
-
-    mcore_name: str
-    pp_rank: int
-    partition_dim: int | None
-    shard_shape: tuple[int, ...]
-    hf_names: tuple[str, ...]
-    expert: int | None = None   # global expert index (experts only)
-    ep_rank: int | None = None  # the expert-parallel rank holding it (experts only)
-    etp_size: int = 1           # expert-TP shards (experts only; 1: whole on ``ep_rank``)
-
-    @property
-    def holders(self) -> tuple[tuple[int, int], ...]:
-        """Experts: ``(ep_rank, etp_rank)`` of the rank holding each slice, in shard
-        order; slice ``k`` is expert-TP shard ``k`` along ``partition_dim`` (GLU
-        ``linear_fc1``: rows ``k`` of gate and of up). Empty for dense sources."""
-        if self.ep_rank is None:
-            return ()
-        return tuple((self.ep_rank, k) for k in range(self.etp_size))
-
-
-@dataclasses.dataclass(frozen=True)
 class BucketMeta:
     """One flat buffer's worth of tensors, all from pipeline stage ``pp_rank``,
-    gathered in its ``group`` (``"tp"``: dense, ``"ep"``: experts)."""
+    gathered in its ``group`` (``"tp"``: dense, ``"ep"``: experts). ``transfers``
+    (trainer side only, not sent): which trainer rank holds which box of each
+    tensor, and where in its local tensor."""
 
     index: int
     pp_rank: int
     nbytes: int
     tensors: tuple[TensorMeta, ...]
-    owners: tuple[SourceOwner, ...]
     group: str = "tp"
+    transfers: tuple[Transfer, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +79,7 @@ class ExportPlan:
 
     def to_wire(self) -> dict:
         """What a receiver needs of the plan, as plain data (names, dtypes, shapes, offsets;
-        the trainer-side owners stay home). :meth:`from_wire` rebuilds it."""
+        the trainer-side transfers stay home). :meth:`from_wire` rebuilds it."""
         return {"buffer_bytes": self.buffer_bytes, "tp_size": self.tp_size, "pp_size": self.pp_size,
                 "ep_size": self.ep_size, "etp_size": self.etp_size,
                 "buckets": [{"index": b.index, "pp_rank": b.pp_rank, "nbytes": b.nbytes, "group": b.group,
@@ -127,7 +105,7 @@ class ExportPlan:
                     tensors.append(TensorMeta(name, dt, tuple(int(s) for s in shape), int(offset), int(nbytes)))
                 if b["group"] not in ("tp", "ep") or not 0 <= b["nbytes"] <= data["buffer_bytes"]:
                     raise ValueError(f"bucket {b['index']}")
-                buckets.append(BucketMeta(int(b["index"]), int(b["pp_rank"]), int(b["nbytes"]), tuple(tensors), (),
+                buckets.append(BucketMeta(int(b["index"]), int(b["pp_rank"]), int(b["nbytes"]), tuple(tensors),
                                           b["group"]))
             return cls(tuple(buckets), int(data["buffer_bytes"]), int(data["tp_size"]), int(data["pp_size"]),
                        int(data["ep_size"]), int(data["etp_size"]))
@@ -143,56 +121,76 @@ class ExportPlan:
         return h.hexdigest()[:16]
 
 
-def build_plan(sources: list[Source], bucket_bytes: int, *, tp_size: int = 1, pp_size: int = 1,
-               ep_size: int = 1, etp_size: int = 1) -> tuple[ExportPlan, list[list[Source]]]:
-    """Pack ``sources`` (in order, all stages) into buckets of at most ``bucket_bytes``.
+def stage_ranks(tp: int, ep: int = 1, etp: int = 1) -> int:
+    """Ranks per stage of the trainer layout the export plans with: just enough data-parallel
+    ranks to hold DP replica 0 (which gathers dense tensors) and expert-DP rank 0 (which
+    gathers experts); the job's own DP size does not matter (NTP replicas may even differ in TP)."""
+    return math.lcm(tp, ep * etp)
 
-    A parameter's HF tensors stay in one bucket, and so do the ``ep_size``
-    consecutive copies of one local expert weight (one per EP rank). A new
-    bucket starts at a new stage or gathering group. A unit larger than
-    ``bucket_bytes`` gets a bucket of its own, and the buffers grow to fit it
-    (``plan.buffer_bytes``). Returns the plan and each bucket's sources.
+
+def members(group: str, stage: int, *, tp: int, ep: int = 1, etp: int = 1,
+            coords: Sequence[tuple[int, int]] | None = None) -> list[int]:
+    """The trainer-layout ranks that gather ``group``'s buckets of ``stage``, in group-rank
+    order: the TP ranks of DP replica 0 (``"tp"``), or the ranks of expert-DP rank 0 with
+    ``(ep_rank, etp_rank)`` ``coords`` (``"ep"``; default EP-major, Megatron's order)."""
+    base = stage * stage_ranks(tp, ep, etp)
+    if group == "tp":
+        return [base + r for r in range(tp)]
+    coords = coords or [(e, t) for e in range(ep) for t in range(etp)]
+    return [base + e * etp + t for e, t in coords]
+
+
+def build_plan(specs: Sequence[TensorSpec], bucket_bytes: int, *, tp: int = 1, pp: int = 1, ep: int = 1,
+               etp: int = 1, layer_stage: Sequence[int] | None = None) -> ExportPlan:
+    """Every HF tensor of ``specs``, whole, in buckets of at most ``bucket_bytes``.
+
+    The tensors' pieces are the reshard planner's transfers from the trainer's
+    Megatron layout (TP x PP, EP and expert TP; ``layer_stage`` gives each
+    layer's stage, default an even split) to
+    :func:`~megatron_ext.sharding.whole_layout`: one description of where each
+    box lives, fused QKV and ``[gate; up]`` included, sourced only from the
+    ranks that gather (:func:`members`). A bucket holds tensors of one stage and
+    one group, so it is gathered with one collective; expert tensors are ordered
+    so that consecutive ones belong to different EP ranks (equal gather slots).
+    A tensor larger than ``bucket_bytes`` gets a bucket of its own and the
+    buffers grow to fit it (``plan.buffer_bytes``).
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
-    buckets: list[BucketMeta] = []
-    bucket_sources: list[list[Source]] = []
-    tensors: list[TensorMeta] = []
-    owners: list[SourceOwner] = []
-    members: list[Source] = []
-    used = 0
-    key = None
-
-    def close():
-        nonlocal tensors, owners, members, used
+    per_stage = stage_ranks(tp, ep, etp)
+    trainer = megatron_layout(list(specs), tp=tp, pp=pp, dp=per_stage // tp, ep=ep, etp=etp, layer_stage=layer_stage)
+    num_experts = 1 + max((s.expert for s in specs if s.expert is not None), default=-1)
+    per_rank = max(num_experts // ep, 1)
+    experts = sorted((s for s in specs if s.expert is not None), key=lambda s: (
+        s.layer, s.expert % per_rank, s.fused[1] if s.fused else 2, s.expert // per_rank))
+    pieces: dict[str, list[Transfer]] = {}
+    for group, tensors in (("tp", [s for s in specs if s.expert is None]), ("ep", experts)):
         if tensors:
-            buckets.append(BucketMeta(len(buckets), key[0], used, tuple(tensors), tuple(owners), key[1]))
-            bucket_sources.append(members)
-        tensors, owners, members, used = [], [], [], 0
+            ranks = [m for stage in range(pp) for m in members(group, stage, tp=tp, ep=ep, etp=etp)]
+            for t in build_reshard_plan(sub_layout(trainer, ranks), whole_layout(tensors)).transfers:
+                pieces.setdefault(t.name, []).append(t)
+    units = sorted((ts[0].src // per_stage, trainer.specs[name].expert is not None, i, name, ts)
+                   for i, (name, ts) in enumerate(pieces.items()))
+    buckets: list[BucketMeta] = []
+    tensors: list[TensorMeta] = []
+    transfers: list[Transfer] = []
+    used, key = 0, None
+    for stage, expert, _, name, ts in units:
+        spec = trainer.specs[name]
+        if tensors and ((stage, expert) != key or used + align(spec.nbytes) > bucket_bytes):
+            buckets.append(BucketMeta(len(buckets), key[0], used, tuple(tensors), GROUPS[key[1]], tuple(transfers)))
+            tensors, transfers, used = [], [], 0
+        key = (stage, expert)
+        tensors.append(TensorMeta(name, spec.dtype, spec.shape, used, spec.nbytes))
+        transfers += ts
+        used += align(spec.nbytes)
+    if tensors:
+        buckets.append(BucketMeta(len(buckets), key[0], used, tuple(tensors), GROUPS[key[1]], tuple(transfers)))
+    capacity = _block_size(max((b.nbytes for b in buckets), default=ALIGN))
+    return ExportPlan(tuple(buckets), capacity, tp, pp, ep, etp)
 
-    for unit in _units(sources, ep_size):
-        sizes = [[_align(s.dtype.itemsize * _numel(shape)) for _, shape in s.outputs] for s in unit]
-        need = sum(map(sum, sizes))
-        unit_key = (unit[0].pp_rank, unit[0].group)
-        if tensors and (unit_key != key or used + need > bucket_bytes):
-            close()
-        key = unit_key
-        for src, src_sizes in zip(unit, sizes):
-            for (name, shape), size in zip(src.outputs, src_sizes):
-                tensors.append(TensorMeta(name, src.dtype, tuple(shape), used,
-                                          src.dtype.itemsize * _numel(shape)))
-                used += size
-            owners.append(SourceOwner(src.mcore_name, src.pp_rank, src.partition_dim, src.shard_shape,
-                                      tuple(n for n, _ in src.outputs), src.expert, src.ep_rank,
-                                      src.etp_size))
-            members.append(src)
-    close()
-    names = [t.name for b in buckets for t in b.tensors]
-    dup = {n for n in names if names.count(n) > 1}
-    if dup:
-        raise ValueError(f"tensors exported twice: {sorted(dup)}")
-    capacity = _block_size(max((b.nbytes for b in buckets), default=ALIGNMENT))
-    return ExportPlan(tuple(buckets), capacity, tp_size, pp_size, ep_size, etp_size), bucket_sources
+
+GROUPS = ("tp", "ep")
 
 
 def _block_size(nbytes: int) -> int:
@@ -201,35 +199,6 @@ def _block_size(nbytes: int) -> int:
     costs what it says (no hidden tail) and the tail is usable capacity."""
     page = 2 << 20
     return nbytes if nbytes <= (1 << 20) else (nbytes + page - 1) // page * page
-
-
-def _units(sources: list[Source], ep_size: int) -> list[list[Source]]:
-    """Sources that share a bucket: each dense one alone; each local expert weight
-    with its copies on all ``ep_size`` EP ranks (equal gather slots per rank)."""
-    units: list[list[Source]] = []
-    for s in sources:
-        if s.ep_rank is None:
-            units.append([s])
-        elif s.ep_rank == 0:
-            units.append([s])
-        else:
-            last = units[-1][-1] if units else None
-            if (last is None or last.ep_rank != s.ep_rank - 1 or last.local_name != s.local_name
-                    or last.pp_rank != s.pp_rank or last.shard_shape != s.shard_shape or last.dtype != s.dtype):
-                raise ValueError(f"{s.mcore_name}: expert sources must list EP ranks 0..{ep_size - 1} of one "
-                                 "local weight in a row (as local_sources does)")
-            units[-1].append(s)
-    for unit in units:
-        if unit[0].ep_rank is not None and len(unit) != ep_size:
-            raise ValueError(f"{unit[0].mcore_name}: {len(unit)} EP copies, expected ep_size={ep_size}")
-    return units
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def unpack(bucket: BucketMeta, buf: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:

@@ -169,8 +169,8 @@ class WeightReceiver:
             dsts, srcs = zip(*pairs)
             torch._foreach_copy_(list(dsts), list(srcs))
         if loads:
-            shapes = {t.name: t.shape for t in self.plan.tensors()}
-            self.consumer.load_weights((n, t.reshape(shapes[n])) for n, t in loads)
+            metas = {t.name: t for t in self.plan.tensors()}
+            self.consumer.load_weights((n, _assemble(metas[n], pieces)) for n, pieces in loads)
         self._arrived = {b.index for b in self.plan.buckets}
 
     def pushed(self) -> None:
@@ -201,3 +201,13 @@ class WeightReceiver:
         if self._mixed:
             self.applied_version = None
         return self.applied_version
+
+
+def _assemble(meta, pieces) -> torch.Tensor:
+    """A whole tensor from its ``(box slices, view)`` pieces (one piece covering it: the view itself)."""
+    if len(pieces) == 1 and tuple(pieces[0][1].shape) == tuple(meta.shape):
+        return pieces[0][1]
+    out = torch.empty(meta.shape, dtype=meta.dtype, device=pieces[0][1].device)
+    for box, src in pieces:
+        out[box] = src
+    return out

@@ -27,7 +27,7 @@ reports this at the first refit's agreement, so that every rank refuses at once
 
 Staging buffers are allocated on the first refit and reused, and every copy
 (pack, unpack, local) is built once then as views, issued as batched copies
-(:class:`~.hf_mapping.CopyBatch`). An optional
+(:class:`~.copies.CopyBatch`). An optional
 :class:`RefitGate` runs the engine's logits against the trainer's after the
 refit and records the KL in :class:`RefitStats`.
 """
@@ -43,35 +43,18 @@ from collections.abc import Callable
 import torch
 
 from .errors import RefitRejected
-from ..sharding.names import global_layer_names, unwrap
-from .hf_mapping import CopyBatch, finite_flags
+from ..sharding.megatron import megatron_tensors
+from .copies import CopyBatch, finite_flags
 from .refit_group import RefitGroup, batch_isend_irecv, gather_notes, gather_wire_ids, sum_over_group
 from .reshard_plan import ReshardPlan, Transfer, fanout_plans, run_view
 from .gate import RefitGate
-from .wire import BAD_TENSORS, HEADER_BYTES, NO_STAGING, NO_VERSION, bucket_nbytes, bucketize, wire_id
+from .wire import (BAD_TENSORS, HEADER_BYTES, NO_STAGING, NO_VERSION, PAYLOAD_OFFSET, bucket_nbytes, bucketize,
+                   wire_id)
 
 __all__ = ["FanoutRefit", "HEADER_BYTES", "RefitGate", "RefitRejected", "RefitStats", "ReshardExecutor",
            "megatron_tensors", "ntp_megatron_tensors"]
 
 log = logging.getLogger(__name__)
-
-
-def megatron_tensors(model) -> dict[str, torch.Tensor]:
-    """A Megatron model's parameters under global names (pipeline-stage layer offsets applied).
-
-    For a nonuniform-TP DDP use :func:`ntp_megatron_tensors`: this returns its
-    compute parameters as they are, stale on a healthy replica after an
-    optimizer step."""
-    model = unwrap(model)
-    prefixes = global_layer_names(model)
-    out = {}
-    for name, p in model.named_parameters():
-        for lp, gp in prefixes.items():
-            if name.startswith(lp):
-                name = gp + name[len(lp):]
-                break
-        out[name] = p.detach()
-    return out
 
 
 def ntp_megatron_tensors(ddp) -> dict[str, torch.Tensor]:
@@ -181,8 +164,8 @@ class ReshardExecutor:
     def __init__(self, plan: ReshardPlan, rank: int, tensors: dict[str, torch.Tensor], *, group=None,
                  bucket_bytes: int = 64 << 20, atomic: bool = True, max_inflight: int = 2,
                  refresh: Callable[[], None] | None = None, check_finite: bool = True):
-        if bucket_bytes <= HEADER_BYTES:
-            raise ValueError(f"bucket_bytes must be > {HEADER_BYTES} (the bucket header), got {bucket_bytes}")
+        if bucket_bytes <= PAYLOAD_OFFSET:
+            raise ValueError(f"bucket_bytes must be > {PAYLOAD_OFFSET} (the aligned bucket header), got {bucket_bytes}")
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
         self.plan, self.rank, self.group = plan, rank, group

@@ -45,6 +45,7 @@ from . import control
 from .control import ControlError
 from .plan import BucketMeta, ExportPlan, PlanMismatch
 from .receiver import WeightReceiver
+from .reshard_plan import run_view
 
 __all__ = ["SENDERS", "BroadcastSender", "InProcessSender", "IpcDirectSender", "IpcPushSender", "IpcSender",
            "ReceiverError", "make_sender", "push_targets", "serve"]
@@ -309,12 +310,12 @@ class IpcDirectSender(_RemoteSender):
         self._info = None
         self._device = None
 
-    def prepare(self, sources, params: dict[str, torch.Tensor]) -> None:
-        """Share the parameter storage (once) and describe every HF tensor in it."""
-        if any(not params[src.local_name].is_cuda for src in sources):
+    def prepare(self, transfers, tensors: dict[str, torch.Tensor]) -> None:
+        """Share the parameter storage (once) and describe every piece of every HF tensor in it."""
+        if any(not t.is_cuda for t in tensors.values()):
             raise ValueError("transport='ipc-direct' needs the model on a CUDA device; use transport='ipc'")
-        self._device = params[sources[0].local_name].device if sources else None
-        self._bases, entries = direct_entries(sources, params)  # keeps the shared storage alive
+        self._device = next(iter(tensors.values())).device if tensors else None
+        self._bases, entries = direct_entries(transfers, tensors)  # keeps the shared storage alive
         self._info = {"kind": "ipc-direct", "handles": [share(b) for b in self._bases], "entries": entries}
         self._fingerprint = None  # new handles: send the plan again
 
@@ -397,67 +398,54 @@ def _share_targets(views: dict[str, torch.Tensor]):
     for name, v in views.items():
         storage = v.untyped_storage()
         if storage.data_ptr() not in storages:
-            base = torch.empty(0, dtype=torch.uint8, device=v.device)
-            base.set_(storage)
             storages[storage.data_ptr()] = len(handles)
-            handles.append(share(base))
+            handles.append(share(_storage_bytes(v)))
         entries[name] = (storages[storage.data_ptr()], v.dtype, tuple(v.shape), tuple(v.stride()),
                          v.storage_offset())
     return handles, entries
 
 
-def direct_entries(sources, params: dict[str, torch.Tensor]):
-    """Each HF tensor of ``sources`` (TP=1) as strided views of parameter storages.
+def direct_entries(transfers, tensors: dict[str, torch.Tensor]):
+    """Each piece of the plan's HF tensors (one trainer rank, TP=1) as a strided view of
+    a parameter storage.
 
-    Returns the storages (uint8 tensors spanning each one) and, per copy,
-    ``(hf_name, dst shape, dst stride, dst offset, storage index, dtype,
-    src shape, src stride, src offset)``.
+    Returns the storages (uint8 tensors spanning each one) and, per piece,
+    ``(hf_name, box ranges, storage index, dtype, shape, stride, offset)``.
     """
-    from .hf_mapping import shard_copies
-
     storages: dict[int, tuple[int, torch.Tensor]] = {}
     entries = []
-    for s in sources:
-        p = params[s.local_name].detach()
+    for t in transfers:
+        p = tensors[t.src_run.local]
         storage = p.untyped_storage()
         if storage.data_ptr() not in storages:
-            base = torch.empty(0, dtype=torch.uint8, device=p.device)
-            base.set_(storage)
-            storages[storage.data_ptr()] = (len(storages), base)
-        index = storages[storage.data_ptr()][0]
-        dests = [torch.empty(shape, dtype=s.dtype, device="meta") for _, shape in s.outputs]
-        for dst, src in shard_copies(s, p, 0, 1, dests):
-            owner = dst._base if dst._base is not None else dst
-            (name,) = [n for (n, _), d in zip(s.outputs, dests) if d is owner]
-            entries.append((name, tuple(dst.shape), tuple(dst.stride()), dst.storage_offset(), index, s.dtype,
-                            tuple(src.shape), tuple(src.stride()), src.storage_offset()))
+            storages[storage.data_ptr()] = (len(storages), _storage_bytes(p))
+        src = run_view(p, t.src_run).view(t.box.shape)
+        entries.append((t.name, [list(r) for r in t.box.ranges], storages[storage.data_ptr()][0], p.dtype,
+                        tuple(src.shape), tuple(src.stride()), src.storage_offset()))
     bases = [b for _, b in sorted(storages.values(), key=lambda x: x[0])]
     return bases, entries
 
 
+def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A uint8 tensor spanning ``t``'s whole storage (what a CUDA IPC handle shares)."""
+    base = torch.empty(0, dtype=torch.uint8, device=t.device)
+    return base.set_(t.untyped_storage())
+
+
 def direct_copies(bases, entries, consumer):
-    """The receiver's ``(destination, source view)`` pairs for a direct plan, or
-    ``(name, source view)`` loads for consumers without ``target(name)``."""
+    """The receiver's ``(destination box, source view)`` pairs for a direct plan, or, for
+    consumers without ``target(name)``, ``(name, [(box slices, source view)])`` per tensor
+    (assembled whole before ``load_weights``)."""
     target = getattr(consumer, "target", None)
-    pairs, loads = [], []
-    for name, dshape, dstride, doff, index, dtype, sshape, sstride, soff in entries:
-        src = bases[index].view(dtype).as_strided(sshape, sstride, soff)
+    pairs, loads = [], {}
+    for name, ranges, index, dtype, shape, stride, offset in entries:
+        src = bases[index].view(dtype).as_strided(shape, stride, offset)
+        box = tuple(slice(a, b) for a, b in ranges)
         if target is not None:
-            pairs.append((_dest_view(target(name), name, dshape, dstride, doff), src))
+            pairs.append((target(name)[box], src))
         else:
-            loads.append((name, src))
-    return pairs, loads
-
-
-def _dest_view(dst: torch.Tensor, name: str, shape, stride, offset) -> torch.Tensor:
-    """The part of ``dst`` that an entry describes relative to a contiguous tensor of
-    ``dst``'s shape (``dst`` may be a view, e.g. one expert of a fused parameter)."""
-    if tuple(shape) == tuple(dst.shape) and offset == 0:
-        return dst  # the whole tensor
-    if not dst.is_contiguous():
-        raise ValueError(f"ipc-direct cannot place part of {name!r} in a non-contiguous receiver tensor; "
-                         "use transport='ipc'")
-    return dst.as_strided(shape, stride, dst.storage_offset() + offset)
+            loads.setdefault(name, []).append((box, src))
+    return pairs, list(loads.items())
 
 
 def serve(consumer, address: str, *, device: torch.device | str = "cpu", timeout_s: float = 600.0,

@@ -17,17 +17,23 @@ import hashlib
 
 from .reshard_plan import Run, Transfer
 
-__all__ = ["BAD_TENSORS", "HEADER_BYTES", "NO_STAGING", "NO_VERSION", "bucket_nbytes", "bucketize", "wire_id"]
+__all__ = ["ALIGN", "BAD_TENSORS", "HEADER_BYTES", "NO_STAGING", "NO_VERSION", "PAYLOAD_OFFSET", "align",
+           "bucket_nbytes", "bucketize", "wire_id"]
 
-ALIGN = 16         # byte alignment of each transfer inside a bucket
+ALIGN = 256        # byte alignment of every tensor or transfer in a bucket (export and reshard): aligned views
+                   # for vectorised copies and NCCL
 HEADER_BYTES = 32  # int64 x 4: version, plan fingerprint, sender rank, bucket index
 NO_VERSION = -1    # what a rank that holds no valid version sends
 NO_STAGING = 0     # the wire id a rank reports when its staging buffers could not be allocated
 BAD_TENSORS = 1    # ... and when its tensors are not the layout's (its note says which and how)
 
 
-def _align(n: int) -> int:
+def align(n: int) -> int:
+    """``n`` bytes rounded up to :data:`ALIGN`."""
     return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+PAYLOAD_OFFSET = align(HEADER_BYTES)  # where a reshard bucket's first transfer starts
 
 
 def wire_id(fingerprint: str, bucket_bytes: int, check_finite: bool) -> int:
@@ -58,18 +64,18 @@ def _pieces(t: Transfer, max_bytes: int) -> list[Transfer]:
 
 
 def bucketize(transfers: list[Transfer], bucket_bytes: int) -> list[list[tuple[Transfer, int]]]:
-    """``(transfer, byte offset)`` per bucket, after a :data:`HEADER_BYTES` header;
-    a transfer larger than a bucket is cut into rows (a single row larger than a
-    bucket fills one alone)."""
-    cap = bucket_bytes - HEADER_BYTES
-    out, cur, used = [], [], HEADER_BYTES
+    """``(transfer, byte offset)`` per bucket, from :data:`PAYLOAD_OFFSET` (after the
+    header) at :data:`ALIGN` offsets; a transfer larger than a bucket is cut into rows
+    (a single row larger than a bucket fills one alone)."""
+    cap = bucket_bytes - PAYLOAD_OFFSET
+    out, cur, used = [], [], PAYLOAD_OFFSET
     for whole in transfers:
         for t in _pieces(whole, cap):
             if cur and used + t.nbytes > bucket_bytes:
                 out.append(cur)
-                cur, used = [], HEADER_BYTES
+                cur, used = [], PAYLOAD_OFFSET
             cur.append((t, used))
-            used = _align(used + t.nbytes)
+            used = align(used + t.nbytes)
     if cur:
         out.append(cur)
     return out

@@ -153,3 +153,25 @@ def tp_job(spec, backend: str, tp: int):
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     cfg = tiny_llama.transformer_config(spec, tp=tp)
     return dist.get_rank(), device, cfg, tiny_llama.build_model(spec, cfg, device=device)
+
+
+def megatron_shard(kind: str, tensors: list, tp: int, rank: int, *, dim=0, num_groups=0, padded_rows=None):
+    """TP shard ``rank`` of ``tp`` of one Megatron parameter, from its whole HF tensors:
+    ``linear_qkv`` is ``[q heads of g; k_g; v_g]`` for each of the rank's query groups
+    ``g``, ``linear_fc1`` is ``[gate_r; up_r]``, a vocabulary tensor is padded to
+    ``padded_rows`` before it is split, ``dim=None`` is replicated."""
+    if kind == "qkv":
+        q, k, v = tensors
+        kv, qg = k.shape[0] // num_groups, q.shape[0] // num_groups
+        groups = range(rank * num_groups // tp, (rank + 1) * num_groups // tp)
+        return torch.cat([torch.cat([q[g * qg:(g + 1) * qg], k[g * kv:(g + 1) * kv], v[g * kv:(g + 1) * kv]])
+                          for g in groups])
+    if kind == "glu":
+        gate, up = tensors
+        return torch.cat([gate.chunk(tp)[rank], up.chunk(tp)[rank]])
+    (w,) = tensors
+    if dim is None or tp == 1:
+        return w
+    if padded_rows:
+        w = torch.cat([w, w.new_zeros(padded_rows - w.shape[0], *w.shape[1:])])
+    return w.chunk(tp, dim)[rank].contiguous()

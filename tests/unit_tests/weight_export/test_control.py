@@ -66,7 +66,7 @@ def test_tensors_and_plans_travel_as_data():
     with pytest.raises(ControlError, match="unknown dtype"):
         control.blob_tensor({"dtype": "object", "shape": [1]}, b"\0")
     plan = ExportPlan((BucketMeta(0, 0, 512, (TensorMeta("a", torch.bfloat16, (4, 8), 0, 64),
-                                               TensorMeta("b", torch.float32, (3,), 256, 12)), ()),), 512)
+                                               TensorMeta("b", torch.float32, (3,), 256, 12))),), 512)
     back = ExportPlan.from_wire(control.from_wire(control.to_wire(plan.to_wire())))
     assert back.fingerprint == plan.fingerprint and back.buckets[0].tensors == plan.buckets[0].tensors
     bad = plan.to_wire()

@@ -101,7 +101,7 @@ def _export_cases():
     gpt_spec = tiny_gpt.TinyGPTSpec()
     gpt = tiny_gpt.build_model(gpt_spec, tiny_gpt.transformer_config(gpt_spec))
     try:
-        wx.local_sources(gpt)
+        wx.specs_from_model(gpt, vocab_size=gpt_spec.vocab_size)
         unsupported = "no error"
     except wx.UnsupportedParameter as exc:
         unsupported = str(exc)
@@ -114,8 +114,8 @@ def _direct(model, spec, cfg, exporter):
     from megatron_ext import weight_export as wx
     from megatron_ext.weight_export.transport import direct_copies, direct_entries
 
-    sources = [s for b in exporter._bucket_sources for s in b]
-    bases, entries = direct_entries(sources, dict(model.named_parameters()))
+    transfers = [t for b in exporter.plan.buckets for t in b.transfers]
+    bases, entries = direct_entries(transfers, wx.megatron_tensors(model))
     out = {}
     hf = tiny_llama.hf_model(spec, cfg)
     loaded = {}

@@ -8,12 +8,10 @@ group, and unsupported MoE variants are refused by name."""
 
 import dataclasses
 import re
-import types
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from megatron_ext.testing import tiny_llama
 from megatron_ext.testing.multirank import run_on_ranks
@@ -38,11 +36,29 @@ def _layout_names(cfg):
     return {s.name for s in specs_from_config(cfg, vocab_size=SPEC.hf_vocab_size, padded_vocab_size=SPEC.vocab_size)}
 
 
+EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+
+
 def _plan_summary(plan):
-    return dict(groups=[(b.pp_rank, b.group, len(b.owners)) for b in plan.buckets],
-                owners={o.expert: o.ep_rank for b in plan.buckets for o in b.owners if o.expert is not None},
-                holders={(int(o.mcore_name.split(".")[2]), o.expert, o.mcore_name.split(".")[-2]):
-                         (o.holders, o.partition_dim) for b in plan.buckets for o in b.owners if o.expert is not None},
+    """Who sends what, read from the plan's transfers: an expert's source ranks as
+    (EP rank, expert-TP rank) (the export layout's rank ``j`` of a stage is
+    ``divmod(j, etp)`` for the experts' gatherers), and the dim its slices split."""
+    from megatron_ext.weight_export.plan import stage_ranks
+
+    per_stage = stage_ranks(plan.tp_size, plan.ep_size, plan.etp_size)
+    holders = {}
+    for b in plan.buckets:
+        for t in b.transfers:
+            m = EXPERT.fullmatch(t.name)
+            if m:
+                layer, e, part = int(m.group(1)), int(m.group(2)), m.group(3)
+                fc = "linear_fc2" if part == "down" else "linear_fc1"
+                holders.setdefault((layer, e, fc), []).append((divmod(t.src % per_stage, plan.etp_size), t.box))
+    split = {k: next((d for d in range(2) if len({box.ranges[d] for _, box in v}) > 1), None)
+             for k, v in holders.items()}
+    return dict(groups=[(b.pp_rank, b.group, len(b.tensors)) for b in plan.buckets],
+                owners={e: v[0][0][0] for (_, e, _), v in holders.items()},
+                holders={k: (tuple(sorted({c for c, _ in v})), split[k]) for k, v in holders.items()},
                 etp_size=plan.etp_size,
                 names={t.name for t in plan.tensors()})
 
@@ -79,8 +95,8 @@ def _single_rank():
                reference=_reference(dict(model.named_parameters())))
 
     # ipc-direct's view descriptions, applied without IPC into the fused experts and to load_weights.
-    sources = [s for b in exporter._bucket_sources for s in b]
-    bases, entries = direct_entries(sources, dict(model.named_parameters()))
+    transfers = [t for b in exporter.plan.buckets for t in b.transfers]
+    bases, entries = direct_entries(transfers, wx.megatron_tensors(model))
     direct_hf, loaded = tiny_llama.hf_model(SPEC, cfg), {}
     for consumer in (wx.HFModelConsumer(direct_hf),
                      wx.LoadWeightsConsumer(lambda ws: loaded.update({n: t.clone() for n, t in ws}))):
@@ -108,7 +124,7 @@ def _single_rank():
                             ("sigmoid_router", dict(moe_router_score_function="sigmoid"))):
         variant = tiny_llama.build_model(SPEC, tiny_llama.transformer_config(SPEC, **overrides))
         try:
-            wx.local_sources(variant)
+            wx.specs_from_model(variant, vocab_size=SPEC.hf_vocab_size)
             out["unsupported"][what] = "no error"
         except wx.UnsupportedParameter as exc:
             out["unsupported"][what] = str(exc)
@@ -130,7 +146,7 @@ def _single_rank():
         received=hf_checkpoint_names(dict(grouped_hf.named_parameters())), plan=_plan_summary(grouped.plan),
         expert_order=[[t.name for t in b.tensors] for b in grouped.plan.buckets if b.group == "ep"],
         sequential_order=[[t.name for t in b.tensors] for b in exporter.plan.buckets if b.group == "ep"],
-        owners=[o.mcore_name for b in grouped.plan.buckets for o in b.owners],
+        owners=[t.src_run.local for b in grouped.plan.buckets for t in b.transfers],
         layout_names={s.name for s in specs}, layout_experts={s.megatron_name for s in specs if s.expert is not None})
     return out
 
@@ -492,151 +508,57 @@ def _check_colocated_refit(out, case, *, tp, ep, etp):
         assert all(s.received_bytes > 0 and s.rounds > 1 for s in stats), (key, stats)
 
 
-# ------------------------------------------------- names without a process group
-def _fake_moe_gpt(*, experts_module=None, num_experts=4, num_local=2, hidden=16, inter=8):
-    """A module tree with Megatron MoE parameter names (one layer, EP2-sized local experts)."""
-    layer = nn.Module()
-    layer.layer_number = 1
-    layer.pre_mlp_layernorm = nn.Module()
-    layer.pre_mlp_layernorm.weight = nn.Parameter(torch.ones(hidden))
-    layer.mlp = nn.Module()
-    layer.mlp.router = nn.Module()
-    layer.mlp.router.weight = nn.Parameter(torch.zeros(num_experts, hidden))
-    if experts_module is None:
-        experts_module = nn.Module()
-        experts_module.local_experts = nn.ModuleList()
-        for _ in range(num_local):
-            e = nn.Module()
-            e.linear_fc1 = nn.Linear(hidden, 2 * inter, bias=False)
-            e.linear_fc2 = nn.Linear(inter, hidden, bias=False)
-            experts_module.local_experts.append(e)
-    layer.mlp.experts = experts_module
-    model = nn.Module()
-    model.config = types.SimpleNamespace(num_moe_experts=num_experts, num_attention_heads=2, num_query_groups=2,
-                                         kv_channels=8, hidden_size=hidden, gated_linear_unit=True)
-    model.decoder = nn.Module()
-    model.decoder.layers = nn.ModuleList([layer])
-    return model
+# ------------------------------------------------- plans without a process group
+def _moe_specs():
+    from megatron_ext.sharding import gpt_specs
+
+    return gpt_specs(num_layers=1, hidden_size=16, num_heads=2, num_groups=2, head_dim=8, ffn_hidden_size=32,
+                     vocab_size=64, num_experts=4, moe_ffn_hidden_size=16, dtype=torch.float32)
 
 
-def _grouped(names):
-    m = nn.Module()
-    for n in names:
-        m.register_parameter(n, nn.Parameter(torch.zeros(2, 2)))
-    return m
+@pytest.mark.parametrize("etp", [1, 2])
+def test_expert_buckets_alternate_ep_ranks_and_expert_tp_slices_reassemble(etp):
+    """EP2 (x ETP): expert buckets apart from dense ones, consecutive expert tensors from
+    alternating EP ranks (equal gather slots), each expert's slices on its (EP, expert-TP)
+    ranks (fc1 rows as [gate_r; up_r], fc2 columns); and hand-made Megatron shards
+    placed by the plan's transfers give back the whole HF experts."""
+    from megatron_ext.sharding import megatron_layout
+    from megatron_ext.weight_export.plan import build_plan, members, stage_ranks
+    from megatron_ext.weight_export.reshard_plan import run_view
 
-
-def test_expert_sources_cover_every_ep_rank_and_pack_per_unit():
-    from megatron_ext.weight_export import build_plan, local_sources
-
-    sources = local_sources(_fake_moe_gpt(), ep_size=2)
-    experts = [s for s in sources if s.expert is not None]
-    assert [(s.expert, s.ep_rank) for s in experts] == [(0, 0), (2, 1), (0, 0), (2, 1), (1, 0), (3, 1), (1, 0), (3, 1)]
-    assert experts[1].local_name == "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"
-    assert experts[1].outputs == (("model.layers.0.mlp.experts.2.gate_proj.weight", (8, 16)),
-                                  ("model.layers.0.mlp.experts.2.up_proj.weight", (8, 16)))
-    assert experts[1].mcore_name == "decoder.layers.0.mlp.experts.local_experts.2.linear_fc1.weight"
-    # A bucket that fits one expert weight per EP rank: dense and expert buckets apart, EP copies together.
-    plan, per_bucket = build_plan(sources, 1100, ep_size=2)
-    assert [b.group for b in plan.buckets] == ["tp"] + ["ep"] * 4
-    for b, members in zip(plan.buckets[1:], per_bucket[1:]):
-        assert [s.ep_rank for s in members] == [0, 1] and len({s.local_name for s in members}) == 1
-        assert [o.ep_rank for o in b.owners] == [0, 1]
-
-
-def _te_grouped(num_local=2, hidden=16, inter=8, fc1=None, fc2=None):
-    """TEGroupedMLP's parameter names and shapes: linear_fc{1,2}.weight{i}, TE's partition attributes."""
-    m = nn.Module()
-    m.linear_fc1, m.linear_fc2 = nn.Module(), nn.Module()
-    for i in range(num_local):
-        for fc, shape, dim, given in (("linear_fc1", (2 * inter, hidden), 0, fc1),
-                                      ("linear_fc2", (hidden, inter), 1, fc2)):
-            p = nn.Parameter(given[i] if given is not None else torch.zeros(shape))
-            p.tensor_model_parallel, p.partition_dim = True, dim
-            getattr(m, fc).register_parameter(f"weight{i}", p)
-    return m
-
-
-def test_te_grouped_expert_sources_match_sequential_ones():
-    from megatron_ext.weight_export import UnsupportedParameter, local_sources
-
-    sequential = _fake_moe_gpt()
-    experts = sequential.decoder.layers[0].mlp.experts.local_experts
-    grouped = _fake_moe_gpt(experts_module=_te_grouped(fc1=[e.linear_fc1.weight.detach() for e in experts],
-                                                       fc2=[e.linear_fc2.weight.detach() for e in experts]))
-    seq, grp = local_sources(sequential, ep_size=2, tp_size=2), local_sources(grouped, ep_size=2, tp_size=2)
-    fields = ("pp_rank", "dtype", "shard_shape", "partition_dim", "kind", "outputs", "expert", "ep_rank")
-    assert [[getattr(s, f) for f in fields] for s in grp] == [[getattr(s, f) for f in fields] for s in seq]
-    by_hf = {s.outputs[0][0]: s for s in grp}
-    src = by_hf["model.layers.0.mlp.experts.3.down_proj.weight"]  # EP rank 1's local expert 1
-    assert (src.local_name, src.mcore_name, src.partition_dim) == (
-        "decoder.layers.0.mlp.experts.linear_fc2.weight1", "decoder.layers.0.mlp.experts.linear_fc2.weight3", None)
-    # Block-interleaved gate/up rows and expert TP are refused, naming the weight.
-    grouped.config.moe_mlp_glu_interleave_size = 32
-    with pytest.raises(UnsupportedParameter, match="moe_mlp_glu_interleave_size=None") as info:
-        local_sources(grouped, ep_size=2)
-    assert str(info.value).startswith("decoder.layers.0.mlp.experts.linear_fc1.weight0: ")
-    # Expert TP: the same shards under both namings.
-    grouped.config.moe_mlp_glu_interleave_size = None
-    seq, grp = (local_sources(m, ep_size=2, tp_size=2, etp_size=2) for m in (sequential, grouped))
-    assert [[getattr(s, f) for f in fields + ("etp_size",)] for s in grp] == \
-        [[getattr(s, f) for f in fields + ("etp_size",)] for s in seq]
-
-
-def _with_bias(module, fc, name):
-    getattr(module, fc).register_parameter(name, nn.Parameter(torch.zeros(2)))
-    return module
-
-
-@pytest.mark.parametrize("experts,param,needle", [
-    (_grouped(["weight1", "weight2"]), "experts.weight1", "legacy GroupedMLP"),
-    (nn.ModuleDict({"linear_fc1": _grouped(["weight"])}), "experts.linear_fc1.weight",
-     "moe_single_grouped_weight=False"),
-    (_with_bias(_te_grouped(), "linear_fc1", "bias0"), "experts.linear_fc1.bias0", "add_bias_linear=False"),
-    (_with_bias(_te_grouped(), "linear_fc2", "bias"), "experts.linear_fc2.bias", "add_bias_linear=False"),
-], ids=["legacy_grouped_mlp", "single_grouped_weight", "grouped_bias", "single_grouped_bias"])
-def test_unmappable_grouped_gemm_weights_are_named(experts, param, needle):
-    from megatron_ext.weight_export import UnsupportedParameter, local_sources
-
-    with pytest.raises(UnsupportedParameter, match=needle) as info:
-        local_sources(_fake_moe_gpt(experts_module=experts))
-    assert f"'decoder.layers.0.mlp.{param}'" in str(info.value)
-
-
-def test_expert_tensor_parallel_sources_and_shard_reassembly():
-    """ETP 2: each EP rank's expert weight is an expert-TP shard (fc1 rows, fc2 columns) of a
-    whole HF expert; the plan records which (EP, expert-TP) rank holds which slice, and the
-    dense TP shard logic puts GLU shards [gate_r; up_r] back as [gate_0; gate_1], [up_0; up_1]."""
-    from megatron_ext.weight_export import UnsupportedParameter, build_plan, local_sources
-    from megatron_ext.weight_export.hf_mapping import write_shard
-
-    sources = local_sources(_fake_moe_gpt(), ep_size=2, etp_size=2)  # shards: fc1 (16, 16), fc2 (16, 8)
-    by_hf = {s.outputs[0][0]: s for s in sources}
-    fc1, fc2 = by_hf["model.layers.0.mlp.experts.2.gate_proj.weight"], by_hf[
-        "model.layers.0.mlp.experts.2.down_proj.weight"]
-    assert (fc1.ep_rank, fc1.partition_dim, fc1.shard_shape, fc1.etp_size) == (1, 0, (16, 16), 2)
-    assert fc1.outputs == (("model.layers.0.mlp.experts.2.gate_proj.weight", (16, 16)),
-                           ("model.layers.0.mlp.experts.2.up_proj.weight", (16, 16)))
-    assert (fc2.partition_dim, fc2.shard_shape, fc2.outputs[0][1]) == (1, (16, 8), (16, 16))
-    plan, _ = build_plan(sources, 1 << 20, ep_size=2, etp_size=2)
-    assert plan.etp_size == 2
-    owners = {o.mcore_name: o for b in plan.buckets for o in b.owners}
-    assert owners["decoder.layers.0.mlp.experts.local_experts.2.linear_fc1.weight"].holders == ((1, 0), (1, 1))
-    assert owners["decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight"].holders == ((1, 0), (1, 1))
-    assert owners["decoder.layers.0.mlp.router.weight"].holders == ()
-    # Reassembly from hand-made shards.
-    gate, up, down = torch.randn(16, 16), torch.randn(16, 16), torch.randn(16, 16)
-    dests = [torch.zeros(16, 16), torch.zeros(16, 16)], [torch.zeros(16, 16)]
-    for r in range(2):
-        write_shard(fc1, torch.cat([gate[8 * r:8 * r + 8], up[8 * r:8 * r + 8]]), r, 2, dests[0])
-        write_shard(fc2, down[:, 8 * r:8 * r + 8], r, 2, dests[1])
-    assert torch.equal(dests[0][0], gate) and torch.equal(dests[0][1], up) and torch.equal(dests[1][0], down)
-    # A shard split on another dim than Megatron's expert linears is refused by name.
-    bad = _fake_moe_gpt(experts_module=_te_grouped())
-    bad.decoder.layers[0].mlp.experts.linear_fc2.weight1.partition_dim = 0
-    with pytest.raises(UnsupportedParameter, match="expected an expert-TP shard split on dim 1") as info:
-        local_sources(bad, ep_size=2, etp_size=2)
-    assert str(info.value).startswith("decoder.layers.0.mlp.experts.linear_fc2.weight1: ")
+    specs = _moe_specs()
+    plan = build_plan(specs, 2 * 16 * 16 * 4, tp=2, ep=2, etp=etp)  # two fp32 expert tensors per bucket
+    experts = [b for b in plan.buckets if b.group == "ep"]
+    assert [b.group for b in plan.buckets] == ["tp"] * (len(plan.buckets) - len(experts)) + ["ep"] * len(experts)
+    gatherers = members("ep", 0, tp=2, ep=2, etp=etp)
+    summary = _plan_summary(plan)
+    assert summary["owners"] == {e: e // 2 for e in range(4)}
+    assert summary["holders"] == {(0, e, fc): (tuple((e // 2, k) for k in range(etp)),
+                                               None if etp == 1 else int(fc == "linear_fc2"))
+                                  for e in range(4) for fc in ("linear_fc1", "linear_fc2")}
+    for b in experts:
+        sent = {m: sum(t.nbytes for t in b.transfers if t.src == m) for m in gatherers}
+        assert len(set(sent.values())) == 1, f"bucket {b.index}: unequal slots {sent}"
+    # Megatron's shards of the trainer layout, built by hand from whole HF experts.
+    whole = {s.name: torch.randn(s.shape) for s in specs}
+    layout = megatron_layout(specs, tp=2, dp=stage_ranks(2, 2, etp) // 2, ep=2, etp=etp)
+    local = {}
+    for m in gatherers:
+        ep_rank, etp_rank = divmod(m, etp)
+        for j in range(2):
+            e, pre = ep_rank * 2 + j, f"decoder.layers.0.mlp.experts.local_experts.{j}."
+            hf = f"model.layers.0.mlp.experts.{e}."
+            local[m, pre + "linear_fc1.weight"] = torch.cat([whole[hf + "gate_proj.weight"].chunk(etp)[etp_rank],
+                                                             whole[hf + "up_proj.weight"].chunk(etp)[etp_rank]])
+            local[m, pre + "linear_fc2.weight"] = whole[hf + "down_proj.weight"].chunk(etp, 1)[etp_rank].contiguous()
+            for name in ("linear_fc1.weight", "linear_fc2.weight"):
+                assert tuple(local[m, pre + name].shape) == layout.tensors[m][pre + name].shape
+    got = {t.name: torch.full(t.shape, float("nan")) for b in experts for t in b.tensors}
+    for b in experts:
+        for t in b.transfers:
+            got[t.name][t.box.slices] = run_view(local[t.src, t.src_run.local], t.src_run).view(t.box.shape)
+    for name, tensor in got.items():
+        assert torch.equal(tensor, whole[name]), name
 
 
 def test_hf_config_for_qwen3_moe_checks_routing_and_maps_dense_layers():

@@ -99,9 +99,9 @@ def test_bad_flags_refused_by_from_args_naming_the_field_and_range(kw, argv, nee
 
 
 def test_smallest_bucket_fits_the_alignment_and_header_it_is_derived_from():
-    from megatron_ext.weight_export import config, plan, reshard
+    from megatron_ext.weight_export import config, wire
 
-    assert config.MIN_BUCKET_BYTES >= plan.ALIGNMENT and config.MIN_BUCKET_BYTES > reshard.HEADER_BYTES
+    assert config.MIN_BUCKET_BYTES >= wire.ALIGN and config.MIN_BUCKET_BYTES > wire.HEADER_BYTES
     cfg = ReshardRefitConfig(bucket_size_mb=config.MIN_BUCKET_BYTES / (1 << 20), store="10.0.0.1:65535")
     assert cfg.bucket_bytes == config.MIN_BUCKET_BYTES and cfg.store_address == ("10.0.0.1", 65535)
     assert ReshardRefitConfig(store="h:1").store_address == ("h", 1)

@@ -2,17 +2,20 @@
 element is planned exactly once from a rank that holds it, replicated sources
 share the work, and applying the plan's runs to the trainer's local tensors
 gives exactly the engine's local tensors built independently from the HF
-weights (Megatron's own QKV / fc1 shard layout comes from ``hf_mapping``)."""
+weights (Megatron's own QKV / fc1 shards are written out by hand in ``_reference``)."""
 
 import json
+import types
 
 import pytest
 import torch
+from torch import nn
 
-from megatron_ext.weight_export import hf_mapping
 from megatron_ext.sharding import Box, gpt_specs, megatron_layout
 from megatron_ext.weight_export.layout import inference_layout
 from megatron_ext.weight_export.reshard_plan import build_reshard_plan, check_reshard_plan, run_view
+
+from ._reference import megatron_shard
 
 DENSE = dict(num_layers=2, hidden_size=16, num_heads=4, num_groups=2, head_dim=4, ffn_hidden_size=24,
              vocab_size=30, padded_vocab_size=32, qkv_bias=True, qk_norm=True, dtype=torch.float32)
@@ -48,8 +51,8 @@ def _mcore_expert_coords(*, tp, dp, ep, etp, pp=1):
 
 
 def _megatron_locals(layout, weights, specs, tp, *, coords=None, ep=1, etp=1):
-    """Each trainer rank's local tensors as Megatron lays them out, built with
-    ``hf_mapping.shard_copies`` (HF -> shard direction), not with the layout.
+    """Each trainer rank's local tensors as Megatron lays them out, built by hand
+    (``_reference.megatron_shard``), not with the layout.
     Experts: the whole HF expert sharded by hand over expert TP, on the
     ``(ep_rank, etp_rank)`` that ``coords`` (megatron-core's) gives each rank."""
     out = {}
@@ -68,25 +71,10 @@ def _megatron_locals(layout, weights, specs, tp, *, coords=None, ep=1, etp=1):
                 dim = 1 if "down_proj" in first.name else 0
                 out[r][name] = torch.cat([weights[m.name].chunk(etp, dim)[etp_rank] for m in members])
                 continue
-            kind = first.fused[0] if first.fused else "copy"
-            shard = torch.zeros(lt.shape)
-            rows = first.padded_rows or first.shape[0]
-            shard_shape = list(first.shape)
-            if kind == "qkv":
-                shard_shape[0] = sum(m.shape[0] for m in members) // tp
-            elif kind == "glu":
-                shard_shape[0] = 2 * first.shape[0] // tp
-            elif first.tp_dim is not None and tp > 1:
-                shard_shape[first.tp_dim] = (rows if first.tp_dim == 0 else first.shape[1]) // tp
-            source = hf_mapping.Source(
-                name, name, 0, torch.float32, tuple(shard_shape), first.tp_dim if tp > 1 else None, kind,
-                tuple((m.name, m.shape) for m in members), first.num_heads, first.num_groups)
-            full = torch.zeros(shard_shape) if shard.shape != tuple(shard_shape) else shard
-            rank = tp_rank if source.partition_dim is not None else 0
-            for hf_view, shard_view in hf_mapping.shard_copies(source, full, rank, tp,
-                                                                [weights[m.name] for m in members]):
-                shard_view.copy_(hf_view)
-            out[r][name] = full.narrow(0, 0, lt.shape[0])  # padded vocab rows beyond the HF ones are not kept
+            shard = megatron_shard(first.fused[0] if first.fused else "copy", [weights[m.name] for m in members],
+                                   tp, tp_rank, dim=first.tp_dim, num_groups=first.num_groups,
+                                   padded_rows=first.padded_rows)
+            out[r][name] = shard.narrow(0, 0, lt.shape[0])  # padded vocab rows beyond the HF ones are not kept
     return out
 
 
@@ -312,13 +300,43 @@ def test_ntp_trainer_layout_serves_from_healthy_and_degraded_replicas():
             torch.testing.assert_close(got[r][n], want[r][n], rtol=0, atol=0)
 
 
+def _te_like_gpt(hidden=32, heads=4, groups=2, ffn=48, vocab=64, layers=2, offset=3):
+    head_dim = hidden // heads
+
+    def layer(number):
+        m = nn.Module()
+        m.layer_number = number
+        m.self_attention = nn.Module()
+        m.self_attention.linear_qkv = nn.Module()
+        m.self_attention.linear_qkv.weight = nn.Parameter(torch.zeros((heads + 2 * groups) * head_dim, hidden))
+        m.self_attention.linear_qkv.layer_norm_weight = nn.Parameter(torch.ones(hidden))
+        m.self_attention.linear_proj = nn.Linear(hidden, hidden, bias=False)
+        m.mlp = nn.Module()
+        m.mlp.linear_fc1 = nn.Module()
+        m.mlp.linear_fc1.weight = nn.Parameter(torch.zeros(2 * ffn, hidden))
+        m.mlp.linear_fc1.layer_norm_weight = nn.Parameter(torch.ones(hidden))
+        m.mlp.linear_fc2 = nn.Linear(ffn, hidden, bias=False)
+        return m
+
+    model = nn.Module()
+    model.config = types.SimpleNamespace(num_moe_experts=None, num_attention_heads=heads, num_query_groups=groups,
+                                         kv_channels=head_dim, hidden_size=hidden, gated_linear_unit=True)
+    model.share_embeddings_and_output_weights = False
+    model.decoder = nn.Module()
+    # A later pipeline stage: local layers 0..1 are global layers 3..4.
+    model.decoder.layers = nn.ModuleList([layer(offset + j + 1) for j in range(layers)])
+    model.decoder.final_layernorm = nn.Module()
+    model.decoder.final_layernorm.weight = nn.Parameter(torch.ones(hidden))
+    model.output_layer = nn.Module()
+    model.output_layer.weight = nn.Parameter(torch.zeros(vocab, hidden))
+    return model
+
+
 def test_te_layer_spec_names():
     """Transformer Engine's fused layernorm names, detected from a model's parameters
     (a hand-written stand-in with TE's names: TE does not run on CPU)."""
     from megatron_ext.testing import tiny_llama
     from megatron_ext.sharding import specs_from_model
-
-    from .test_te_names import _te_like_gpt
 
     model = _te_like_gpt()  # a later pipeline stage: global layers 3, 4 of 5
     model.config = tiny_llama.transformer_config(tiny_llama.TinyLlamaSpec(
@@ -463,23 +481,34 @@ def test_grouped_gemm_expert_names(engine):
 
 
 def test_unsupported_expert_layouts_name_the_parameter():
+    """Expert weights with no Qwen3-MoE form, and an expert shard split on another dim than
+    Megatron's expert linears, are refused naming the parameter (never skipped or misplaced)."""
     from torch import nn
 
-    from megatron_ext.sharding import specs_from_model
+    from megatron_ext.sharding import UnsupportedParameter, specs_from_model
 
     for attr, shape, match in (("weight1", (32, 32), "legacy GroupedMLP"),  # (hidden, local experts * 2 ffn)
-                               ("weight", (2, 16, 32), "moe_single_grouped_weight")):
+                               ("weight", (2, 16, 32), "moe_single_grouped_weight"),
+                               ("bias0", (16,), "add_bias_linear=False"),
+                               ("bias", (16,), "add_bias_linear=False")):
         model = _grouped_moe_like_gpt(0)
-        model.module.decoder.layers[1].mlp.experts.linear_fc1 = nn.Module()
         target = model.module.decoder.layers[1].mlp.experts
         if attr == "weight1":
             target.register_parameter("weight1", nn.Parameter(torch.zeros(shape)))
             name = "decoder.layers.1.mlp.experts.weight1"
         else:
-            target.linear_fc1.register_parameter("weight", nn.Parameter(torch.zeros(shape)))
-            name = "decoder.layers.1.mlp.experts.linear_fc1.weight"
-        with pytest.raises(ValueError, match=rf"{name}'.*{match}"):
+            if attr == "weight":
+                target.linear_fc1 = nn.Module()
+            target.linear_fc1.register_parameter(attr, nn.Parameter(torch.zeros(shape)))
+            name = f"decoder.layers.1.mlp.experts.linear_fc1.{attr}"
+        with pytest.raises(UnsupportedParameter, match=rf"{name}'.*{match}"):
             specs_from_model(model, vocab_size=64)
+    model = _grouped_moe_like_gpt(0)
+    fc2 = model.module.decoder.layers[0].mlp.experts.linear_fc2.weight1
+    fc2.tensor_model_parallel, fc2.partition_dim = True, 0
+    with pytest.raises(UnsupportedParameter, match=r"decoder\.layers\.0\.mlp\.experts\.linear_fc2\.weight1: split on "
+                       r"dim 0 .* shards it on dim 1"):
+        specs_from_model(model, vocab_size=64)
 
 
 def test_interleaved_glu_experts_are_refused():
