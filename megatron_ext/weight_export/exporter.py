@@ -170,6 +170,7 @@ class WeightExporter:
         self._receiver, self._sender = receiver, sender
         self._plan: ExportPlan | None = None
         self._tensors: dict[str, torch.Tensor] = {}
+        self._bucket_views: dict[int, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
         self._signature = None
         self._buffers: list[torch.Tensor] = []
         self._gatherer = None
@@ -229,7 +230,7 @@ class WeightExporter:
             groups["ep"] = GatherGroup(lay.expert_group, lay.expert_rank, tuple(
                 members("ep", lay.pp_rank, **sizes, coords=lay.expert_coords)))
         self._gatherer = BucketGatherer(self._tensors, groups, device=self.device)
-        self._buffers = []
+        self._buffers, self._bucket_views = [], {}
         self._signature = sig
         self.plans_built += 1
         if self.is_export_rank:
@@ -341,6 +342,16 @@ class WeightExporter:
             nbytes = int(t.item())
         self._auto_bucket_bytes = nbytes
 
+    def _views(self, bucket, out: torch.Tensor | None) -> dict[str, torch.Tensor] | None:
+        """The HF tensors of ``bucket`` as views of export buffer ``out`` (kept, so that the
+        gatherer reuses the copies it built into them)."""
+        if out is None:
+            return None
+        hit = self._bucket_views.get(bucket.index)
+        if hit is None or hit[0] is not out:
+            hit = self._bucket_views[bucket.index] = (out, dict(unpack(bucket, out)))
+        return hit[1]
+
     def _refuse_nonfinite(self, check: _FiniteCheck) -> None:
         bad = check.bad()
         if bad:
@@ -381,8 +392,7 @@ class WeightExporter:
                     p.wait()
                 out = self._buffers[slot] if self._buffers else None
             if mine:
-                dests = sender.views if push else dict(unpack(bucket, out)) if out is not None else None
-                self._gatherer.gather(bucket, dests)
+                self._gatherer.gather(bucket, sender.views if push else self._views(bucket, out))
             else:  # the export rank receives another stage's bucket
                 dist.recv(out[:bucket.nbytes], src=lay.stage_leaders[bucket.pp_rank])
                 if push:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .copies import copy_all
+from .copies import CopyBatch
 from .plan import BucketMeta
 from .reshard_plan import Transfer, run_view
 from .wire import align
@@ -51,6 +51,7 @@ class BucketGatherer:
         self.device = torch.device(device)
         self._scratch: torch.Tensor | None = None
         self._slots: dict[int, tuple[int, list[list[tuple[Transfer, int]]]]] = {}
+        self._batches: dict[tuple[str, int], tuple[tuple, CopyBatch]] = {}
 
     @property
     def scratch_bytes(self) -> int:
@@ -72,26 +73,42 @@ class BucketGatherer:
     def _source(self, t: Transfer) -> torch.Tensor:
         return run_view(self.tensors[t.src_run.local], t.src_run)
 
+    def _copies(self, key: tuple[str, int], targets, build) -> CopyBatch:
+        """The copies ``build()`` lists, built once per ``key`` and the objects they view (the
+        ``dests`` mapping, the scratch buffer): exports repeat them, and building ~10^3 views
+        per bucket on the host costs more than the copies themselves."""
+        targets = targets if isinstance(targets, tuple) else (targets,)
+        hit = self._batches.get(key)
+        if hit is None or len(hit[0]) != len(targets) or any(a is not b for a, b in zip(hit[0], targets)):
+            hit = self._batches[key] = (targets, CopyBatch(build()))
+        return hit[1]
+
     def gather(self, bucket: BucketMeta, dests: dict[str, torch.Tensor] | None) -> None:
         """Gather ``bucket`` and, on the stage leader (``dests`` not None: HF name ->
         whole tensor, e.g. views of its export buffer or the engine's weights), write
-        every piece into its box."""
+        every piece into its box. Pass the same ``dests`` object again to reuse its copies."""
         g = self.groups[bucket.group]
         chunk, packed = self._packing(bucket, g.members)
         if len(g.members) == 1:
             if dests is not None:
-                copy_all([(dests[t.name][t.box.slices], self._source(t).view(t.box.shape)) for t in bucket.transfers])
+                self._copies(("place", bucket.index), dests, lambda: [
+                    (dests[t.name][t.box.slices], self._source(t).view(t.box.shape)) for t in bucket.transfers]).run()
             return
         need = chunk * len(g.members)
         if self._scratch is None or self._scratch.numel() < need:
-            self._scratch = None
+            old, self._scratch = self._scratch, None
+            self._batches = {k: v for k, v in self._batches.items() if not any(t is old for t in v[0])}
+            del old
             self._scratch = torch.empty(need, dtype=torch.uint8, device=self.device)
-        slots = self._scratch[:need].view(len(g.members), chunk)
+        scratch = self._scratch
+        slots = scratch[:need].view(len(g.members), chunk)
         mine = slots[g.rank]
-        copy_all([(mine[off:off + t.nbytes].view(self.tensors[t.src_run.local].dtype).view(t.src_run.count, -1),
-                   self._source(t)) for t, off in packed[g.rank]])
-        dist.all_gather_into_tensor(self._scratch[:need], mine, group=g.group)
+        self._copies(("pack", bucket.index), scratch, lambda: [
+            (mine[off:off + t.nbytes].view(self.tensors[t.src_run.local].dtype).view(t.src_run.count, -1),
+             self._source(t)) for t, off in packed[g.rank]]).run()
+        dist.all_gather_into_tensor(scratch[:need], mine, group=g.group)
         if dests is None:
             return
-        copy_all([(dests[t.name][t.box.slices], slots[k, off:off + t.nbytes].view(dests[t.name].dtype)
-                   .view(t.box.shape)) for k, member in enumerate(packed) for t, off in member])
+        self._copies(("place", bucket.index), (dests, scratch), lambda: [
+            (dests[t.name][t.box.slices], slots[k, off:off + t.nbytes].view(dests[t.name].dtype).view(t.box.shape))
+            for k, member in enumerate(packed) for t, off in member]).run()
