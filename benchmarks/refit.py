@@ -399,7 +399,8 @@ def main(argv=None) -> int:
     machine = dict(platform=platform.platform(), torch=torch.__version__, python=platform.python_version(),
                    gpus=[torch.cuda.get_device_name(i) for i in range(gpus)] if gpu else [],
                    nccl=".".join(map(str, torch.cuda.nccl.version())) if gpu else None)
-    result = dict(preset=args.preset, spec=dataclasses.asdict(spec), bucket_size_mb=args.bucket_size_mb,
+    result = dict(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), command=" ".join(["python", *sys.argv]),
+                  preset=args.preset, spec=dataclasses.asdict(spec), bucket_size_mb=args.bucket_size_mb,
                   iters=args.iters, machine=machine, limits=limits, rows=rows,
                   targets=[dict(target=w, met=ok, value=v) for w, ok, v in targets])
     with open(args.out, "w") as f:
