@@ -89,21 +89,37 @@ def _sync(device):
 
 
 # ------------------------------------------------------------ naive baseline
+_NAIVE_PLANS: dict[int, list] = {}
+
+
+def _naive_plan(model, spec) -> list:
+    """``(tensor meta, its transfers)`` of every HF tensor at TP=1, planned once per model (outside the
+    timed refits: the naive baseline times the per-tensor copies and messages, not planning)."""
+    from megatron_ext.sharding import specs_from_model
+    from megatron_ext.weight_export.plan import build_plan
+
+    if id(model) not in _NAIVE_PLANS:
+        plan = build_plan(specs_from_model(model, vocab_size=spec.hf_vocab_size), 1 << 30)
+        by_name: dict[str, list] = {}
+        for bucket in plan.buckets:
+            for t in bucket.transfers:
+                by_name.setdefault(t.name, []).append(t)
+        _NAIVE_PLANS[id(model)] = [(meta, by_name[meta.name]) for meta in plan.tensors()]
+    return _NAIVE_PLANS[id(model)]
+
+
 def _naive_tensors(model, spec):
     """Per HF tensor: materialise it as a new contiguous tensor from its pieces."""
-    from megatron_ext.sharding import megatron_tensors, specs_from_model
-    from megatron_ext.weight_export.plan import build_plan
+    from megatron_ext.sharding import megatron_tensors
     from megatron_ext.weight_export.reshard_plan import run_view
 
     tensors = megatron_tensors(model)
-    plan = build_plan(specs_from_model(model, vocab_size=spec.hf_vocab_size), 1 << 30)
-    for bucket in plan.buckets:
-        for meta in bucket.tensors:
-            out = torch.empty(meta.shape, dtype=meta.dtype, device=next(iter(tensors.values())).device)
-            for t in bucket.transfers:
-                if t.name == meta.name:
-                    out[t.box.slices] = run_view(tensors[t.src_run.local], t.src_run).view(t.box.shape)
-            yield meta.name, out
+    device = next(iter(tensors.values())).device
+    for meta, transfers in _naive_plan(model, spec):
+        out = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+        for t in transfers:
+            out[t.box.slices] = run_view(tensors[t.src_run.local], t.src_run).view(t.box.shape)
+        yield meta.name, out
 
 
 def _naive_share(t):
