@@ -171,6 +171,7 @@ class WeightExporter:
         self._plan: ExportPlan | None = None
         self._tensors: dict[str, torch.Tensor] = {}
         self._bucket_views: dict[int, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
+        self._facts = None
         self._signature = None
         self._buffers: list[torch.Tensor] = []
         self._gatherer = None
@@ -202,12 +203,7 @@ class WeightExporter:
             return
         # Every stage's signature, global layers and specs check travel together, so every rank
         # rebuilds at the same time and learns why any stage cannot be exported.
-        vocab = self.config.vocab_size or getattr(self.model, "vocab_size", None)
-        try:
-            specs, problem = specs_from_model(self.model, vocab_size=vocab), None
-        except ValueError as exc:
-            specs, problem = None, f"{type(exc).__name__}: {exc}"
-        layers = sorted(int(gp.split(".")[2]) for gp in global_layer_names(self.model).values())
+        specs, layers, problem = self._stage_facts(sig)
         stages = [(sig, layers, problem)]
         if lay.pp_size > 1:
             stages = [None] * lay.pp_size
@@ -237,6 +233,19 @@ class WeightExporter:
             log.info("weight export plan: %d tensors, %.1f MiB in %d buckets of <= %.1f MiB",
                      sum(1 for _ in self._plan.tensors()), self._plan.total_bytes / MiB,
                      len(self._plan.buckets), self._plan.buffer_bytes / MiB)
+
+    def _stage_facts(self, sig: str):
+        """``(specs, global layers, why it cannot be exported or None)`` of this rank's stage,
+        read from the model once per local signature (PP jobs compare signatures every export)."""
+        if self._facts is None or self._facts[0] != sig:
+            vocab = self.config.vocab_size or getattr(self.model, "vocab_size", None)
+            try:
+                specs, problem = specs_from_model(self.model, vocab_size=vocab), None
+            except ValueError as exc:
+                specs, problem = None, f"{type(exc).__name__}: {exc}"
+            layers = sorted(int(gp.split(".")[2]) for gp in global_layer_names(self.model).values())
+            self._facts = (sig, (specs, layers, problem))
+        return self._facts[1]
 
     def _bucket_bytes(self) -> int:
         if self.config.bucket_size_mb is not None:

@@ -121,6 +121,9 @@ class ExportPlan:
         return h.hexdigest()[:16]
 
 
+GROUPS = ("tp", "ep")  # a bucket's gathering group, indexed by "holds experts"
+
+
 def stage_ranks(tp: int, ep: int = 1, etp: int = 1) -> int:
     """Ranks per stage of the trainer layout the export plans with: just enough data-parallel
     ranks to hold DP replica 0 (which gathers dense tensors) and expert-DP rank 0 (which
@@ -188,9 +191,6 @@ def build_plan(specs: Sequence[TensorSpec], bucket_bytes: int, *, tp: int = 1, p
         buckets.append(BucketMeta(len(buckets), key[0], used, tuple(tensors), GROUPS[key[1]], tuple(transfers)))
     capacity = _block_size(max((b.nbytes for b in buckets), default=ALIGN))
     return ExportPlan(tuple(buckets), capacity, tp, pp, ep, etp)
-
-
-GROUPS = ("tp", "ep")
 
 
 def _block_size(nbytes: int) -> int:
