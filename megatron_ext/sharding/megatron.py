@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from .geometry import Layout, local_tensors, tp_box
-from .names import global_layer_names, unwrap
+from .names import global_layer_names, global_name, unwrap
 from .spec import TensorSpec
 
 __all__ = ["ShardSpec", "layout_from_recipe", "megatron_expert_coords", "megatron_layout",
@@ -212,11 +212,4 @@ def megatron_tensors(model) -> dict[str, torch.Tensor]:
     optimizer step."""
     model = unwrap(model)
     prefixes = global_layer_names(model)
-    out = {}
-    for name, p in model.named_parameters():
-        for lp, gp in prefixes.items():
-            if name.startswith(lp):
-                name = gp + name[len(lp):]
-                break
-        out[name] = p.detach()
-    return out
+    return {global_name(name, prefixes): p.detach() for name, p in model.named_parameters()}

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 
 __all__ = ["ENGINE_FUSED", "EXPERT_NAMES", "GLOBAL_NAMES", "LAYER", "LAYER_NAMES", "VOCAB_PARAMS", "engine_name",
-           "global_layer_names", "unwrap"]
+           "global_layer_names", "global_name", "unwrap"]
 
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
@@ -82,3 +82,9 @@ def global_layer_names(model) -> dict[str, str]:
     for j, layer in enumerate(getattr(decoder, "layers", [])):
         prefixes[f"decoder.layers.{j}."] = f"decoder.layers.{layer.layer_number - 1}."
     return prefixes
+
+
+def global_name(name: str, prefixes: dict[str, str]) -> str:
+    """``name`` with its local layer prefix replaced by the global one (``prefixes``:
+    :func:`global_layer_names`)."""
+    return next((gp + name[len(lp):] for lp, gp in prefixes.items() if name.startswith(lp)), name)

@@ -16,7 +16,7 @@ import re
 import torch
 
 from .moe import UNSUPPORTED_HINTS, grouped_expert_issue, router_issue
-from .names import EXPERT_NAMES, GLOBAL_NAMES, LAYER_NAMES, engine_name, global_layer_names, unwrap
+from .names import EXPERT_NAMES, GLOBAL_NAMES, LAYER_NAMES, engine_name, global_layer_names, global_name, unwrap
 
 __all__ = ["TensorSpec", "UnsupportedParameter", "gpt_specs", "specs_from_config", "specs_from_model"]
 
@@ -185,17 +185,14 @@ def specs_from_model(model, *, vocab_size: int, dtype: torch.dtype | None = None
     params = dict(m.named_parameters())
     prefixes = global_layer_names(m)
 
-    def global_name(name):
-        return next((gp + name[len(lp):] for lp, gp in prefixes.items() if name.startswith(lp)), name)
-
     cfg = m.config
     te = any(n.endswith("linear_qkv.layer_norm_weight") for n in params)
     grouped = any(_GROUPED_EXPERT.search(n) for n in params)
     router = next((n for n in params if n.endswith("mlp.router.weight")), None)
     if router is not None and router_issue(cfg):
-        raise UnsupportedParameter(f"{global_name(router)}: {router_issue(cfg)}")
+        raise UnsupportedParameter(f"{global_name(router, prefixes)}: {router_issue(cfg)}")
     if grouped and cfg.num_moe_experts and grouped_expert_issue(cfg):
-        name = global_name(next(n for n in params if _GROUPED_EXPERT.search(n)))
+        name = global_name(next(n for n in params if _GROUPED_EXPERT.search(n)), prefixes)
         raise UnsupportedParameter(f"{name}: {grouped_expert_issue(cfg)}")
     padded = getattr(m, "vocab_size", None)
     if padded is not None and vocab_size > padded:
@@ -208,7 +205,7 @@ def specs_from_model(model, *, vocab_size: int, dtype: torch.dtype | None = None
     if not any(s.name == "lm_head.weight" for s in specs):
         known["output_layer.weight"] = None  # tied (a later stage's copy): the engine ties lm_head to the embedding
     for name, param in params.items():
-        glob = global_name(name)
+        glob = global_name(name, prefixes)
         if _expert_pattern(glob) not in known:
             why = next((why for pattern, why in _HINTS if pattern.search(glob)), None)
             raise UnsupportedParameter(
