@@ -13,14 +13,42 @@ from megatron_ext.testing import tiny_llama  # noqa: E402
 
 PRESETS = {
     # Llama-3.2-1B / 3B and Llama-3-8B shapes, untied embeddings, GQA.
-    "1b": dict(num_layers=16, hidden_size=2048, num_attention_heads=32, num_query_groups=8,
-               ffn_hidden_size=8192, vocab_size=128256, hf_vocab_size=128256),
-    "3b": dict(num_layers=28, hidden_size=3072, num_attention_heads=24, num_query_groups=8,
-               ffn_hidden_size=8192, vocab_size=128256, hf_vocab_size=128256),
-    "8b": dict(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
-               ffn_hidden_size=14336, vocab_size=128256, hf_vocab_size=128256),
-    "tiny": dict(num_layers=2, hidden_size=256, num_attention_heads=8, num_query_groups=2,
-                 ffn_hidden_size=512, vocab_size=4096, hf_vocab_size=4096),
+    "1b": dict(
+        num_layers=16,
+        hidden_size=2048,
+        num_attention_heads=32,
+        num_query_groups=8,
+        ffn_hidden_size=8192,
+        vocab_size=128256,
+        hf_vocab_size=128256,
+    ),
+    "3b": dict(
+        num_layers=28,
+        hidden_size=3072,
+        num_attention_heads=24,
+        num_query_groups=8,
+        ffn_hidden_size=8192,
+        vocab_size=128256,
+        hf_vocab_size=128256,
+    ),
+    "8b": dict(
+        num_layers=32,
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_query_groups=8,
+        ffn_hidden_size=14336,
+        vocab_size=128256,
+        hf_vocab_size=128256,
+    ),
+    "tiny": dict(
+        num_layers=2,
+        hidden_size=256,
+        num_attention_heads=8,
+        num_query_groups=2,
+        ffn_hidden_size=512,
+        vocab_size=4096,
+        hf_vocab_size=4096,
+    ),
 }
 GiB = 1 << 30
 
@@ -32,5 +60,5 @@ def spec_for(preset: str) -> tiny_llama.TinyLlamaSpec:
 def megatron_config(spec, gpu: bool):
     """The trainer's bf16 Megatron config (CPU initialisation only without a GPU)."""
     return tiny_llama.transformer_config(
-        spec, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, bf16=True,
-        use_cpu_initialization=not gpu)
+        spec, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, bf16=True, use_cpu_initialization=not gpu
+    )

@@ -101,15 +101,26 @@ def _bench_rank(ntp_kwargs, tp, spec, steps, warmup, global_batch, backend):
             sync_s.append(t2 - t1)
             step_s.append(t3 - t0)
     memory = ddp_memory_report(ddp, opt)  # after the steps: Adam's state exists
-    return dict(replica=replica, tp_size=tp_size, degraded=degraded, role=memory.role,
-                unfold_s=statistics.median(unfold_s), compute_s=statistics.median(compute_s),
-                sync_s=statistics.median(sync_s),
-                step_s=statistics.median(step_s), memory=memory.as_dict(),
-                peak_cuda_bytes=torch.cuda.max_memory_allocated() if backend == "nccl" else None)
+    return dict(
+        replica=replica,
+        tp_size=tp_size,
+        degraded=degraded,
+        role=memory.role,
+        unfold_s=statistics.median(unfold_s),
+        compute_s=statistics.median(compute_s),
+        sync_s=statistics.median(sync_s),
+        step_s=statistics.median(step_s),
+        memory=memory.as_dict(),
+        peak_cuda_bytes=torch.cuda.max_memory_allocated() if backend == "nccl" else None,
+    )
 
 
-MEMORY_GROUPS = (("uniform DDP, all ranks", "uniform", "uniform"), ("NTP healthy core", "ntp", "healthy core"),
-                 ("NTP healthy spare", "ntp", "healthy spare"), ("NTP degraded replica", "ntp", "degraded"))
+MEMORY_GROUPS = (
+    ("uniform DDP, all ranks", "uniform", "uniform"),
+    ("NTP healthy core", "ntp", "healthy core"),
+    ("NTP healthy spare", "ntp", "healthy spare"),
+    ("NTP degraded replica", "ntp", "degraded"),
+)
 MEMORY_FIELDS = ("params", "grads", "shadow", "optimizer", "total")
 
 
@@ -124,18 +135,24 @@ def memory_table(uniform, ntp_out) -> dict:
             peaks = [r["peak_cuda_bytes"] for r in rows if r["peak_cuda_bytes"] is not None]
             groups[name] = dict(top["memory"], ranks=len(rows), peak_cuda_bytes=max(peaks) if peaks else None)
     base = groups["uniform DDP, all ranks"]["total"]
-    mib = 2.0 ** 20
-    print(f"\nmemory per rank (MiB, exact tensor bytes; the largest rank of each group)\n"
-          f"{'ranks':24} | {'n':>2} | {'params':>8} | {'grads':>8} | {'shadow':>8} | {'optimizer':>9} | "
-          f"{'total':>8} | {'vs uniform':>10} | {'peak CUDA':>9}")
+    mib = 2.0**20
+    print(
+        f"\nmemory per rank (MiB, exact tensor bytes; the largest rank of each group)\n"
+        f"{'ranks':24} | {'n':>2} | {'params':>8} | {'grads':>8} | {'shadow':>8} | {'optimizer':>9} | "
+        f"{'total':>8} | {'vs uniform':>10} | {'peak CUDA':>9}"
+    )
     print("-" * 112)
     for name, g in groups.items():
         peak = "-" if g["peak_cuda_bytes"] is None else f"{g['peak_cuda_bytes'] / mib:9.2f}"
-        print(f"{name:24} | {g['ranks']:2d} | " + " | ".join(
-            f"{g[k] / mib:{9 if k == 'optimizer' else 8}.2f}" for k in MEMORY_FIELDS)
-            + f" | {g['total'] / base:9.2f}x | {peak:>9}")
-    print("shadow: the tp_reduced training shadow's parameters and grad buffer (healthy replicas; a spare's is "
-          "zero and never trained); optimizer: fp32 main params + Adam state over the shadow on healthy ranks.")
+        print(
+            f"{name:24} | {g['ranks']:2d} | "
+            + " | ".join(f"{g[k] / mib:{9 if k == 'optimizer' else 8}.2f}" for k in MEMORY_FIELDS)
+            + f" | {g['total'] / base:9.2f}x | {peak:>9}"
+        )
+    print(
+        "shadow: the tp_reduced training shadow's parameters and grad buffer (healthy replicas; a spare's is "
+        "zero and never trained); optimizer: fp32 main params + Adam state over the shadow on healthy ranks."
+    )
     return groups
 
 
@@ -159,22 +176,31 @@ def main(argv=None) -> int:
     backend = args.backend
     if backend == "auto":
         backend = "nccl" if torch.cuda.device_count() >= world else "gloo"
-    spec = tiny_gpt.TinyGPTSpec(num_layers=args.layers, hidden_size=args.hidden,
-                                num_attention_heads=args.heads, ffn_hidden_size=4 * args.hidden,
-                                vocab_size=args.vocab, seq_length=args.seq)
+    spec = tiny_gpt.TinyGPTSpec(
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        ffn_hidden_size=4 * args.hidden,
+        vocab_size=args.vocab,
+        seq_length=args.seq,
+    )
     failed = {0: tuple(range(args.tp_base - args.spares, args.tp_base))}
-    ntp = dict(tp_base=args.tp_base, tp_spares=args.spares, non_active_ranks_per_dp=failed,
-               launch_mode="simulate")
+    ntp = dict(tp_base=args.tp_base, tp_spares=args.spares, non_active_ranks_per_dp=failed, launch_mode="simulate")
     common = (spec, args.steps, args.warmup, args.global_batch, backend)
-    print(f"NTP benchmark: {world} ranks ({backend}), tp_base={args.tp_base}, replicas={args.replicas}, "
-          f"replica 0 loses slots {failed[0]}; hidden {args.hidden}, {args.layers} layers", flush=True)
+    print(
+        f"NTP benchmark: {world} ranks ({backend}), tp_base={args.tp_base}, replicas={args.replicas}, "
+        f"replica 0 loses slots {failed[0]}; hidden {args.hidden}, {args.layers} layers",
+        flush=True,
+    )
     t = time.perf_counter()
-    uniform = run_on_ranks(_bench_rank, world, args=(None, args.tp_base) + common, backend=backend,
-                           timeout=900)
+    uniform = run_on_ranks(_bench_rank, world, args=(None, args.tp_base) + common, backend=backend, timeout=900)
     print(f"[uniform] done in {time.perf_counter() - t:.1f}s", flush=True)
     t = time.perf_counter()
-    ntp_out = [o for o in run_on_ranks(_bench_rank, world, args=(ntp, args.tp_base) + common,
-                                       backend=backend, timeout=900) if o]
+    ntp_out = [
+        o
+        for o in run_on_ranks(_bench_rank, world, args=(ntp, args.tp_base) + common, backend=backend, timeout=900)
+        if o
+    ]
     print(f"[ntp] done in {time.perf_counter() - t:.1f}s\n", flush=True)
 
     def agg(rows, key):
@@ -185,25 +211,42 @@ def main(argv=None) -> int:
     degraded = [r for r in ntp_out if r["degraded"]]
     h = {k: agg(healthy, k) for k in u}
     d = {k: agg(degraded, k) for k in u}
-    print(f"{'job':24} | {'zero+unfold ms':>14} | {'fwd+bwd ms':>10} | {'grad sync ms':>12} | "
-          f"{'sync vs uniform':>15} | {'step ms':>8} | {'vs uniform':>10}")
+    print(
+        f"{'job':24} | {'zero+unfold ms':>14} | {'fwd+bwd ms':>10} | {'grad sync ms':>12} | "
+        f"{'sync vs uniform':>15} | {'step ms':>8} | {'vs uniform':>10}"
+    )
     print("-" * 115)
-    for name, row in (("uniform DDP, all ranks", u), ("NTP healthy replicas", h),
-                      ("NTP degraded replica", d)):
+    for name, row in (("uniform DDP, all ranks", u), ("NTP healthy replicas", h), ("NTP degraded replica", d)):
         ntp_sync = row["unfold_s"] + row["sync_s"]
-        print(f"{name:24} | {row['unfold_s'] * 1e3:14.2f} | {row['compute_s'] * 1e3:10.1f} | "
-              f"{row['sync_s'] * 1e3:12.2f} | {ntp_sync / (u['unfold_s'] + u['sync_s']):14.2f}x | "
-              f"{row['step_s'] * 1e3:8.1f} | {row['step_s'] / u['step_s']:9.2f}x")
+        print(
+            f"{name:24} | {row['unfold_s'] * 1e3:14.2f} | {row['compute_s'] * 1e3:10.1f} | "
+            f"{row['sync_s'] * 1e3:12.2f} | {ntp_sync / (u['unfold_s'] + u['sync_s']):14.2f}x | "
+            f"{row['step_s'] * 1e3:8.1f} | {row['step_s'] / u['step_s']:9.2f}x"
+        )
     ratio = d["compute_s"] / h["compute_s"]
-    print(f"\ndegraded / healthy fwd+bwd time: {ratio:.2f}x (ideal: tp_base/tp_reduced = "
-          f"{args.tp_base / (args.tp_base - args.spares):.2f}x). The DP collective waits for the "
-          "slowest replica: grad sync includes that wait.")
+    print(
+        f"\ndegraded / healthy fwd+bwd time: {ratio:.2f}x (ideal: tp_base/tp_reduced = "
+        f"{args.tp_base / (args.tp_base - args.spares):.2f}x). The DP collective waits for the "
+        "slowest replica: grad sync includes that wait."
+    )
     memory = memory_table(uniform, ntp_out)
-    result = dict(world=world, backend=backend, tp_base=args.tp_base, spares=args.spares,
-                  replicas=args.replicas, hidden=args.hidden, layers=args.layers, steps=args.steps,
-                  device=torch.cuda.get_device_name() if backend == "nccl" else "cpu",
-                  uniform=u, ntp_healthy=h, ntp_degraded=d, degraded_over_healthy_compute=ratio,
-                  memory=memory, per_rank=dict(uniform=uniform, ntp=ntp_out))
+    result = dict(
+        world=world,
+        backend=backend,
+        tp_base=args.tp_base,
+        spares=args.spares,
+        replicas=args.replicas,
+        hidden=args.hidden,
+        layers=args.layers,
+        steps=args.steps,
+        device=torch.cuda.get_device_name() if backend == "nccl" else "cpu",
+        uniform=u,
+        ntp_healthy=h,
+        ntp_degraded=d,
+        degraded_over_healthy_compute=ratio,
+        memory=memory,
+        per_rank=dict(uniform=uniform, ntp=ntp_out),
+    )
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

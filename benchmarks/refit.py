@@ -46,6 +46,7 @@ from megatron_ext.testing import tiny_llama  # noqa: E402
 from megatron_ext.testing.multirank import run_on_ranks  # noqa: E402
 from megatron_ext.testing.receiver_proc import start_hf_receiver  # noqa: E402
 
+
 def build_receiver_model(spec, device):
     """HF LlamaForCausalLM in bf16, initialised directly on ``device``."""
     torch.set_default_dtype(torch.bfloat16)
@@ -228,7 +229,8 @@ def start_naive_receiver(spec, device, mode, key):
 
     address = f"127.0.0.1:{free_port()}"
     proc = multiprocessing.get_context("spawn").Process(
-        target=naive_receiver, args=(spec, address, str(device), mode, key), daemon=True)
+        target=naive_receiver, args=(spec, address, str(device), mode, key), daemon=True
+    )
     proc.start()
     return proc, address
 
@@ -261,26 +263,45 @@ def _trainer(spec, scenarios, bucket_mb, iters, timeout_s):
             torch.cuda.reset_peak_memory_stats(device)
         times = []
         if sc["kind"] == "ours":
-            exporter = wx.WeightExporter(model, wx.WeightExportConfig(
-                target=sc["address"], transport=sc["transport"], backend="nccl" if gpu else "gloo",
-                bucket_size_mb=bucket_mb, vocab_size=spec.hf_vocab_size, timeout_s=timeout_s))
+            exporter = wx.WeightExporter(
+                model,
+                wx.WeightExportConfig(
+                    target=sc["address"],
+                    transport=sc["transport"],
+                    backend="nccl" if gpu else "gloo",
+                    bucket_size_mb=bucket_mb,
+                    vocab_size=spec.hf_vocab_size,
+                    timeout_s=timeout_s,
+                ),
+            )
             first = exporter.export()
             for _ in range(iters):
                 times.append(exporter.export().seconds)
             if gpu:
                 row["peak_extra_bytes"] = torch.cuda.max_memory_allocated(device) - base
             verify = exporter.verify(tokens)
-            row.update(nbytes=exporter.plan.total_bytes, buffer_bytes=exporter.plan.buffer_bytes,
-                       buckets=len(exporter.plan.buckets), first_s=first.seconds,
-                       applied=list(exporter.last_result.applied), kl=verify.kl,
-                       max_abs_logit_diff=verify.max_abs_diff)
+            row.update(
+                nbytes=exporter.plan.total_bytes,
+                buffer_bytes=exporter.plan.buffer_bytes,
+                buckets=len(exporter.plan.buckets),
+                first_s=first.seconds,
+                applied=list(exporter.last_result.applied),
+                kl=verify.kl,
+                max_abs_logit_diff=verify.max_abs_diff,
+            )
             exporter.close()
         else:
             conn = _naive_connect(sc["address"], timeout_s, sc["key"])
             pg = None
             if sc["transport"] == "broadcast":
-                store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True,
-                                      timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+                store = dist.TCPStore(
+                    "127.0.0.1",
+                    0,
+                    2,
+                    is_master=True,
+                    timeout=datetime.timedelta(seconds=timeout_s),
+                    wait_for_workers=False,
+                )
                 conn.send(("join", "127.0.0.1", store.port, 1, 2, "nccl" if gpu else "gloo", timeout_s))
                 pg = make_group(store, 0, 2, "nccl" if gpu else "gloo", timeout_s)
             mode = "ipc" if sc["transport"] == "ipc" else "broadcast"
@@ -326,13 +347,17 @@ def main(argv=None) -> int:
     cross = torch.device("cuda", 1) if gpu and gpus >= 2 else (None if gpu else torch.device("cpu"))
     limit_bytes = int(args.limit_gib * GiB)
 
-    print(f"refit benchmark: preset {args.preset}, device {'cuda' if gpu else 'cpu'} ({gpus} GPUs), "
-          f"bucket {args.bucket_size_mb} MiB, {args.iters} timed refits each", flush=True)
+    print(
+        f"refit benchmark: preset {args.preset}, device {'cuda' if gpu else 'cpu'} ({gpus} GPUs), "
+        f"bucket {args.bucket_size_mb} MiB, {args.iters} timed refits each",
+        flush=True,
+    )
     limits = {"copy_gbps": copy_bandwidth(colocated, limit_bytes)}
     print(f"limit: device copy {limits['copy_gbps']:.1f} GB/s", flush=True)
     if cross is not None:
-        limits["broadcast_gbps"] = run_on_ranks(_broadcast_rank, 2, args=(limit_bytes, 10), backend=backend,
-                                                timeout=args.timeout_s)[1]
+        limits["broadcast_gbps"] = run_on_ranks(
+            _broadcast_rank, 2, args=(limit_bytes, 10), backend=backend, timeout=args.timeout_s
+        )[1]
         print(f"limit: broadcast {limits['broadcast_gbps']:.1f} GB/s", flush=True)
 
     procs, scenarios = [], []
@@ -344,21 +369,36 @@ def main(argv=None) -> int:
     if cross is not None:
         plan.append(("cross-gpu", "broadcast", cross, True))
     for where, transport, device, with_naive in plan:
-        rec = start_hf_receiver(build_receiver_model, (spec, str(device)), device=device,
-                                timeout_s=args.timeout_s, keep_state=False)
+        rec = start_hf_receiver(
+            build_receiver_model, (spec, str(device)), device=device, timeout_s=args.timeout_s, keep_state=False
+        )
         receivers.append(rec)
-        scenarios.append(dict(name=f"{where} ours ({transport})", kind="ours", transport=transport,
-                              address=rec.address, where=where))
+        scenarios.append(
+            dict(name=f"{where} ours ({transport})", kind="ours", transport=transport, address=rec.address, where=where)
+        )
         if with_naive and not args.no_naive:
             key = secrets.token_bytes(16)
             proc, address = start_naive_receiver(spec, device, transport, key)
             procs.append(proc)
-            scenarios.append(dict(name=f"{where} naive (per-tensor {transport})", kind="naive",
-                                  transport=transport, address=address, where=where, key=key))
+            scenarios.append(
+                dict(
+                    name=f"{where} naive (per-tensor {transport})",
+                    kind="naive",
+                    transport=transport,
+                    address=address,
+                    where=where,
+                    key=key,
+                )
+            )
     try:
-        rows = run_on_ranks(_trainer, 1, args=(spec, scenarios, args.bucket_size_mb, args.iters, args.timeout_s),
-                            backend=backend, timeout=max(600, args.timeout_s * 2),
-                            watch=lambda: next(filter(None, (r.failure() for r in receivers)), None))[0]
+        rows = run_on_ranks(
+            _trainer,
+            1,
+            args=(spec, scenarios, args.bucket_size_mb, args.iters, args.timeout_s),
+            backend=backend,
+            timeout=max(600, args.timeout_s * 2),
+            watch=lambda: next(filter(None, (r.failure() for r in receivers)), None),
+        )[0]
         for rec in receivers:
             res = rec.result(timeout=args.timeout_s)
             if not res["ok"]:
@@ -380,17 +420,18 @@ def main(argv=None) -> int:
         if row["kind"] == "ours" and naive:
             row["speedup_vs_naive"] = naive[0]["seconds"] / row["seconds"]
 
-    header = (f"{'scenario':38} {'time ms':>9} {'GB/s':>8} {'of limit':>8} {'vs naive':>8} "
-              f"{'extra mem':>12} {'KL':>9}")
+    header = f"{'scenario':38} {'time ms':>9} {'GB/s':>8} {'of limit':>8} {'vs naive':>8} {'extra mem':>12} {'KL':>9}"
     print(f"\nmodel: {rows[0]['params'] / 1e9:.2f}B params, {rows[0]['nbytes'] / GiB:.2f} GiB bf16 payload")
-    print(f"limits: copy {limits['copy_gbps']:.1f} GB/s" +
-          (f", broadcast {limits['broadcast_gbps']:.1f} GB/s" if "broadcast_gbps" in limits else ""))
+    print(
+        f"limits: copy {limits['copy_gbps']:.1f} GB/s"
+        + (f", broadcast {limits['broadcast_gbps']:.1f} GB/s" if "broadcast_gbps" in limits else "")
+    )
     print(header)
     print("-" * len(header))
     for r in rows:
         frac = f"{r['fraction_of_limit']:.0%}" if r.get("fraction_of_limit") is not None else "-"
         speed = f"{r['speedup_vs_naive']:.1f}x" if "speedup_vs_naive" in r else "-"
-        mem = (f"{r['peak_extra_bytes'] / (1 << 20):.0f}MiB" if "peak_extra_bytes" in r else "-")
+        mem = f"{r['peak_extra_bytes'] / (1 << 20):.0f}MiB" if "peak_extra_bytes" in r else "-"
         if "peak_extra_buffers" in r:
             mem += f"/{r['peak_extra_buffers']:.1f}b"
         kl = f"{r['kl']:.1e}" if "kl" in r else "-"
@@ -401,24 +442,51 @@ def main(argv=None) -> int:
             continue
         need = 0.5 if r["where"] == "colocated" else 0.8
         if r.get("fraction_of_limit") is not None:
-            targets.append((f"{r['name']}: >= {need:.0%} of the {r['where']} limit",
-                            r["fraction_of_limit"] >= need, f"{r['fraction_of_limit']:.0%}"))
+            targets.append(
+                (
+                    f"{r['name']}: >= {need:.0%} of the {r['where']} limit",
+                    r["fraction_of_limit"] >= need,
+                    f"{r['fraction_of_limit']:.0%}",
+                )
+            )
         if "speedup_vs_naive" in r:
-            targets.append((f"{r['name']}: >= 10x the naive baseline", r["speedup_vs_naive"] >= 10,
-                            f"{r['speedup_vs_naive']:.1f}x"))
+            targets.append(
+                (
+                    f"{r['name']}: >= 10x the naive baseline",
+                    r["speedup_vs_naive"] >= 10,
+                    f"{r['speedup_vs_naive']:.1f}x",
+                )
+            )
         if "peak_extra_buffers" in r:
-            targets.append((f"{r['name']}: extra trainer memory <= 2 buffers", r["peak_extra_buffers"] <= 2.0,
-                            f"{r['peak_extra_buffers']:.2f} buffers"))
+            targets.append(
+                (
+                    f"{r['name']}: extra trainer memory <= 2 buffers",
+                    r["peak_extra_buffers"] <= 2.0,
+                    f"{r['peak_extra_buffers']:.2f} buffers",
+                )
+            )
     print("\ntargets:")
     for what, ok, value in targets:
         print(f"  {'PASS' if ok else 'FAIL'}  {what} ({value})")
-    machine = dict(platform=platform.platform(), torch=torch.__version__, python=platform.python_version(),
-                   gpus=[torch.cuda.get_device_name(i) for i in range(gpus)] if gpu else [],
-                   nccl=".".join(map(str, torch.cuda.nccl.version())) if gpu else None)
-    result = dict(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), command=" ".join(["python", *sys.argv]),
-                  preset=args.preset, spec=dataclasses.asdict(spec), bucket_size_mb=args.bucket_size_mb,
-                  iters=args.iters, machine=machine, limits=limits, rows=rows,
-                  targets=[dict(target=w, met=ok, value=v) for w, ok, v in targets])
+    machine = dict(
+        platform=platform.platform(),
+        torch=torch.__version__,
+        python=platform.python_version(),
+        gpus=[torch.cuda.get_device_name(i) for i in range(gpus)] if gpu else [],
+        nccl=".".join(map(str, torch.cuda.nccl.version())) if gpu else None,
+    )
+    result = dict(
+        date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        command=" ".join(["python", *sys.argv]),
+        preset=args.preset,
+        spec=dataclasses.asdict(spec),
+        bucket_size_mb=args.bucket_size_mb,
+        iters=args.iters,
+        machine=machine,
+        limits=limits,
+        rows=rows,
+        targets=[dict(target=w, met=ok, value=v) for w, ok, v in targets],
+    )
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2, default=str)
     print(f"\nwrote {args.out}")

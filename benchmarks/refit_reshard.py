@@ -104,8 +104,13 @@ def _rank(spec, iters, limit_bytes, bucket_bytes, settings, layout="cross"):
     ps.initialize_model_parallel(tensor_model_parallel_size=tp)
     config = _mconfig(spec, gpu)
     model = Float16Module(config, tiny_llama.build_model(spec, config, device=device))
-    specs = specs_from_config(config, vocab_size=spec.hf_vocab_size, padded_vocab_size=spec.vocab_size,
-                              tie_embeddings=spec.tie_embeddings, dtype=torch.bfloat16)
+    specs = specs_from_config(
+        config,
+        vocab_size=spec.hf_vocab_size,
+        padded_vocab_size=spec.vocab_size,
+        tie_embeddings=spec.tie_embeddings,
+        dtype=torch.bfloat16,
+    )
     src = megatron_layout(specs, tp=tp, ranks=range(tp))
     if layout == "cross":
         dst = inference_layout(specs, tp=tp, ranks=range(tp, world))
@@ -116,8 +121,13 @@ def _rank(spec, iters, limit_bytes, bucket_bytes, settings, layout="cross"):
     plan_s = time.perf_counter() - t0
     engine = {n: torch.zeros(lt.shape, dtype=lt.dtype, device=device) for n, lt in dst.tensors.get(rank, {}).items()}
     held = dst.bytes_held(rank) if rank in dst.ranks else 0
-    out = dict(plan_s=plan_s, held_bytes=held, link_bytes=_link_bytes(plan, rank), transfers=len(plan.transfers),
-               plan=plan if rank == 0 else None)
+    out = dict(
+        plan_s=plan_s,
+        held_bytes=held,
+        link_bytes=_link_bytes(plan, rank),
+        transfers=len(plan.transfers),
+        plan=plan if rank == 0 else None,
+    )
 
     # limit: cross: every trainer rank i sends to engine rank tp + i; colocated: every rank sends to
     # the next and receives from the previous; all at once
@@ -132,6 +142,7 @@ def _rank(spec, iters, limit_bytes, bucket_bytes, settings, layout="cross"):
     def p2p():
         for req in dist.batch_isend_irecv([dist.P2POp(op, b, p) for op, b, p in ops]):  # noqa: F821 (del after)
             req.wait()
+
     out["limit_gbps"] = limit_bytes / _timed(p2p, 3, device) / 1e9
     del buf, ops
     rbuf = None
@@ -139,7 +150,7 @@ def _rank(spec, iters, limit_bytes, bucket_bytes, settings, layout="cross"):
     # reshard refit, once per setting (bucket bytes, rounds in flight, atomic)
     tensors = dict(megatron_tensors(model)) if rank in src.ranks else {}
     tensors.update(engine)
-    version = iter(range(1, 10 ** 6))
+    version = iter(range(1, 10**6))
     out["reshard"] = []
     reshard_result = None
     for bucket, inflight, atomic in settings:
@@ -150,8 +161,17 @@ def _rank(spec, iters, limit_bytes, bucket_bytes, settings, layout="cross"):
         got = {n: t.clone() for n, t in engine.items()}
         same = reshard_result is None or all(torch.equal(reshard_result[n], got[n]) for n in engine)
         reshard_result = reshard_result or got
-        out["reshard"].append(dict(bucket_bytes=bucket, max_inflight=inflight, atomic=atomic, seconds=seconds,
-                                   rounds=ex.rounds, staging_bytes=ex.staging_bytes, same_bytes=same))
+        out["reshard"].append(
+            dict(
+                bucket_bytes=bucket,
+                max_inflight=inflight,
+                atomic=atomic,
+                seconds=seconds,
+                rounds=ex.rounds,
+                staging_bytes=ex.staging_bytes,
+                same_bytes=same,
+            )
+        )
         del ex, got
         if gpu:
             torch.cuda.empty_cache()
@@ -168,12 +188,14 @@ def _rank(spec, iters, limit_bytes, bucket_bytes, settings, layout="cross"):
     def load(weights):
         for name, t in weights:
             off, n = offsets[name]
-            flat[off:off + n].view(t.dtype).view(t.shape).copy_(t)
+            flat[off : off + n].view(t.dtype).view(t.shape).copy_(t)
 
     receiver = wx.WeightReceiver(wx.LoadWeightsConsumer(load)) if rank == 0 else None
-    exporter = wx.WeightExporter(model, wx.WeightExportConfig(vocab_size=spec.hf_vocab_size,
-                                                              bucket_size_mb=bucket_bytes / (1 << 20)),
-                                 receiver=receiver)
+    exporter = wx.WeightExporter(
+        model,
+        wx.WeightExportConfig(vocab_size=spec.hf_vocab_size, bucket_size_mb=bucket_bytes / (1 << 20)),
+        receiver=receiver,
+    )
     spec_by = {s.name: s for s in specs}
 
     def gather_broadcast():
@@ -181,17 +203,19 @@ def _rank(spec, iters, limit_bytes, bucket_bytes, settings, layout="cross"):
         if flat is None:
             return
         for start in range(0, total, bucket_bytes):
-            dist.broadcast(flat[start:start + bucket_bytes], 0, group=group)
+            dist.broadcast(flat[start : start + bucket_bytes], 0, group=group)
         for name, lt in dst.tensors.get(rank, {}).items():
             parts = []
             for seg in lt.segments:
                 off, n = offsets[seg.name]
-                full = flat[off:off + n].view(spec_by[seg.name].dtype).view(spec_by[seg.name].shape)
+                full = flat[off : off + n].view(spec_by[seg.name].dtype).view(spec_by[seg.name].shape)
                 parts.append(full[tuple(slice(a, b) for a, b in seg.box.ranges)])
             torch.cat(parts, out=engine[name])
+
     out["gather_broadcast_s"] = _timed(gather_broadcast, iters, device)
     out["same_bytes"] = all(torch.equal(reshard_result[n], engine[n]) for n in engine) and all(
-        r["same_bytes"] for r in out["reshard"])
+        r["same_bytes"] for r in out["reshard"]
+    )
     return out
 
 
@@ -208,8 +232,9 @@ def _settings(sweep: str | None, bucket_mb: float, max_inflight: int, streaming:
                 raise ValueError
             out.append((int(float(mb) * (1 << 20)), int(m), mode == "atomic"))
         except ValueError:
-            raise SystemExit(f"--sweep: bad entry {item!r}; expected MiB:inflight:atomic|stream, "
-                             "e.g. 256:2:atomic,256:2:stream") from None
+            raise SystemExit(
+                f"--sweep: bad entry {item!r}; expected MiB:inflight:atomic|stream, e.g. 256:2:atomic,256:2:stream"
+            ) from None
     return out
 
 
@@ -226,11 +251,19 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--max-inflight", type=int, default=2, help="reshard rounds in flight (ReshardExecutor)")
     p.add_argument("--streaming", action="store_true", help="reshard with atomic=False (each round written on arrival)")
-    p.add_argument("--sweep", default=None, help="several reshard settings in one job: MiB:inflight:atomic|stream,... "
-                   "(overrides --bucket-size-mb/--max-inflight/--streaming for the reshard rows)")
-    p.add_argument("--layout", choices=["cross", "colocated"], default="cross",
-                   help="cross: Megatron TP N -> engine TP N on the other N GPUs; colocated: Megatron TP 2N -> "
-                   "engine TP1 x DP 2N on the same GPUs")
+    p.add_argument(
+        "--sweep",
+        default=None,
+        help="several reshard settings in one job: MiB:inflight:atomic|stream,... "
+        "(overrides --bucket-size-mb/--max-inflight/--streaming for the reshard rows)",
+    )
+    p.add_argument(
+        "--layout",
+        choices=["cross", "colocated"],
+        default="cross",
+        help="cross: Megatron TP N -> engine TP N on the other N GPUs; colocated: Megatron TP 2N -> "
+        "engine TP1 x DP 2N on the same GPUs",
+    )
     p.add_argument("--limit-gib", type=float, default=1.0)
     p.add_argument("--timeout-s", type=float, default=600)
     p.add_argument("--no-simulate", action="store_true", help="skip the simulator's large configurations")
@@ -245,14 +278,24 @@ def main(argv=None) -> int:
         p.error(f"--world {world} needs {world} GPUs, found {gpus}")
     spec = spec_for(a.preset)
     settings = _settings(a.sweep, a.bucket_size_mb, a.max_inflight, a.streaming)
-    layouts = (f"Megatron TP{world // 2} -> engine TP{world // 2} on the other GPUs" if a.layout == "cross"
-               else f"Megatron TP{world} -> engine TP1 x DP{world} on the same GPUs")
-    print(f"reshard refit benchmark: preset {a.preset}, {world} ranks ({'nccl' if gpu else 'gloo'}), {layouts}, "
-          f"{len(settings)} reshard setting(s)", flush=True)
-    res = run_on_ranks(_rank, world, args=(spec, a.iters, int(a.limit_gib * GiB), int(a.bucket_size_mb * (1 << 20)),
-                                           settings, a.layout), backend="nccl" if gpu else "gloo",
-                       timeout=a.timeout_s)
-    engine = res[world // 2:] if a.layout == "cross" else res
+    layouts = (
+        f"Megatron TP{world // 2} -> engine TP{world // 2} on the other GPUs"
+        if a.layout == "cross"
+        else f"Megatron TP{world} -> engine TP1 x DP{world} on the same GPUs"
+    )
+    print(
+        f"reshard refit benchmark: preset {a.preset}, {world} ranks ({'nccl' if gpu else 'gloo'}), {layouts}, "
+        f"{len(settings)} reshard setting(s)",
+        flush=True,
+    )
+    res = run_on_ranks(
+        _rank,
+        world,
+        args=(spec, a.iters, int(a.limit_gib * GiB), int(a.bucket_size_mb * (1 << 20)), settings, a.layout),
+        backend="nccl" if gpu else "gloo",
+        timeout=a.timeout_s,
+    )
+    engine = res[world // 2 :] if a.layout == "cross" else res
     held = max(r["held_bytes"] for r in engine)
     link = max(r["link_bytes"] for r in engine)  # the busiest engine rank's bytes over links
     limit = min(r["limit_gbps"] for r in res)
@@ -261,23 +304,33 @@ def main(argv=None) -> int:
     def row(name, seconds, **extra):
         gbps = link / seconds / 1e9
         rows.append(dict(name=name, seconds=seconds, gbps_per_gpu=gbps, fraction_of_limit=gbps / limit, **extra))
+
     for i, setting in enumerate(res[0]["reshard"]):
         mode = "atomic" if setting["atomic"] else "stream"
         seconds = max(r["reshard"][i]["seconds"] for r in res)
-        row(f"reshard {setting['bucket_bytes'] / (1 << 20):g}MiB m={setting['max_inflight']} {mode}", seconds,
-            bucket_bytes=setting["bucket_bytes"], max_inflight=setting["max_inflight"], atomic=setting["atomic"],
-            rounds=setting["rounds"], staging_bytes=max(r["reshard"][i]["staging_bytes"] for r in res))
+        row(
+            f"reshard {setting['bucket_bytes'] / (1 << 20):g}MiB m={setting['max_inflight']} {mode}",
+            seconds,
+            bucket_bytes=setting["bucket_bytes"],
+            max_inflight=setting["max_inflight"],
+            atomic=setting["atomic"],
+            rounds=setting["rounds"],
+            staging_bytes=max(r["reshard"][i]["staging_bytes"] for r in res),
+        )
     row("gather-then-broadcast", res[0]["gather_broadcast_s"])
     # the simulator on this very plan, with the link speed measured above (all ranks on one "node")
-    links = simulate.Links(nvlink_gbps=limit, nic_gbps=limit, gpus_per_node=world,
-                           bucket_bytes=int(a.bucket_size_mb * (1 << 20)))
+    links = simulate.Links(
+        nvlink_gbps=limit, nic_gbps=limit, gpus_per_node=world, bucket_bytes=int(a.bucket_size_mb * (1 << 20))
+    )
     pred = simulate.predict(res[0].pop("plan"), links)
     for r in res:
         r.pop("plan", None)
     row("simulator, measured limit", pred.seconds, lower_bound_s=pred.lower_bound_s)
     head = f"{'method':34} {'seconds':>9} {'GB/s/GPU':>9} {'of limit':>8}"
-    print(f"\nengine GPU keeps {held / 1e9:.3f} GB, receives {link / 1e9:.3f} GB over links; limit (p2p per GPU) "
-          f"{limit:.2f} GB/s; same bytes: {all(r['same_bytes'] for r in engine)}")
+    print(
+        f"\nengine GPU keeps {held / 1e9:.3f} GB, receives {link / 1e9:.3f} GB over links; limit (p2p per GPU) "
+        f"{limit:.2f} GB/s; same bytes: {all(r['same_bytes'] for r in engine)}"
+    )
     print(head + "\n" + "-" * len(head))
     for r in rows:
         print(f"{r['name']:34} {r['seconds']:9.4f} {r['gbps_per_gpu']:9.2f} {r['fraction_of_limit']:8.0%}")
@@ -287,9 +340,19 @@ def main(argv=None) -> int:
         for name in simulate.CONFIGS:
             sim.append(simulate.simulate_config(name))
         print(simulate.format_rows(sim))
-    result = dict(preset=a.preset, world=world, layout=a.layout, settings=settings, limit_gbps=limit,
-                  held_bytes=held, link_bytes=link,
-                  rows=rows, ranks=res, same_bytes=all(r["same_bytes"] for r in engine), simulated=sim)
+    result = dict(
+        preset=a.preset,
+        world=world,
+        layout=a.layout,
+        settings=settings,
+        limit_gbps=limit,
+        held_bytes=held,
+        link_bytes=link,
+        rows=rows,
+        ranks=res,
+        same_bytes=all(r["same_bytes"] for r in engine),
+        simulated=sim,
+    )
     with open(a.out, "w") as f:
         json.dump(result, f, indent=2, default=str)
     print(f"\nwrote {a.out}")

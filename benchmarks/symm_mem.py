@@ -50,8 +50,20 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 MIB = 1 << 20
-SIZES = [MIB // 4, MIB // 2, MIB, 2 * MIB, 4 * MIB, 8 * MIB, 16 * MIB, 32 * MIB,
-         64 * MIB, 128 * MIB, 256 * MIB, 512 * MIB]
+SIZES = [
+    MIB // 4,
+    MIB // 2,
+    MIB,
+    2 * MIB,
+    4 * MIB,
+    8 * MIB,
+    16 * MIB,
+    32 * MIB,
+    64 * MIB,
+    128 * MIB,
+    256 * MIB,
+    512 * MIB,
+]
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 GRAPH_TARGET_US = 3000.0  # per replay: long enough to amortize the start, short enough to repeat
@@ -105,7 +117,7 @@ def _aligned_replays(graphs: dict, reps: int) -> dict:
     times = {n: [] for n in names}
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for rep in range(reps):
-        for name in names[rep % len(names):] + names[:rep % len(names)]:
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
             g, n = graphs[name]
             torch.cuda.synchronize()
             dist.barrier()
@@ -129,8 +141,9 @@ def _stats(values):
 def _buffers(collective, nbytes, dtype, ws, symm):
     numel = nbytes // dtype.itemsize
     numel -= numel % ws
-    shapes = {"all_gather": (numel // ws, numel), "reduce_scatter": (numel, numel // ws),
-              "all_reduce": (numel, numel)}[collective]
+    shapes = {"all_gather": (numel // ws, numel), "reduce_scatter": (numel, numel // ws), "all_reduce": (numel, numel)}[
+        collective
+    ]
     if symm is None:
         send = torch.randn(shapes[0], device="cuda").to(dtype)
         recv = torch.empty(shapes[1], device="cuda", dtype=dtype)
@@ -163,9 +176,10 @@ def _op(collective, send, recv):
 
 
 def _nccl_events(prof):
-    return sorted((e for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA and "nccl" in e.name.lower()),
-                  key=lambda e: e.time_range.start)
+    return sorted(
+        (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "nccl" in e.name.lower()),
+        key=lambda e: e.time_range.start,
+    )
 
 
 def _kernel_names(calls):
@@ -182,7 +196,7 @@ def _kernel_names(calls):
     if len(names) == sum(n for _, n in calls):
         out, i = [], 0
         for _, n in calls:
-            out.append(sorted(set(names[i:i + n])))
+            out.append(sorted(set(names[i : i + n])))
             i += n
         return out
     out = []
@@ -220,14 +234,15 @@ def _measure_point(collective, dname, dtype, nbytes, ws, variants, reps, use_gra
         row[f"eager_{name}_us"] = eager[name]
     calls = [(fns[name], 1) for name in fns] + [(graphs[name].replay, n) for name in graphs]
     names = _kernel_names(calls)
-    for name, kn in zip(fns, names[:len(fns)]):
+    for name, kn in zip(fns, names[: len(fns)]):
         row[f"eager_{name}_kernels"] = kn
-    for name, kn in zip(graphs, names[len(fns):]):
+    for name, kn in zip(graphs, names[len(fns) :]):
         row[f"graph_{name}_kernels"] = kn
     # Graph timing only where every variant captured and the graph ran the same
     # kind of kernel as the eager call (symmetric or not).
     ok = len(graphs) == len(fns) and all(
-        _symk(row[f"graph_{k}_kernels"]) == _symk(row[f"eager_{k}_kernels"]) for k in graphs)
+        _symk(row[f"graph_{k}_kernels"]) == _symk(row[f"eager_{k}_kernels"]) for k in graphs
+    )
     if ok:
         times = _aligned_replays({k: (graphs[k], n) for k in fns}, reps)
         row["timing"] = "graph"
@@ -264,19 +279,22 @@ def bench_collectives(quick, reps, use_graphs):
     for collective in COLLECTIVES:
         for dname, dtype in DTYPES.items():
             for nbytes in sizes:
-                variants = {"plain": _buffers(collective, nbytes, dtype, ws, None),
-                            "symmetric": _buffers(collective, nbytes, dtype, ws, symm)}
+                variants = {
+                    "plain": _buffers(collective, nbytes, dtype, ws, None),
+                    "symmetric": _buffers(collective, nbytes, dtype, ws, symm),
+                }
                 row = _measure_point(collective, dname, dtype, nbytes, ws, variants, reps, use_graphs)
-                row.update(symk_engaged=_symk(row["symmetric_kernels"]),
-                           plain_symk=_symk(row["plain_kernels"]))
+                row.update(symk_engaged=_symk(row["symmetric_kernels"]), plain_symk=_symk(row["plain_kernels"]))
                 rows.append(row)
                 del variants
-                _log(f"{collective:<15}{dname:<5}{nbytes / MIB:>8.2f} MiB [{row['timing']:<5}] "
-                     f"plain {row['plain_us']:8.1f} us (±{100 * row['plain_spread']:.1f}%)  "
-                     f"symm {row['symmetric_us']:8.1f} us (±{100 * row['symmetric_spread']:.1f}%)  "
-                     f"{row['plain_us'] / row['symmetric_us']:.3f}x  symk={row['symk_engaged']}  "
-                     f"eager {row['eager_plain_us']:7.1f}/{row['eager_symmetric_us']:7.1f} us  "
-                     f"{row['symmetric_kernels'][:1]}")
+                _log(
+                    f"{collective:<15}{dname:<5}{nbytes / MIB:>8.2f} MiB [{row['timing']:<5}] "
+                    f"plain {row['plain_us']:8.1f} us (±{100 * row['plain_spread']:.1f}%)  "
+                    f"symm {row['symmetric_us']:8.1f} us (±{100 * row['symmetric_spread']:.1f}%)  "
+                    f"{row['plain_us'] / row['symmetric_us']:.3f}x  symk={row['symk_engaged']}  "
+                    f"eager {row['eager_plain_us']:7.1f}/{row['eager_symmetric_us']:7.1f} us  "
+                    f"{row['symmetric_kernels'][:1]}"
+                )
     bands = recommend_bands(rows)
     dtype_bands = {d: recommend_bands(rows, dtypes=(d,)) for d in DTYPES}
     cfg = config_from_bands(bands, bands)  # one band for both dtypes
@@ -292,30 +310,43 @@ def bench_collectives(quick, reps, use_graphs):
                 d = decide(collective, nbytes, cfg, dtype=dtype)
                 dd = decide(collective, nbytes, dtype_cfg[dname], dtype=dtype)
                 plain = _buffers(collective, nbytes, dtype, ws, None)
-                variants = {"plain": plain,
-                            "policy": _buffers(collective, nbytes, dtype, ws, symm if d.symmetric else None)}
+                variants = {
+                    "plain": plain,
+                    "policy": _buffers(collective, nbytes, dtype, ws, symm if d.symmetric else None),
+                }
                 if dd.symmetric != d.symmetric:
-                    variants["policy_dtype"] = _buffers(collective, nbytes, dtype, ws,
-                                                        symm if dd.symmetric else None)
+                    variants["policy_dtype"] = _buffers(collective, nbytes, dtype, ws, symm if dd.symmetric else None)
                 row = _measure_point(collective, dname, dtype, nbytes, ws, variants, reps, use_graphs)
-                row.update(policy_symmetric=d.symmetric, policy_reason=d.reason,
-                           policy_symk=_symk(row["policy_kernels"]),
-                           policy_ratio=row["policy_us"] / row["plain_us"])
+                row.update(
+                    policy_symmetric=d.symmetric,
+                    policy_reason=d.reason,
+                    policy_symk=_symk(row["policy_kernels"]),
+                    policy_ratio=row["policy_us"] / row["plain_us"],
+                )
                 if "policy_dtype" in variants:
-                    row.update(policy_dtype_symmetric=dd.symmetric,
-                               policy_dtype_ratio=row["policy_dtype_us"] / row["plain_us"])
+                    row.update(
+                        policy_dtype_symmetric=dd.symmetric, policy_dtype_ratio=row["policy_dtype_us"] / row["plain_us"]
+                    )
                 policy_rows.append(row)
-                _log(f"policy {collective:<15}{dname:<5}{nbytes / MIB:>8.2f} MiB "
-                     f"[{'S' if d.symmetric else 'P'}] {row['policy_ratio']:.3f}x plain time "
-                     f"(symk={row['policy_symk']})"
-                     + (f"  per-dtype [{'S' if dd.symmetric else 'P'}] {row['policy_dtype_ratio']:.3f}x"
-                        if "policy_dtype" in variants else ""))
+                _log(
+                    f"policy {collective:<15}{dname:<5}{nbytes / MIB:>8.2f} MiB "
+                    f"[{'S' if d.symmetric else 'P'}] {row['policy_ratio']:.3f}x plain time "
+                    f"(symk={row['policy_symk']})"
+                    + (
+                        f"  per-dtype [{'S' if dd.symmetric else 'P'}] {row['policy_dtype_ratio']:.3f}x"
+                        if "policy_dtype" in variants
+                        else ""
+                    )
+                )
                 del variants, plain
-    return dict(collectives=rows, policy=policy_rows, recommended_bands=bands,
-                recommended_bands_per_dtype=dtype_bands,
-                policy_worst_vs_plain=max(r["policy_ratio"] for r in policy_rows),
-                policy_symk_matches_decision=all(r["policy_symk"] == r["policy_symmetric"]
-                                                 for r in policy_rows))
+    return dict(
+        collectives=rows,
+        policy=policy_rows,
+        recommended_bands=bands,
+        recommended_bands_per_dtype=dtype_bands,
+        policy_worst_vs_plain=max(r["policy_ratio"] for r in policy_rows),
+        policy_symk_matches_decision=all(r["policy_symk"] == r["policy_symmetric"] for r in policy_rows),
+    )
 
 
 def recommend_bands(rows, tolerance=0.01, key="us", dtypes=None):
@@ -325,19 +356,20 @@ def recommend_bands(rows, tolerance=0.01, key="us", dtypes=None):
     max_bytes)`` (min 0 when the run starts at the smallest size); ``None`` when
     there is no such size. ``key``: ``"us"`` compares the primary times (graph
     replays where they ran), ``"eager_us"`` back-to-back eager calls."""
+
     def get(r, variant):
         return r[f"eager_{variant}_us"] if key == "eager_us" else r[f"{variant}_{key}"]
 
     bands = {}
     for collective in COLLECTIVES:
-        pts_all = [r for r in rows if r["collective"] == collective
-                   and (dtypes is None or r["dtype"] in dtypes)]
+        pts_all = [r for r in rows if r["collective"] == collective and (dtypes is None or r["dtype"] in dtypes)]
         sizes = sorted({r["nbytes"] for r in pts_all})
         good = []
         for s in sizes:
             pts = [r for r in pts_all if r["nbytes"] == s]
-            good.append(all(r["symk_engaged"] and get(r, "symmetric") <= get(r, "plain") * (1 + tolerance)
-                            for r in pts))
+            good.append(
+                all(r["symk_engaged"] and get(r, "symmetric") <= get(r, "plain") * (1 + tolerance) for r in pts)
+            )
         best, run = None, None
         for i, ok in enumerate(good):
             if ok:
@@ -346,8 +378,7 @@ def recommend_bands(rows, tolerance=0.01, key="us", dtypes=None):
                     best = run
             else:
                 run = None
-        bands[collective] = None if best is None else (
-            0 if best[0] == 0 else sizes[best[0]], sizes[best[1]])
+        bands[collective] = None if best is None else (0 if best[0] == 0 else sizes[best[0]], sizes[best[1]])
     return bands
 
 
@@ -389,8 +420,7 @@ def _step_stats(step, steps, reps, warmup=3):
         torch.cuda.synchronize()
         dist.barrier()
         per_rep.append(_time(step, steps, 1) / 1e3)
-    return dict(ms_per_step=statistics.median(per_rep), ms_min=min(per_rep), ms_max=max(per_rep),
-                ms_reps=per_rep)
+    return dict(ms_per_step=statistics.median(per_rep), ms_min=min(per_rep), ms_max=max(per_rep), ms_reps=per_rep)
 
 
 def _profile_step(step):
@@ -402,16 +432,23 @@ def _profile_step(step):
         torch.cuda.synchronize()
     events = _nccl_events(prof)
     names = [e.name.split("(")[0] for e in events]
-    return {"nccl_kernels": len(names), "symk_kernels": sum("symk" in n.lower() for n in names),
-            # Includes time spent waiting for the peer inside the kernel.
-            "nccl_kernel_us": sum(e.time_range.elapsed_us() for e in events)}
+    return {
+        "nccl_kernels": len(names),
+        "symk_kernels": sum("symk" in n.lower() for n in names),
+        # Includes time spent waiting for the peer inside the kernel.
+        "nccl_kernel_us": sum(e.time_range.elapsed_us() for e in events),
+    }
 
 
 def fsdp_rank(width, layers, batch, steps, reps, bands):
     from torch.distributed.device_mesh import init_device_mesh
     from megatron.core.distributed.fsdp.src.megatron_fsdp import MixedPrecisionPolicy
     from megatron.core.distributed.fsdp.src.megatron_fsdp.experimental import (
-        Flat, Placements, fully_shard as upstream_fully_shard, fully_shard_optimizer)
+        Flat,
+        Placements,
+        fully_shard as upstream_fully_shard,
+        fully_shard_optimizer,
+    )
 
     from megatron_ext.fsdp_symm import SymmMemConfig, fully_shard, release_symmetric_memory
 
@@ -428,11 +465,15 @@ def fsdp_rank(width, layers, batch, steps, reps, bands):
             for m in model:
                 if variant.startswith("ours"):
                     cfg = SymmMemConfig(mode="on", report=False) if variant == "ours (on)" else auto
-                    fully_shard(m, mesh=mesh, placements=placements, mixed_precision_policy=mp,
-                                symm_mem_config=cfg)
+                    fully_shard(m, mesh=mesh, placements=placements, mixed_precision_policy=mp, symm_mem_config=cfg)
                 else:
-                    upstream_fully_shard(m, mesh=mesh, placements=placements, mixed_precision_policy=mp,
-                                         use_symm_mem=variant == "upstream use_symm_mem")
+                    upstream_fully_shard(
+                        m,
+                        mesh=mesh,
+                        placements=placements,
+                        mixed_precision_policy=mp,
+                        use_symm_mem=variant == "upstream use_symm_mem",
+                    )
             opt = torch.optim.SGD(model.parameters(), lr=1e-3)
             fully_shard_optimizer(opt)
             x = torch.randn(batch, width, device="cuda", dtype=torch.bfloat16)
@@ -451,14 +492,19 @@ def fsdp_rank(width, layers, batch, steps, reps, bands):
             if variant.startswith("ours"):
                 r["symmetric_collectives"] = sum(
                     g.all_gather_decision.symmetric + g.reduce_scatter_decision.symmetric
-                    for layer in model for g in layer.parameter_groups)
+                    for layer in model
+                    for g in layer.parameter_groups
+                )
                 r["released_bytes"] = release_symmetric_memory(model)
             out[variant] = r
-            _log(f"FSDP w={width} L={layers} {variant:<22} {r['ms_per_step']:.3f} ms/step "
-                 f"[{r['ms_min']:.3f}, {r['ms_max']:.3f}]  nccl {r['nccl_kernels']} "
-                 f"symk {r['symk_kernels']}  nccl kernel time {r['nccl_kernel_us']:.0f} us")
+            _log(
+                f"FSDP w={width} L={layers} {variant:<22} {r['ms_per_step']:.3f} ms/step "
+                f"[{r['ms_min']:.3f}, {r['ms_max']:.3f}]  nccl {r['nccl_kernels']} "
+                f"symk {r['symk_kernels']}  nccl kernel time {r['nccl_kernel_us']:.0f} us"
+            )
         except Exception:  # noqa: BLE001 - keep the other variants
             import traceback
+
             out[variant] = {"error": traceback.format_exc()}
             _log(f"FSDP w={width} L={layers} {variant} failed:\n{out[variant]['error']}")
         model = opt = step = None
@@ -471,31 +517,41 @@ def ddp_rank(hidden, layers, bucket_mib, distopt, steps, reps, bands):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from megatron_ext.fsdp_symm import (SymmMemConfig, SymmMemDistributedDataParallel,
-                                        release_symmetric_memory)
+    from megatron_ext.fsdp_symm import SymmMemConfig, SymmMemDistributedDataParallel, release_symmetric_memory
     from megatron_ext.testing import tiny_gpt
 
     ps.initialize_model_parallel()
-    spec = tiny_gpt.TinyGPTSpec(num_layers=layers, hidden_size=hidden, num_attention_heads=16,
-                                ffn_hidden_size=4 * hidden, vocab_size=8192, seq_length=128,
-                                micro_batch_size=1)
+    spec = tiny_gpt.TinyGPTSpec(
+        num_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=16,
+        ffn_hidden_size=4 * hidden,
+        vocab_size=8192,
+        seq_length=128,
+        micro_batch_size=1,
+    )
     auto = config_from_bands(*bands, report=False) if bands else SymmMemConfig(report=False)
     out = {}
     for variant in ("plain", "ours (auto)", "ours (on)"):
         try:
             cfg = tiny_gpt.transformer_config(spec)  # fp32 params and grads
             ddp_config = DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True, use_distributed_optimizer=distopt,
-                overlap_grad_reduce=True, bucket_size=bucket_mib * MIB // 4)
+                grad_reduce_in_fp32=True,
+                use_distributed_optimizer=distopt,
+                overlap_grad_reduce=True,
+                bucket_size=bucket_mib * MIB // 4,
+            )
             module = tiny_gpt.build_model(spec, cfg, device="cuda")
             if variant == "plain":
                 ddp = DistributedDataParallel(config=cfg, ddp_config=ddp_config, module=module)
             else:
                 scfg = SymmMemConfig(mode="on", report=False) if variant == "ours (on)" else auto
-                ddp = SymmMemDistributedDataParallel(config=cfg, ddp_config=ddp_config, module=module,
-                                                     symm_mem_config=scfg)
+                ddp = SymmMemDistributedDataParallel(
+                    config=cfg, ddp_config=ddp_config, module=module, symm_mem_config=scfg
+                )
             opt = get_megatron_optimizer(
-                OptimizerConfig(optimizer="adam", lr=1e-4, use_distributed_optimizer=distopt), [ddp])
+                OptimizerConfig(optimizer="adam", lr=1e-4, use_distributed_optimizer=distopt), [ddp]
+            )
             tokens, labels = tiny_gpt.global_batch(spec, step=dist.get_rank(), num_samples=1)
             tokens, labels = tokens.cuda(), labels.cuda()
 
@@ -508,18 +564,24 @@ def ddp_rank(hidden, layers, bucket_mib, distopt, steps, reps, bands):
 
             r = _step_stats(step, steps, reps)
             decisions = getattr(ddp, "symm_mem_decisions", [])
-            r.update(_profile_step(step), buckets=len(ddp.buffers[0].buckets),
-                     bucket_mib=[b.grad_data.numel() * 4 / MIB for b in ddp.buffers[0].buckets],
-                     symmetric_buffers=sum(d.symmetric for _, d in decisions),
-                     collective_buffers=len(decisions))
+            r.update(
+                _profile_step(step),
+                buckets=len(ddp.buffers[0].buckets),
+                bucket_mib=[b.grad_data.numel() * 4 / MIB for b in ddp.buffers[0].buckets],
+                symmetric_buffers=sum(d.symmetric for _, d in decisions),
+                collective_buffers=len(decisions),
+            )
             if variant != "plain":
                 r["released_bytes"] = release_symmetric_memory(ddp)
             out[variant] = r
-            _log(f"DDP distopt={distopt} {variant:<12} {r['ms_per_step']:.3f} ms/step "
-                 f"[{r['ms_min']:.3f}, {r['ms_max']:.3f}]  nccl {r['nccl_kernels']} "
-                 f"symk {r['symk_kernels']} buckets {r['buckets']} symmetric {r['symmetric_buffers']}")
+            _log(
+                f"DDP distopt={distopt} {variant:<12} {r['ms_per_step']:.3f} ms/step "
+                f"[{r['ms_min']:.3f}, {r['ms_max']:.3f}]  nccl {r['nccl_kernels']} "
+                f"symk {r['symk_kernels']} buckets {r['buckets']} symmetric {r['symmetric_buffers']}"
+            )
         except Exception:  # noqa: BLE001 - keep the other variants
             import traceback
+
             out[variant] = {"error": traceback.format_exc()}
             _log(f"DDP distopt={distopt} {variant} failed:\n{out[variant]['error']}")
         ddp = opt = module = step = None
@@ -563,13 +625,18 @@ def main():
     os.environ.setdefault("NCCL_GRAPH_REGISTER", "0")
     result = dict(
         machine=f"{socket.gethostname()}: {torch.cuda.device_count()}x {torch.cuda.get_device_name()}",
-        torch=torch.__version__, nccl=".".join(map(str, torch.cuda.nccl.version())),
-        nvls=os.environ.get("NCCL_NVLS_ENABLE"), graph_register=os.environ.get("NCCL_GRAPH_REGISTER"),
-        date=time.strftime("%Y-%m-%d"), args=vars(args))
+        torch=torch.__version__,
+        nccl=".".join(map(str, torch.cuda.nccl.version())),
+        nvls=os.environ.get("NCCL_NVLS_ENABLE"),
+        graph_register=os.environ.get("NCCL_GRAPH_REGISTER"),
+        date=time.strftime("%Y-%m-%d"),
+        args=vars(args),
+    )
     bands = None
     if "collectives" in parts:
-        value = _job(result, "collectives_part", collectives_rank, (args.quick, args.reps, not args.eager),
-                     590, args.out)
+        value = _job(
+            result, "collectives_part", collectives_rank, (args.quick, args.reps, not args.eager), 590, args.out
+        )
         if "error" not in value:
             result.pop("collectives_part")
             result.update(value)
@@ -580,13 +647,25 @@ def main():
             _log_summary(value)
     result["step_bands"] = bands
     if "fsdp" in parts:
-        for width, layers in ([(2048, 8)] if args.quick else [(2048, 8), (4096, 4), (8192, 2)]):
-            _job(result, f"fsdp/w{width}xL{layers}", fsdp_rank,
-                 (width, layers, 4, args.steps, args.step_reps, bands), 300, args.out)
+        for width, layers in [(2048, 8)] if args.quick else [(2048, 8), (4096, 4), (8192, 2)]:
+            _job(
+                result,
+                f"fsdp/w{width}xL{layers}",
+                fsdp_rank,
+                (width, layers, 4, args.steps, args.step_reps, bands),
+                300,
+                args.out,
+            )
     if "ddp" in parts:
         for distopt in (False, True):
-            _job(result, f"ddp/{'distopt' if distopt else 'allreduce'}", ddp_rank,
-                 (1024, 4, 4, distopt, args.steps, args.step_reps, bands), 300, args.out)
+            _job(
+                result,
+                f"ddp/{'distopt' if distopt else 'allreduce'}",
+                ddp_rank,
+                (1024, 4, 4, distopt, args.steps, args.step_reps, bands),
+                300,
+                args.out,
+            )
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {args.out} ({sum(result.get('wall_s', {}).values()):.0f} s in jobs)")
@@ -596,9 +675,11 @@ def _log_summary(value):
     print("recommended bands (MiB):", _mib_bands(value["recommended_bands"]), flush=True)
     for d, b in value["recommended_bands_per_dtype"].items():
         print(f"  {d} only:", _mib_bands(b), flush=True)
-    print(f"policy worst vs plain (graph-timed): {value['policy_worst_vs_plain']:.4f}x time; "
-          f"symk exactly where the policy chose symmetric: {value['policy_symk_matches_decision']}",
-          flush=True)
+    print(
+        f"policy worst vs plain (graph-timed): {value['policy_worst_vs_plain']:.4f}x time; "
+        f"symk exactly where the policy chose symmetric: {value['policy_symk_matches_decision']}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -58,8 +58,9 @@ def gc_body():
     unreachable = gc.collect()
     torch.cuda.synchronize()
     after_gc = _active_bytes(pool)
-    return dict(active_while_held=held, active_after_del=after_del,
-                gc_unreachable_objects=unreachable, active_after_gc=after_gc)
+    return dict(
+        active_while_held=held, active_after_del=after_del, gc_unreachable_objects=unreachable, active_after_gc=after_gc
+    )
 
 
 def mismatch_body(check):
@@ -97,9 +98,11 @@ def main():
     from megatron_ext.testing.multirank import RankFailure, run_on_ranks
 
     result = {"torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version()))}
-    for name, fn, fargs, timeout in (("gc", gc_body, (), 120),
-                                     ("checked", mismatch_body, (True,), 60),
-                                     ("mismatch", mismatch_body, (False,), 45)):
+    for name, fn, fargs, timeout in (
+        ("gc", gc_body, (), 120),
+        ("checked", mismatch_body, (True,), 60),
+        ("mismatch", mismatch_body, (False,), 45),
+    ):
         try:
             result[name] = run_on_ranks(fn, 2, args=fargs, backend="nccl", timeout=timeout)
         except RankFailure as exc:

@@ -87,8 +87,11 @@ def _train_rank(cfg: DemoConfig, spec: tiny_gpt.TinyGPTSpec, phase: str):
 
 def print_table(phases: dict[str, list[tuple[int, float, float]]]) -> None:
     names = list(phases)
-    header = "step | " + " | ".join(f"{n + ' loss':>16}" for n in names) + " | " + " | ".join(
-        f"{n + ' s/step':>16}" for n in names
+    header = (
+        "step | "
+        + " | ".join(f"{n + ' loss':>16}" for n in names)
+        + " | "
+        + " | ".join(f"{n + ' s/step':>16}" for n in names)
     )
     print(header)
     print("-" * len(header))
@@ -105,11 +108,17 @@ def main(argv=None) -> int:
     parser.add_argument("--tp", type=int, default=DemoConfig.tp)
     parser.add_argument("--steps", type=int, default=DemoConfig.steps)
     parser.add_argument("--global-batch", type=int, default=DemoConfig.global_batch)
-    parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
-                        help="auto: NCCL when there is one GPU per rank, else gloo on CPU")
-    parser.add_argument("--failed-slots", default="0:1",
-                        help='GPUs that fail for the NTP phase, "REPLICA:SLOT[,SLOT];..." '
-                             '("" skips the phase)')
+    parser.add_argument(
+        "--backend",
+        choices=["auto", "gloo", "nccl"],
+        default="auto",
+        help="auto: NCCL when there is one GPU per rank, else gloo on CPU",
+    )
+    parser.add_argument(
+        "--failed-slots",
+        default="0:1",
+        help='GPUs that fail for the NTP phase, "REPLICA:SLOT[,SLOT];..." ("" skips the phase)',
+    )
     parser.add_argument("--no-export", action="store_true", help="skip the weight-export phase")
     parser.add_argument("--no-symm", action="store_true", help="skip the symmetric-memory phase (2 ranks)")
     parser.add_argument("--no-reshard", action="store_true", help="skip the reshard-refit phase (4 ranks)")
@@ -123,13 +132,16 @@ def main(argv=None) -> int:
     backend = args.backend
     if backend == "auto":
         backend = "nccl" if torch.cuda.device_count() >= args.world_size else "gloo"
-    cfg = DemoConfig(world_size=args.world_size, tp=args.tp, steps=args.steps,
-                     global_batch=args.global_batch, backend=backend)
+    cfg = DemoConfig(
+        world_size=args.world_size, tp=args.tp, steps=args.steps, global_batch=args.global_batch, backend=backend
+    )
     spec = tiny_gpt.TinyGPTSpec()
 
-    print(f"megatron_ext demo: tiny GPT ({spec.num_layers} layers, hidden {spec.hidden_size}), "
-          f"{cfg.world_size} ranks = TP {cfg.tp} x DP {dp}, backend {backend}, {cfg.steps} steps",
-          flush=True)
+    print(
+        f"megatron_ext demo: tiny GPT ({spec.num_layers} layers, hidden {spec.hidden_size}), "
+        f"{cfg.world_size} ranks = TP {cfg.tp} x DP {dp}, backend {backend}, {cfg.steps} steps",
+        flush=True,
+    )
     phases = {}
     start = time.perf_counter()
     phases["uniform"] = run_on_ranks(
@@ -139,15 +151,22 @@ def main(argv=None) -> int:
     if args.failed_slots:
         start = time.perf_counter()
         phases["ntp"] = run_ntp_phase(
-            tp_base=cfg.tp, world_size=cfg.world_size, failed_slots=args.failed_slots,
-            steps=cfg.steps, global_batch=cfg.global_batch, lr=cfg.lr, backend=backend, spec=spec,
+            tp_base=cfg.tp,
+            world_size=cfg.world_size,
+            failed_slots=args.failed_slots,
+            steps=cfg.steps,
+            global_batch=cfg.global_batch,
+            lr=cfg.lr,
+            backend=backend,
+            spec=spec,
         )
         print(f"[ntp] done in {time.perf_counter() - start:.1f}s\n", flush=True)
 
     export = None
     if not args.no_export:
-        export = run_weight_export_demo(world_size=cfg.world_size, tp=cfg.tp, steps=10,
-                                        global_batch=cfg.global_batch, backend=backend)
+        export = run_weight_export_demo(
+            world_size=cfg.world_size, tp=cfg.tp, steps=10, global_batch=cfg.global_batch, backend=backend
+        )
         print()
     symm = None
     if not args.no_symm:
@@ -171,19 +190,25 @@ def main(argv=None) -> int:
         print(f"NTP (failed {args.failed_slots}) vs uniform loss: max relative difference {worst:.2e}")
     if export is not None:
         ok &= export["kl"] < 1e-3
-        print(f"weight export: refit {export['refit_s'] * 1e3:.1f} ms, {export['bytes'] / 1e6:.2f} MB, "
-              f"{export['gbps']:.2f} GB/s ({export['transport']}), verifier KL {export['kl']:.2e}")
+        print(
+            f"weight export: refit {export['refit_s'] * 1e3:.1f} ms, {export['bytes'] / 1e6:.2f} MB, "
+            f"{export['gbps']:.2f} GB/s ({export['transport']}), verifier KL {export['kl']:.2e}"
+        )
     if symm is not None:
         worst = max(abs(a - b) / abs(a) for a, b in zip(symm["plain DDP"], symm["symm-mem DDP"]))
         ok &= worst < 1e-3
-        print(f"symmetric memory: {symm['symmetric_buckets']} bucket(s) staged symmetric; vs plain DDP loss: max "
-              f"relative difference {worst:.2e}")
+        print(
+            f"symmetric memory: {symm['symmetric_buckets']} bucket(s) staged symmetric; vs plain DDP loss: max "
+            f"relative difference {worst:.2e}"
+        )
     if reshard is not None:
         kls = [row["kl"] for res in reshard[2:] for row in res["rows"]]
         ok &= max(kls) < 1e-3
-        print(f"reshard refit: {len(kls)} gated engine refits (2 replicas x 2 versions, fan-out), "
-              f"max KL {max(kls):.2e}, received {sum(r['received'] for res in reshard for r in res['rows']) / 1e6:.2f}"
-              " MB in all")
+        print(
+            f"reshard refit: {len(kls)} gated engine refits (2 replicas x 2 versions, fan-out), "
+            f"max KL {max(kls):.2e}, received {sum(r['received'] for res in reshard for r in res['rows']) / 1e6:.2f}"
+            " MB in all"
+        )
     return 0 if ok else 1
 
 

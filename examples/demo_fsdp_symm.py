@@ -36,14 +36,12 @@ def _train_rank(variant: str, steps: int, config: SymmMemConfig):
     dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     dev = tiny_gpt.rank_device()
     tconf = tiny_gpt.transformer_config(spec)
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True,
-                                               bucket_size=8192)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True, bucket_size=8192)
     module = tiny_gpt.build_model(spec, tconf, device=dev)
     if variant == "plain DDP":
         ddp = DistributedDataParallel(config=tconf, ddp_config=ddp_config, module=module)
     else:
-        ddp = SymmMemDistributedDataParallel(config=tconf, ddp_config=ddp_config, module=module,
-                                             symm_mem_config=config)
+        ddp = SymmMemDistributedDataParallel(config=tconf, ddp_config=ddp_config, module=module, symm_mem_config=config)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=3e-3), [ddp])
     losses = []
     for step in range(steps):
@@ -57,21 +55,23 @@ def _train_rank(variant: str, steps: int, config: SymmMemConfig):
     return losses, symmetric
 
 
-def run_symm_demo(world_size: int = 2, steps: int = 5, backend: str | None = None,
-                  config: SymmMemConfig | None = None) -> dict:
+def run_symm_demo(
+    world_size: int = 2, steps: int = 5, backend: str | None = None, config: SymmMemConfig | None = None
+) -> dict:
     """Print the policy for sample sizes and a plain-vs-staged DDP loss table.
 
     Returns ``{"plain DDP": losses, "symm-mem DDP": losses, "symmetric_buckets": n}``.
     """
     config = config or SymmMemConfig()
-    rows = [(f"sample {n / MIB:g} MiB", decide(c, n, config))
-            for c in ("all_gather", "reduce_scatter", "all_reduce")
-            for n in (MIB // 4, 8 * MIB, 128 * MIB)]
+    rows = [
+        (f"sample {n / MIB:g} MiB", decide(c, n, config))
+        for c in ("all_gather", "reduce_scatter", "all_reduce")
+        for n in (MIB // 4, 8 * MIB, 128 * MIB)
+    ]
     print("policy (" + config.mode + "):\n" + format_report(rows))
     out = {}
     for variant in ("plain DDP", "symm-mem DDP"):
-        res = run_on_ranks(_train_rank, world_size, args=(variant, steps, config),
-                           backend=backend, timeout=300)
+        res = run_on_ranks(_train_rank, world_size, args=(variant, steps, config), backend=backend, timeout=300)
         out[variant], out["symmetric_buckets"] = res[0]
     print(f"{'step':>4} | {'plain DDP':>12} | {'symm-mem DDP':>12}")
     for i, (a, b) in enumerate(zip(out["plain DDP"], out["symm-mem DDP"])):

@@ -24,8 +24,11 @@ def _ntp_rank(ntp_kwargs, spec, steps, global_batch, lr, phase):
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from megatron_ext.nonuniform_tp import (NonuniformTPConfig, NonuniformTPDistributedDataParallel,
-                                            initialize_nonuniform_tp_process_groups)
+    from megatron_ext.nonuniform_tp import (
+        NonuniformTPConfig,
+        NonuniformTPDistributedDataParallel,
+        initialize_nonuniform_tp_process_groups,
+    )
 
     ps.initialize_model_parallel()  # TP=1 here; the NTP groups replace TP/DP below
     ntp_config = NonuniformTPConfig(**ntp_kwargs)
@@ -35,13 +38,18 @@ def _ntp_rank(ntp_kwargs, spec, steps, global_batch, lr, phase):
     device = tiny_gpt.rank_device()
     tconf = tiny_gpt.transformer_config(spec, tp=tp)
     model = NonuniformTPDistributedDataParallel(
-        tconf, DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False),
-        tiny_gpt.build_model(spec, tconf, device=device), ntp_config=ntp_config)
-    opt = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.01, clip_grad=1.0), [model])
+        tconf,
+        DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False),
+        tiny_gpt.build_model(spec, tconf, device=device),
+        ntp_config=ntp_config,
+    )
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.01, clip_grad=1.0), [model])
     if dist.get_rank() == 0:
-        print(f"[{phase}] {dist.get_world_size()} ranks; TP groups "
-              f"{groups.layout.all_tp_groups()} (replica 0 at TP={groups.layout.tp_reduced})", flush=True)
+        print(
+            f"[{phase}] {dist.get_world_size()} ranks; TP groups "
+            f"{groups.layout.all_tp_groups()} (replica 0 at TP={groups.layout.tp_reduced})",
+            flush=True,
+        )
     per_replica = global_batch // replicas
     mine = slice(role.replica * per_replica, (role.replica + 1) * per_replica)
     rows = []
@@ -58,9 +66,18 @@ def _ntp_rank(ntp_kwargs, spec, steps, global_batch, lr, phase):
     return rows
 
 
-def run_ntp_phase(*, tp_base: int = 2, world_size: int = 4, failed_slots: str = "0:1", steps: int = 20,
-                  global_batch: int = 8, lr: float = 3e-3, backend: str = "gloo",
-                  spec: tiny_gpt.TinyGPTSpec | None = None, phase: str = "ntp"):
+def run_ntp_phase(
+    *,
+    tp_base: int = 2,
+    world_size: int = 4,
+    failed_slots: str = "0:1",
+    steps: int = 20,
+    global_batch: int = 8,
+    lr: float = 3e-3,
+    backend: str = "gloo",
+    spec: tiny_gpt.TinyGPTSpec | None = None,
+    phase: str = "ntp",
+):
     """Relaunch a ``world_size``-GPU TP=``tp_base`` job without the GPUs in
     ``failed_slots`` ("REPLICA:SLOT[,SLOT];...") and train ``steps`` steps.
     Returns ``[(step, loss, seconds)]`` (rank 0's view)."""
@@ -69,8 +86,10 @@ def run_ntp_phase(*, tp_base: int = 2, world_size: int = 4, failed_slots: str = 
     spec = spec or tiny_gpt.TinyGPTSpec()
     spares, failed = compute_uniform_tp_spares_with_parity(parse_failed_slots(failed_slots), tp_base)
     packed_world = world_size - sum(len(s) for s in failed.values())
-    ntp_kwargs = dict(tp_base=tp_base, tp_spares=spares, non_active_ranks_per_dp=failed,
-                      data_parallel_size=world_size // tp_base)
+    ntp_kwargs = dict(
+        tp_base=tp_base, tp_spares=spares, non_active_ranks_per_dp=failed, data_parallel_size=world_size // tp_base
+    )
     print(f"[{phase}] GPU(s) {failed} fail; relaunching on the {packed_world} healthy GPUs", flush=True)
-    return run_on_ranks(_ntp_rank, packed_world, args=(ntp_kwargs, spec, steps, global_batch, lr, phase),
-                        backend=backend, timeout=600)[0]
+    return run_on_ranks(
+        _ntp_rank, packed_world, args=(ntp_kwargs, spec, steps, global_batch, lr, phase), backend=backend, timeout=600
+    )[0]

@@ -38,11 +38,16 @@ def _train_and_export(target: str, transport: str, tp: int, steps: int, global_b
     ps.initialize_model_parallel(tensor_model_parallel_size=tp)
     dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     config = tiny_llama.transformer_config(SPEC, tp=tp)
-    model = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True),
-                                    module=tiny_llama.build_model(SPEC, config, device=device))
+    model = DistributedDataParallel(
+        config=config,
+        ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True),
+        module=tiny_llama.build_model(SPEC, config, device=device),
+    )
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.01, clip_grad=1.0), [model])
-    exporter = wx.WeightExporter(model, wx.WeightExportConfig(
-        target=target, transport=transport, bucket_size_mb=0.25, vocab_size=SPEC.hf_vocab_size))
+    exporter = wx.WeightExporter(
+        model,
+        wx.WeightExportConfig(target=target, transport=transport, bucket_size_mb=0.25, vocab_size=SPEC.hf_vocab_size),
+    )
     per_rank = global_batch // dp
     mine = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
     losses = []
@@ -52,16 +57,23 @@ def _train_and_export(target: str, transport: str, tp: int, steps: int, global_b
         mean = loss.clone()
         dist.all_reduce(mean, group=ps.get_data_parallel_group())
         losses.append((mean / dp).item())
-    result = exporter.export(version=steps)        # cold: plan sent, buffers allocated
-    warm = exporter.export(version=steps)          # warm: only bytes
+    result = exporter.export(version=steps)  # cold: plan sent, buffers allocated
+    warm = exporter.export(version=steps)  # warm: only bytes
     tokens, _ = tiny_gpt.global_batch(SPEC, 10_000, 4)
     verify = exporter.verify(tokens.to(device))
     exporter.close()
     return dict(losses=losses, cold=result, warm=warm, verify=verify, buckets=len(exporter.plan.buckets))
 
 
-def run_weight_export_demo(world_size: int = 4, tp: int = 2, steps: int = 10, global_batch: int = 8,
-                           lr: float = 3e-3, backend: str = "gloo", timeout: float = 600) -> dict:
+def run_weight_export_demo(
+    world_size: int = 4,
+    tp: int = 2,
+    steps: int = 10,
+    global_batch: int = 8,
+    lr: float = 3e-3,
+    backend: str = "gloo",
+    timeout: float = 600,
+) -> dict:
     """Train for ``steps`` on ``world_size`` ranks (TP ``tp``), stream the weights
     to a HF LlamaForCausalLM in another process, print and return the refit time,
     bytes, GB/s and the verifier's KL."""
@@ -73,24 +85,43 @@ def run_weight_export_demo(world_size: int = 4, tp: int = 2, steps: int = 10, gl
         transport, receiver_device = ("broadcast", f"cuda:{world_size}") if spare else ("ipc", "cuda:0")
     start = time.perf_counter()
     with start_hf_receiver(tiny_llama.build_hf, (SPEC,), device=receiver_device, keep_state=False) as receiver:
-        out = run_on_ranks(_train_and_export, world_size,
-                           args=(receiver.address, transport, tp, steps, global_batch, lr),
-                           backend=backend, timeout=timeout, watch=receiver.failure)[0]
+        out = run_on_ranks(
+            _train_and_export,
+            world_size,
+            args=(receiver.address, transport, tp, steps, global_batch, lr),
+            backend=backend,
+            timeout=timeout,
+            watch=receiver.failure,
+        )[0]
         got = receiver.result()
     if not got["ok"]:
         raise RuntimeError(f"the HF receiver failed:\n{got['error']}")
     cold, warm, verify = out["cold"], out["warm"], out["verify"]
     summary = dict(
-        loss_first=out["losses"][0], loss_last=out["losses"][-1], bytes=warm.nbytes, buckets=out["buckets"],
-        refit_s=warm.seconds, gbps=warm.gbps, cold_refit_s=cold.seconds, kl=verify.kl,
-        max_abs_logit_diff=verify.max_abs_diff, applied_versions=got["applied"], transport=transport,
+        loss_first=out["losses"][0],
+        loss_last=out["losses"][-1],
+        bytes=warm.nbytes,
+        buckets=out["buckets"],
+        refit_s=warm.seconds,
+        gbps=warm.gbps,
+        cold_refit_s=cold.seconds,
+        kl=verify.kl,
+        max_abs_logit_diff=verify.max_abs_diff,
+        applied_versions=got["applied"],
+        transport=transport,
         wall_s=time.perf_counter() - start,
     )
-    print(f"[weight export] trained {steps} steps (loss {summary['loss_first']:.4f} -> {summary['loss_last']:.4f}), "
-          f"streamed to a HF LlamaForCausalLM in another process ({transport}, {backend}):")
-    print(f"[weight export] refit {summary['refit_s'] * 1e3:.1f} ms (first, with plan: "
-          f"{summary['cold_refit_s'] * 1e3:.1f} ms), {summary['bytes'] / 1e6:.2f} MB in {summary['buckets']} buckets, "
-          f"{summary['gbps']:.2f} GB/s; receiver applied versions {summary['applied_versions']}")
-    print(f"[weight export] verifier: KL {summary['kl']:.2e} (per-token mean), max |logit diff| "
-          f"{summary['max_abs_logit_diff']:.2e}")
+    print(
+        f"[weight export] trained {steps} steps (loss {summary['loss_first']:.4f} -> {summary['loss_last']:.4f}), "
+        f"streamed to a HF LlamaForCausalLM in another process ({transport}, {backend}):"
+    )
+    print(
+        f"[weight export] refit {summary['refit_s'] * 1e3:.1f} ms (first, with plan: "
+        f"{summary['cold_refit_s'] * 1e3:.1f} ms), {summary['bytes'] / 1e6:.2f} MB in {summary['buckets']} buckets, "
+        f"{summary['gbps']:.2f} GB/s; receiver applied versions {summary['applied_versions']}"
+    )
+    print(
+        f"[weight export] verifier: KL {summary['kl']:.2e} (per-token mean), max |logit diff| "
+        f"{summary['max_abs_logit_diff']:.2e}"
+    )
     return summary

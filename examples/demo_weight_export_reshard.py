@@ -37,15 +37,18 @@ def _rank(versions: int):
     cfg = tiny_llama.transformer_config(SPEC, tp=2)
     model = tiny_llama.build_model(SPEC, cfg, device=device)
     specs = wx.specs_from_config(cfg, vocab_size=SPEC.hf_vocab_size, padded_vocab_size=SPEC.vocab_size)
-    src = wx.megatron_layout(specs, tp=2, ranks=[0, 1])           # data-parallel replica 0 of the trainer
-    dst = wx.inference_layout(specs, tp=1, dp=2, ranks=[2, 3])    # two engine replicas
+    src = wx.megatron_layout(specs, tp=2, ranks=[0, 1])  # data-parallel replica 0 of the trainer
+    dst = wx.inference_layout(specs, tp=1, dp=2, ranks=[2, 3])  # two engine replicas
     engine = {n: torch.zeros(lt.shape, device=device) for n, lt in dst.tensors.get(rank, {}).items()}
     tensors = {**(wx.megatron_tensors(model) if rank in src.ranks else {}), **engine}
-    refit = wx.FanoutRefit(src, dst, [[2], [3]], rank, tensors)    # plans built once, reused every version
+    refit = wx.FanoutRefit(src, dst, [[2], [3]], rank, tensors)  # plans built once, reused every version
     toks = tiny_llama.tokens(SPEC)
     # the KL gate: each engine replica (TP1) as an HF model, checked after its wave, before it serves the next
-    gate = wx.RefitGate(wx.HFModelConsumer(tiny_llama.hf_model(SPEC, cfg).to(device)), toks, None,
-                        max_kl=1e-3) if rank in dst.ranks else None
+    gate = (
+        wx.RefitGate(wx.HFModelConsumer(tiny_llama.hf_model(SPEC, cfg).to(device)), toks, None, max_kl=1e-3)
+        if rank in dst.ranks
+        else None
+    )
     rows = []
     for version in range(1, versions + 1):
         with torch.no_grad():  # stand-in for an optimizer step
@@ -56,8 +59,12 @@ def _rank(versions: int):
             gate.reference = ref
         dist.barrier()  # time the refit, not the previous version's verification
         stats = refit.refit(version, verify=gate)
-        row = dict(version=version, received=sum(s.received_bytes for s in stats),
-                   sent=sum(s.sent_bytes for s in stats), seconds=sum(s.seconds for s in stats))
+        row = dict(
+            version=version,
+            received=sum(s.received_bytes for s in stats),
+            sent=sum(s.sent_bytes for s in stats),
+            seconds=sum(s.seconds for s in stats),
+        )
         if rank in dst.ranks:
             row["kl"] = next(s.kl for s in stats if s.kl is not None)
         rows.append(row)
@@ -75,8 +82,10 @@ def run_reshard_demo(versions: int = 2, backend: str | None = None) -> list[dict
         role = "trainer" if r < 2 else "engine"
         for row in res["rows"]:
             kl = f"{row['kl']:.1e}" if "kl" in row else "-"
-            print(f"{r:>4} {role:>8} {row['version']:>7} {row['sent'] / 1024:8.1f} {row['received'] / 1024:8.1f} "
-                  f"{row['seconds'] * 1e3:7.2f} {kl:>9}")
+            print(
+                f"{r:>4} {role:>8} {row['version']:>7} {row['sent'] / 1024:8.1f} {row['received'] / 1024:8.1f} "
+                f"{row['seconds'] * 1e3:7.2f} {kl:>9}"
+            )
     return results
 
 

@@ -57,18 +57,28 @@ def build_parser() -> argparse.ArgumentParser:
     from megatron_ext.nonuniform_tp import add_nonuniform_tp_args
     from megatron_ext.weight_export import add_reshard_refit_args, add_weight_export_args
 
-    p = argparse.ArgumentParser(prog="torchrun --nproc-per-node N examples/pretrain_gpt.py",
-                                description=__doc__.split("\n")[0], allow_abbrev=False)
+    p = argparse.ArgumentParser(
+        prog="torchrun --nproc-per-node N examples/pretrain_gpt.py",
+        description=__doc__.split("\n")[0],
+        allow_abbrev=False,
+    )
     g = p.add_argument_group("model (Megatron-LM names)")
     g.add_argument("--num-layers", type=int, required=True)
     g.add_argument("--hidden-size", type=int, required=True)
     g.add_argument("--num-attention-heads", type=int, required=True)
     g.add_argument("--group-query-attention", action="store_true", help="use --num-query-groups KV heads")
-    g.add_argument("--num-query-groups", type=int, default=None,
-                   help="KV heads with --group-query-attention (Megatron-LM ignores it without that flag; "
-                        "this script refuses it)")
-    g.add_argument("--ffn-hidden-size", type=int, default=None,
-                   help="default 4 x hidden (with --swiglu: 8/3 x hidden, rounded down to a multiple of 64)")
+    g.add_argument(
+        "--num-query-groups",
+        type=int,
+        default=None,
+        help="KV heads with --group-query-attention (Megatron-LM ignores it without that flag; this script refuses it)",
+    )
+    g.add_argument(
+        "--ffn-hidden-size",
+        type=int,
+        default=None,
+        help="default 4 x hidden (with --swiglu: 8/3 x hidden, rounded down to a multiple of 64)",
+    )
     g.add_argument("--kv-channels", type=int, default=None, help="default hidden / heads")
     g.add_argument("--seq-length", type=int, required=True)
     g.add_argument("--max-position-embeddings", type=int, default=None, help="default --seq-length")
@@ -83,33 +93,56 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--vocab-size", type=int, default=None,
-                   help="vocabulary of the mock data (NullTokenizer); the model pads it (see next flag)")
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
-                   help="pad the vocabulary to a multiple of this x TP (x lcm(tp_base, tp_reduced) under NTP)")
-    g.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default="local",
-                   help="layer spec; only local is supported here (Transformer Engine is untested in megatron_ext)")
-    g.add_argument("--use-cpu-initialization", action="store_true",
-                   help="draw the full weights on CPU from --seed, so every TP degree holds the same global "
-                        "model (always on without CUDA; required with --ntp-tp-base)")
+    g.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="vocabulary of the mock data (NullTokenizer); the model pads it (see next flag)",
+    )
+    g.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=int,
+        default=128,
+        help="pad the vocabulary to a multiple of this x TP (x lcm(tp_base, tp_reduced) under NTP)",
+    )
+    g.add_argument(
+        "--transformer-impl",
+        choices=("local", "transformer_engine"),
+        default="local",
+        help="layer spec; only local is supported here (Transformer Engine is untested in megatron_ext)",
+    )
+    g.add_argument(
+        "--use-cpu-initialization",
+        action="store_true",
+        help="draw the full weights on CPU from --seed, so every TP degree holds the same global "
+        "model (always on without CUDA; required with --ntp-tp-base)",
+    )
 
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, required=True)
-    g.add_argument("--global-batch-size", type=int, default=None,
-                   help="default micro-batch-size x data-parallel size (one micro-batch per rank)")
+    g.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help="default micro-batch-size x data-parallel size (one micro-batch per rank)",
+    )
     g.add_argument("--train-iters", type=int, required=True)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--bf16", action="store_true", help="bf16 model, fp32 main params and grads reduced in fp32")
-    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
-                   help="reduce gradients in fp32 (on with --bf16, as in Megatron-LM)")
+    g.add_argument(
+        "--accumulate-allreduce-grads-in-fp32",
+        action="store_true",
+        help="reduce gradients in fp32 (on with --bf16, as in Megatron-LM)",
+    )
     g.add_argument("--log-interval", type=int, default=100)
 
     g = p.add_argument_group("optimizer and learning rate")
     g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     g.add_argument("--lr", type=float, required=True)
     g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine", "inverse-square-root"),
-                   default="linear")
+    g.add_argument(
+        "--lr-decay-style", choices=("constant", "linear", "cosine", "inverse-square-root"), default="linear"
+    )
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-warmup-init", type=float, default=0.0)
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters")
@@ -120,14 +153,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-eps", type=float, default=1e-8)
 
     g = p.add_argument_group("distributed")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1,
-                   help="uniform TP degree; with --ntp-tp-base leave it at 1 or set it to tp_base")
+    g.add_argument(
+        "--tensor-model-parallel-size",
+        type=int,
+        default=1,
+        help="uniform TP degree; with --ntp-tp-base leave it at 1 or set it to tp_base",
+    )
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="only 1 is supported")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--ddp-bucket-size", type=int, default=None, help="elements per DDP bucket (Megatron's default)")
-    g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
-                   help="default nccl with CUDA, gloo without")
+    g.add_argument(
+        "--distributed-backend", choices=("nccl", "gloo"), default=None, help="default nccl with CUDA, gloo without"
+    )
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
 
     g = p.add_argument_group("checkpointing (dist_checkpointing, torch_dist format)")
@@ -138,8 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("data")
     g.add_argument("--mock-data", action="store_true", help="MockGPTDataset (the default; accepted for Megatron-LM)")
-    g.add_argument("--data-path", nargs="*", default=None,
-                   help="a tokenized (.bin/.idx) dataset: [weight] prefix ...; token ids must be < --vocab-size")
+    g.add_argument(
+        "--data-path",
+        nargs="*",
+        default=None,
+        help="a tokenized (.bin/.idx) dataset: [weight] prefix ...; token ids must be < --vocab-size",
+    )
     g.add_argument("--split", default="99,1,0", help="train/valid/test split of --data-path")
     g.add_argument("--data-cache-path", default=None)
 
@@ -155,13 +197,13 @@ class Plan:
     """What the flags resolve to (parse time, before any process group exists)."""
 
     world_size: int
-    tp: int                      # uniform TP degree (tp_base under NTP)
-    dp: int                      # data-parallel replicas
+    tp: int  # uniform TP degree (tp_base under NTP)
+    dp: int  # data-parallel replicas
     padded_vocab_size: int
-    shares: object               # BatchShares: each replica's micro-batches of every global batch
-    ntp: object | None           # NonuniformTPConfig
-    symm: object                 # SymmMemConfig
-    export: object | None        # WeightExportConfig
+    shares: object  # BatchShares: each replica's micro-batches of every global batch
+    ntp: object | None  # NonuniformTPConfig
+    symm: object  # SymmMemConfig
+    export: object | None  # WeightExportConfig
     cuda: bool
 
     @property
@@ -205,39 +247,66 @@ def _check(args, world_size: int, cuda: bool, parser) -> Plan:
     from megatron_ext.nonuniform_tp import NonuniformTPConfig, equal_batch_shares
     from megatron_ext.weight_export import WeightExportConfig
 
-    _positive(args, "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-              "kv_channels", "seq_length", "max_position_embeddings", "vocab_size", "micro_batch_size",
-              "global_batch_size", "train_iters", "log_interval", "tensor_model_parallel_size",
-              "pipeline_model_parallel_size", "save_interval", "make_vocab_size_divisible_by")
+    _positive(
+        args,
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "num_query_groups",
+        "ffn_hidden_size",
+        "kv_channels",
+        "seq_length",
+        "max_position_embeddings",
+        "vocab_size",
+        "micro_batch_size",
+        "global_batch_size",
+        "train_iters",
+        "log_interval",
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "save_interval",
+        "make_vocab_size_divisible_by",
+    )
     if args.pipeline_model_parallel_size != 1:
-        raise ValueError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: this script supports "
-                         "only 1 (no pipeline parallelism); use TP and DP")
+        raise ValueError(
+            f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: this script supports "
+            "only 1 (no pipeline parallelism); use TP and DP"
+        )
     if args.transformer_impl != "local":
-        raise ValueError("--transformer-impl transformer_engine: not supported by this script (Transformer Engine "
-                         "paths are untested in megatron_ext); use --transformer-impl local")
+        raise ValueError(
+            "--transformer-impl transformer_engine: not supported by this script (Transformer Engine "
+            "paths are untested in megatron_ext); use --transformer-impl local"
+        )
     if args.vocab_size is None:
         raise ValueError("--vocab-size is required: the mock data and --data-path use a NullTokenizer of that size")
     if args.num_query_groups is not None and not args.group_query_attention:
-        raise ValueError("--num-query-groups needs --group-query-attention (Megatron-LM ignores it without; "
-                         "add the flag or drop --num-query-groups)")
+        raise ValueError(
+            "--num-query-groups needs --group-query-attention (Megatron-LM ignores it without; "
+            "add the flag or drop --num-query-groups)"
+        )
     if args.hidden_size % args.num_attention_heads and args.kv_channels is None:
-        raise ValueError(f"--hidden-size {args.hidden_size} must be divisible by --num-attention-heads "
-                         f"{args.num_attention_heads} (or set --kv-channels)")
+        raise ValueError(
+            f"--hidden-size {args.hidden_size} must be divisible by --num-attention-heads "
+            f"{args.num_attention_heads} (or set --kv-channels)"
+        )
     groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
     if args.group_query_attention and groups is None:
         raise ValueError("--group-query-attention needs --num-query-groups N (N divides --num-attention-heads)")
     if args.num_attention_heads % groups:
         raise ValueError(f"--num-query-groups {groups} must divide --num-attention-heads {args.num_attention_heads}")
     if args.ffn_hidden_size is None:
-        args.ffn_hidden_size = (int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu else 4 * args.hidden_size)
+        args.ffn_hidden_size = int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu else 4 * args.hidden_size
         if args.ffn_hidden_size < 1:
-            raise ValueError(f"--swiglu with --hidden-size {args.hidden_size}: the default ffn size rounds to 0; "
-                             "set --ffn-hidden-size")
+            raise ValueError(
+                f"--swiglu with --hidden-size {args.hidden_size}: the default ffn size rounds to 0; "
+                "set --ffn-hidden-size"
+            )
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.seq_length > args.max_position_embeddings:
-        raise ValueError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
-                         f"{args.max_position_embeddings}")
+        raise ValueError(
+            f"--seq-length {args.seq_length} exceeds --max-position-embeddings {args.max_position_embeddings}"
+        )
     if args.bf16:
         args.accumulate_allreduce_grads_in_fp32 = True
     if not cuda:
@@ -251,8 +320,9 @@ def _check(args, world_size: int, cuda: bool, parser) -> Plan:
     if not 0 <= args.min_lr <= args.lr:
         raise ValueError(f"--min-lr {args.min_lr} must be in 0..--lr ({args.lr})")
     if not 0 <= args.lr_warmup_iters <= args.lr_decay_iters:
-        raise ValueError(f"--lr-warmup-iters {args.lr_warmup_iters} must be in 0..--lr-decay-iters "
-                         f"({args.lr_decay_iters})")
+        raise ValueError(
+            f"--lr-warmup-iters {args.lr_warmup_iters} must be in 0..--lr-decay-iters ({args.lr_decay_iters})"
+        )
     if args.save_interval is not None and args.save is None:
         raise ValueError("--save-interval needs --save DIR")
     if args.data_path is not None and not args.data_path:
@@ -265,30 +335,43 @@ def _check(args, world_size: int, cuda: bool, parser) -> Plan:
     tp = args.tensor_model_parallel_size
     if ntp is not None:
         if tp not in (1, ntp.tp_base):
-            raise ValueError(f"--tensor-model-parallel-size {tp} with --ntp-tp-base {ntp.tp_base}: leave it at 1 "
-                             f"or set it to {ntp.tp_base} (NTP builds the TP groups)")
+            raise ValueError(
+                f"--tensor-model-parallel-size {tp} with --ntp-tp-base {ntp.tp_base}: leave it at 1 "
+                f"or set it to {ntp.tp_base} (NTP builds the TP groups)"
+            )
         if cuda and not args.use_cpu_initialization:
-            raise ValueError("--ntp-tp-base needs --use-cpu-initialization on GPUs: replicas at different TP "
-                             "degrees must draw the same global model")
+            raise ValueError(
+                "--ntp-tp-base needs --use-cpu-initialization on GPUs: replicas at different TP "
+                "degrees must draw the same global model"
+            )
         tp = ntp.tp_base
         degrees = sorted({ntp.tp_base, ntp.tp_reduced})
         multiple = args.make_vocab_size_divisible_by * math.lcm(*degrees)
         padded = -(-args.vocab_size // multiple) * multiple
-        dataclasses.replace(ntp, num_attention_heads=args.num_attention_heads,
-                            num_query_groups=groups if args.group_query_attention else None,
-                            ffn_hidden_size=args.ffn_hidden_size, vocab_size=padded)
+        dataclasses.replace(
+            ntp,
+            num_attention_heads=args.num_attention_heads,
+            num_query_groups=groups if args.group_query_attention else None,
+            ffn_hidden_size=args.ffn_hidden_size,
+            vocab_size=padded,
+        )
         dp = ntp.layout(world_size).num_replicas
         degrees_text = f"TP degrees {degrees}"
     else:
         if world_size % tp:
-            raise ValueError(f"--tensor-model-parallel-size {tp} must divide the number of processes "
-                             f"({world_size}, torchrun --nproc-per-node x --nnodes)")
+            raise ValueError(
+                f"--tensor-model-parallel-size {tp} must divide the number of processes "
+                f"({world_size}, torchrun --nproc-per-node x --nnodes)"
+            )
         multiple = args.make_vocab_size_divisible_by * tp
         padded = -(-args.vocab_size // multiple) * multiple
         dp = world_size // tp
         degrees, degrees_text = [tp], f"--tensor-model-parallel-size {tp}"
-    for name, value in (("--num-attention-heads", args.num_attention_heads),
-                        ("--num-query-groups", groups), ("--ffn-hidden-size", args.ffn_hidden_size)):
+    for name, value in (
+        ("--num-attention-heads", args.num_attention_heads),
+        ("--num-query-groups", groups),
+        ("--ffn-hidden-size", args.ffn_hidden_size),
+    ):
         bad = [d for d in degrees if value % d]
         if bad:
             raise ValueError(f"{name} {value} must be divisible by {degrees_text} (not by {bad})")
@@ -302,46 +385,73 @@ def _check(args, world_size: int, cuda: bool, parser) -> Plan:
         lo = max(per_step, args.global_batch_size // per_step * per_step)
         raise ValueError(
             f"--global-batch-size {args.global_batch_size} must be a multiple of --micro-batch-size x data-parallel "
-            f"size = {args.micro_batch_size} x {dp} = {per_step} (e.g. {lo} or {lo + per_step})")
+            f"size = {args.micro_batch_size} x {dp} = {per_step} (e.g. {lo} or {lo + per_step})"
+        )
     else:
         shares = equal_batch_shares(dp, args.global_batch_size, args.micro_batch_size)  # Megatron's split
 
     export = None
-    changed = [f for f in ("weight_export_every_n_steps", "weight_export_bucket_size_mb")
-               if getattr(args, f) != parser.get_default(f)]
+    changed = [
+        f
+        for f in ("weight_export_every_n_steps", "weight_export_bucket_size_mb")
+        if getattr(args, f) != parser.get_default(f)
+    ]
     if args.weight_export_target is None:
         if changed or args.weight_export_transport != "inprocess":
-            flags = ", ".join("--" + f.replace("_", "-") for f in changed
-                              + (["weight_export_transport"] if args.weight_export_transport != "inprocess" else []))
-            raise ValueError(f"{flags} given without --weight-export-target HOST:PORT (the engine's address: "
-                             "python -m megatron_ext.weight_export.engine --model DIR --address HOST:PORT)")
+            flags = ", ".join(
+                "--" + f.replace("_", "-")
+                for f in changed + (["weight_export_transport"] if args.weight_export_transport != "inprocess" else [])
+            )
+            raise ValueError(
+                f"{flags} given without --weight-export-target HOST:PORT (the engine's address: "
+                "python -m megatron_ext.weight_export.engine --model DIR --address HOST:PORT)"
+            )
     else:
         if args.weight_export_transport == "inprocess":
-            raise ValueError("--weight-export-target needs --weight-export-transport broadcast (engine on CPU or "
-                             "another GPU), ipc or ipc-push (engine on this job's first GPU); inprocess has no "
-                             "engine in this script")
-        llama = {"--position-embedding-type rope": args.position_embedding_type == "rope",
-                 "--normalization RMSNorm": args.normalization == "RMSNorm", "--swiglu": args.swiglu,
-                 "--disable-bias-linear": args.disable_bias_linear}
+            raise ValueError(
+                "--weight-export-target needs --weight-export-transport broadcast (engine on CPU or "
+                "another GPU), ipc or ipc-push (engine on this job's first GPU); inprocess has no "
+                "engine in this script"
+            )
+        llama = {
+            "--position-embedding-type rope": args.position_embedding_type == "rope",
+            "--normalization RMSNorm": args.normalization == "RMSNorm",
+            "--swiglu": args.swiglu,
+            "--disable-bias-linear": args.disable_bias_linear,
+        }
         missing = [flag for flag, ok in llama.items() if not ok]
         if missing:
-            raise ValueError(f"--weight-export-target exports in Hugging Face Llama naming: add {' '.join(missing)} "
-                             "(the model must be Llama-shaped)")
+            raise ValueError(
+                f"--weight-export-target exports in Hugging Face Llama naming: add {' '.join(missing)} "
+                "(the model must be Llama-shaped)"
+            )
         if args.weight_export_vocab_size is None:
             args.weight_export_vocab_size = args.vocab_size
         export = WeightExportConfig.from_args(args)
 
-    refit_changed = [f for f in vars(args) if f.startswith("reshard_refit_")
-                     and getattr(args, f) != parser.get_default(f)]
+    refit_changed = [
+        f for f in vars(args) if f.startswith("reshard_refit_") and getattr(args, f) != parser.get_default(f)
+    ]
     if refit_changed:
-        raise ValueError(f"{', '.join('--' + f.replace('_', '-') for f in refit_changed)}: the reshard refit is not "
-                         "wired into this script (its engine side has no command of its own yet); stream to an "
-                         "engine started on its own with --weight-export-target HOST:PORT, or use the library "
-                         "(TrainerRefit / EngineRefit, docs/weight_export_reshard.md)")
+        raise ValueError(
+            f"{', '.join('--' + f.replace('_', '-') for f in refit_changed)}: the reshard refit is not "
+            "wired into this script (its engine side has no command of its own yet); stream to an "
+            "engine started on its own with --weight-export-target HOST:PORT, or use the library "
+            "(TrainerRefit / EngineRefit, docs/weight_export_reshard.md)"
+        )
     if args.data_path is None:
         args.mock_data = True
-    return Plan(world_size=world_size, tp=tp, dp=dp, padded_vocab_size=padded, shares=shares, ntp=ntp, symm=symm,
-                export=export, cuda=cuda)
+    return Plan(
+        world_size=world_size,
+        tp=tp,
+        dp=dp,
+        padded_vocab_size=padded,
+        shares=shares,
+        ntp=ntp,
+        symm=symm,
+        export=export,
+        cuda=cuda,
+    )
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -388,8 +498,9 @@ def initialize_distributed(args, plan: Plan):
     kwargs = {}
     if args.distributed_backend == "nccl":
         kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
-    dist.init_process_group(args.distributed_backend,
-                            timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes), **kwargs)
+    dist.init_process_group(
+        args.distributed_backend, timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes), **kwargs
+    )
     if plan.ntp is None:
         ps.initialize_model_parallel(tensor_model_parallel_size=plan.tp)
         return None
@@ -405,20 +516,33 @@ def transformer_config(args, plan: Plan, tp: int):
 
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     return TransformerConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups if args.group_query_attention else None,
-        ffn_hidden_size=args.ffn_hidden_size, kv_channels=args.kv_channels,
-        init_method_std=args.init_method_std, hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout, layernorm_epsilon=args.norm_epsilon,
-        normalization=args.normalization, gated_linear_unit=args.swiglu,
+        ffn_hidden_size=args.ffn_hidden_size,
+        kv_channels=args.kv_channels,
+        init_method_std=args.init_method_std,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        layernorm_epsilon=args.norm_epsilon,
+        normalization=args.normalization,
+        gated_linear_unit=args.swiglu,
         activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
         add_bias_linear=not args.disable_bias_linear,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=1,
         use_cpu_initialization=args.use_cpu_initialization,
-        bf16=args.bf16, params_dtype=dtype, pipeline_dtype=dtype,
+        bf16=args.bf16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
         # The local layer spec: no fused kernels (they need Apex / Transformer Engine).
-        gradient_accumulation_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
-        bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
     )
 
 
@@ -432,11 +556,15 @@ def build_model(args, plan: Plan, config, device):
     # The same draws on every layout: the weights depend on --seed only (with CPU initialization).
     set_random_seed(args.seed)
     model = GPTModel(
-        config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization=args.normalization),
-        vocab_size=plan.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
-        pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization=args.normalization),
+        vocab_size=plan.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
     ).to(device)
     if args.bf16:
@@ -449,20 +577,23 @@ def wrap_model(args, plan: Plan, config, model):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32, overlap_grad_reduce=args.overlap_grad_reduce,
-        use_distributed_optimizer=args.use_distributed_optimizer, bucket_size=args.ddp_bucket_size)
+        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        bucket_size=args.ddp_bucket_size,
+    )
     symm = plan.symm if plan.symm.mode != "off" else None
     if plan.ntp is not None:
         from megatron_ext.nonuniform_tp import NonuniformTPDistributedDataParallel
 
         kwargs = {"batch_shares": plan.shares} if plan.balanced else {}
-        return NonuniformTPDistributedDataParallel(config, ddp_config, model, ntp_config=plan.ntp,
-                                                   symm_mem_config=symm, **kwargs)
+        return NonuniformTPDistributedDataParallel(
+            config, ddp_config, model, ntp_config=plan.ntp, symm_mem_config=symm, **kwargs
+        )
     if symm is not None:
         from megatron_ext.fsdp_symm import SymmMemDistributedDataParallel
 
-        return SymmMemDistributedDataParallel(config=config, ddp_config=ddp_config, module=model,
-                                              symm_mem_config=symm)
+        return SymmMemDistributedDataParallel(config=config, ddp_config=ddp_config, module=model, symm_mem_config=symm)
     return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
 
 
@@ -492,10 +623,17 @@ def build_train_iterator(args, plan: Plan, consumed_samples: int):
 
     total = args.train_iters * args.global_batch_size
     config = GPTDatasetConfig(
-        random_seed=args.seed, sequence_length=args.seq_length, tokenizer=NullTokenizer(vocab_size=args.vocab_size),
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        tokenizer=NullTokenizer(vocab_size=args.vocab_size),
         blend=None if args.mock_data else get_blend_from_list(args.data_path),
-        split=args.split, path_to_cache=args.data_cache_path, reset_position_ids=False,
-        reset_attention_mask=False, eod_mask_loss=False, mid_level_dataset_surplus=0.005)
+        split=args.split,
+        path_to_cache=args.data_cache_path,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        mid_level_dataset_surplus=0.005,
+    )
     cls = MockGPTDataset if config.mock else GPTDataset
     # Every rank reads its batches itself (an NTP replica has no TP rank 0 to broadcast from); with
     # --data-cache-path rank 0 builds the index and the others read it.
@@ -539,8 +677,10 @@ def optimizer_metadata(args) -> dict:
 def _layout_text(plan: Plan) -> str:
     if plan.ntp is None:
         return f"uniform TP={plan.tp} x DP={plan.dp}"
-    return (f"NTP tp_base={plan.ntp.tp_base} tp_reduced={plan.ntp.tp_reduced} x {plan.dp} replicas "
-            f"(failed slots {plan.ntp.non_active_ranks_per_dp})")
+    return (
+        f"NTP tp_base={plan.ntp.tp_base} tp_reduced={plan.ntp.tp_reduced} x {plan.dp} replicas "
+        f"(failed slots {plan.ntp.non_active_ranks_per_dp})"
+    )
 
 
 def _tp_layout(plan: Plan) -> list:
@@ -564,10 +704,16 @@ def save_checkpoint(args, plan: Plan, iteration: int, consumed: int, ddp, optimi
     from megatron_ext.nonuniform_tp import model_sharded_state_dict
 
     start = time.perf_counter()
-    state = {"iteration": iteration, "consumed_train_samples": consumed, "checkpoint_version": 3.0,
-             "opt_param_scheduler": scheduler.state_dict(), "layout": _layout_text(plan),
-             "tp_layout": _tp_layout(plan), "distributed_optimizer": args.use_distributed_optimizer,
-             "padded_vocab_size": plan.padded_vocab_size}
+    state = {
+        "iteration": iteration,
+        "consumed_train_samples": consumed,
+        "checkpoint_version": 3.0,
+        "opt_param_scheduler": scheduler.state_dict(),
+        "layout": _layout_text(plan),
+        "tp_layout": _tp_layout(plan),
+        "distributed_optimizer": args.use_distributed_optimizer,
+        "padded_vocab_size": plan.padded_vocab_size,
+    }
     model_sd = model_sharded_state_dict(ddp)  # None on an NTP spare rank (it holds no training state)
     if model_sd is not None:
         state["model"] = model_sd
@@ -582,8 +728,10 @@ def save_checkpoint(args, plan: Plan, iteration: int, consumed: int, ddp, optimi
         with open(os.path.join(args.save, TRACKER), "w") as f:
             f.write(str(iteration))
     dist.barrier()
-    print_rank_0(f"saved checkpoint at iteration {iteration:7d} to {args.save} ({_layout_text(plan)}) in "
-                 f"{time.perf_counter() - start:.2f} s")
+    print_rank_0(
+        f"saved checkpoint at iteration {iteration:7d} to {args.save} ({_layout_text(plan)}) in "
+        f"{time.perf_counter() - start:.2f} s"
+    )
 
 
 def _restore_adam_steps(optimizer) -> None:
@@ -625,19 +773,24 @@ def load_checkpoint(args, plan: Plan, ddp, optimizer, scheduler) -> tuple[int, i
             f"--load {args.load}: the checkpoint's embedding has {common['padded_vocab_size']} rows, this job pads "
             f"--vocab-size {args.vocab_size} to {plan.padded_vocab_size} (--make-vocab-size-divisible-by "
             f"{args.make_vocab_size_divisible_by} x its TP degree); pick --make-vocab-size-divisible-by so that both "
-            "layouts pad to the same size")
-    if not args.no_load_optim and common.get("distributed_optimizer", args.use_distributed_optimizer) != \
-            args.use_distributed_optimizer:
+            "layouts pad to the same size"
+        )
+    if (
+        not args.no_load_optim
+        and common.get("distributed_optimizer", args.use_distributed_optimizer) != args.use_distributed_optimizer
+    ):
         raise RuntimeError(
             f"--load {args.load}: the checkpoint's optimizer state was saved "
             f"{'with' if common.get('distributed_optimizer') else 'without'} --use-distributed-optimizer and this "
-            "job runs the other way; match the flag, or resume the model only with --no-load-optim")
+            "job runs the other way; match the flag, or resume the model only with --no-load-optim"
+        )
     if args.use_distributed_optimizer and not args.no_load_optim and common.get("tp_layout") != _tp_layout(plan):
         raise RuntimeError(
             f"--load {args.load}: the distributed optimizer's state was saved by {common.get('layout')} and resumes "
             f"only at that TP layout (megatron-core 0.19.2's TP-reshardable optimizer formats do not work without "
             f"Apex / Transformer Engine); this job is {_layout_text(plan)}. Resume with that layout, or the model "
-            "only with --no-load-optim (a fresh optimizer state), or save without --use-distributed-optimizer")
+            "only with --no-load-optim (a fresh optimizer state), or save without --use-distributed-optimizer"
+        )
     if args.use_distributed_optimizer and not args.no_load_optim:
         # megatron-core 0.19's distributed optimizer over torch's Adam (no Apex / Transformer Engine)
         # has no state to describe before its first step (DistributedOptimizer.state_dict needs
@@ -650,8 +803,9 @@ def load_checkpoint(args, plan: Plan, ddp, optimizer, scheduler) -> tuple[int, i
     if model_sd is not None:
         state["model"] = model_sd
         if not args.no_load_optim:
-            state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True,
-                                                              metadata=optimizer_metadata(args))
+            state["optimizer"] = optimizer.sharded_state_dict(
+                model_sd, is_loading=True, metadata=optimizer_metadata(args)
+            )
     loaded = dist_checkpointing.load(state, path)
     if model_sd is not None:
         with torch.no_grad():
@@ -668,8 +822,10 @@ def load_checkpoint(args, plan: Plan, ddp, optimizer, scheduler) -> tuple[int, i
         ddp.sync_compute_params()  # NTP healthy replicas: shadow -> tp_base compute weights (spares too)
     if not args.no_load_optim:
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
-    print_rank_0(f"loaded checkpoint from {args.load} at iteration {iteration} (saved as {loaded.get('layout')}; "
-                 f"resumed as {_layout_text(plan)})")
+    print_rank_0(
+        f"loaded checkpoint from {args.load} at iteration {iteration} (saved as {loaded.get('layout')}; "
+        f"resumed as {_layout_text(plan)})"
+    )
     return iteration, int(loaded["consumed_train_samples"])
 
 
@@ -679,22 +835,32 @@ def startup_summary(args, plan: Plan, ddp, ntp_groups, exporter) -> None:
     import torch.distributed as dist
 
     decisions = [d for _, d in getattr(ddp, "symm_mem_decisions", [])]
-    mine = (len(decisions), sum(d.symmetric for d in decisions),
-            sorted({d.reason for d in decisions if not d.symmetric}))
+    mine = (
+        len(decisions),
+        sum(d.symmetric for d in decisions),
+        sorted({d.reason for d in decisions if not d.symmetric}),
+    )
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    lines = [f"megatron_ext: {plan.world_size} ranks ({args.distributed_backend}), {_layout_text(plan)}, "
-             + (f"global batch {args.global_batch_size} = {args.micro_batch_size} x {plan.dp} x "
-                f"{plan.shares.microbatches[0]} micro-batches" if not plan.balanced else
-                f"global batch {args.global_batch_size} in micro-batches of {args.micro_batch_size} (shares below)")
-             + f", padded vocab {plan.padded_vocab_size}, "
-             f"DDP wrapper {type(ddp).__name__}"]
+    lines = [
+        f"megatron_ext: {plan.world_size} ranks ({args.distributed_backend}), {_layout_text(plan)}, "
+        + (
+            f"global batch {args.global_batch_size} = {args.micro_batch_size} x {plan.dp} x "
+            f"{plan.shares.microbatches[0]} micro-batches"
+            if not plan.balanced
+            else f"global batch {args.global_batch_size} in micro-batches of {args.micro_batch_size} (shares below)"
+        )
+        + f", padded vocab {plan.padded_vocab_size}, "
+        f"DDP wrapper {type(ddp).__name__}"
+    ]
     if ntp_groups is not None:
         lay = ntp_groups.layout
         degraded = [d for d in range(lay.num_replicas) if lay.is_degraded(d)]
         shares = f", --ntp-balance {plan.ntp.balance}: {plan.shares.describe()}" if plan.balanced else ""
-        lines.append(f"megatron_ext: nonuniform TP: on, tp_base={lay.tp_base}, replica(s) {degraded} at "
-                     f"TP={lay.tp_reduced}, TP groups {lay.all_tp_groups()}, launch {plan.ntp.launch_mode}{shares}")
+        lines.append(
+            f"megatron_ext: nonuniform TP: on, tp_base={lay.tp_base}, replica(s) {degraded} at "
+            f"TP={lay.tp_reduced}, TP groups {lay.all_tp_groups()}, launch {plan.ntp.launch_mode}{shares}"
+        )
     else:
         lines.append("megatron_ext: nonuniform TP: off")
     if plan.symm.mode == "off":
@@ -702,8 +868,10 @@ def startup_summary(args, plan: Plan, ddp, ntp_groups, exporter) -> None:
     else:
         total, symm = sum(e[0] for e in everyone), sum(e[1] for e in everyone)
         reasons = sorted({r for e in everyone for r in e[2]})
-        line = (f"megatron_ext: symmetric memory: mode={plan.symm.mode}, {symm} of {total} bucket buffers symmetric "
-                "over all ranks")
+        line = (
+            f"megatron_ext: symmetric memory: mode={plan.symm.mode}, {symm} of {total} bucket buffers symmetric "
+            "over all ranks"
+        )
         if total and not symm and all(r.startswith("unavailable") for r in reasons):
             line += " (fallback to plain buffers)"
         if reasons:
@@ -712,11 +880,16 @@ def startup_summary(args, plan: Plan, ddp, ntp_groups, exporter) -> None:
         lines.append(line)
     if exporter is not None:
         p = exporter.plan
-        when = (f"at start, every {plan.export.every_n_steps} iterations and at the end" if plan.export.every_n_steps
-                else "at start and after the last iteration")
-        lines.append(f"megatron_ext: weight export: {plan.export.transport} to {plan.export.target} {when}; "
-                     f"{sum(1 for _ in p.tensors())} HF tensors, {p.total_bytes / 2**20:.2f} MiB in "
-                     f"{len(p.buckets)} buckets")
+        when = (
+            f"at start, every {plan.export.every_n_steps} iterations and at the end"
+            if plan.export.every_n_steps
+            else "at start and after the last iteration"
+        )
+        lines.append(
+            f"megatron_ext: weight export: {plan.export.transport} to {plan.export.target} {when}; "
+            f"{sum(1 for _ in p.tensors())} HF tensors, {p.total_bytes / 2**20:.2f} MiB in "
+            f"{len(p.buckets)} buckets"
+        )
     else:
         lines.append("megatron_ext: weight export: off")
     print_rank_0("\n".join(lines))
@@ -724,8 +897,11 @@ def startup_summary(args, plan: Plan, ddp, ntp_groups, exporter) -> None:
 
 def report_export(exporter, result) -> None:
     if result is not None and exporter.is_export_rank:
-        print(f"weight export: version {result.version} ({result.nbytes / 1e6:.2f} MB, {result.seconds * 1e3:.1f} ms); "
-              f"engine applied {list(result.applied)}", flush=True)
+        print(
+            f"weight export: version {result.version} ({result.nbytes / 1e6:.2f} MB, {result.seconds * 1e3:.1f} ms); "
+            f"engine applied {list(result.applied)}",
+            flush=True,
+        )
 
 
 # ------------------------------------------------------------------------------------------- train
@@ -747,17 +923,36 @@ def train(args, plan: Plan) -> int:
     config = transformer_config(args, plan, tp)
     model = build_model(args, plan, config, device)
     ddp = wrap_model(args, plan, config, model)
-    optimizer = get_megatron_optimizer(OptimizerConfig(
-        optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
-        bf16=args.bf16, params_dtype=config.params_dtype, use_distributed_optimizer=args.use_distributed_optimizer),
-        [ddp])
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer=args.optimizer,
+            lr=args.lr,
+            min_lr=args.min_lr,
+            weight_decay=args.weight_decay,
+            adam_beta1=args.adam_beta1,
+            adam_beta2=args.adam_beta2,
+            adam_eps=args.adam_eps,
+            clip_grad=args.clip_grad,
+            bf16=args.bf16,
+            params_dtype=config.params_dtype,
+            use_distributed_optimizer=args.use_distributed_optimizer,
+        ),
+        [ddp],
+    )
     gbs = args.global_batch_size
     scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters * gbs, lr_decay_steps=args.lr_decay_iters * gbs,
-        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters * gbs, wd_incr_style="constant")
+        optimizer,
+        init_lr=args.lr_warmup_init,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * gbs,
+        lr_decay_steps=args.lr_decay_iters * gbs,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters * gbs,
+        wd_incr_style="constant",
+    )
     # What Megatron-LM's setup_model_and_optimizer hands the schedule.
     config.grad_scale_func = optimizer.scale_loss
     config.finalize_model_grads_func = finalize_model_grads
@@ -796,9 +991,15 @@ def train(args, plan: Plan) -> int:
         start = time.perf_counter()
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
-        losses = forward_backward(forward_step_func=partial(forward_step, device), data_iterator=data, model=[ddp],
-                                  num_microbatches=num_microbatches, seq_length=args.seq_length,
-                                  micro_batch_size=args.micro_batch_size, forward_only=False)
+        losses = forward_backward(
+            forward_step_func=partial(forward_step, device),
+            data_iterator=data,
+            model=[ddp],
+            num_microbatches=num_microbatches,
+            seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size,
+            forward_only=False,
+        )
         ok, grad_norm, _ = optimizer.step()
         iteration += 1
         consumed += gbs
@@ -827,20 +1028,26 @@ def train(args, plan: Plan) -> int:
             n = max(window["iters"] + window["nan"], 1)
             ms = window["seconds"] * 1e3 / n
             lr = optimizer.param_groups[0]["lr"]
-            line = (f" [{datetime.datetime.now():%Y-%m-%d %H:%M:%S}] iteration {iteration:8d}/{args.train_iters:8d} |"
-                    f" consumed samples: {consumed:12d} | elapsed time per iteration (ms): {ms:.1f} |"
-                    f" throughput (tokens/s): {tokens_per_iter * 1e3 / ms:.0f} | learning rate: {lr:.6E} |"
-                    f" global batch size: {gbs:5d} |")
+            line = (
+                f" [{datetime.datetime.now():%Y-%m-%d %H:%M:%S}] iteration {iteration:8d}/{args.train_iters:8d} |"
+                f" consumed samples: {consumed:12d} | elapsed time per iteration (ms): {ms:.1f} |"
+                f" throughput (tokens/s): {tokens_per_iter * 1e3 / ms:.0f} | learning rate: {lr:.6E} |"
+                f" global batch size: {gbs:5d} |"
+            )
             if window["iters"]:
                 line += f" lm loss: {window['loss'] / window['iters']:.6E} |"
             line += f" loss scale: {optimizer.get_loss_scale().item():.1f} |"
             if grad_norm is not None:
                 line += f" grad norm: {grad_norm:.3f} |"
-            line += (f" number of skipped iterations: {window['skipped']:3d} |"
-                     f" number of nan iterations: {window['nan']:3d} |")
+            line += (
+                f" number of skipped iterations: {window['skipped']:3d} |"
+                f" number of nan iterations: {window['nan']:3d} |"
+            )
             if plan.cuda:
-                line += (f" mem (GiB) allocated: {torch.cuda.memory_allocated() / 2**30:.2f} |"
-                         f" max allocated: {torch.cuda.max_memory_allocated() / 2**30:.2f} |")
+                line += (
+                    f" mem (GiB) allocated: {torch.cuda.memory_allocated() / 2**30:.2f} |"
+                    f" max allocated: {torch.cuda.max_memory_allocated() / 2**30:.2f} |"
+                )
             print_rank_last(line)
             window = dict(loss=0.0, iters=0, seconds=0.0, skipped=0, nan=0)
         if args.save and args.save_interval and iteration % args.save_interval == 0:

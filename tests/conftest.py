@@ -12,6 +12,8 @@ def pytest_collection_modifyitems(config, items):
             continue
         needed = marker.args[0] if marker.args else 1
         if available < needed:
-            item.add_marker(pytest.mark.skip(
-                reason=f"needs {needed} CUDA GPU(s), found {available}; run `make test-gpu` on a GPU machine"
-            ))
+            item.add_marker(
+                pytest.mark.skip(
+                    reason=f"needs {needed} CUDA GPU(s), found {available}; run `make test-gpu` on a GPU machine"
+                )
+            )

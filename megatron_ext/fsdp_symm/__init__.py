@@ -19,17 +19,35 @@ from .memory import SymmetricPlacementMismatch, SymmetricRegistrationError, wind
 from .policy import Decision, decide, format_report
 
 __all__ = [
-    "COLLECTIVES", "MODES", "Capability", "Decision", "SymmMemConfig",
-    "SymmMemDDPMixin", "SymmMemDistributedDataParallel", "SymmParamAndGradBuffer",
-    "SymmetricPlacementMismatch", "SymmetricRegistrationError",
-    "add_fsdp_symm_args", "decide", "format_report", "fully_shard", "probe",
-    "release_symmetric_memory", "stage_ddp_buffers", "window_stats",
+    "COLLECTIVES",
+    "MODES",
+    "Capability",
+    "Decision",
+    "SymmMemConfig",
+    "SymmMemDDPMixin",
+    "SymmMemDistributedDataParallel",
+    "SymmParamAndGradBuffer",
+    "SymmetricPlacementMismatch",
+    "SymmetricRegistrationError",
+    "add_fsdp_symm_args",
+    "decide",
+    "format_report",
+    "fully_shard",
+    "probe",
+    "release_symmetric_memory",
+    "stage_ddp_buffers",
+    "window_stats",
 ]
 
 _LAZY = {
-    "SymmMemDDPMixin": "ddp", "SymmMemDistributedDataParallel": "ddp",
-    "SymmParamAndGradBuffer": "ddp", "stage_ddp_buffers": "ddp", "release_ddp_buffers": "ddp",
-    "fully_shard": "fsdp", "SymmFsdpModule": "fsdp", "SymmFsdpParameterGroup": "fsdp",
+    "SymmMemDDPMixin": "ddp",
+    "SymmMemDistributedDataParallel": "ddp",
+    "SymmParamAndGradBuffer": "ddp",
+    "stage_ddp_buffers": "ddp",
+    "release_ddp_buffers": "ddp",
+    "fully_shard": "fsdp",
+    "SymmFsdpModule": "fsdp",
+    "SymmFsdpParameterGroup": "fsdp",
 }
 
 

@@ -50,8 +50,7 @@ def local_reason(group=None) -> str | None:
     except Exception as exc:  # noqa: BLE001 - any failure means no usable NCCL
         return f"cannot read the NCCL version ({exc})"
     if nccl < MIN_NCCL:
-        return (f"NCCL {'.'.join(map(str, nccl))} is older than "
-                f"{'.'.join(map(str, MIN_NCCL))} (no symmetric kernels)")
+        return f"NCCL {'.'.join(map(str, nccl))} is older than {'.'.join(map(str, MIN_NCCL))} (no symmetric kernels)"
     missing = _missing_torch_apis()
     if missing:
         return f"torch {torch.__version__} lacks {', '.join(missing)}"
@@ -133,8 +132,9 @@ def _combine(everyone: list) -> Capability:
         return Capability(False, "two ranks share one GPU")
     if all(d < visible for d in devices) and not _peer_access_ok(devices):
         return Capability(False, f"GPUs {devices} do not all have peer (P2P) access to each other")
-    return Capability(True, f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, "
-                            f"{len(everyone)} ranks with P2P on one host")
+    return Capability(
+        True, f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, {len(everyone)} ranks with P2P on one host"
+    )
 
 
 def warn_fallback(reason: str) -> None:

@@ -79,17 +79,13 @@ class SymmMemConfig:
 
     def __post_init__(self):
         if self.mode not in MODES:
-            raise ValueError(
-                f"SymmMemConfig.mode must be one of {', '.join(map(repr, MODES))}; got {self.mode!r}"
-            )
+            raise ValueError(f"SymmMemConfig.mode must be one of {', '.join(map(repr, MODES))}; got {self.mode!r}")
         for name in COLLECTIVES:
             lo_field, hi_field = f"{name}_min_bytes", f"{name}_max_bytes"
             lo, hi = getattr(self, lo_field), getattr(self, hi_field)
             for field, value in ((lo_field, lo), (hi_field, hi)):
                 if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                    raise ValueError(
-                        f"SymmMemConfig.{field} must be an int >= 0 (bytes); got {value!r}"
-                    )
+                    raise ValueError(f"SymmMemConfig.{field} must be an int >= 0 (bytes); got {value!r}")
             if lo > hi:
                 raise ValueError(
                     f"SymmMemConfig.{lo_field} ({lo}) must be <= {hi_field} ({hi}); "
@@ -98,11 +94,8 @@ class SymmMemConfig:
             lo_field, hi_field = f"{name}_fp32_min_bytes", f"{name}_fp32_max_bytes"
             for field in (lo_field, hi_field):
                 value = getattr(self, field)
-                if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                          or value < 0):
-                    raise ValueError(
-                        f"SymmMemConfig.{field} must be None or an int >= 0 (bytes); got {value!r}"
-                    )
+                if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                    raise ValueError(f"SymmMemConfig.{field} must be None or an int >= 0 (bytes); got {value!r}")
             lo, hi = self.band(name, "float32")
             if lo > hi:
                 raise ValueError(
@@ -117,9 +110,7 @@ class SymmMemConfig:
         """The ``(min_bytes, max_bytes)`` band of ``collective`` for buffers of
         ``dtype`` (a ``torch.dtype`` or its name; ``None``: not float32)."""
         if collective not in COLLECTIVES:
-            raise ValueError(
-                f"collective must be one of {', '.join(map(repr, COLLECTIVES))}; got {collective!r}"
-            )
+            raise ValueError(f"collective must be one of {', '.join(map(repr, COLLECTIVES))}; got {collective!r}")
         band = getattr(self, f"{collective}_min_bytes"), getattr(self, f"{collective}_max_bytes")
         if str(dtype).removeprefix("torch.") != "float32":
             return band
@@ -139,9 +130,7 @@ class SymmMemConfig:
                     if mib is not None:
                         # nan and inf would fail below in int(round(...)) without naming the flag.
                         if not (math.isfinite(mib) and mib >= 0):
-                            raise ValueError(
-                                f"--symm-mem-{flag}-{bound}-mib must be >= 0 and finite (MiB); got {mib}"
-                            )
+                            raise ValueError(f"--symm-mem-{flag}-{bound}-mib must be >= 0 and finite (MiB); got {mib}")
                         kwargs[f"{name}_{prefix}{bound}_bytes"] = int(round(mib * _MIB))
         return cls(**kwargs)
 
@@ -150,33 +139,40 @@ def add_fsdp_symm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     """Add the ``--symm-mem*`` flags of :class:`SymmMemConfig` to ``parser``."""
     group = parser.add_argument_group("NCCL symmetric-memory staging (megatron_ext.fsdp_symm)")
     group.add_argument(
-        "--symm-mem", choices=MODES, default="auto",
+        "--symm-mem",
+        choices=MODES,
+        default="auto",
         help="Stage collective buffers in NCCL symmetric memory: auto (only buckets in the "
-             "measured faster size band), on (all buckets), off (never). Default: auto.",
+        "measured faster size band), on (all buckets), off (never). Default: auto.",
     )
     for name in COLLECTIVES:
         flag = name.replace("_", "-")
         lo, hi = DEFAULT_BANDS[name]
         group.add_argument(
-            f"--symm-mem-{flag}-min-mib", type=float, default=None,
-            help=f"auto mode: smallest {name} buffer (MiB) to stage in symmetric memory "
-                 f"(default {lo / _MIB:g}).",
+            f"--symm-mem-{flag}-min-mib",
+            type=float,
+            default=None,
+            help=f"auto mode: smallest {name} buffer (MiB) to stage in symmetric memory (default {lo / _MIB:g}).",
         )
         group.add_argument(
-            f"--symm-mem-{flag}-max-mib", type=float, default=None,
-            help=f"auto mode: largest {name} buffer (MiB) to stage in symmetric memory "
-                 f"(default {hi / _MIB:g}).",
+            f"--symm-mem-{flag}-max-mib",
+            type=float,
+            default=None,
+            help=f"auto mode: largest {name} buffer (MiB) to stage in symmetric memory (default {hi / _MIB:g}).",
         )
         lo, hi = DEFAULT_BANDS_FP32[name]
         for bound, value in (("min", lo), ("max", hi)):
             group.add_argument(
-                f"--symm-mem-fp32-{flag}-{bound}-mib", type=float, default=None,
+                f"--symm-mem-fp32-{flag}-{bound}-mib",
+                type=float,
+                default=None,
                 help=f"auto mode, float32 buffers: {'smallest' if bound == 'min' else 'largest'} "
-                     f"{name} buffer (MiB) to stage in symmetric memory (default {value / _MIB:g} "
-                     f"while the {name} band is at its default, else that band).",
+                f"{name} buffer (MiB) to stage in symmetric memory (default {value / _MIB:g} "
+                f"while the {name} band is at its default, else that band).",
             )
     group.add_argument(
-        "--symm-mem-no-report", action="store_true",
+        "--symm-mem-no-report",
+        action="store_true",
         help="Do not log which buckets use symmetric memory at start-up.",
     )
     return parser

@@ -89,8 +89,9 @@ class SymmBufferMixin:
         if move_params:
             for seg in self.param_segments:
                 if seg.tensor.untyped_storage().nbytes() > 0:
-                    seg.cpu_copy = seg.tensor.cpu().pin_memory() if torch.cuda.is_available() \
-                        else seg.tensor.cpu().clone()
+                    seg.cpu_copy = (
+                        seg.tensor.cpu().pin_memory() if torch.cuda.is_available() else seg.tensor.cpu().clone()
+                    )
                     _release(seg)
 
     def reload_from_cpu(self, move_params: bool = True, move_grads: bool = True):
@@ -164,8 +165,9 @@ def stage_ddp_buffers(ddp: DistributedDataParallel, config: SymmMemConfig) -> li
         # Blocks of models dropped earlier go back to the pool now, on every
         # rank, so all ranks' pools are in the same state when staging allocates.
         quiesce()
-    pairs = [(b, ddp.bucket_groups) for b in ddp.buffers] + \
-            [(b, ddp.expert_parallel_bucket_groups) for b in ddp.expert_parallel_buffers]
+    pairs = [(b, ddp.bucket_groups) for b in ddp.buffers] + [
+        (b, ddp.expert_parallel_bucket_groups) for b in ddp.expert_parallel_buffers
+    ]
     for index, (buffer, groups) in enumerate(pairs):
         prefix = f"{'expert-' if buffer in ddp.expert_parallel_buffers else ''}buffer{index}"
         rows += _stage_buffer(ddp, buffer, groups, config, prefix)
@@ -222,13 +224,15 @@ def _stage_buffer(ddp, buffer, bucket_groups, config, prefix):
         param_decisions = _staged(buffer, buffer.param_segments, param_decisions)
     base = type(buffer)
     if not isinstance(buffer, SymmBufferMixin):
-        buffer.__class__ = (SymmParamAndGradBuffer if base is _ParamAndGradBuffer
-                            else type(f"Symm{base.__name__}", (SymmBufferMixin, base), {}))
+        buffer.__class__ = (
+            SymmParamAndGradBuffer
+            if base is _ParamAndGradBuffer
+            else type(f"Symm{base.__name__}", (SymmBufferMixin, base), {})
+        )
 
     # AVG semantics with SUM collectives: pre-scale by 1/group size instead.
     for group in bucket_groups:
-        symm = any(grad_decisions[i].symmetric for i, b in enumerate(buffer.buckets)
-                   if owner[id(b)] is group)
+        symm = any(grad_decisions[i].symmetric for i, b in enumerate(buffer.buckets) if owner[id(b)] is group)
         group.cached_grad_buffer_shard_list = [None] * len(group.buckets)
         group.cached_param_buffer_shard_list = [None] * len(group.buckets)
         if symm and group.ddp_config.average_in_collective:
@@ -252,9 +256,12 @@ def _rows(buffer, prefix, grad_decisions, param_decisions):
 def _staged(buffer, segments, decisions):
     """``decisions`` with the buckets of segments that ended up plain marked so."""
     plain = {id(b): seg.fallback for seg in segments if seg.fallback for b in seg.buckets}
-    return [dataclasses.replace(d, symmetric=False, reason=plain[id(b)])
-            if d is not None and d.symmetric and id(b) in plain else d
-            for b, d in zip(buffer.buckets, decisions)]
+    return [
+        dataclasses.replace(d, symmetric=False, reason=plain[id(b)])
+        if d is not None and d.symmetric and id(b) in plain
+        else d
+        for b, d in zip(buffer.buckets, decisions)
+    ]
 
 
 def _restage(buffer, attr: str, flags: list[bool], memory_for) -> list[BucketRun]:
@@ -289,13 +296,14 @@ def _restage(buffer, attr: str, flags: list[bool], memory_for) -> list[BucketRun
                 # SymmetricPlacementMismatch on every rank (then plain for all).
                 seg.tensor = seg.memory.empty(n, old.dtype, check=True)
             except SymmetricPlacementMismatch as exc:
-                warnings.warn(f"{exc} Staging this {attr} segment ({n} elements) in plain memory.",
-                              RuntimeWarning, stacklevel=2)
+                warnings.warn(
+                    f"{exc} Staging this {attr} segment ({n} elements) in plain memory.", RuntimeWarning, stacklevel=2
+                )
                 seg.symmetric, seg.memory = False, None
                 seg.fallback = "plain: symmetric buffer placement differed across ranks"
         if not seg.symmetric:
             seg.tensor = torch.empty(n, dtype=old.dtype, device=old.device)
-        seg.tensor.copy_(old[seg.start:seg.end])
+        seg.tensor.copy_(old[seg.start : seg.end])
 
     def rebase(t: torch.Tensor | None) -> torch.Tensor | None:
         if t is None or t.untyped_storage().data_ptr() != old.untyped_storage().data_ptr():
@@ -303,8 +311,7 @@ def _restage(buffer, attr: str, flags: list[bool], memory_for) -> list[BucketRun
         offset = t.storage_offset() - old.storage_offset()
         for seg in segments:
             if seg.start <= offset and offset + t.numel() <= seg.end:
-                return seg.tensor.as_strided(t.size(), t.stride(),
-                                             seg.tensor.storage_offset() + offset - seg.start)
+                return seg.tensor.as_strided(t.size(), t.stride(), seg.tensor.storage_offset() + offset - seg.start)
         raise RuntimeError(f"a view of {attr} crosses a staging segment boundary")
 
     for bucket in buffer.buckets:

@@ -76,8 +76,7 @@ class SymmFsdpParameterGroup(FsdpParameterGroup):
         name: str = "",
     ) -> None:
         # Upstream's own staging stays off: it registers one side only.
-        super().__init__(owning_module, parameters, mesh, placements, mixed_precision_policy,
-                         use_symm_mem=False)
+        super().__init__(owning_module, parameters, mesh, placements, mixed_precision_policy, use_symm_mem=False)
         config = symm_mem_config or SymmMemConfig(mode="auto" if use_symm_mem else "off")
         self.name = name or ",".join(self.parameter_names)
         full_numel = self.model_weight.local_buffer.numel() * mesh.size()
@@ -90,7 +89,8 @@ class SymmFsdpParameterGroup(FsdpParameterGroup):
             why_not = why_not or self._unsupported_layout(placements)
         self.all_gather_decision = decide("all_gather", ag_bytes, config, why_not, self.model_weight.dtype)
         self.reduce_scatter_decision = (
-            decide("reduce_scatter", rs_bytes, config, why_not, self.dtype) if self.requires_grad
+            decide("reduce_scatter", rs_bytes, config, why_not, self.dtype)
+            if self.requires_grad
             else _plain("reduce_scatter", 0, "no gradients")
         )
         self.symm: SymmetricMemory | None = None
@@ -100,11 +100,9 @@ class SymmFsdpParameterGroup(FsdpParameterGroup):
         if self.all_gather_decision.symmetric:
             # The all-gather input; may be the optimizer's main_weight (same dtype):
             # moving the storage keeps every view (the sharded parameters) valid.
-            self.all_gather_decision = self._stage(self.model_weight.local_buffer,
-                                                   self.all_gather_decision)
+            self.all_gather_decision = self._stage(self.model_weight.local_buffer, self.all_gather_decision)
         if self.reduce_scatter_decision.symmetric:
-            self.reduce_scatter_decision = self._stage(self.main_grad.local_buffer,
-                                                       self.reduce_scatter_decision)
+            self.reduce_scatter_decision = self._stage(self.main_grad.local_buffer, self.reduce_scatter_decision)
         if config.mode != "off":
             REPORTER.add(f"{self.name} (all-gather)", self.all_gather_decision)
             if self.requires_grad:
@@ -119,10 +117,12 @@ class SymmFsdpParameterGroup(FsdpParameterGroup):
             self.symm.register(buffer, check=True)
         except SymmetricPlacementMismatch as exc:
             move_storage(buffer, contextlib.nullcontext)
-            warnings.warn(f"{exc} Keeping the {decision.collective} buffers of {self.name} plain.",
-                          RuntimeWarning, stacklevel=3)
-            return _plain(decision.collective, decision.nbytes,
-                          "plain: symmetric buffer placement differed across ranks")
+            warnings.warn(
+                f"{exc} Keeping the {decision.collective} buffers of {self.name} plain.", RuntimeWarning, stacklevel=3
+            )
+            return _plain(
+                decision.collective, decision.nbytes, "plain: symmetric buffer placement differed across ranks"
+            )
         return decision
 
     def symm_release_tensors(self) -> list[torch.Tensor]:
@@ -208,8 +208,10 @@ class SymmFsdpParameterGroup(FsdpParameterGroup):
         if self._reduce_scratch is None or self._reduce_scratch.dtype != dtype:
             with self.symm.allocating():
                 self._reduce_scratch = DBuffer(
-                    mesh=self.mesh, placements=self.main_grad.placements,
-                    tensor_shapes=self.main_grad.layout.tensor_shapes, dtype=dtype,
+                    mesh=self.mesh,
+                    placements=self.main_grad.placements,
+                    tensor_shapes=self.main_grad.layout.tensor_shapes,
+                    dtype=dtype,
                     device=self.main_grad.device,
                 )
             self.symm.register(self._reduce_scratch.local_buffer)
@@ -240,12 +242,18 @@ class SymmFsdpModule(FsdpModule):
         index = next(_MODULE_COUNTER)
         groups = []
         for i, group_parameters in enumerate(_group_parameters(owned)):
-            groups.append(SymmFsdpParameterGroup(
-                owning_module=self, parameters=group_parameters, mesh=mesh,
-                placements=placements, mixed_precision_policy=mixed_precision_policy,
-                use_symm_mem=use_symm_mem, symm_mem_config=symm_mem_config,
-                name=f"{label}#{index}/group{i}",
-            ))
+            groups.append(
+                SymmFsdpParameterGroup(
+                    owning_module=self,
+                    parameters=group_parameters,
+                    mesh=mesh,
+                    placements=placements,
+                    mixed_precision_policy=mixed_precision_policy,
+                    use_symm_mem=use_symm_mem,
+                    symm_mem_config=symm_mem_config,
+                    name=f"{label}#{index}/group{i}",
+                )
+            )
         self._parameter_groups = tuple(groups)
         self._ready_grad_parameters = set()
         self._num_trainable_parameters = sum(
@@ -295,9 +303,12 @@ def fully_shard(
     module.__class__ = type(f"SymmFsdp{original_cls.__name__}", (SymmFsdpModule, original_cls), {})
     try:
         SymmFsdpModule.__init__(
-            module, mesh=mesh, placements=placements,
+            module,
+            mesh=mesh,
+            placements=placements,
             mixed_precision_policy=mixed_precision_policy,
-            use_symm_mem=use_symm_mem, symm_mem_config=symm_mem_config,
+            use_symm_mem=use_symm_mem,
+            symm_mem_config=symm_mem_config,
         )
     except Exception:
         module.__class__ = original_cls

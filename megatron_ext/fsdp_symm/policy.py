@@ -30,8 +30,7 @@ def _mib(nbytes: int) -> str:
 _REDUCIBLE = {"float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"}
 
 
-def decide(collective: str, nbytes: int, config: SymmMemConfig, unavailable: str | None = None,
-           dtype=None) -> Decision:
+def decide(collective: str, nbytes: int, config: SymmMemConfig, unavailable: str | None = None, dtype=None) -> Decision:
     """Choose staging for a ``collective`` over a full buffer of ``nbytes``.
 
     ``unavailable`` is the capability probe's reason when this process group
@@ -41,9 +40,7 @@ def decide(collective: str, nbytes: int, config: SymmMemConfig, unavailable: str
     (float32 buffers have their own, see :class:`SymmMemConfig`).
     """
     if collective not in COLLECTIVES:
-        raise ValueError(
-            f"collective must be one of {', '.join(map(repr, COLLECTIVES))}; got {collective!r}"
-        )
+        raise ValueError(f"collective must be one of {', '.join(map(repr, COLLECTIVES))}; got {collective!r}")
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0; got {nbytes}")
     if config.mode == "off":
@@ -53,8 +50,7 @@ def decide(collective: str, nbytes: int, config: SymmMemConfig, unavailable: str
     if dtype is not None and collective != "all_gather":
         name = str(dtype).removeprefix("torch.")
         if name not in _REDUCIBLE:
-            return Decision(collective, nbytes, False,
-                            f"{name}: no symmetric reduction kernel (floats <= 32 bit only)")
+            return Decision(collective, nbytes, False, f"{name}: no symmetric reduction kernel (floats <= 32 bit only)")
     if config.mode == "on":
         return Decision(collective, nbytes, True, "mode=on")
     lo, hi = config.band(collective, dtype)
@@ -74,9 +70,7 @@ def format_report(rows: list[tuple[str, Decision]]) -> str:
     lines.append(f"  {'bucket':<{width}}  {'collective':<14} {'size':>11}  staging    why")
     for name, d in rows:
         staging = "symmetric" if d.symmetric else "plain"
-        lines.append(
-            f"  {name:<{width}}  {d.collective:<14} {_mib(d.nbytes):>11}  {staging:<9}  {d.reason}"
-        )
+        lines.append(f"  {name:<{width}}  {d.collective:<14} {_mib(d.nbytes):>11}  {staging:<9}  {d.reason}")
     return "\n".join(lines)
 
 

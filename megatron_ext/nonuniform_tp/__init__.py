@@ -48,8 +48,12 @@ from .process_groups import (
 
 def __getattr__(name):
     # The DDP subclass imports megatron-core's DDP; load it on first use.
-    if name in ("NonuniformTPDistributedDataParallel", "NonuniformTPBucketGroup", "DDPMemoryReport",
-                "ddp_memory_report"):
+    if name in (
+        "NonuniformTPDistributedDataParallel",
+        "NonuniformTPBucketGroup",
+        "DDPMemoryReport",
+        "ddp_memory_report",
+    ):
         from . import ddp
 
         return getattr(ddp, name)

@@ -157,8 +157,10 @@ class BatchShares:
 
     def describe(self) -> str:
         """One line for a start-up log."""
-        text = (f"batch shares: {list(self.microbatches)} micro-batches of {self.micro_batch_size} per replica "
-                f"(global batch {self.global_batch_size})")
+        text = (
+            f"batch shares: {list(self.microbatches)} micro-batches of {self.micro_batch_size} per replica "
+            f"(global batch {self.global_batch_size})"
+        )
         if self.throughputs is not None:
             rates = [int(t) if t == int(t) else round(t, 3) for t in self.throughputs]
             text += f" for throughputs {rates}; predicted step at {self.efficiency:.1%} of the balanced ideal"
@@ -180,8 +182,9 @@ def equal_batch_shares(num_replicas: int, global_batch_size: int, micro_batch_si
     return BatchShares(micro_batch_size, (global_batch_size // unit,) * num_replicas)
 
 
-def balanced_batch_shares(throughputs: Sequence[float], global_batch_size: int, micro_batch_size: int, *,
-                          what: str = "throughputs") -> BatchShares:
+def balanced_batch_shares(
+    throughputs: Sequence[float], global_batch_size: int, micro_batch_size: int, *, what: str = "throughputs"
+) -> BatchShares:
     """Micro-batch counts proportional to ``throughputs`` (one positive number per
     replica, e.g. its TP degree or its measured micro-batches per second).
 
@@ -229,8 +232,11 @@ def balanced_batch_shares(throughputs: Sequence[float], global_batch_size: int, 
 
 
 def _check_sizes(global_batch_size, micro_batch_size, replicas):
-    for name, value in (("global_batch_size", global_batch_size), ("micro_batch_size", micro_batch_size),
-                        ("number of replicas", replicas)):
+    for name, value in (
+        ("global_batch_size", global_batch_size),
+        ("micro_batch_size", micro_batch_size),
+        ("number of replicas", replicas),
+    ):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
@@ -242,15 +248,19 @@ def _multiples(unit: int, near: int, count: int = 3) -> str:
 
 def _no_gain_message(rates, counts, total, global_batch_size, micro_batch_size, what) -> str:
     shown = [int(t) if t.denominator == 1 else float(t) for t in rates]
-    text = (f"global_batch_size={global_batch_size} / micro_batch_size={micro_batch_size} = {total} micro-batches "
-            f"are too few to split in proportion to the replicas' {what} {shown}: the best split {counts} is no "
-            "faster than equal shares. ")
+    text = (
+        f"global_batch_size={global_batch_size} / micro_batch_size={micro_batch_size} = {total} micro-batches "
+        f"are too few to split in proportion to the replicas' {what} {shown}: the best split {counts} is no "
+        "faster than equal shares. "
+    )
     if all(t.denominator == 1 for t in rates):
         ints = [int(t) for t in rates]
         unit = sum(ints) // math.gcd(*ints)  # micro-batches per exactly proportional global batch
-        text += (f"Exactly proportional shares need a multiple of {unit} micro-batches: use global_batch_size "
-                 f"{_multiples(unit * micro_batch_size, global_batch_size)} (multiples of micro_batch_size * "
-                 f"{unit} = {unit * micro_batch_size}), a smaller micro_batch_size")
+        text += (
+            f"Exactly proportional shares need a multiple of {unit} micro-batches: use global_batch_size "
+            f"{_multiples(unit * micro_batch_size, global_batch_size)} (multiples of micro_batch_size * "
+            f"{unit} = {unit * micro_batch_size}), a smaller micro_batch_size"
+        )
     else:
         text += "Use a larger global_batch_size or a smaller micro_batch_size"
     return text + ", or equal shares (--ntp-balance none)."
@@ -277,8 +287,9 @@ class BalancedPretrainingSampler:
             ``parallel_state.get_data_parallel_rank()`` (the replica under NTP).
     """
 
-    def __init__(self, total_samples: int, consumed_samples: int, shares: BatchShares,
-                 data_parallel_rank: int | None = None):
+    def __init__(
+        self, total_samples: int, consumed_samples: int, shares: BatchShares, data_parallel_rank: int | None = None
+    ):
         if not isinstance(total_samples, int) or total_samples < 1:
             raise ValueError(f"total_samples must be an int >= 1, got {total_samples!r}")
         size = shares.global_batch_size

@@ -49,15 +49,25 @@ from ..sharding.megatron import ShardSpec, shard_spec
 log = logging.getLogger(__name__)
 _LAYER = re.compile(r"(.*?layers\.\d+)\.")
 
-__all__ = ["gather_full_state", "is_extra_state", "merge_tp_shards", "model_sharded_state_dict", "ntp_to_uniform",
-           "shard_specs", "split_tp_full", "uniform_to_ntp"]
+__all__ = [
+    "gather_full_state",
+    "is_extra_state",
+    "merge_tp_shards",
+    "model_sharded_state_dict",
+    "ntp_to_uniform",
+    "shard_specs",
+    "split_tp_full",
+    "uniform_to_ntp",
+]
 
 #: One replica's state dicts, one per TP rank: ``{tp_rank: state_dict}`` or a
 #: list in TP-rank order (position = TP rank).
 TPShards = Mapping[int, Mapping[str, Any]] | Sequence[Mapping[str, Any]]
 
-_SPEC_HINT = ("build specs with shard_specs(model, gated_linear_unit) from a model of the same "
-              "architecture, or give ShardSpec(None) for a tensor that is replicated over TP")
+_SPEC_HINT = (
+    "build specs with shard_specs(model, gated_linear_unit) from a model of the same "
+    "architecture, or give ShardSpec(None) for a tensor that is replicated over TP"
+)
 
 
 def is_extra_state(name: str) -> bool:
@@ -96,9 +106,16 @@ class _Progress:
 
     def flush(self) -> None:
         if self.group is not None and self.group_tensors:
-            log.info("%s: %s: %d tensors, %.1f MB (%d/%d tensors, %.1f s)", self.what, self.group,
-                     self.group_tensors, self.group_bytes / 1e6, self.done, self.total,
-                     time.perf_counter() - self.start)
+            log.info(
+                "%s: %s: %d tensors, %.1f MB (%d/%d tensors, %.1f s)",
+                self.what,
+                self.group,
+                self.group_tensors,
+                self.group_bytes / 1e6,
+                self.done,
+                self.total,
+                time.perf_counter() - self.start,
+            )
         self.group_tensors = self.group_bytes = 0
 
 
@@ -110,19 +127,21 @@ def _check_degree(value, arg: str) -> int:
 
 def _ranked(shards, arg: str, tp: int | None, tp_arg: str) -> list[Mapping[str, Any]]:
     """``shards`` as a list indexed by TP rank, after the checks that need no tensor."""
-    form = (f"{arg} must be one replica's state dicts, one per TP rank: {{tp_rank: state_dict}} "
-            "or a list in TP-rank order")
+    form = (
+        f"{arg} must be one replica's state dicts, one per TP rank: {{tp_rank: state_dict}} or a list in TP-rank order"
+    )
     if isinstance(shards, Mapping):
         keys = list(shards)
         bad = [k for k in keys if isinstance(k, bool) or not isinstance(k, int)]
         if bad:
-            hint = (" (this looks like a single state dict: pass every TP rank's)"
-                    if isinstance(bad[0], str) else "")
+            hint = " (this looks like a single state dict: pass every TP rank's)" if isinstance(bad[0], str) else ""
             raise ValueError(f"{form}; got the key {bad[0]!r}{hint}")
         missing = sorted(set(range(max(keys, default=-1) + 1)) - set(keys))
         if missing or min(keys, default=0) < 0:
-            raise ValueError(f"{form}; the TP ranks {sorted(keys)} are not 0..{len(keys) - 1}"
-                             + (f" (missing TP rank(s) {missing})" if missing else ""))
+            raise ValueError(
+                f"{form}; the TP ranks {sorted(keys)} are not 0..{len(keys) - 1}"
+                + (f" (missing TP rank(s) {missing})" if missing else "")
+            )
         ranked = [shards[r] for r in range(len(keys))]
     elif isinstance(shards, (list, tuple)):
         ranked = list(shards)
@@ -132,38 +151,47 @@ def _ranked(shards, arg: str, tp: int | None, tp_arg: str) -> list[Mapping[str, 
         raise ValueError(f"{form}; got none")
     for r, sd in enumerate(ranked):
         if not isinstance(sd, Mapping):
-            raise ValueError(f"{form}; TP rank {r}'s entry is a {type(sd).__name__}, not a state dict "
-                             "({name: tensor})")
+            raise ValueError(
+                f"{form}; TP rank {r}'s entry is a {type(sd).__name__}, not a state dict ({{name: tensor}})"
+            )
     if tp is not None and len(ranked) != _check_degree(tp, tp_arg):
-        raise ValueError(f"{arg}: got {len(ranked)} shard(s) but {tp_arg}={tp}: pass the state dict "
-                         f"of every one of the {tp} TP ranks, once")
+        raise ValueError(
+            f"{arg}: got {len(ranked)} shard(s) but {tp_arg}={tp}: pass the state dict "
+            f"of every one of the {tp} TP ranks, once"
+        )
     return ranked
 
 
 def _spec_of(specs: Mapping[str, ShardSpec], name: str, t: torch.Tensor) -> ShardSpec:
     """``specs[name]``, checked against the tensor, with ``dim`` made non-negative."""
     if name not in specs:
-        raise ValueError(f"{name}: no ShardSpec for this tensor in specs; {_SPEC_HINT} "
-                         "(only '_extra_state' entries need no spec)")
+        raise ValueError(
+            f"{name}: no ShardSpec for this tensor in specs; {_SPEC_HINT} (only '_extra_state' entries need no spec)"
+        )
     spec = specs[name]
     if not isinstance(spec, ShardSpec):
         raise ValueError(f"{name}: specs[{name!r}] is a {type(spec).__name__}, not a ShardSpec")
     if spec.dim is None:
         return spec
     if isinstance(spec.dim, bool) or not isinstance(spec.dim, int) or not -t.dim() <= spec.dim < t.dim():
-        raise ValueError(f"{name}: ShardSpec dim {spec.dim!r} does not fit a {t.dim()}-dim tensor of shape "
-                         f"{tuple(t.shape)}; allowed: None (replicated) or 0..{t.dim() - 1}")
+        raise ValueError(
+            f"{name}: ShardSpec dim {spec.dim!r} does not fit a {t.dim()}-dim tensor of shape "
+            f"{tuple(t.shape)}; allowed: None (replicated) or 0..{t.dim() - 1}"
+        )
     if isinstance(spec.chunks, bool) or not isinstance(spec.chunks, int) or spec.chunks < 1:
-        raise ValueError(f"{name}: ShardSpec chunks must be a positive int (2 for a gated fc1, else 1), "
-                         f"got {spec.chunks!r}")
+        raise ValueError(
+            f"{name}: ShardSpec chunks must be a positive int (2 for a gated fc1, else 1), got {spec.chunks!r}"
+        )
     return ShardSpec(spec.dim % t.dim(), spec.chunks)
 
 
 def _tensor(value, name: str, where: str) -> torch.Tensor:
     if not torch.is_tensor(value):
-        raise ValueError(f"{name}: {where} holds a {type(value).__name__}, not a tensor; only "
-                         "'_extra_state' entries may be non-tensors (pass the model's state dict, "
-                         "e.g. the checkpoint's 'model' entry)")
+        raise ValueError(
+            f"{name}: {where} holds a {type(value).__name__}, not a tensor; only "
+            "'_extra_state' entries may be non-tensors (pass the model's state dict, "
+            "e.g. the checkpoint's 'model' entry)"
+        )
     return value
 
 
@@ -198,17 +226,18 @@ def _refuse_duplicates(ranked: list[Mapping[str, Any]], split: list[str], arg: s
         for j in range(i + 1, len(ranked)):
             same = ranked[i] is ranked[j] or (
                 all(torch.equal(ranked[i][k], ranked[j][k]) for k in split)
-                and not all(_is_constant(ranked[i][k]) for k in split))
+                and not all(_is_constant(ranked[i][k]) for k in split)
+            )
             if same:
                 example = f" (e.g. {split[0]})" if split else ""
                 raise ValueError(
                     f"{arg}: TP ranks {i} and {j} hold the same shard: every TP-split tensor is equal"
                     f"{example}. Pass each TP rank's state dict once, as {{tp_rank: state_dict}} or a "
-                    "list in TP-rank order")
+                    "list in TP-rank order"
+                )
 
 
-def merge_tp_shards(shards: TPShards, specs: Mapping[str, ShardSpec], *,
-                    tp: int | None = None) -> dict[str, Any]:
+def merge_tp_shards(shards: TPShards, specs: Mapping[str, ShardSpec], *, tp: int | None = None) -> dict[str, Any]:
     """Full (TP=1) state dict from one replica's per-TP-rank state dicts.
 
     ``shards``: ``{tp_rank: state_dict}``, or a list whose position is the TP
@@ -228,12 +257,16 @@ def _merge(shards, specs, tp, arg: str, tp_arg: str) -> dict[str, Any]:
     for r, sd in enumerate(ranked[1:], 1):
         missing = [n for n in names if n not in sd]
         if missing:
-            raise ValueError(f"{missing[0]}: in TP rank 0's state dict but missing from TP rank {r}'s; "
-                             "every TP rank of one checkpoint has the same keys")
+            raise ValueError(
+                f"{missing[0]}: in TP rank 0's state dict but missing from TP rank {r}'s; "
+                "every TP rank of one checkpoint has the same keys"
+            )
         extra = [n for n in sd if n not in ranked[0]]
         if extra:
-            raise ValueError(f"{extra[0]}: in TP rank {r}'s state dict but missing from TP rank 0's; "
-                             "every TP rank of one checkpoint has the same keys")
+            raise ValueError(
+                f"{extra[0]}: in TP rank {r}'s state dict but missing from TP rank 0's; "
+                "every TP rank of one checkpoint has the same keys"
+            )
     spec_of, split = {}, []
     for name in names:
         if is_extra_state(name):
@@ -245,12 +278,15 @@ def _merge(shards, specs, tp, arg: str, tp_arg: str) -> dict[str, Any]:
                 raise ValueError(
                     f"{name}: TP rank {r} holds {tuple(p.shape)} {p.dtype}, TP rank 0 "
                     f"{tuple(parts[0].shape)} {parts[0].dtype}. The shards of one TP degree have equal "
-                    "shapes: pass the state dicts of one replica of one checkpoint, every TP rank once")
+                    "shapes: pass the state dicts of one replica of one checkpoint, every TP rank once"
+                )
         if spec.dim is not None:
             split.append(name)
             if parts[0].shape[spec.dim] % spec.chunks:
-                raise ValueError(f"{name}: size {parts[0].shape[spec.dim]} along dim {spec.dim} does not "
-                                 f"split into the {spec.chunks} chunks of its ShardSpec")
+                raise ValueError(
+                    f"{name}: size {parts[0].shape[spec.dim]} along dim {spec.dim} does not "
+                    f"split into the {spec.chunks} chunks of its ShardSpec"
+                )
     _refuse_duplicates(ranked, split, arg)
     full = _new_state_dict(ranked[0])
     progress = _Progress(f"merging {len(ranked)} TP shards", len(spec_of))
@@ -263,15 +299,13 @@ def _merge(shards, specs, tp, arg: str, tp_arg: str) -> dict[str, Any]:
             full[name] = parts[0].clone()
         else:
             chunked = [p.chunk(spec.chunks, spec.dim) for p in parts]
-            full[name] = torch.cat([torch.cat([c[k] for c in chunked], spec.dim)
-                                    for k in range(spec.chunks)], spec.dim)
+            full[name] = torch.cat([torch.cat([c[k] for c in chunked], spec.dim) for k in range(spec.chunks)], spec.dim)
         progress.step(name, full[name].numel() * full[name].element_size())
     progress.flush()
     return full
 
 
-def split_tp_full(full: Mapping[str, Any], specs: Mapping[str, ShardSpec],
-                  tp: int) -> list[dict[str, Any]]:
+def split_tp_full(full: Mapping[str, Any], specs: Mapping[str, ShardSpec], tp: int) -> list[dict[str, Any]]:
     """Per-TP-rank state dicts of ``full`` (one full, TP=1 state dict) at TP
     degree ``tp`` (Megatron's layout); ``_extra_state`` entries are copied to
     every rank."""
@@ -286,16 +320,20 @@ def _split(full, specs, tp, tp_arg: str) -> list[dict[str, Any]]:
         raise ValueError(f"specs must be a {{name: ShardSpec}} mapping; {_SPEC_HINT}")
     bad = [k for k in full if not isinstance(k, str)]
     if bad:
-        raise ValueError(f"full must be one state dict of full (TP=1) tensors ({{name: tensor}}); got the "
-                         f"key {bad[0]!r} (to convert per-TP-rank shards, merge them first)")
+        raise ValueError(
+            f"full must be one state dict of full (TP=1) tensors ({{name: tensor}}); got the "
+            f"key {bad[0]!r} (to convert per-TP-rank shards, merge them first)"
+        )
     spec_of = {}
     for name, t in full.items():
         if is_extra_state(name):
             continue
         spec = spec_of[name] = _spec_of(specs, name, _tensor(t, name, "full"))
         if spec.dim is not None and t.shape[spec.dim] % (tp * spec.chunks):
-            raise ValueError(f"{name}: size {t.shape[spec.dim]} along dim {spec.dim} does not split "
-                             f"into {tp_arg}={tp} TP shards of {spec.chunks} chunk(s)")
+            raise ValueError(
+                f"{name}: size {t.shape[spec.dim]} along dim {spec.dim} does not split "
+                f"into {tp_arg}={tp} TP shards of {spec.chunks} chunk(s)"
+            )
     out = [_new_state_dict(full) for _ in range(tp)]
     progress = _Progress(f"splitting into {tp} TP shards", len(spec_of))
     for name, t in full.items():
@@ -316,29 +354,30 @@ def _split(full, specs, tp, tp_arg: str) -> list[dict[str, Any]]:
     return out
 
 
-def ntp_to_uniform(reduced_shards: TPShards, specs: Mapping[str, ShardSpec], tp_base: int, *,
-                   tp_reduced: int | None = None) -> list[dict[str, Any]]:
+def ntp_to_uniform(
+    reduced_shards: TPShards, specs: Mapping[str, ShardSpec], tp_base: int, *, tp_reduced: int | None = None
+) -> list[dict[str, Any]]:
     """``tp_reduced`` shards (one degraded replica, or healthy core shadows) ->
     ``tp_base`` shards, ready for a uniform-TP resume. ``reduced_shards`` as in
     :func:`merge_tp_shards`; ``tp_reduced``, if given, must equal their number."""
     _check_degree(tp_base, "tp_base")
-    return _split(_merge(reduced_shards, specs, tp_reduced, "reduced_shards", "tp_reduced"), specs,
-                  tp_base, "tp_base")
+    return _split(_merge(reduced_shards, specs, tp_reduced, "reduced_shards", "tp_reduced"), specs, tp_base, "tp_base")
 
 
-def uniform_to_ntp(base_shards: TPShards, specs: Mapping[str, ShardSpec], tp_reduced: int, *,
-                   tp_base: int | None = None) -> list[dict[str, Any]]:
+def uniform_to_ntp(
+    base_shards: TPShards, specs: Mapping[str, ShardSpec], tp_reduced: int, *, tp_base: int | None = None
+) -> list[dict[str, Any]]:
     """``tp_base`` shards -> ``tp_reduced`` shards (for a degraded replica or the
     healthy core ranks' shadows). ``base_shards`` as in :func:`merge_tp_shards`;
     ``tp_base``, if given, must equal their number."""
     _check_degree(tp_reduced, "tp_reduced")
-    return _split(_merge(base_shards, specs, tp_base, "base_shards", "tp_base"), specs,
-                  tp_reduced, "tp_reduced")
+    return _split(_merge(base_shards, specs, tp_base, "base_shards", "tp_base"), specs, tp_reduced, "tp_reduced")
 
 
 @torch.no_grad()
-def gather_full_state(module: torch.nn.Module, tp_group, gated_linear_unit: bool,
-                      use_main_grad: bool = False) -> dict[str, torch.Tensor]:
+def gather_full_state(
+    module: torch.nn.Module, tp_group, gated_linear_unit: bool, use_main_grad: bool = False
+) -> dict[str, torch.Tensor]:
     """Full (TP=1) tensors of a live TP-sharded module's parameters, gathered in
     its TP group (every rank gets them). ``use_main_grad``: gather
     ``param.main_grad`` instead."""
@@ -417,8 +456,10 @@ def _healthy_core_sharded_state_dict(ddp, tp_reduced: int, tp_rank: int) -> dict
             continue
         name = names.get(id(sh.data))
         if name is None:
-            raise NotImplementedError(f"{key}: a checkpoint tensor that is not a parameter; the NTP checkpoint "
-                                      "layout covers parameters (and _extra_state) only")
+            raise NotImplementedError(
+                f"{key}: a checkpoint tensor that is not a parameter; the NTP checkpoint "
+                "layout covers parameters (and _extra_state) only"
+            )
         shadow, spec = shadows[name], specs[name]
         if isinstance(sh, ShardedTensorFactory):
             built = sh.build()
@@ -427,8 +468,9 @@ def _healthy_core_sharded_state_dict(ddp, tp_reduced: int, tp_rank: int) -> dict
             offsets = tuple((i, first.global_offset[i], first.axis_fragmentations[i]) for i in range(n))
             if spec.dim != 0 or spec.chunks != 2:
                 raise NotImplementedError(f"{key}: only the gated linear_fc1 factory is supported under NTP")
-            original = ShardedTensor.from_rank_offsets(sh.key, shadow, *offsets, (n, tp_rank, r),
-                                                       replica_id=sh.replica_id, prepend_axis_num=n)
+            original = ShardedTensor.from_rank_offsets(
+                sh.key, shadow, *offsets, (n, tp_rank, r), replica_id=sh.replica_id, prepend_axis_num=n
+            )
             out[key] = apply_swiglu_sharded_factory(original, offsets)
         elif spec.dim is None:
             out[key] = dataclasses.replace(sh, data=shadow)
@@ -436,6 +478,11 @@ def _healthy_core_sharded_state_dict(ddp, tp_reduced: int, tp_rank: int) -> dict
             ax = sh.prepend_axis_num + spec.dim
             offset, frags = list(sh.global_offset), list(sh.axis_fragmentations)
             offset[ax], frags[ax] = tp_rank * shadow.shape[spec.dim], r
-            out[key] = dataclasses.replace(sh, data=shadow, local_shape=tuple(shadow.shape),
-                                           global_offset=tuple(offset), axis_fragmentations=tuple(frags))
+            out[key] = dataclasses.replace(
+                sh,
+                data=shadow,
+                local_shape=tuple(shadow.shape),
+                global_offset=tuple(offset),
+                axis_fragmentations=tuple(frags),
+            )
     return out

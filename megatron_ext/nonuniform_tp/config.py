@@ -71,9 +71,7 @@ class NonuniformTPConfig:
                 f"a replica needs at least one GPU), got {self.tp_spares!r}"
             )
         if self.launch_mode not in LAUNCH_MODES:
-            raise ValueError(
-                f"NonuniformTPConfig.launch_mode must be one of {LAUNCH_MODES}, got {self.launch_mode!r}"
-            )
+            raise ValueError(f"NonuniformTPConfig.launch_mode must be one of {LAUNCH_MODES}, got {self.launch_mode!r}")
         if self.balance not in BALANCE_MODES:
             raise ValueError(
                 f"NonuniformTPConfig.balance (--ntp-balance) must be one of {BALANCE_MODES}, got {self.balance!r}"
@@ -91,8 +89,10 @@ class NonuniformTPConfig:
             )
         normalized = {}
         for replica, slots in dict(self.non_active_ranks_per_dp).items():
-            if not isinstance(replica, int) or replica < 0 or (
-                self.data_parallel_size is not None and replica >= self.data_parallel_size
+            if (
+                not isinstance(replica, int)
+                or replica < 0
+                or (self.data_parallel_size is not None and replica >= self.data_parallel_size)
             ):
                 upper = "" if self.data_parallel_size is None else f"..{self.data_parallel_size - 1}"
                 raise ValueError(
@@ -162,8 +162,7 @@ class NonuniformTPConfig:
 
     def replica_tp_degrees(self, num_replicas: int) -> list[int]:
         """TP degree of every replica: ``tp_reduced`` for the listed ones, else ``tp_base``."""
-        return [self.tp_reduced if d in self.non_active_ranks_per_dp else self.tp_base
-                for d in range(num_replicas)]
+        return [self.tp_reduced if d in self.non_active_ranks_per_dp else self.tp_base for d in range(num_replicas)]
 
     def batch_shares(self, global_batch_size: int, micro_batch_size: int, num_replicas: int | None = None):
         """How many micro-batches of each global batch every replica processes,
@@ -196,20 +195,26 @@ class NonuniformTPConfig:
         from . import balance as balance_mod
 
         if self.data_parallel_size is not None and num_replicas != self.data_parallel_size:
-            raise ValueError(f"num_replicas={num_replicas} differs from NonuniformTPConfig.data_parallel_size="
-                             f"{self.data_parallel_size}")
+            raise ValueError(
+                f"num_replicas={num_replicas} differs from NonuniformTPConfig.data_parallel_size="
+                f"{self.data_parallel_size}"
+            )
         bad = [d for d in self.non_active_ranks_per_dp if d >= num_replicas]
         if bad:
-            raise ValueError(f"NonuniformTPConfig.non_active_ranks_per_dp names replica(s) {bad} but the job has "
-                             f"{num_replicas} replicas")
+            raise ValueError(
+                f"NonuniformTPConfig.non_active_ranks_per_dp names replica(s) {bad} but the job has "
+                f"{num_replicas} replicas"
+            )
         try:
             if self.balance == "none":
                 return balance_mod.equal_batch_shares(num_replicas, global_batch_size, micro_batch_size)
             return balance_mod.balanced_batch_shares(
-                self.replica_tp_degrees(num_replicas), global_batch_size, micro_batch_size, what="TP degrees")
+                self.replica_tp_degrees(num_replicas), global_batch_size, micro_batch_size, what="TP degrees"
+            )
         except ValueError as exc:
-            raise ValueError(f"NonuniformTPConfig.balance={self.balance!r} (--ntp-balance {self.balance}): "
-                             f"{exc}") from None
+            raise ValueError(
+                f"NonuniformTPConfig.balance={self.balance!r} (--ntp-balance {self.balance}): {exc}"
+            ) from None
 
     def layout(self, world_size: int):
         """The rank layout of this job for ``world_size`` processes."""
@@ -230,11 +235,17 @@ class NonuniformTPConfig:
         launch_mode = getattr(args, "ntp_launch_mode", "packed")
         balance = getattr(args, "ntp_balance", "none")
         if tp_base is None:
-            given = [f"{flag} {value!r}" for flag, value, unset in (
-                ("--ntp-failed-slots", failed_text, ""), ("--ntp-spares", spares, None),
-                ("--ntp-data-parallel-size", data_parallel_size, None), ("--ntp-launch-mode", launch_mode, "packed"),
-                ("--ntp-balance", balance, "none"),
-            ) if value != unset]
+            given = [
+                f"{flag} {value!r}"
+                for flag, value, unset in (
+                    ("--ntp-failed-slots", failed_text, ""),
+                    ("--ntp-spares", spares, None),
+                    ("--ntp-data-parallel-size", data_parallel_size, None),
+                    ("--ntp-launch-mode", launch_mode, "packed"),
+                    ("--ntp-balance", balance, "none"),
+                )
+                if value != unset
+            ]
             if given:
                 raise ValueError(
                     f"{', '.join(given)} given without --ntp-tp-base, which turns NTP on: "
@@ -245,8 +256,9 @@ class NonuniformTPConfig:
         failed = parse_failed_slots(
             failed_text,
             tp_base=tp_base if isinstance(tp_base, int) and tp_base >= 1 else None,
-            data_parallel_size=(data_parallel_size if isinstance(data_parallel_size, int)
-                                and data_parallel_size >= 1 else None),
+            data_parallel_size=(
+                data_parallel_size if isinstance(data_parallel_size, int) and data_parallel_size >= 1 else None
+            ),
         )
         if spares is None:
             spares, failed = compute_uniform_tp_spares_with_parity(failed, tp_base)
@@ -288,9 +300,7 @@ def compute_uniform_tp_spares_with_parity(
         slots = sorted(set(slots))
         bad = [s for s in slots if not 0 <= s < tp_base]
         if bad:
-            raise ValueError(
-                f"faulty_gpu_map[{replica}]: slot(s) {bad} out of range; allowed: 0..{tp_base - 1}"
-            )
+            raise ValueError(f"faulty_gpu_map[{replica}]: slot(s) {bad} out of range; allowed: 0..{tp_base - 1}")
         if slots:
             faulty[replica] = slots
     if not faulty:
@@ -334,15 +344,14 @@ def parse_failed_slots(
             key = int(replica)
             vals = tuple(int(s) for s in slots.split(",") if s.strip())
         except ValueError:
-            raise ValueError(
-                f"--ntp-failed-slots: cannot parse {part!r}; expected {FAILED_SLOTS_FORM}"
-            ) from None
+            raise ValueError(f"--ntp-failed-slots: cannot parse {part!r}; expected {FAILED_SLOTS_FORM}") from None
         if key < 0 or (data_parallel_size is not None and key >= data_parallel_size):
-            allowed = ("REPLICA >= 0" if data_parallel_size is None else
-                       f"0..{data_parallel_size - 1} (--ntp-data-parallel-size {data_parallel_size})")
-            raise ValueError(
-                f"--ntp-failed-slots: replica index {key} in {part!r} is out of range; allowed: {allowed}"
+            allowed = (
+                "REPLICA >= 0"
+                if data_parallel_size is None
+                else f"0..{data_parallel_size - 1} (--ntp-data-parallel-size {data_parallel_size})"
             )
+            raise ValueError(f"--ntp-failed-slots: replica index {key} in {part!r} is out of range; allowed: {allowed}")
         if key in out:
             raise ValueError(f"--ntp-failed-slots: replica {key} listed twice in {text!r}")
         if not vals:
@@ -353,9 +362,7 @@ def parse_failed_slots(
         for s in vals:
             if s < 0 or (tp_base is not None and s >= tp_base):
                 allowed = "SLOT >= 0" if tp_base is None else f"0..{tp_base - 1} (--ntp-tp-base {tp_base})"
-                raise ValueError(
-                    f"--ntp-failed-slots: slot {s} of replica {key} is out of range; allowed: {allowed}"
-                )
+                raise ValueError(f"--ntp-failed-slots: slot {s} of replica {key} is out of range; allowed: {allowed}")
         dup = sorted({s for s in vals if vals.count(s) > 1})
         if dup:
             raise ValueError(
@@ -399,23 +406,43 @@ class _FailedSlotsAction(argparse.Action):
 def add_nonuniform_tp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``--ntp-*`` flags to a Megatron training script's parser."""
     group = parser.add_argument_group("nonuniform tensor parallelism (megatron_ext)")
-    group.add_argument("--ntp-tp-base", type=int, default=None,
-                       help="TP degree of a healthy replica; enables NTP.")
-    group.add_argument("--ntp-spares", type=int, default=None,
-                       help="TP slots each degraded replica gives up; default: derived from "
-                            "--ntp-failed-slots with spare parity.")
-    group.add_argument("--ntp-failed-slots", type=_failed_slots_arg, default="", nargs="?",
-                       action=_FailedSlotsAction, metavar="REPLICA:SLOTS",
-                       help="Failed TP slots per replica: 'REPLICA:SLOT[,SLOT...]' entries separated "
-                            "by ';' (REPLICA >= 0, SLOT in 0..tp_base-1, each listed once), e.g. "
-                            "'0:3;2:1,5'. Needs --ntp-tp-base.")
-    group.add_argument("--ntp-data-parallel-size", type=int, default=None,
-                       help="Number of replicas; default: derived from the world size.")
-    group.add_argument("--ntp-launch-mode", choices=LAUNCH_MODES, default="packed",
-                       help="packed: only healthy GPUs have processes; simulate: every slot has one "
-                            "and the non-active ones leave (tests).")
-    group.add_argument("--ntp-balance", choices=BALANCE_MODES, default="none",
-                       help="Share of each global batch per replica: none: equal (Megatron's); tp: micro-batches "
-                            "in proportion to each replica's TP degree (a degraded replica is no straggler); "
-                            "measured: not implemented. Needs --ntp-tp-base.")
+    group.add_argument("--ntp-tp-base", type=int, default=None, help="TP degree of a healthy replica; enables NTP.")
+    group.add_argument(
+        "--ntp-spares",
+        type=int,
+        default=None,
+        help="TP slots each degraded replica gives up; default: derived from --ntp-failed-slots with spare parity.",
+    )
+    group.add_argument(
+        "--ntp-failed-slots",
+        type=_failed_slots_arg,
+        default="",
+        nargs="?",
+        action=_FailedSlotsAction,
+        metavar="REPLICA:SLOTS",
+        help="Failed TP slots per replica: 'REPLICA:SLOT[,SLOT...]' entries separated "
+        "by ';' (REPLICA >= 0, SLOT in 0..tp_base-1, each listed once), e.g. "
+        "'0:3;2:1,5'. Needs --ntp-tp-base.",
+    )
+    group.add_argument(
+        "--ntp-data-parallel-size",
+        type=int,
+        default=None,
+        help="Number of replicas; default: derived from the world size.",
+    )
+    group.add_argument(
+        "--ntp-launch-mode",
+        choices=LAUNCH_MODES,
+        default="packed",
+        help="packed: only healthy GPUs have processes; simulate: every slot has one "
+        "and the non-active ones leave (tests).",
+    )
+    group.add_argument(
+        "--ntp-balance",
+        choices=BALANCE_MODES,
+        default="none",
+        help="Share of each global batch per replica: none: equal (Megatron's); tp: micro-batches "
+        "in proportion to each replica's TP degree (a degraded replica is no straggler); "
+        "measured: not implemented. Needs --ntp-tp-base.",
+    )
     return parser

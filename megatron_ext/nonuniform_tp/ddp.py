@@ -106,8 +106,7 @@ class DDPMemoryReport:
         return self.params + self.grads + self.shadow + self.optimizer
 
     def as_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "shadow": self.shadow, "optimizer": self.optimizer,
-                "total": self.total}
+        return {**dataclasses.asdict(self), "shadow": self.shadow, "optimizer": self.optimizer, "total": self.total}
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -159,9 +158,13 @@ def ddp_memory_report(ddp, optimizer=None) -> DDPMemoryReport:
         compute = list(ddp.compute_module.parameters())
         shadows = list(ddp.module.parameters())
         spare = ddp._ntp_groups.role.spare
-        report = DDPMemoryReport("healthy spare" if spare else "healthy core", _param_bytes(compute, []),
-                                 sum(_nbytes(p.main_grad) for _, p in ntp.compute),
-                                 _param_bytes(shadows, buffers), grad_buffers)
+        report = DDPMemoryReport(
+            "healthy spare" if spare else "healthy core",
+            _param_bytes(compute, []),
+            sum(_nbytes(p.main_grad) for _, p in ntp.compute),
+            _param_bytes(shadows, buffers),
+            grad_buffers,
+        )
         model_tensors = compute + shadows + [b.param_data for b in buffers if b.param_data is not None]
     if optimizer is not None:
         main, state = _optimizer_bytes(optimizer, model_tensors)
@@ -196,9 +199,17 @@ def _shadow_module(named_shapes) -> torch.nn.Module:
     return root
 
 
-_COPIED_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "allreduce",
-                 "sequence_parallel", "shared", "shared_embedding", "is_embedding_or_output_parameter",
-                 "average_gradients_across_tp_domain")
+_COPIED_ATTRS = (
+    "tensor_model_parallel",
+    "partition_dim",
+    "partition_stride",
+    "allreduce",
+    "sequence_parallel",
+    "shared",
+    "shared_embedding",
+    "is_embedding_or_output_parameter",
+    "average_gradients_across_tp_domain",
+)
 
 
 class NonuniformTPDistributedDataParallel(DistributedDataParallel):
@@ -220,17 +231,29 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
     :meth:`set_batch_shares`.
     """
 
-    def __init__(self, config, ddp_config, module: torch.nn.Module, disable_bucketing: bool = False,
-                 pg_collection=None, full_param_layout=None, *,
-                 ntp_config: NonuniformTPConfig, ntp_groups: NTPProcessGroups | None = None,
-                 symm_mem_config=None, batch_shares: BatchShares | None = None):
+    def __init__(
+        self,
+        config,
+        ddp_config,
+        module: torch.nn.Module,
+        disable_bucketing: bool = False,
+        pg_collection=None,
+        full_param_layout=None,
+        *,
+        ntp_config: NonuniformTPConfig,
+        ntp_groups: NTPProcessGroups | None = None,
+        symm_mem_config=None,
+        batch_shares: BatchShares | None = None,
+    ):
         if batch_shares is None and ntp_config.balance != "none":
             raise ValueError(
                 f"NonuniformTPConfig.balance={ntp_config.balance!r} gives the replicas unequal shares of the "
                 "global batch: pass batch_shares=ntp_config.batch_shares(global_batch_size, micro_batch_size) "
-                "(the same shares the sampler and num_microbatches use) so that gradients are weighted by them")
-        self._init_ntp(config, ddp_config, module, disable_bucketing, pg_collection,
-                       full_param_layout, ntp_config, ntp_groups)
+                "(the same shares the sampler and num_microbatches use) so that gradients are weighted by them"
+            )
+        self._init_ntp(
+            config, ddp_config, module, disable_bucketing, pg_collection, full_param_layout, ntp_config, ntp_groups
+        )
         self.batch_shares = None
         self.symm_mem_config = symm_mem_config
         self.symm_mem_decisions = []
@@ -243,32 +266,39 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
         if batch_shares is not None:
             self.set_batch_shares(batch_shares)
 
-    def _init_ntp(self, config, ddp_config, module, disable_bucketing, pg_collection,
-                  full_param_layout, ntp_config, ntp_groups):
+    def _init_ntp(
+        self, config, ddp_config, module, disable_bucketing, pg_collection, full_param_layout, ntp_config, ntp_groups
+    ):
         groups = ntp_groups or get_ntp_process_groups()
         if groups is None or not groups.is_active:
             raise RuntimeError(
                 "NonuniformTPDistributedDataParallel needs the NTP process groups of an active rank: "
                 "call initialize_nonuniform_tp_process_groups(ntp_config) first (non-active ranks in "
-                "launch_mode='simulate' must not build a model)")
+                "launch_mode='simulate' must not build a model)"
+            )
         if groups.config is not ntp_config and groups.config != ntp_config:
-            raise ValueError("ntp_config differs from the config the NTP process groups were built "
-                             f"with: {ntp_config} vs {groups.config}")
+            raise ValueError(
+                "ntp_config differs from the config the NTP process groups were built "
+                f"with: {ntp_config} vs {groups.config}"
+            )
         ntp_config.check_model(config)
         self._ntp_groups = groups
         if getattr(config, "sequence_parallel", False) or config.pipeline_model_parallel_size != 1:
-            raise ValueError("nonuniform TP supports sequence_parallel=False and "
-                             "pipeline_model_parallel_size=1 only; turn them off in the model config")
+            raise ValueError(
+                "nonuniform TP supports sequence_parallel=False and "
+                "pipeline_model_parallel_size=1 only; turn them off in the model config"
+            )
         role = groups.role
         healthy = groups.ntp_active and not role.degraded
         if not healthy:
-            super().__init__(config, ddp_config, module, disable_bucketing, pg_collection,
-                             full_param_layout)
+            super().__init__(config, ddp_config, module, disable_bucketing, pg_collection, full_param_layout)
             self._ntp = None
             return
         if ddp_config.overlap_param_gather:
-            raise NotImplementedError("nonuniform TP: overlap_param_gather=True is not supported on "
-                                      "healthy replicas yet; set overlap_param_gather=False")
+            raise NotImplementedError(
+                "nonuniform TP: overlap_param_gather=True is not supported on "
+                "healthy replicas yet; set overlap_param_gather=False"
+            )
 
         b, r = ntp_config.tp_base, ntp_config.tp_reduced
         compute = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -278,8 +308,9 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
             shape = list(p.shape)
             if spec.dim is not None:
                 shape[spec.dim] = shape[spec.dim] * b // r
-            pieces.append(reshard.reshard_pieces(
-                idx, spec, p.shape[spec.dim] if spec.dim is not None else 0, b, r, name=name))
+            pieces.append(
+                reshard.reshard_pieces(idx, spec, p.shape[spec.dim] if spec.dim is not None else 0, b, r, name=name)
+            )
             shadow = torch.nn.Parameter(torch.zeros(shape, dtype=p.dtype, device=p.device))
             for attr in _COPIED_ATTRS:
                 if hasattr(p, attr):
@@ -287,16 +318,20 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
             shadows.append(shadow)
         tp_rank, tp_group = role.tp_rank, groups.tp_group
         fold_all = [pc for per in pieces for pc in per]
-        reshard.exchange(fold_all, tp_rank, tp_group, src=lambda i: compute[i][1].data,
-                         dst=lambda i: shadows[i].data)
+        reshard.exchange(fold_all, tp_rank, tp_group, src=lambda i: compute[i][1].data, dst=lambda i: shadows[i].data)
 
-        super().__init__(config, ddp_config, _shadow_module(
-            (n, s) for (n, _), s in zip(compute, shadows)), disable_bucketing, pg_collection,
-            full_param_layout)
+        super().__init__(
+            config,
+            ddp_config,
+            _shadow_module((n, s) for (n, _), s in zip(compute, shadows)),
+            disable_bucketing,
+            pg_collection,
+            full_param_layout,
+        )
 
         # Compute-side gradient accumulation (what the layers and the hooks add into).
         grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else None
-        for (_, p) in compute:
+        for _, p in compute:
             p.main_grad = torch.zeros_like(p, dtype=grad_dtype or p.dtype)
             p.grad_added_to_main_grad = False
         index_of = {id(s): i for i, s in enumerate(shadows)}
@@ -304,11 +339,11 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
             idxs = sorted(index_of[id(s)] for s in bucket_group.params)
             group_pieces = [pc for i in idxs for pc in pieces[i]]
             bucket_group.__class__ = NonuniformTPBucketGroup
-            bucket_group.ntp_fold = self._make_fold(group_pieces, compute, shadows, tp_rank,
-                                                    tp_group)
+            bucket_group.ntp_fold = self._make_fold(group_pieces, compute, shadows, tp_rank, tp_group)
 
-        self._ntp = _HealthyState(compute=compute, shadows=shadows, tp_rank=tp_rank,
-                                  tp_group=tp_group, unfold=reshard.reverse(fold_all, b, r))
+        self._ntp = _HealthyState(
+            compute=compute, shadows=shadows, tp_rank=tp_rank, tp_group=tp_group, unfold=reshard.reverse(fold_all, b, r)
+        )
         self.__dict__["_compute_module"] = module  # not a registered submodule
         self._compute_hooks = []
         for (_, p), s in zip(compute, shadows):
@@ -337,11 +372,15 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
             raise TypeError(f"batch_shares must be a BatchShares (ntp_config.batch_shares(...)), got {shares!r}")
         layout, replica = self._ntp_groups.layout, self._ntp_groups.role.replica
         if shares.num_replicas != layout.num_replicas:
-            raise ValueError(f"batch_shares are for {shares.num_replicas} replicas but the job has "
-                             f"{layout.num_replicas}; build them with ntp_config.batch_shares(...)")
+            raise ValueError(
+                f"batch_shares are for {shares.num_replicas} replicas but the job has "
+                f"{layout.num_replicas}; build them with ntp_config.batch_shares(...)"
+            )
         if self.ddp_config.num_distributed_optimizer_instances > 1 and len(set(shares.microbatches)) > 1:
-            raise NotImplementedError("unequal batch shares with num_distributed_optimizer_instances > 1 are not "
-                                      "supported; use one distributed-optimizer instance or --ntp-balance none")
+            raise NotImplementedError(
+                "unequal batch shares with num_distributed_optimizer_instances > 1 are not "
+                "supported; use one distributed-optimizer instance or --ntp-balance none"
+            )
         self.batch_shares = shares
         if self.config.calculate_per_token_loss:
             return
@@ -349,8 +388,11 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
         for bucket_group in self.bucket_groups + self.expert_parallel_bucket_groups:
             factor = weight
             if bucket_group.ddp_config.average_in_collective:
-                group = (bucket_group.intra_distributed_optimizer_instance_group
-                         if bucket_group.ddp_config.use_distributed_optimizer else bucket_group.data_parallel_group)
+                group = (
+                    bucket_group.intra_distributed_optimizer_instance_group
+                    if bucket_group.ddp_config.use_distributed_optimizer
+                    else bucket_group.data_parallel_group
+                )
                 factor *= group.size()
             for bucket in bucket_group.buckets:
                 bucket.gradient_scaling_factor = factor
@@ -375,8 +417,9 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
     @staticmethod
     def _make_fold(pieces, compute, shadows, tp_rank, tp_group):
         def fold():
-            reshard.exchange(pieces, tp_rank, tp_group, src=lambda i: compute[i][1].main_grad,
-                             dst=lambda i: shadows[i].main_grad)
+            reshard.exchange(
+                pieces, tp_rank, tp_group, src=lambda i: compute[i][1].main_grad, dst=lambda i: shadows[i].main_grad
+            )
 
         return fold
 
@@ -402,9 +445,13 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
         for pc in ntp.unfold:
             by_dtype.setdefault(ntp.shadows[pc.index].dtype, []).append(pc)
         for dtype in sorted(by_dtype, key=str):
-            reshard.exchange(by_dtype[dtype], ntp.tp_rank, ntp.tp_group,
-                             src=lambda i: ntp.shadows[i].data,
-                             dst=lambda i: ntp.compute[i][1].data)
+            reshard.exchange(
+                by_dtype[dtype],
+                ntp.tp_rank,
+                ntp.tp_group,
+                src=lambda i: ntp.shadows[i].data,
+                dst=lambda i: ntp.compute[i][1].data,
+            )
         ntp.stale = False
 
     def refresh_compute_params(self) -> None:

@@ -110,8 +110,7 @@ class NTPLayout:
         """Global ranks of the DP group of TP rank ``tp_rank`` (core or spare)."""
         if tp_rank < self.tp_reduced:
             return [self.tp_group_ranks(d)[tp_rank] for d in range(self.num_replicas)]
-        return [self.tp_group_ranks(d)[tp_rank] for d in range(self.num_replicas)
-                if not self.is_degraded(d)]
+        return [self.tp_group_ranks(d)[tp_rank] for d in range(self.num_replicas) if not self.is_degraded(d)]
 
     def all_tp_groups(self) -> list[list[int]]:
         return [self.tp_group_ranks(d) for d in range(self.num_replicas)]
@@ -135,6 +134,12 @@ class NTPLayout:
             ranks = self.tp_group_ranks(d)
             if rank in ranks:
                 slot = self.active_slots(d)[ranks.index(rank)]
-                return RankRole(replica=d, slot=slot, tp_rank=ranks.index(rank), tp_size=len(ranks),
-                                degraded=self.is_degraded(d), tp_size_reduced=self.tp_reduced)
+                return RankRole(
+                    replica=d,
+                    slot=slot,
+                    tp_rank=ranks.index(rank),
+                    tp_size=len(ranks),
+                    degraded=self.is_degraded(d),
+                    tp_size_reduced=self.tp_reduced,
+                )
         return None

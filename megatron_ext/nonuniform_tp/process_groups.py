@@ -49,7 +49,8 @@ class NTPProcessGroups:
     def ntp_active(self) -> bool:
         """True when replicas run at different TP degrees (else NTP is a no-op)."""
         return self.config.tp_spares > 0 and any(
-            not self.layout.is_degraded(d) for d in range(self.layout.num_replicas))
+            not self.layout.is_degraded(d) for d in range(self.layout.num_replicas)
+        )
 
     def pg_collection(self):
         """A megatron ``ProcessGroupCollection`` with the NTP groups."""
@@ -93,8 +94,10 @@ def initialize_nonuniform_tp_process_groups(config: NonuniformTPConfig) -> NTPPr
             "initialize_nonuniform_tp_process_groups()"
         )
     if ps.get_pipeline_model_parallel_world_size() != 1 or ps.get_context_parallel_world_size() != 1:
-        raise ValueError("nonuniform TP supports pipeline_model_parallel_size=1 and "
-                         "context_parallel_size=1 only; initialize_model_parallel() with those")
+        raise ValueError(
+            "nonuniform TP supports pipeline_model_parallel_size=1 and "
+            "context_parallel_size=1 only; initialize_model_parallel() with those"
+        )
     if ps.get_tensor_model_parallel_world_size() != 1:
         raise ValueError(
             "initialize_model_parallel() must be called with tensor_model_parallel_size=1; the NTP "
@@ -102,9 +105,17 @@ def initialize_nonuniform_tp_process_groups(config: NonuniformTPConfig) -> NTPPr
         )
     if config.launch_mode == "simulate":
         if not _rejoin_active_ranks(config):
-            _STATE = NTPProcessGroups(config, config.layout(config.data_parallel_size * config.tp_base
-                                      if config.data_parallel_size else _left_world_size),
-                                      None, None, None, None, None)
+            _STATE = NTPProcessGroups(
+                config,
+                config.layout(
+                    config.data_parallel_size * config.tp_base if config.data_parallel_size else _left_world_size
+                ),
+                None,
+                None,
+                None,
+                None,
+                None,
+            )
             return _STATE
         ps.initialize_model_parallel()
     world, me = dist.get_world_size(), dist.get_rank()
@@ -123,30 +134,46 @@ def initialize_nonuniform_tp_process_groups(config: NonuniformTPConfig) -> NTPPr
 
     tp_ranks = layout.tp_group_ranks(role.replica)
     dp_ranks = next(g for g in dp_lists if me in g)
-    for name in ("_TENSOR_MODEL_PARALLEL_GROUP", "_MODEL_PARALLEL_GROUP",
-                 "_TENSOR_AND_CONTEXT_PARALLEL_GROUP", "_EXPERT_TENSOR_PARALLEL_GROUP",
-                 "_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP",
-                 "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP",
-                 "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP_WITH_EGTP"):
+    for name in (
+        "_TENSOR_MODEL_PARALLEL_GROUP",
+        "_MODEL_PARALLEL_GROUP",
+        "_TENSOR_AND_CONTEXT_PARALLEL_GROUP",
+        "_EXPERT_TENSOR_PARALLEL_GROUP",
+        "_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP",
+        "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP",
+        "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP_WITH_EGTP",
+    ):
         setattr(ps, name, tp_group)
     for name in ("_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS", "_MODEL_PARALLEL_GLOBAL_RANKS"):
         setattr(ps, name, tp_ranks)
-    for name in ("_DATA_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP_WITH_CP",
-                 "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP", "_DATA_PARALLEL_GROUP_WITH_GTP_REMAT",
-                 "_DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT",
-                 "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT",
-                 "_EXPERT_DATA_PARALLEL_GROUP", "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP",
-                 "_EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT",
-                 "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT"):
+    for name in (
+        "_DATA_PARALLEL_GROUP",
+        "_DATA_PARALLEL_GROUP_WITH_CP",
+        "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP",
+        "_DATA_PARALLEL_GROUP_WITH_GTP_REMAT",
+        "_DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT",
+        "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT",
+        "_EXPERT_DATA_PARALLEL_GROUP",
+        "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP",
+        "_EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT",
+        "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT",
+    ):
         setattr(ps, name, dp_group)
-    for name in ("_DATA_PARALLEL_GROUP_GLOO", "_DATA_PARALLEL_GROUP_WITH_CP_GLOO",
-                 "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO", "_EXPERT_DATA_PARALLEL_GROUP_GLOO",
-                 "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO"):
+    for name in (
+        "_DATA_PARALLEL_GROUP_GLOO",
+        "_DATA_PARALLEL_GROUP_WITH_CP_GLOO",
+        "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO",
+        "_EXPERT_DATA_PARALLEL_GROUP_GLOO",
+        "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO",
+    ):
         setattr(ps, name, dp_group_gloo)
     for name in ("_DATA_PARALLEL_GLOBAL_RANKS", "_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP"):
         setattr(ps, name, dp_ranks)
-    for name in ("_TENSOR_AND_DATA_PARALLEL_GROUP", "_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP",
-                 "_INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP"):
+    for name in (
+        "_TENSOR_AND_DATA_PARALLEL_GROUP",
+        "_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP",
+        "_INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP",
+    ):
         setattr(ps, name, active_group)
     # Data loaders ask get_data_parallel_rank()/world_size() which share of the
     # global batch to read: on every rank (spares included) that is its replica.

@@ -49,8 +49,9 @@ class Piece:
         return t.narrow(self.dim, self.src_off if side == "src" else self.dst_off, self.length)
 
 
-def reshard_pieces(index: int, spec: ShardSpec, local_size_at_base: int, tp_base: int,
-                   tp_reduced: int, name: str | None = None) -> list[Piece]:
+def reshard_pieces(
+    index: int, spec: ShardSpec, local_size_at_base: int, tp_base: int, tp_reduced: int, name: str | None = None
+) -> list[Piece]:
     """Pieces that move one parameter from the ``tp_base`` layout (src = healthy
     TP rank) to the ``tp_reduced`` layout (dst = core TP rank). ``local_size_at_base``
     is the size along ``spec.dim`` of a ``tp_base`` shard (ignored when replicated)."""
@@ -62,7 +63,8 @@ def reshard_pieces(index: int, spec: ShardSpec, local_size_at_base: int, tp_base
         raise ValueError(
             f"parameter {name or index}: global size {n} along dim {spec.dim} does not split over "
             f"tp_reduced={tp_reduced}; choose tp_spares so that tp_base and tp_reduced both divide "
-            "the head, query-group, FFN and (padded) vocab sizes")
+            "the head, query-group, FFN and (padded) vocab sizes"
+        )
     per_chunk_r = n // tp_reduced
     pieces = []
     for k in range(spec.chunks):
@@ -71,10 +73,17 @@ def reshard_pieces(index: int, spec: ShardSpec, local_size_at_base: int, tp_base
             for i in range(tp_reduced):
                 lo, hi = max(lo_j, i * per_chunk_r), min(hi_j, (i + 1) * per_chunk_r)
                 if lo < hi:
-                    pieces.append(Piece(index, j, i, spec.dim,
-                                        src_off=k * per_chunk_b + lo - lo_j,
-                                        dst_off=k * per_chunk_r + lo - i * per_chunk_r,
-                                        length=hi - lo))
+                    pieces.append(
+                        Piece(
+                            index,
+                            j,
+                            i,
+                            spec.dim,
+                            src_off=k * per_chunk_b + lo - lo_j,
+                            dst_off=k * per_chunk_r + lo - i * per_chunk_r,
+                            length=hi - lo,
+                        )
+                    )
     return pieces
 
 
@@ -84,17 +93,20 @@ def reverse(pieces: Sequence[Piece], tp_base: int, tp_reduced: int) -> list[Piec
     for p in pieces:
         if p.dim is None:
             if p.src == p.dst:  # replicated: every rank j takes core j % tp_reduced's copy
-                out.extend(Piece(p.index, p.src, j, None)
-                           for j in range(tp_base) if j % tp_reduced == p.src)
+                out.extend(Piece(p.index, p.src, j, None) for j in range(tp_base) if j % tp_reduced == p.src)
         else:
-            out.append(Piece(p.index, p.dst, p.src, p.dim, src_off=p.dst_off, dst_off=p.src_off,
-                             length=p.length))
+            out.append(Piece(p.index, p.dst, p.src, p.dim, src_off=p.dst_off, dst_off=p.src_off, length=p.length))
     return out
 
 
 @torch.no_grad()
-def exchange(pieces: Sequence[Piece], me: int, group: dist.ProcessGroup | None,
-             src: Callable[[int], torch.Tensor], dst: Callable[[int], torch.Tensor]) -> None:
+def exchange(
+    pieces: Sequence[Piece],
+    me: int,
+    group: dist.ProcessGroup | None,
+    src: Callable[[int], torch.Tensor],
+    dst: Callable[[int], torch.Tensor],
+) -> None:
     """Carry out ``pieces`` inside a TP group: this rank (TP rank ``me``) sends
     ``piece.view(src(index))`` and receives into ``piece.view(dst(index))``.
     One ``all_to_all_single`` per call (all tensors must share a dtype)."""
@@ -118,13 +130,16 @@ def exchange(pieces: Sequence[Piece], me: int, group: dist.ProcessGroup | None,
         dtype, device = src(pieces[0].index).dtype, src(pieces[0].index).device
     in_splits = [sum(t.numel() for t in lst) for lst in send]
     out_splits = [sum(t.numel() for t in lst) for lst in recv]
-    flat_in = (torch.cat([t.reshape(-1) for lst in send for t in lst])
-               if any(in_splits) else torch.empty(0, dtype=dtype, device=device))
+    flat_in = (
+        torch.cat([t.reshape(-1) for lst in send for t in lst])
+        if any(in_splits)
+        else torch.empty(0, dtype=dtype, device=device)
+    )
     flat_out = torch.empty(sum(out_splits), dtype=dtype, device=device)
     dist.all_to_all_single(flat_out, flat_in, out_splits, in_splits, group=group)
     offset = 0
     for lst in recv:
         for t in lst:
             n = t.numel()
-            t.copy_(flat_out[offset:offset + n].view(t.shape))
+            t.copy_(flat_out[offset : offset + n].view(t.shape))
             offset += n

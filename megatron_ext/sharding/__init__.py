@@ -13,11 +13,36 @@ checkpoint converters, the export hook and the reshard refit all read them here.
 
 from .geometry import Box, Layout, LocalTensor, Segment, whole_layout
 from .hf_config import hf_config_from_megatron
-from .megatron import (ShardSpec, layout_from_recipe, megatron_expert_coords, megatron_layout,
-                       megatron_layout_from_groups, megatron_tensors, ntp_megatron_layout, shard_spec)
+from .megatron import (
+    ShardSpec,
+    layout_from_recipe,
+    megatron_expert_coords,
+    megatron_layout,
+    megatron_layout_from_groups,
+    megatron_tensors,
+    ntp_megatron_layout,
+    shard_spec,
+)
 from .spec import TensorSpec, UnsupportedParameter, gpt_specs, specs_from_config, specs_from_model
 
-__all__ = ["Box", "Layout", "LocalTensor", "Segment", "ShardSpec", "TensorSpec", "UnsupportedParameter", "gpt_specs",
-           "hf_config_from_megatron", "layout_from_recipe", "megatron_expert_coords", "megatron_layout",
-           "megatron_layout_from_groups", "megatron_tensors", "ntp_megatron_layout", "shard_spec", "specs_from_config",
-           "specs_from_model", "whole_layout"]
+__all__ = [
+    "Box",
+    "Layout",
+    "LocalTensor",
+    "Segment",
+    "ShardSpec",
+    "TensorSpec",
+    "UnsupportedParameter",
+    "gpt_specs",
+    "hf_config_from_megatron",
+    "layout_from_recipe",
+    "megatron_expert_coords",
+    "megatron_layout",
+    "megatron_layout_from_groups",
+    "megatron_tensors",
+    "ntp_megatron_layout",
+    "shard_spec",
+    "specs_from_config",
+    "specs_from_model",
+    "whole_layout",
+]

@@ -126,7 +126,7 @@ class Layout:
         for lt, seg in self.segments(rank):
             if seg.box == Box.full(self.specs[seg.name].shape):
                 n = seg.box.shape[0]
-                yield seg.name, tensors[lt.name][seg.row:seg.row + n].view(self.specs[seg.name].shape)
+                yield seg.name, tensors[lt.name][seg.row : seg.row + n].view(self.specs[seg.name].shape)
 
     def bytes_held(self, rank: int) -> int:
         return sum(lt.nbytes for lt in self.tensors.get(rank, {}).values())
@@ -151,8 +151,9 @@ def tp_box(spec: TensorSpec, tp: int, r: int, *, megatron: bool, vocab_padding: 
             g0, g1 = split_range(spec.num_groups, tp, r)
         else:
             if megatron:
-                raise ValueError(f"{spec.name}: Megatron needs num_query_groups ({spec.num_groups}) "
-                                 f"divisible by TP ({tp})")
+                raise ValueError(
+                    f"{spec.name}: Megatron needs num_query_groups ({spec.num_groups}) divisible by TP ({tp})"
+                )
             g0 = r * spec.num_groups // tp
             g1 = g0 + 1
         return box.replace(0, g0 * head_dim, g1 * head_dim)
@@ -181,8 +182,11 @@ def local_tensors(specs: list[TensorSpec], boxes: dict[str, Box], *, megatron: b
             g0, g1 = boxes[k.name].ranges[0][0] // head_dim, boxes[k.name].ranges[0][1] // head_dim
             for g in range(g0, g1):  # Megatron interleaves [q heads of g; k_g; v_g]
                 qb = boxes[q.name].replace(0, g * per_group * head_dim, (g + 1) * per_group * head_dim)
-                segs += [(q.name, qb), (k.name, boxes[k.name].replace(0, g * head_dim, (g + 1) * head_dim)),
-                         (v.name, boxes[v.name].replace(0, g * head_dim, (g + 1) * head_dim))]
+                segs += [
+                    (q.name, qb),
+                    (k.name, boxes[k.name].replace(0, g * head_dim, (g + 1) * head_dim)),
+                    (v.name, boxes[v.name].replace(0, g * head_dim, (g + 1) * head_dim)),
+                ]
         else:
             segs = [(s.name, boxes[s.name]) for s in members]
         row, placed = 0, []
@@ -199,6 +203,5 @@ def local_tensors(specs: list[TensorSpec], boxes: dict[str, Box], *, megatron: b
 def whole_layout(specs: Sequence[TensorSpec], rank: int = 0) -> Layout:
     """One rank holding every HF tensor of ``specs`` whole under its own name: the
     export hook's destination (engines that load checkpoint-format tensors)."""
-    tensors = {s.name: LocalTensor(s.name, s.dtype, s.shape, (Segment(s.name, Box.full(s.shape), 0),))
-               for s in specs}
+    tensors = {s.name: LocalTensor(s.name, s.dtype, s.shape, (Segment(s.name, Box.full(s.shape), 0),)) for s in specs}
     return Layout((rank,), {rank: tensors}, {s.name: s for s in specs}, "whole HF tensors")

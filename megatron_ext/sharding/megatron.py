@@ -24,8 +24,16 @@ from .geometry import Layout, local_tensors, tp_box
 from .names import global_layer_names, global_name, unwrap
 from .spec import TensorSpec
 
-__all__ = ["ShardSpec", "layout_from_recipe", "megatron_expert_coords", "megatron_layout",
-           "megatron_layout_from_groups", "megatron_tensors", "ntp_megatron_layout", "shard_spec"]
+__all__ = [
+    "ShardSpec",
+    "layout_from_recipe",
+    "megatron_expert_coords",
+    "megatron_layout",
+    "megatron_layout_from_groups",
+    "megatron_tensors",
+    "ntp_megatron_layout",
+    "shard_spec",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,9 +61,17 @@ def _stage_of(spec: TensorSpec, layer_stage: list[int], pp: int) -> int:
     return 0 if "embed_tokens" in spec.name else pp - 1
 
 
-def megatron_layout(specs: list[TensorSpec], *, tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1,
-                    etp: int | None = None, ranks: Sequence[int] | None = None,
-                    layer_stage: Sequence[int] | None = None) -> Layout:
+def megatron_layout(
+    specs: list[TensorSpec],
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    dp: int = 1,
+    ep: int = 1,
+    etp: int | None = None,
+    ranks: Sequence[int] | None = None,
+    layer_stage: Sequence[int] | None = None,
+) -> Layout:
     """The trainer's layout: dense tensors TP-sharded, replicated over DP;
     inside each stage experts split over EP, each expert sharded over ``etp``
     expert-TP ranks (``linear_fc1`` rows, ``[gate_r; up_r]`` per shard;
@@ -87,8 +103,9 @@ def megatron_layout(specs: list[TensorSpec], *, tp: int = 1, pp: int = 1, dp: in
                 if s.expert * ep // num_experts == ep_r:
                     b = tp_box(s, etp, etp_r, megatron=True)
                     if b is None or (s.tp_dim is not None and s.shape[s.tp_dim] % etp):
-                        raise ValueError(f"{s.name}: dim {s.tp_dim} ({s.shape[s.tp_dim]}) is not divisible "
-                                         f"by expert TP {etp}")
+                        raise ValueError(
+                            f"{s.name}: dim {s.tp_dim} ({s.shape[s.tp_dim]}) is not divisible by expert TP {etp}"
+                        )
                     boxes[s.name] = b
                     mine.append(_local_expert(s, s.expert - ep_r * (num_experts // ep)))
                 continue
@@ -98,10 +115,23 @@ def megatron_layout(specs: list[TensorSpec], *, tp: int = 1, pp: int = 1, dp: in
                 mine.append(s)
         tensors[g] = local_tensors(mine, boxes, megatron=True)
     moe = any(s.expert is not None for s in specs)
-    recipe = {"kind": "megatron", "tp": tp, "pp": pp, "dp": dp, "ep": ep, "etp": etp, "ranks": list(ranks),
-              "layer_stage": list(layer_stage)}
-    return Layout(ranks, tensors, {s.name: s for s in specs}, f"megatron TP{tp}xPP{pp}xDP{dp}"
-                  + (f" EP{ep}" if ep > 1 else "") + (f" ETP{etp}" if etp > 1 and moe else ""), recipe)
+    recipe = {
+        "kind": "megatron",
+        "tp": tp,
+        "pp": pp,
+        "dp": dp,
+        "ep": ep,
+        "etp": etp,
+        "ranks": list(ranks),
+        "layer_stage": list(layer_stage),
+    }
+    return Layout(
+        ranks,
+        tensors,
+        {s.name: s for s in specs},
+        f"megatron TP{tp}xPP{pp}xDP{dp}" + (f" EP{ep}" if ep > 1 else "") + (f" ETP{etp}" if etp > 1 and moe else ""),
+        recipe,
+    )
 
 
 def megatron_layout_from_groups(specs: list[TensorSpec], *, ranks: Sequence[int] | None = None) -> Layout:
@@ -126,17 +156,22 @@ def megatron_layout_from_groups(specs: list[TensorSpec], *, ranks: Sequence[int]
     if tp * pp * dp != world:
         raise ValueError(f"TP={tp} x PP={pp} x DP={dp} != world size {world}")
     me = dist.get_rank()
-    expected = {"tensor": [me // tp * tp + t for t in range(tp)],
-                "pipeline": [me % (tp * dp) + s * tp * dp for s in range(pp)]}
-    actual = {"tensor": dist.get_process_group_ranks(ps.get_tensor_model_parallel_group()),
-              "pipeline": dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())}
+    expected = {
+        "tensor": [me // tp * tp + t for t in range(tp)],
+        "pipeline": [me % (tp * dp) + s * tp * dp for s in range(pp)],
+    }
+    actual = {
+        "tensor": dist.get_process_group_ranks(ps.get_tensor_model_parallel_group()),
+        "pipeline": dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group()),
+    }
     for kind in expected:
         if sorted(actual[kind]) != expected[kind]:
-            raise ValueError(f"rank {me}: its {kind}-parallel group is {actual[kind]}, Megatron's default order "
-                             f"tp-cp-ep-dp-pp puts it at {expected[kind]}; build the layout by hand for another "
-                             "order")
-    layout = megatron_layout(specs, tp=tp, pp=pp, dp=dp, ep=ep, etp=etp,
-                             ranks=range(world) if ranks is None else ranks)
+            raise ValueError(
+                f"rank {me}: its {kind}-parallel group is {actual[kind]}, Megatron's default order "
+                f"tp-cp-ep-dp-pp puts it at {expected[kind]}; build the layout by hand for another "
+                "order"
+            )
+    layout = megatron_layout(specs, tp=tp, pp=pp, dp=dp, ep=ep, etp=etp, ranks=range(world) if ranks is None else ranks)
     return layout
 
 
@@ -145,8 +180,7 @@ def layout_from_recipe(specs: list[TensorSpec], recipe: dict) -> Layout:
     describes, built from ``specs``."""
     kind = recipe.get("kind") if isinstance(recipe, dict) else None
     if kind == "megatron":
-        return megatron_layout(specs, **{k: recipe[k] for k in ("tp", "pp", "dp", "ep", "etp", "ranks",
-                                                                 "layer_stage")})
+        return megatron_layout(specs, **{k: recipe[k] for k in ("tp", "pp", "dp", "ep", "etp", "ranks", "layer_stage")})
     if kind == "replicas":
         return _replicas_layout(specs, recipe["groups"], recipe["description"])
     raise ValueError(f"unknown layout recipe {recipe!r}: expected kind 'megatron' or 'replicas'")
@@ -175,8 +209,12 @@ def ntp_megatron_layout(specs: list[TensorSpec], ntp_layout) -> Layout:
     shadow that ``ddp.module`` holds: give the executor
     :func:`~.reshard.ntp_megatron_tensors` and ``refresh=ddp.refresh_compute_params``."""
     groups = [list(ntp_layout.tp_group_ranks(d)) for d in range(ntp_layout.num_replicas)]
-    return _replicas_layout(specs, groups, f"megatron NTP tp_base={ntp_layout.tp_base} "
-                                           f"tp_reduced={ntp_layout.tp_reduced} x{ntp_layout.num_replicas} replicas")
+    return _replicas_layout(
+        specs,
+        groups,
+        f"megatron NTP tp_base={ntp_layout.tp_base} "
+        f"tp_reduced={ntp_layout.tp_reduced} x{ntp_layout.num_replicas} replicas",
+    )
 
 
 def _replicas_layout(specs: list[TensorSpec], groups: list[list[int]], description: str) -> Layout:
@@ -185,8 +223,13 @@ def _replicas_layout(specs: list[TensorSpec], groups: list[list[int]], descripti
     for group in groups:
         ranks += group
         tensors.update(megatron_layout(specs, tp=len(group), ranks=group).tensors)
-    return Layout(tuple(ranks), tensors, {s.name: s for s in specs}, description,
-                  {"kind": "replicas", "groups": groups, "description": description})
+    return Layout(
+        tuple(ranks),
+        tensors,
+        {s.name: s for s in specs},
+        description,
+        {"kind": "replicas", "groups": groups, "description": description},
+    )
 
 
 def _local_expert(spec: TensorSpec, local: int) -> TensorSpec:

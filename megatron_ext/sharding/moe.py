@@ -20,8 +20,15 @@ import re
 
 import torch
 
-__all__ = ["expert_hf_names", "expert_param", "fused_expert_views", "grouped_expert_issue", "moe_layer_pattern",
-           "qwen3_moe_kwargs", "router_issue"]
+__all__ = [
+    "expert_hf_names",
+    "expert_param",
+    "fused_expert_views",
+    "grouped_expert_issue",
+    "moe_layer_pattern",
+    "qwen3_moe_kwargs",
+    "router_issue",
+]
 
 # Layer suffixes of one local expert's weight (or its expert-TP shard): SequentialMLP's module per
 # expert, and TEGroupedMLP's numbered weights (TEGroupedLinear registers weight{i} per GEMM).
@@ -29,20 +36,27 @@ SEQUENTIAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc
 GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc1|linear_fc2)\.weight(\d+)$")
 # Expert weights we recognise but cannot map; each hint says what to do.
 UNSUPPORTED_HINTS = (
-    (re.compile(r"\.shared_experts\."),
-     "shared experts (Qwen2-MoE / DeepSeek style) are not mapped to Qwen3-MoE; train without "
-     "moe_shared_expert_intermediate_size or extend hf_moe.py"),
-    (re.compile(r"\.experts\.weight[12]$"),
-     "legacy GroupedMLP weights (one (hidden, local experts x ffn) tensor per projection, transposed; "
-     "removed in megatron-core 0.19) are not mapped; use TEGroupedMLP (Transformer Engine layer spec with "
-     "moe_grouped_gemm=True) or SequentialMLP (moe_grouped_gemm=False)"),
-    (re.compile(r"\.experts\.linear_fc[12]\.weight$"),
-     "TEGroupedMLP with moe_single_grouped_weight=True (all local experts in one grouped tensor) is not "
-     "mapped; set moe_single_grouped_weight=False (one weight{i} per local expert)"),
-    (re.compile(r"\.experts\.(local_experts\.\d+\.linear_fc[12]\.bias|linear_fc[12]\.bias\d*)$"),
-     "expert biases have no Qwen3-MoE counterpart; set add_bias_linear=False"),
-    (re.compile(r"\.mlp\.router\."),
-     "only the router weight maps to Qwen3-MoE's mlp.gate.weight"),
+    (
+        re.compile(r"\.shared_experts\."),
+        "shared experts (Qwen2-MoE / DeepSeek style) are not mapped to Qwen3-MoE; train without "
+        "moe_shared_expert_intermediate_size or extend hf_moe.py",
+    ),
+    (
+        re.compile(r"\.experts\.weight[12]$"),
+        "legacy GroupedMLP weights (one (hidden, local experts x ffn) tensor per projection, transposed; "
+        "removed in megatron-core 0.19) are not mapped; use TEGroupedMLP (Transformer Engine layer spec with "
+        "moe_grouped_gemm=True) or SequentialMLP (moe_grouped_gemm=False)",
+    ),
+    (
+        re.compile(r"\.experts\.linear_fc[12]\.weight$"),
+        "TEGroupedMLP with moe_single_grouped_weight=True (all local experts in one grouped tensor) is not "
+        "mapped; set moe_single_grouped_weight=False (one weight{i} per local expert)",
+    ),
+    (
+        re.compile(r"\.experts\.(local_experts\.\d+\.linear_fc[12]\.bias|linear_fc[12]\.bias\d*)$"),
+        "expert biases have no Qwen3-MoE counterpart; set add_bias_linear=False",
+    ),
+    (re.compile(r"\.mlp\.router\."), "only the router weight maps to Qwen3-MoE's mlp.gate.weight"),
 )
 
 
@@ -64,8 +78,10 @@ def grouped_expert_issue(config) -> str | None:
     plain per-expert tensors; None when they are."""
     interleave = getattr(config, "moe_mlp_glu_interleave_size", None)
     if interleave is not None and getattr(config, "gated_linear_unit", False):
-        return (f"moe_mlp_glu_interleave_size={interleave!r} interleaves gate and up rows in blocks, which "
-                "Qwen3-MoE's gate_proj / up_proj do not; set moe_mlp_glu_interleave_size=None")
+        return (
+            f"moe_mlp_glu_interleave_size={interleave!r} interleaves gate and up rows in blocks, which "
+            "Qwen3-MoE's gate_proj / up_proj do not; set moe_mlp_glu_interleave_size=None"
+        )
     return None
 
 
@@ -120,10 +136,14 @@ def qwen3_moe_kwargs(config) -> dict:
     if getattr(config, "moe_shared_expert_intermediate_size", None):
         raise ValueError("moe_shared_expert_intermediate_size is set: Qwen3-MoE has no shared experts")
     pattern = moe_layer_pattern(config)
-    return dict(num_experts=config.num_moe_experts, num_experts_per_tok=config.moe_router_topk,
-                moe_intermediate_size=config.moe_ffn_hidden_size or config.ffn_hidden_size,
-                norm_topk_prob=not config.moe_router_pre_softmax, decoder_sparse_step=1,
-                mlp_only_layers=[i for i, moe in enumerate(pattern) if not moe])
+    return dict(
+        num_experts=config.num_moe_experts,
+        num_experts_per_tok=config.moe_router_topk,
+        moe_intermediate_size=config.moe_ffn_hidden_size or config.ffn_hidden_size,
+        norm_topk_prob=not config.moe_router_pre_softmax,
+        decoder_sparse_step=1,
+        mlp_only_layers=[i for i, moe in enumerate(pattern) if not moe],
+    )
 
 
 def fused_expert_views(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], set[str]]:
@@ -139,16 +159,23 @@ def fused_expert_views(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor],
     views, fused = {}, set()
     for prefix, module in model.named_modules():
         gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-        if not (isinstance(gate_up, torch.nn.Parameter) and isinstance(down, torch.nn.Parameter)
-                and gate_up.dim() == 3 and down.dim() == 3):
+        if not (
+            isinstance(gate_up, torch.nn.Parameter)
+            and isinstance(down, torch.nn.Parameter)
+            and gate_up.dim() == 3
+            and down.dim() == 3
+        ):
             continue
-        if (not getattr(module, "is_concatenated", True) or not getattr(module, "has_gate", True)
-                or getattr(module, "has_bias", False)):
+        if (
+            not getattr(module, "is_concatenated", True)
+            or not getattr(module, "has_gate", True)
+            or getattr(module, "has_bias", False)
+        ):
             continue
         transposed = getattr(module, "is_transposed", False)
         gate_up, down = gate_up.detach(), down.detach()
         for e in range(gate_up.shape[0]):
-            gu = gate_up[e].t() if transposed else gate_up[e]    # (2I, H)
+            gu = gate_up[e].t() if transposed else gate_up[e]  # (2I, H)
             inter = gu.shape[0] // 2
             views[f"{prefix}.{e}.gate_proj.weight"] = gu[:inter]
             views[f"{prefix}.{e}.up_proj.weight"] = gu[inter:]

@@ -13,8 +13,18 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["ENGINE_FUSED", "EXPERT_NAMES", "GLOBAL_NAMES", "LAYER", "LAYER_NAMES", "VOCAB_PARAMS", "engine_name",
-           "global_layer_names", "global_name", "unwrap"]
+__all__ = [
+    "ENGINE_FUSED",
+    "EXPERT_NAMES",
+    "GLOBAL_NAMES",
+    "LAYER",
+    "LAYER_NAMES",
+    "VOCAB_PARAMS",
+    "engine_name",
+    "global_layer_names",
+    "global_name",
+    "unwrap",
+]
 
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
@@ -24,9 +34,15 @@ LAYER_NAMES = {
     "input_layernorm.weight": ("copy", ("input_layernorm.weight",), None),
     "self_attention.linear_qkv.layer_norm_weight": ("copy", ("input_layernorm.weight",), None),
     "self_attention.linear_qkv.weight": (
-        "qkv", ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), 0),
+        "qkv",
+        ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+        0,
+    ),
     "self_attention.linear_qkv.bias": (
-        "qkv", ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"), 0),
+        "qkv",
+        ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+        0,
+    ),
     "self_attention.q_layernorm.weight": ("copy", ("self_attn.q_norm.weight",), None),
     "self_attention.k_layernorm.weight": ("copy", ("self_attn.k_norm.weight",), None),
     "self_attention.linear_proj.weight": ("copy", ("self_attn.o_proj.weight",), 1),
@@ -87,4 +103,4 @@ def global_layer_names(model) -> dict[str, str]:
 def global_name(name: str, prefixes: dict[str, str]) -> str:
     """``name`` with its local layer prefix replaced by the global one (``prefixes``:
     :func:`global_layer_names`)."""
-    return next((gp + name[len(lp):] for lp, gp in prefixes.items() if name.startswith(lp)), name)
+    return next((gp + name[len(lp) :] for lp, gp in prefixes.items() if name.startswith(lp)), name)

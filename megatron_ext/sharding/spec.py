@@ -28,12 +28,15 @@ class UnsupportedParameter(ValueError):
 
 # Parameters of common Megatron GPT variants that Llama / Qwen do not have, and what to change.
 _HINTS = UNSUPPORTED_HINTS + (
-    (re.compile(r"layernorm\.bias$|layer_norm_bias$"),
-     "LayerNorm with bias: Llama/Qwen use RMSNorm, set normalization='RMSNorm'"),
-    (re.compile(r"position_embeddings"),
-     "learned absolute positions: Llama/Qwen use RoPE, set position_embedding_type='rope'"),
-    (re.compile(r"\.bias$"),
-     "linear bias: Llama/Qwen have none except Qwen2's QKV bias; set add_bias_linear=False"),
+    (
+        re.compile(r"layernorm\.bias$|layer_norm_bias$"),
+        "LayerNorm with bias: Llama/Qwen use RMSNorm, set normalization='RMSNorm'",
+    ),
+    (
+        re.compile(r"position_embeddings"),
+        "learned absolute positions: Llama/Qwen use RoPE, set position_embedding_type='rope'",
+    ),
+    (re.compile(r"\.bias$"), "linear bias: Llama/Qwen have none except Qwen2's QKV bias; set add_bias_linear=False"),
 )
 
 
@@ -69,11 +72,25 @@ class TensorSpec:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def gpt_specs(*, num_layers: int, hidden_size: int, num_heads: int, num_groups: int, head_dim: int,
-              ffn_hidden_size: int, vocab_size: int, padded_vocab_size: int | None = None,
-              tie_embeddings: bool = False, qkv_bias: bool = False, qk_norm: bool = False,
-              num_experts: int = 0, moe_ffn_hidden_size: int = 0, dtype: torch.dtype = torch.bfloat16,
-              te_layernorm: bool = False, grouped_gemm: bool = False) -> list[TensorSpec]:
+def gpt_specs(
+    *,
+    num_layers: int,
+    hidden_size: int,
+    num_heads: int,
+    num_groups: int,
+    head_dim: int,
+    ffn_hidden_size: int,
+    vocab_size: int,
+    padded_vocab_size: int | None = None,
+    tie_embeddings: bool = False,
+    qkv_bias: bool = False,
+    qk_norm: bool = False,
+    num_experts: int = 0,
+    moe_ffn_hidden_size: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+    te_layernorm: bool = False,
+    grouped_gemm: bool = False,
+) -> list[TensorSpec]:
     """The HF tensors of a Llama / Qwen2 / Qwen3 (MoE: Qwen3-MoE) model with
     their Megatron and engine (vLLM-style fused) local names.
 
@@ -97,8 +114,18 @@ def gpt_specs(*, num_layers: int, hidden_size: int, num_heads: int, num_groups: 
         kind, hf_names, tp_dim = entry
         for part, (hf, shape) in enumerate(zip(hf_names, shapes)):
             fused = None if kind == "copy" else (kind, part)
-            specs.append(TensorSpec(hf_prefix + hf, tuple(shape), dtype, tp_dim, megatron_name,
-                                    engine_name(hf_prefix + hf, kind), fused=fused, **kw))
+            specs.append(
+                TensorSpec(
+                    hf_prefix + hf,
+                    tuple(shape),
+                    dtype,
+                    tp_dim,
+                    megatron_name,
+                    engine_name(hf_prefix + hf, kind),
+                    fused=fused,
+                    **kw,
+                )
+            )
 
     def add_global(name: str, shape, **kw):
         add(GLOBAL_NAMES[name], name, "", [shape], **kw)
@@ -111,10 +138,15 @@ def gpt_specs(*, num_layers: int, hidden_size: int, num_heads: int, num_groups: 
         def layer(suffix: str, shapes, _m=m, _h=h, _i=i, **kw):
             add(LAYER_NAMES[suffix], _m + suffix, _h, shapes, layer=_i, **kw)
 
-        layer("self_attention.linear_qkv.layer_norm_weight" if te_layernorm else "input_layernorm.weight",
-              [(hidden_size,)])
-        layer("self_attention.linear_qkv.weight", [(q_rows, hidden_size), (kv_rows, hidden_size),
-                                                   (kv_rows, hidden_size)], **heads)
+        layer(
+            "self_attention.linear_qkv.layer_norm_weight" if te_layernorm else "input_layernorm.weight",
+            [(hidden_size,)],
+        )
+        layer(
+            "self_attention.linear_qkv.weight",
+            [(q_rows, hidden_size), (kv_rows, hidden_size), (kv_rows, hidden_size)],
+            **heads,
+        )
         if qkv_bias:
             layer("self_attention.linear_qkv.bias", [(q_rows,), (kv_rows,), (kv_rows,)], **heads)
         if qk_norm:
@@ -126,10 +158,15 @@ def gpt_specs(*, num_layers: int, hidden_size: int, num_heads: int, num_groups: 
         if num_experts:
             layer("mlp.router.weight", [(num_experts, hidden_size)])
             for e in range(num_experts):
-                for fc, shapes in (("linear_fc1", [(moe_ffn_hidden_size, hidden_size)] * 2),
-                                   ("linear_fc2", [(hidden_size, moe_ffn_hidden_size)])):
-                    megatron = (m + f"mlp.experts.{fc}.weight{e}" if grouped_gemm
-                                else m + f"mlp.experts.local_experts.{e}.{fc}.weight")
+                for fc, shapes in (
+                    ("linear_fc1", [(moe_ffn_hidden_size, hidden_size)] * 2),
+                    ("linear_fc2", [(hidden_size, moe_ffn_hidden_size)]),
+                ):
+                    megatron = (
+                        m + f"mlp.experts.{fc}.weight{e}"
+                        if grouped_gemm
+                        else m + f"mlp.experts.local_experts.{e}.{fc}.weight"
+                    )
                     add(EXPERT_NAMES[fc], megatron, h + f"mlp.experts.{e}.", shapes, layer=i, expert=e)
         else:
             layer("mlp.linear_fc1.weight", [(ffn_hidden_size, hidden_size)] * 2)
@@ -140,9 +177,16 @@ def gpt_specs(*, num_layers: int, hidden_size: int, num_heads: int, num_groups: 
     return specs
 
 
-def specs_from_config(config, *, vocab_size: int, padded_vocab_size: int | None = None,
-                      tie_embeddings: bool = False, dtype: torch.dtype | None = None,
-                      te_layernorm: bool = False, grouped_gemm: bool = False) -> list[TensorSpec]:
+def specs_from_config(
+    config,
+    *,
+    vocab_size: int,
+    padded_vocab_size: int | None = None,
+    tie_embeddings: bool = False,
+    dtype: torch.dtype | None = None,
+    te_layernorm: bool = False,
+    grouped_gemm: bool = False,
+) -> list[TensorSpec]:
     """:func:`gpt_specs` for a Megatron ``TransformerConfig`` (dense or MoE);
     ``te_layernorm=True`` for models built with Transformer Engine layer specs,
     ``grouped_gemm=True`` for TEGroupedMLP experts (TE specs with
@@ -153,16 +197,28 @@ def specs_from_config(config, *, vocab_size: int, padded_vocab_size: int | None 
             raise ValueError(f"grouped-GEMM experts cannot be described: {issue}")
     heads = config.num_attention_heads
     return gpt_specs(
-        num_layers=config.num_layers, hidden_size=config.hidden_size, num_heads=heads,
-        num_groups=config.num_query_groups or heads, head_dim=config.kv_channels or config.hidden_size // heads,
-        ffn_hidden_size=config.ffn_hidden_size, vocab_size=vocab_size, padded_vocab_size=padded_vocab_size,
-        tie_embeddings=tie_embeddings, qkv_bias=bool(config.add_qkv_bias), qk_norm=bool(config.qk_layernorm),
-        num_experts=config.num_moe_experts or 0, moe_ffn_hidden_size=config.moe_ffn_hidden_size or 0,
-        dtype=dtype or config.params_dtype, te_layernorm=te_layernorm, grouped_gemm=grouped_gemm)
+        num_layers=config.num_layers,
+        hidden_size=config.hidden_size,
+        num_heads=heads,
+        num_groups=config.num_query_groups or heads,
+        head_dim=config.kv_channels or config.hidden_size // heads,
+        ffn_hidden_size=config.ffn_hidden_size,
+        vocab_size=vocab_size,
+        padded_vocab_size=padded_vocab_size,
+        tie_embeddings=tie_embeddings,
+        qkv_bias=bool(config.add_qkv_bias),
+        qk_norm=bool(config.qk_layernorm),
+        num_experts=config.num_moe_experts or 0,
+        moe_ffn_hidden_size=config.moe_ffn_hidden_size or 0,
+        dtype=dtype or config.params_dtype,
+        te_layernorm=te_layernorm,
+        grouped_gemm=grouped_gemm,
+    )
 
 
-_LOCAL_EXPERT = re.compile(r"local_experts\.\d+\.")          # SequentialMLP: local_experts.{j}.linear_fc1.weight
+_LOCAL_EXPERT = re.compile(r"local_experts\.\d+\.")  # SequentialMLP: local_experts.{j}.linear_fc1.weight
 _GROUPED_EXPERT = re.compile(r"(\.experts\.linear_fc[12]\.weight)\d+$")  # TEGroupedMLP: linear_fc1.weight{j}
+
 
 def _expert_pattern(name: str) -> str:
     """``name`` with the expert index within the EP rank replaced by ``*``."""
@@ -198,9 +254,14 @@ def specs_from_model(model, *, vocab_size: int, dtype: torch.dtype | None = None
     if padded is not None and vocab_size > padded:
         raise ValueError(f"vocab_size={vocab_size} exceeds the model's {padded} (padded) vocabulary rows")
     specs = specs_from_config(
-        cfg, vocab_size=vocab_size, padded_vocab_size=padded,
+        cfg,
+        vocab_size=vocab_size,
+        padded_vocab_size=padded,
         tie_embeddings=bool(getattr(m, "share_embeddings_and_output_weights", False)),
-        dtype=dtype or next(iter(params.values())).dtype, te_layernorm=te, grouped_gemm=grouped)
+        dtype=dtype or next(iter(params.values())).dtype,
+        te_layernorm=te,
+        grouped_gemm=grouped,
+    )
     known = {_expert_pattern(s.megatron_name): s for s in specs}
     if not any(s.name == "lm_head.weight" for s in specs):
         known["output_layer.weight"] = None  # tied (a later stage's copy): the engine ties lm_head to the embedding
@@ -209,16 +270,21 @@ def specs_from_model(model, *, vocab_size: int, dtype: torch.dtype | None = None
         if _expert_pattern(glob) not in known:
             why = next((why for pattern, why in _HINTS if pattern.search(glob)), None)
             raise UnsupportedParameter(
-                f"parameter {glob!r} has no Hugging Face counterpart: {why}" if why else
-                f"parameter {glob!r} has no Hugging Face counterpart in the GPT name table (supported: Llama / "
+                f"parameter {glob!r} has no Hugging Face counterpart: {why}"
+                if why
+                else f"parameter {glob!r} has no Hugging Face counterpart in the GPT name table (supported: Llama / "
                 "Qwen2 / Qwen3 dense and MoE with local, sequential or TE grouped-GEMM experts, local or TE "
-                "layer specs)")
+                "layer specs)"
+            )
         spec = known[_expert_pattern(glob)]
         split = getattr(param, "partition_dim", None) if getattr(param, "tensor_model_parallel", False) else None
         if spec is not None and split is not None and split != spec.tp_dim:
-            raise UnsupportedParameter(f"{glob}: split on dim {split} over tensor parallelism, but the name "
-                                       f"table shards it on dim {spec.tp_dim}")
+            raise UnsupportedParameter(
+                f"{glob}: split on dim {split} over tensor parallelism, but the name "
+                f"table shards it on dim {spec.tp_dim}"
+            )
     if not cfg.gated_linear_unit:
-        raise UnsupportedParameter("mlp.linear_fc1.weight: a non-gated MLP has no Llama/Qwen counterpart "
-                                   "(set gated_linear_unit=True)")
+        raise UnsupportedParameter(
+            "mlp.linear_fc1.weight: a non-gated MLP has no Llama/Qwen counterpart (set gated_linear_unit=True)"
+        )
     return specs

@@ -82,8 +82,7 @@ class _CpuTorch(types.ModuleType):
     asked for ``device='cuda'`` allocate on CPU; everything else is real torch."""
 
     _FACTORIES = frozenset(
-        {"tensor", "zeros", "ones", "empty", "full", "zeros_like", "ones_like",
-         "empty_like", "full_like", "arange"}
+        {"tensor", "zeros", "ones", "empty", "full", "zeros_like", "ones_like", "empty_like", "full_like", "arange"}
     )
 
     def __init__(self):
@@ -108,8 +107,7 @@ def _patch_torch_cuda():
     # selects nothing.
     cuda_device = torch.cuda.device
     torch.cuda.device = lambda device=None: (
-        contextlib.nullcontext() if device is None or str(device).startswith("cpu")
-        else cuda_device(device)
+        contextlib.nullcontext() if device is None or str(device).startswith("cpu") else cuda_device(device)
     )
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.current_stream = lambda device=None: _NullStream()
@@ -147,12 +145,8 @@ def _patch_megatron():
     import megatron.core.tensor_parallel.random as mrandom
     import megatron.core.utils as mutils
 
-    mrandom._get_cuda_rng_state = (
-        lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
-    )
-    mrandom._set_cuda_rng_state = (
-        lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
-    )
+    mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
     cpu_torch = _CpuTorch()
     for module in (optimizer, clip_grads, grad_scaler, mutils, schedules):
         module.torch = cpu_torch

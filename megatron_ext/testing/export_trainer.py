@@ -81,8 +81,11 @@ def _reference(model, spec):
 
     got = {}
     consumer = wx.LoadWeightsConsumer(lambda ws: got.update({n: t.detach().cpu().clone() for n, t in ws}))
-    ref = wx.WeightExporter(model, wx.WeightExportConfig(vocab_size=spec.hf_vocab_size, check_finite=False),
-                            receiver=wx.WeightReceiver(consumer))
+    ref = wx.WeightExporter(
+        model,
+        wx.WeightExportConfig(vocab_size=spec.hf_vocab_size, check_finite=False),
+        receiver=wx.WeightReceiver(consumer),
+    )
     ref.export()
     return got
 
@@ -109,9 +112,16 @@ def main(argv=None) -> int:
             device = torch.device("cuda", device.index or 0)
             torch.cuda.set_device(device)
         model = tiny_llama.build_model(spec, tiny_llama.transformer_config(spec), device=device)
-        exporter = wx.WeightExporter(model, wx.WeightExportConfig(
-            target=args.target, transport=args.transport, bucket_size_mb=args.bucket_size_mb,
-            vocab_size=spec.hf_vocab_size, timeout_s=args.timeout_s))
+        exporter = wx.WeightExporter(
+            model,
+            wx.WeightExportConfig(
+                target=args.target,
+                transport=args.transport,
+                bucket_size_mb=args.bucket_size_mb,
+                vocab_size=spec.hf_vocab_size,
+                timeout_s=args.timeout_s,
+            ),
+        )
         if args.kill_in_version is not None:
             exporter._sender = _KillAfter(exporter.sender, args.kill_in_version, args.kill_after_buckets)
         for v in range(1, args.versions + 1):

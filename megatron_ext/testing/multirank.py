@@ -62,8 +62,11 @@ def _write_result(path: str, payload: dict) -> None:
 def _rank_main(fn, args, kwargs, rank, world_size, port, backend, pg_timeout_s, env, out_dir):
     os.environ.update(env)
     os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
     )
     result_path = os.path.join(out_dir, f"rank{rank}.pt")
     # Third-party start-up chatter (no Apex/TE, deprecations) would drown test output.
@@ -82,8 +85,11 @@ def _rank_main(fn, args, kwargs, rank, world_size, port, backend, pg_timeout_s, 
         if backend == "nccl":
             kw["device_id"] = torch.device("cuda", torch.cuda.current_device())
         dist.init_process_group(
-            backend, rank=rank, world_size=world_size,
-            timeout=datetime.timedelta(seconds=pg_timeout_s), **kw,
+            backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=pg_timeout_s),
+            **kw,
         )
         try:
             value = fn(*args, **kwargs)
@@ -156,8 +162,18 @@ def run_on_ranks(
         procs = [
             ctx.Process(
                 target=_rank_main,
-                args=(fn, tuple(args), dict(kwargs or {}), r, world_size, port, backend,
-                      pg_timeout_s, child_env, out_dir),
+                args=(
+                    fn,
+                    tuple(args),
+                    dict(kwargs or {}),
+                    r,
+                    world_size,
+                    port,
+                    backend,
+                    pg_timeout_s,
+                    child_env,
+                    out_dir,
+                ),
                 name=f"rank{r}",
             )
             for r in range(world_size)

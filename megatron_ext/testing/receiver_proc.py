@@ -62,7 +62,7 @@ def _main(build, build_args, address, device, out_path, die_after, timeout_s, ke
             consumer = _DieAfter(consumer, die_after)
         versions = []
         receiver = wx.serve(consumer, address, device=device, timeout_s=timeout_s, on_version=versions.append)
-        state = ({n: p.detach().cpu().clone() for n, p in model.named_parameters()} if keep_state else None)
+        state = {n: p.detach().cpu().clone() for n, p in model.named_parameters()} if keep_state else None
         result = {"ok": True, "applied": versions, "state": state, "plans": receiver.plans_received}
     except BaseException:  # noqa: BLE001
         result = {"ok": False, "error": traceback.format_exc()}
@@ -112,15 +112,34 @@ class ReceiverProcess:
         return res
 
 
-def start_hf_receiver(build, build_args=(), *, device="cpu", die_after: int | None = None,
-                      timeout_s: float = 120.0, keep_state: bool = True) -> ReceiverProcess:
+def start_hf_receiver(
+    build,
+    build_args=(),
+    *,
+    device="cpu",
+    die_after: int | None = None,
+    timeout_s: float = 120.0,
+    keep_state: bool = True,
+) -> ReceiverProcess:
     """Spawn a receiver serving at a fresh ``127.0.0.1:port``; ``build(*build_args)``
     returns the HF model (a module-level function)."""
     address = f"127.0.0.1:{free_port()}"
     out_dir = tempfile.TemporaryDirectory(prefix="megatron_ext_receiver_")
     ctx = multiprocessing.get_context("spawn")
-    proc = ctx.Process(target=_main, args=(build, tuple(build_args), address, str(device),
-                                           os.path.join(out_dir.name, "result.pt"), die_after, timeout_s,
-                                           keep_state), name="hf-receiver", daemon=True)
+    proc = ctx.Process(
+        target=_main,
+        args=(
+            build,
+            tuple(build_args),
+            address,
+            str(device),
+            os.path.join(out_dir.name, "result.pt"),
+            die_after,
+            timeout_s,
+            keep_state,
+        ),
+        name="hf-receiver",
+        daemon=True,
+    )
     proc.start()
     return ReceiverProcess(proc, address, out_dir)

@@ -63,6 +63,7 @@ def standin_pool(memory_cls=PlainStandIn):
             stack.enter_context(mock.patch.object(module, "probe", capable))
             stack.enter_context(mock.patch.object(module, "SymmetricMemory", memory_cls))
         stack.enter_context(mock.patch.object(ddp, "_unsupported", lambda ddp, buffer: None))
-        stack.enter_context(mock.patch.object(fsdp.SymmFsdpParameterGroup, "_unsupported_layout",
-                                              lambda self, placements: None))
+        stack.enter_context(
+            mock.patch.object(fsdp.SymmFsdpParameterGroup, "_unsupported_layout", lambda self, placements: None)
+        )
         yield

@@ -113,9 +113,7 @@ def forward_loss(model, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Ten
     seq = tokens.shape[1]
     device = tokens.device
     position_ids = torch.arange(seq, device=device).unsqueeze(0).expand_as(tokens)
-    attention_mask = torch.triu(
-        torch.ones(1, 1, seq, seq, dtype=torch.bool, device=device), diagonal=1
-    )
+    attention_mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool, device=device), diagonal=1)
     per_token = model(tokens, position_ids, attention_mask, labels=labels)
     return per_token.float().mean()
 

@@ -31,14 +31,14 @@ class TinyLlamaSpec:
     num_attention_heads: int = 4
     num_query_groups: int = 2
     ffn_hidden_size: int = 96
-    vocab_size: int = 128          # Megatron's (padded) rows
-    hf_vocab_size: int = 120       # the HF model's vocabulary (<= vocab_size)
+    vocab_size: int = 128  # Megatron's (padded) rows
+    hf_vocab_size: int = 120  # the HF model's vocabulary (<= vocab_size)
     seq_length: int = 16
     tie_embeddings: bool = False
     rope_theta: float = 10000.0
     layernorm_epsilon: float = 1e-6
     seed: int = 1234
-    num_moe_experts: int = 4       # qwen3_moe only
+    num_moe_experts: int = 4  # qwen3_moe only
     moe_ffn_hidden_size: int = 32
     moe_router_topk: int = 2
 
@@ -49,24 +49,47 @@ def transformer_config(spec: TinyLlamaSpec, tp: int = 1, pp: int = 1, ep: int = 
     if spec.arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {spec.arch!r}")
     kwargs = dict(
-        num_layers=spec.num_layers, hidden_size=spec.hidden_size,
-        num_attention_heads=spec.num_attention_heads, num_query_groups=spec.num_query_groups,
-        ffn_hidden_size=spec.ffn_hidden_size, kv_channels=spec.hidden_size // spec.num_attention_heads,
-        gated_linear_unit=True, activation_func=torch.nn.functional.silu, normalization="RMSNorm",
-        layernorm_epsilon=spec.layernorm_epsilon, add_bias_linear=False, add_qkv_bias=spec.arch == "qwen2",
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        kv_channels=spec.hidden_size // spec.num_attention_heads,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.layernorm_epsilon,
+        add_bias_linear=False,
+        add_qkv_bias=spec.arch == "qwen2",
         qk_layernorm=spec.arch in ("qwen3", "qwen3_moe"),
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
-        params_dtype=torch.float32, pipeline_dtype=torch.float32, bf16=False, fp16=False,
-        gradient_accumulation_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
-        bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        bf16=False,
+        fp16=False,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
     )
     if spec.arch == "qwen3_moe":
         kwargs.update(
-            num_moe_experts=spec.num_moe_experts, moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
-            moe_router_topk=spec.moe_router_topk, moe_grouped_gemm=False, expert_model_parallel_size=ep,
-            expert_tensor_parallel_size=1, moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
-            moe_token_dispatcher_type="allgather")
+            num_moe_experts=spec.num_moe_experts,
+            moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+            moe_router_topk=spec.moe_router_topk,
+            moe_grouped_gemm=False,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=1,
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_token_dispatcher_type="allgather",
+        )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
@@ -82,10 +105,15 @@ def build_model(spec: TinyLlamaSpec, config, device: torch.device | str = "cpu")
     model = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(
-            num_experts=config.num_moe_experts, moe_grouped_gemm=bool(config.moe_grouped_gemm),
-            qk_layernorm=config.qk_layernorm, normalization="RMSNorm"),
-        vocab_size=spec.vocab_size, max_sequence_length=spec.seq_length,
-        position_embedding_type="rope", rotary_base=spec.rope_theta,
+            num_experts=config.num_moe_experts,
+            moe_grouped_gemm=bool(config.moe_grouped_gemm),
+            qk_layernorm=config.qk_layernorm,
+            normalization="RMSNorm",
+        ),
+        vocab_size=spec.vocab_size,
+        max_sequence_length=spec.seq_length,
+        position_embedding_type="rope",
+        rotary_base=spec.rope_theta,
         share_embeddings_and_output_weights=spec.tie_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
@@ -96,10 +124,12 @@ def build_model(spec: TinyLlamaSpec, config, device: torch.device | str = "cpu")
         for key, p in _perturbed_params(model):
             gen = torch.Generator().manual_seed(zlib.crc32(f"{spec.seed}:{key}".encode()))
             if getattr(p, "tensor_model_parallel", False):
-                tp, rank = parallel_state.get_tensor_model_parallel_world_size(), \
-                    parallel_state.get_tensor_model_parallel_rank()
+                tp, rank = (
+                    parallel_state.get_tensor_model_parallel_world_size(),
+                    parallel_state.get_tensor_model_parallel_rank(),
+                )
                 full = torch.randn((p.shape[0] * tp, *p.shape[1:]), generator=gen) * 0.1
-                noise = full[rank * p.shape[0]:(rank + 1) * p.shape[0]]
+                noise = full[rank * p.shape[0] : (rank + 1) * p.shape[0]]
             else:
                 noise = torch.randn(p.shape, generator=gen) * 0.1
             p.add_(noise.to(p.device, p.dtype))
@@ -118,8 +148,10 @@ def _redraw_experts(spec: TinyLlamaSpec, config, model) -> None:
         return
     num_local = config.num_moe_experts // parallel_state.get_expert_model_parallel_world_size()
     first = parallel_state.get_expert_model_parallel_rank() * num_local
-    etp, etp_rank = (parallel_state.get_expert_tensor_parallel_world_size(),
-                     parallel_state.get_expert_tensor_parallel_rank())
+    etp, etp_rank = (
+        parallel_state.get_expert_tensor_parallel_world_size(),
+        parallel_state.get_expert_tensor_parallel_rank(),
+    )
     for layer in model.decoder.layers:
         for name, p in layer.mlp.named_parameters():
             parts = name.split(".")
@@ -206,11 +238,20 @@ def hf_model(spec: TinyLlamaSpec, config, dtype=torch.float32):
 
     from megatron_ext.weight_export import hf_config_from_megatron
 
-    hf_cfg = hf_config_from_megatron(config, arch=spec.arch, vocab_size=spec.hf_vocab_size,
-                                     max_position_embeddings=max(64, spec.seq_length),
-                                     rope_theta=spec.rope_theta, tie_word_embeddings=spec.tie_embeddings)
-    cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
-           "qwen3": transformers.Qwen3ForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM}[spec.arch]
+    hf_cfg = hf_config_from_megatron(
+        config,
+        arch=spec.arch,
+        vocab_size=spec.hf_vocab_size,
+        max_position_embeddings=max(64, spec.seq_length),
+        rope_theta=spec.rope_theta,
+        tie_word_embeddings=spec.tie_embeddings,
+    )
+    cls = {
+        "llama": transformers.LlamaForCausalLM,
+        "qwen2": transformers.Qwen2ForCausalLM,
+        "qwen3": transformers.Qwen3ForCausalLM,
+        "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+    }[spec.arch]
     torch.manual_seed(spec.seed + 7)
     return cls(hf_cfg).to(dtype).eval()
 

@@ -12,15 +12,31 @@ HOST:PORT`` for a Hugging Face model; see docs/weight_export.md.
 """
 
 from .config import TRANSPORTS, ReshardRefitConfig, WeightExportConfig, add_reshard_refit_args, add_weight_export_args
-from .errors import (ControlError, NonFiniteWeights, PlanMismatch, ReceiverError, RefitError, RefitGroupError,
-                     RefitRejected)
+from .errors import (
+    ControlError,
+    NonFiniteWeights,
+    PlanMismatch,
+    ReceiverError,
+    RefitError,
+    RefitGroupError,
+    RefitRejected,
+)
 from .exporter import ExportResult, WeightExporter
-from ..sharding import (Box, Layout, TensorSpec, UnsupportedParameter, gpt_specs, hf_config_from_megatron,
-                        megatron_layout, megatron_layout_from_groups, ntp_megatron_layout, specs_from_config,
-                        specs_from_model)
+from ..sharding import (
+    Box,
+    Layout,
+    TensorSpec,
+    UnsupportedParameter,
+    gpt_specs,
+    hf_config_from_megatron,
+    megatron_layout,
+    megatron_layout_from_groups,
+    ntp_megatron_layout,
+    specs_from_config,
+    specs_from_model,
+)
 from .layout import inference_layout
-from .reshard import (FanoutRefit, RefitStats, ReshardExecutor, megatron_tensors,
-                      ntp_megatron_tensors)
+from .reshard import FanoutRefit, RefitStats, ReshardExecutor, megatron_tensors, ntp_megatron_tensors
 from .refit_group import RefitGroup
 from .remote_refit import EngineRefit, TrainerRefit
 from .reshard_plan import ReshardPlan, Transfer, build_reshard_plan, check_reshard_plan, fanout_plans
@@ -30,19 +46,62 @@ from .transport import BroadcastSender, InProcessSender, IpcDirectSender, IpcPus
 from .gate import RefitGate, VerifyResult, megatron_logits, verify_export
 
 __all__ = [
-    "RefitError", "ControlError",
-    "Box", "FanoutRefit", "Layout", "RefitGate", "RefitRejected", "RefitStats", "ReshardExecutor", "ReshardPlan",
-    "TensorSpec", "Transfer", "build_reshard_plan", "check_reshard_plan", "fanout_plans", "gpt_specs",
-    "inference_layout", "megatron_layout", "megatron_layout_from_groups", "megatron_tensors", "ntp_megatron_layout",
+    "RefitError",
+    "ControlError",
+    "Box",
+    "FanoutRefit",
+    "Layout",
+    "RefitGate",
+    "RefitRejected",
+    "RefitStats",
+    "ReshardExecutor",
+    "ReshardPlan",
+    "TensorSpec",
+    "Transfer",
+    "build_reshard_plan",
+    "check_reshard_plan",
+    "fanout_plans",
+    "gpt_specs",
+    "inference_layout",
+    "megatron_layout",
+    "megatron_layout_from_groups",
+    "megatron_tensors",
+    "ntp_megatron_layout",
     "ntp_megatron_tensors",
     "specs_from_config",
     "specs_from_model",
-    "TRANSPORTS", "BroadcastSender", "BucketMeta", "ExportPlan", "ExportResult", "HFModelConsumer",
-    "InProcessSender", "IpcDirectSender", "IpcPushSender", "IpcSender", "LoadWeightsConsumer", "NonFiniteWeights",
+    "TRANSPORTS",
+    "BroadcastSender",
+    "BucketMeta",
+    "ExportPlan",
+    "ExportResult",
+    "HFModelConsumer",
+    "InProcessSender",
+    "IpcDirectSender",
+    "IpcPushSender",
+    "IpcSender",
+    "LoadWeightsConsumer",
+    "NonFiniteWeights",
     "PlanMismatch",
     "ReceiverError",
-    "TensorMeta", "UnsupportedParameter", "VerifyResult", "WeightExportConfig", "WeightExporter",
-    "WeightReceiver", "add_weight_export_args", "build_plan", "check_plan", "hf_config_from_megatron",
-    "megatron_logits", "serve", "unpack", "verify_export",
-    "EngineRefit", "RefitGroup", "RefitGroupError", "TrainerRefit", "ReshardRefitConfig", "add_reshard_refit_args",
+    "TensorMeta",
+    "UnsupportedParameter",
+    "VerifyResult",
+    "WeightExportConfig",
+    "WeightExporter",
+    "WeightReceiver",
+    "add_weight_export_args",
+    "build_plan",
+    "check_plan",
+    "hf_config_from_megatron",
+    "megatron_logits",
+    "serve",
+    "unpack",
+    "verify_export",
+    "EngineRefit",
+    "RefitGroup",
+    "RefitGroupError",
+    "TrainerRefit",
+    "ReshardRefitConfig",
+    "add_reshard_refit_args",
 ]

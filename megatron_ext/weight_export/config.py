@@ -6,8 +6,14 @@ import argparse
 import dataclasses
 import math
 
-__all__ = ["TRANSPORTS", "ReshardRefitConfig", "WeightExportConfig", "add_reshard_refit_args",
-           "add_weight_export_args", "parse_address"]
+__all__ = [
+    "TRANSPORTS",
+    "ReshardRefitConfig",
+    "WeightExportConfig",
+    "add_reshard_refit_args",
+    "add_weight_export_args",
+    "parse_address",
+]
 
 TRANSPORTS = ("inprocess", "broadcast", "ipc", "ipc-push", "ipc-direct")
 BACKENDS = ("auto", "gloo", "nccl")
@@ -50,8 +56,10 @@ def _bucket_size_error(owner: str, value) -> str | None:
     """Why ``bucket_size_mb`` is refused (see MIN_BUCKET_BYTES), or None."""
     if _finite_number(value) and value * (1 << 20) >= MIN_BUCKET_BYTES:
         return None
-    return (f"{owner}.bucket_size_mb must be > 0: a finite number of MiB >= {MIN_BUCKET_BYTES / (1 << 20):g} "
-            f"({MIN_BUCKET_BYTES // 1024} KiB, one page)")
+    return (
+        f"{owner}.bucket_size_mb must be > 0: a finite number of MiB >= {MIN_BUCKET_BYTES / (1 << 20):g} "
+        f"({MIN_BUCKET_BYTES // 1024} KiB, one page)"
+    )
 
 
 @dataclasses.dataclass
@@ -83,24 +91,30 @@ class WeightExportConfig:
         if self.backend not in BACKENDS:
             raise ValueError(f"WeightExportConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.transport != "inprocess" and not self.target:
-            raise ValueError(f"WeightExportConfig.target is required for transport={self.transport!r}: the "
-                             "engines' receiver endpoints as 'host:port[,host:port...]'")
+            raise ValueError(
+                f"WeightExportConfig.target is required for transport={self.transport!r}: the "
+                "engines' receiver endpoints as 'host:port[,host:port...]'"
+            )
         if self.target:
             bad = [a for a in self.targets if _host_port(a) is None]
             if bad or not self.targets:
-                raise ValueError(f"WeightExportConfig.target must be 'host:port[,host:port...]' with every port in "
-                                 f"{PORTS[0]}..{PORTS[1]}, got {self.target!r}"
-                                 + (f" ({bad[0]!r} is not)" if bad else ""))
+                raise ValueError(
+                    f"WeightExportConfig.target must be 'host:port[,host:port...]' with every port in "
+                    f"{PORTS[0]}..{PORTS[1]}, got {self.target!r}" + (f" ({bad[0]!r} is not)" if bad else "")
+                )
         if self.transport == "ipc-push" and len(self.targets) != 1:
             # The same reason IpcPushSender gives, here before any process group or engine is touched.
-            raise ValueError(f"WeightExportConfig.transport='ipc-push' writes into one engine's weights; got "
-                             f"{len(self.targets)} targets in target={self.target!r} (use transport='ipc' or "
-                             "'broadcast' for several engines)")
+            raise ValueError(
+                f"WeightExportConfig.transport='ipc-push' writes into one engine's weights; got "
+                f"{len(self.targets)} targets in target={self.target!r} (use transport='ipc' or "
+                "'broadcast' for several engines)"
+            )
         if self.bucket_size_mb is not None and (why := _bucket_size_error("WeightExportConfig", self.bucket_size_mb)):
             raise ValueError(f"{why} or None (automatic), got {self.bucket_size_mb}")
         if self.every_n_steps < 0:
-            raise ValueError(f"WeightExportConfig.every_n_steps must be >= 0 (0: export only when called), "
-                             f"got {self.every_n_steps}")
+            raise ValueError(
+                f"WeightExportConfig.every_n_steps must be >= 0 (0: export only when called), got {self.every_n_steps}"
+            )
         if not (_finite_number(self.timeout_s) and self.timeout_s > 0):
             raise ValueError(f"WeightExportConfig.timeout_s must be > 0 and finite (seconds), got {self.timeout_s}")
         if self.vocab_size is not None and self.vocab_size <= 0:
@@ -113,10 +127,14 @@ class WeightExportConfig:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "WeightExportConfig":
         return cls(
-            target=args.weight_export_target, transport=args.weight_export_transport,
-            bucket_size_mb=args.weight_export_bucket_size_mb, every_n_steps=args.weight_export_every_n_steps,
-            backend=args.weight_export_backend, timeout_s=args.weight_export_timeout_s,
-            vocab_size=args.weight_export_vocab_size, check_finite=args.weight_export_check_finite,
+            target=args.weight_export_target,
+            transport=args.weight_export_transport,
+            bucket_size_mb=args.weight_export_bucket_size_mb,
+            every_n_steps=args.weight_export_every_n_steps,
+            backend=args.weight_export_backend,
+            timeout_s=args.weight_export_timeout_s,
+            vocab_size=args.weight_export_vocab_size,
+            check_finite=args.weight_export_check_finite,
         )
 
 
@@ -124,25 +142,56 @@ def add_weight_export_args(parser: argparse.ArgumentParser) -> argparse.Argument
     """Add the ``--weight-export-*`` flags (a Megatron ``extra_args_provider`` works too)."""
     d = WeightExportConfig
     g = parser.add_argument_group("weight export", "stream weights to inference engines (megatron_ext)")
-    g.add_argument("--weight-export-target", default=d.target,
-                   help="receiver endpoints 'host:port[,host:port...]' (engines run weight_export.serve)")
-    g.add_argument("--weight-export-transport", choices=TRANSPORTS, default=d.transport,
-                   help="inprocess; broadcast (NCCL/gloo to engines on other GPUs); ipc (engine on the same GPU, "
-                        "two shared buffers); ipc-push (one engine on the same GPU, written in place: one target); "
-                        "ipc-direct (same GPU, TP=PP=1, engine copies from the weights)")
-    g.add_argument("--weight-export-bucket-size-mb", type=float, default=d.bucket_size_mb,
-                   help=f"bucket size in MiB, at least {MIN_BUCKET_BYTES / (1 << 20):g} (4 KiB) "
-                        f"(default: from free memory, {MIN_BUCKET_MB}..{MAX_BUCKET_MB})")
-    g.add_argument("--weight-export-every-n-steps", type=int, default=d.every_n_steps,
-                   help="export after every N optimizer steps (0: off)")
-    g.add_argument("--weight-export-backend", choices=BACKENDS, default=d.backend,
-                   help="process-group backend of the broadcast transport (auto: nccl on GPU)")
-    g.add_argument("--weight-export-timeout-s", type=float, default=d.timeout_s,
-                   help="fail an export when a receiver does not answer within this many seconds")
-    g.add_argument("--weight-export-vocab-size", type=int, default=d.vocab_size,
-                   help="HF vocabulary size (trims Megatron's padded embedding rows)")
-    g.add_argument("--weight-export-check-finite", action=argparse.BooleanOptionalAction, default=d.check_finite,
-                   help="refuse to publish a version with NaN/Inf weights (one fused check per bucket)")
+    g.add_argument(
+        "--weight-export-target",
+        default=d.target,
+        help="receiver endpoints 'host:port[,host:port...]' (engines run weight_export.serve)",
+    )
+    g.add_argument(
+        "--weight-export-transport",
+        choices=TRANSPORTS,
+        default=d.transport,
+        help="inprocess; broadcast (NCCL/gloo to engines on other GPUs); ipc (engine on the same GPU, "
+        "two shared buffers); ipc-push (one engine on the same GPU, written in place: one target); "
+        "ipc-direct (same GPU, TP=PP=1, engine copies from the weights)",
+    )
+    g.add_argument(
+        "--weight-export-bucket-size-mb",
+        type=float,
+        default=d.bucket_size_mb,
+        help=f"bucket size in MiB, at least {MIN_BUCKET_BYTES / (1 << 20):g} (4 KiB) "
+        f"(default: from free memory, {MIN_BUCKET_MB}..{MAX_BUCKET_MB})",
+    )
+    g.add_argument(
+        "--weight-export-every-n-steps",
+        type=int,
+        default=d.every_n_steps,
+        help="export after every N optimizer steps (0: off)",
+    )
+    g.add_argument(
+        "--weight-export-backend",
+        choices=BACKENDS,
+        default=d.backend,
+        help="process-group backend of the broadcast transport (auto: nccl on GPU)",
+    )
+    g.add_argument(
+        "--weight-export-timeout-s",
+        type=float,
+        default=d.timeout_s,
+        help="fail an export when a receiver does not answer within this many seconds",
+    )
+    g.add_argument(
+        "--weight-export-vocab-size",
+        type=int,
+        default=d.vocab_size,
+        help="HF vocabulary size (trims Megatron's padded embedding rows)",
+    )
+    g.add_argument(
+        "--weight-export-check-finite",
+        action=argparse.BooleanOptionalAction,
+        default=d.check_finite,
+        help="refuse to publish a version with NaN/Inf weights (one fused check per bucket)",
+    )
     return parser
 
 
@@ -179,20 +228,25 @@ class ReshardRefitConfig:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"ReshardRefitConfig.{name} must be an integer >= 1, got {value!r}")
         if (self.engine_tp * self.engine_dp) % self.engine_ep:
-            raise ValueError(f"ReshardRefitConfig.engine_ep must divide engine_tp * engine_dp = "
-                             f"{self.engine_tp * self.engine_dp}, got {self.engine_ep}")
+            raise ValueError(
+                f"ReshardRefitConfig.engine_ep must divide engine_tp * engine_dp = "
+                f"{self.engine_tp * self.engine_dp}, got {self.engine_ep}"
+            )
         if why := _bucket_size_error("ReshardRefitConfig", self.bucket_size_mb):
             raise ValueError(f"{why}, got {self.bucket_size_mb}")
         if self.every_n_steps < 0:
-            raise ValueError(f"ReshardRefitConfig.every_n_steps must be >= 0 (0: refit only when called), "
-                             f"got {self.every_n_steps}")
+            raise ValueError(
+                f"ReshardRefitConfig.every_n_steps must be >= 0 (0: refit only when called), got {self.every_n_steps}"
+            )
         if self.backend not in BACKENDS:
             raise ValueError(f"ReshardRefitConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
         if not (_finite_number(self.timeout_s) and self.timeout_s > 0):
             raise ValueError(f"ReshardRefitConfig.timeout_s must be > 0 and finite (seconds), got {self.timeout_s}")
         if self.store is not None and _host_port(self.store) is None:
-            raise ValueError(f"ReshardRefitConfig.store must be 'host:port' with a port in {PORTS[0]}..{PORTS[1]} "
-                             f"(the refit group's TCP store), got {self.store!r}")
+            raise ValueError(
+                f"ReshardRefitConfig.store must be 'host:port' with a port in {PORTS[0]}..{PORTS[1]} "
+                f"(the refit group's TCP store), got {self.store!r}"
+            )
 
     @property
     def bucket_bytes(self) -> int:
@@ -201,8 +255,12 @@ class ReshardRefitConfig:
     @property
     def executor_kwargs(self) -> dict:
         """Keyword arguments of ``ReshardExecutor`` / ``FanoutRefit`` / ``TrainerRefit`` / ``EngineRefit``."""
-        return dict(bucket_bytes=self.bucket_bytes, max_inflight=self.max_inflight, atomic=self.atomic,
-                    check_finite=self.check_finite)
+        return dict(
+            bucket_bytes=self.bucket_bytes,
+            max_inflight=self.max_inflight,
+            atomic=self.atomic,
+            check_finite=self.check_finite,
+        )
 
     @property
     def store_address(self) -> tuple[str, int] | None:
@@ -212,8 +270,14 @@ class ReshardRefitConfig:
         """The engine's :func:`~.layout.inference_layout` on ``ranks`` (default ``0..tp*dp-1``)."""
         from .layout import inference_layout
 
-        return inference_layout(specs, tp=self.engine_tp, dp=self.engine_dp, ep=self.engine_ep, ranks=ranks,
-                                vocab_padding=self.vocab_padding)
+        return inference_layout(
+            specs,
+            tp=self.engine_tp,
+            dp=self.engine_dp,
+            ep=self.engine_ep,
+            ranks=ranks,
+            vocab_padding=self.vocab_padding,
+        )
 
     def join(self, rank: int, world_size: int, *, device=None):
         """Join the :class:`~.refit_group.RefitGroup` at ``store`` as refit rank ``rank`` of
@@ -223,8 +287,10 @@ class ReshardRefitConfig:
         from .refit_group import RefitGroup
 
         if self.store_address is None:
-            raise ValueError("store is not set: pass --reshard-refit-store host:port (refit rank 0's address) "
-                             "when the engine runs as a separate job")
+            raise ValueError(
+                "store is not set: pass --reshard-refit-store host:port (refit rank 0's address) "
+                "when the engine runs as a separate job"
+            )
         backend = self.backend if self.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
         host, port = self.store_address
         return RefitGroup.join(host, port, rank, world_size, backend=backend, device=device, timeout_s=self.timeout_s)
@@ -241,30 +307,67 @@ class ReshardRefitConfig:
 def add_reshard_refit_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``--reshard-refit-*`` flags (a Megatron ``extra_args_provider`` works too)."""
     d = ReshardRefitConfig
-    g = parser.add_argument_group("reshard refit", "move weights from the trainer's layout straight to the "
-                                  "engine's (megatron_ext)")
+    g = parser.add_argument_group(
+        "reshard refit", "move weights from the trainer's layout straight to the engine's (megatron_ext)"
+    )
     g.add_argument("--reshard-refit-engine-tp", type=int, default=d.engine_tp, help="engine tensor parallel size")
     g.add_argument("--reshard-refit-engine-dp", type=int, default=d.engine_dp, help="engine replicas")
-    g.add_argument("--reshard-refit-engine-ep", type=int, default=d.engine_ep,
-                   help="engine expert parallel size (whole experts per rank; 1: experts TP-sharded)")
-    g.add_argument("--reshard-refit-vocab-padding", type=int, default=d.vocab_padding,
-                   help="the engine pads its vocabulary to a multiple of this many rows (vLLM: 64)")
-    g.add_argument("--reshard-refit-bucket-size-mb", type=float, default=d.bucket_size_mb,
-                   help=f"staging bucket per peer, MiB, at least {MIN_BUCKET_BYTES / (1 << 20):g} (4 KiB) "
-                        "(larger: fewer rounds, more staging memory)")
-    g.add_argument("--reshard-refit-max-inflight", type=int, default=d.max_inflight,
-                   help="rounds in flight before the oldest is waited on")
-    g.add_argument("--reshard-refit-atomic", action=argparse.BooleanOptionalAction, default=d.atomic,
-                   help="stage the whole version and apply it only when all of it arrived (default); "
-                        "--no-reshard-refit-atomic streams (max_inflight buckets per peer of staging)")
-    g.add_argument("--reshard-refit-check-finite", action=argparse.BooleanOptionalAction, default=d.check_finite,
-                   help="refuse a version with NaN/Inf weights on every rank before a byte moves (default)")
-    g.add_argument("--reshard-refit-every-n-steps", type=int, default=d.every_n_steps,
-                   help="refit after every N optimizer steps (0: off)")
-    g.add_argument("--reshard-refit-store", default=d.store,
-                   help="'host:port' of the refit group's TCP store when the engine runs as a separate job")
-    g.add_argument("--reshard-refit-backend", choices=BACKENDS, default=d.backend,
-                   help="refit group backend (auto: nccl on GPU)")
-    g.add_argument("--reshard-refit-timeout-s", type=float, default=d.timeout_s,
-                   help="fail a refit group wait (join, plan check, announcement) after this many seconds")
+    g.add_argument(
+        "--reshard-refit-engine-ep",
+        type=int,
+        default=d.engine_ep,
+        help="engine expert parallel size (whole experts per rank; 1: experts TP-sharded)",
+    )
+    g.add_argument(
+        "--reshard-refit-vocab-padding",
+        type=int,
+        default=d.vocab_padding,
+        help="the engine pads its vocabulary to a multiple of this many rows (vLLM: 64)",
+    )
+    g.add_argument(
+        "--reshard-refit-bucket-size-mb",
+        type=float,
+        default=d.bucket_size_mb,
+        help=f"staging bucket per peer, MiB, at least {MIN_BUCKET_BYTES / (1 << 20):g} (4 KiB) "
+        "(larger: fewer rounds, more staging memory)",
+    )
+    g.add_argument(
+        "--reshard-refit-max-inflight",
+        type=int,
+        default=d.max_inflight,
+        help="rounds in flight before the oldest is waited on",
+    )
+    g.add_argument(
+        "--reshard-refit-atomic",
+        action=argparse.BooleanOptionalAction,
+        default=d.atomic,
+        help="stage the whole version and apply it only when all of it arrived (default); "
+        "--no-reshard-refit-atomic streams (max_inflight buckets per peer of staging)",
+    )
+    g.add_argument(
+        "--reshard-refit-check-finite",
+        action=argparse.BooleanOptionalAction,
+        default=d.check_finite,
+        help="refuse a version with NaN/Inf weights on every rank before a byte moves (default)",
+    )
+    g.add_argument(
+        "--reshard-refit-every-n-steps",
+        type=int,
+        default=d.every_n_steps,
+        help="refit after every N optimizer steps (0: off)",
+    )
+    g.add_argument(
+        "--reshard-refit-store",
+        default=d.store,
+        help="'host:port' of the refit group's TCP store when the engine runs as a separate job",
+    )
+    g.add_argument(
+        "--reshard-refit-backend", choices=BACKENDS, default=d.backend, help="refit group backend (auto: nccl on GPU)"
+    )
+    g.add_argument(
+        "--reshard-refit-timeout-s",
+        type=float,
+        default=d.timeout_s,
+        help="fail a refit group wait (join, plan check, announcement) after this many seconds",
+    )
     return parser

@@ -44,18 +44,29 @@ import torch
 from .errors import ControlError
 from .config import parse_address
 
-__all__ = ["Channel", "ControlError", "KEY_ENV", "Listener", "Message", "blob_tensor", "connect", "is_loopback",
-           "listen_socket", "resolve_key", "tensor_blob"]
+__all__ = [
+    "Channel",
+    "ControlError",
+    "KEY_ENV",
+    "Listener",
+    "Message",
+    "blob_tensor",
+    "connect",
+    "is_loopback",
+    "listen_socket",
+    "resolve_key",
+    "tensor_blob",
+]
 
 log = logging.getLogger(__name__)
 
 KEY_ENV = "MEGATRON_EXT_EXPORT_AUTHKEY"
 PROTOCOL = "megatron_ext.control/1"
-MAX_HEADER_BYTES = 64 << 20   # a JSON header (a plan of ~10^5 tensors is a few MiB)
-MAX_BLOB_BYTES = 4 << 30      # one binary payload (logits of a verify batch)
+MAX_HEADER_BYTES = 64 << 20  # a JSON header (a plan of ~10^5 tensors is a few MiB)
+MAX_BLOB_BYTES = 4 << 30  # one binary payload (logits of a verify batch)
 _HANDSHAKE_HEADER_BYTES = 4096
 _LEN = struct.Struct(">I")
-_WARN_AFTER_S = 5.0           # when a connect that keeps being refused says so
+_WARN_AFTER_S = 5.0  # when a connect that keeps being refused says so
 
 
 # ----------------------------------------------------------------------------- keys
@@ -88,8 +99,10 @@ def _private_dir(path: str) -> str:
         pass
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise ControlError(f"{path} must be a directory owned by this user with mode 0700 (it holds the control "
-                           f"channel's key); remove it, or set {KEY_ENV} on the trainer and the engine")
+        raise ControlError(
+            f"{path} must be a directory owned by this user with mode 0700 (it holds the control "
+            f"channel's key); remove it, or set {KEY_ENV} on the trainer and the engine"
+        )
     return path
 
 
@@ -126,19 +139,37 @@ def resolve_key(address: str, key: bytes | str | None = None, *, create: bool = 
         return env.encode()
     host, _ = parse_address(address, "the control address")
     if not is_loopback(host):
-        raise ValueError(f"control address {address!r} is not loopback: set the same secret on the trainer and the "
-                         f"engine (authkey=... or the {KEY_ENV} environment variable)")
+        raise ValueError(
+            f"control address {address!r} is not loopback: set the same secret on the trainer and the "
+            f"engine (authkey=... or the {KEY_ENV} environment variable)"
+        )
     found = _user_key(create)
     if found is None:
-        raise ControlError(f"no control key in {_key_dir()} yet: nothing has served at {address} on this host as "
-                           f"this user; start the engine (weight_export.serve) first, or set {KEY_ENV} on both sides")
+        raise ControlError(
+            f"no control key in {_key_dir()} yet: nothing has served at {address} on this host as "
+            f"this user; start the engine (weight_export.serve) first, or set {KEY_ENV} on both sides"
+        )
     return found
 
 
 # ---------------------------------------------------------------------- payloads
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16, torch.int8,
-    torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)}
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float64,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+    )
+}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -229,8 +260,9 @@ class Channel:
         return self.sock.fileno()
 
     def send(self, kind: str, *, blobs: Sequence[bytes] = (), **fields) -> None:
-        header = json.dumps({"kind": kind, "blobs": [len(b) for b in blobs], **to_wire(fields)},
-                            separators=(",", ":")).encode()
+        header = json.dumps(
+            {"kind": kind, "blobs": [len(b) for b in blobs], **to_wire(fields)}, separators=(",", ":")
+        ).encode()
         try:
             self.sock.settimeout(None)
             self.sock.sendall(_LEN.pack(len(header)) + header)
@@ -257,8 +289,11 @@ class Channel:
             raise ControlError(f"{self.peer} sent a frame that is not JSON: not our protocol") from exc
         sizes = header.pop("blobs", []) if isinstance(header, dict) else None
         kind = header.get("kind") if isinstance(header, dict) else None
-        if not isinstance(kind, str) or not isinstance(sizes, list) or not all(
-                isinstance(n, int) and 0 <= n <= MAX_BLOB_BYTES for n in sizes):
+        if (
+            not isinstance(kind, str)
+            or not isinstance(sizes, list)
+            or not all(isinstance(n, int) and 0 <= n <= MAX_BLOB_BYTES for n in sizes)
+        ):
             raise ControlError(f"{self.peer} sent a malformed frame: not our protocol")
         header.pop("kind")
         return Message(kind, from_wire(header), [self._read(n, deadline) for n in sizes])
@@ -348,11 +383,18 @@ def connect(address: str, *, timeout_s: float, key: bytes | str | None = None, w
             break
         except OSError as exc:
             if time.monotonic() >= deadline:
-                raise ControlError(f"nothing is listening at {address} after {timeout_s:g}s ({exc}); is the {what} "
-                                   "running? Start it first (weight_export.serve) or fix the address") from exc
+                raise ControlError(
+                    f"nothing is listening at {address} after {timeout_s:g}s ({exc}); is the {what} "
+                    "running? Start it first (weight_export.serve) or fix the address"
+                ) from exc
             if not warned and time.monotonic() - start > _WARN_AFTER_S:
-                log.warning("nothing is listening at %s yet (%s); is the %s running? waiting up to %gs",
-                            address, exc, what, timeout_s)
+                log.warning(
+                    "nothing is listening at %s yet (%s); is the %s running? waiting up to %gs",
+                    address,
+                    exc,
+                    what,
+                    timeout_s,
+                )
                 warned = True
             time.sleep(0.1)
     ch = Channel(sock, f"the {what} at {address}")
@@ -367,8 +409,9 @@ def connect(address: str, *, timeout_s: float, key: bytes | str | None = None, w
 def listen_socket(host: str, port: int, backlog: int = socket.SOMAXCONN) -> socket.socket:
     """A TCP socket listening on ``host``'s address only (the first that ``getaddrinfo`` gives,
     resolved once; no wildcard unless ``host`` is one). ``OSError`` if it cannot bind."""
-    family, _, _, _, sockaddr = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM,
-                                                   proto=socket.IPPROTO_TCP)[0]
+    family, _, _, _, sockaddr = socket.getaddrinfo(
+        host.strip("[]"), port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP
+    )[0]
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -411,8 +454,9 @@ class Listener:
                 return ch
             except ControlError as exc:
                 self.rejected += 1
-                log.warning("control channel at %s: dropped a connection from %s:%s (%s)", self.address,
-                            peer[0], peer[1], exc)
+                log.warning(
+                    "control channel at %s: dropped a connection from %s:%s (%s)", self.address, peer[0], peer[1], exc
+                )
                 ch.close()
 
     def close(self) -> None:

@@ -28,8 +28,14 @@ class CopyBatch:
         groups: dict[torch.dtype, tuple[list, list]] = {}
         self.single: list[tuple[torch.Tensor, torch.Tensor]] = []
         for dst, src in pairs:
-            if (dst.dtype == src.dtype and dst.is_floating_point() and dst.device == src.device
-                    and dst.is_contiguous() and src.is_contiguous() and dst.shape == src.shape):
+            if (
+                dst.dtype == src.dtype
+                and dst.is_floating_point()
+                and dst.device == src.device
+                and dst.is_contiguous()
+                and src.is_contiguous()
+                and dst.shape == src.shape
+            ):
                 d, s = groups.setdefault(dst.dtype, ([], []))
                 d.append(dst)
                 s.append(src)
@@ -65,5 +71,7 @@ def finite_flags(tensors: list[torch.Tensor]) -> list[tuple[list[int], torch.Ten
     for i, t in enumerate(tensors):
         if t.dtype in FINITE_CHECKED_DTYPES and t.numel():
             groups.setdefault(t.dtype, []).append(i)
-    return [(idx, torch.stack(torch._foreach_norm([tensors[i] for i in idx], float("inf"))).isfinite())
-            for idx in groups.values()]
+    return [
+        (idx, torch.stack(torch._foreach_norm([tensors[i] for i in idx], float("inf"))).isfinite())
+        for idx in groups.values()
+    ]

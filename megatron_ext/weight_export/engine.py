@@ -31,15 +31,26 @@ def _args(argv):
     p = argparse.ArgumentParser(prog="python -m megatron_ext.weight_export.engine", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="a Hugging Face model directory (config + weights)")
     p.add_argument("--address", required=True, help="host:port to listen at (only this interface)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="where the model lives (default: cuda when there is a GPU, else cpu)")
+    p.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="where the model lives (default: cuda when there is a GPU, else cpu)",
+    )
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="auto", help="the model's dtype (auto: its config's)")
-    p.add_argument("--timeout-s", type=float, default=600.0,
-                   help="how long to wait for a trainer, and for its next message, before giving up")
+    p.add_argument(
+        "--timeout-s",
+        type=float,
+        default=600.0,
+        help="how long to wait for a trainer, and for its next message, before giving up",
+    )
     p.add_argument("--sessions", type=int, default=1, help="trainer sessions to serve one after another (0: forever)")
-    p.add_argument("--no-atomic", dest="atomic", action="store_false",
-                   help="write buckets as they arrive (no staging memory); an interrupted refit then leaves no "
-                        "complete version until the next one")
+    p.add_argument(
+        "--no-atomic",
+        dest="atomic",
+        action="store_false",
+        help="write buckets as they arrive (no staging memory); an interrupted refit then leaves no "
+        "complete version until the next one",
+    )
     p.add_argument("--save", default=None, help="save the model here (save_pretrained) on exit")
     args = p.parse_args(argv)
     try:
@@ -76,10 +87,21 @@ def main(argv=None) -> int:
         while args.sessions == 0 or session < args.sessions:
             session += 1
             print(f"engine: serving {args.model} at {args.address} on {device} (session {session})", flush=True)
-            receiver = serve(consumer, args.address, device=device, timeout_s=args.timeout_s, atomic=args.atomic,
-                             on_version=lambda v: print(f"engine: applied version {v}", flush=True))
-            state = (f"version {receiver.applied_version}" if receiver.applied_version is not None else
-                     "its initial weights" if receiver.holds_complete_version else "no complete version")
+            receiver = serve(
+                consumer,
+                args.address,
+                device=device,
+                timeout_s=args.timeout_s,
+                atomic=args.atomic,
+                on_version=lambda v: print(f"engine: applied version {v}", flush=True),
+            )
+            state = (
+                f"version {receiver.applied_version}"
+                if receiver.applied_version is not None
+                else "its initial weights"
+                if receiver.holds_complete_version
+                else "no complete version"
+            )
             print(f"engine: session {session} ended; the model holds {state}", flush=True)
     except Exception as exc:  # noqa: BLE001 - a command reports and exits
         print(f"engine: error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)

@@ -10,8 +10,15 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .reshard import RefitStats
 
-__all__ = ["ControlError", "NonFiniteWeights", "PlanMismatch", "ReceiverError", "RefitError", "RefitGroupError",
-           "RefitRejected"]
+__all__ = [
+    "ControlError",
+    "NonFiniteWeights",
+    "PlanMismatch",
+    "ReceiverError",
+    "RefitError",
+    "RefitGroupError",
+    "RefitRejected",
+]
 
 
 class RefitError(Exception):

@@ -160,12 +160,12 @@ class WeightExporter:
         self.participates = self.gathers_dense or self.gathers_experts
         self.is_leader = self.gathers_dense and lay.tp_rank == 0
         self.is_export_rank = self.is_leader and lay.pp_rank == 0
-        if self.is_leader and self.has_experts and (lay.ep_rank != 0 or lay.etp_rank != 0
-                                                    or not self.gathers_experts):
+        if self.is_leader and self.has_experts and (lay.ep_rank != 0 or lay.etp_rank != 0 or not self.gathers_experts):
             raise RuntimeError(
                 f"the stage leader (TP rank 0, DP rank 0) is EP rank {lay.ep_rank}, expert-TP rank {lay.etp_rank}, "
                 f"expert-DP rank {lay.edp_rank}; the MoE export needs it to be EP rank 0 and expert-TP rank 0 of "
-                "expert-DP rank 0: use Megatron's default rank order (order='tp-cp-ep-dp-pp')")
+                "expert-DP rank 0: use Megatron's default rank order (order='tp-cp-ep-dp-pp')"
+            )
         self.device = next(self.model.parameters()).device
         self._receiver, self._sender = receiver, sender
         self._plan: ExportPlan | None = None
@@ -216,23 +216,33 @@ class WeightExporter:
             return
         layer_stage = {layer: i for i, (_, ls, _) in enumerate(stages) for layer in ls}
         sizes = dict(tp=lay.tp_size, ep=lay.ep_size, etp=lay.etp_size)
-        self._plan = build_plan(specs, self._bucket_bytes(), pp=lay.pp_size, **sizes,
-                                layer_stage=[layer_stage[i] for i in range(len(layer_stage))])
+        self._plan = build_plan(
+            specs,
+            self._bucket_bytes(),
+            pp=lay.pp_size,
+            **sizes,
+            layer_stage=[layer_stage[i] for i in range(len(layer_stage))],
+        )
         if self.gathers_experts:
             lay.exchange_expert_coords()
         self._tensors = megatron_tensors(self.model)
         groups = {"tp": GatherGroup(lay.tp_group, lay.tp_rank, tuple(members("tp", lay.pp_rank, **sizes)))}
         if self.gathers_experts:
-            groups["ep"] = GatherGroup(lay.expert_group, lay.expert_rank, tuple(
-                members("ep", lay.pp_rank, **sizes, coords=lay.expert_coords)))
+            groups["ep"] = GatherGroup(
+                lay.expert_group, lay.expert_rank, tuple(members("ep", lay.pp_rank, **sizes, coords=lay.expert_coords))
+            )
         self._gatherer = BucketGatherer(self._tensors, groups, device=self.device)
         self._buffers, self._bucket_views = [], {}
         self._signature = sig
         self.plans_built += 1
         if self.is_export_rank:
-            log.info("weight export plan: %d tensors, %.1f MiB in %d buckets of <= %.1f MiB",
-                     sum(1 for _ in self._plan.tensors()), self._plan.total_bytes / MiB,
-                     len(self._plan.buckets), self._plan.buffer_bytes / MiB)
+            log.info(
+                "weight export plan: %d tensors, %.1f MiB in %d buckets of <= %.1f MiB",
+                sum(1 for _ in self._plan.tensors()),
+                self._plan.total_bytes / MiB,
+                len(self._plan.buckets),
+                self._plan.buffer_bytes / MiB,
+            )
 
     def _stage_facts(self, sig: str):
         """``(specs, global layers, why it cannot be exported or None)`` of this rank's stage,
@@ -297,15 +307,19 @@ class WeightExporter:
                 self._refuse_nonfinite(check)
             sender.start(plan, [], self.version)
             applied = tuple(sender.finish(self.version))
-            self.last_result = ExportResult(self.version, plan.total_bytes, time.perf_counter() - start,
-                                            len(plan.buckets), applied)
+            self.last_result = ExportResult(
+                self.version, plan.total_bytes, time.perf_counter() - start, len(plan.buckets), applied
+            )
             return self.last_result
         # In-place senders write into the engine's tensors: the export rank needs buffers
         # only to receive other stages' buckets.
         push = getattr(sender, "push", False)
         if self.is_leader and not self._buffers and not (push and self.layout.pp_size == 1):
-            alloc = sender.allocate if sender is not None and not push else (
-                lambda n, d: torch.empty(n, dtype=torch.uint8, device=d))
+            alloc = (
+                sender.allocate
+                if sender is not None and not push
+                else (lambda n, d: torch.empty(n, dtype=torch.uint8, device=d))
+            )
             self._buffers = [alloc(plan.buffer_bytes, self.device) for _ in range(2)]
         if sender is not None:
             sender.start(plan, self._buffers, self.version)
@@ -330,12 +344,18 @@ class WeightExporter:
             raise
         applied = tuple(sender.finish(self.version)) if sender is not None else ()
         nbytes = plan.total_bytes if self.is_export_rank else 0
-        self.last_result = ExportResult(self.version, nbytes, time.perf_counter() - start,
-                                        len(plan.buckets), applied)
+        self.last_result = ExportResult(self.version, nbytes, time.perf_counter() - start, len(plan.buckets), applied)
         if self.is_export_rank:
             r = self.last_result
-            log.info("weight export: version %d, %.1f MB in %d buckets, %.1f ms, %.2f GB/s; receivers applied %s",
-                     r.version, r.nbytes / 1e6, r.num_buckets, r.seconds * 1e3, r.gbps, list(r.applied))
+            log.info(
+                "weight export: version %d, %.1f MB in %d buckets, %.1f ms, %.2f GB/s; receivers applied %s",
+                r.version,
+                r.nbytes / 1e6,
+                r.num_buckets,
+                r.seconds * 1e3,
+                r.gbps,
+                list(r.applied),
+            )
         return self.last_result
 
     def _agree_on_bucket_bytes(self) -> None:
@@ -368,7 +388,8 @@ class WeightExporter:
                 f"version {self.version} has NaN/Inf in {len(bad)} tensor(s): {', '.join(bad[:5])}"
                 f"{' ...' if len(bad) > 5 else ''}; it was not published (the engines keep their version). Fix "
                 "the training step (loss scale, learning rate, data), or pass check_finite=False / "
-                "--no-weight-export-check-finite to export anyway")
+                "--no-weight-export-check-finite to export anyway"
+            )
 
     def verify(self, tokens: torch.Tensor):
         """Run ``tokens`` through the Megatron model (every rank of the replica) and
@@ -403,18 +424,19 @@ class WeightExporter:
             if mine:
                 self._gatherer.gather(bucket, sender.views if push else self._views(bucket, out))
             else:  # the export rank receives another stage's bucket
-                dist.recv(out[:bucket.nbytes], src=lay.stage_leaders[bucket.pp_rank])
+                dist.recv(out[: bucket.nbytes], src=lay.stage_leaders[bucket.pp_rank])
                 if push:
                     copy_all([(sender.views[name], t) for name, t in unpack(bucket, out)])
             if check is not None:
                 check.add((t.name, sender.views[t.name]) for t in bucket.tensors) if push else check.add(
-                    unpack(bucket, out))
+                    unpack(bucket, out)
+                )
             if push:
                 continue
             if self.is_export_rank:
                 pending[slot] = sender.send(bucket, out)
             elif self.is_leader:
-                pending[slot] = dist.isend(out[:bucket.nbytes], dst=lay.stage_leaders[0])
+                pending[slot] = dist.isend(out[: bucket.nbytes], dst=lay.stage_leaders[0])
         last = plan.buckets[-1].index if plan.buckets else 0
         for slot in ((last + 1) % 2, last % 2):  # oldest first: acknowledgements come in order
             if pending[slot] is not None:

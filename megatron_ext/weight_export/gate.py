@@ -18,8 +18,8 @@ __all__ = ["RefitGate", "VerifyResult", "megatron_logits", "verify_export"]
 
 @dataclasses.dataclass(frozen=True)
 class VerifyResult:
-    max_abs_diff: float   # max |logit difference|
-    kl: float             # KL(trainer || receiver), mean over tokens
+    max_abs_diff: float  # max |logit difference|
+    kl: float  # KL(trainer || receiver), mean over tokens
 
     def ok(self, *, max_kl: float = 1e-3) -> bool:
         return self.kl <= max_kl
@@ -35,8 +35,10 @@ def megatron_logits(model, tokens: torch.Tensor) -> torch.Tensor:
     from ..sharding.names import unwrap
 
     if ps.model_parallel_is_initialized() and ps.get_pipeline_model_parallel_world_size() > 1:
-        raise NotImplementedError("megatron_logits needs pipeline size 1; pass reference logits from "
-                                  "your pipeline schedule to verify_export(reference_logits=...)")
+        raise NotImplementedError(
+            "megatron_logits needs pipeline size 1; pass reference logits from "
+            "your pipeline schedule to verify_export(reference_logits=...)"
+        )
     model = unwrap(model)
     was_training = model.training
     model.eval()
@@ -63,7 +65,7 @@ def verify_export(reference_logits: torch.Tensor, receiver_logits: torch.Tensor)
     """
     ref = reference_logits.float().cpu()
     got = receiver_logits.float().cpu()
-    ref = ref[..., :got.shape[-1]]
+    ref = ref[..., : got.shape[-1]]
     if ref.shape != got.shape:
         raise ValueError(f"logit shapes differ: trainer {tuple(ref.shape)} vs receiver {tuple(got.shape)}")
     logp = F.log_softmax(ref, dim=-1)
@@ -88,16 +90,23 @@ class RefitGate:
     finite numbers >= 0.
     """
 
-    def __init__(self, consumer, tokens: torch.Tensor, reference: torch.Tensor | Callable[[int], torch.Tensor], *,
-                 max_kl: float = 1e-3, max_logit_diff: float | None = None, on_fail: str = "raise",
-                 load: bool = True):
+    def __init__(
+        self,
+        consumer,
+        tokens: torch.Tensor,
+        reference: torch.Tensor | Callable[[int], torch.Tensor],
+        *,
+        max_kl: float = 1e-3,
+        max_logit_diff: float | None = None,
+        on_fail: str = "raise",
+        load: bool = True,
+    ):
         if on_fail not in ("raise", "report"):
             raise ValueError(f"on_fail must be 'raise' or 'report', got {on_fail!r}")
         for arg, value in (("max_kl", max_kl), ("max_logit_diff", max_logit_diff)):
             if value is None and arg == "max_logit_diff":
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                    or value < 0:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"RefitGate: {arg} must be a finite number >= 0, got {value!r}")
         self.consumer, self.tokens, self.reference = consumer, tokens, reference
         self.max_kl, self.max_logit_diff, self.on_fail, self.load = max_kl, max_logit_diff, on_fail, load
@@ -110,8 +119,11 @@ class RefitGate:
         ref = self.reference(version) if callable(self.reference) else self.reference
         got = self.consumer.logits(self.tokens)
         self.last = verify_export(ref, got)
-        bad = [what for what, t in (("the trainer's reference logits", ref), ("the engine's logits", got))
-               if not bool(torch.isfinite(t).all())]
+        bad = [
+            what
+            for what, t in (("the trainer's reference logits", ref), ("the engine's logits", got))
+            if not bool(torch.isfinite(t).all())
+        ]
         self._nonfinite = " and ".join(bad) or None
         return self.last
 
@@ -119,14 +131,18 @@ class RefitGate:
         """``kl <= max_kl`` (and ``max_abs_diff <= max_logit_diff``, if given), both finite."""
         if not (math.isfinite(result.kl) and math.isfinite(result.max_abs_diff)):
             return False
-        return result.ok(max_kl=self.max_kl) and (self.max_logit_diff is None
-                                                   or result.max_abs_diff <= self.max_logit_diff)
+        return result.ok(max_kl=self.max_kl) and (
+            self.max_logit_diff is None or result.max_abs_diff <= self.max_logit_diff
+        )
 
     def why(self, result: VerifyResult) -> str:
         """Why ``result`` fails the gate, in words."""
         if not (math.isfinite(result.kl) and math.isfinite(result.max_abs_diff)):
-            return (f"the logits are not finite ({self._nonfinite or 'NaN/Inf'}: KL {result.kl:.3g}, "
-                    f"max logit diff {result.max_abs_diff:.3g})")
-        limits = f"max_kl {self.max_kl:g}" + ("" if self.max_logit_diff is None
-                                               else f", max_logit_diff {self.max_logit_diff:g}")
+            return (
+                f"the logits are not finite ({self._nonfinite or 'NaN/Inf'}: KL {result.kl:.3g}, "
+                f"max logit diff {result.max_abs_diff:.3g})"
+            )
+        limits = f"max_kl {self.max_kl:g}" + (
+            "" if self.max_logit_diff is None else f", max_logit_diff {self.max_logit_diff:g}"
+        )
         return f"KL {result.kl:.3g}, max logit diff {result.max_abs_diff:.3g} ({limits})"

@@ -44,8 +44,9 @@ class BucketGatherer:
     (global layer indices); ``groups``: ``"tp"`` / ``"ep"`` -> :class:`GatherGroup`.
     """
 
-    def __init__(self, tensors: dict[str, torch.Tensor], groups: dict[str, GatherGroup], *,
-                 device: torch.device | str = "cpu"):
+    def __init__(
+        self, tensors: dict[str, torch.Tensor], groups: dict[str, GatherGroup], *, device: torch.device | str = "cpu"
+    ):
         self.tensors = tensors
         self.groups = groups
         self.device = torch.device(device)
@@ -91,8 +92,13 @@ class BucketGatherer:
         chunk, packed = self._packing(bucket, g.members)
         if len(g.members) == 1:
             if dests is not None:
-                self._copies(("place", bucket.index), dests, lambda: [
-                    (dests[t.name][t.box.slices], self._source(t).view(t.box.shape)) for t in bucket.transfers]).run()
+                self._copies(
+                    ("place", bucket.index),
+                    dests,
+                    lambda: [
+                        (dests[t.name][t.box.slices], self._source(t).view(t.box.shape)) for t in bucket.transfers
+                    ],
+                ).run()
             return
         need = chunk * len(g.members)
         if self._scratch is None or self._scratch.numel() < need:
@@ -103,12 +109,29 @@ class BucketGatherer:
         scratch = self._scratch
         slots = scratch[:need].view(len(g.members), chunk)
         mine = slots[g.rank]
-        self._copies(("pack", bucket.index), scratch, lambda: [
-            (mine[off:off + t.nbytes].view(self.tensors[t.src_run.local].dtype).view(t.src_run.count, -1),
-             self._source(t)) for t, off in packed[g.rank]]).run()
+        self._copies(
+            ("pack", bucket.index),
+            scratch,
+            lambda: [
+                (
+                    mine[off : off + t.nbytes].view(self.tensors[t.src_run.local].dtype).view(t.src_run.count, -1),
+                    self._source(t),
+                )
+                for t, off in packed[g.rank]
+            ],
+        ).run()
         dist.all_gather_into_tensor(scratch[:need], mine, group=g.group)
         if dests is None:
             return
-        self._copies(("place", bucket.index), (dests, scratch), lambda: [
-            (dests[t.name][t.box.slices], slots[k, off:off + t.nbytes].view(dests[t.name].dtype).view(t.box.shape))
-            for k, member in enumerate(packed) for t, off in member]).run()
+        self._copies(
+            ("place", bucket.index),
+            (dests, scratch),
+            lambda: [
+                (
+                    dests[t.name][t.box.slices],
+                    slots[k, off : off + t.nbytes].view(dests[t.name].dtype).view(t.box.shape),
+                )
+                for k, member in enumerate(packed)
+                for t, off in member
+            ],
+        ).run()

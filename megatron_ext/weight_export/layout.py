@@ -16,8 +16,15 @@ from ..sharding.spec import TensorSpec
 __all__ = ["inference_layout"]
 
 
-def inference_layout(specs: list[TensorSpec], *, tp: int = 1, dp: int = 1, ep: int = 1,
-                     ranks: Sequence[int] | None = None, vocab_padding: int = 64) -> Layout:
+def inference_layout(
+    specs: list[TensorSpec],
+    *,
+    tp: int = 1,
+    dp: int = 1,
+    ep: int = 1,
+    ranks: Sequence[int] | None = None,
+    vocab_padding: int = 64,
+) -> Layout:
     """An engine's layout: ``dp`` replicas of ``tp`` ranks (rank order ``tp-dp``),
     QKV and gate/up fused per TP rank. With ``ep > 1`` experts are split over
     ``ep`` consecutive ranks (whole experts, no expert TP); otherwise expert

@@ -28,8 +28,17 @@ from .errors import PlanMismatch
 from .reshard_plan import Transfer, build_reshard_plan, sub_layout
 from .wire import ALIGN, align
 
-__all__ = ["BucketMeta", "ExportPlan", "PlanMismatch", "TensorMeta", "build_plan", "check_plan", "members",
-           "stage_ranks", "unpack"]
+__all__ = [
+    "BucketMeta",
+    "ExportPlan",
+    "PlanMismatch",
+    "TensorMeta",
+    "build_plan",
+    "check_plan",
+    "members",
+    "stage_ranks",
+    "unpack",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,11 +89,23 @@ class ExportPlan:
     def to_wire(self) -> dict:
         """What a receiver needs of the plan, as plain data (names, dtypes, shapes, offsets;
         the trainer-side transfers stay home). :meth:`from_wire` rebuilds it."""
-        return {"buffer_bytes": self.buffer_bytes, "tp_size": self.tp_size, "pp_size": self.pp_size,
-                "ep_size": self.ep_size, "etp_size": self.etp_size,
-                "buckets": [{"index": b.index, "pp_rank": b.pp_rank, "nbytes": b.nbytes, "group": b.group,
-                             "tensors": [[t.name, dtype_name(t.dtype), list(t.shape), t.offset,
-                                          t.nbytes] for t in b.tensors]} for b in self.buckets]}
+        return {
+            "buffer_bytes": self.buffer_bytes,
+            "tp_size": self.tp_size,
+            "pp_size": self.pp_size,
+            "ep_size": self.ep_size,
+            "etp_size": self.etp_size,
+            "buckets": [
+                {
+                    "index": b.index,
+                    "pp_rank": b.pp_rank,
+                    "nbytes": b.nbytes,
+                    "group": b.group,
+                    "tensors": [[t.name, dtype_name(t.dtype), list(t.shape), t.offset, t.nbytes] for t in b.tensors],
+                }
+                for b in self.buckets
+            ],
+        }
 
     @classmethod
     def from_wire(cls, data: dict) -> "ExportPlan":
@@ -99,16 +120,27 @@ class ExportPlan:
                     numel = 1
                     for s in shape:
                         numel *= int(s)
-                    if (not isinstance(name, str) or min(shape, default=0) < 0
-                            or nbytes != numel * dt.itemsize or not 0 <= offset <= offset + nbytes <= b["nbytes"]):
+                    if (
+                        not isinstance(name, str)
+                        or min(shape, default=0) < 0
+                        or nbytes != numel * dt.itemsize
+                        or not 0 <= offset <= offset + nbytes <= b["nbytes"]
+                    ):
                         raise ValueError(f"tensor {name!r}")
                     tensors.append(TensorMeta(name, dt, tuple(int(s) for s in shape), int(offset), int(nbytes)))
                 if b["group"] not in ("tp", "ep") or not 0 <= b["nbytes"] <= data["buffer_bytes"]:
                     raise ValueError(f"bucket {b['index']}")
-                buckets.append(BucketMeta(int(b["index"]), int(b["pp_rank"]), int(b["nbytes"]), tuple(tensors),
-                                          b["group"]))
-            return cls(tuple(buckets), int(data["buffer_bytes"]), int(data["tp_size"]), int(data["pp_size"]),
-                       int(data["ep_size"]), int(data["etp_size"]))
+                buckets.append(
+                    BucketMeta(int(b["index"]), int(b["pp_rank"]), int(b["nbytes"]), tuple(tensors), b["group"])
+                )
+            return cls(
+                tuple(buckets),
+                int(data["buffer_bytes"]),
+                int(data["tp_size"]),
+                int(data["pp_size"]),
+                int(data["ep_size"]),
+                int(data["etp_size"]),
+            )
         except (KeyError, TypeError, ValueError, ControlError) as exc:
             raise PlanMismatch(f"the trainer sent a malformed export plan ({exc})") from None
 
@@ -131,8 +163,9 @@ def stage_ranks(tp: int, ep: int = 1, etp: int = 1) -> int:
     return math.lcm(tp, ep * etp)
 
 
-def members(group: str, stage: int, *, tp: int, ep: int = 1, etp: int = 1,
-            coords: Sequence[tuple[int, int]] | None = None) -> list[int]:
+def members(
+    group: str, stage: int, *, tp: int, ep: int = 1, etp: int = 1, coords: Sequence[tuple[int, int]] | None = None
+) -> list[int]:
     """The trainer-layout ranks that gather ``group``'s buckets of ``stage``, in group-rank
     order: the TP ranks of DP replica 0 (``"tp"``), or the ranks of expert-DP rank 0 with
     ``(ep_rank, etp_rank)`` ``coords`` (``"ep"``; default EP-major, Megatron's order)."""
@@ -143,8 +176,16 @@ def members(group: str, stage: int, *, tp: int, ep: int = 1, etp: int = 1,
     return [base + e * etp + t for e, t in coords]
 
 
-def build_plan(specs: Sequence[TensorSpec], bucket_bytes: int, *, tp: int = 1, pp: int = 1, ep: int = 1,
-               etp: int = 1, layer_stage: Sequence[int] | None = None) -> ExportPlan:
+def build_plan(
+    specs: Sequence[TensorSpec],
+    bucket_bytes: int,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    etp: int = 1,
+    layer_stage: Sequence[int] | None = None,
+) -> ExportPlan:
     """Every HF tensor of ``specs``, whole, in buckets of at most ``bucket_bytes``.
 
     The tensors' pieces are the reshard planner's transfers from the trainer's
@@ -164,16 +205,20 @@ def build_plan(specs: Sequence[TensorSpec], bucket_bytes: int, *, tp: int = 1, p
     trainer = megatron_layout(list(specs), tp=tp, pp=pp, dp=per_stage // tp, ep=ep, etp=etp, layer_stage=layer_stage)
     num_experts = 1 + max((s.expert for s in specs if s.expert is not None), default=-1)
     per_rank = max(num_experts // ep, 1)
-    experts = sorted((s for s in specs if s.expert is not None), key=lambda s: (
-        s.layer, s.expert % per_rank, s.fused[1] if s.fused else 2, s.expert // per_rank))
+    experts = sorted(
+        (s for s in specs if s.expert is not None),
+        key=lambda s: (s.layer, s.expert % per_rank, s.fused[1] if s.fused else 2, s.expert // per_rank),
+    )
     pieces: dict[str, list[Transfer]] = {}
     for group, tensors in (("tp", [s for s in specs if s.expert is None]), ("ep", experts)):
         if tensors:
             ranks = [m for stage in range(pp) for m in members(group, stage, tp=tp, ep=ep, etp=etp)]
             for t in build_reshard_plan(sub_layout(trainer, ranks), whole_layout(tensors)).transfers:
                 pieces.setdefault(t.name, []).append(t)
-    units = sorted((ts[0].src // per_stage, trainer.specs[name].expert is not None, i, name, ts)
-                   for i, (name, ts) in enumerate(pieces.items()))
+    units = sorted(
+        (ts[0].src // per_stage, trainer.specs[name].expert is not None, i, name, ts)
+        for i, (name, ts) in enumerate(pieces.items())
+    )
     buckets: list[BucketMeta] = []
     tensors: list[TensorMeta] = []
     transfers: list[Transfer] = []
@@ -204,11 +249,12 @@ def _block_size(nbytes: int) -> int:
 def unpack(bucket: BucketMeta, buf: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, view)`` of every tensor of ``bucket`` in the flat uint8 ``buf`` (no copies)."""
     for t in bucket.tensors:
-        yield t.name, buf[t.offset:t.offset + t.nbytes].view(t.dtype).view(t.shape)
+        yield t.name, buf[t.offset : t.offset + t.nbytes].view(t.dtype).view(t.shape)
 
 
-def check_plan(plan: ExportPlan, expected: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
-               *, allow_missing: bool = False) -> None:
+def check_plan(
+    plan: ExportPlan, expected: Mapping[str, tuple[tuple[int, ...], torch.dtype]], *, allow_missing: bool = False
+) -> None:
     """Raise :class:`PlanMismatch` naming the first tensor of ``plan`` that
     ``expected`` (receiver name -> (shape, dtype)) does not know, or whose shape
     or dtype differs; and, unless ``allow_missing``, a receiver tensor the plan
@@ -216,18 +262,26 @@ def check_plan(plan: ExportPlan, expected: Mapping[str, tuple[tuple[int, ...], t
     seen = set()
     for t in plan.tensors():
         if t.name not in expected:
-            raise PlanMismatch(f"plan tensor {t.name!r} is unknown to the receiver's model "
-                               f"(receiver has e.g. {sorted(expected)[:3]}); check the model family/config")
+            raise PlanMismatch(
+                f"plan tensor {t.name!r} is unknown to the receiver's model "
+                f"(receiver has e.g. {sorted(expected)[:3]}); check the model family/config"
+            )
         shape, dtype = expected[t.name]
         if tuple(shape) != tuple(t.shape):
-            raise PlanMismatch(f"plan tensor {t.name!r} has shape {tuple(t.shape)}, the receiver's "
-                               f"has {tuple(shape)}; build the receiver from the same model config")
+            raise PlanMismatch(
+                f"plan tensor {t.name!r} has shape {tuple(t.shape)}, the receiver's "
+                f"has {tuple(shape)}; build the receiver from the same model config"
+            )
         if dtype != t.dtype:
-            raise PlanMismatch(f"plan tensor {t.name!r} has dtype {t.dtype}, the receiver's has {dtype}; "
-                               "export in the receiver's dtype or load the receiver in the trainer's")
+            raise PlanMismatch(
+                f"plan tensor {t.name!r} has dtype {t.dtype}, the receiver's has {dtype}; "
+                "export in the receiver's dtype or load the receiver in the trainer's"
+            )
         seen.add(t.name)
     if not allow_missing:
         missing = sorted(set(expected) - seen)
         if missing:
-            raise PlanMismatch(f"receiver tensor {missing[0]!r} is not in the plan ({len(missing)} missing); "
-                               "tied embeddings or a different config?")
+            raise PlanMismatch(
+                f"receiver tensor {missing[0]!r} is not in the plan ({len(missing)} missing); "
+                "tied embeddings or a different config?"
+            )

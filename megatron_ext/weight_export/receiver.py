@@ -61,8 +61,9 @@ class LoadWeightsConsumer:
     without it the engine's own loader validates names as they arrive.
     """
 
-    def __init__(self, load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object],
-                 expected: dict | None = None):
+    def __init__(
+        self, load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object], expected: dict | None = None
+    ):
         self._load = load_weights
         self._expected = expected
 
@@ -123,10 +124,12 @@ class WeightReceiver:
             try:
                 self._staging = torch.empty(total, dtype=torch.uint8, device=self.device)
             except torch.OutOfMemoryError as exc:
-                raise PlanMismatch(f"the engine has no memory to stage a whole version ({total / 2**30:.2f} GiB on "
-                                   f"{self.device}) for an atomic refit; serve with atomic=False (each bucket "
-                                   "written as it arrives; an interrupted refit then leaves no complete "
-                                   "version)") from exc
+                raise PlanMismatch(
+                    f"the engine has no memory to stage a whole version ({total / 2**30:.2f} GiB on "
+                    f"{self.device}) for an atomic refit; serve with atomic=False (each bucket "
+                    "written as it arrives; an interrupted refit then leaves no complete "
+                    "version)"
+                ) from exc
         self.plan = plan
         self.plans_received += 1
 
@@ -144,7 +147,7 @@ class WeightReceiver:
         if self._staging is None:
             return None
         off = self._offsets[bucket.index]
-        return self._staging[off:off + bucket.nbytes]
+        return self._staging[off : off + bucket.nbytes]
 
     def arrived(self, bucket: BucketMeta) -> None:
         self._arrived.add(bucket.index)
@@ -154,7 +157,7 @@ class WeightReceiver:
             raise RuntimeError(f"bucket {bucket.index} arrived outside a version")
         stage = self.staging(bucket)
         if stage is not None:
-            stage.copy_(buf[:bucket.nbytes])
+            stage.copy_(buf[: bucket.nbytes])
         else:
             self._mixed = True
             self.consumer.load_weights(unpack(bucket, buf))

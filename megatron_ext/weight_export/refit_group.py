@@ -31,8 +31,15 @@ from .errors import RefitGroupError
 from .control import listen_socket
 from .transport import make_group
 
-__all__ = ["NOTE_BYTES", "RefitGroup", "RefitGroupError", "batch_isend_irecv", "gather_notes", "gather_wire_ids",
-           "sum_over_group"]
+__all__ = [
+    "NOTE_BYTES",
+    "RefitGroup",
+    "RefitGroupError",
+    "batch_isend_irecv",
+    "gather_notes",
+    "gather_wire_ids",
+    "sum_over_group",
+]
 
 
 NOTE_BYTES = 1016  # the longest reason a rank gives its peers at the first-refit agreement (utf-8, cut there)
@@ -53,8 +60,18 @@ class RefitGroup:
     ``pg`` the gloo or NCCL backend object that moves the bytes.
     """
 
-    def __init__(self, store, pg, rank: int, world_size: int, backend: str, device: torch.device,
-                 timeout_s: float, address: str, tcp_store=None):
+    def __init__(
+        self,
+        store,
+        pg,
+        rank: int,
+        world_size: int,
+        backend: str,
+        device: torch.device,
+        timeout_s: float,
+        address: str,
+        tcp_store=None,
+    ):
         self.store, self.pg, self.rank, self.world_size = store, pg, rank, world_size
         self.backend, self.device, self.timeout_s, self.address = backend, device, timeout_s, address
         self._tcp_store = tcp_store  # keeps the server alive on refit rank 0
@@ -62,9 +79,18 @@ class RefitGroup:
 
     # ------------------------------------------------------------------ joining
     @classmethod
-    def join(cls, host: str, port: int, rank: int, world_size: int, *, backend: str = "gloo",
-             device: torch.device | str | None = None, timeout_s: float = 120.0,
-             name: str = "refit") -> "RefitGroup":
+    def join(
+        cls,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        *,
+        backend: str = "gloo",
+        device: torch.device | str | None = None,
+        timeout_s: float = 120.0,
+        name: str = "refit",
+    ) -> "RefitGroup":
         """Join refit group ``name`` at ``host:port`` as refit rank ``rank`` of ``world_size``.
 
         Refit rank 0 hosts the store at ``port`` (pick a port neither job's
@@ -96,22 +122,35 @@ class RefitGroup:
                 # the store takes the descriptor over; left to itself it would listen on every interface
                 sock = listen_socket(host, port)
                 bound = sock.getsockname()[0]
-                tcp = dist.TCPStore(bound, port, world_size, is_master=True, timeout=timeout,
-                                    wait_for_workers=False, master_listen_fd=sock.detach())
+                tcp = dist.TCPStore(
+                    bound,
+                    port,
+                    world_size,
+                    is_master=True,
+                    timeout=timeout,
+                    wait_for_workers=False,
+                    master_listen_fd=sock.detach(),
+                )
             else:
                 tcp = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
         except (OSError, RuntimeError, dist.DistError) as exc:
-            what = (f"refit rank 0 could not host the refit group's store at {address} (port in use, or {host} "
-                    "is not an address of this machine?)" if rank == 0
-                    else f"refit rank {rank} could not reach the refit group's store at {address} within "
-                         f"{timeout_s:g}s: refit rank 0 (the trainer's first rank) hosts it; is that job up?")
+            what = (
+                f"refit rank 0 could not host the refit group's store at {address} (port in use, or {host} "
+                "is not an address of this machine?)"
+                if rank == 0
+                else f"refit rank {rank} could not reach the refit group's store at {address} within "
+                f"{timeout_s:g}s: refit rank 0 (the trainer's first rank) hosts it; is that job up?"
+            )
             raise RefitGroupError(f"{what} ({exc})") from exc
         store = dist.PrefixStore(f"megatron_ext_refit/{name}", tcp)
-        group = cls(store, None, rank, world_size, backend, device, timeout_s, address,
-                    tcp_store=tcp if rank == 0 else None)
+        group = cls(
+            store, None, rank, world_size, backend, device, timeout_s, address, tcp_store=tcp if rank == 0 else None
+        )
         if store.add(f"seat/{rank}", 1) > 1:
-            raise RefitGroupError(f"refit rank {rank} joined {address} twice: give every rank of both jobs its own "
-                                  f"refit rank (trainer 0..T-1, engine T..T+E-1)")
+            raise RefitGroupError(
+                f"refit rank {rank} joined {address} twice: give every rank of both jobs its own "
+                f"refit rank (trainer 0..T-1, engine T..T+E-1)"
+            )
         store.set(f"join/{rank}", f"{world_size} {backend}")
         group.arrive("join", what=f"join the refit group at {address}")
         mine = f"{world_size} {backend}"
@@ -119,8 +158,10 @@ class RefitGroup:
         values = store.multi_get([f"join/{r}" for r in peers])
         odd = [(r, v.decode()) for r, v in zip(peers, values) if v.decode() != mine]
         if odd:
-            raise RefitGroupError(f"refit rank {rank} joined {address} with world_size/backend '{mine}', but "
-                                  + ", ".join(f"rank {r} with '{v}'" for r, v in odd))
+            raise RefitGroupError(
+                f"refit rank {rank} joined {address} with world_size/backend '{mine}', but "
+                + ", ".join(f"rank {r} with '{v}'" for r, v in odd)
+            )
         group.pg = make_group(store, rank, world_size, backend, timeout_s)
         return group
 
@@ -143,8 +184,7 @@ class RefitGroup:
         if self.store.add(f"{tag}/n", 1) == self.world_size:
             self.store.set(f"{tag}/all", "1")
         ranks = range(self.world_size)
-        self._wait([f"{tag}/all"], what, timeout_s,
-                   lambda: _missing(self.store, [f"{tag}/{r}" for r in ranks], ranks))
+        self._wait([f"{tag}/all"], what, timeout_s, lambda: _missing(self.store, [f"{tag}/{r}" for r in ranks], ranks))
 
     def _wait(self, keys, what, timeout_s, missing) -> None:
         t = self.timeout_s if timeout_s is None else timeout_s
@@ -156,11 +196,15 @@ class RefitGroup:
         try:
             absent = missing()
         except (RuntimeError, dist.DistError):
-            raise RefitGroupError(f"refit rank {self.rank}: lost the refit group's store at {self.address} while "
-                                  f"waiting to {what}; did refit rank 0 (the trainer's first rank) exit?") from err
-        raise RefitGroupError(f"refit rank {self.rank}: refit ranks {absent} did not {what} within {t:g}s (group "
-                              f"at {self.address}, {self.world_size} ranks); is the other job running and calling "
-                              "the same refit steps?") from err
+            raise RefitGroupError(
+                f"refit rank {self.rank}: lost the refit group's store at {self.address} while "
+                f"waiting to {what}; did refit rank 0 (the trainer's first rank) exit?"
+            ) from err
+        raise RefitGroupError(
+            f"refit rank {self.rank}: refit ranks {absent} did not {what} within {t:g}s (group "
+            f"at {self.address}, {self.world_size} ranks); is the other job running and calling "
+            "the same refit steps?"
+        ) from err
 
     def gather_ints(self, value: int, *, what: str) -> list[int]:
         """Every refit rank's ``value``, in refit-rank order (through the store, bounded)."""
@@ -219,7 +263,8 @@ class _Request:
             raise RefitGroupError(
                 f"refit rank {self.group.rank}: {self.what} failed ({exc}); the peer died, did not take part "
                 f"within {self.group.timeout_s:g}s, or cuts its buckets differently. Recreate the group "
-                "(RefitGroup.join) once both jobs are back.") from exc
+                "(RefitGroup.join) once both jobs are back."
+            ) from exc
         return True
 
 
@@ -236,9 +281,11 @@ def _nccl_coalesced(pg, ops) -> list:
     """
     start, end = getattr(pg, "_start_coalescing", None), getattr(pg, "_end_coalescing", None)
     if start is None or end is None:
-        raise RuntimeError(f"torch {torch.__version__}: the NCCL backend object has no _start_coalescing/"
-                           "_end_coalescing; batched point-to-point on a RefitGroup needs torch 2.10-2.14 "
-                           "(or use backend='gloo')")
+        raise RuntimeError(
+            f"torch {torch.__version__}: the NCCL backend object has no _start_coalescing/"
+            "_end_coalescing; batched point-to-point on a RefitGroup needs torch 2.10-2.14 "
+            "(or use backend='gloo')"
+        )
     start()
     try:
         for kind, t, peer in ops:
@@ -253,8 +300,9 @@ def batch_isend_irecv(ops: list[tuple[str, torch.Tensor, int]], group) -> list:
     ``torch.distributed`` group (None: the default world; peers are global ranks)."""
     if isinstance(group, RefitGroup):
         return group.batch_isend_irecv(ops)
-    return dist.batch_isend_irecv([dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, peer, group=group)
-                                   for kind, t, peer in ops])
+    return dist.batch_isend_irecv(
+        [dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, peer, group=group) for kind, t, peer in ops]
+    )
 
 
 def gather_wire_ids(group, wire_id: int, device: torch.device, note: str = "") -> list[tuple[int, str]]:
@@ -283,13 +331,15 @@ def gather_notes(group, value: int, device: torch.device, note: str = "", *, wha
     mine = torch.zeros(8 + NOTE_BYTES, dtype=torch.uint8)
     mine[:8].view(torch.int64)[0] = value
     if raw:
-        mine[8:8 + len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+        mine[8 : 8 + len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
     world = dist.get_world_size(group)
     out = torch.empty(world * mine.numel(), dtype=torch.uint8, device=device)
     dist.all_gather_into_tensor(out, mine.to(device), group=group)
     rows = out.view(world, -1).cpu()
-    return [(int(row[:8].view(torch.int64)[0]), bytes(row[8:].tolist()).rstrip(b"\0").decode(errors="ignore"))
-            for row in rows]
+    return [
+        (int(row[:8].view(torch.int64)[0]), bytes(row[8:].tolist()).rstrip(b"\0").decode(errors="ignore"))
+        for row in rows
+    ]
 
 
 def sum_over_group(group, value: torch.Tensor) -> int:

@@ -54,20 +54,40 @@ _CLOSE = "close"
 
 
 class _RemoteRefit:
-    def __init__(self, group: RefitGroup, src: Layout | None, dst: Layout, tensors: dict[str, torch.Tensor], *,
-                 bucket_bytes: int, max_inflight: int, atomic: bool, check_finite: bool):
+    def __init__(
+        self,
+        group: RefitGroup,
+        src: Layout | None,
+        dst: Layout,
+        tensors: dict[str, torch.Tensor],
+        *,
+        bucket_bytes: int,
+        max_inflight: int,
+        atomic: bool,
+        check_finite: bool,
+    ):
         self.tag = group.next_tag("refit")
         src = self._exchange_trainer_layout(group, src, dst)
         outside = sorted(r for r in (*src.ranks, *dst.ranks) if not 0 <= r < group.world_size)
         if outside:
-            raise ValueError(f"layout ranks {outside} are not refit ranks of this group (0..{group.world_size - 1}); "
-                             "build the layouts with ranks= the refit ranks (trainer 0..T-1, engine T..T+E-1)")
+            raise ValueError(
+                f"layout ranks {outside} are not refit ranks of this group (0..{group.world_size - 1}); "
+                "build the layouts with ranks= the refit ranks (trainer 0..T-1, engine T..T+E-1)"
+            )
         if not src.ranks:
             raise ValueError("the trainer layout has no ranks")
         self.group, self.src, self.dst, self.rank = group, src, dst, group.rank
         self.plan = build_reshard_plan(src, dst)
-        self.executor = ReshardExecutor(self.plan, self.rank, tensors, group=group, bucket_bytes=bucket_bytes,
-                                        atomic=atomic, max_inflight=max_inflight, check_finite=check_finite)
+        self.executor = ReshardExecutor(
+            self.plan,
+            self.rank,
+            tensors,
+            group=group,
+            bucket_bytes=bucket_bytes,
+            atomic=atomic,
+            max_inflight=max_inflight,
+            check_finite=check_finite,
+        )
         self.tensors = tensors
         self.announcer = min(src.ranks)  # the trainer rank that announces versions
         self.seq = 0  # refits so far: the same count on every rank
@@ -85,8 +105,9 @@ class _RemoteRefit:
         group.wait_keys([key], [0], what="publish the trainer's layout")
         recipe = json.loads(group.store.get(key).decode())
         if recipe is None:
-            raise ValueError("the trainer's layout was built by hand (no recipe to send); pass src= on the "
-                             "engine side too")
+            raise ValueError(
+                "the trainer's layout was built by hand (no recipe to send); pass src= on the engine side too"
+            )
         return layout_from_recipe(list(dst.specs.values()), recipe)
 
     def _check_plans(self) -> None:
@@ -100,8 +121,11 @@ class _RemoteRefit:
             g.store.add(f"{tag}/bad", 1)
         g.arrive("plan", what="build its reshard plan")
         if g.store.add(f"{tag}/bad", 0):  # set before every rank arrived: every rank sees the same
-            bad = [(r, g.store.get(f"{tag}/bad/{r}").decode(errors="replace")) for r in range(g.world_size)
-                   if g.store.check([f"{tag}/bad/{r}"])]
+            bad = [
+                (r, g.store.get(f"{tag}/bad/{r}").decode(errors="replace"))
+                for r in range(g.world_size)
+                if g.store.check([f"{tag}/bad/{r}"])
+            ]
             raise self.executor.tensors_rejected(bad)
         ref = int(g.store.get(f"{tag}/plan/{self.announcer}"))
         if ref != self.executor.wire_id:
@@ -113,7 +137,9 @@ class _RemoteRefit:
             raise RefitRejected(
                 f"refit rank {self.rank}: refit ranks {odd} run another reshard plan or bucket size than refit rank "
                 f"{self.announcer} (the trainer): build the same trainer and engine layouts (specs, TP/PP/DP/EP, "
-                "ranks, vocab padding) and the same bucket_bytes on both sides", reason="plan")
+                "ranks, vocab padding) and the same bucket_bytes on both sides",
+                reason="plan",
+            )
 
     @property
     def version(self) -> int | None:
@@ -129,11 +155,28 @@ class TrainerRefit(_RemoteRefit):
     (refit ranks ``T..``); both built exactly as the engine builds them.
     """
 
-    def __init__(self, group: RefitGroup, src: Layout, dst: Layout, tensors: dict[str, torch.Tensor], *,
-                 bucket_bytes: int = 64 << 20, max_inflight: int = 2, atomic: bool = True,
-                 check_finite: bool = True):
-        super().__init__(group, src, dst, tensors, bucket_bytes=bucket_bytes, max_inflight=max_inflight,
-                         atomic=atomic, check_finite=check_finite)
+    def __init__(
+        self,
+        group: RefitGroup,
+        src: Layout,
+        dst: Layout,
+        tensors: dict[str, torch.Tensor],
+        *,
+        bucket_bytes: int = 64 << 20,
+        max_inflight: int = 2,
+        atomic: bool = True,
+        check_finite: bool = True,
+    ):
+        super().__init__(
+            group,
+            src,
+            dst,
+            tensors,
+            bucket_bytes=bucket_bytes,
+            max_inflight=max_inflight,
+            atomic=atomic,
+            check_finite=check_finite,
+        )
         self._last: int | None = None  # the last refit's sequence number
 
     def _announce(self, value: str) -> None:
@@ -169,8 +212,9 @@ class TrainerRefit(_RemoteRefit):
         self._announce(_CLOSE)
         seq, self.seq = self.seq, self.seq + 1
         ranks = list(self.dst.ranks)
-        self.group.wait_keys([f"{self.tag}/ack/{seq}/{r}" for r in ranks], ranks, what="see the refit's close",
-                             timeout_s=timeout_s)
+        self.group.wait_keys(
+            [f"{self.tag}/ack/{seq}/{r}" for r in ranks], ranks, what="see the refit's close", timeout_s=timeout_s
+        )
 
 
 class EngineRefit(_RemoteRefit):
@@ -185,17 +229,35 @@ class EngineRefit(_RemoteRefit):
     engine TP > 1 write in place instead (pass the engine's tensors).
     """
 
-    def __init__(self, group: RefitGroup, src: Layout | None, dst: Layout,
-                 tensors: dict[str, torch.Tensor] | None = None,
-                 *, load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object] | None = None,
-                 bucket_bytes: int = 64 << 20, max_inflight: int = 2, atomic: bool = True,
-                 check_finite: bool = True):
+    def __init__(
+        self,
+        group: RefitGroup,
+        src: Layout | None,
+        dst: Layout,
+        tensors: dict[str, torch.Tensor] | None = None,
+        *,
+        load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object] | None = None,
+        bucket_bytes: int = 64 << 20,
+        max_inflight: int = 2,
+        atomic: bool = True,
+        check_finite: bool = True,
+    ):
         if tensors is None:
-            tensors = {n: torch.empty(lt.shape, dtype=lt.dtype, device=group.device)
-                       for n, lt in dst.tensors.get(group.rank, {}).items()}
+            tensors = {
+                n: torch.empty(lt.shape, dtype=lt.dtype, device=group.device)
+                for n, lt in dst.tensors.get(group.rank, {}).items()
+            }
         self.load_weights = load_weights
-        super().__init__(group, src, dst, tensors, bucket_bytes=bucket_bytes, max_inflight=max_inflight,
-                         atomic=atomic, check_finite=check_finite)
+        super().__init__(
+            group,
+            src,
+            dst,
+            tensors,
+            bucket_bytes=bucket_bytes,
+            max_inflight=max_inflight,
+            atomic=atomic,
+            check_finite=check_finite,
+        )
 
     def next_version(self, timeout_s: float | None = None) -> int | None:
         """Wait for the trainer's next announcement: a version, or None when the trainer closed."""
@@ -204,8 +266,9 @@ class EngineRefit(_RemoteRefit):
         value = self.group.store.get(key).decode()
         return None if value == _CLOSE else int(value)
 
-    def refit(self, version: int | None = None, *, timeout_s: float | None = None,
-              verify: RefitGate | None = None) -> RefitStats:
+    def refit(
+        self, version: int | None = None, *, timeout_s: float | None = None, verify: RefitGate | None = None
+    ) -> RefitStats:
         """Receive the trainer's next version and load it.
 
         Waits up to ``timeout_s`` (default: the group's) for the trainer's
@@ -238,8 +301,9 @@ class EngineRefit(_RemoteRefit):
         self._ack(seq)
         return stats
 
-    def serve(self, on_version: Callable[[RefitStats], object] | None = None, *,
-              timeout_s: float | None = None) -> int | None:
+    def serve(
+        self, on_version: Callable[[RefitStats], object] | None = None, *, timeout_s: float | None = None
+    ) -> int | None:
         """Refit every announced version until the trainer closes; returns the last version held.
         ``timeout_s`` bounds the wait for each announcement (the trainer's time between refits)."""
         while True:

@@ -48,11 +48,18 @@ from .copies import CopyBatch, finite_flags
 from .refit_group import RefitGroup, batch_isend_irecv, gather_notes, gather_wire_ids, sum_over_group
 from .reshard_plan import ReshardPlan, Transfer, fanout_plans, run_view
 from .gate import RefitGate
-from .wire import (BAD_TENSORS, HEADER_BYTES, NO_STAGING, NO_VERSION, PAYLOAD_OFFSET, bucket_nbytes, bucketize,
-                   wire_id)
+from .wire import BAD_TENSORS, HEADER_BYTES, NO_STAGING, NO_VERSION, PAYLOAD_OFFSET, bucket_nbytes, bucketize, wire_id
 
-__all__ = ["FanoutRefit", "HEADER_BYTES", "RefitGate", "RefitRejected", "RefitStats", "ReshardExecutor",
-           "megatron_tensors", "ntp_megatron_tensors"]
+__all__ = [
+    "FanoutRefit",
+    "HEADER_BYTES",
+    "RefitGate",
+    "RefitRejected",
+    "RefitStats",
+    "ReshardExecutor",
+    "megatron_tensors",
+    "ntp_megatron_tensors",
+]
 
 log = logging.getLogger(__name__)
 
@@ -161,9 +168,19 @@ class ReshardExecutor:
     first refit's plan check).
     """
 
-    def __init__(self, plan: ReshardPlan, rank: int, tensors: dict[str, torch.Tensor], *, group=None,
-                 bucket_bytes: int = 64 << 20, atomic: bool = True, max_inflight: int = 2,
-                 refresh: Callable[[], None] | None = None, check_finite: bool = True):
+    def __init__(
+        self,
+        plan: ReshardPlan,
+        rank: int,
+        tensors: dict[str, torch.Tensor],
+        *,
+        group=None,
+        bucket_bytes: int = 64 << 20,
+        atomic: bool = True,
+        max_inflight: int = 2,
+        refresh: Callable[[], None] | None = None,
+        check_finite: bool = True,
+    ):
         if bucket_bytes <= PAYLOAD_OFFSET:
             raise ValueError(f"bucket_bytes must be > {PAYLOAD_OFFSET} (the aligned bucket header), got {bucket_bytes}")
         if max_inflight < 1:
@@ -194,8 +211,9 @@ class ReshardExecutor:
         # what every header of this plan carries: the plan and the bucket size both sides cut it with
         self.check_finite = check_finite
         self.wire_id = wire_id(plan.fingerprint, bucket_bytes, check_finite)
-        self._send_sources = {(p, k): sorted({t.src_run.local for t, _ in b})
-                              for p, bs in self.send.items() for k, b in enumerate(bs)}
+        self._send_sources = {
+            (p, k): sorted({t.src_run.local for t, _ in b}) for p, bs in self.send.items() for k, b in enumerate(bs)
+        }
         self._header_index = {key: i for i, key in enumerate(self._send_sources)}
         self._send_buf: dict[tuple[int, int], torch.Tensor] | None = None
         self._recv_buf: dict[tuple[int, int], torch.Tensor] | None = None
@@ -211,12 +229,16 @@ class ReshardExecutor:
             for name, lt in layout.tensors.get(self.rank, {}).items():
                 t = self.tensors.get(name)
                 if t is None:
-                    return (f"{self._who}: the plan needs local tensor {name!r} ({layout.description}); "
-                            "pass it in `tensors`")
+                    return (
+                        f"{self._who}: the plan needs local tensor {name!r} ({layout.description}); "
+                        "pass it in `tensors`"
+                    )
                 if tuple(t.shape[1:]) != lt.shape[1:] or t.shape[0] < lt.shape[0] or t.dtype != lt.dtype:
-                    return (f"{self._who}: {name} is {tuple(t.shape)} {t.dtype}, the layout keeps {lt.shape} "
-                            f"{lt.dtype}; build the layout from this model's config (a nonuniform-TP trainer: "
-                            "pass ntp_megatron_tensors(ddp), not the training shadow)")
+                    return (
+                        f"{self._who}: {name} is {tuple(t.shape)} {t.dtype}, the layout keeps {lt.shape} "
+                        f"{lt.dtype}; build the layout from this model's config (a nonuniform-TP trainer: "
+                        "pass ntp_megatron_tensors(ddp), not the training shadow)"
+                    )
                 if not t.is_contiguous():
                     return f"{self._who}: {name} must be contiguous"
         return None
@@ -225,11 +247,15 @@ class ReshardExecutor:
         """The error every rank raises when ranks ``bad`` (``(rank, problem)``) cannot take part: a rank in
         ``bad`` gives its own problem, the others name the ranks and quote the first problems."""
         if self.problem is not None:
-            return RefitRejected(f"{self.problem}. Every rank of the refit refused it; nothing was sent",
-                                 reason="tensors")
+            return RefitRejected(
+                f"{self.problem}. Every rank of the refit refused it; nothing was sent", reason="tensors"
+            )
         word = "refit ranks" if isinstance(self.group, RefitGroup) else "ranks"
-        return RefitRejected(f"{self._who}: {word} {[r for r, _ in bad]} cannot take part in the refit, nothing "
-                             "was sent: " + " | ".join(n for _, n in bad[:2]), reason="tensors")
+        return RefitRejected(
+            f"{self._who}: {word} {[r for r, _ in bad]} cannot take part in the refit, nothing "
+            "was sent: " + " | ".join(n for _, n in bad[:2]),
+            reason="tensors",
+        )
 
     # ------------------------------------------------------------------ staging
     def _slot(self, k: int, *, recv: bool) -> int:
@@ -264,7 +290,7 @@ class ReshardExecutor:
                 pack[k].append((buf[:HEADER_BYTES].view(torch.int64), self._header_rows[self._header_index[(peer, k)]]))
                 for t, off in bucket:
                     src = run_view(self.tensors[t.src_run.local], t.src_run)
-                    pack[k].append((buf[off:off + t.nbytes].view(src.dtype).view(src.shape), src))
+                    pack[k].append((buf[off : off + t.nbytes].view(src.dtype).view(src.shape), src))
         self._pack = {k: CopyBatch(pairs) for k, pairs in pack.items()}
         # Streaming receivers reuse a buffer max_inflight rounds later, so each unpack also keeps the
         # bucket's header in a row of its own, to be checked after the last round.
@@ -279,15 +305,22 @@ class ReshardExecutor:
                     unpack[k].append((self._seen[(peer, k)], buf[:HEADER_BYTES].view(torch.int64)))
                 for t, off in bucket:
                     dst = run_view(self.tensors[t.dst_run.local], t.dst_run)
-                    unpack[k].append((dst, buf[off:off + t.nbytes].view(dst.dtype).view(dst.shape)))
+                    unpack[k].append((dst, buf[off : off + t.nbytes].view(dst.dtype).view(dst.shape)))
         local = []
         for t in self.local:
-            local.append(_same_shape(run_view(self.tensors[t.dst_run.local], t.dst_run),
-                                     run_view(self.tensors[t.src_run.local], t.src_run)))
+            local.append(
+                _same_shape(
+                    run_view(self.tensors[t.dst_run.local], t.dst_run),
+                    run_view(self.tensors[t.src_run.local], t.src_run),
+                )
+            )
         self._local_copies = CopyBatch(local)
         # the rows of each source tensor that the layout keeps (padded vocabulary rows excluded), by dtype
-        self._finite_views = {n: self.tensors[n][:rows] for n, rows in self._source_rows.items()
-                              if self.tensors[n].is_floating_point() and self.tensors[n].numel()}
+        self._finite_views = {
+            n: self.tensors[n][:rows]
+            for n, rows in self._source_rows.items()
+            if self.tensors[n].is_floating_point() and self.tensors[n].numel()
+        }
         if self.atomic:  # the whole version at once, after the last round's headers are checked
             self._apply = CopyBatch([pair for k in sorted(unpack) for pair in unpack[k]] + local)
         else:
@@ -299,8 +332,13 @@ class ReshardExecutor:
         return sum(b.numel() for bufs in (self._send_buf or {}, self._recv_buf or {}) for b in bufs.values())
 
     # -------------------------------------------------------------------- refit
-    def refit(self, version: int, *, source_version: int | dict[str, int | None] | None = None,
-              verify: RefitGate | None = None) -> RefitStats:
+    def refit(
+        self,
+        version: int,
+        *,
+        source_version: int | dict[str, int | None] | None = None,
+        verify: RefitGate | None = None,
+    ) -> RefitStats:
         """Move this rank's share of one weight version; every rank of ``group`` calls it.
 
         ``source_version``: the version of the bytes this rank sends (default
@@ -347,15 +385,22 @@ class ReshardExecutor:
                     except Exception:  # noqa: BLE001 - the first error is the one raised
                         pass
             raise
-        stats = RefitStats(version, 0.0, sent, received, self.local_bytes, self.rounds, self.max_inflight,
-                           self.staging_bytes)
+        stats = RefitStats(
+            version, 0.0, sent, received, self.local_bytes, self.rounds, self.max_inflight, self.staging_bytes
+        )
         if refused:
             stats.seconds = time.perf_counter() - start
             reason = "version" if any(m.startswith("version") for m in refused) else "plan"
-            held = ("holds no complete version (the rounds written before the check are mixed)" if self._wrote
-                    else f"kept version {self.version}")  # streaming: version became None at the first write
-            raise RefitRejected(f"rank {self.rank} refused version {version} and {held}: " + "; ".join(refused[:4]),
-                                reason=reason, stats=stats)
+            held = (
+                "holds no complete version (the rounds written before the check are mixed)"
+                if self._wrote
+                else f"kept version {self.version}"
+            )  # streaming: version became None at the first write
+            raise RefitRejected(
+                f"rank {self.rank} refused version {version} and {held}: " + "; ".join(refused[:4]),
+                reason=reason,
+                stats=stats,
+            )
         if self.atomic or not self._wrote:
             self.version = None  # writing: no complete version until the copies below are done
             # atomic: every bucket of this version is here and checked, apply it (local copies too) in one go;
@@ -365,16 +410,28 @@ class ReshardExecutor:
         stats.seconds = time.perf_counter() - start  # the move and apply; the gate's forward passes not included
         if sent or received or self.local_bytes:
             moved = sent + received + self.local_bytes
-            log.info("reshard refit: %s version %d: sent %.2f MB, received %.2f MB, local %.2f MB in %.1f ms "
-                     "(%.2f GB/s), %d rounds", self._who, version, sent / 1e6, received / 1e6, self.local_bytes / 1e6,
-                     stats.seconds * 1e3, moved / max(stats.seconds, 1e-9) / 1e9, self.rounds)
+            log.info(
+                "reshard refit: %s version %d: sent %.2f MB, received %.2f MB, local %.2f MB in %.1f ms "
+                "(%.2f GB/s), %d rounds",
+                self._who,
+                version,
+                sent / 1e6,
+                received / 1e6,
+                self.local_bytes / 1e6,
+                stats.seconds * 1e3,
+                moved / max(stats.seconds, 1e-9) / 1e9,
+                self.rounds,
+            )
         if verify is not None and self.rank in self.plan.dst.ranks:
             result = verify(self.plan.dst, self.rank, self.tensors, version)
             stats.kl, stats.max_logit_diff, stats.gate_ok = result.kl, result.max_abs_diff, verify.passes(result)
             if not stats.gate_ok and verify.on_fail == "raise":
                 self.version = None
-                raise RefitRejected(f"rank {self.rank}: version {version} failed the refit gate: {verify.why(result)}",
-                                    reason="gate", stats=stats)
+                raise RefitRejected(
+                    f"rank {self.rank}: version {version} failed the refit gate: {verify.why(result)}",
+                    reason="gate",
+                    stats=stats,
+                )
         return stats
 
     def _prepare(self) -> None:
@@ -417,16 +474,24 @@ class ReshardExecutor:
             received = sum(bucket_nbytes(b) for bs in self.recv.values() for b in bs)
             raise RefitRejected(
                 f"rank {self.rank}: out of device memory for {need / 2**30:.2f} GiB of reshard staging buffers "
-                + (f"(atomic=True stages the whole version this rank receives, {received / 2**30:.2f} GiB; "
-                   "atomic=False stages max_inflight buckets per peer instead)" if self.atomic and received else
-                   f"(max_inflight={self.max_inflight} buckets of up to {self.bucket_bytes / 2**20:g} MiB per peer)")
+                + (
+                    f"(atomic=True stages the whole version this rank receives, {received / 2**30:.2f} GiB; "
+                    "atomic=False stages max_inflight buckets per peer instead)"
+                    if self.atomic and received
+                    else f"(max_inflight={self.max_inflight} buckets of up to "
+                    f"{self.bucket_bytes / 2**20:g} MiB per peer)"
+                )
                 + "; lower bucket_bytes or max_inflight, or free memory before the refit. Nothing was sent.",
-                reason="staging") from failed
+                reason="staging",
+            ) from failed
         if NO_STAGING in ids:
             ranks = self._group_ranks(len(ids))
-            raise RefitRejected(f"rank {self.rank}: ranks {[ranks[i] for i, v in enumerate(ids) if v == NO_STAGING]} "
-                                "ran out of memory for their staging buffers (their errors say how much); nothing "
-                                "was sent", reason="staging")
+            raise RefitRejected(
+                f"rank {self.rank}: ranks {[ranks[i] for i, v in enumerate(ids) if v == NO_STAGING]} "
+                "ran out of memory for their staging buffers (their errors say how much); nothing "
+                "was sent",
+                reason="staging",
+            )
 
     def _check_same_plan(self, ids: list[int]) -> None:
         """Every rank raises :class:`RefitRejected` (``"plan"``) if any rank of the group runs
@@ -436,10 +501,13 @@ class ReshardExecutor:
         group_ranks = self._group_ranks(len(ids))
         common = max(set(ids), key=lambda v: (ids.count(v), -ids.index(v)))
         odd = [group_ranks[i] for i, v in enumerate(ids) if v != common]
-        raise RefitRejected(f"rank {self.rank}: ranks {odd} run another reshard plan or bucket_bytes than ranks "
-                            f"{[group_ranks[i] for i, v in enumerate(ids) if v == common]}; nothing was sent. Build "
-                            "the same layouts (specs, TP/PP/DP/EP, ranks, vocab padding) and the same bucket_bytes "
-                            "on every rank", reason="plan")
+        raise RefitRejected(
+            f"rank {self.rank}: ranks {odd} run another reshard plan or bucket_bytes than ranks "
+            f"{[group_ranks[i] for i, v in enumerate(ids) if v == common]}; nothing was sent. Build "
+            "the same layouts (specs, TP/PP/DP/EP, ranks, vocab padding) and the same bucket_bytes "
+            "on every rank",
+            reason="plan",
+        )
 
     def _serving(self, version: int, source_version) -> list[str]:
         """This rank's source tensors that serve ``version`` (a tensor that holds another version is refused
@@ -469,18 +537,26 @@ class ReshardExecutor:
         bad = [(ranks[i], n) for i, (_, n) in enumerate(got) if n]
         if not bad:
             return  # the NaN / Inf lie in rows that no rank sends (another replica serves them)
-        stats = RefitStats(version, time.perf_counter() - start, 0, 0, 0, self.rounds, self.max_inflight,
-                           self.staging_bytes)
+        stats = RefitStats(
+            version, time.perf_counter() - start, 0, 0, 0, self.rounds, self.max_inflight, self.staging_bytes
+        )
         if note:
-            raise RefitRejected(f"{self._who}: version {version} has a NaN or Inf in {note}; refused on every rank "
-                                "before a byte moved (the engines keep the version they hold). Fix the training "
-                                "step (loss scale, learning rate, data) and refit again", reason="nonfinite",
-                                stats=stats)
+            raise RefitRejected(
+                f"{self._who}: version {version} has a NaN or Inf in {note}; refused on every rank "
+                "before a byte moved (the engines keep the version they hold). Fix the training "
+                "step (loss scale, learning rate, data) and refit again",
+                reason="nonfinite",
+                stats=stats,
+            )
         word = "refit rank" if isinstance(self.group, RefitGroup) else "rank"
         held = f"; this rank keeps version {self.version}" if self.rank in self.plan.dst.ranks else ""
-        raise RefitRejected(f"{self._who}: refused version {version} before a byte moved: "
-                            + "; ".join(f"{word} {r} serves a NaN or Inf in {n}" for r, n in bad[:4]) + held,
-                            reason="nonfinite", stats=stats)
+        raise RefitRejected(
+            f"{self._who}: refused version {version} before a byte moved: "
+            + "; ".join(f"{word} {r} serves a NaN or Inf in {n}" for r, n in bad[:4])
+            + held,
+            reason="nonfinite",
+            stats=stats,
+        )
 
     def _first_nonfinite(self, serving: set[str]) -> str:
         """The HF name of the first tensor this rank sends or copies for the version with a NaN or Inf
@@ -541,8 +617,9 @@ class ReshardExecutor:
             # Streaming: the first round that arrives carries a bucket of every source (round 0),
             # so its headers are checked before anything is written; later rounds are written as
             # they arrive and checked at the end (a bad one then leaves the tensors mixed: version None).
-            self._check_headers([(k, peer, buf[:HEADER_BYTES].view(torch.int64)) for peer, buf in arrived],
-                                version, refused)
+            self._check_headers(
+                [(k, peer, buf[:HEADER_BYTES].view(torch.int64)) for peer, buf in arrived], version, refused
+            )
             if refused:
                 return
             self.version = None  # from the first write until the refit completes: no complete version
@@ -574,15 +651,39 @@ class FanoutRefit:
     :meth:`refit` raises :class:`RefitRejected` at the end on such ranks.
     ``refresh`` is passed to every wave's :class:`ReshardExecutor`."""
 
-    def __init__(self, src, dst, replicas: list[list[int]], rank: int, tensors: dict[str, torch.Tensor], *,
-                 group=None, bucket_bytes: int = 64 << 20, first_wave: int = 1, atomic: bool = True,
-                 max_inflight: int = 2, refresh: Callable[[], None] | None = None, check_finite: bool = True):
+    def __init__(
+        self,
+        src,
+        dst,
+        replicas: list[list[int]],
+        rank: int,
+        tensors: dict[str, torch.Tensor],
+        *,
+        group=None,
+        bucket_bytes: int = 64 << 20,
+        first_wave: int = 1,
+        atomic: bool = True,
+        max_inflight: int = 2,
+        refresh: Callable[[], None] | None = None,
+        check_finite: bool = True,
+    ):
         self.plans = fanout_plans(src, dst, replicas, first_wave=first_wave)
         self.rank = rank
         self._engine_locals = tuple(dst.tensors.get(rank, {}))
-        self.waves = [ReshardExecutor(p, rank, tensors, group=group, bucket_bytes=bucket_bytes, atomic=atomic,
-                                      max_inflight=max_inflight, refresh=refresh, check_finite=check_finite)
-                      for p in self.plans]
+        self.waves = [
+            ReshardExecutor(
+                p,
+                rank,
+                tensors,
+                group=group,
+                bucket_bytes=bucket_bytes,
+                atomic=atomic,
+                max_inflight=max_inflight,
+                refresh=refresh,
+                check_finite=check_finite,
+            )
+            for p in self.plans
+        ]
         self.version: int | None = None
 
     def refit(self, version: int, *, verify: RefitGate | None = None) -> list[RefitStats]:

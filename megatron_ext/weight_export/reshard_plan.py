@@ -20,9 +20,17 @@ from collections import defaultdict
 
 from ..sharding.geometry import Box, Layout, LocalTensor, Segment
 
-__all__ = ["ReshardPlan", "Run", "Transfer", "build_reshard_plan", "check_reshard_plan", "fanout_plans",
-           "merge_layouts",
-           "run_view", "sub_layout"]
+__all__ = [
+    "ReshardPlan",
+    "Run",
+    "Transfer",
+    "build_reshard_plan",
+    "check_reshard_plan",
+    "fanout_plans",
+    "merge_layouts",
+    "run_view",
+    "sub_layout",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,14 +146,19 @@ def build_reshard_plan(src: Layout, dst: Layout) -> ReshardPlan:
     for di, d in enumerate(dst.ranks):
         for lt, seg in dst.segments(d):
             spec = dst.specs[seg.name]
-            found = [(inter, holders) for box, holders in pieces.get(seg.name, [])
-                     if (inter := box.intersect(seg.box)) is not None]
+            found = [
+                (inter, holders)
+                for box, holders in pieces.get(seg.name, [])
+                if (inter := box.intersect(seg.box)) is not None
+            ]
             for cell in _cells(seg.box, [inter for inter, _ in found]):
                 holders = [h for inter, hs in found if inter.contains(cell) for h in hs]
                 if not holders:
-                    raise ValueError(f"destination rank {d} keeps {seg.name} {cell.ranges} but no rank of the "
-                                     f"source layout ({src.description}) holds it; build both layouts from "
-                                     "the same model specs")
+                    raise ValueError(
+                        f"destination rank {d} keeps {seg.name} {cell.ranges} but no rank of the "
+                        f"source layout ({src.description}) holds it; build both layouts from "
+                        "the same model specs"
+                    )
                 local = [h for h in holders if h[0] == d]
                 if local:
                     choice = local[0]
@@ -154,8 +167,9 @@ def build_reshard_plan(src: Layout, dst: Layout) -> ReshardPlan:
                     _, choice = min(enumerate(holders), key=lambda ih: (load[ih[1][0]], (ih[0] - di) % n))
                     load[choice[0]] += cell.numel * spec.dtype.itemsize
                 r, slt, sseg = choice
-                transfers.append(Transfer(seg.name, cell, r, d, _run(slt, sseg, cell), _run(lt, seg, cell),
-                                          spec.dtype.itemsize))
+                transfers.append(
+                    Transfer(seg.name, cell, r, d, _run(slt, sseg, cell), _run(lt, seg, cell), spec.dtype.itemsize)
+                )
     return ReshardPlan(src, dst, transfers)
 
 
@@ -172,13 +186,15 @@ def check_reshard_plan(plan: ReshardPlan) -> None:
         for lt, seg in plan.dst.segments(d):
             ts = [t for t in by_seg.get((d, lt.name, seg.name), []) if seg.box.contains(t.box)]
             matched += len(ts)
-            assert sum(t.box.numel for t in ts) == seg.box.numel, \
+            assert sum(t.box.numel for t in ts) == seg.box.numel, (
                 f"rank {d} {seg.name}: {sum(t.box.numel for t in ts)} of {seg.box.numel} elements planned"
+            )
             for i, a in enumerate(ts):
-                for b in ts[i + 1:]:
+                for b in ts[i + 1 :]:
                     assert a.box.intersect(b.box) is None, f"rank {d} {seg.name}: {a.box} and {b.box} overlap"
-    assert matched == len(plan.transfers), \
+    assert matched == len(plan.transfers), (
         f"{len(plan.transfers) - matched} transfers deliver bytes no destination segment keeps"
+    )
 
 
 def sub_layout(layout: Layout, ranks) -> Layout:

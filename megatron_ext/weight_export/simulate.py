@@ -32,11 +32,11 @@ __all__ = ["CONFIGS", "Links", "Prediction", "predict", "sample_layers", "simula
 class Links:
     """Per-GPU, per-direction bandwidths in GB/s (1e9 bytes)."""
 
-    nvlink_gbps: float = 450.0   # H100 NVLink 4: 900 GB/s bidirectional
-    nic_gbps: float = 50.0       # 400 Gb/s InfiniBand / RoCE per GPU
-    hbm_gbps: float = 1500.0     # device copy (counted once per byte: read + write at ~3 TB/s)
+    nvlink_gbps: float = 450.0  # H100 NVLink 4: 900 GB/s bidirectional
+    nic_gbps: float = 50.0  # 400 Gb/s InfiniBand / RoCE per GPU
+    hbm_gbps: float = 1500.0  # device copy (counted once per byte: read + write at ~3 TB/s)
     gpus_per_node: int = 8
-    latency_s: float = 30e-6     # per staged bucket
+    latency_s: float = 30e-6  # per staged bucket
     bucket_bytes: int = 256 << 20
 
     def __post_init__(self):
@@ -51,8 +51,8 @@ class Links:
 class Prediction:
     seconds: float
     lower_bound_s: float
-    busiest: str                 # which port bounds the schedule, e.g. "rank 3 NIC in"
-    total_bytes: int             # bytes every destination keeps, summed
+    busiest: str  # which port bounds the schedule, e.g. "rank 3 NIC in"
+    total_bytes: int  # bytes every destination keeps, summed
     nic_bytes: int
     nvlink_bytes: int
     local_bytes: int
@@ -90,8 +90,13 @@ def predict(plan: ReshardPlan, links: Links = Links(), *, layer_weight: dict[int
             ports[(t.src, "NIC out")] += b
             ports[(t.dst, "NIC in")] += b
             nic += b
-    bw = {"HBM copy": links.hbm_gbps, "NVLink out": links.nvlink_gbps, "NVLink in": links.nvlink_gbps,
-          "NIC out": links.nic_gbps, "NIC in": links.nic_gbps}
+    bw = {
+        "HBM copy": links.hbm_gbps,
+        "NVLink out": links.nvlink_gbps,
+        "NVLink in": links.nvlink_gbps,
+        "NIC out": links.nic_gbps,
+        "NIC in": links.nic_gbps,
+    }
     busy, seconds = "nothing to move", 0.0
     for (rank, port), b in ports.items():
         s = b / (bw[port] * 1e9)
@@ -108,8 +113,17 @@ def predict(plan: ReshardPlan, links: Links = Links(), *, layer_weight: dict[int
         if t.src != t.dst:
             sent[t.src] += b
             recv[t.dst] += b
-    return Prediction(seconds, _lower_bound(plan, links, layer_weight), busy, int(nic + nvl + local), int(nic),
-                      int(nvl), int(local), int(max(recv.values(), default=0)), int(max(sent.values(), default=0)))
+    return Prediction(
+        seconds,
+        _lower_bound(plan, links, layer_weight),
+        busy,
+        int(nic + nvl + local),
+        int(nic),
+        int(nvl),
+        int(local),
+        int(max(recv.values(), default=0)),
+        int(max(sent.values(), default=0)),
+    )
 
 
 def _lower_bound(plan: ReshardPlan, links: Links, layer_weight) -> float:
@@ -158,25 +172,97 @@ def sample_layers(specs: list[TensorSpec], pp: int) -> tuple[list[TensorSpec], l
 # name: (model kwargs for gpt_specs, trainer layout, engine layout, colocated, published seconds, source)
 CONFIGS = {
     "qwen3-4b dp8->tp8": (
-        dict(num_layers=36, hidden_size=2560, num_heads=32, num_groups=8, head_dim=128, ffn_hidden_size=9728,
-             vocab_size=151936, tie_embeddings=True, qk_norm=True),
-        dict(tp=1, dp=8), dict(tp=8), True, "0.07-0.08", "NeMo-RL NCCL reshard refit, H100"),
+        dict(
+            num_layers=36,
+            hidden_size=2560,
+            num_heads=32,
+            num_groups=8,
+            head_dim=128,
+            ffn_hidden_size=9728,
+            vocab_size=151936,
+            tie_embeddings=True,
+            qk_norm=True,
+        ),
+        dict(tp=1, dp=8),
+        dict(tp=8),
+        True,
+        "0.07-0.08",
+        "NeMo-RL NCCL reshard refit, H100",
+    ),
     "qwen3-235b tp4xpp8xep16 -> tp8xdp16": (
-        dict(num_layers=94, hidden_size=4096, num_heads=64, num_groups=4, head_dim=128, ffn_hidden_size=12288,
-             vocab_size=151936, qk_norm=True, num_experts=128, moe_ffn_hidden_size=1536),
-        dict(tp=4, pp=8, dp=4, ep=16, etp=1), dict(tp=8, dp=16), True, "4.6-4.9", "NeMo-RL NCCL reshard refit, H100"),
+        dict(
+            num_layers=94,
+            hidden_size=4096,
+            num_heads=64,
+            num_groups=4,
+            head_dim=128,
+            ffn_hidden_size=12288,
+            vocab_size=151936,
+            qk_norm=True,
+            num_experts=128,
+            moe_ffn_hidden_size=1536,
+        ),
+        dict(tp=4, pp=8, dp=4, ep=16, etp=1),
+        dict(tp=8, dp=16),
+        True,
+        "4.6-4.9",
+        "NeMo-RL NCCL reshard refit, H100",
+    ),
     "qwen3-235b tp4xpp8xep16 -> tp8xdp16, separate GPUs": (
-        dict(num_layers=94, hidden_size=4096, num_heads=64, num_groups=4, head_dim=128, ffn_hidden_size=12288,
-             vocab_size=151936, qk_norm=True, num_experts=128, moe_ffn_hidden_size=1536),
-        dict(tp=4, pp=8, dp=4, ep=16, etp=1), dict(tp=8, dp=16), False, "-", "(engine on its own 128 GPUs)"),
+        dict(
+            num_layers=94,
+            hidden_size=4096,
+            num_heads=64,
+            num_groups=4,
+            head_dim=128,
+            ffn_hidden_size=12288,
+            vocab_size=151936,
+            qk_norm=True,
+            num_experts=128,
+            moe_ffn_hidden_size=1536,
+        ),
+        dict(tp=4, pp=8, dp=4, ep=16, etp=1),
+        dict(tp=8, dp=16),
+        False,
+        "-",
+        "(engine on its own 128 GPUs)",
+    ),
     "qwen3-4b tp1dp8 -> 32 replicas tp2, separate nodes": (
-        dict(num_layers=36, hidden_size=2560, num_heads=32, num_groups=8, head_dim=128, ffn_hidden_size=9728,
-             vocab_size=151936, tie_embeddings=True, qk_norm=True),
-        dict(tp=1, dp=8), dict(tp=2, dp=32), False, "-", "(one trainer node feeds 8 engine nodes)"),
+        dict(
+            num_layers=36,
+            hidden_size=2560,
+            num_heads=32,
+            num_groups=8,
+            head_dim=128,
+            ffn_hidden_size=9728,
+            vocab_size=151936,
+            tie_embeddings=True,
+            qk_norm=True,
+        ),
+        dict(tp=1, dp=8),
+        dict(tp=2, dp=32),
+        False,
+        "-",
+        "(one trainer node feeds 8 engine nodes)",
+    ),
     "qwen3-4b tp1dp8 -> 32 replicas tp2, separate nodes, fan-out": (
-        dict(num_layers=36, hidden_size=2560, num_heads=32, num_groups=8, head_dim=128, ffn_hidden_size=9728,
-             vocab_size=151936, tie_embeddings=True, qk_norm=True),
-        dict(tp=1, dp=8), dict(tp=2, dp=32), False, "-", "(updated replicas serve later ones)"),
+        dict(
+            num_layers=36,
+            hidden_size=2560,
+            num_heads=32,
+            num_groups=8,
+            head_dim=128,
+            ffn_hidden_size=9728,
+            vocab_size=151936,
+            tie_embeddings=True,
+            qk_norm=True,
+        ),
+        dict(tp=1, dp=8),
+        dict(tp=2, dp=32),
+        False,
+        "-",
+        "(updated replicas serve later ones)",
+    ),
 }
 
 
@@ -193,33 +279,51 @@ def simulate_config(name: str, links: Links = Links()) -> dict:
     dst = inference_layout(kept, **ek, ranks=range(n_dst) if colocated else range(world, world + n_dst))
     if name.endswith("fan-out"):
         tp = ek["tp"]
-        replicas = [list(dst.ranks[i:i + tp]) for i in range(0, len(dst.ranks), tp)]
+        replicas = [list(dst.ranks[i : i + tp]) for i in range(0, len(dst.ranks), tp)]
         waves = [predict(p, links, layer_weight=weight) for p in fanout_plans(src, dst, replicas)]
-        pred = dataclasses.replace(waves[0], seconds=sum(w.seconds for w in waves),
-                                   busiest=f"{len(waves)} waves; wave 0: {waves[0].busiest}",
-                                   nic_bytes=sum(w.nic_bytes for w in waves),
-                                   nvlink_bytes=sum(w.nvlink_bytes for w in waves),
-                                   max_sent_bytes=max(w.max_sent_bytes for w in waves),
-                                   max_received_bytes=max(w.max_received_bytes for w in waves))
+        pred = dataclasses.replace(
+            waves[0],
+            seconds=sum(w.seconds for w in waves),
+            busiest=f"{len(waves)} waves; wave 0: {waves[0].busiest}",
+            nic_bytes=sum(w.nic_bytes for w in waves),
+            nvlink_bytes=sum(w.nvlink_bytes for w in waves),
+            max_sent_bytes=max(w.max_sent_bytes for w in waves),
+            max_received_bytes=max(w.max_received_bytes for w in waves),
+        )
         pred.lower_bound_s = predict(build_reshard_plan(src, dst), links, layer_weight=weight).lower_bound_s
     else:
         pred = predict(build_reshard_plan(src, dst), links, layer_weight=weight)
     model_bytes = sum(s.nbytes for s in specs)
-    return dict(config=name, trainer=src.description, engine=dst.description, colocated=colocated,
-                model_gb=model_bytes / 1e9, predicted_s=pred.seconds, lower_bound_s=pred.lower_bound_s,
-                busiest=pred.busiest, max_recv_gb=pred.max_received_bytes / 1e9,
-                max_sent_gb=pred.max_sent_bytes / 1e9, nic_gb=pred.nic_bytes / 1e9,
-                nvlink_gb=pred.nvlink_bytes / 1e9, local_gb=pred.local_bytes / 1e9,
-                published_s=published, published_by=source, plan_s=time.perf_counter() - t0)
+    return dict(
+        config=name,
+        trainer=src.description,
+        engine=dst.description,
+        colocated=colocated,
+        model_gb=model_bytes / 1e9,
+        predicted_s=pred.seconds,
+        lower_bound_s=pred.lower_bound_s,
+        busiest=pred.busiest,
+        max_recv_gb=pred.max_received_bytes / 1e9,
+        max_sent_gb=pred.max_sent_bytes / 1e9,
+        nic_gb=pred.nic_bytes / 1e9,
+        nvlink_gb=pred.nvlink_bytes / 1e9,
+        local_gb=pred.local_bytes / 1e9,
+        published_s=published,
+        published_by=source,
+        plan_s=time.perf_counter() - t0,
+    )
 
 
 def format_rows(rows: list[dict]) -> str:
-    head = (f"{'config':<60} {'model GB':>8} {'pred s':>7} {'bound s':>7} {'max recv GB':>11} {'published s':>11}"
-            "  busiest")
+    head = (
+        f"{'config':<60} {'model GB':>8} {'pred s':>7} {'bound s':>7} {'max recv GB':>11} {'published s':>11}  busiest"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['config']:<60} {r['model_gb']:>8.1f} {r['predicted_s']:>7.3f} {r['lower_bound_s']:>7.3f} "
-                     f"{r['max_recv_gb']:>11.2f} {r['published_s']:>11}  {r['busiest']}")
+        lines.append(
+            f"{r['config']:<60} {r['model_gb']:>8.1f} {r['predicted_s']:>7.3f} {r['lower_bound_s']:>7.3f} "
+            f"{r['max_recv_gb']:>11.2f} {r['published_s']:>11}  {r['busiest']}"
+        )
     return "\n".join(lines)
 
 

@@ -47,8 +47,18 @@ from .plan import BucketMeta, ExportPlan, PlanMismatch
 from .receiver import WeightReceiver
 from .reshard_plan import run_view
 
-__all__ = ["SENDERS", "BroadcastSender", "InProcessSender", "IpcDirectSender", "IpcPushSender", "IpcSender",
-           "ReceiverError", "make_sender", "push_targets", "serve"]
+__all__ = [
+    "SENDERS",
+    "BroadcastSender",
+    "InProcessSender",
+    "IpcDirectSender",
+    "IpcPushSender",
+    "IpcSender",
+    "ReceiverError",
+    "make_sender",
+    "push_targets",
+    "serve",
+]
 
 log = logging.getLogger(__name__)
 _ABORT_WAIT_S = 5.0  # how long a trainer waits for an engine to confirm a dropped version
@@ -109,8 +119,9 @@ class _RemoteSender:
                 self.chans.append(control.connect(a, timeout_s=timeout_s, key=authkey, what="weight receiver"))
         except ControlError as exc:
             self.close()
-            raise ReceiverError(f"{exc}; start the engine's weight receiver (weight_export.serve) first or fix "
-                                "--weight-export-target") from exc
+            raise ReceiverError(
+                f"{exc}; start the engine's weight receiver (weight_export.serve) first or fix --weight-export-target"
+            ) from exc
         self._fingerprint = None
 
     def allocate(self, nbytes: int, device) -> torch.Tensor:
@@ -124,8 +135,10 @@ class _RemoteSender:
         try:
             msg = ch.recv(self.timeout_s if timeout_s is None else timeout_s)
         except ControlError as exc:
-            raise ReceiverError(f"receiver at {address} died or hung while {what} ({exc}); see the engine's log, "
-                                "then restart it and export again") from exc
+            raise ReceiverError(
+                f"receiver at {address} died or hung while {what} ({exc}); see the engine's log, "
+                "then restart it and export again"
+            ) from exc
         if msg.kind == "refuse":
             raise PlanMismatch(f"receiver at {address} refused the plan: {msg['reason']}")
         if msg.kind == "error":
@@ -162,8 +175,11 @@ class _RemoteSender:
         for i, ch in enumerate(self.chans):
             try:
                 ch.send("abort", version=version)
-                held.append(self._expect(i, "aborted", f"aborting version {version}",
-                                         min(self.timeout_s, _ABORT_WAIT_S))["holds"])
+                held.append(
+                    self._expect(i, "aborted", f"aborting version {version}", min(self.timeout_s, _ABORT_WAIT_S))[
+                        "holds"
+                    ]
+                )
             except (ControlError, PlanMismatch):
                 held.append(None)
         return held
@@ -196,8 +212,7 @@ class _Work:
         try:
             self.work.wait()
         except Exception as exc:  # gloo: peer gone; NCCL: timeout/abort
-            raise ReceiverError(f"broadcast of bucket {self.bucket} failed ({exc}); a receiver died or hung"
-                                ) from exc
+            raise ReceiverError(f"broadcast of bucket {self.bucket} failed ({exc}); a receiver died or hung") from exc
 
 
 class BroadcastSender(_RemoteSender):
@@ -207,23 +222,32 @@ class BroadcastSender(_RemoteSender):
     engine ranks ``1..N`` join it when they receive the ``join`` message.
     """
 
-    def __init__(self, addresses: list[str], *, backend: str = "gloo", timeout_s: float = 120.0,
-                 store_host: str = "127.0.0.1", authkey: bytes | None = None):
+    def __init__(
+        self,
+        addresses: list[str],
+        *,
+        backend: str = "gloo",
+        timeout_s: float = 120.0,
+        store_host: str = "127.0.0.1",
+        authkey: bytes | None = None,
+    ):
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
         super().__init__(addresses, timeout_s=timeout_s, authkey=authkey)
         world = len(self.chans) + 1
-        store = dist.TCPStore(store_host, 0, world, is_master=True,
-                              timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+        store = dist.TCPStore(
+            store_host, 0, world, is_master=True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
+        )
         for rank in range(1, world):
-            self.chans[rank - 1].send("join", host=store_host, port=store.port, rank=rank, world=world,
-                                      backend=backend, timeout_s=timeout_s)
+            self.chans[rank - 1].send(
+                "join", host=store_host, port=store.port, rank=rank, world=world, backend=backend, timeout_s=timeout_s
+            )
         self.store = store
         self.pg = make_group(store, 0, world, backend, timeout_s)
         self.backend = backend
 
     def send(self, bucket: BucketMeta, buf: torch.Tensor):
-        return _Work(self.pg.broadcast(buf[:bucket.nbytes], 0), self, bucket.index)
+        return _Work(self.pg.broadcast(buf[: bucket.nbytes], 0), self, bucket.index)
 
 
 def make_group(store, rank: int, world: int, backend: str, timeout_s: float):
@@ -259,8 +283,7 @@ def open_shared(handle: dict) -> torch.Tensor:
     if not isinstance(args, list) or len(args) != 13:
         raise ControlError("malformed CUDA IPC handle from the trainer")
     size, stride, offset, *rest = args
-    return rebuild_cuda_tensor(torch.Tensor, torch.Size(size), tuple(stride), offset, torch.storage.TypedStorage,
-                               *rest)
+    return rebuild_cuda_tensor(torch.Tensor, torch.Size(size), tuple(stride), offset, torch.storage.TypedStorage, *rest)
 
 
 class _Ack:
@@ -284,8 +307,10 @@ class IpcSender(_RemoteSender):
 
     def allocate(self, nbytes: int, device) -> torch.Tensor:
         if torch.device(device).type != "cuda":
-            raise ValueError(f"transport='ipc' shares CUDA buffers with an engine on the same GPU; the model is on "
-                             f"{device}: use transport='broadcast' (gloo on CPU)")
+            raise ValueError(
+                f"transport='ipc' shares CUDA buffers with an engine on the same GPU; the model is on "
+                f"{device}: use transport='broadcast' (gloo on CPU)"
+            )
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
     def _transport_info(self, buffers) -> dict:
@@ -294,8 +319,7 @@ class IpcSender(_RemoteSender):
 
     def send(self, bucket: BucketMeta, buf: torch.Tensor):
         torch.cuda.current_stream(buf.device).synchronize()  # bytes visible to the engine
-        self._send_all("bucket", f"sending bucket {bucket.index}", index=bucket.index,
-                       slot=self._slots[buf.data_ptr()])
+        self._send_all("bucket", f"sending bucket {bucket.index}", index=bucket.index, slot=self._slots[buf.data_ptr()])
         return _Ack(self, bucket.index)
 
 
@@ -345,8 +369,10 @@ class IpcPushSender(_RemoteSender):
 
     def __init__(self, addresses: list[str], *, timeout_s: float = 120.0, authkey: bytes | None = None):
         if len(addresses) != 1:
-            raise ValueError(f"transport='ipc-push' writes into one engine's weights; got {len(addresses)} "
-                             "targets (use transport='ipc' or 'broadcast' for several engines)")
+            raise ValueError(
+                f"transport='ipc-push' writes into one engine's weights; got {len(addresses)} "
+                "targets (use transport='ipc' or 'broadcast' for several engines)"
+            )
         super().__init__(addresses, timeout_s=timeout_s, authkey=authkey)
         self.views: dict[str, torch.Tensor] | None = None
         self._bases: list[torch.Tensor] = []
@@ -356,8 +382,10 @@ class IpcPushSender(_RemoteSender):
             self._send_all("plan", "sending the plan", plan=plan.to_wire(), info={"kind": "ipc-push"})
             ready = self._expect(0, "ready", "checking the plan")
             self._bases = [open_shared(h) for h in ready["handles"]]
-            self.views = {name: self._bases[i].view(dtype).as_strided(shape, stride, offset)
-                          for name, (i, dtype, shape, stride, offset) in ready["entries"].items()}
+            self.views = {
+                name: self._bases[i].view(dtype).as_strided(shape, stride, offset)
+                for name, (i, dtype, shape, stride, offset) in ready["entries"].items()
+            }
             self._fingerprint = plan.fingerprint
         self._send_all("begin", f"starting version {version}", version=version)
 
@@ -375,17 +403,22 @@ def push_targets(plan: ExportPlan, consumer, *, need_cuda: bool = True) -> dict[
     place; raises ValueError saying why a consumer cannot take pushed weights."""
     target = getattr(consumer, "target", None)
     if not callable(target):
-        raise ValueError(f"{type(consumer).__name__} has no target(name) to write into; transport='ipc-push' "
-                         "needs an engine that exposes its weights (HFModelConsumer); use transport='ipc'")
+        raise ValueError(
+            f"{type(consumer).__name__} has no target(name) to write into; transport='ipc-push' "
+            "needs an engine that exposes its weights (HFModelConsumer); use transport='ipc'"
+        )
     views = {}
     for t in plan.tensors():
         dst = target(t.name)
         if tuple(dst.shape) != tuple(t.shape) or dst.dtype != t.dtype:
-            raise ValueError(f"{t.name}: engine tensor is {tuple(dst.shape)} {dst.dtype}, the plan sends "
-                             f"{tuple(t.shape)} {t.dtype}")
+            raise ValueError(
+                f"{t.name}: engine tensor is {tuple(dst.shape)} {dst.dtype}, the plan sends {tuple(t.shape)} {t.dtype}"
+            )
         if need_cuda and not dst.is_cuda:
-            raise ValueError(f"{t.name} is on {dst.device}; transport='ipc-push' needs the engine's weights on "
-                             "the trainer's GPU (use transport='ipc' or 'broadcast')")
+            raise ValueError(
+                f"{t.name} is on {dst.device}; transport='ipc-push' needs the engine's weights on "
+                "the trainer's GPU (use transport='ipc' or 'broadcast')"
+            )
         views[t.name] = dst
     return views
 
@@ -400,8 +433,7 @@ def _share_targets(views: dict[str, torch.Tensor]):
         if storage.data_ptr() not in storages:
             storages[storage.data_ptr()] = len(handles)
             handles.append(share(_storage_bytes(v)))
-        entries[name] = (storages[storage.data_ptr()], v.dtype, tuple(v.shape), tuple(v.stride()),
-                         v.storage_offset())
+        entries[name] = (storages[storage.data_ptr()], v.dtype, tuple(v.shape), tuple(v.stride()), v.storage_offset())
     return handles, entries
 
 
@@ -420,8 +452,17 @@ def direct_entries(transfers, tensors: dict[str, torch.Tensor]):
         if storage.data_ptr() not in storages:
             storages[storage.data_ptr()] = (len(storages), _storage_bytes(p))
         src = run_view(p, t.src_run).view(t.box.shape)
-        entries.append((t.name, [list(r) for r in t.box.ranges], storages[storage.data_ptr()][0], p.dtype,
-                        tuple(src.shape), tuple(src.stride()), src.storage_offset()))
+        entries.append(
+            (
+                t.name,
+                [list(r) for r in t.box.ranges],
+                storages[storage.data_ptr()][0],
+                p.dtype,
+                tuple(src.shape),
+                tuple(src.stride()),
+                src.storage_offset(),
+            )
+        )
     bases = [b for _, b in sorted(storages.values(), key=lambda x: x[0])]
     return bases, entries
 
@@ -448,8 +489,16 @@ def direct_copies(bases, entries, consumer):
     return pairs, list(loads.items())
 
 
-def serve(consumer, address: str, *, device: torch.device | str = "cpu", timeout_s: float = 600.0,
-          authkey: bytes | None = None, on_version=None, atomic: bool = True) -> WeightReceiver:
+def serve(
+    consumer,
+    address: str,
+    *,
+    device: torch.device | str = "cpu",
+    timeout_s: float = 600.0,
+    authkey: bytes | None = None,
+    on_version=None,
+    atomic: bool = True,
+) -> WeightReceiver:
     """Engine-side loop: accept one trainer at ``address`` and apply its exports
     to ``consumer`` until the trainer closes (or goes away). Returns the receiver:
     its ``applied_version`` is the last complete version the consumer holds.
@@ -488,9 +537,12 @@ def serve(consumer, address: str, *, device: torch.device | str = "cpu", timeout
             except _TrainerGone as exc:
                 if receiver._version is not None:
                     held = receiver.abort()
-                    log.warning("weight receiver at %s: the trainer went away during a version (%s); the engine "
-                                "holds %s", address, exc,
-                                f"version {held}" if held is not None else "no complete version")
+                    log.warning(
+                        "weight receiver at %s: the trainer went away during a version (%s); the engine holds %s",
+                        address,
+                        exc,
+                        f"version {held}" if held is not None else "no complete version",
+                    )
                 break
             except PlanMismatch as exc:
                 receiver.plan = None
@@ -524,8 +576,13 @@ class _Serving:
     def handle(self, msg: control.Message, ch: control.Channel) -> None:
         r = self.receiver
         if msg.kind == "join":
-            store = dist.TCPStore(msg["host"], msg["port"], msg["world"], is_master=False,
-                                  timeout=datetime.timedelta(seconds=msg["timeout_s"]))
+            store = dist.TCPStore(
+                msg["host"],
+                msg["port"],
+                msg["world"],
+                is_master=False,
+                timeout=datetime.timedelta(seconds=msg["timeout_s"]),
+            )
             self.pg = make_group(store, msg["rank"], msg["world"], msg["backend"], msg["timeout_s"])
         elif msg.kind == "plan":
             self._plan(ExportPlan.from_wire(msg["plan"]), msg["info"], ch)
@@ -549,8 +606,11 @@ class _Serving:
             ch.send("aborted", holds=r.abort())
         elif msg.kind == "forward":
             if not r.holds_complete_version:
-                ch.send("error", reason="the engine holds no complete version (the last refit was interrupted "
-                                        "after it wrote part of the weights); refit again before running it")
+                ch.send(
+                    "error",
+                    reason="the engine holds no complete version (the last refit was interrupted "
+                    "after it wrote part of the weights); refit again before running it",
+                )
                 return
             tokens = control.blob_tensor(msg["tokens"], msg.blobs[0])
             meta, blob = control.tensor_blob(self.consumer.logits(tokens))
@@ -592,7 +652,7 @@ def _receive_broadcast(pg, plan: ExportPlan, bufs, receiver: WeightReceiver) -> 
     def target(i):
         b = buckets[i]
         stage = receiver.staging(b)
-        return stage if stage is not None else bufs[i % 2][:b.nbytes]
+        return stage if stage is not None else bufs[i % 2][: b.nbytes]
 
     def post(i):
         works[i] = pg.broadcast(target(i), 0)
@@ -615,8 +675,10 @@ def _receive_broadcast(pg, plan: ExportPlan, bufs, receiver: WeightReceiver) -> 
 # ------------------------------------------------------------------ registry
 def _inprocess(exporter) -> InProcessSender:
     if exporter._receiver is None:
-        raise ValueError("transport='inprocess' needs receiver=WeightReceiver(...) "
-                         "(or pass transport='broadcast'/'ipc' with a target)")
+        raise ValueError(
+            "transport='inprocess' needs receiver=WeightReceiver(...) "
+            "(or pass transport='broadcast'/'ipc' with a target)"
+        )
     return InProcessSender(exporter._receiver)
 
 
@@ -641,15 +703,22 @@ def _ipc_push(exporter) -> IpcPushSender:
 def _ipc_direct(exporter) -> IpcDirectSender:
     lay = exporter.layout
     if lay.tp_size != 1 or lay.pp_size != 1 or lay.ep_size != 1 or lay.etp_size != 1:
-        raise ValueError(f"transport='ipc-direct' needs TP=PP=EP=ETP=1, as the engine maps only the "
-                         f"export rank's storage (got TP={lay.tp_size}, PP={lay.pp_size}, "
-                         f"EP={lay.ep_size}, ETP={lay.etp_size}); use transport='ipc'")
+        raise ValueError(
+            f"transport='ipc-direct' needs TP=PP=EP=ETP=1, as the engine maps only the "
+            f"export rank's storage (got TP={lay.tp_size}, PP={lay.pp_size}, "
+            f"EP={lay.ep_size}, ETP={lay.etp_size}); use transport='ipc'"
+        )
     return IpcDirectSender(exporter.config.targets, timeout_s=exporter.config.timeout_s)
 
 
 # ``WeightExportConfig.transport`` -> the factory of its sender (checks what the transport needs, then builds it).
-SENDERS = {"inprocess": _inprocess, "broadcast": _broadcast, "ipc": _ipc, "ipc-push": _ipc_push,
-           "ipc-direct": _ipc_direct}
+SENDERS = {
+    "inprocess": _inprocess,
+    "broadcast": _broadcast,
+    "ipc": _ipc,
+    "ipc-push": _ipc_push,
+    "ipc-direct": _ipc_direct,
+}
 
 
 def make_sender(exporter):

@@ -17,15 +17,25 @@ import hashlib
 
 from .reshard_plan import Run, Transfer
 
-__all__ = ["ALIGN", "BAD_TENSORS", "HEADER_BYTES", "NO_STAGING", "NO_VERSION", "PAYLOAD_OFFSET", "align",
-           "bucket_nbytes", "bucketize", "wire_id"]
+__all__ = [
+    "ALIGN",
+    "BAD_TENSORS",
+    "HEADER_BYTES",
+    "NO_STAGING",
+    "NO_VERSION",
+    "PAYLOAD_OFFSET",
+    "align",
+    "bucket_nbytes",
+    "bucketize",
+    "wire_id",
+]
 
-ALIGN = 256        # byte alignment of every tensor or transfer in a bucket (export and reshard): aligned views
-                   # for vectorised copies and NCCL
+ALIGN = 256  # byte alignment of every tensor or transfer in a bucket (export and reshard): aligned views
+# for vectorised copies and NCCL
 HEADER_BYTES = 32  # int64 x 4: version, plan fingerprint, sender rank, bucket index
-NO_VERSION = -1    # what a rank that holds no valid version sends
-NO_STAGING = 0     # the wire id a rank reports when its staging buffers could not be allocated
-BAD_TENSORS = 1    # ... and when its tensors are not the layout's (its note says which and how)
+NO_VERSION = -1  # what a rank that holds no valid version sends
+NO_STAGING = 0  # the wire id a rank reports when its staging buffers could not be allocated
+BAD_TENSORS = 1  # ... and when its tensors are not the layout's (its note says which and how)
 
 
 def align(n: int) -> int:
@@ -57,10 +67,15 @@ def _pieces(t: Transfer, max_bytes: int) -> list[Transfer]:
     if per >= rows:
         return [t]
     a = t.box.ranges[0][0]
-    return [dataclasses.replace(t, box=t.box.replace(0, a + r0, a + min(rows, r0 + per)),
-                                src_run=_rows(t.src_run, rows, r0, min(rows, r0 + per)),
-                                dst_run=_rows(t.dst_run, rows, r0, min(rows, r0 + per)))
-            for r0 in range(0, rows, per)]
+    return [
+        dataclasses.replace(
+            t,
+            box=t.box.replace(0, a + r0, a + min(rows, r0 + per)),
+            src_run=_rows(t.src_run, rows, r0, min(rows, r0 + per)),
+            dst_run=_rows(t.dst_run, rows, r0, min(rows, r0 + per)),
+        )
+        for r0 in range(0, rows, per)
+    ]
 
 
 def bucketize(transfers: list[Transfer], bucket_bytes: int) -> list[list[tuple[Transfer, int]]]:

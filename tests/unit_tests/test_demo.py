@@ -8,12 +8,21 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_demo_runs_every_phase_and_passes_its_checks():
-    out = subprocess.run([sys.executable, str(REPO / "examples" / "demo.py"), "--steps", "4", "--backend", "gloo"],
-                         capture_output=True, text=True, timeout=600, env={"OMP_NUM_THREADS": "1",
-                                                                         "PATH": "/usr/bin:/bin"})
+    out = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "demo.py"), "--steps", "4", "--backend", "gloo"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    for line in ("(decreased)", "NTP (failed 0:1) vs uniform loss", "weight export: refit",
-                 "symmetric memory:", "reshard refit: 4 gated engine refits"):
+    for line in (
+        "(decreased)",
+        "NTP (failed 0:1) vs uniform loss",
+        "weight export: refit",
+        "symmetric memory:",
+        "reshard refit: 4 gated engine refits",
+    ):
         assert line in out.stdout, line
 
 
@@ -39,8 +48,12 @@ def test_make_demo_builds_a_venv_with_what_the_demo_imports_and_ci_runs_it_first
     venv = re.search(r"tools/venv\.sh(?: (\S+))?", target.group(1))
     assert venv, "the demo target does not build the venv"
     extras = _setup_extras()
-    installed = {req.split("[")[0].split("=")[0].split(">")[0].split("<")[0].strip()
-                 for extra in (venv.group(1) or "").split(",") if extra for req in extras[extra]}
+    installed = {
+        req.split("[")[0].split("=")[0].split(">")[0].split("<")[0].strip()
+        for extra in (venv.group(1) or "").split(",")
+        if extra
+        for req in extras[extra]
+    }
     assert {"transformers", "safetensors"} <= installed, f"`make demo` installs extras {venv.group(1)!r}: {installed}"
     ci = (REPO / ".ci" / "run").read_text()
     assert "make demo" in ci and "make test" in ci and ci.index("make demo") < ci.index("make test")

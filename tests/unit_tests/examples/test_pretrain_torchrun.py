@@ -39,13 +39,50 @@ RTOL = 1e-5 + 2 * 5e-7
 ITERS = 6
 VOCAB = 120  # the HF vocabulary; Megatron pads it to 128 at every layout used here
 # A tiny Llama-shaped model (the export maps it to transformers' LlamaForCausalLM).
-MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--group-query-attention",
-         "--num-query-groups", "2", "--ffn-hidden-size", "96", "--seq-length", "16",
-         "--vocab-size", str(VOCAB), "--make-vocab-size-divisible-by", "64",
-         "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
-         "--untie-embeddings-and-output-weights", "--hidden-dropout", "0", "--attention-dropout", "0"]
-TRAIN = ["--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", str(ITERS), "--lr", "3e-3",
-         "--log-interval", "1", "--seed", "1234"]
+MODEL = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--group-query-attention",
+    "--num-query-groups",
+    "2",
+    "--ffn-hidden-size",
+    "96",
+    "--seq-length",
+    "16",
+    "--vocab-size",
+    str(VOCAB),
+    "--make-vocab-size-divisible-by",
+    "64",
+    "--position-embedding-type",
+    "rope",
+    "--normalization",
+    "RMSNorm",
+    "--swiglu",
+    "--disable-bias-linear",
+    "--untie-embeddings-and-output-weights",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+]
+TRAIN = [
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--train-iters",
+    str(ITERS),
+    "--lr",
+    "3e-3",
+    "--log-interval",
+    "1",
+    "--seed",
+    "1234",
+]
 NTP = ["--ntp-tp-base", "2", "--ntp-failed-slots", "0:1"]
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|")
 
@@ -72,14 +109,45 @@ def _start(cmd: list[str], env: dict, log: str) -> subprocess.Popen:
 
 def launch(nproc: int, *flags: str, env: dict, log: str) -> subprocess.Popen:
     """``python -m torch.distributed.run --standalone --nproc-per-node N examples/pretrain_gpt.py FLAGS``."""
-    return _start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-                   SCRIPT, *MODEL, *TRAIN, *flags], env, log)
+    return _start(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(nproc),
+            SCRIPT,
+            *MODEL,
+            *TRAIN,
+            *flags,
+        ],
+        env,
+        log,
+    )
 
 
 def engine_command(model_dir: str, address: str, device: str, env: dict, log: str) -> subprocess.Popen:
     """The engine on its own: ``python -m megatron_ext.weight_export.engine --model DIR --address HOST:PORT``."""
-    return _start([sys.executable, "-m", "megatron_ext.weight_export.engine", "--model", model_dir,
-                   "--address", address, "--device", device, "--timeout-s", "240", "--sessions", "1"], env, log)
+    return _start(
+        [
+            sys.executable,
+            "-m",
+            "megatron_ext.weight_export.engine",
+            "--model",
+            model_dir,
+            "--address",
+            address,
+            "--device",
+            device,
+            "--timeout-s",
+            "240",
+            "--sessions",
+            "1",
+        ],
+        env,
+        log,
+    )
 
 
 def finish(proc: subprocess.Popen, what: str, timeout: float = 300) -> str:
@@ -111,9 +179,21 @@ def hf_model_dir(path: str) -> str:
     import transformers
 
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=16, rms_norm_eps=1e-5, rope_theta=10000.0,
-        tie_word_embeddings=False, hidden_act="silu", attention_bias=False, mlp_bias=False)
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        hidden_act="silu",
+        attention_bias=False,
+        mlp_bias=False,
+    )
     transformers.LlamaForCausalLM(config).save_pretrained(path)
     return path
 
@@ -129,8 +209,20 @@ def runs(tmp_path_factory):
     # read it); C and D read those caches.
     cache_a, cache_b = os.path.join(tmp, "cache_a"), os.path.join(tmp, "cache_b")
     log = lambda name: os.path.join(tmp, f"{name}.log")  # noqa: E731
-    b = launch(3, *NTP, "--symm-mem", "on", "--save", ck_ntp, "--save-interval", "3", "--data-cache-path", cache_b,
-               env=env, log=log("B"))
+    b = launch(
+        3,
+        *NTP,
+        "--symm-mem",
+        "on",
+        "--save",
+        ck_ntp,
+        "--save-interval",
+        "3",
+        "--data-cache-path",
+        cache_b,
+        env=env,
+        log=log("B"),
+    )
     port = _port()
     address = f"127.0.0.1:{port}"
     engine = engine_command(hf_model_dir(os.path.join(tmp, "hf")), address, "cpu", env, log("engine"))
@@ -143,20 +235,46 @@ def runs(tmp_path_factory):
             f.write("3")
 
     try:
-        a = launch(2, "--symm-mem", "off", "--save", ck_uniform, "--save-interval", "3", "--data-cache-path", cache_a,
-                   "--weight-export-target", address, "--weight-export-transport", "broadcast",
-                   "--weight-export-every-n-steps", "2", env=env, log=log("A"))
+        a = launch(
+            2,
+            "--symm-mem",
+            "off",
+            "--save",
+            ck_uniform,
+            "--save-interval",
+            "3",
+            "--data-cache-path",
+            cache_a,
+            "--weight-export-target",
+            address,
+            "--weight-export-transport",
+            "broadcast",
+            "--weight-export-every-n-steps",
+            "2",
+            env=env,
+            log=log("A"),
+        )
         procs.append(a)
         # Each resume starts as soon as the checkpoint it reads is complete.
         out["A"] = finish(a, "A (uniform, export)")
         resume_from(ck_uniform)
-        c = launch(3, *NTP, "--ntp-balance", "tp", "--load", ck_uniform, "--data-cache-path", cache_a, env=env,
-                   log=log("C"))
+        c = launch(
+            3, *NTP, "--ntp-balance", "tp", "--load", ck_uniform, "--data-cache-path", cache_a, env=env, log=log("C")
+        )
         procs.append(c)
         out["B"] = finish(b, "B (NTP, symm-mem on)")
         resume_from(ck_ntp)
-        d = launch(2, "--tensor-model-parallel-size", "2", "--load", ck_ntp, "--data-cache-path", cache_b, env=env,
-                   log=log("D"))
+        d = launch(
+            2,
+            "--tensor-model-parallel-size",
+            "2",
+            "--load",
+            ck_ntp,
+            "--data-cache-path",
+            cache_b,
+            env=env,
+            log=log("D"),
+        )
         procs.append(d)
         out["engine"] = finish(engine, "the engine", timeout=60)
         out["C"] = finish(c, "C (NTP resuming the uniform checkpoint)")
@@ -185,11 +303,14 @@ def test_ntp_with_a_failed_slot_trains_like_uniform_tp(runs):
 def test_symmetric_memory_flags_fall_back_on_gloo_and_train(runs):
     """--symm-mem on (B, NTP buckets) and the default auto (D, SymmMemDistributedDataParallel): on gloo every
     bucket stays plain, the start-up summary says so and why, and training matches plain Megatron DDP (A)."""
-    assert re.search(r"symmetric memory: mode=on, 0 of [1-9]\d* bucket buffers symmetric over all ranks \(fallback "
-                     r"to plain buffers\); plain because: unavailable: process-group backend is 'gloo'",
-                     runs["B"]), runs["B"][-3000:]
-    assert re.search(r"symmetric memory: mode=auto, 0 of [1-9]\d* bucket buffers symmetric over all ranks \(fallback",
-                     runs["D"]), runs["D"][-3000:]
+    assert re.search(
+        r"symmetric memory: mode=on, 0 of [1-9]\d* bucket buffers symmetric over all ranks \(fallback "
+        r"to plain buffers\); plain because: unavailable: process-group backend is 'gloo'",
+        runs["B"],
+    ), runs["B"][-3000:]
+    assert re.search(
+        r"symmetric memory: mode=auto, 0 of [1-9]\d* bucket buffers symmetric over all ranks \(fallback", runs["D"]
+    ), runs["D"][-3000:]
     assert "DDP wrapper SymmMemDistributedDataParallel" in runs["D"]
     assert "NCCL symmetric memory is unavailable" in runs["B"]  # the one-time warning
     assert "symmetric memory: off (Megatron's DDP buffers)" in runs["A"]
@@ -200,8 +321,11 @@ def test_weight_export_to_an_engine_started_on_its_own(runs):
     """A exports its starting weights and then every 2 iterations over the broadcast transport (gloo) to
     ``python -m megatron_ext.weight_export.engine``; the engine applies each version atomically."""
     engine, a = runs["engine"], runs["A"]
-    assert re.search(r"weight export: broadcast to 127\.0\.0\.1:\d+ at start, every 2 iterations and at the end; "
-                     r"\d+ HF tensors", a), a[-3000:]
+    assert re.search(
+        r"weight export: broadcast to 127\.0\.0\.1:\d+ at start, every 2 iterations and at the end; "
+        r"\d+ HF tensors",
+        a,
+    ), a[-3000:]
     for version in (0, 2, 4, 6):
         assert f"engine: applied version {version}\n" in engine, engine
         assert f"weight export: version {version} (" in a and f"engine applied [{version}]" in a, a[-3000:]
@@ -237,21 +361,32 @@ def _script():
     return sys.modules["pretrain_gpt"]
 
 
-@pytest.mark.parametrize("flags, world, message", [
-    (["--global-batch-size", "10"], 4,
-     "--global-batch-size 10 must be a multiple of --micro-batch-size x data-parallel size = 2 x 4 = 8 (e.g. 8 or 16)"),
-    (["--tensor-model-parallel-size", "3"], 4, "--tensor-model-parallel-size 3 must divide the number of processes"),
-    (["--pipeline-model-parallel-size", "2"], 4, "--pipeline-model-parallel-size 2: this script supports only 1"),
-    (["--tensor-model-parallel-size", "8"], 8, "--num-attention-heads 4 must be divisible by"),
-    (NTP, 4, "launch_mode='packed': world size 4 + 1 failed GPU(s) is not a multiple of tp_base=2"),
-    (["--ntp-failed-slots", "0:1"], 3, "given without --ntp-tp-base"),
-    (["--weight-export-target", "127.0.0.1:1"], 2, "needs --weight-export-transport broadcast"),
-    (["--weight-export-every-n-steps", "2"], 2, "given without --weight-export-target"),
-    (["--symm-mem", "sometimes"], 2, "argument --symm-mem: invalid choice: 'sometimes'"),
-    (["--save-interval", "2"], 2, "--save-interval needs --save DIR"),
-    (["--reshard-refit-every-n-steps", "2"], 2, "the reshard refit is not wired into this script"),
-    (["--mock-data", "--data-path", "/data/x"], 2, "--mock-data and --data-path: pick one"),
-])
+@pytest.mark.parametrize(
+    "flags, world, message",
+    [
+        (
+            ["--global-batch-size", "10"],
+            4,
+            "--global-batch-size 10 must be a multiple of --micro-batch-size x data-parallel size = 2 x 4 = 8 "
+            "(e.g. 8 or 16)",
+        ),
+        (
+            ["--tensor-model-parallel-size", "3"],
+            4,
+            "--tensor-model-parallel-size 3 must divide the number of processes",
+        ),
+        (["--pipeline-model-parallel-size", "2"], 4, "--pipeline-model-parallel-size 2: this script supports only 1"),
+        (["--tensor-model-parallel-size", "8"], 8, "--num-attention-heads 4 must be divisible by"),
+        (NTP, 4, "launch_mode='packed': world size 4 + 1 failed GPU(s) is not a multiple of tp_base=2"),
+        (["--ntp-failed-slots", "0:1"], 3, "given without --ntp-tp-base"),
+        (["--weight-export-target", "127.0.0.1:1"], 2, "needs --weight-export-transport broadcast"),
+        (["--weight-export-every-n-steps", "2"], 2, "given without --weight-export-target"),
+        (["--symm-mem", "sometimes"], 2, "argument --symm-mem: invalid choice: 'sometimes'"),
+        (["--save-interval", "2"], 2, "--save-interval needs --save DIR"),
+        (["--reshard-refit-every-n-steps", "2"], 2, "the reshard refit is not wired into this script"),
+        (["--mock-data", "--data-path", "/data/x"], 2, "--mock-data and --data-path: pick one"),
+    ],
+)
 def test_bad_flag_combinations_are_refused_at_parse_time(flags, world, message, capsys, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(SystemExit) as exit_info:
@@ -262,13 +397,28 @@ def test_bad_flag_combinations_are_refused_at_parse_time(flags, world, message, 
 
 def test_gpt2_shaped_models_are_refused_for_the_weight_export(capsys, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
-    gpt2 = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16",
-            "--vocab-size", "128"]
+    gpt2 = [
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "16",
+        "--vocab-size",
+        "128",
+    ]
     with pytest.raises(SystemExit):
-        _script().parse_args([*gpt2, *TRAIN, "--weight-export-target", "127.0.0.1:1", "--weight-export-transport",
-                              "broadcast"], world_size=2, cuda=False)
-    assert ("add --position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear"
-            in capsys.readouterr().err)
+        _script().parse_args(
+            [*gpt2, *TRAIN, "--weight-export-target", "127.0.0.1:1", "--weight-export-transport", "broadcast"],
+            world_size=2,
+            cuda=False,
+        )
+    assert (
+        "add --position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear"
+        in capsys.readouterr().err
+    )
 
 
 # ------------------------------------------------------------------------------------------- GPUs
@@ -276,12 +426,25 @@ def _export_run(tmp_path, env, engine_device, nproc, transport, *flags):
     """A GPU job exporting every 3 iterations to an engine started on its own on ``engine_device``:
     the engine applies versions 0, 3 and 6 and ends holding 6. Returns the job's output."""
     port = _port()
-    engine = engine_command(hf_model_dir(str(tmp_path / "hf")), f"127.0.0.1:{port}", engine_device, env,
-                            str(tmp_path / "engine.log"))
+    engine = engine_command(
+        hf_model_dir(str(tmp_path / "hf")), f"127.0.0.1:{port}", engine_device, env, str(tmp_path / "engine.log")
+    )
     try:
-        out = finish(launch(nproc, *flags, "--weight-export-target", f"127.0.0.1:{port}",
-                            "--weight-export-transport", transport, "--weight-export-every-n-steps", "3",
-                            env=env, log=str(tmp_path / "A.log")), f"{nproc} GPU(s) exporting over {transport}")
+        out = finish(
+            launch(
+                nproc,
+                *flags,
+                "--weight-export-target",
+                f"127.0.0.1:{port}",
+                "--weight-export-transport",
+                transport,
+                "--weight-export-every-n-steps",
+                "3",
+                env=env,
+                log=str(tmp_path / "A.log"),
+            ),
+            f"{nproc} GPU(s) exporting over {transport}",
+        )
         out_engine = finish(engine, f"the engine on {engine_device}", timeout=60)
     finally:
         if engine.poll() is None:
@@ -304,19 +467,25 @@ def test_gpu_ntp_symm_export_and_resume(tmp_path):
     ck, ck_bf16 = str(tmp_path / "ckpt_ntp"), str(tmp_path / "ckpt_ntp_bf16")
     out_a = _export_run(tmp_path, env, "cuda:3", 2, "broadcast", *gpu, "--symm-mem", "off")
     assert "mem (GiB) allocated:" in out_a
-    out_b = finish(launch(3, *gpu, *NTP, "--symm-mem", "on", "--save", ck, "--save-interval", "3", env=env,
-                          log=log("B")), "NTP on 3 GPUs")
+    out_b = finish(
+        launch(3, *gpu, *NTP, "--symm-mem", "on", "--save", ck, "--save-interval", "3", env=env, log=log("B")),
+        "NTP on 3 GPUs",
+    )
     a, b = losses(out_a), losses(out_b)
     assert_same_losses(b, a, range(1, ITERS + 1), "NTP vs uniform on NCCL")
     assert re.search(r"symmetric memory: mode=on, [1-9]\d* of \d+ bucket buffers symmetric", out_b), out_b[-3000:]
     with open(os.path.join(ck, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write("3")
-    out_d = finish(launch(2, *gpu, "--tensor-model-parallel-size", "2", "--load", ck, env=env, log=log("D")),
-                   "uniform TP2 on 2 GPUs resuming the NTP checkpoint")
+    out_d = finish(
+        launch(2, *gpu, "--tensor-model-parallel-size", "2", "--load", ck, env=env, log=log("D")),
+        "uniform TP2 on 2 GPUs resuming the NTP checkpoint",
+    )
     assert_same_losses(losses(out_d), b, range(4, ITERS + 1), "uniform TP2 resumed from NTP on NCCL")
     bf16 = [*gpu, *NTP, "--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", "4096"]
-    out_f = finish(launch(3, *bf16, "--save", ck_bf16, "--save-interval", "3", env=env, log=log("F")),
-                   "NTP bf16 + distributed optimizer on 3 GPUs")
+    out_f = finish(
+        launch(3, *bf16, "--save", ck_bf16, "--save-interval", "3", env=env, log=log("F")),
+        "NTP bf16 + distributed optimizer on 3 GPUs",
+    )
     with open(os.path.join(ck_bf16, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write("3")
     out_g = finish(launch(3, *bf16, "--load", ck_bf16, env=env, log=log("G")), "the same job resuming")

@@ -25,8 +25,9 @@ def assert_losses_equal(out, rtol):
 
 
 def _kernels(prof) -> list[str]:
-    return [e.name for e in prof.events()
-            if e.device_type == torch.autograd.DeviceType.CUDA and "nccl" in e.name.lower()]
+    return [
+        e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "nccl" in e.name.lower()
+    ]
 
 
 def _count(names, op):
@@ -50,8 +51,11 @@ def _build_ddp(variant, distopt, avg, cfg):
 
     tcfg = tiny_gpt.transformer_config(SPEC)
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=distopt, bucket_size=BUCKET,
-        overlap_grad_reduce=True, average_in_collective=avg,
+        grad_reduce_in_fp32=True,
+        use_distributed_optimizer=distopt,
+        bucket_size=BUCKET,
+        overlap_grad_reduce=True,
+        average_in_collective=avg,
     )
     module = tiny_gpt.build_model(SPEC, tcfg, device=tiny_gpt.rank_device())
     if variant == "plain":
@@ -60,8 +64,7 @@ def _build_ddp(variant, distopt, avg, cfg):
         ddp = DistributedDataParallel(config=tcfg, ddp_config=ddp_config, module=module)
         with standin_pool():
             return ddp, stage_ddp_buffers(ddp, cfg)
-    ddp = SymmMemDistributedDataParallel(config=tcfg, ddp_config=ddp_config, module=module,
-                                         symm_mem_config=cfg)
+    ddp = SymmMemDistributedDataParallel(config=tcfg, ddp_config=ddp_config, module=module, symm_mem_config=cfg)
     return ddp, ddp.symm_mem_decisions
 
 
@@ -72,8 +75,9 @@ def _train_ddp(ddp, distopt, steps, microbatches, profile_step=None):
     opt = get_megatron_optimizer(
         # Adam with a large eps updates in proportion to the gradient (like SGD),
         # so a wrong AVG shows in the loss; the distributed optimizer needs Adam.
-        OptimizerConfig(optimizer="adam", lr=0.2, adam_eps=1.0, weight_decay=0.0, clip_grad=0.0,
-                        use_distributed_optimizer=distopt),
+        OptimizerConfig(
+            optimizer="adam", lr=0.2, adam_eps=1.0, weight_decay=0.0, clip_grad=0.0, use_distributed_optimizer=distopt
+        ),
         [ddp],
     )
     dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
@@ -87,6 +91,7 @@ def _train_ddp(ddp, distopt, steps, microbatches, profile_step=None):
         prof = None
         if step == profile_step:
             from torch.profiler import ProfilerActivity, profile
+
             torch.cuda.synchronize()
             prof = profile(activities=[ProfilerActivity.CUDA])
             prof.__enter__()
@@ -130,17 +135,26 @@ def ddp_parity(distopt, microbatches, steps, avg, staged_variant, mode):
 
     ps.initialize_model_parallel()
     base_ddp, _ = _build_ddp("plain", distopt, False, None)
-    sizes = sorted(b.grad_data.numel() * b.grad_data.element_size()
-                   for buf in base_ddp.buffers for b in buf.buckets)
-    psizes = sorted(b.param_data.numel() * b.param_data.element_size()
-                    for buf in base_ddp.buffers for b in buf.buckets if b.param_data is not None)
+    sizes = sorted(b.grad_data.numel() * b.grad_data.element_size() for buf in base_ddp.buffers for b in buf.buckets)
+    psizes = sorted(
+        b.param_data.numel() * b.param_data.element_size()
+        for buf in base_ddp.buffers
+        for b in buf.buckets
+        if b.param_data is not None
+    )
     base, _ = _train_ddp(base_ddp, distopt, steps, microbatches)
     del base_ddp
     mid = sizes[len(sizes) // 2]
     pmid = psizes[len(psizes) // 2] if psizes else 0
-    cfg = SymmMemConfig(mode=mode, all_reduce_min_bytes=0, all_reduce_max_bytes=mid,
-                        reduce_scatter_min_bytes=0, reduce_scatter_max_bytes=mid,
-                        all_gather_min_bytes=0, all_gather_max_bytes=pmid)
+    cfg = SymmMemConfig(
+        mode=mode,
+        all_reduce_min_bytes=0,
+        all_reduce_max_bytes=mid,
+        reduce_scatter_min_bytes=0,
+        reduce_scatter_max_bytes=mid,
+        all_gather_min_bytes=0,
+        all_gather_max_bytes=pmid,
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ddp, decisions = _build_ddp(staged_variant, distopt, avg, cfg)
@@ -158,15 +172,27 @@ def ddp_parity(distopt, microbatches, steps, avg, staged_variant, mode):
         "param_segments": [(s.start, s.end, s.symmetric) for s in getattr(buffer, "param_segments", [])],
         "grad_data_is_none": buffer.grad_data is None,
         # (average_in_collective, has a symmetric grad bucket) per bucket group
-        "groups": [(g.ddp_config.average_in_collective,
-                    any(_is_symmetric(ddp.buffers[0], b) for b in g.buckets))
-                   for g in ddp.bucket_groups],
+        "groups": [
+            (g.ddp_config.average_in_collective, any(_is_symmetric(ddp.buffers[0], b) for b in g.buckets))
+            for g in ddp.bucket_groups
+        ],
     }
-    memories = {id(s.memory): s.memory for s in getattr(buffer, "grad_segments", [])
-                + getattr(buffer, "param_segments", []) if s.symmetric}
+    memories = {
+        id(s.memory): s.memory
+        for s in getattr(buffer, "grad_segments", []) + getattr(buffer, "param_segments", [])
+        if s.symmetric
+    }
     rendezvous = sum(m.rendezvous_calls for m in memories.values())
-    return dict(base=base, staged=staged, decisions=decisions, warnings=ours,
-                kernels=kernels, layout=layout, rendezvous=rendezvous, offload=offload)
+    return dict(
+        base=base,
+        staged=staged,
+        decisions=decisions,
+        warnings=ours,
+        kernels=kernels,
+        layout=layout,
+        rendezvous=rendezvous,
+        offload=offload,
+    )
 
 
 def _offload_roundtrip(ddp):
@@ -180,8 +206,12 @@ def _offload_roundtrip(ddp):
     after = [s.tensor.untyped_storage().nbytes() for s in segs]
     zero = all(bool((s.tensor == 0).all()) for s in segs)
     ptrs = {s.tensor.untyped_storage().data_ptr() for s in segs}
-    aliased = all(p.main_grad.untyped_storage().data_ptr() in ptrs
-                  for b in ddp.buffers for bucket in b.buckets for p in bucket.params_list)
+    aliased = all(
+        p.main_grad.untyped_storage().data_ptr() in ptrs
+        for b in ddp.buffers
+        for bucket in b.buckets
+        for p in bucket.params_list
+    )
     return dict(before=before, freed=freed, after=after, zero=zero, aliased=aliased)
 
 
@@ -192,7 +222,11 @@ FSDP_WIDTHS = (64, 256, 64, 1024, 64)  # Linear(a, b): 64 KiB, 64 KiB, 256 KiB, 
 def _fsdp_model(variant, cfg, widths=FSDP_WIDTHS, dtype=torch.float32):
     from torch.distributed.device_mesh import init_device_mesh
     from megatron.core.distributed.fsdp.src.megatron_fsdp.experimental import (
-        Flat, Placements, fully_shard as upstream_fully_shard, fully_shard_optimizer)
+        Flat,
+        Placements,
+        fully_shard as upstream_fully_shard,
+        fully_shard_optimizer,
+    )
     from megatron.core.distributed.fsdp.src.megatron_fsdp import MixedPrecisionPolicy
 
     from megatron_ext.fsdp_symm import fully_shard
@@ -208,11 +242,9 @@ def _fsdp_model(variant, cfg, widths=FSDP_WIDTHS, dtype=torch.float32):
         if variant == "upstream":
             upstream_fully_shard(layer, mesh=mesh, placements=placements, mixed_precision_policy=mp)
         elif variant == "upstream-symm":
-            upstream_fully_shard(layer, mesh=mesh, placements=placements, mixed_precision_policy=mp,
-                                 use_symm_mem=True)
+            upstream_fully_shard(layer, mesh=mesh, placements=placements, mixed_precision_policy=mp, use_symm_mem=True)
         else:
-            fully_shard(layer, mesh=mesh, placements=placements, mixed_precision_policy=mp,
-                        symm_mem_config=cfg)
+            fully_shard(layer, mesh=mesh, placements=placements, mixed_precision_policy=mp, symm_mem_config=cfg)
     # SGD: the update scales with the gradient, so a wrong AVG would show in the loss.
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     fully_shard_optimizer(opt)
@@ -224,8 +256,7 @@ def _fsdp_batch(step, m, width_in, width_out, dtype):
     return torch.randn(8, width_in, generator=g).to(dtype), torch.randn(8, width_out, generator=g).to(dtype)
 
 
-def train_fsdp(model, opt, steps, microbatches, profile_step=None, widths=FSDP_WIDTHS,
-               dtype=torch.float32, start=0):
+def train_fsdp(model, opt, steps, microbatches, profile_step=None, widths=FSDP_WIDTHS, dtype=torch.float32, start=0):
     dev = tiny_gpt.rank_device()
     losses, kernels = [], []
     for step in range(start, start + steps):
@@ -233,6 +264,7 @@ def train_fsdp(model, opt, steps, microbatches, profile_step=None, widths=FSDP_W
         prof = None
         if step == profile_step:
             from torch.profiler import ProfilerActivity, profile
+
             torch.cuda.synchronize()
             prof = profile(activities=[ProfilerActivity.CUDA])
             prof.__enter__()
@@ -266,8 +298,13 @@ def fsdp_parity(microbatches, steps, mode, max_bytes):
     model, opt = _fsdp_model("upstream", None)
     base, _ = train_fsdp(model, opt, steps, microbatches)
     del model, opt
-    cfg = SymmMemConfig(mode=mode, all_gather_min_bytes=0, all_gather_max_bytes=max_bytes,
-                        reduce_scatter_min_bytes=0, reduce_scatter_max_bytes=max_bytes)
+    cfg = SymmMemConfig(
+        mode=mode,
+        all_gather_min_bytes=0,
+        all_gather_max_bytes=max_bytes,
+        reduce_scatter_min_bytes=0,
+        reduce_scatter_max_bytes=max_bytes,
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model, opt = _fsdp_model("ours", cfg)
@@ -279,8 +316,14 @@ def fsdp_parity(microbatches, steps, mode, max_bytes):
         more, kernels = train_fsdp(model, opt, steps - 1, microbatches, profile_step, start=1)
     after_last = sum(g.symm.rendezvous_calls for g in groups if g.symm is not None)
     warned = [str(w.message) for w in caught if "fsdp_symm" in str(w.message)]
-    return dict(base=base, staged=ours + more, decisions=decisions, kernels=kernels,
-                windows=(after_first, after_last), warnings=warned)
+    return dict(
+        base=base,
+        staged=ours + more,
+        decisions=decisions,
+        kernels=kernels,
+        windows=(after_first, after_last),
+        warnings=warned,
+    )
 
 
 def fsdp_standin_parity(microbatches, steps, max_bytes):
@@ -294,8 +337,13 @@ def fsdp_standin_parity(microbatches, steps, max_bytes):
     model, opt = _fsdp_model("upstream", None)
     base, _ = train_fsdp(model, opt, steps, microbatches)
     del model, opt
-    cfg = SymmMemConfig(mode="auto", all_gather_min_bytes=0, all_gather_max_bytes=max_bytes,
-                        reduce_scatter_min_bytes=0, reduce_scatter_max_bytes=max_bytes)
+    cfg = SymmMemConfig(
+        mode="auto",
+        all_gather_min_bytes=0,
+        all_gather_max_bytes=max_bytes,
+        reduce_scatter_min_bytes=0,
+        reduce_scatter_max_bytes=max_bytes,
+    )
     with standin_pool():
         model, opt = _fsdp_model("ours", cfg)
     groups = _fsdp_groups(model)
@@ -308,8 +356,7 @@ def fsdp_standin_parity(microbatches, steps, max_bytes):
     total = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in pooled}.values())
     freed = release_symmetric_memory(model)
     after = [t.untyped_storage().nbytes() for t in pooled]
-    return dict(base=base, staged=staged, decisions=decisions, scratch=scratch,
-                release=(total, freed, after))
+    return dict(base=base, staged=staged, decisions=decisions, scratch=scratch, release=(total, freed, after))
 
 
 # ------------------------------------------------------------- release, placement
@@ -337,9 +384,16 @@ def ddp_fallback_and_release(distopt, steps):
     total = sum(s.tensor.untyped_storage().nbytes() for s in segments)
     freed = release_symmetric_memory(ddp)
     after = [s.tensor.untyped_storage().nbytes() for s in segments]
-    return dict(base=base, staged=staged, decisions=decisions, total=total, freed=freed, after=after,
-                warnings=[str(w.message) for w in caught],
-                segments=[(s.symmetric, s.fallback) for s in segments])
+    return dict(
+        base=base,
+        staged=staged,
+        decisions=decisions,
+        total=total,
+        freed=freed,
+        after=after,
+        warnings=[str(w.message) for w in caught],
+        segments=[(s.symmetric, s.fallback) for s in segments],
+    )
 
 
 def placement_check():
@@ -351,8 +405,7 @@ def placement_check():
     mem = SymmetricMemory.__new__(SymmetricMemory)
     mem.group = dist.group.WORLD
     out = {}
-    for case, mine in (("same", (0, 1 << 21, 0, 4096)),
-                       ("differ", (dist.get_rank() - 1, 1 << 21, 0, 4096))):
+    for case, mine in (("same", (0, 1 << 21, 0, 4096)), ("differ", (dist.get_rank() - 1, 1 << 21, 0, 4096))):
         mem.placement = lambda tensor, mine=mine: mine
         try:
             mem._check_placement(torch.empty(1))
@@ -406,6 +459,12 @@ def staged_models_lifecycle(builds, steps):
         warnings.simplefilter("always")
         ddp, decisions = _build_ddp("symm", True, True, cfg)
     diverged, _ = _train_ddp(ddp, True, steps, 1)
-    return dict(ddp_losses=ddp_losses, ddp_windows=ddp_windows, freed=freed,
-                fsdp_windows=fsdp_windows, diverged=diverged, decisions=decisions,
-                warnings=[str(w.message) for w in caught if "fsdp_symm" in str(w.message)])
+    return dict(
+        ddp_losses=ddp_losses,
+        ddp_windows=ddp_windows,
+        freed=freed,
+        fsdp_windows=fsdp_windows,
+        diverged=diverged,
+        decisions=decisions,
+        warnings=[str(w.message) for w in caught if "fsdp_symm" in str(w.message)],
+    )

@@ -37,28 +37,37 @@ def test_fp32_band_follows_a_set_band_unless_set_itself():
     assert not bf16.symmetric and "> max" in bf16.reason
 
 
-@pytest.mark.parametrize("kwargs,field,hint", [
-    (dict(all_gather_fp32_max_bytes=-1), "all_gather_fp32_max_bytes", ">= 0"),
-    (dict(reduce_scatter_fp32_min_bytes=2.0), "reduce_scatter_fp32_min_bytes", "None or an int"),
-    (dict(all_reduce_fp32_min_bytes=64 * MIB, all_reduce_fp32_max_bytes=MIB),
-     "all_reduce_fp32_min_bytes", "must be <="),
-    # An fp32 min above the fp32 default max is caught on the resolved band.
-    (dict(all_reduce_fp32_min_bytes=1 << 40), "all_reduce_fp32_min_bytes", "float32 band"),
-])
+@pytest.mark.parametrize(
+    "kwargs,field,hint",
+    [
+        (dict(all_gather_fp32_max_bytes=-1), "all_gather_fp32_max_bytes", ">= 0"),
+        (dict(reduce_scatter_fp32_min_bytes=2.0), "reduce_scatter_fp32_min_bytes", "None or an int"),
+        (
+            dict(all_reduce_fp32_min_bytes=64 * MIB, all_reduce_fp32_max_bytes=MIB),
+            "all_reduce_fp32_min_bytes",
+            "must be <=",
+        ),
+        # An fp32 min above the fp32 default max is caught on the resolved band.
+        (dict(all_reduce_fp32_min_bytes=1 << 40), "all_reduce_fp32_min_bytes", "float32 band"),
+    ],
+)
 def test_bad_fp32_values_name_the_field(kwargs, field, hint):
     with pytest.raises(ValueError) as err:
         SymmMemConfig(**kwargs)
     assert field in str(err.value) and hint in str(err.value)
 
 
-@pytest.mark.parametrize("kwargs,field,hint", [
-    (dict(mode="always"), "mode", "'auto', 'on', 'off'"),
-    (dict(all_gather_max_bytes=-1), "all_gather_max_bytes", ">= 0"),
-    (dict(reduce_scatter_min_bytes=1.5), "reduce_scatter_min_bytes", "int"),
-    (dict(all_reduce_min_bytes=True), "all_reduce_min_bytes", "int"),
-    (dict(all_reduce_min_bytes=10, all_reduce_max_bytes=5), "all_reduce_min_bytes", "must be <="),
-    (dict(report="yes"), "report", "bool"),
-])
+@pytest.mark.parametrize(
+    "kwargs,field,hint",
+    [
+        (dict(mode="always"), "mode", "'auto', 'on', 'off'"),
+        (dict(all_gather_max_bytes=-1), "all_gather_max_bytes", ">= 0"),
+        (dict(reduce_scatter_min_bytes=1.5), "reduce_scatter_min_bytes", "int"),
+        (dict(all_reduce_min_bytes=True), "all_reduce_min_bytes", "int"),
+        (dict(all_reduce_min_bytes=10, all_reduce_max_bytes=5), "all_reduce_min_bytes", "must be <="),
+        (dict(report="yes"), "report", "bool"),
+    ],
+)
 def test_bad_values_name_the_field_and_what_is_allowed(kwargs, field, hint):
     with pytest.raises(ValueError) as err:
         SymmMemConfig(**kwargs)
@@ -76,17 +85,25 @@ def test_flags_round_trip():
     parser = add_fsdp_symm_args(argparse.ArgumentParser())
     cfg = SymmMemConfig.from_args(parser.parse_args([]))
     assert cfg == SymmMemConfig()
-    args = parser.parse_args([
-        "--symm-mem", "on", "--symm-mem-reduce-scatter-max-mib", "2",
-        "--symm-mem-all-gather-min-mib", "0.25", "--symm-mem-no-report",
-    ])
+    args = parser.parse_args(
+        [
+            "--symm-mem",
+            "on",
+            "--symm-mem-reduce-scatter-max-mib",
+            "2",
+            "--symm-mem-all-gather-min-mib",
+            "0.25",
+            "--symm-mem-no-report",
+        ]
+    )
     cfg = SymmMemConfig.from_args(args)
     assert cfg.mode == "on" and not cfg.report
     assert cfg.reduce_scatter_max_bytes == 2 * MIB
     assert cfg.all_gather_min_bytes == MIB // 4
     assert cfg.all_reduce_max_bytes == DEFAULT_BANDS["all_reduce"][1]
-    cfg = SymmMemConfig.from_args(parser.parse_args(
-        ["--symm-mem-fp32-reduce-scatter-max-mib", "16", "--symm-mem-fp32-all-gather-min-mib", "0"]))
+    cfg = SymmMemConfig.from_args(
+        parser.parse_args(["--symm-mem-fp32-reduce-scatter-max-mib", "16", "--symm-mem-fp32-all-gather-min-mib", "0"])
+    )
     assert cfg.reduce_scatter_fp32_max_bytes == 16 * MIB and cfg.all_gather_fp32_min_bytes == 0
     assert cfg.all_reduce_fp32_max_bytes is None
     with pytest.raises(ValueError, match="--symm-mem-fp32-all-reduce-min-mib must be >= 0"):
@@ -100,8 +117,9 @@ def test_flags_reject_bad_values():
     with pytest.raises(ValueError, match="--symm-mem-all-reduce-max-mib must be >= 0"):
         SymmMemConfig.from_args(parser.parse_args(["--symm-mem-all-reduce-max-mib", "-1"]))
     with pytest.raises(ValueError, match="all_gather_min_bytes"):
-        SymmMemConfig.from_args(parser.parse_args(
-            ["--symm-mem-all-gather-min-mib", "8", "--symm-mem-all-gather-max-mib", "4"]))
+        SymmMemConfig.from_args(
+            parser.parse_args(["--symm-mem-all-gather-min-mib", "8", "--symm-mem-all-gather-max-mib", "4"])
+        )
 
 
 @pytest.mark.parametrize("collective", ["all_gather", "reduce_scatter", "all_reduce"])
@@ -135,8 +153,10 @@ def test_on_off_and_unavailable_override_the_band():
 
 
 def test_report_lists_every_buffer_and_why():
-    rows = [("buffer0/bucket0 grads", decide("all_reduce", 4 * MIB, SymmMemConfig())),
-            ("buffer0/bucket1 grads", decide("all_reduce", 1 << 30, SymmMemConfig()))]
+    rows = [
+        ("buffer0/bucket0 grads", decide("all_reduce", 4 * MIB, SymmMemConfig())),
+        ("buffer0/bucket1 grads", decide("all_reduce", 1 << 30, SymmMemConfig())),
+    ]
     text = format_report(rows)
     assert "1 of 2" in text
     assert "bucket0" in text and "symmetric" in text and "> max" in text
@@ -154,8 +174,15 @@ def test_reductions_need_a_float_of_at_most_32_bits():
     assert decide("all_gather", MIB, cfg, dtype=torch.int64).symmetric
 
 
-@pytest.mark.parametrize("flag", ["--symm-mem-all-gather-min-mib", "--symm-mem-reduce-scatter-max-mib",
-                                  "--symm-mem-fp32-all-reduce-min-mib", "--symm-mem-fp32-all-gather-max-mib"])
+@pytest.mark.parametrize(
+    "flag",
+    [
+        "--symm-mem-all-gather-min-mib",
+        "--symm-mem-reduce-scatter-max-mib",
+        "--symm-mem-fp32-all-reduce-min-mib",
+        "--symm-mem-fp32-all-gather-max-mib",
+    ],
+)
 @pytest.mark.parametrize("value", ["nan", "inf"])
 def test_non_finite_mib_flags_name_the_flag_and_the_range(flag, value):
     # Before: a bare ValueError (nan) / OverflowError (inf) from int(round(...)) that named no flag.
@@ -165,8 +192,10 @@ def test_non_finite_mib_flags_name_the_flag_and_the_range(flag, value):
     assert f"{flag} must be >= 0 and finite (MiB); got {value}" in str(err.value), str(err.value)
 
 
-@pytest.mark.parametrize("field", ["all_gather_min_bytes", "reduce_scatter_max_bytes", "all_reduce_fp32_min_bytes",
-                                   "all_gather_fp32_max_bytes"])
+@pytest.mark.parametrize(
+    "field",
+    ["all_gather_min_bytes", "reduce_scatter_max_bytes", "all_reduce_fp32_min_bytes", "all_gather_fp32_max_bytes"],
+)
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_non_finite_byte_fields_name_the_field(field, value):
     with pytest.raises(ValueError) as err:

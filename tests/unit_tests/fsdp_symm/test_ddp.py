@@ -11,16 +11,22 @@ import pytest
 
 from megatron_ext.testing.multirank import run_on_ranks
 
-from ._bodies import (GRAD_OPS, _count, assert_losses_equal, ddp_fallback_and_release, ddp_parity,
-                      placement_check, staged_models_lifecycle)
+from ._bodies import (
+    GRAD_OPS,
+    _count,
+    assert_losses_equal,
+    ddp_fallback_and_release,
+    ddp_parity,
+    placement_check,
+    staged_models_lifecycle,
+)
 
 RTOL = 1e-5
 STEPS = 4
 
 
 def test_gloo_fallback_trains_like_plain_ddp_and_warns_once():
-    out = run_on_ranks(ddp_parity, 2, args=(False, 1, STEPS, False, "symm", "on"),
-                       backend="gloo", timeout=240)
+    out = run_on_ranks(ddp_parity, 2, args=(False, 1, STEPS, False, "symm", "on"), backend="gloo", timeout=240)
     assert_losses_equal(out, 0.0)
     for r in out:
         assert len(r["warnings"]) == 1, r["warnings"]
@@ -34,8 +40,9 @@ def test_gloo_fallback_trains_like_plain_ddp_and_warns_once():
 def test_gloo_staging_layout_trains_like_plain_ddp(distopt, microbatches):
     # average_in_collective=True in the staged run: the symmetric buckets must
     # switch to SUM with a 1/dp pre-scale, which is what plain DDP does here.
-    out = run_on_ranks(ddp_parity, 2, args=(distopt, microbatches, STEPS, True, "standin", "auto"),
-                       backend="gloo", timeout=300)
+    out = run_on_ranks(
+        ddp_parity, 2, args=(distopt, microbatches, STEPS, True, "standin", "auto"), backend="gloo", timeout=300
+    )
     assert_losses_equal(out, 0.0)
     for r in out:
         flags = [d.symmetric for _, d in r["decisions"]]
@@ -77,8 +84,9 @@ def test_gloo_placement_check_raises_on_every_rank_when_placements_differ():
 @pytest.mark.gpus(2)
 @pytest.mark.parametrize("distopt,microbatches", [(False, 1), (False, 3), (True, 1), (True, 3)])
 def test_nccl_symmetric_buckets_run_symk_kernels_and_match_plain(distopt, microbatches):
-    out = run_on_ranks(ddp_parity, 2, args=(distopt, microbatches, STEPS, True, "symm", "auto"),
-                       backend="nccl", timeout=300)
+    out = run_on_ranks(
+        ddp_parity, 2, args=(distopt, microbatches, STEPS, True, "symm", "auto"), backend="nccl", timeout=300
+    )
     assert_losses_equal(out, RTOL)
     for r in out:
         decisions = r["decisions"]
@@ -110,8 +118,7 @@ def test_nccl_staged_models_built_and_released_in_one_process_reuse_their_window
         for losses in r["ddp_losses"][1:] + [r["diverged"]]:
             assert losses == pytest.approx(first, rel=RTOL), r["ddp_losses"]
         # Released segments are reused: no new windows after the first build.
-        assert r["ddp_windows"][0] and all(w == r["ddp_windows"][0] for w in r["ddp_windows"]), \
-            r["ddp_windows"]
+        assert r["ddp_windows"][0] and all(w == r["ddp_windows"][0] for w in r["ddp_windows"]), r["ddp_windows"]
         assert all(f > 0 for f in r["freed"])
         # FSDP: the second model's staged buffers reuse the released segments
         # (construction registers no window); its unshard and gradient buffers

@@ -30,8 +30,7 @@ def test_gloo_fallback_trains_like_upstream_and_warns_once():
 @pytest.mark.gpus(2)
 @pytest.mark.parametrize("microbatches", [1, 3])
 def test_nccl_symmetric_groups_run_symk_kernels_and_match_upstream(microbatches):
-    out = run_on_ranks(fsdp_parity, 2, args=(microbatches, STEPS, "auto", 128 * KIB),
-                       backend="nccl", timeout=300)
+    out = run_on_ranks(fsdp_parity, 2, args=(microbatches, STEPS, "auto", 128 * KIB), backend="nccl", timeout=300)
     assert_losses_equal(out, 1e-5)
     for r in out:
         ag = [a for a, _ in r["decisions"]]
@@ -55,8 +54,7 @@ def test_gloo_symmetric_code_paths_train_like_upstream(microbatches):
     # the SUM reduce-scatter + divide (AVG), and the accumulation scratch.
     from ._bodies import fsdp_standin_parity
 
-    out = run_on_ranks(fsdp_standin_parity, 2, args=(microbatches, STEPS, 128 * KIB),
-                       backend="gloo", timeout=240)
+    out = run_on_ranks(fsdp_standin_parity, 2, args=(microbatches, STEPS, 128 * KIB), backend="gloo", timeout=240)
     assert_losses_equal(out, 1e-6)
     for r in out:
         flags = [a.symmetric for a, _ in r["decisions"]]

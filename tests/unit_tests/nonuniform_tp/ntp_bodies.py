@@ -14,9 +14,21 @@ LR = 1e-3
 WEIGHT_DECAY = 0.01
 
 
-def train(ntp_kwargs, steps, *, spec=tiny_gpt.TinyGPTSpec(), tp=1, distributed_optimizer=False,
-          overlap=False, grad_reduce_in_fp32=True, global_batch=GLOBAL_BATCH, lr=LR, microbatches=1, bf16=False,
-          symm_mem=None):
+def train(
+    ntp_kwargs,
+    steps,
+    *,
+    spec=tiny_gpt.TinyGPTSpec(),
+    tp=1,
+    distributed_optimizer=False,
+    overlap=False,
+    grad_reduce_in_fp32=True,
+    global_batch=GLOBAL_BATCH,
+    lr=LR,
+    microbatches=1,
+    bf16=False,
+    symm_mem=None,
+):
     """Train the tiny GPT for ``steps`` Megatron-optimizer steps.
 
     ``ntp_kwargs is None``: uniform TP=``tp`` with Megatron's own DDP. Else an
@@ -55,8 +67,11 @@ def train(ntp_kwargs, steps, *, spec=tiny_gpt.TinyGPTSpec(), tp=1, distributed_o
         model = Float16Module(cfg, model)
     init = gather_full_state(model, tp_group, spec.gated_linear_unit)
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=overlap,
-        use_distributed_optimizer=distributed_optimizer, bucket_size=4096 if overlap else None)
+        grad_reduce_in_fp32=grad_reduce_in_fp32,
+        overlap_grad_reduce=overlap,
+        use_distributed_optimizer=distributed_optimizer,
+        bucket_size=4096 if overlap else None,
+    )
     if ntp_cfg is None:
         ddp = DistributedDataParallel(config=cfg, ddp_config=ddp_config, module=model)
     else:
@@ -65,11 +80,18 @@ def train(ntp_kwargs, steps, *, spec=tiny_gpt.TinyGPTSpec(), tp=1, distributed_o
             from megatron_ext.fsdp_symm import SymmMemConfig
 
             symm_cfg = SymmMemConfig(**symm_mem)
-        ddp = NonuniformTPDistributedDataParallel(cfg, ddp_config, model, ntp_config=ntp_cfg,
-                                                  symm_mem_config=symm_cfg)
+        ddp = NonuniformTPDistributedDataParallel(cfg, ddp_config, model, ntp_config=ntp_cfg, symm_mem_config=symm_cfg)
     opt = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=lr, weight_decay=WEIGHT_DECAY, clip_grad=1.0, bf16=bf16,
-                        use_distributed_optimizer=distributed_optimizer), [ddp])
+        OptimizerConfig(
+            optimizer="adam",
+            lr=lr,
+            weight_decay=WEIGHT_DECAY,
+            clip_grad=1.0,
+            bf16=bf16,
+            use_distributed_optimizer=distributed_optimizer,
+        ),
+        [ddp],
+    )
     n_local = global_batch // replicas
     losses, times = [], []
     for step in range(steps):
@@ -101,15 +123,24 @@ def train(ntp_kwargs, steps, *, spec=tiny_gpt.TinyGPTSpec(), tp=1, distributed_o
     dist.barrier(group=tp_group)
     keep = tp_rank == 0
     cpu = lambda m: {n: p.detach().cpu().clone() for n, p in m.named_parameters()}  # noqa: E731
-    return dict(replica=replica, tp_rank=tp_rank, tp_size=tp_size, degraded=degraded,
-                bucket_groups=len(ddp.bucket_groups), in_flight_after_backward=in_flight,
-                symm_decisions=[d for _, d in getattr(ddp, "symm_mem_decisions", [])],
-                losses=losses, times=times, init=init if keep else None,
-                final=final if keep else None,
-                train_state=cpu(ddp.module), compute_state=cpu(compute),
-                specs=shard_specs(compute, spec.gated_linear_unit),
-                sharded=None if sharded is None else describe_sharded(sharded),
-                memory=ddp_memory_report(ddp, opt))
+    return dict(
+        replica=replica,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        degraded=degraded,
+        bucket_groups=len(ddp.bucket_groups),
+        in_flight_after_backward=in_flight,
+        symm_decisions=[d for _, d in getattr(ddp, "symm_mem_decisions", [])],
+        losses=losses,
+        times=times,
+        init=init if keep else None,
+        final=final if keep else None,
+        train_state=cpu(ddp.module),
+        compute_state=cpu(compute),
+        specs=shard_specs(compute, spec.gated_linear_unit),
+        sharded=None if sharded is None else describe_sharded(sharded),
+        memory=ddp_memory_report(ddp, opt),
+    )
 
 
 def describe_sharded(sharded_state_dict):
@@ -125,8 +156,16 @@ def describe_sharded(sharded_state_dict):
         parts = sh.build() if isinstance(sh, ShardedTensorFactory) else [sh]
         parts = list(parts.values()) if isinstance(parts, dict) else parts
         assert all(isinstance(t, ShardedTensor) for t in parts), (key, parts)
-        out[key] = [(t.key, tuple(t.global_shape), tuple(t.global_offset), tuple(t.axis_fragmentations),
-                     t.data.detach().cpu().clone()) for t in parts]
+        out[key] = [
+            (
+                t.key,
+                tuple(t.global_shape),
+                tuple(t.global_offset),
+                tuple(t.axis_fragmentations),
+                t.data.detach().cpu().clone(),
+            )
+            for t in parts
+        ]
     return out
 
 
@@ -156,8 +195,17 @@ def loss_mask(spec, step, num_samples):
     return mask
 
 
-def train_with_schedule(ntp_kwargs, steps, *, spec=tiny_gpt.TinyGPTSpec(), global_batch=GLOBAL_BATCH,
-                        micro_batch_size=1, distributed_optimizer=False, overlap=False, per_token_loss=False):
+def train_with_schedule(
+    ntp_kwargs,
+    steps,
+    *,
+    spec=tiny_gpt.TinyGPTSpec(),
+    global_batch=GLOBAL_BATCH,
+    micro_batch_size=1,
+    distributed_optimizer=False,
+    overlap=False,
+    per_token_loss=False,
+):
     """Train the tiny GPT as a Megatron training loop does: each replica gets its
     micro-batches of every global batch from ``BalancedPretrainingSampler`` and runs
     Megatron's forward-backward function with ``shares.num_microbatches()``.
@@ -176,8 +224,12 @@ def train_with_schedule(ntp_kwargs, steps, *, spec=tiny_gpt.TinyGPTSpec(), globa
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_ext.nonuniform_tp import (BalancedPretrainingSampler, NonuniformTPDistributedDataParallel,
-                                            equal_batch_shares, reduce_loss_over_replicas)
+    from megatron_ext.nonuniform_tp import (
+        BalancedPretrainingSampler,
+        NonuniformTPDistributedDataParallel,
+        equal_batch_shares,
+        reduce_loss_over_replicas,
+    )
     from megatron_ext.nonuniform_tp.checkpoint import gather_full_state
     from megatron_ext.testing.ntp_job import init_job
 
@@ -188,21 +240,32 @@ def train_with_schedule(ntp_kwargs, steps, *, spec=tiny_gpt.TinyGPTSpec(), globa
     else:
         shares = ntp_cfg.batch_shares(global_batch, micro_batch_size)
     tp_rank, tp_group = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
-    cfg = tiny_gpt.transformer_config(spec, tp=ps.get_tensor_model_parallel_world_size(),
-                                      calculate_per_token_loss=per_token_loss)
+    cfg = tiny_gpt.transformer_config(
+        spec, tp=ps.get_tensor_model_parallel_world_size(), calculate_per_token_loss=per_token_loss
+    )
     dev = tiny_gpt.rank_device()
     model = tiny_gpt.build_model(spec, cfg, device=dev)
     init = gather_full_state(model, tp_group, spec.gated_linear_unit)
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=overlap, use_distributed_optimizer=distributed_optimizer,
-        bucket_size=4096 if overlap else None)
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=overlap,
+        use_distributed_optimizer=distributed_optimizer,
+        bucket_size=4096 if overlap else None,
+    )
     if ntp_cfg is None:
         ddp = DistributedDataParallel(config=cfg, ddp_config=ddp_config, module=model)
     else:
         ddp = NonuniformTPDistributedDataParallel(cfg, ddp_config, model, ntp_config=ntp_cfg, batch_shares=shares)
     opt = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=LR, weight_decay=WEIGHT_DECAY, clip_grad=1.0,
-                        use_distributed_optimizer=distributed_optimizer), [ddp])
+        OptimizerConfig(
+            optimizer="adam",
+            lr=LR,
+            weight_decay=WEIGHT_DECAY,
+            clip_grad=1.0,
+            use_distributed_optimizer=distributed_optimizer,
+        ),
+        [ddp],
+    )
     cfg.no_sync_func = ddp.no_sync
     cfg.finalize_model_grads_func = finalize_model_grads
     forward_backward = get_forward_backward_func()
@@ -232,9 +295,14 @@ def train_with_schedule(ntp_kwargs, steps, *, spec=tiny_gpt.TinyGPTSpec(), globa
         data = iter([(tokens[r].to(dev), labels[r].to(dev), mask[r].to(dev)) for r in rows])
         ddp.zero_grad_buffer()
         opt.zero_grad()
-        out = forward_backward(forward_step_func=forward_step, data_iterator=data, model=[ddp],
-                               num_microbatches=shares.num_microbatches(), seq_length=seq,
-                               micro_batch_size=shares.micro_batch_size)
+        out = forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=data,
+            model=[ddp],
+            num_microbatches=shares.num_microbatches(),
+            seq_length=seq,
+            micro_batch_size=shares.micro_batch_size,
+        )
         ok, _, _ = opt.step()
         assert ok, f"optimizer step {step} was skipped"
         indices.append(mine)
@@ -245,6 +313,14 @@ def train_with_schedule(ntp_kwargs, steps, *, spec=tiny_gpt.TinyGPTSpec(), globa
     ddp.zero_grad_buffer()  # healthy NTP replicas refresh their compute weights here
     final = gather_full_state(getattr(ddp, "compute_module", ddp.module), tp_group, spec.gated_linear_unit)
     keep = tp_rank == 0
-    return dict(replica=job.replica, tp_rank=tp_rank, degraded=job.degraded,
-                microbatches=list(shares.microbatches), indices=indices, reports=reports, weighted=weighted,
-                init=init if keep else None, final=final if keep else None)
+    return dict(
+        replica=job.replica,
+        tp_rank=tp_rank,
+        degraded=job.degraded,
+        microbatches=list(shares.microbatches),
+        indices=indices,
+        reports=reports,
+        weighted=weighted,
+        init=init if keep else None,
+        final=final if keep else None,
+    )

@@ -17,8 +17,7 @@ from megatron_ext.testing.multirank import run_on_ranks
 
 def test_round_trip_between_degrees_is_exact():
     specs = {"qkv": ShardSpec(0), "fc1": ShardSpec(0, 2), "fc2": ShardSpec(1), "norm": ShardSpec(None)}
-    full = {"qkv": torch.randn(24, 8), "fc1": torch.randn(48, 8), "fc2": torch.randn(8, 24),
-            "norm": torch.randn(8)}
+    full = {"qkv": torch.randn(24, 8), "fc1": torch.randn(48, 8), "fc2": torch.randn(8, 24), "norm": torch.randn(8)}
     base = split_tp_full(full, specs, 4)
     # gated fc1: rank 1 of 4 holds [gate rows 6..11; up rows 30..35]
     assert torch.equal(base[1]["fc1"], torch.cat([full["fc1"][6:12], full["fc1"][30:36]]))
@@ -42,8 +41,11 @@ SPECS = {QKV: ShardSpec(0), FC1: ShardSpec(0, 2), NORM: ShardSpec(None)}
 
 def _full():
     g = torch.Generator().manual_seed(0)
-    return {QKV: torch.randn(32, 64, generator=g), FC1: torch.randn(64, 64, generator=g),
-            NORM: torch.randn(64, generator=g)}
+    return {
+        QKV: torch.randn(32, 64, generator=g),
+        FC1: torch.randn(64, 64, generator=g),
+        NORM: torch.randn(64, generator=g),
+    }
 
 
 def test_shards_of_mixed_tp_degrees_are_refused():
@@ -144,9 +146,11 @@ def test_a_size_that_does_not_split_at_the_target_degree_names_the_degree():
 
 
 def test_extra_state_entries_are_carried_through_unchanged():
-    extras = {"decoder.layers.0.mlp.linear_fc1._extra_state": None,
-              "decoder.layers.0.self_attention.linear_qkv._extra_state": io.BytesIO(b"fp8 meta"),
-              "output_layer._extra_state": torch.tensor([1, 2, 3], dtype=torch.uint8)}
+    extras = {
+        "decoder.layers.0.mlp.linear_fc1._extra_state": None,
+        "decoder.layers.0.self_attention.linear_qkv._extra_state": io.BytesIO(b"fp8 meta"),
+        "output_layer._extra_state": torch.tensor([1, 2, 3], dtype=torch.uint8),
+    }
     shards = [{**sd, **copy.deepcopy(extras)} for sd in split_tp_full(_full(), SPECS, 2)]
     for out in (ntp_to_uniform(shards, SPECS, tp_base=4), uniform_to_ntp(shards, SPECS, tp_reduced=1)):
         for sd in out:

@@ -28,25 +28,40 @@ def test_spare_parity_takes_the_worst_replica_and_pads_the_others():
         compute_uniform_tp_spares_with_parity({0: [2]}, 2)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(tp_base=0), "tp_base must be an int >= 1"),
-    (dict(tp_base=2, tp_spares=2, non_active_ranks_per_dp={0: (0, 1)}), r"tp_spares must be in 0\.\.1"),
-    (dict(tp_base=2, tp_spares=1, non_active_ranks_per_dp={0: (2,)}), r"slot 2 is out of range; allowed: 0\.\.1"),
-    (dict(tp_base=4, tp_spares=2, non_active_ranks_per_dp={0: (1, 1)}), "duplicated slot"),
-    (dict(tp_base=4, tp_spares=2, non_active_ranks_per_dp={0: (1,)}), "must deactivate exactly"),
-    (dict(tp_base=2, tp_spares=1, non_active_ranks_per_dp={2: (0,)}, data_parallel_size=2),
-     r"replica index 2 is out of range; allowed: 0\.\.1"),
-    (dict(tp_base=2, tp_spares=1), "non_active_ranks_per_dp is empty"),
-    (dict(tp_base=2, launch_mode="mpi"), "launch_mode must be one of"),
-    (dict(tp_base=4, tp_spares=1, non_active_ranks_per_dp={0: (0,)}, num_attention_heads=8),
-     r"num_attention_heads=8 cannot be split over TP degree\(s\) \[3\]"),
-    (dict(tp_base=4, tp_spares=2, non_active_ranks_per_dp={0: (0, 1)}, num_query_groups=2,
-          num_attention_heads=8), r"num_query_groups=2 cannot be split over TP degree\(s\) \[4\]"),
-    (dict(tp_base=4, tp_spares=1, non_active_ranks_per_dp={0: (0,)}, ffn_hidden_size=128),
-     r"ffn_hidden_size=128 cannot be split"),
-    (dict(tp_base=4, tp_spares=1, non_active_ranks_per_dp={0: (0,)}, vocab_size=128),
-     r"vocab_size=128 cannot be split"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(tp_base=0), "tp_base must be an int >= 1"),
+        (dict(tp_base=2, tp_spares=2, non_active_ranks_per_dp={0: (0, 1)}), r"tp_spares must be in 0\.\.1"),
+        (dict(tp_base=2, tp_spares=1, non_active_ranks_per_dp={0: (2,)}), r"slot 2 is out of range; allowed: 0\.\.1"),
+        (dict(tp_base=4, tp_spares=2, non_active_ranks_per_dp={0: (1, 1)}), "duplicated slot"),
+        (dict(tp_base=4, tp_spares=2, non_active_ranks_per_dp={0: (1,)}), "must deactivate exactly"),
+        (
+            dict(tp_base=2, tp_spares=1, non_active_ranks_per_dp={2: (0,)}, data_parallel_size=2),
+            r"replica index 2 is out of range; allowed: 0\.\.1",
+        ),
+        (dict(tp_base=2, tp_spares=1), "non_active_ranks_per_dp is empty"),
+        (dict(tp_base=2, launch_mode="mpi"), "launch_mode must be one of"),
+        (
+            dict(tp_base=4, tp_spares=1, non_active_ranks_per_dp={0: (0,)}, num_attention_heads=8),
+            r"num_attention_heads=8 cannot be split over TP degree\(s\) \[3\]",
+        ),
+        (
+            dict(
+                tp_base=4, tp_spares=2, non_active_ranks_per_dp={0: (0, 1)}, num_query_groups=2, num_attention_heads=8
+            ),
+            r"num_query_groups=2 cannot be split over TP degree\(s\) \[4\]",
+        ),
+        (
+            dict(tp_base=4, tp_spares=1, non_active_ranks_per_dp={0: (0,)}, ffn_hidden_size=128),
+            r"ffn_hidden_size=128 cannot be split",
+        ),
+        (
+            dict(tp_base=4, tp_spares=1, non_active_ranks_per_dp={0: (0,)}, vocab_size=128),
+            r"vocab_size=128 cannot be split",
+        ),
+    ],
+)
 def test_bad_configs_name_the_field(kwargs, match):
     with pytest.raises(ValueError, match=match):
         NonuniformTPConfig(**kwargs)
@@ -58,12 +73,10 @@ def test_layout_must_match_world_size():
     with pytest.raises(ValueError, match="launch exactly the healthy GPUs"):
         cfg.layout(4)
     with pytest.raises(ValueError, match="does not match world size 5"):
-        NonuniformTPConfig(tp_base=2, tp_spares=1, non_active_ranks_per_dp={0: (1,)},
-                           data_parallel_size=2).layout(5)
+        NonuniformTPConfig(tp_base=2, tp_spares=1, non_active_ranks_per_dp={0: (1,)}, data_parallel_size=2).layout(5)
     with pytest.raises(ValueError, match=r"names replica\(s\) \[3\] but the job has 3 replicas"):
         NonuniformTPConfig(tp_base=2, tp_spares=1, non_active_ranks_per_dp={3: (1,)}).layout(5)
-    sim = NonuniformTPConfig(tp_base=2, tp_spares=1, non_active_ranks_per_dp={0: (1,)},
-                             launch_mode="simulate")
+    sim = NonuniformTPConfig(tp_base=2, tp_spares=1, non_active_ranks_per_dp={0: (1,)}, launch_mode="simulate")
     with pytest.raises(ValueError, match="multiple of tp_base=2"):
         sim.layout(3)
 
@@ -77,8 +90,9 @@ def test_packed_and_simulated_layouts():
     assert lay.role(0).degraded and lay.role(0).slot == 1 and lay.role(0).tp_rank == 0
     assert lay.role(2).spare and not lay.role(1).spare
 
-    sim = NonuniformTPConfig(tp_base=4, tp_spares=2, non_active_ranks_per_dp={1: (0, 3)},
-                             launch_mode="simulate").layout(12)
+    sim = NonuniformTPConfig(
+        tp_base=4, tp_spares=2, non_active_ranks_per_dp={1: (0, 3)}, launch_mode="simulate"
+    ).layout(12)
     assert sim.all_tp_groups() == [[0, 1, 2, 3], [5, 6], [8, 9, 10, 11]]
     assert sim.all_dp_groups() == [[0, 5, 8], [1, 6, 9], [2, 10], [3, 11]]
     assert sim.role(4) is None and sim.role(7) is None
@@ -95,9 +109,11 @@ def test_flags_round_trip():
     assert NonuniformTPConfig.from_args(parser.parse_args([])) is None
     with pytest.raises(ValueError, match="REPLICA:SLOT"):
         parse_failed_slots("0-3")
-    explicit = NonuniformTPConfig.from_args(parser.parse_args(
-        ["--ntp-tp-base", "4", "--ntp-spares", "1", "--ntp-failed-slots", "1:2", "--ntp-launch-mode",
-         "simulate"]))
+    explicit = NonuniformTPConfig.from_args(
+        parser.parse_args(
+            ["--ntp-tp-base", "4", "--ntp-spares", "1", "--ntp-failed-slots", "1:2", "--ntp-launch-mode", "simulate"]
+        )
+    )
     assert explicit.non_active_ranks_per_dp == {1: (2,)} and explicit.launch_mode == "simulate"
 
 
@@ -134,17 +150,29 @@ def test_replicated_params_come_from_core_ranks():
 FORM = "'REPLICA:SLOT[,SLOT...]' entries separated by ';'"
 
 
-@pytest.mark.parametrize("text,kwargs,needles", [
-    ("0:", {}, ["--ntp-failed-slots: replica 0 lists no slot in '0:'", FORM]),
-    ("0:1,1", {}, ["--ntp-failed-slots: slot 1 listed twice for replica 0", "list each failed TP slot once"]),
-    ("1:2,2", dict(tp_base=4), ["--ntp-failed-slots: slot 2 listed twice for replica 1"]),
-    ("-1:1", {}, ["--ntp-failed-slots: replica index -1 in '-1:1' is out of range; allowed: REPLICA >= 0"]),
-    ("0:-2", {}, ["--ntp-failed-slots: slot -2 of replica 0 is out of range; allowed: SLOT >= 0"]),
-    ("0:4", dict(tp_base=4),
-     ["--ntp-failed-slots: slot 4 of replica 0 is out of range; allowed: 0..3 (--ntp-tp-base 4)"]),
-    ("2:0", dict(data_parallel_size=2),
-     ["--ntp-failed-slots: replica index 2 in '2:0' is out of range; allowed: 0..1 (--ntp-data-parallel-size 2)"]),
-])
+@pytest.mark.parametrize(
+    "text,kwargs,needles",
+    [
+        ("0:", {}, ["--ntp-failed-slots: replica 0 lists no slot in '0:'", FORM]),
+        ("0:1,1", {}, ["--ntp-failed-slots: slot 1 listed twice for replica 0", "list each failed TP slot once"]),
+        ("1:2,2", dict(tp_base=4), ["--ntp-failed-slots: slot 2 listed twice for replica 1"]),
+        ("-1:1", {}, ["--ntp-failed-slots: replica index -1 in '-1:1' is out of range; allowed: REPLICA >= 0"]),
+        ("0:-2", {}, ["--ntp-failed-slots: slot -2 of replica 0 is out of range; allowed: SLOT >= 0"]),
+        (
+            "0:4",
+            dict(tp_base=4),
+            ["--ntp-failed-slots: slot 4 of replica 0 is out of range; allowed: 0..3 (--ntp-tp-base 4)"],
+        ),
+        (
+            "2:0",
+            dict(data_parallel_size=2),
+            [
+                "--ntp-failed-slots: replica index 2 in '2:0' is out of range; allowed: 0..1 "
+                "(--ntp-data-parallel-size 2)"
+            ],
+        ),
+    ],
+)
 def test_parse_failed_slots_refuses_naming_the_flag_and_the_form(text, kwargs, needles):
     with pytest.raises(ValueError) as err:
         parse_failed_slots(text, **kwargs)
@@ -152,19 +180,30 @@ def test_parse_failed_slots_refuses_naming_the_flag_and_the_form(text, kwargs, n
         assert needle in str(err.value), str(err.value)
 
 
-@pytest.mark.parametrize("argv,needles", [
-    # accepted and silently deduplicated before
-    (["--ntp-tp-base", "4", "--ntp-failed-slots", "1:2,2"],
-     ["argument --ntp-failed-slots: slot 2 listed twice for replica 1"]),
-    (["--ntp-tp-base", "4", "--ntp-failed-slots", "0:"],
-     ["argument --ntp-failed-slots: replica 0 lists no slot", FORM]),
-    # argparse reads '-1:1' as an option: the user gets the flag and the allowed form, not 'expected one argument'
-    (["--ntp-tp-base", "4", "--ntp-failed-slots", "-1:1"],
-     ["argument --ntp-failed-slots: expected a value", FORM, "replica indices and slots are >= 0"]),
-    (["--ntp-tp-base", "4", "--ntp-failed-slots=-1:1"],
-     ["argument --ntp-failed-slots: replica index -1 in '-1:1' is out of range; allowed: REPLICA >= 0"]),
-    (["--ntp-tp-base", "4", "--ntp-failed-slots"], ["argument --ntp-failed-slots: expected a value", FORM]),
-])
+@pytest.mark.parametrize(
+    "argv,needles",
+    [
+        # accepted and silently deduplicated before
+        (
+            ["--ntp-tp-base", "4", "--ntp-failed-slots", "1:2,2"],
+            ["argument --ntp-failed-slots: slot 2 listed twice for replica 1"],
+        ),
+        (
+            ["--ntp-tp-base", "4", "--ntp-failed-slots", "0:"],
+            ["argument --ntp-failed-slots: replica 0 lists no slot", FORM],
+        ),
+        # argparse reads '-1:1' as an option: the user gets the flag and the allowed form, not 'expected one argument'
+        (
+            ["--ntp-tp-base", "4", "--ntp-failed-slots", "-1:1"],
+            ["argument --ntp-failed-slots: expected a value", FORM, "replica indices and slots are >= 0"],
+        ),
+        (
+            ["--ntp-tp-base", "4", "--ntp-failed-slots=-1:1"],
+            ["argument --ntp-failed-slots: replica index -1 in '-1:1' is out of range; allowed: REPLICA >= 0"],
+        ),
+        (["--ntp-tp-base", "4", "--ntp-failed-slots"], ["argument --ntp-failed-slots: expected a value", FORM]),
+    ],
+)
 def test_failed_slots_flag_refused_at_parse_time(argv, needles, capsys):
     parser = add_nonuniform_tp_args(argparse.ArgumentParser())
     with pytest.raises(SystemExit):
@@ -174,19 +213,39 @@ def test_failed_slots_flag_refused_at_parse_time(argv, needles, capsys):
         assert needle in err, err
 
 
-@pytest.mark.parametrize("argv,needles", [
-    (["--ntp-tp-base", "4", "--ntp-failed-slots", "0:4"],
-     ["--ntp-failed-slots: slot 4 of replica 0 is out of range; allowed: 0..3 (--ntp-tp-base 4)"]),
-    (["--ntp-tp-base", "4", "--ntp-spares", "1", "--ntp-failed-slots", "0:9"],
-     ["--ntp-failed-slots: slot 9 of replica 0 is out of range; allowed: 0..3"]),
-    (["--ntp-tp-base", "2", "--ntp-data-parallel-size", "2", "--ntp-failed-slots", "3:0"],
-     ["--ntp-failed-slots: replica index 3 in '3:0' is out of range; allowed: 0..1 (--ntp-data-parallel-size 2)"]),
-    # silently turned NTP off before
-    (["--ntp-failed-slots", "0:1"], ["--ntp-failed-slots '0:1' given without --ntp-tp-base", "--ntp-spares",
-                                     "need --ntp-tp-base N (an int >= 1"]),
-    (["--ntp-spares", "1"], ["--ntp-spares 1 given without --ntp-tp-base", "--ntp-failed-slots",
-                             "need --ntp-tp-base N (an int >= 1"]),
-])
+@pytest.mark.parametrize(
+    "argv,needles",
+    [
+        (
+            ["--ntp-tp-base", "4", "--ntp-failed-slots", "0:4"],
+            ["--ntp-failed-slots: slot 4 of replica 0 is out of range; allowed: 0..3 (--ntp-tp-base 4)"],
+        ),
+        (
+            ["--ntp-tp-base", "4", "--ntp-spares", "1", "--ntp-failed-slots", "0:9"],
+            ["--ntp-failed-slots: slot 9 of replica 0 is out of range; allowed: 0..3"],
+        ),
+        (
+            ["--ntp-tp-base", "2", "--ntp-data-parallel-size", "2", "--ntp-failed-slots", "3:0"],
+            [
+                "--ntp-failed-slots: replica index 3 in '3:0' is out of range; allowed: 0..1 "
+                "(--ntp-data-parallel-size 2)"
+            ],
+        ),
+        # silently turned NTP off before
+        (
+            ["--ntp-failed-slots", "0:1"],
+            [
+                "--ntp-failed-slots '0:1' given without --ntp-tp-base",
+                "--ntp-spares",
+                "need --ntp-tp-base N (an int >= 1",
+            ],
+        ),
+        (
+            ["--ntp-spares", "1"],
+            ["--ntp-spares 1 given without --ntp-tp-base", "--ntp-failed-slots", "need --ntp-tp-base N (an int >= 1"],
+        ),
+    ],
+)
 def test_failed_slots_and_spares_refused_by_from_args_naming_the_flags(argv, needles):
     parser = add_nonuniform_tp_args(argparse.ArgumentParser())
     with pytest.raises(ValueError) as err:

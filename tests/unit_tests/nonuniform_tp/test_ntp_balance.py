@@ -77,18 +77,30 @@ def test_equal_throughputs_and_none_mode_give_megatron_shares():
     assert equal_batch_shares(3, 12, 2).gradient_weight(1) == 1 / 3
 
 
-@pytest.mark.parametrize("call,match", [
-    (lambda: balanced_batch_shares([1, 2], 4, 2),
-     r"2 micro-batches are too few .* replicas' throughputs \[1, 2\]: the best split \[1, 1\] is no faster than equal "
-     r"shares\. Exactly proportional shares need a multiple of 3 micro-batches: use global_batch_size 6, 12, "
-     r"18 .*--ntp-balance none"),
-    (lambda: balanced_batch_shares([1, 2], 7, 2), r"global_batch_size=7 is not a multiple of micro_batch_size=2: "
-                                                  r"use a multiple of 2 \(e\.g\. 8, 10, 12\)"),
-    (lambda: balanced_batch_shares([1, 2, 2], 2, 1), r"2 micro-batches, fewer than the 3 data-parallel replicas"),
-    (lambda: equal_batch_shares(2, 6, 2), r"not a multiple of micro_batch_size \* data-parallel replicas = 2 \* 2 "
-                                          r"= 4.*e\.g\. 8, 12, 16.*--ntp-balance tp"),
-    (lambda: BatchShares(2, (1, 0)), "every replica needs at least one micro-batch"),
-])
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (
+            lambda: balanced_batch_shares([1, 2], 4, 2),
+            r"2 micro-batches are too few .* replicas' throughputs \[1, 2\]: the best split \[1, 1\] is no faster "
+            r"than equal "
+            r"shares\. Exactly proportional shares need a multiple of 3 micro-batches: use global_batch_size 6, 12, "
+            r"18 .*--ntp-balance none",
+        ),
+        (
+            lambda: balanced_batch_shares([1, 2], 7, 2),
+            r"global_batch_size=7 is not a multiple of micro_batch_size=2: "
+            r"use a multiple of 2 \(e\.g\. 8, 10, 12\)",
+        ),
+        (lambda: balanced_batch_shares([1, 2, 2], 2, 1), r"2 micro-batches, fewer than the 3 data-parallel replicas"),
+        (
+            lambda: equal_batch_shares(2, 6, 2),
+            r"not a multiple of micro_batch_size \* data-parallel replicas = 2 \* 2 "
+            r"= 4.*e\.g\. 8, 12, 16.*--ntp-balance tp",
+        ),
+        (lambda: BatchShares(2, (1, 0)), "every replica needs at least one micro-batch"),
+    ],
+)
 def test_shares_that_cannot_be_met_say_what_to_change(call, match):
     with pytest.raises(ValueError, match=match):
         call()
@@ -103,15 +115,21 @@ def test_balance_flag_and_config_validation():
         parser.parse_args(["--ntp-tp-base", "2", "--ntp-balance", "fast"])
     with pytest.raises(ValueError, match=r"balance \(--ntp-balance\) must be one of \('none', 'tp', 'measured'\)"):
         NonuniformTPConfig(tp_base=2, balance="fast")
-    with pytest.raises(NotImplementedError, match=r"balance='measured' \(--ntp-balance measured\) is not "
-                                                  "implemented: use 'tp'"):
+    with pytest.raises(
+        NotImplementedError,
+        match=r"balance='measured' \(--ntp-balance measured\) is not "
+        "implemented: use 'tp'",
+    ):
         NonuniformTPConfig.from_args(parser.parse_args(["--ntp-tp-base", "2", "--ntp-balance", "measured"]))
     with pytest.raises(ValueError, match="--ntp-balance 'tp' given without --ntp-tp-base"):
         NonuniformTPConfig.from_args(parser.parse_args(["--ntp-balance", "tp"]))
     # Megatron's --global-batch-size / --micro-batch-size and world size are checked at parse time.
     args.global_batch_size, args.micro_batch_size, args.world_size = 4, 2, 3
-    with pytest.raises(ValueError, match=r"balance='tp' \(--ntp-balance tp\): global_batch_size=4 / "
-                                         r"micro_batch_size=2 = 2 micro-batches are too few"):
+    with pytest.raises(
+        ValueError,
+        match=r"balance='tp' \(--ntp-balance tp\): global_batch_size=4 / "
+        r"micro_batch_size=2 = 2 micro-batches are too few",
+    ):
         NonuniformTPConfig.from_args(args)
     args.global_batch_size = 6
     assert NonuniformTPConfig.from_args(args).batch_shares(6, 2, num_replicas=2).microbatches == (1, 2)
@@ -123,20 +141,31 @@ def test_ddp_requires_shares_when_balancing():
     from megatron_ext.nonuniform_tp import NonuniformTPDistributedDataParallel
 
     cfg = NonuniformTPConfig(tp_base=2, tp_spares=1, non_active_ranks_per_dp={0: (1,)}, balance="tp")
-    with pytest.raises(ValueError, match=r"pass batch_shares=ntp_config\.batch_shares\(global_batch_size, "
-                                         r"micro_batch_size\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"pass batch_shares=ntp_config\.batch_shares\(global_batch_size, "
+        r"micro_batch_size\)",
+    ):
         NonuniformTPDistributedDataParallel(None, None, None, ntp_config=cfg)
 
 
 # ---- sampler ------------------------------------------------------------------------
-@pytest.mark.parametrize("shares", [
-    BatchShares(1, (1, 3)), BatchShares(2, (1, 2)), BatchShares(3, (4, 3, 4)), BatchShares(2, (2, 2, 2)),
-], ids=str)
+@pytest.mark.parametrize(
+    "shares",
+    [
+        BatchShares(1, (1, 3)),
+        BatchShares(2, (1, 2)),
+        BatchShares(3, (4, 3, 4)),
+        BatchShares(2, (2, 2, 2)),
+    ],
+    ids=str,
+)
 def test_sampler_uses_every_sample_of_each_global_batch_once(shares):
     size, batches, consumed = shares.global_batch_size, 4, shares.global_batch_size * 2
     total = consumed + batches * size + size - 1  # an incomplete last global batch is dropped
-    samplers = [BalancedPretrainingSampler(total, consumed, shares, data_parallel_rank=d)
-                for d in range(shares.num_replicas)]
+    samplers = [
+        BalancedPretrainingSampler(total, consumed, shares, data_parallel_rank=d) for d in range(shares.num_replicas)
+    ]
     yielded = [list(s) for s in samplers]
     for d, micro in enumerate(yielded):
         assert len(micro) == len(samplers[d]) == batches * shares.num_microbatches(d)
@@ -145,7 +174,7 @@ def test_sampler_uses_every_sample_of_each_global_batch_once(shares):
         start = consumed + k * size
         used = []
         for d, micro in enumerate(yielded):
-            mine = [i for m in micro[k * shares.num_microbatches(d):(k + 1) * shares.num_microbatches(d)] for i in m]
+            mine = [i for m in micro[k * shares.num_microbatches(d) : (k + 1) * shares.num_microbatches(d)] for i in m]
             assert len(mine) == shares.num_samples(d)
             used += mine
         assert sorted(used) == list(range(start, start + size)), f"global batch {k}"
@@ -158,7 +187,7 @@ def test_sampler_with_equal_shares_is_megatrons():
     for d in range(3):
         ours = list(BalancedPretrainingSampler(100, 24, shares, data_parallel_rank=d))
         megatron = list(MegatronPretrainingSampler(100, 24, 2, d, 3))
-        assert ours == megatron[:len(ours)] and len(ours) == 3 * 4
+        assert ours == megatron[: len(ours)] and len(ours) == 3 * 4
 
 
 def test_sampler_refuses_a_resume_inside_a_global_batch():
@@ -214,10 +243,12 @@ def test_balanced_shares_train_like_uniform(backend):
       6 of micro-batches of 2: shares 1:2, distributed optimizer. Against uniform
       TP=1 x DP=3 (Megatron's DDP, equal shares) on the same 3 processes.
     """
-    cases = [(NTP_BALANCED, STEPS, {}),
-             (NTP_BALANCED, STEPS, dict(distributed_optimizer=True, overlap=True)),
-             (NTP_BALANCED, STEPS, PER_TOKEN),
-             (None, STEPS, PER_TOKEN)]
+    cases = [
+        (NTP_BALANCED, STEPS, {}),
+        (NTP_BALANCED, STEPS, dict(distributed_optimizer=True, overlap=True)),
+        (NTP_BALANCED, STEPS, PER_TOKEN),
+        (None, STEPS, PER_TOKEN),
+    ]
     per_rank = run_on_ranks(train_cases, 3, args=(cases,), timeout=300, backend=backend)
     plain, distopt, per_token, uniform = zip(*per_rank)
     ref = _baseline(SPEC, backend)
@@ -241,9 +272,11 @@ def test_balanced_shares_train_like_uniform(backend):
     counts = {n for h in ntp_heads for _, n in h["reports"][0]}
     assert len(counts) > 1, "the loss mask must give micro-batches different token counts"
     for step in range(STEPS):
+
         def token_mean(heads):
             rows = [r for h in heads for r in h["reports"][step]]
             return sum(s for s, _ in rows) / sum(n for _, n in rows)
+
         got, want = token_mean(ntp_heads), token_mean(uniform_heads)
         assert abs(got - want) <= RTOL * abs(want), f"step {step}: per-token NTP {got} vs uniform {want}"
     uniform_head = next(o for o in uniform if o["final"] is not None)

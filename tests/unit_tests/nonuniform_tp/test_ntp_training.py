@@ -38,7 +38,8 @@ def _backends(gpus):
 def _baseline(spec, backend):
     if (spec, backend) not in _baselines:
         (_baselines[spec, backend],) = run_on_ranks(
-            train, 1, args=(None, STEPS), kwargs=dict(spec=spec), timeout=240, backend=backend)
+            train, 1, args=(None, STEPS), kwargs=dict(spec=spec), timeout=240, backend=backend
+        )
     return _baselines[spec, backend]
 
 
@@ -134,8 +135,7 @@ def test_packed_tp2_one_failed_gpu_plain_optimizer(backend):
     _check_parity(out, _baseline(SPEC, backend), replicas=2)
 
 
-def adam_drift_bound(lr: float, steps: int, weight_decay: float, beta1: float = 0.9,
-                     beta2: float = 0.999) -> float:
+def adam_drift_bound(lr: float, steps: int, weight_decay: float, beta1: float = 0.9, beta2: float = 0.999) -> float:
     """The largest ``|w_a - w_b|`` of one weight after ``steps`` AdamW steps from the
     same value, whatever the two gradient sequences (Megatron's defaults: betas
     0.9 / 0.999, decoupled weight decay, bias correction).
@@ -150,8 +150,8 @@ def adam_drift_bound(lr: float, steps: int, weight_decay: float, beta1: float = 
     decay multiplies an existing difference by ``(1 + lr * wd)`` at most per step."""
     total = 0.0
     for t in range(1, steps + 1):
-        a = [(1 - beta1) * beta1 ** (t - i) / (1 - beta1 ** t) for i in range(1, t + 1)]
-        b = [(1 - beta2) * beta2 ** (t - i) / (1 - beta2 ** t) for i in range(1, t + 1)]
+        a = [(1 - beta1) * beta1 ** (t - i) / (1 - beta1**t) for i in range(1, t + 1)]
+        b = [(1 - beta2) * beta2 ** (t - i) / (1 - beta2**t) for i in range(1, t + 1)]
         total = total * (1 + lr * weight_decay) + 2 * lr * math.sqrt(sum(x * x / y for x, y in zip(a, b)))
     return total
 
@@ -180,10 +180,8 @@ def test_packed_tp2_bf16_params_with_fp32_main_params():
     those: rolling the folded gradients by one element puts the loss 8e-3..1e-1
     off the baseline from the second step on (rtol 1e-3; 8.8e-5 at most without it)."""
     ntp = dict(tp_base=2, tp_spares=1, non_active_ranks_per_dp={0: (1,)})
-    out = run_on_ranks(train, 3, args=(ntp, STEPS), kwargs=dict(bf16=True), timeout=300,
-                       backend="gloo")
-    (ref,) = run_on_ranks(train, 1, args=(None, STEPS), kwargs=dict(bf16=True), timeout=240,
-                          backend="gloo")
+    out = run_on_ranks(train, 3, args=(ntp, STEPS), kwargs=dict(bf16=True), timeout=300, backend="gloo")
+    (ref,) = run_on_ranks(train, 1, args=(None, STEPS), kwargs=dict(bf16=True), timeout=240, backend="gloo")
     largest = max(t.abs().max().item() for t in ref["final"].values())
     bound = adam_drift_bound(LR, STEPS, WEIGHT_DECAY) + bf16_ulp(largest)
     _check_parity(out, ref, replicas=2, rtol=1e-3, weight_atol=bound)
@@ -196,9 +194,16 @@ def test_simulated_tp2_distributed_optimizer_overlap_glu_gqa(backend):
     without grad_reduce_in_fp32, two micro-batches (``no_sync``), gated MLP
     and GQA."""
     ntp = dict(tp_base=2, tp_spares=1, non_active_ranks_per_dp={0: (0,)}, launch_mode="simulate")
-    out = run_on_ranks(train, 4, args=(ntp, STEPS), timeout=300, backend=backend,
-                       kwargs=dict(spec=SPEC_GLU_GQA, distributed_optimizer=True, overlap=True,
-                                   grad_reduce_in_fp32=False, microbatches=2))
+    out = run_on_ranks(
+        train,
+        4,
+        args=(ntp, STEPS),
+        timeout=300,
+        backend=backend,
+        kwargs=dict(
+            spec=SPEC_GLU_GQA, distributed_optimizer=True, overlap=True, grad_reduce_in_fp32=False, microbatches=2
+        ),
+    )
     assert out[0] is None, "the process of the failed slot must leave"
     _check_overlap(out)
     _check_parity(out, _baseline(SPEC_GLU_GQA, backend), replicas=2)
@@ -221,8 +226,7 @@ def test_packed_tp4_two_spares_overlap_and_checkpoint_conversion(backend):
     """tp_base=4, replica 0 lost slots 1 and 2: 6 processes, replica 0 at TP=2.
     Then the NTP training state converts to the uniform TP=4 layout and back."""
     ntp = dict(tp_base=4, tp_spares=2, non_active_ranks_per_dp={0: (1, 2)})
-    out = run_on_ranks(train, 6, args=(ntp, STEPS), kwargs=dict(overlap=True), timeout=300,
-                       backend=backend)
+    out = run_on_ranks(train, 6, args=(ntp, STEPS), kwargs=dict(overlap=True), timeout=300, backend=backend)
     _check_parity(out, _baseline(SPEC, backend), replicas=2)
     _check_overlap(out)
     _check_sharded_state_dicts(out)
@@ -252,8 +256,7 @@ def test_packed_tp4_two_spares_overlap_and_checkpoint_conversion(backend):
             assert torch.allclose(back[rank][name], t, rtol=0, atol=1e-6), name
 
 
-SPEC_TP43 = tiny_gpt.TinyGPTSpec(hidden_size=96, num_attention_heads=12, ffn_hidden_size=192,
-                                 vocab_size=192)
+SPEC_TP43 = tiny_gpt.TinyGPTSpec(hidden_size=96, num_attention_heads=12, ffn_hidden_size=192, vocab_size=192)
 
 
 @pytest.mark.parametrize("backend", _backends(7))
@@ -261,10 +264,22 @@ def test_packed_tp4_one_spare_reduced_degree_three(backend):
     """tp_base=4, replica 1 lost slot 0: 7 processes, replica 1 at TP=3, so
     healthy shards straddle reduced shards (4 -> 3 resharding); distributed
     optimizer with overlap."""
-    ntp = dict(tp_base=4, tp_spares=1, non_active_ranks_per_dp={1: (0,)}, num_attention_heads=12,
-               ffn_hidden_size=192, vocab_size=192)
-    out = run_on_ranks(train, 7, args=(ntp, STEPS), timeout=300, backend=backend,
-                       kwargs=dict(spec=SPEC_TP43, distributed_optimizer=True, overlap=True))
+    ntp = dict(
+        tp_base=4,
+        tp_spares=1,
+        non_active_ranks_per_dp={1: (0,)},
+        num_attention_heads=12,
+        ffn_hidden_size=192,
+        vocab_size=192,
+    )
+    out = run_on_ranks(
+        train,
+        7,
+        args=(ntp, STEPS),
+        timeout=300,
+        backend=backend,
+        kwargs=dict(spec=SPEC_TP43, distributed_optimizer=True, overlap=True),
+    )
     assert sorted(o["tp_size"] for o in out) == [3, 3, 3, 4, 4, 4, 4]
     _check_overlap(out)
     _check_parity(out, _baseline(SPEC_TP43, backend), replicas=2)
@@ -276,8 +291,7 @@ def test_packed_tp2_with_symmetric_memory_staging(backend):
     training as uniform TP. On gloo every bucket falls back to plain buffers
     and says why; on NCCL every uncoalesced bucket is symmetric."""
     ntp = dict(tp_base=2, tp_spares=1, non_active_ranks_per_dp={0: (1,)})
-    out = run_on_ranks(train, 3, args=(ntp, STEPS), kwargs=dict(symm_mem=dict(mode="on")),
-                       timeout=300, backend=backend)
+    out = run_on_ranks(train, 3, args=(ntp, STEPS), kwargs=dict(symm_mem=dict(mode="on")), timeout=300, backend=backend)
     _check_parity(out, _baseline(SPEC, backend), replicas=2)
     for o in out:
         assert o["symm_decisions"], "no bucket was considered for staging"

@@ -15,8 +15,12 @@ SPECS = [reshard.ShardSpec(0), reshard.ShardSpec(1), reshard.ShardSpec(0, 2), re
 
 def _full():
     g = torch.Generator().manual_seed(0)
-    return {"0": torch.randn(24, 4, generator=g), "1": torch.randn(4, 24, generator=g),
-            "2": torch.randn(48, 4, generator=g), "3": torch.randn(4, generator=g)}
+    return {
+        "0": torch.randn(24, 4, generator=g),
+        "1": torch.randn(4, 24, generator=g),
+        "2": torch.randn(48, 4, generator=g),
+        "3": torch.randn(4, generator=g),
+    }
 
 
 def _exchange_body(tp_base, tp_reduced):
@@ -25,17 +29,19 @@ def _exchange_body(tp_base, tp_reduced):
     base = [{k: v.to(dev) for k, v in shard.items()} for shard in split_tp_full(_full(), specs, tp_base)]
     want = split_tp_full(_full(), specs, tp_reduced)
     mine = [base[me][str(i)] for i in range(len(SPECS))]
-    shadow = [torch.full_like(want[me % tp_reduced][str(i)], float("nan"), device=dev)
-              for i in range(len(SPECS))]
-    pieces = [pc for i, s in enumerate(SPECS)
-              for pc in reshard.reshard_pieces(i, s, mine[i].shape[s.dim] if s.dim is not None else 0,
-                                               tp_base, tp_reduced)]
+    shadow = [torch.full_like(want[me % tp_reduced][str(i)], float("nan"), device=dev) for i in range(len(SPECS))]
+    pieces = [
+        pc
+        for i, s in enumerate(SPECS)
+        for pc in reshard.reshard_pieces(i, s, mine[i].shape[s.dim] if s.dim is not None else 0, tp_base, tp_reduced)
+    ]
     reshard.exchange(pieces, me, None, src=lambda i: mine[i], dst=lambda i: shadow[i])
     folded = [t.cpu() for t in shadow] if me < tp_reduced else None
     back = [torch.zeros_like(t) for t in mine]
     # spares' shadows are not valid sources; unfold reads core ranks' shadows only
-    reshard.exchange(reshard.reverse(pieces, tp_base, tp_reduced), me, None,
-                     src=lambda i: shadow[i], dst=lambda i: back[i])
+    reshard.exchange(
+        reshard.reverse(pieces, tp_base, tp_reduced), me, None, src=lambda i: shadow[i], dst=lambda i: back[i]
+    )
     return folded, [t.cpu() for t in back], [t.cpu() for t in mine], want
 
 

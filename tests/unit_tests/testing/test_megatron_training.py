@@ -46,7 +46,7 @@ def _tp_loss_and_grads(tp):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_tp2_loss_and_grads_match_single_rank(backend):
-    (ref_loss, ref_grads), = run_on_ranks(_tp_loss_and_grads, 1, args=(1,), backend=backend)
+    ((ref_loss, ref_grads),) = run_on_ranks(_tp_loss_and_grads, 1, args=(1,), backend=backend)
     out = run_on_ranks(_tp_loss_and_grads, 2, args=(2,), backend=backend)
     for loss, grads in out:
         assert abs(loss - ref_loss) <= RTOL * abs(ref_loss)
@@ -82,8 +82,7 @@ def _ddp_main_grads_vs_local_average():
     ddp.zero_grad_buffer()
     tiny_gpt.forward_loss(ddp, tokens, labels).backward()
     ddp.finish_grad_sync()
-    reduced = {n.removeprefix("module."): p.main_grad.detach().cpu()
-               for n, p in ddp.named_parameters()}
+    reduced = {n.removeprefix("module."): p.main_grad.detach().cpu() for n, p in ddp.named_parameters()}
 
     gathered = {}
     for name, g in local.items():
@@ -126,8 +125,9 @@ def _train_with_megatron_optimizer(tp, steps, distributed_optimizer, overlap):
         module=tiny_gpt.build_model(SPEC, cfg, device=dev),
     )
     opt = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=3e-3, weight_decay=0.01, clip_grad=1.0,
-                        use_distributed_optimizer=distributed_optimizer),
+        OptimizerConfig(
+            optimizer="adam", lr=3e-3, weight_decay=0.01, clip_grad=1.0, use_distributed_optimizer=distributed_optimizer
+        ),
         [ddp],
     )
     n_local = 4 // dp
@@ -156,10 +156,10 @@ def _train_with_megatron_optimizer(tp, steps, distributed_optimizer, overlap):
 )
 def test_megatron_optimizer_matches_single_rank(tp, distributed_optimizer, overlap, backend):
     steps = 6
-    (ref,) = run_on_ranks(_train_with_megatron_optimizer, 1, args=(1, steps, False, False),
-                          backend=backend)
-    out = run_on_ranks(_train_with_megatron_optimizer, 2, args=(tp, steps, distributed_optimizer, overlap),
-                       backend=backend)
+    (ref,) = run_on_ranks(_train_with_megatron_optimizer, 1, args=(1, steps, False, False), backend=backend)
+    out = run_on_ranks(
+        _train_with_megatron_optimizer, 2, args=(tp, steps, distributed_optimizer, overlap), backend=backend
+    )
     assert ref[-1] < ref[0], f"baseline did not learn: {ref}"
     for losses in out:
         for step, (a, b) in enumerate(zip(losses, ref)):

@@ -28,8 +28,12 @@ def _export_to(address):
 
     ps.initialize_model_parallel()
     model = tiny_llama.build_model(SPEC, tiny_llama.transformer_config(SPEC))
-    exporter = wx.WeightExporter(model, wx.WeightExportConfig(
-        target=address, transport="broadcast", vocab_size=SPEC.hf_vocab_size, timeout_s=CONNECT_TIMEOUT_S))
+    exporter = wx.WeightExporter(
+        model,
+        wx.WeightExportConfig(
+            target=address, transport="broadcast", vocab_size=SPEC.hf_vocab_size, timeout_s=CONNECT_TIMEOUT_S
+        ),
+    )
     exporter.export()
 
 
@@ -37,8 +41,14 @@ def test_receiver_that_dies_at_start_is_reported_with_its_error():
     start = time.monotonic()
     with start_hf_receiver(_build_without_transformers, (SPEC,)) as receiver:
         with pytest.raises(RankFailure) as info:
-            run_on_ranks(_export_to, 1, args=(receiver.address,), backend="gloo", timeout=2 * CONNECT_TIMEOUT_S,
-                         watch=receiver.failure)
+            run_on_ranks(
+                _export_to,
+                1,
+                args=(receiver.address,),
+                backend="gloo",
+                timeout=2 * CONNECT_TIMEOUT_S,
+                watch=receiver.failure,
+            )
     elapsed = time.monotonic() - start
     msg = str(info.value)
     assert elapsed < CONNECT_TIMEOUT_S / 4, f"took {elapsed:.0f}s to report the dead receiver"

@@ -8,8 +8,10 @@ import torch
 def hf_state_from_megatron(state: dict, *, num_layers, num_heads, num_groups, hidden, vocab, tied) -> dict:
     hd = hidden // num_heads
     hpg = num_heads // num_groups
-    out = {"model.embed_tokens.weight": state["embedding.word_embeddings.weight"][:vocab],
-           "model.norm.weight": state["decoder.final_layernorm.weight"]}
+    out = {
+        "model.embed_tokens.weight": state["embedding.word_embeddings.weight"][:vocab],
+        "model.norm.weight": state["decoder.final_layernorm.weight"],
+    }
     if not tied:
         out["lm_head.weight"] = state["output_layer.weight"][:vocab]
     for i in range(num_layers):
@@ -21,10 +23,10 @@ def hf_state_from_megatron(state: dict, *, num_layers, num_heads, num_groups, hi
             if key not in state:
                 continue
             w = state[key]
-            groups = [w[g * (hpg + 2) * hd:(g + 1) * (hpg + 2) * hd] for g in range(num_groups)]
-            out[h + "self_attn.q_proj." + suffix] = torch.cat([g[:hpg * hd] for g in groups])
-            out[h + "self_attn.k_proj." + suffix] = torch.cat([g[hpg * hd:(hpg + 1) * hd] for g in groups])
-            out[h + "self_attn.v_proj." + suffix] = torch.cat([g[(hpg + 1) * hd:] for g in groups])
+            groups = [w[g * (hpg + 2) * hd : (g + 1) * (hpg + 2) * hd] for g in range(num_groups)]
+            out[h + "self_attn.q_proj." + suffix] = torch.cat([g[: hpg * hd] for g in groups])
+            out[h + "self_attn.k_proj." + suffix] = torch.cat([g[hpg * hd : (hpg + 1) * hd] for g in groups])
+            out[h + "self_attn.v_proj." + suffix] = torch.cat([g[(hpg + 1) * hd :] for g in groups])
         for mq, hq in (("q_layernorm", "q_norm"), ("k_layernorm", "k_norm")):
             if m + f"self_attention.{mq}.weight" in state:
                 out[h + f"self_attn.{hq}.weight"] = state[m + f"self_attention.{mq}.weight"]
@@ -38,12 +40,13 @@ def hf_state_from_megatron(state: dict, *, num_layers, num_heads, num_groups, hi
                 out[h + f"mlp.experts.{e}.gate_proj.weight"] = fc1[:half]
                 out[h + f"mlp.experts.{e}.up_proj.weight"] = fc1[half:]
                 out[h + f"mlp.experts.{e}.down_proj.weight"] = state[
-                    f"{m}mlp.experts.local_experts.{e}.linear_fc2.weight"]
+                    f"{m}mlp.experts.local_experts.{e}.linear_fc2.weight"
+                ]
                 e += 1
             continue
         fc1 = state[m + "mlp.linear_fc1.weight"]
         out[h + "mlp.gate_proj.weight"] = fc1[: fc1.shape[0] // 2]
-        out[h + "mlp.up_proj.weight"] = fc1[fc1.shape[0] // 2:]
+        out[h + "mlp.up_proj.weight"] = fc1[fc1.shape[0] // 2 :]
         out[h + "mlp.down_proj.weight"] = state[m + "mlp.linear_fc2.weight"]
     return {k: v.detach().clone() for k, v in out.items()}
 
@@ -55,12 +58,12 @@ def hf_checkpoint_names(params: dict) -> dict:
     for name, p in params.items():
         p = p.detach().clone()
         if name.endswith("mlp.experts.gate_up_proj"):
-            prefix, half = name[:-len("gate_up_proj")], p.shape[1] // 2
+            prefix, half = name[: -len("gate_up_proj")], p.shape[1] // 2
             for e in range(p.shape[0]):
                 out[f"{prefix}{e}.gate_proj.weight"] = p[e, :half]
                 out[f"{prefix}{e}.up_proj.weight"] = p[e, half:]
         elif name.endswith("mlp.experts.down_proj"):
-            prefix = name[:-len("down_proj")]
+            prefix = name[: -len("down_proj")]
             for e in range(p.shape[0]):
                 out[f"{prefix}{e}.down_proj.weight"] = p[e]
         else:
@@ -71,9 +74,14 @@ def hf_checkpoint_names(params: dict) -> dict:
 def reference_for(spec, model) -> dict:
     state = {n: p for n, p in model.named_parameters()}
     return hf_state_from_megatron(
-        state, num_layers=spec.num_layers, num_heads=spec.num_attention_heads,
-        num_groups=spec.num_query_groups, hidden=spec.hidden_size, vocab=spec.hf_vocab_size,
-        tied=spec.tie_embeddings)
+        state,
+        num_layers=spec.num_layers,
+        num_heads=spec.num_attention_heads,
+        num_groups=spec.num_query_groups,
+        hidden=spec.hidden_size,
+        vocab=spec.hf_vocab_size,
+        tied=spec.tie_embeddings,
+    )
 
 
 def gather_tp(name: str, param, group=None) -> torch.Tensor:
@@ -109,15 +117,21 @@ def gathered_hf_state(spec, model) -> dict:
     for name, p in model.named_parameters():
         t = gather_tp(name, p)
         if name.startswith("decoder.layers."):
-            j, rest = name[len("decoder.layers."):].split(".", 1)
+            j, rest = name[len("decoder.layers.") :].split(".", 1)
             name = f"decoder.layers.{model.decoder.layers[int(j)].layer_number - 1}.{rest}"
         state[name] = t.detach().to("cpu", copy=True)
     stages = [None] * ps.get_pipeline_model_parallel_world_size()
     dist.all_gather_object(stages, state, group=ps.get_pipeline_model_parallel_group())
     full = {k: v for stage in stages for k, v in stage.items()}
     return hf_state_from_megatron(
-        full, num_layers=spec.num_layers, num_heads=spec.num_attention_heads, num_groups=spec.num_query_groups,
-        hidden=spec.hidden_size, vocab=spec.hf_vocab_size, tied=spec.tie_embeddings)
+        full,
+        num_layers=spec.num_layers,
+        num_heads=spec.num_attention_heads,
+        num_groups=spec.num_query_groups,
+        hidden=spec.hidden_size,
+        vocab=spec.hf_vocab_size,
+        tied=spec.tie_embeddings,
+    )
 
 
 def snapshot(tensors: dict) -> dict:
@@ -136,8 +150,9 @@ def hook_reference(model, vocab_size: int):
 
     got = {}
     consumer = wx.LoadWeightsConsumer(lambda ws: got.update({n: t.cpu().clone() for n, t in ws}))
-    exporter = wx.WeightExporter(model, wx.WeightExportConfig(vocab_size=vocab_size),
-                                 receiver=wx.WeightReceiver(consumer))
+    exporter = wx.WeightExporter(
+        model, wx.WeightExportConfig(vocab_size=vocab_size), receiver=wx.WeightReceiver(consumer)
+    )
     return exporter, got
 
 
@@ -164,8 +179,9 @@ def megatron_shard(kind: str, tensors: list, tp: int, rank: int, *, dim=0, num_g
         q, k, v = tensors
         kv, qg = k.shape[0] // num_groups, q.shape[0] // num_groups
         groups = range(rank * num_groups // tp, (rank + 1) * num_groups // tp)
-        return torch.cat([torch.cat([q[g * qg:(g + 1) * qg], k[g * kv:(g + 1) * kv], v[g * kv:(g + 1) * kv]])
-                          for g in groups])
+        return torch.cat(
+            [torch.cat([q[g * qg : (g + 1) * qg], k[g * kv : (g + 1) * kv], v[g * kv : (g + 1) * kv]]) for g in groups]
+        )
     if kind == "glu":
         gate, up = tensors
         return torch.cat([gate.chunk(tp)[rank], up.chunk(tp)[rank]])

@@ -29,10 +29,19 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("host,loopback", [
-    ("127.0.0.1", True), ("localhost", True), ("::1", True), ("[::1]", True),
-    ("10.1.2.3", False), ("localhost.invalid", False), ("127.attacker.invalid", False), ("::1ab", False),
-])
+@pytest.mark.parametrize(
+    "host,loopback",
+    [
+        ("127.0.0.1", True),
+        ("localhost", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("10.1.2.3", False),
+        ("localhost.invalid", False),
+        ("127.attacker.invalid", False),
+        ("::1ab", False),
+    ],
+)
 def test_loopback_is_decided_on_resolved_addresses(host, loopback):
     assert control.is_loopback(host) is loopback
 
@@ -65,8 +74,17 @@ def test_tensors_and_plans_travel_as_data():
         control.blob_tensor({"dtype": "float32", "shape": [2]}, b"\0" * 7)
     with pytest.raises(ControlError, match="unknown dtype"):
         control.blob_tensor({"dtype": "object", "shape": [1]}, b"\0")
-    plan = ExportPlan((BucketMeta(0, 0, 512, (TensorMeta("a", torch.bfloat16, (4, 8), 0, 64),
-                                               TensorMeta("b", torch.float32, (3,), 256, 12))),), 512)
+    plan = ExportPlan(
+        (
+            BucketMeta(
+                0,
+                0,
+                512,
+                (TensorMeta("a", torch.bfloat16, (4, 8), 0, 64), TensorMeta("b", torch.float32, (3,), 256, 12)),
+            ),
+        ),
+        512,
+    )
     back = ExportPlan.from_wire(control.from_wire(control.to_wire(plan.to_wire())))
     assert back.fingerprint == plan.fingerprint and back.buckets[0].tensors == plan.buckets[0].tensors
     bad = plan.to_wire()
@@ -166,8 +184,14 @@ def test_listener_binds_only_the_interface_it_is_given(key_dir):
 def test_every_refit_error_is_one_family_and_keeps_its_builtin_base():
     from megatron_ext import weight_export as wx
 
-    family = {wx.ControlError: RuntimeError, wx.ReceiverError: RuntimeError, wx.PlanMismatch: ValueError,
-              wx.NonFiniteWeights: ValueError, wx.RefitRejected: RuntimeError, wx.RefitGroupError: RuntimeError}
+    family = {
+        wx.ControlError: RuntimeError,
+        wx.ReceiverError: RuntimeError,
+        wx.PlanMismatch: ValueError,
+        wx.NonFiniteWeights: ValueError,
+        wx.RefitRejected: RuntimeError,
+        wx.RefitGroupError: RuntimeError,
+    }
     for cls, builtin in family.items():
         assert issubclass(cls, wx.RefitError) and issubclass(cls, builtin), cls
     try:

@@ -9,12 +9,13 @@ from megatron_ext.weight_export.copies import CopyBatch
 def _pairs(device):
     g = torch.Generator().manual_seed(0)
     big = torch.randn(64, 48, generator=g).to(device, torch.bfloat16)
-    pairs = [(torch.empty(37, device=device, dtype=torch.bfloat16),
-              torch.randn(37, generator=g).to(device, torch.bfloat16))
-             for _ in range(20)]
+    pairs = [
+        (torch.empty(37, device=device, dtype=torch.bfloat16), torch.randn(37, generator=g).to(device, torch.bfloat16))
+        for _ in range(20)
+    ]
     pairs.append((torch.empty(5, 3, device=device), torch.randn(5, 3, generator=g).to(device)))  # fp32
     strided = torch.empty(64, 96, device=device, dtype=torch.bfloat16)
-    pairs.append((strided[:, 48:], big))                                      # strided destination
+    pairs.append((strided[:, 48:], big))  # strided destination
     pairs.append((torch.empty(4, device=device, dtype=torch.int64), torch.arange(4, device=device)))  # integer
     return pairs
 

@@ -29,9 +29,17 @@ def _trainer(tp, pp, target, backend, transport="broadcast"):
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     device = tiny_llama_device()
     model = tiny_llama.build_model(SPEC, tiny_llama.transformer_config(SPEC, tp=tp, pp=pp), device=device)
-    exporter = wx.WeightExporter(model, wx.WeightExportConfig(
-        target=target, transport=transport, backend=backend, bucket_size_mb=0.03,
-        vocab_size=SPEC.hf_vocab_size, timeout_s=60))
+    exporter = wx.WeightExporter(
+        model,
+        wx.WeightExportConfig(
+            target=target,
+            transport=transport,
+            backend=backend,
+            bucket_size_mb=0.03,
+            vocab_size=SPEC.hf_vocab_size,
+            timeout_s=60,
+        ),
+    )
     first = exporter.export(version=7)
     with torch.no_grad():  # a training step's worth of change; the plan is not re-sent
         for p in model.parameters():
@@ -40,9 +48,15 @@ def _trainer(tp, pp, target, backend, transport="broadcast"):
     verify = exporter.verify(tiny_llama.tokens(SPEC).to(device)) if pp == 1 else None
     expected = gathered_hf_state(SPEC, model)
     exporter.close()
-    return dict(first=first, second=second, verify=verify, buckets=len(exporter.plan.buckets),
-                expected=expected if exporter.is_export_rank else None,
-                extra=exporter.extra_memory_bytes, buffer=exporter.plan.buffer_bytes)
+    return dict(
+        first=first,
+        second=second,
+        verify=verify,
+        buckets=len(exporter.plan.buckets),
+        expected=expected if exporter.is_export_rank else None,
+        extra=exporter.extra_memory_bytes,
+        buffer=exporter.plan.buffer_bytes,
+    )
 
 
 def tiny_llama_device():
@@ -51,18 +65,28 @@ def tiny_llama_device():
     return torch.device("cpu")
 
 
-@pytest.mark.parametrize("tp,pp,dp,backend,transport,receiver_device", [
-    (2, 2, 1, "gloo", "broadcast", "cpu"),
-    (2, 1, 2, "gloo", "broadcast", "cpu"),
-    # NCCL TP gather on GPUs 0-1; the receiver shares GPU 0 with the export rank.
-    pytest.param(2, 1, 1, "nccl", "ipc", "cuda:0", marks=pytest.mark.gpus(2)),
-    # The NCCL TP gather writes straight into the receiver's weights on GPU 0.
-    pytest.param(2, 1, 1, "nccl", "ipc-push", "cuda:0", marks=pytest.mark.gpus(2)),
-], ids=["tp2-pp2", "tp2-dp2", "tp2-nccl-ipc", "tp2-nccl-ipc-push"])
+@pytest.mark.parametrize(
+    "tp,pp,dp,backend,transport,receiver_device",
+    [
+        (2, 2, 1, "gloo", "broadcast", "cpu"),
+        (2, 1, 2, "gloo", "broadcast", "cpu"),
+        # NCCL TP gather on GPUs 0-1; the receiver shares GPU 0 with the export rank.
+        pytest.param(2, 1, 1, "nccl", "ipc", "cuda:0", marks=pytest.mark.gpus(2)),
+        # The NCCL TP gather writes straight into the receiver's weights on GPU 0.
+        pytest.param(2, 1, 1, "nccl", "ipc-push", "cuda:0", marks=pytest.mark.gpus(2)),
+    ],
+    ids=["tp2-pp2", "tp2-dp2", "tp2-nccl-ipc", "tp2-nccl-ipc-push"],
+)
 def test_trainer_streams_to_hf_receiver_process(tp, pp, dp, backend, transport, receiver_device):
     with start_hf_receiver(tiny_llama.build_hf, (SPEC,), device=receiver_device) as receiver:
-        out = run_on_ranks(_trainer, tp * pp * dp, args=(tp, pp, receiver.address, backend, transport),
-                           backend=backend, timeout=TIMEOUT, watch=receiver.failure)
+        out = run_on_ranks(
+            _trainer,
+            tp * pp * dp,
+            args=(tp, pp, receiver.address, backend, transport),
+            backend=backend,
+            timeout=TIMEOUT,
+            watch=receiver.failure,
+        )
         got = receiver.result()
     assert got["ok"], got.get("error")
     assert got["applied"] == [7, 8]
@@ -90,9 +114,17 @@ def _trainer_against_bad_receivers(wrong_target, dying_target):
     model = tiny_llama.build_model(SPEC, tiny_llama.transformer_config(SPEC))
     outcomes = {}
     for what, target, transport in (("wrong", wrong_target, "broadcast"), ("dying", dying_target, "broadcast")):
-        exporter = wx.WeightExporter(model, wx.WeightExportConfig(
-            target=target, transport=transport, backend="gloo", bucket_size_mb=0.03,
-            vocab_size=SPEC.hf_vocab_size, timeout_s=30))
+        exporter = wx.WeightExporter(
+            model,
+            wx.WeightExportConfig(
+                target=target,
+                transport=transport,
+                backend="gloo",
+                bucket_size_mb=0.03,
+                vocab_size=SPEC.hf_vocab_size,
+                timeout_s=30,
+            ),
+        )
         start = time.monotonic()
         try:
             exporter.export()
@@ -105,11 +137,13 @@ def _trainer_against_bad_receivers(wrong_target, dying_target):
 
 def test_wrong_plan_refused_and_dead_receiver_fails_fast():
     wrong_spec = dataclasses.replace(SPEC, num_query_groups=4)  # k/v_proj shapes differ
-    with start_hf_receiver(tiny_llama.build_hf, (wrong_spec,)) as wrong, \
-            start_hf_receiver(tiny_llama.build_hf, (SPEC,), die_after=2) as dying:
-        (outcomes,) = run_on_ranks(_trainer_against_bad_receivers, 1,
-                                   args=(wrong.address, dying.address),
-                                   backend="gloo", timeout=TIMEOUT)
+    with (
+        start_hf_receiver(tiny_llama.build_hf, (wrong_spec,)) as wrong,
+        start_hf_receiver(tiny_llama.build_hf, (SPEC,), die_after=2) as dying,
+    ):
+        (outcomes,) = run_on_ranks(
+            _trainer_against_bad_receivers, 1, args=(wrong.address, dying.address), backend="gloo", timeout=TIMEOUT
+        )
         got_wrong, got_dying = wrong.result(), dying.result()
     message, kind, _ = outcomes["wrong"]
     assert kind == "PlanMismatch", message

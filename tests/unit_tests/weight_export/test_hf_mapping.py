@@ -37,18 +37,20 @@ def _export_cases():
         # push into the HF model does (a staged copy must never be committed over it).
         receiver = wx.WeightReceiver(wx.HFModelConsumer(hf), atomic=True)
         # A small bucket size, so the model spans many buckets.
-        exporter = wx.WeightExporter(model, wx.WeightExportConfig(vocab_size=spec.hf_vocab_size,
-                                                                  bucket_size_mb=0.02), receiver=receiver)
+        exporter = wx.WeightExporter(
+            model, wx.WeightExportConfig(vocab_size=spec.hf_vocab_size, bucket_size_mb=0.02), receiver=receiver
+        )
         result = exporter.export()
         after = exporter.verify(toks)
         prompt = toks[:, :6]
         hf.generation_config.eos_token_id = None  # always 5 new tokens
         with torch.no_grad():
-            generated = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=5,
-                                    do_sample=False, pad_token_id=0)
+            generated = hf.generate(
+                prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=5, do_sample=False, pad_token_id=0
+            )
         # Megatron teacher-forced on the HF continuation: how far each chosen token's
         # logit is below Megatron's best (0 when Megatron picks the same token).
-        ref = wx.megatron_logits(model, generated)[:, 5:-1, :spec.hf_vocab_size]
+        ref = wx.megatron_logits(model, generated)[:, 5:-1, : spec.hf_vocab_size]
         chosen = ref.gather(-1, generated[:, 6:, None]).squeeze(-1)
         greedy_gap = (ref.max(-1).values - chosen).max().item()
         exporter.export()  # same layout: no new plan
@@ -58,12 +60,18 @@ def _export_cases():
         exporter.export()
         plans_moved = (exporter.plans_built, receiver.plans_received)
         results[key] = dict(
-            before=before, after=after, result=result, buckets=len(exporter.plan.buckets),
+            before=before,
+            after=after,
+            result=result,
+            buckets=len(exporter.plan.buckets),
             received={n: p.detach().clone() for n, p in hf.named_parameters()},
             lm_head_is_embedding=hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr(),
-            reference=reference_for(spec, model), applied=receiver.applied_version,
-            direct=_direct(model, spec, cfg, exporter), plans=(plans_same, plans_moved),
-            generated=generated, greedy_gap=greedy_gap,
+            reference=reference_for(spec, model),
+            applied=receiver.applied_version,
+            direct=_direct(model, spec, cfg, exporter),
+            plans=(plans_same, plans_moved),
+            generated=generated,
+            greedy_gap=greedy_gap,
         )
 
     # Refusals: a wrong name, shape or dtype is refused before any write.
@@ -72,27 +80,35 @@ def _export_cases():
     model = tiny_llama.build_model(spec, cfg)
     refusals = {}
     wrong = {
-        "shape": tiny_llama.hf_model(dataclasses.replace(spec, ffn_hidden_size=64),
-                                     tiny_llama.transformer_config(dataclasses.replace(spec, ffn_hidden_size=64))),
+        "shape": tiny_llama.hf_model(
+            dataclasses.replace(spec, ffn_hidden_size=64),
+            tiny_llama.transformer_config(dataclasses.replace(spec, ffn_hidden_size=64)),
+        ),
         "dtype": tiny_llama.hf_model(spec, cfg, dtype=torch.bfloat16),
     }
     for what, hf in wrong.items():
         consumer = wx.HFModelConsumer(hf)
         snapshot = {n: p.detach().clone() for n, p in hf.named_parameters()}
-        exporter = wx.WeightExporter(model, wx.WeightExportConfig(vocab_size=spec.hf_vocab_size),
-                                     receiver=wx.WeightReceiver(consumer))
+        exporter = wx.WeightExporter(
+            model, wx.WeightExportConfig(vocab_size=spec.hf_vocab_size), receiver=wx.WeightReceiver(consumer)
+        )
         try:
             exporter.export()
             refusals[what] = ("no error", True)
         except wx.PlanMismatch as exc:
             unchanged = all(torch.equal(p, snapshot[n]) for n, p in hf.named_parameters())
             refusals[what] = (str(exc), unchanged)
-    renamed = wx.LoadWeightsConsumer(lambda weights: None, expected={
-        n.replace("mlp.down_proj", "mlp.c_proj"): (s, d)
-        for n, (s, d) in wx.HFModelConsumer(tiny_llama.hf_model(spec, cfg)).expected_tensors().items()})
+    renamed = wx.LoadWeightsConsumer(
+        lambda weights: None,
+        expected={
+            n.replace("mlp.down_proj", "mlp.c_proj"): (s, d)
+            for n, (s, d) in wx.HFModelConsumer(tiny_llama.hf_model(spec, cfg)).expected_tensors().items()
+        },
+    )
     try:
-        wx.WeightExporter(model, wx.WeightExportConfig(vocab_size=spec.hf_vocab_size),
-                          receiver=wx.WeightReceiver(renamed)).export()
+        wx.WeightExporter(
+            model, wx.WeightExportConfig(vocab_size=spec.hf_vocab_size), receiver=wx.WeightReceiver(renamed)
+        ).export()
         refusals["name"] = ("no error", True)
     except wx.PlanMismatch as exc:
         refusals["name"] = (str(exc), True)
@@ -119,9 +135,10 @@ def _direct(model, spec, cfg, exporter):
     out = {}
     hf = tiny_llama.hf_model(spec, cfg)
     loaded = {}
-    for _key, consumer in (("target", wx.HFModelConsumer(hf)),
-                          ("load_weights", wx.LoadWeightsConsumer(
-                              lambda ws: loaded.update({n: t.clone() for n, t in ws})))):
+    for _key, consumer in (
+        ("target", wx.HFModelConsumer(hf)),
+        ("load_weights", wx.LoadWeightsConsumer(lambda ws: loaded.update({n: t.clone() for n, t in ws}))),
+    ):
         receiver = wx.WeightReceiver(consumer)
         receiver.set_plan(exporter.plan)
         receiver.begin(5)
@@ -177,11 +194,14 @@ def test_tied_embeddings_exported_once(exported):
     assert case["lm_head_is_embedding"]
 
 
-@pytest.mark.parametrize("what,needle", [
-    ("shape", "'model.layers.0.mlp.gate_proj.weight' has shape (96, 64), the receiver's has (64, 64)"),
-    ("dtype", "dtype torch.float32, the receiver's has torch.bfloat16"),
-    ("name", "'model.layers.0.mlp.down_proj.weight' is unknown"),
-])
+@pytest.mark.parametrize(
+    "what,needle",
+    [
+        ("shape", "'model.layers.0.mlp.gate_proj.weight' has shape (96, 64), the receiver's has (64, 64)"),
+        ("dtype", "dtype torch.float32, the receiver's has torch.bfloat16"),
+        ("name", "'model.layers.0.mlp.down_proj.weight' is unknown"),
+    ],
+)
 def test_wrong_plan_is_refused_before_any_write(exported, what, needle):
     message, unchanged = exported[1][what]
     assert needle in message, message

@@ -26,8 +26,14 @@ BUCKET_MB = 0.1  # several dense and several expert buckets, each with several w
 
 def _reference(state):
     return hf_state_from_megatron(
-        state, num_layers=SPEC.num_layers, num_heads=SPEC.num_attention_heads, num_groups=SPEC.num_query_groups,
-        hidden=SPEC.hidden_size, vocab=SPEC.hf_vocab_size, tied=SPEC.tie_embeddings)
+        state,
+        num_layers=SPEC.num_layers,
+        num_heads=SPEC.num_attention_heads,
+        num_groups=SPEC.num_query_groups,
+        hidden=SPEC.hidden_size,
+        vocab=SPEC.hf_vocab_size,
+        tied=SPEC.tie_embeddings,
+    )
 
 
 def _layout_names(cfg):
@@ -54,13 +60,16 @@ def _plan_summary(plan):
                 layer, e, part = int(m.group(1)), int(m.group(2)), m.group(3)
                 fc = "linear_fc2" if part == "down" else "linear_fc1"
                 holders.setdefault((layer, e, fc), []).append((divmod(t.src % per_stage, plan.etp_size), t.box))
-    split = {k: next((d for d in range(2) if len({box.ranges[d] for _, box in v}) > 1), None)
-             for k, v in holders.items()}
-    return dict(groups=[(b.pp_rank, b.group, len(b.tensors)) for b in plan.buckets],
-                owners={e: v[0][0][0] for (_, e, _), v in holders.items()},
-                holders={k: (tuple(sorted({c for c, _ in v})), split[k]) for k, v in holders.items()},
-                etp_size=plan.etp_size,
-                names={t.name for t in plan.tensors()})
+    split = {
+        k: next((d for d in range(2) if len({box.ranges[d] for _, box in v}) > 1), None) for k, v in holders.items()
+    }
+    return dict(
+        groups=[(b.pp_rank, b.group, len(b.tensors)) for b in plan.buckets],
+        owners={e: v[0][0][0] for (_, e, _), v in holders.items()},
+        holders={k: (tuple(sorted({c for c, _ in v})), split[k]) for k, v in holders.items()},
+        etp_size=plan.etp_size,
+        names={t.name for t in plan.tensors()},
+    )
 
 
 # ----------------------------------------------------------------- single rank
@@ -77,29 +86,39 @@ def _single_rank():
     toks = tiny_llama.tokens(SPEC)
     before = wx.verify_export(wx.megatron_logits(model, toks), wx.HFModelConsumer(hf).logits(toks))
     receiver = wx.WeightReceiver(wx.HFModelConsumer(hf))
-    exporter = wx.WeightExporter(model, wx.WeightExportConfig(vocab_size=SPEC.hf_vocab_size, bucket_size_mb=0.02),
-                                 receiver=receiver)
+    exporter = wx.WeightExporter(
+        model, wx.WeightExportConfig(vocab_size=SPEC.hf_vocab_size, bucket_size_mb=0.02), receiver=receiver
+    )
     result = exporter.export()
     after = exporter.verify(toks)
     prompt = toks[:, :6]
     hf.generation_config.eos_token_id = None  # always 5 new tokens
     with torch.no_grad():
-        generated = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=5, do_sample=False,
-                                pad_token_id=0)
-    ref_logits = wx.megatron_logits(model, generated)[:, 5:-1, :SPEC.hf_vocab_size]
+        generated = hf.generate(
+            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=5, do_sample=False, pad_token_id=0
+        )
+    ref_logits = wx.megatron_logits(model, generated)[:, 5:-1, : SPEC.hf_vocab_size]
     chosen = ref_logits.gather(-1, generated[:, 6:, None]).squeeze(-1)
-    out = dict(before=before, after=after, result=result, plan=_plan_summary(exporter.plan),
-               layout_names=_layout_names(cfg), generated=generated,
-               greedy_gap=(ref_logits.max(-1).values - chosen).max().item(),
-               received=hf_checkpoint_names(dict(hf.named_parameters())),
-               reference=_reference(dict(model.named_parameters())))
+    out = dict(
+        before=before,
+        after=after,
+        result=result,
+        plan=_plan_summary(exporter.plan),
+        layout_names=_layout_names(cfg),
+        generated=generated,
+        greedy_gap=(ref_logits.max(-1).values - chosen).max().item(),
+        received=hf_checkpoint_names(dict(hf.named_parameters())),
+        reference=_reference(dict(model.named_parameters())),
+    )
 
     # ipc-direct's view descriptions, applied without IPC into the fused experts and to load_weights.
     transfers = [t for b in exporter.plan.buckets for t in b.transfers]
     bases, entries = direct_entries(transfers, wx.megatron_tensors(model))
     direct_hf, loaded = tiny_llama.hf_model(SPEC, cfg), {}
-    for consumer in (wx.HFModelConsumer(direct_hf),
-                     wx.LoadWeightsConsumer(lambda ws: loaded.update({n: t.clone() for n, t in ws}))):
+    for consumer in (
+        wx.HFModelConsumer(direct_hf),
+        wx.LoadWeightsConsumer(lambda ws: loaded.update({n: t.clone() for n, t in ws})),
+    ):
         r = wx.WeightReceiver(consumer)
         r.set_plan(exporter.plan)
         r.begin(1)
@@ -112,16 +131,21 @@ def _single_rank():
     wrong = tiny_llama.hf_model(small, tiny_llama.transformer_config(small))
     snapshot = {n: p.detach().clone() for n, p in wrong.named_parameters()}
     try:
-        wx.WeightExporter(model, wx.WeightExportConfig(vocab_size=SPEC.hf_vocab_size),
-                          receiver=wx.WeightReceiver(wx.HFModelConsumer(wrong))).export()
+        wx.WeightExporter(
+            model,
+            wx.WeightExportConfig(vocab_size=SPEC.hf_vocab_size),
+            receiver=wx.WeightReceiver(wx.HFModelConsumer(wrong)),
+        ).export()
         out["refused"] = ("no error", False)
     except wx.PlanMismatch as exc:
         out["refused"] = (str(exc), all(torch.equal(p, snapshot[n]) for n, p in wrong.named_parameters()))
 
     # Unsupported variants of real Megatron MoE models: the error names the parameter.
     out["unsupported"] = {}
-    for what, overrides in (("shared_experts", dict(moe_shared_expert_intermediate_size=32)),
-                            ("sigmoid_router", dict(moe_router_score_function="sigmoid"))):
+    for what, overrides in (
+        ("shared_experts", dict(moe_shared_expert_intermediate_size=32)),
+        ("sigmoid_router", dict(moe_router_score_function="sigmoid")),
+    ):
         variant = tiny_llama.build_model(SPEC, tiny_llama.transformer_config(SPEC, **overrides))
         try:
             wx.specs_from_model(variant, vocab_size=SPEC.hf_vocab_size)
@@ -136,18 +160,26 @@ def _single_rank():
     sequential_logits = wx.megatron_logits(model, toks)
     tiny_llama.as_te_grouped_moe(model)
     grouped_hf = tiny_llama.hf_model(SPEC, cfg)
-    grouped = wx.WeightExporter(model, wx.WeightExportConfig(vocab_size=SPEC.hf_vocab_size, bucket_size_mb=0.02),
-                                receiver=wx.WeightReceiver(wx.HFModelConsumer(grouped_hf)))
+    grouped = wx.WeightExporter(
+        model,
+        wx.WeightExportConfig(vocab_size=SPEC.hf_vocab_size, bucket_size_mb=0.02),
+        receiver=wx.WeightReceiver(wx.HFModelConsumer(grouped_hf)),
+    )
     grouped.export()
     specs = specs_from_model(model, vocab_size=SPEC.hf_vocab_size)
     out["grouped"] = dict(
-        names=sorted(n for n, _ in model.named_parameters()), result=grouped.last_result,
-        verify=grouped.verify(toks), same_logits=torch.equal(wx.megatron_logits(model, toks), sequential_logits),
-        received=hf_checkpoint_names(dict(grouped_hf.named_parameters())), plan=_plan_summary(grouped.plan),
+        names=sorted(n for n, _ in model.named_parameters()),
+        result=grouped.last_result,
+        verify=grouped.verify(toks),
+        same_logits=torch.equal(wx.megatron_logits(model, toks), sequential_logits),
+        received=hf_checkpoint_names(dict(grouped_hf.named_parameters())),
+        plan=_plan_summary(grouped.plan),
         expert_order=[[t.name for t in b.tensors] for b in grouped.plan.buckets if b.group == "ep"],
         sequential_order=[[t.name for t in b.tensors] for b in exporter.plan.buckets if b.group == "ep"],
         owners=[t.src_run.local for b in grouped.plan.buckets for t in b.transfers],
-        layout_names={s.name for s in specs}, layout_experts={s.megatron_name for s in specs if s.expert is not None})
+        layout_names={s.name for s in specs},
+        layout_experts={s.megatron_name for s in specs if s.expert is not None},
+    )
     return out
 
 
@@ -191,8 +223,9 @@ def test_direct_ipc_views_fill_fused_experts(single, path):
 
 def test_wrong_expert_shape_refused_by_name_before_any_write(single):
     message, unchanged = single["refused"]
-    assert "'model.layers.0.mlp.experts.0.gate_proj.weight' has shape (32, 64), the receiver's has (16, 64)" \
-        in message, message
+    assert (
+        "'model.layers.0.mlp.experts.0.gate_proj.weight' has shape (32, 64), the receiver's has (16, 64)" in message
+    ), message
     assert unchanged
 
 
@@ -241,7 +274,7 @@ def _naive_full_state(model):
         name = re.sub(r"\.experts\.(linear_fc[12])\.weight(\d+)$", r".experts.local_experts.\2.\1.weight", name)
         name = name.replace("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight")
         if name.startswith("decoder.layers."):  # global layer numbers (pipeline stages)
-            j, rest = name[len("decoder.layers."):].split(".", 1)
+            j, rest = name[len("decoder.layers.") :].split(".", 1)
             name = f"decoder.layers.{model.decoder.layers[int(j)].layer_number - 1}.{rest}"
         if ".local_experts." in name:  # expert-TP shards (plain all_gather), then EP ranks' experts
             t = gather_tp(name, p, group=ps.get_expert_tensor_parallel_group())
@@ -268,6 +301,7 @@ def _count_collectives(counts):
             group = kwargs.get("group")
             counts.append((name, tuple(dist.get_process_group_ranks(group)) if group is not None else None))
             return fn(*args, **kwargs)
+
         return counted
 
     for n, fn in saved.items():
@@ -282,8 +316,12 @@ def _export_case(tp, pp, ep, target, transport, te_grouped=False, etp=1):
 
     from megatron_ext import weight_export as wx
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+    )
     cfg = tiny_llama.transformer_config(SPEC, tp=tp, pp=pp, ep=ep, expert_tensor_parallel_size=etp)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
     model = tiny_llama.build_model(SPEC, cfg, device=device)
@@ -293,9 +331,18 @@ def _export_case(tp, pp, ep, target, transport, te_grouped=False, etp=1):
     if transport == "inprocess" and dist.get_rank() == 0:  # the export rank
         hf = tiny_llama.hf_model(SPEC, tiny_llama.transformer_config(SPEC))
         receiver = wx.WeightReceiver(wx.HFModelConsumer(hf))
-    exporter = wx.WeightExporter(model, wx.WeightExportConfig(
-        target=target, transport=transport, backend="gloo", bucket_size_mb=BUCKET_MB,
-        vocab_size=SPEC.hf_vocab_size, timeout_s=60), receiver=receiver)
+    exporter = wx.WeightExporter(
+        model,
+        wx.WeightExportConfig(
+            target=target,
+            transport=transport,
+            backend="gloo",
+            bucket_size_mb=BUCKET_MB,
+            vocab_size=SPEC.hf_vocab_size,
+            timeout_s=60,
+        ),
+        receiver=receiver,
+    )
     first = exporter.export(version=7)
     with torch.no_grad():  # a training step's worth of change; the plan is not re-sent
         for p in model.parameters():
@@ -308,15 +355,27 @@ def _export_case(tp, pp, ep, target, transport, te_grouped=False, etp=1):
         undo()
     verify = exporter.verify(tiny_llama.tokens(SPEC)) if pp == 1 else None
     lay = exporter.layout
-    out = dict(first=first, second=second, verify=verify, counts=counts,
-               plan=_plan_summary(exporter.plan) if exporter.participates else None,
-               where=dict(pp=lay.pp_rank, dp=lay.dp_rank, edp=lay.edp_rank, tp=tp, ep=ep, etp=etp,
-                          tp_group=tuple(dist.get_process_group_ranks(ps.get_tensor_model_parallel_group())),
-                          ep_group=tuple(dist.get_process_group_ranks(ps.get_expert_model_parallel_group())),
-                          etp_ep_group=tuple(dist.get_process_group_ranks(
-                              ps.get_expert_tensor_and_model_parallel_group()))),
-               expected=_naive_full_state(model), layout_names=_layout_names(cfg),
-               received=hf_checkpoint_names(dict(hf.named_parameters())) if hf is not None else None)
+    out = dict(
+        first=first,
+        second=second,
+        verify=verify,
+        counts=counts,
+        plan=_plan_summary(exporter.plan) if exporter.participates else None,
+        where=dict(
+            pp=lay.pp_rank,
+            dp=lay.dp_rank,
+            edp=lay.edp_rank,
+            tp=tp,
+            ep=ep,
+            etp=etp,
+            tp_group=tuple(dist.get_process_group_ranks(ps.get_tensor_model_parallel_group())),
+            ep_group=tuple(dist.get_process_group_ranks(ps.get_expert_model_parallel_group())),
+            etp_ep_group=tuple(dist.get_process_group_ranks(ps.get_expert_tensor_and_model_parallel_group())),
+        ),
+        expected=_naive_full_state(model),
+        layout_names=_layout_names(cfg),
+        received=hf_checkpoint_names(dict(hf.named_parameters())) if hf is not None else None,
+    )
     out["reshard"] = _reshard_layout_check(model, tp=tp, pp=pp, ep=ep, etp=etp)
     if etp > 1:
         out["refit"] = _colocated_refit(model, tp=tp, ep=ep, etp=etp)
@@ -341,13 +400,16 @@ def _reshard_layout_check(model, *, tp, pp, ep, etp):
     from megatron_ext.weight_export.reshard import megatron_tensors
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    layout = megatron_layout(specs_from_model(model, vocab_size=SPEC.hf_vocab_size), tp=tp, pp=pp,
-                             dp=world // (tp * pp), ep=ep, etp=etp)
+    layout = megatron_layout(
+        specs_from_model(model, vocab_size=SPEC.hf_vocab_size), tp=tp, pp=pp, dp=world // (tp * pp), ep=ep, etp=etp
+    )
     params = megatron_tensors(model)
-    return dict(layout={n: lt.shape for n, lt in layout.tensors[rank].items()},
-                params={n: tuple(t.shape) for n, t in params.items()},
-                coords=(ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank()),
-                layout_coords=megatron_expert_coords(rank, tp=tp, dp=world // (tp * pp), ep=ep, etp=etp))
+    return dict(
+        layout={n: lt.shape for n, lt in layout.tensors[rank].items()},
+        params={n: tuple(t.shape) for n, t in params.items()},
+        coords=(ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank()),
+        layout_coords=megatron_expert_coords(rank, tp=tp, dp=world // (tp * pp), ep=ep, etp=etp),
+    )
 
 
 # Engines colocated on the trainer's 4 ranks; both need bytes from other ranks: TP2 x DP2 takes experts
@@ -371,8 +433,9 @@ def _colocated_refit(model, *, tp, ep, etp):
     for key, engine in ENGINES.items():
         dst = inference_layout(specs, **engine)
         tensors = {n: torch.full(lt.shape, float("nan"), dtype=lt.dtype) for n, lt in dst.tensors[rank].items()}
-        stats = ReshardExecutor(build_reshard_plan(src, dst), rank, {**trainer, **tensors}, bucket_bytes=4096,
-                                max_inflight=2).refit(1)
+        stats = ReshardExecutor(
+            build_reshard_plan(src, dst), rank, {**trainer, **tensors}, bucket_bytes=4096, max_inflight=2
+        ).refit(1)
         out[key] = dict(tensors=tensors, stats=stats)
     return out
 
@@ -386,8 +449,10 @@ def _check_case(out, key, received_params=None):
     export_rank = ranks[0]
     assert export_rank["first"].applied == (7,) and export_rank["second"].applied == (8,), export_rank["second"]
     expected = _reference(export_rank["expected"])
-    assert not torch.equal(expected["model.layers.0.mlp.experts.0.gate_proj.weight"],
-                           expected["model.layers.0.mlp.experts.2.gate_proj.weight"]), "experts must differ per EP rank"
+    assert not torch.equal(
+        expected["model.layers.0.mlp.experts.0.gate_proj.weight"],
+        expected["model.layers.0.mlp.experts.2.gate_proj.weight"],
+    ), "experts must differ per EP rank"
     got = export_rank["received"] if received_params is None else hf_checkpoint_names(received_params)
     assert got.keys() == expected.keys()
     for name, ref in expected.items():
@@ -399,10 +464,12 @@ def _check_case(out, key, received_params=None):
     etp = export_rank["where"]["etp"]
     assert plan["etp_size"] == etp
     # Which (EP, expert-TP) rank holds which slice: fc1 split on rows, fc2 on columns (whole with ETP 1).
-    assert plan["holders"] == {(layer, e, fc): (tuple((e // num_local, k) for k in range(etp)),
-                                                None if etp == 1 else int(fc == "linear_fc2"))
-                               for layer in range(SPEC.num_layers) for e in range(SPEC.num_moe_experts)
-                               for fc in ("linear_fc1", "linear_fc2")}
+    assert plan["holders"] == {
+        (layer, e, fc): (tuple((e // num_local, k) for k in range(etp)), None if etp == 1 else int(fc == "linear_fc2"))
+        for layer in range(SPEC.num_layers)
+        for e in range(SPEC.num_moe_experts)
+        for fc in ("linear_fc1", "linear_fc2")
+    }
     if export_rank["verify"] is not None:
         assert export_rank["verify"].max_abs_diff < 1e-4 and abs(export_rank["verify"].kl) < 1e-6
     # One all_gather_into_tensor per bucket in the bucket's group (experts: the EP group, with expert
@@ -419,20 +486,31 @@ def _check_case(out, key, received_params=None):
                 want.append(("all_gather_into_tensor", w["tp_group"] if group == "tp" else expert_group))
         assert r["counts"] == want, f"{key} rank {rank}: {r['counts']} != {want}"
     ep = export_rank["where"]["ep"]
-    assert any(group == "ep" and owners > ep for _, group, owners in plan["groups"]), \
+    assert any(group == "ep" and owners > ep for _, group, owners in plan["groups"]), (
         "no expert bucket holds more than one expert weight per EP rank: the collective count shows nothing"
+    )
 
 
-@pytest.mark.parametrize("backend,transport,receiver_device", [
-    ("gloo", "broadcast", "cpu"),
-    # NCCL expert gather on GPUs 0-1; CUDA IPC into a receiver sharing GPU 0 with the export rank.
-    pytest.param("nccl", "ipc", "cuda:0", marks=pytest.mark.gpus(2)),
-], ids=["gloo-broadcast", "nccl-ipc"])
+@pytest.mark.parametrize(
+    "backend,transport,receiver_device",
+    [
+        ("gloo", "broadcast", "cpu"),
+        # NCCL expert gather on GPUs 0-1; CUDA IPC into a receiver sharing GPU 0 with the export rank.
+        pytest.param("nccl", "ipc", "cuda:0", marks=pytest.mark.gpus(2)),
+    ],
+    ids=["gloo-broadcast", "nccl-ipc"],
+)
 def test_ep2_trainer_streams_experts_to_hf_receiver_process(backend, transport, receiver_device):
     """TP1 x DP2 x EP2: rank 1 (DP rank 1) holds experts 2, 3 and joins only the expert gathers."""
     with start_hf_receiver(tiny_llama.build_hf, (SPEC,), device=receiver_device) as receiver:
-        out = run_on_ranks(_trainer, 2, args=({"ep2": (1, 1, 2, receiver.address, transport)},),
-                           backend=backend, timeout=TIMEOUT, watch=receiver.failure)
+        out = run_on_ranks(
+            _trainer,
+            2,
+            args=({"ep2": (1, 1, 2, receiver.address, transport)},),
+            backend=backend,
+            timeout=TIMEOUT,
+            watch=receiver.failure,
+        )
         got = receiver.result()
     assert got["ok"], got.get("error")
     assert got["applied"] == [7, 8] and got["plans"] == 1
@@ -448,14 +526,20 @@ def test_tp2_ep2_and_pp2_ep2_trainers_export_every_expert():
     export exactly the TP2 x EP2 tensors, and TP2 x EP2 with expert TP 2 (each
     expert split over two ranks; all four ranks join the expert gathers), whose
     ranks then refit colocated engines with ReshardExecutor."""
-    cases = {"tp2_ep2": (2, 1, 2, None, "inprocess"), "pp2_ep2": (1, 2, 2, None, "inprocess"),
-             "tp2_ep2_te_grouped": (2, 1, 2, None, "inprocess", True),
-             "tp2_ep2_etp2": (2, 1, 2, None, "inprocess", False, 2)}
+    cases = {
+        "tp2_ep2": (2, 1, 2, None, "inprocess"),
+        "pp2_ep2": (1, 2, 2, None, "inprocess"),
+        "tp2_ep2_te_grouped": (2, 1, 2, None, "inprocess", True),
+        "tp2_ep2_etp2": (2, 1, 2, None, "inprocess", False, 2),
+    }
     out = run_on_ranks(_trainer, 4, args=(cases,), backend="gloo", timeout=TIMEOUT)
     for case in cases:
         _check_case(out, case)
-        assert [bool(o[case]["counts"]) for o in out] == ([True, True, False, False] if case.startswith("tp2_ep2")
-                                                           and "etp2" not in case else [True, True, True, True])
+        assert [bool(o[case]["counts"]) for o in out] == (
+            [True, True, False, False]
+            if case.startswith("tp2_ep2") and "etp2" not in case
+            else [True, True, True, True]
+        )
     sequential, grouped = out[0]["tp2_ep2"]["received"], out[0]["tp2_ep2_te_grouped"]["received"]
     assert grouped.keys() == sequential.keys()
     for name, ref in sequential.items():
@@ -512,8 +596,18 @@ def _check_colocated_refit(out, case, *, tp, ep, etp):
 def _moe_specs():
     from megatron_ext.sharding import gpt_specs
 
-    return gpt_specs(num_layers=1, hidden_size=16, num_heads=2, num_groups=2, head_dim=8, ffn_hidden_size=32,
-                     vocab_size=64, num_experts=4, moe_ffn_hidden_size=16, dtype=torch.float32)
+    return gpt_specs(
+        num_layers=1,
+        hidden_size=16,
+        num_heads=2,
+        num_groups=2,
+        head_dim=8,
+        ffn_hidden_size=32,
+        vocab_size=64,
+        num_experts=4,
+        moe_ffn_hidden_size=16,
+        dtype=torch.float32,
+    )
 
 
 @pytest.mark.parametrize("etp", [1, 2])
@@ -533,9 +627,11 @@ def test_expert_buckets_alternate_ep_ranks_and_expert_tp_slices_reassemble(etp):
     gatherers = members("ep", 0, tp=2, ep=2, etp=etp)
     summary = _plan_summary(plan)
     assert summary["owners"] == {e: e // 2 for e in range(4)}
-    assert summary["holders"] == {(0, e, fc): (tuple((e // 2, k) for k in range(etp)),
-                                               None if etp == 1 else int(fc == "linear_fc2"))
-                                  for e in range(4) for fc in ("linear_fc1", "linear_fc2")}
+    assert summary["holders"] == {
+        (0, e, fc): (tuple((e // 2, k) for k in range(etp)), None if etp == 1 else int(fc == "linear_fc2"))
+        for e in range(4)
+        for fc in ("linear_fc1", "linear_fc2")
+    }
     for b in experts:
         sent = {m: sum(t.nbytes for t in b.transfers if t.src == m) for m in gatherers}
         assert len(set(sent.values())) == 1, f"bucket {b.index}: unequal slots {sent}"
@@ -548,8 +644,9 @@ def test_expert_buckets_alternate_ep_ranks_and_expert_tp_slices_reassemble(etp):
         for j in range(2):
             e, pre = ep_rank * 2 + j, f"decoder.layers.0.mlp.experts.local_experts.{j}."
             hf = f"model.layers.0.mlp.experts.{e}."
-            local[m, pre + "linear_fc1.weight"] = torch.cat([whole[hf + "gate_proj.weight"].chunk(etp)[etp_rank],
-                                                             whole[hf + "up_proj.weight"].chunk(etp)[etp_rank]])
+            local[m, pre + "linear_fc1.weight"] = torch.cat(
+                [whole[hf + "gate_proj.weight"].chunk(etp)[etp_rank], whole[hf + "up_proj.weight"].chunk(etp)[etp_rank]]
+            )
             local[m, pre + "linear_fc2.weight"] = whole[hf + "down_proj.weight"].chunk(etp, 1)[etp_rank].contiguous()
             for name in ("linear_fc1.weight", "linear_fc2.weight"):
                 assert tuple(local[m, pre + name].shape) == layout.tensors[m][pre + name].shape
@@ -572,7 +669,8 @@ def test_hf_config_for_qwen3_moe_checks_routing_and_maps_dense_layers():
     hf = hf_config_from_megatron(mixed, arch="qwen3_moe", vocab_size=120)
     assert hf.mlp_only_layers == [0] and hf.norm_topk_prob is False
     with pytest.raises(ValueError, match="moe_router_topk_scaling_factor"):
-        hf_config_from_megatron(dataclasses.replace(cfg, moe_router_topk_scaling_factor=2.0), arch="qwen3_moe",
-                                vocab_size=120)
+        hf_config_from_megatron(
+            dataclasses.replace(cfg, moe_router_topk_scaling_factor=2.0), arch="qwen3_moe", vocab_size=120
+        )
     with pytest.raises(ValueError, match="arch='qwen3_moe'"):
         hf_config_from_megatron(cfg, arch="qwen3", vocab_size=120)

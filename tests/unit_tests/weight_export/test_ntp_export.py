@@ -28,7 +28,8 @@ def _ntp_trainer(steps):
     cfg = tiny_llama.transformer_config(SPEC, tp=ps.get_tensor_model_parallel_world_size())
     model = tiny_llama.build_model(SPEC, cfg)
     ddp = NonuniformTPDistributedDataParallel(
-        cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model, ntp_config=job.ntp_config)
+        cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model, ntp_config=job.ntp_config
+    )
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=1.0), [ddp])
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
     per_replica = 4 // job.replicas
@@ -39,19 +40,32 @@ def _ntp_trainer(steps):
     # No forward or zero_grad_buffer since the last step: the healthy replica's
     # compute weights are stale until the exporter refreshes them.
     receiver = wx.WeightReceiver(wx.HFModelConsumer(tiny_llama.build_hf(SPEC)))
-    exporter = wx.WeightExporter(ddp, wx.WeightExportConfig(
-        transport="inprocess", bucket_size_mb=0.02, vocab_size=SPEC.hf_vocab_size), receiver=receiver)
+    exporter = wx.WeightExporter(
+        ddp,
+        wx.WeightExportConfig(transport="inprocess", bucket_size_mb=0.02, vocab_size=SPEC.hf_vocab_size),
+        receiver=receiver,
+    )
     result = exporter.export(version=steps)
     verify = exporter.verify(tiny_llama.tokens(SPEC))
-    out = dict(replica=job.replica, degraded=job.degraded, export_rank=exporter.is_export_rank,
-               applied=result.applied, verify=verify)
+    out = dict(
+        replica=job.replica,
+        degraded=job.degraded,
+        export_rank=exporter.is_export_rank,
+        applied=result.applied,
+        verify=verify,
+    )
     if exporter.is_export_rank:
         out["received"] = {n: p.detach().clone() for n, p in receiver.consumer.model.named_parameters()}
     if job.degraded:  # TP=1: this rank holds the whole trained model
         full = {n: p.detach().clone() for n, p in model.named_parameters()}
-        kw = dict(num_layers=SPEC.num_layers, num_heads=SPEC.num_attention_heads,
-                  num_groups=SPEC.num_query_groups, hidden=SPEC.hidden_size, vocab=SPEC.hf_vocab_size,
-                  tied=SPEC.tie_embeddings)
+        kw = dict(
+            num_layers=SPEC.num_layers,
+            num_heads=SPEC.num_attention_heads,
+            num_groups=SPEC.num_query_groups,
+            hidden=SPEC.hidden_size,
+            vocab=SPEC.hf_vocab_size,
+            tied=SPEC.tie_embeddings,
+        )
         out["reference"] = hf_state_from_megatron(full, **kw)
         out["initial"] = hf_state_from_megatron(init, **kw)
     return out
@@ -68,5 +82,6 @@ def test_healthy_ntp_replica_exports_the_trained_model():
     for name, want in reference.items():
         assert not torch.equal(want, degraded["initial"][name]) or "norm" in name, f"{name} did not train"
         assert torch.allclose(received[name], want, rtol=0, atol=1e-6), (
-            f"{name}: max diff {(received[name] - want).abs().max().item():.2e}")
+            f"{name}: max diff {(received[name] - want).abs().max().item():.2e}"
+        )
     assert exporter["verify"].max_abs_diff < 1e-4 and exporter["verify"].kl < 1e-6, exporter["verify"]

@@ -14,8 +14,12 @@ def test_refit_benchmark_cpu_smoke(tmp_path):
         import refit as bench
 
         out = tmp_path / "refit.json"
-        assert bench.main(["--preset", "tiny", "--device", "cpu", "--iters", "1", "--limit-gib", "0.02",
-                           "--out", str(out)]) == 0
+        assert (
+            bench.main(
+                ["--preset", "tiny", "--device", "cpu", "--iters", "1", "--limit-gib", "0.02", "--out", str(out)]
+            )
+            == 0
+        )
     finally:
         sys.path.remove(str(REPO / "benchmarks"))
     result = json.loads(out.read_text())

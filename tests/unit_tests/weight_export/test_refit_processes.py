@@ -42,9 +42,26 @@ def model_dir(tmp_path):
 
 
 def _engine(model_dir, address, env, *extra):
-    return subprocess.Popen([sys.executable, "-m", "megatron_ext.weight_export.engine", "--model", str(model_dir),
-                             "--address", address, "--device", "cpu", "--timeout-s", "90", *extra],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "megatron_ext.weight_export.engine",
+            "--model",
+            str(model_dir),
+            "--address",
+            address,
+            "--device",
+            "cpu",
+            "--timeout-s",
+            "90",
+            *extra,
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _wait_listening(port: int, proc, timeout_s: float = 90) -> None:
@@ -62,8 +79,13 @@ def _wait_listening(port: int, proc, timeout_s: float = 90) -> None:
 
 def _trainer(address, out, env, *extra, timeout=180):
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "megatron_ext.testing.export_trainer", "--target", address,
-                           "--out", str(out), *extra], env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_ext.testing.export_trainer", "--target", address, "--out", str(out), *extra],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     return proc, torch.load(out, weights_only=False), time.monotonic() - start
 
 
@@ -91,8 +113,9 @@ def test_engine_keeps_its_complete_version_through_strangers_a_killed_trainer_an
                 s.sendall(payload)
         # Session 1: version 1 (and the verifier's forward pass across processes), then the
         # trainer is SIGKILLed after 3 buckets of version 2 have reached the engine.
-        killed, first, _ = _trainer(address, tmp_path / "t1.pt", env, "--verify", "--kill-in-version", "2",
-                                    "--kill-after-buckets", "3")
+        killed, first, _ = _trainer(
+            address, tmp_path / "t1.pt", env, "--verify", "--kill-in-version", "2", "--kill-after-buckets", "3"
+        )
         assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
         assert first["applied"] == [(1,)] and first["error"] is None and 2 in first["sent"]
         assert first["kl"] is not None and first["kl"] < 1e-6
@@ -113,13 +136,15 @@ def test_engine_keeps_its_complete_version_through_strangers_a_killed_trainer_an
 
 
 def test_streaming_engine_reports_no_complete_version_and_a_stopped_engine_fails_the_trainer_in_time(
-        tmp_path, env, model_dir):
+    tmp_path, env, model_dir
+):
     port = _port()
     address = f"127.0.0.1:{port}"
     engine = _engine(model_dir, address, env, "--no-atomic")
     try:
-        killed, first, _ = _trainer(address, tmp_path / "t1.pt", env, "--kill-in-version", "2",
-                                    "--kill-after-buckets", "3")
+        killed, first, _ = _trainer(
+            address, tmp_path / "t1.pt", env, "--kill-in-version", "2", "--kill-after-buckets", "3"
+        )
         assert killed.returncode == -signal.SIGKILL and first["applied"] == [(1,)], killed.stderr[-3000:]
         out, _ = engine.communicate(timeout=120)
     finally:
@@ -154,22 +179,53 @@ def test_same_gpu_engine_as_its_own_process(tmp_path, env, model_dir, transport)
     port = _port()
     address = f"127.0.0.1:{port}"
     saved = tmp_path / "after"
-    engine = subprocess.Popen([sys.executable, "-m", "megatron_ext.weight_export.engine", "--model", str(model_dir),
-                               "--address", address, "--device", "cuda", "--timeout-s", "90", "--sessions", "2",
-                               "--save", str(saved)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True)
+    engine = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "megatron_ext.weight_export.engine",
+            "--model",
+            str(model_dir),
+            "--address",
+            address,
+            "--device",
+            "cuda",
+            "--timeout-s",
+            "90",
+            "--sessions",
+            "2",
+            "--save",
+            str(saved),
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         _wait_listening(port, engine)
-        ok, first, _ = _trainer(address, tmp_path / "t1.pt", env, "--device", "cuda", "--transport", transport,
-                                "--verify")
+        ok, first, _ = _trainer(
+            address, tmp_path / "t1.pt", env, "--device", "cuda", "--transport", transport, "--verify"
+        )
         assert ok.returncode == 0 and first["error"] is None, (first["error"], ok.stderr[-3000:])
         assert first["applied"] == [(1,), (2,)]
         # Same fp32 weights and the same tokens on one GPU; the engine (HF) and Megatron differ
         # only in kernel choice and reduction order: fp32 logits agree to ~1e-5, KL ~1e-10.
         assert first["kl"] is not None and first["kl"] < 1e-6, first["kl"]
         after = "1" if transport == "ipc" else "0"
-        killed, second, _ = _trainer(address, tmp_path / "t2.pt", env, "--device", "cuda", "--transport", transport,
-                                     "--kill-in-version", "2", "--kill-after-buckets", after)
+        killed, second, _ = _trainer(
+            address,
+            tmp_path / "t2.pt",
+            env,
+            "--device",
+            "cuda",
+            "--transport",
+            transport,
+            "--kill-in-version",
+            "2",
+            "--kill-after-buckets",
+            after,
+        )
         assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
         assert second["applied"] == [(1,)]
         out, _ = engine.communicate(timeout=120)

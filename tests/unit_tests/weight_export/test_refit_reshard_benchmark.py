@@ -22,11 +22,29 @@ def _run(tmp_path, *args):
 
 
 def test_refit_reshard_benchmark_cpu_smoke(tmp_path):
-    result = _run(tmp_path, "--preset", "tiny", "--device", "cpu", "--world", "4", "--iters", "1", "--limit-gib",
-                  "0.01", "--sweep", "1:3:atomic,0.25:2:stream", "--no-simulate")
+    result = _run(
+        tmp_path,
+        "--preset",
+        "tiny",
+        "--device",
+        "cpu",
+        "--world",
+        "4",
+        "--iters",
+        "1",
+        "--limit-gib",
+        "0.01",
+        "--sweep",
+        "1:3:atomic,0.25:2:stream",
+        "--no-simulate",
+    )
     assert result["same_bytes"] is True  # every setting and both methods give the engine the same bytes
-    assert [r["name"] for r in result["rows"]] == ["reshard 1MiB m=3 atomic", "reshard 0.25MiB m=2 stream",
-                                                   "gather-then-broadcast", "simulator, measured limit"]
+    assert [r["name"] for r in result["rows"]] == [
+        "reshard 1MiB m=3 atomic",
+        "reshard 0.25MiB m=2 stream",
+        "gather-then-broadcast",
+        "simulator, measured limit",
+    ]
     assert all(r["seconds"] > 0 and r["fraction_of_limit"] > 0 for r in result["rows"])
     assert result["rows"][1]["rounds"] > result["rows"][0]["rounds"]  # smaller buckets: more rounds
     # cross layout: an engine rank holds nothing of the trainer, so everything it keeps crosses a link
@@ -35,8 +53,22 @@ def test_refit_reshard_benchmark_cpu_smoke(tmp_path):
 
 def test_refit_reshard_benchmark_colocated_cpu(tmp_path):
     """Megatron TP2 -> engine TP1 x DP2 on the same two ranks: each keeps the whole model, half of it local."""
-    result = _run(tmp_path, "--preset", "tiny", "--device", "cpu", "--world", "2", "--iters", "1", "--limit-gib",
-                  "0.01", "--layout", "colocated", "--no-simulate")
+    result = _run(
+        tmp_path,
+        "--preset",
+        "tiny",
+        "--device",
+        "cpu",
+        "--world",
+        "2",
+        "--iters",
+        "1",
+        "--limit-gib",
+        "0.01",
+        "--layout",
+        "colocated",
+        "--no-simulate",
+    )
     assert result["same_bytes"] is True and result["layout"] == "colocated"
     assert 0 < result["link_bytes"] < result["held_bytes"]
 

@@ -9,11 +9,28 @@ import math
 import pytest
 import torch
 
-from megatron_ext.weight_export import (RefitGate, RefitRejected, ReshardExecutor, VerifyResult, build_reshard_plan,
-                                        gpt_specs, inference_layout, megatron_layout)
+from megatron_ext.weight_export import (
+    RefitGate,
+    RefitRejected,
+    ReshardExecutor,
+    VerifyResult,
+    build_reshard_plan,
+    gpt_specs,
+    inference_layout,
+    megatron_layout,
+)
 
-SPECS = dict(num_layers=2, hidden_size=32, num_heads=4, num_groups=2, head_dim=8, ffn_hidden_size=48,
-             vocab_size=100, padded_vocab_size=128, dtype=torch.float32)
+SPECS = dict(
+    num_layers=2,
+    hidden_size=32,
+    num_heads=4,
+    num_groups=2,
+    head_dim=8,
+    ffn_hidden_size=48,
+    vocab_size=100,
+    padded_vocab_size=128,
+    dtype=torch.float32,
+)
 BUCKET = 1024
 
 
@@ -90,10 +107,17 @@ def test_wrong_tensors_are_reported_at_the_first_refit():
     assert ex.problem.startswith(f"rank 0: the plan needs local tensor '{qkv}'"), ex.problem
 
 
-@pytest.mark.parametrize("kw, arg", [(dict(max_kl=math.nan), "max_kl"), (dict(max_kl=math.inf), "max_kl"),
-                                     (dict(max_kl=-1e-3), "max_kl"), (dict(max_kl=None), "max_kl"),
-                                     (dict(max_logit_diff=math.nan), "max_logit_diff"),
-                                     (dict(max_logit_diff=-math.inf), "max_logit_diff")])
+@pytest.mark.parametrize(
+    "kw, arg",
+    [
+        (dict(max_kl=math.nan), "max_kl"),
+        (dict(max_kl=math.inf), "max_kl"),
+        (dict(max_kl=-1e-3), "max_kl"),
+        (dict(max_kl=None), "max_kl"),
+        (dict(max_logit_diff=math.nan), "max_logit_diff"),
+        (dict(max_logit_diff=-math.inf), "max_logit_diff"),
+    ],
+)
 def test_gate_refuses_nonfinite_limits(kw, arg):
     with pytest.raises(ValueError, match=rf"RefitGate: {arg} must be a finite number >= 0"):
         RefitGate(None, torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, 8), **kw)
@@ -138,8 +162,9 @@ def test_refit_logs_one_progress_line(caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "megatron_ext.weight_export.reshard"]
     assert len(lines) == 2 and all(r.levelno == logging.INFO for r in caplog.records), lines
     mb = ex.local_bytes / 1e6
-    assert lines[1].startswith(f"reshard refit: rank 0 version 2: sent 0.00 MB, received 0.00 MB, local {mb:.2f} MB"), \
+    assert lines[1].startswith(f"reshard refit: rank 0 version 2: sent 0.00 MB, received 0.00 MB, local {mb:.2f} MB"), (
         lines[1]
+    )
     assert "GB/s" in lines[1] and " ms " in lines[1]
 
 

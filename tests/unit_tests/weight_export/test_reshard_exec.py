@@ -27,8 +27,9 @@ CASES = {
 def _specs(cfg):
     from megatron_ext.sharding import specs_from_config
 
-    return specs_from_config(cfg, vocab_size=SPEC.hf_vocab_size, padded_vocab_size=SPEC.vocab_size,
-                             tie_embeddings=SPEC.tie_embeddings)
+    return specs_from_config(
+        cfg, vocab_size=SPEC.hf_vocab_size, padded_vocab_size=SPEC.vocab_size, tie_embeddings=SPEC.tie_embeddings
+    )
 
 
 def _layouts(cfg, case):
@@ -60,8 +61,7 @@ def _body(backend):
         src, dst = _layouts(cfg, case)
         plan = build_reshard_plan(src, dst)
         tensors = dict(params) if rank in src.ranks else {}
-        engine = {n: torch.full(lt.shape, float("nan"), device=device)
-                  for n, lt in dst.tensors.get(rank, {}).items()}
+        engine = {n: torch.full(lt.shape, float("nan"), device=device) for n, lt in dst.tensors.get(rank, {}).items()}
         tensors.update(engine)
         ex = ReshardExecutor(plan, rank, tensors, bucket_bytes=4096)  # small buckets: many rounds
         stats = [ex.refit(v) for v in (1, 2)]  # plan and buffers reused
@@ -90,8 +90,9 @@ def _body(backend):
     ps.initialize_model_parallel(tensor_model_parallel_size=1)
     model1 = tiny_llama.build_model(SPEC, tiny_llama.transformer_config(SPEC, tp=1), device=device)
     specs = _specs(tiny_llama.transformer_config(SPEC, tp=1))
-    plan = build_reshard_plan(megatron_layout(specs, tp=1, dp=2, ranks=[0, 1]),
-                              inference_layout(specs, tp=2, ranks=[2, 3]))
+    plan = build_reshard_plan(
+        megatron_layout(specs, tp=1, dp=2, ranks=[0, 1]), inference_layout(specs, tp=2, ranks=[2, 3])
+    )
     engine = {n: torch.full(lt.shape, float("nan"), device=device) for n, lt in plan.dst.tensors.get(rank, {}).items()}
     trainer = megatron_tensors(model1) if rank in (0, 1) else {}
     ex = ReshardExecutor(plan, rank, {**trainer, **engine}, bucket_bytes=4096)
@@ -133,8 +134,11 @@ def _mismatches(engine, ref, dst, r, label) -> list[str]:
             torch.testing.assert_close(engine[n], want, rtol=0, atol=0)
         except AssertionError as exc:
             nan = int(engine[n].isnan().sum())
-            out.append(f"{label} rank {r} {n}" + (f" ({nan} of {engine[n].numel()} elements still NaN: never "
-                                                   "written)" if nan else "") + f": {exc}")
+            out.append(
+                f"{label} rank {r} {n}"
+                + (f" ({nan} of {engine[n].numel()} elements still NaN: never written)" if nan else "")
+                + f": {exc}"
+            )
     return out
 
 
@@ -146,8 +150,11 @@ def _check(engine, ref, dst, r, label):
 
 def _hook_mismatches(hook, ref, label) -> list[str]:
     """Where the export hook's full HF tensors differ from the reference gathered by hand."""
-    out = [f"{label}: tensor names differ from the reference: {sorted(set(hook) ^ set(ref))}"] \
-        if set(hook) != set(ref) else []
+    out = (
+        [f"{label}: tensor names differ from the reference: {sorted(set(hook) ^ set(ref))}"]
+        if set(hook) != set(ref)
+        else []
+    )
     for n in sorted(set(hook) & set(ref)):
         try:
             torch.testing.assert_close(hook[n], ref[n], rtol=0, atol=0)
@@ -208,8 +215,11 @@ def test_reshard_refit_exact(backend):
     # hook each against the reference gathered by hand; every mismatch of both sides is reported at once
     ref_pp2 = results[0]["independent_pp2"]
     dst = inference_layout(_specs(tiny_llama.transformer_config(SPEC, tp=2, pp=2)), tp=2, dp=2)
-    bad = [m for r in range(4) for m in _mismatches(results[r]["tp2pp2"]["engine"], ref_pp2, dst, r,
-                                                     "tp2pp2 reshard engine")]
+    bad = [
+        m
+        for r in range(4)
+        for m in _mismatches(results[r]["tp2pp2"]["engine"], ref_pp2, dst, r, "tp2pp2 reshard engine")
+    ]
     bad += _hook_mismatches(results[0]["reference_pp2"], ref_pp2, "tp2pp2 export hook")
     assert not bad, f"{len(bad)} mismatches:\n" + "\n".join(bad)
     assert results[0]["tp2pp2"]["stats"][0].received_bytes > 0  # stage 1's layers arrive from ranks 2, 3

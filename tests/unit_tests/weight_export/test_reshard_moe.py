@@ -18,18 +18,24 @@ CASES = {"ep2_to_tp2": dict(tp=2), "ep2_to_ep2": dict(tp=1, dp=2, ep=2)}
 
 
 def _config():
-    return tiny_llama.transformer_config(SPEC, num_moe_experts=EXPERTS, moe_ffn_hidden_size=MOE_FFN,
-                                         expert_model_parallel_size=2, moe_router_topk=2, moe_grouped_gemm=False)
+    return tiny_llama.transformer_config(
+        SPEC,
+        num_moe_experts=EXPERTS,
+        moe_ffn_hidden_size=MOE_FFN,
+        expert_model_parallel_size=2,
+        moe_router_topk=2,
+        moe_grouped_gemm=False,
+    )
 
 
 def _layouts(case, grouped_gemm=False):
     from megatron_ext.sharding import megatron_layout, specs_from_config
     from megatron_ext.weight_export.layout import inference_layout
 
-    specs = specs_from_config(_config(), vocab_size=SPEC.hf_vocab_size, padded_vocab_size=SPEC.vocab_size,
-                              grouped_gemm=grouped_gemm)
-    return megatron_layout(specs, tp=1, dp=2, ep=2, ranks=[0, 1]), inference_layout(specs, **CASES[case],
-                                                                                    ranks=[2, 3])
+    specs = specs_from_config(
+        _config(), vocab_size=SPEC.hf_vocab_size, padded_vocab_size=SPEC.vocab_size, grouped_gemm=grouped_gemm
+    )
+    return megatron_layout(specs, tp=1, dp=2, ep=2, ranks=[0, 1]), inference_layout(specs, **CASES[case], ranks=[2, 3])
 
 
 def _body():
@@ -46,9 +52,15 @@ def _body():
     rank = dist.get_rank()
     torch.manual_seed(SPEC.seed + rank)
     tensor_parallel.model_parallel_cuda_manual_seed(SPEC.seed)
-    model = GPTModel(config=_config(), transformer_layer_spec=get_gpt_layer_local_spec(
-        num_experts=EXPERTS, moe_grouped_gemm=False, normalization="RMSNorm"),
-        vocab_size=SPEC.vocab_size, max_sequence_length=SPEC.seq_length, position_embedding_type="rope")
+    model = GPTModel(
+        config=_config(),
+        transformer_layer_spec=get_gpt_layer_local_spec(
+            num_experts=EXPERTS, moe_grouped_gemm=False, normalization="RMSNorm"
+        ),
+        vocab_size=SPEC.vocab_size,
+        max_sequence_length=SPEC.seq_length,
+        position_embedding_type="rope",
+    )
     with torch.no_grad():  # CPU init repeats local experts on every EP rank: make each expert distinct
         for i, (n, p) in enumerate(model.named_parameters()):
             if ".local_experts." in n:
@@ -57,14 +69,16 @@ def _body():
     params = megatron_tensors(model)
     out = {"params": {n: t.clone() for n, t in params.items()} if rank < 2 else None}
     # TEGroupedMLP holds local expert j as linear_fc1.weight{j} / linear_fc2.weight{j}: the same tensors renamed
-    grouped = {re.sub(r"local_experts\.(\d+)\.(linear_fc[12])\.weight$", r"\2.weight\1", n): t
-               for n, t in params.items()}
+    grouped = {
+        re.sub(r"local_experts\.(\d+)\.(linear_fc[12])\.weight$", r"\2.weight\1", n): t for n, t in params.items()
+    }
     for case in CASES:
         for names, trainer in (("sequential", params), ("grouped", grouped)):
             src, dst = _layouts(case, grouped_gemm=names == "grouped")
             engine = {n: torch.full(lt.shape, float("nan")) for n, lt in dst.tensors.get(rank, {}).items()}
-            ex = ReshardExecutor(build_reshard_plan(src, dst), rank, {**(trainer if rank < 2 else {}), **engine},
-                                 bucket_bytes=8192)
+            ex = ReshardExecutor(
+                build_reshard_plan(src, dst), rank, {**(trainer if rank < 2 else {}), **engine}, bucket_bytes=8192
+            )
             ex.refit(1)
             out[case, names] = engine
     out["grouped_names"] = sorted(n for n in grouped if ".experts." in n) if rank < 2 else None
@@ -76,16 +90,18 @@ def _reference(p0, p1):
     cfg = _config()
     heads, groups = cfg.num_attention_heads, cfg.num_query_groups
     hd = cfg.hidden_size // heads
-    ref = {"model.embed_tokens.weight": p0["embedding.word_embeddings.weight"][:SPEC.hf_vocab_size],
-           "lm_head.weight": p0["output_layer.weight"][:SPEC.hf_vocab_size],
-           "model.norm.weight": p0["decoder.final_layernorm.weight"]}
+    ref = {
+        "model.embed_tokens.weight": p0["embedding.word_embeddings.weight"][: SPEC.hf_vocab_size],
+        "lm_head.weight": p0["output_layer.weight"][: SPEC.hf_vocab_size],
+        "model.norm.weight": p0["decoder.final_layernorm.weight"],
+    }
     for i in range(cfg.num_layers):
         m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
         qkv = p0[m + "self_attention.linear_qkv.weight"].view(groups, (heads // groups + 2) * hd, -1)
         q_rows = heads // groups * hd
         ref[h + "self_attn.q_proj.weight"] = qkv[:, :q_rows].reshape(-1, cfg.hidden_size)
-        ref[h + "self_attn.k_proj.weight"] = qkv[:, q_rows:q_rows + hd].reshape(-1, cfg.hidden_size)
-        ref[h + "self_attn.v_proj.weight"] = qkv[:, q_rows + hd:].reshape(-1, cfg.hidden_size)
+        ref[h + "self_attn.k_proj.weight"] = qkv[:, q_rows : q_rows + hd].reshape(-1, cfg.hidden_size)
+        ref[h + "self_attn.v_proj.weight"] = qkv[:, q_rows + hd :].reshape(-1, cfg.hidden_size)
         ref[h + "self_attn.o_proj.weight"] = p0[m + "self_attention.linear_proj.weight"]
         ref[h + "input_layernorm.weight"] = p0[m + "input_layernorm.weight"]
         ref[h + "post_attention_layernorm.weight"] = p0[m + "pre_mlp_layernorm.weight"]
@@ -102,8 +118,10 @@ def _reference(p0, p1):
 def test_moe_reshard_exact():
     results = run_on_ranks(_body, 4, backend="gloo", timeout=240)
     p0, p1 = results[0]["params"], results[1]["params"]
-    assert not torch.equal(p0["decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"],
-                           p1["decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"])  # distinct experts
+    assert not torch.equal(
+        p0["decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"],
+        p1["decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"],
+    )  # distinct experts
     ref = _reference(p0, p1)
     assert "decoder.layers.0.mlp.experts.linear_fc1.weight1" in results[1]["grouped_names"]
     for case in CASES:
@@ -113,9 +131,9 @@ def test_moe_reshard_exact():
                 assert sorted(n for n in src.tensors[1] if ".experts." in n) == results[1]["grouped_names"]
             for r in dst.ranks:
                 for n, lt in dst.tensors[r].items():
-                    want = torch.cat([ref[s.name][tuple(slice(a, b) for a, b in s.box.ranges)]
-                                      for s in lt.segments])
-                    torch.testing.assert_close(results[r][case, names][n], want, rtol=0, atol=0,
-                                               msg=f"{case} {names} rank {r} {n}")
+                    want = torch.cat([ref[s.name][tuple(slice(a, b) for a, b in s.box.ranges)] for s in lt.segments])
+                    torch.testing.assert_close(
+                        results[r][case, names][n], want, rtol=0, atol=0, msg=f"{case} {names} rank {r} {n}"
+                    )
         if case == "ep2_to_ep2":  # whole experts per engine EP rank: rank 3 keeps experts 2, 3 only
             assert not any(".experts.0." in n or ".experts.1." in n for n in dst.tensors[3])

@@ -27,9 +27,15 @@ BUCKET = 4096  # small buckets: several rounds
 
 
 def _hf(state):
-    return hf_state_from_megatron(state, num_layers=SPEC.num_layers, num_heads=SPEC.num_attention_heads,
-                                  num_groups=SPEC.num_query_groups, hidden=SPEC.hidden_size,
-                                  vocab=SPEC.hf_vocab_size, tied=SPEC.tie_embeddings)
+    return hf_state_from_megatron(
+        state,
+        num_layers=SPEC.num_layers,
+        num_heads=SPEC.num_attention_heads,
+        num_groups=SPEC.num_query_groups,
+        hidden=SPEC.hidden_size,
+        vocab=SPEC.hf_vocab_size,
+        tied=SPEC.tie_embeddings,
+    )
 
 
 def _body(backend):
@@ -48,7 +54,8 @@ def _body(backend):
     cfg = tiny_llama.transformer_config(SPEC, tp=ps.get_tensor_model_parallel_world_size())
     model = tiny_llama.build_model(SPEC, cfg, device=device)
     ddp = NonuniformTPDistributedDataParallel(
-        cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model, ntp_config=job.ntp_config)
+        cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model, ntp_config=job.ntp_config
+    )
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=1.0), [ddp])
     per_replica = 4 // job.replicas
     mine = slice(job.replica * per_replica, (job.replica + 1) * per_replica)
@@ -72,17 +79,18 @@ def _body(backend):
     src = wx.ntp_megatron_layout(specs, get_ntp_process_groups().layout)
     tensors = wx.ntp_megatron_tensors(ddp)  # refreshes the compute weights (collective in the TP group)
     out["refreshed"] = sorted(n for n in tensors if not torch.equal(stale[n], tensors[n].cpu()))
-    out["specs"] = specs == wx.specs_from_config(cfg, vocab_size=SPEC.hf_vocab_size,
-                                                 padded_vocab_size=SPEC.vocab_size)
+    out["specs"] = specs == wx.specs_from_config(cfg, vocab_size=SPEC.hf_vocab_size, padded_vocab_size=SPEC.vocab_size)
     out["reference"][1] = reference()
     shadow = {n: p.detach() for n, p in ddp.module.named_parameters()}  # what the optimizer steps
     executors, engines = {}, {}
     for case, kw in ENGINES.items():
         plan = wx.build_reshard_plan(src, wx.inference_layout(specs, **kw))
-        engines[case] = {n: torch.full(lt.shape, float("nan"), device=device)
-                         for n, lt in plan.dst.tensors.get(rank, {}).items()}
-        executors[case] = wx.ReshardExecutor(plan, rank, {**tensors, **engines[case]}, bucket_bytes=BUCKET,
-                                             refresh=ddp.refresh_compute_params)
+        engines[case] = {
+            n: torch.full(lt.shape, float("nan"), device=device) for n, lt in plan.dst.tensors.get(rank, {}).items()
+        }
+        executors[case] = wx.ReshardExecutor(
+            plan, rank, {**tensors, **engines[case]}, bucket_bytes=BUCKET, refresh=ddp.refresh_compute_params
+        )
         out[case, 1] = dict(stats=executors[case].refit(1), engine=snap(engines[case]))
         if case == "tp1dp3":
             try:  # the shadow is not the layout's tensors on a healthy rank: every rank refuses the refit
@@ -123,8 +131,7 @@ def _engine_part(engine, t):
 @pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.gpus(3))])
 def test_ntp_trainer_refit_exact(backend):
     from megatron_ext.nonuniform_tp import NonuniformTPConfig, NTPLayout
-    from megatron_ext.weight_export import (build_reshard_plan, inference_layout, ntp_megatron_layout,
-                                            specs_from_config)
+    from megatron_ext.weight_export import build_reshard_plan, inference_layout, ntp_megatron_layout, specs_from_config
 
     results = run_on_ranks(_body, 3, args=(backend,), backend=backend, timeout=300)
     assert [r["healthy"] for r in results] == [True, True, False] and results[DEGRADED]["degraded"]

@@ -17,8 +17,19 @@ from megatron_ext.weight_export.reshard_plan import build_reshard_plan, check_re
 
 from ._reference import megatron_shard
 
-DENSE = dict(num_layers=2, hidden_size=16, num_heads=4, num_groups=2, head_dim=4, ffn_hidden_size=24,
-             vocab_size=30, padded_vocab_size=32, qkv_bias=True, qk_norm=True, dtype=torch.float32)
+DENSE = dict(
+    num_layers=2,
+    hidden_size=16,
+    num_heads=4,
+    num_groups=2,
+    head_dim=4,
+    ffn_hidden_size=24,
+    vocab_size=30,
+    padded_vocab_size=32,
+    qkv_bias=True,
+    qk_norm=True,
+    dtype=torch.float32,
+)
 MOE = dict(DENSE, num_experts=4, moe_ffn_hidden_size=8)
 
 
@@ -31,8 +42,10 @@ def _engine_locals(layout, weights):
     """Each engine rank's local tensors, stacked from the HF weights by the layout's segments."""
     out = {}
     for r, locals_ in layout.tensors.items():
-        out[r] = {n: torch.cat([weights[s.name][tuple(slice(a, b) for a, b in s.box.ranges)] for s in lt.segments])
-                  for n, lt in locals_.items()}
+        out[r] = {
+            n: torch.cat([weights[s.name][tuple(slice(a, b) for a, b in s.box.ranges)] for s in lt.segments])
+            for n, lt in locals_.items()
+        }
     return out
 
 
@@ -43,8 +56,14 @@ def _mcore_expert_coords(*, tp, dp, ep, etp, pp=1):
     order ``tp-cp-ep-dp-pp`` with the gtp_remat axis injected after ``ep``)."""
     from megatron.core import parallel_state as ps
 
-    gen = ps.RankGenerator(tp=etp, ep=ep, dp=tp * dp // (ep * etp), pp=pp, cp=1,
-                           order=ps._inject_gtp_remat_axis("tp-cp-ep-dp-pp", after="ep"))
+    gen = ps.RankGenerator(
+        tp=etp,
+        ep=ep,
+        dp=tp * dp // (ep * etp),
+        pp=pp,
+        cp=1,
+        order=ps._inject_gtp_remat_axis("tp-cp-ep-dp-pp", after="ep"),
+    )
     ep_rank = {r: k for group in gen.get_ranks("ep") for k, r in enumerate(group)}
     etp_rank = {r: k for group in gen.get_ranks("tp") for k, r in enumerate(group)}
     return {r: (ep_rank[r], etp_rank[r]) for r in range(tp * dp * pp)}
@@ -61,8 +80,10 @@ def _megatron_locals(layout, weights, specs, tp, *, coords=None, ep=1, etp=1):
         tp_rank = i % tp
         out[r] = {}
         for name, lt in locals_.items():
-            members = sorted({seg.name: layout.specs[seg.name] for seg in lt.segments}.values(),
-                             key=lambda s: s.fused[1] if s.fused else 0)
+            members = sorted(
+                {seg.name: layout.specs[seg.name] for seg in lt.segments}.values(),
+                key=lambda s: s.fused[1] if s.fused else 0,
+            )
             first = members[0]
             if first.expert is not None:  # experts: fc1 [gate_r; up_r] (rows), fc2 columns of the ETP rank
                 ep_rank, etp_rank = coords[i] if coords else (None, 0)
@@ -71,9 +92,15 @@ def _megatron_locals(layout, weights, specs, tp, *, coords=None, ep=1, etp=1):
                 dim = 1 if "down_proj" in first.name else 0
                 out[r][name] = torch.cat([weights[m.name].chunk(etp, dim)[etp_rank] for m in members])
                 continue
-            shard = megatron_shard(first.fused[0] if first.fused else "copy", [weights[m.name] for m in members],
-                                   tp, tp_rank, dim=first.tp_dim, num_groups=first.num_groups,
-                                   padded_rows=first.padded_rows)
+            shard = megatron_shard(
+                first.fused[0] if first.fused else "copy",
+                [weights[m.name] for m in members],
+                tp,
+                tp_rank,
+                dim=first.tp_dim,
+                num_groups=first.num_groups,
+                padded_rows=first.padded_rows,
+            )
             out[r][name] = shard.narrow(0, 0, lt.shape[0])  # padded vocab rows beyond the HF ones are not kept
     return out
 
@@ -129,11 +156,14 @@ def test_plan_moves_exact_bytes(case):
 def test_megatron_expert_names_are_local_to_the_ep_rank():
     src = megatron_layout(gpt_specs(**MOE), tp=1, dp=2, ep=2)
     names = sorted(n for n in src.tensors[1] if "layers.0.mlp.experts" in n)
-    assert names == [f"decoder.layers.0.mlp.experts.local_experts.{j}.linear_fc{k}.weight"
-                     for j in (0, 1) for k in (1, 2)]
+    assert names == [
+        f"decoder.layers.0.mlp.experts.local_experts.{j}.linear_fc{k}.weight" for j in (0, 1) for k in (1, 2)
+    ]
     fc1 = src.tensors[1]["decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"]
-    assert [s.name for s in fc1.segments] == ["model.layers.0.mlp.experts.2.gate_proj.weight",
-                                              "model.layers.0.mlp.experts.2.up_proj.weight"]
+    assert [s.name for s in fc1.segments] == [
+        "model.layers.0.mlp.experts.2.gate_proj.weight",
+        "model.layers.0.mlp.experts.2.up_proj.weight",
+    ]
 
 
 def _layout_expert_coords(layout, num_experts, ep):
@@ -151,11 +181,18 @@ def _layout_expert_coords(layout, num_experts, ep):
     return out
 
 
-@pytest.mark.parametrize("mkw", [dict(tp=2, dp=2, ep=2, etp=2), dict(tp=2, dp=1, ep=2, etp=1),
-                                 dict(tp=2, dp=2, ep=2), dict(tp=2, dp=4, ep=2, etp=2), dict(tp=2, dp=2, ep=4, etp=1),
-                                 dict(tp=2, dp=2, pp=2, ep=1, etp=2)],
-                         ids=["tp2dp2ep2etp2", "tp2ep2etp1", "tp2dp2ep2_default_etp", "tp2dp4ep2etp2",
-                              "tp2dp2ep4etp1", "tp2dp2pp2etp2"])
+@pytest.mark.parametrize(
+    "mkw",
+    [
+        dict(tp=2, dp=2, ep=2, etp=2),
+        dict(tp=2, dp=1, ep=2, etp=1),
+        dict(tp=2, dp=2, ep=2),
+        dict(tp=2, dp=4, ep=2, etp=2),
+        dict(tp=2, dp=2, ep=4, etp=1),
+        dict(tp=2, dp=2, pp=2, ep=1, etp=2),
+    ],
+    ids=["tp2dp2ep2etp2", "tp2ep2etp1", "tp2dp2ep2_default_etp", "tp2dp4ep2etp2", "tp2dp2ep4etp1", "tp2dp2pp2etp2"],
+)
 def test_expert_ranks_follow_megatron_core(mkw):
     """Each rank's (EP rank, expert-TP rank) in the layout is the one megatron-core's
     expert RankGenerator gives it (order tp-ep-dp-pp, expert TP fastest)."""
@@ -181,14 +218,18 @@ def test_expert_tp_local_names_and_shapes(grouped):
     for r in range(4):
         experts = {n: lt for n, lt in src.tensors[r].items() if "layers.1.mlp.experts" in n}
         m = "decoder.layers.1.mlp.experts."
-        fc = [m + (f"linear_fc{k}.weight{j}" if grouped else f"local_experts.{j}.linear_fc{k}.weight")
-              for j in (0, 1) for k in (1, 2)]
+        fc = [
+            m + (f"linear_fc{k}.weight{j}" if grouped else f"local_experts.{j}.linear_fc{k}.weight")
+            for j in (0, 1)
+            for k in (1, 2)
+        ]
         assert {n: lt.shape for n, lt in experts.items()} == {n: ((8, 16) if "fc1" in n else (16, 4)) for n in fc}
         fc1 = experts[fc[2]]  # local expert 1 of EP rank r // 2: global expert 2 * (r // 2) + 1
         e, half = 2 * (r // 2) + 1, r % 2
         assert [(s.name, s.box, s.row) for s in fc1.segments] == [
             (f"model.layers.1.mlp.experts.{e}.{p}_proj.weight", Box(((4 * half, 4 * half + 4), (0, 16))), 4 * k)
-            for k, p in enumerate(("gate", "up"))]
+            for k, p in enumerate(("gate", "up"))
+        ]
         assert experts[fc[3]].segments[0].box == Box(((0, 16), (4 * half, 4 * half + 4)))
 
 
@@ -198,13 +239,19 @@ def test_fused_engine_tensors_are_planned_per_part():
     qkv = dst.tensors[3]["model.layers.0.self_attn.qkv_proj.weight"]
     assert [s.name.split(".")[-2] for s in qkv.segments] == ["q_proj", "k_proj", "v_proj"]
     assert qkv.segments[0].box == Box(((8, 16), (0, 16)))  # heads 2..3 of q
-    assert qkv.segments[1].box == Box(((4, 8), (0, 16)))   # query group 1 of k
+    assert qkv.segments[1].box == Box(((4, 8), (0, 16)))  # query group 1 of k
     src = megatron_layout(specs, tp=2)
     mqkv = src.tensors[1]["decoder.layers.0.self_attention.linear_qkv.weight"]
     assert [s.name.split(".")[-2] for s in mqkv.segments] == ["q_proj", "k_proj", "v_proj"]  # one group per rank
     plan = build_reshard_plan(src, dst)
-    moved = [t for t in plan.for_dst(3) if t.name.endswith("qkv_proj.weight") or "_proj.weight" in t.name
-             and "self_attn" in t.name and t.name.startswith("model.layers.0.")]
+    moved = [
+        t
+        for t in plan.for_dst(3)
+        if t.name.endswith("qkv_proj.weight")
+        or "_proj.weight" in t.name
+        and "self_attn" in t.name
+        and t.name.startswith("model.layers.0.")
+    ]
     assert {t.src for t in moved} == {1}  # TP rank 1 of the trainer owns exactly what engine TP rank 1 keeps
 
 
@@ -291,8 +338,10 @@ def test_ntp_trainer_layout_serves_from_healthy_and_degraded_replicas():
     with pytest.raises(ValueError, match="unknown layout recipe"):
         layout_from_recipe(specs, {"kind": "fsdp"})
     weights = _hf_weights(specs)
-    state = {**_megatron_locals(megatron_layout(specs, tp=2), weights, specs, 2),
-             **{2: _megatron_locals(megatron_layout(specs, tp=1), weights, specs, 1)[0]}}
+    state = {
+        **_megatron_locals(megatron_layout(specs, tp=2), weights, specs, 2),
+        **{2: _megatron_locals(megatron_layout(specs, tp=1), weights, specs, 1)[0]},
+    }
     got = _apply(plan, state, dst)
     want = _engine_locals(dst, weights)
     for r in dst.ranks:
@@ -319,8 +368,14 @@ def _te_like_gpt(hidden=32, heads=4, groups=2, ffn=48, vocab=64, layers=2, offse
         return m
 
     model = nn.Module()
-    model.config = types.SimpleNamespace(num_moe_experts=None, num_attention_heads=heads, num_query_groups=groups,
-                                         kv_channels=head_dim, hidden_size=hidden, gated_linear_unit=True)
+    model.config = types.SimpleNamespace(
+        num_moe_experts=None,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=head_dim,
+        hidden_size=hidden,
+        gated_linear_unit=True,
+    )
     model.share_embeddings_and_output_weights = False
     model.decoder = nn.Module()
     # A later pipeline stage: local layers 0..1 are global layers 3..4.
@@ -339,13 +394,20 @@ def test_te_layer_spec_names():
     from megatron_ext.sharding import specs_from_model
 
     model = _te_like_gpt()  # a later pipeline stage: global layers 3, 4 of 5
-    model.config = tiny_llama.transformer_config(tiny_llama.TinyLlamaSpec(
-        num_layers=5, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48))
+    model.config = tiny_llama.transformer_config(
+        tiny_llama.TinyLlamaSpec(
+            num_layers=5, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48
+        )
+    )
     specs = {s.name: s for s in specs_from_model(model, vocab_size=64)}
-    assert specs["model.layers.3.input_layernorm.weight"].megatron_name == \
-        "decoder.layers.3.self_attention.linear_qkv.layer_norm_weight"
-    assert specs["model.layers.4.post_attention_layernorm.weight"].megatron_name == \
-        "decoder.layers.4.mlp.linear_fc1.layer_norm_weight"
+    assert (
+        specs["model.layers.3.input_layernorm.weight"].megatron_name
+        == "decoder.layers.3.self_attention.linear_qkv.layer_norm_weight"
+    )
+    assert (
+        specs["model.layers.4.post_attention_layernorm.weight"].megatron_name
+        == "decoder.layers.4.mlp.linear_fc1.layer_norm_weight"
+    )
     assert specs["lm_head.weight"].shape == (64, 32) and specs["lm_head.weight"].dtype == torch.float32
     # the trainer's stage holds its TE layernorms as local tensors of their own; the engine's names are HF's
     src = megatron_layout(list(specs.values()), pp=2, layer_stage=[0, 0, 0, 1, 1])
@@ -406,9 +468,18 @@ def _grouped_moe_like_gpt(ep_rank, *, ep=2, experts=4, hidden=32, heads=4, group
 
     model = nn.Module()
     model.config = tiny_llama.transformer_config(
-        tiny_llama.TinyLlamaSpec(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
-                                 num_query_groups=groups, ffn_hidden_size=48),
-        num_moe_experts=experts, moe_ffn_hidden_size=ffn, moe_router_topk=2, moe_grouped_gemm=True)
+        tiny_llama.TinyLlamaSpec(
+            num_layers=layers,
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            num_query_groups=groups,
+            ffn_hidden_size=48,
+        ),
+        num_moe_experts=experts,
+        moe_ffn_hidden_size=ffn,
+        moe_router_topk=2,
+        moe_grouped_gemm=True,
+    )
     model.vocab_size = vocab
     model.share_embeddings_and_output_weights = False
     model.embedding = nn.Module()
@@ -426,15 +497,18 @@ def _grouped_moe_like_gpt(ep_rank, *, ep=2, experts=4, hidden=32, heads=4, group
 def _grouped_hf(params, *, ep=2, experts=4, ffn=8, layers=2, heads=4, groups=2, hidden=32):
     """HF tensors by hand from the EP ranks' TEGroupedMLP parameters (``params[r]``)."""
     p0, hd = params[0], hidden // heads
-    ref = {"model.embed_tokens.weight": p0["embedding.word_embeddings.weight"],
-           "lm_head.weight": p0["output_layer.weight"], "model.norm.weight": p0["decoder.final_layernorm.weight"]}
+    ref = {
+        "model.embed_tokens.weight": p0["embedding.word_embeddings.weight"],
+        "lm_head.weight": p0["output_layer.weight"],
+        "model.norm.weight": p0["decoder.final_layernorm.weight"],
+    }
     for i in range(layers):
         m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
         qkv = p0[m + "self_attention.linear_qkv.weight"].view(groups, (heads // groups + 2) * hd, hidden)
         q = heads // groups * hd
         ref[h + "self_attn.q_proj.weight"] = qkv[:, :q].reshape(-1, hidden)
-        ref[h + "self_attn.k_proj.weight"] = qkv[:, q:q + hd].reshape(-1, hidden)
-        ref[h + "self_attn.v_proj.weight"] = qkv[:, q + hd:].reshape(-1, hidden)
+        ref[h + "self_attn.k_proj.weight"] = qkv[:, q : q + hd].reshape(-1, hidden)
+        ref[h + "self_attn.v_proj.weight"] = qkv[:, q + hd :].reshape(-1, hidden)
         ref[h + "self_attn.o_proj.weight"] = p0[m + "self_attention.linear_proj.weight"]
         ref[h + "input_layernorm.weight"] = p0[m + "self_attention.linear_qkv.layer_norm_weight"]
         ref[h + "post_attention_layernorm.weight"] = p0[m + "pre_mlp_layernorm.weight"]
@@ -460,15 +534,19 @@ def test_grouped_gemm_expert_names(engine):
     specs = specs_from_model(models[0], vocab_size=64)
     assert specs == specs_from_model(models[1], vocab_size=64)
     by_name = {s.name: s for s in specs}
-    assert by_name["model.layers.1.mlp.experts.3.up_proj.weight"].megatron_name == \
-        "decoder.layers.1.mlp.experts.linear_fc1.weight3"  # global index in the specs
+    assert (
+        by_name["model.layers.1.mlp.experts.3.up_proj.weight"].megatron_name
+        == "decoder.layers.1.mlp.experts.linear_fc1.weight3"
+    )  # global index in the specs
     src = megatron_layout(specs, tp=1, dp=2, ep=2)
     params = [megatron_tensors(m) for m in models]
     for r in range(2):  # the layout's local tensors are the rank's parameters: names (local expert index), shapes
         assert {n: lt.shape for n, lt in src.tensors[r].items()} == {n: tuple(t.shape) for n, t in params[r].items()}
     fc1 = src.tensors[1]["decoder.layers.0.mlp.experts.linear_fc1.weight0"]
-    assert [s.name for s in fc1.segments] == ["model.layers.0.mlp.experts.2.gate_proj.weight",
-                                              "model.layers.0.mlp.experts.2.up_proj.weight"]
+    assert [s.name for s in fc1.segments] == [
+        "model.layers.0.mlp.experts.2.gate_proj.weight",
+        "model.layers.0.mlp.experts.2.up_proj.weight",
+    ]
     dst = inference_layout(specs, **engine, ranks=[2, 3])
     plan = build_reshard_plan(src, dst)
     check_reshard_plan(plan)
@@ -487,10 +565,12 @@ def test_unsupported_expert_layouts_name_the_parameter():
 
     from megatron_ext.sharding import UnsupportedParameter, specs_from_model
 
-    for attr, shape, match in (("weight1", (32, 32), "legacy GroupedMLP"),  # (hidden, local experts * 2 ffn)
-                               ("weight", (2, 16, 32), "moe_single_grouped_weight"),
-                               ("bias0", (16,), "add_bias_linear=False"),
-                               ("bias", (16,), "add_bias_linear=False")):
+    for attr, shape, match in (
+        ("weight1", (32, 32), "legacy GroupedMLP"),  # (hidden, local experts * 2 ffn)
+        ("weight", (2, 16, 32), "moe_single_grouped_weight"),
+        ("bias0", (16,), "add_bias_linear=False"),
+        ("bias", (16,), "add_bias_linear=False"),
+    ):
         model = _grouped_moe_like_gpt(0)
         target = model.module.decoder.layers[1].mlp.experts
         if attr == "weight1":
@@ -506,8 +586,11 @@ def test_unsupported_expert_layouts_name_the_parameter():
     model = _grouped_moe_like_gpt(0)
     fc2 = model.module.decoder.layers[0].mlp.experts.linear_fc2.weight1
     fc2.tensor_model_parallel, fc2.partition_dim = True, 0
-    with pytest.raises(UnsupportedParameter, match=r"decoder\.layers\.0\.mlp\.experts\.linear_fc2\.weight1: split on "
-                       r"dim 0 .* shards it on dim 1"):
+    with pytest.raises(
+        UnsupportedParameter,
+        match=r"decoder\.layers\.0\.mlp\.experts\.linear_fc2\.weight1: split on "
+        r"dim 0 .* shards it on dim 1",
+    ):
         specs_from_model(model, vocab_size=64)
 
 

@@ -21,7 +21,7 @@ SPEC = tiny_llama.TinyLlamaSpec(arch="qwen2")
 BUCKET = 2048  # small buckets: many rounds, transfers cut into rows
 DEPTHS = (1, 2, 4)
 QKV = "model.layers.0.self_attn.qkv_proj.weight"  # an engine tensor
-FC2 = "decoder.layers.1.mlp.linear_fc2.weight"    # a trainer tensor (down_proj, TP-split by columns)
+FC2 = "decoder.layers.1.mlp.linear_fc2.weight"  # a trainer tensor (down_proj, TP-split by columns)
 
 
 def _layouts(cfg):
@@ -41,8 +41,10 @@ def _body(backend):
     exporter.export()
     src, dst = _layouts(cfg)
     plan = build_reshard_plan(src, dst)
-    out = {"reference": got if rank == 0 else None,
-           "specs_from_model": wx.specs_from_model(model, vocab_size=SPEC.hf_vocab_size) == list(src.specs.values())}
+    out = {
+        "reference": got if rank == 0 else None,
+        "specs_from_model": wx.specs_from_model(model, vocab_size=SPEC.hf_vocab_size) == list(src.specs.values()),
+    }
     params = wx.megatron_tensors(model)
 
     def trainer():  # this rank's trainer tensors, a copy the checks below may change
@@ -65,13 +67,19 @@ def _body(backend):
     for atomic in (True, False):
         for depth in DEPTHS:
             e = engine()
-            ex = wx.ReshardExecutor(plan, rank, {**trainer(), **e}, bucket_bytes=BUCKET, atomic=atomic,
-                                    max_inflight=depth)
+            ex = wx.ReshardExecutor(
+                plan, rank, {**trainer(), **e}, bucket_bytes=BUCKET, atomic=atomic, max_inflight=depth
+            )
             stats = ex.refit(1)
-            out[("depth", atomic, depth)] = dict(engine=snap(e), stats=stats, send_peers=len(ex.send),
-                                                 recv_peers=len(ex.recv),
-                                                 recv_buckets=sum(len(b) for b in ex.recv.values()),
-                                                 recv_pieces=sum(len(k) for b in ex.recv.values() for k in b))
+            out[("depth", atomic, depth)] = dict(
+                engine=snap(e),
+                stats=stats,
+                send_peers=len(ex.send),
+                recv_peers=len(ex.recv),
+                recv_buckets=sum(len(b) for b in ex.recv.values()),
+                recv_pieces=sum(len(k) for b in ex.recv.values() for k in b),
+            )
+
     # 2. a stale source: rank 1 serves version 1 while version 2 is applied ("stale"), or (2b,
     # "late_stale") only in tensors that none of its first buckets carries: a streaming receiver has
     # written round 0 by then and refuses at the end (mixed tensors: no version); an atomic one keeps 1
@@ -100,7 +108,8 @@ def _body(backend):
     for case, served in (("stale", lambda ex: 1 if rank == 1 else None), ("late_stale", late_only)):
         for atomic in (True, False):
             out[(case, atomic)] = faulty_second_version(
-                atomic, lambda ex, tr, served=served: attempt(lambda: ex.refit(2, source_version=served(ex))))
+                atomic, lambda ex, tr, served=served: attempt(lambda: ex.refit(2, source_version=served(ex)))
+            )
     # 3. another plan on rank 0 (same transfers per pair, another order: the same buckets, another fingerprint)
     other = ReshardPlan(plan.src, plan.dst, sorted(plan.transfers, key=lambda t: -t.dst))
     tr, e = trainer(), engine()
@@ -117,8 +126,10 @@ def _body(backend):
     e = engine()
     ex = wx.ReshardExecutor(plan, rank, {**tr, **e}, bucket_bytes=BUCKET)
     if rank == 3:
+
         def out_of_memory():
             raise torch.OutOfMemoryError("test: no memory left")
+
         ex._allocate = out_of_memory
     out["oom"] = dict(refused=attempt(lambda: ex.refit(1)), engine=snap(e))
     if rank == 3:
@@ -132,8 +143,10 @@ def _body(backend):
         e[QKV] = e[QKV].half()
     start = time.monotonic()
     ex = wx.ReshardExecutor(plan, rank, {**tr, **e}, bucket_bytes=BUCKET)
-    out["bad_tensors"] = dict(refused=attempt(lambda: ex.refit(1)), seconds=time.monotonic() - start,
-                              problem=ex.problem)
+    out["bad_tensors"] = dict(
+        refused=attempt(lambda: ex.refit(1)), seconds=time.monotonic() - start, problem=ex.problem
+    )
+
     # 3e. a NaN in what rank 1 serves for version 2: every rank refuses it before a byte moves, rank 1 naming
     # the HF tensor; the engines keep version 1 bit for bit (atomic or streaming); then version 3 applies
     def nan_on_rank1(ex, tr):
@@ -263,8 +276,10 @@ def test_reshard_refit_versions_pipelining_and_gate(backend):
     for r in range(4):  # wrong tensors on rank 3: every rank refuses at once, naming rank 3 and the problem
         res = results[r]["bad_tensors"]
         reason, msg, _ = res["refused"]
-        problem = (f"rank 3: {QKV} is {tuple(dst.tensors[3][QKV].shape)} torch.float16, the layout keeps "
-                   f"{dst.tensors[3][QKV].shape} torch.float32")
+        problem = (
+            f"rank 3: {QKV} is {tuple(dst.tensors[3][QKV].shape)} torch.float16, the layout keeps "
+            f"{dst.tensors[3][QKV].shape} torch.float32"
+        )
         assert reason == "tensors" and res["seconds"] < 15, (res["seconds"], msg)
         if r == 3:
             assert res["problem"].startswith(problem) and msg.startswith(problem), msg

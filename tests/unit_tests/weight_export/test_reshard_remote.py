@@ -32,8 +32,9 @@ def _specs(n_trainer):
     from megatron_ext.sharding import specs_from_config
 
     cfg = tiny_llama.transformer_config(SPEC, tp=n_trainer)
-    return specs_from_config(cfg, vocab_size=SPEC.hf_vocab_size, padded_vocab_size=SPEC.vocab_size,
-                             tie_embeddings=SPEC.tie_embeddings)
+    return specs_from_config(
+        cfg, vocab_size=SPEC.hf_vocab_size, padded_vocab_size=SPEC.vocab_size, tie_embeddings=SPEC.tie_embeddings
+    )
 
 
 def _layouts(specs, n_trainer, n_engine):
@@ -42,9 +43,11 @@ def _layouts(specs, n_trainer, n_engine):
     from megatron_ext.weight_export.layout import inference_layout
 
     engine = range(n_trainer, n_trainer + n_engine)
-    return (megatron_layout(specs, tp=n_trainer, ranks=range(n_trainer)),
-            inference_layout(specs, tp=n_engine, ranks=engine),
-            inference_layout(specs, tp=1, dp=n_engine, ranks=engine))
+    return (
+        megatron_layout(specs, tp=n_trainer, ranks=range(n_trainer)),
+        inference_layout(specs, tp=n_engine, ranks=engine),
+        inference_layout(specs, tp=1, dp=n_engine, ranks=engine),
+    )
 
 
 def _device(backend):
@@ -142,8 +145,13 @@ def _engine_body(backend, port, n_trainer):
         out["tensors"] = (e.reason, str(e), time.monotonic() - start)
     # B: TP1 replicas; after each version the whole HF tensors go to load_weights (as a vLLM worker would)
     loaded = {}
-    refit_b = wx.EngineRefit(group, src, dst_b, load_weights=lambda ws: loaded.update(
-        {n: t.cpu().clone() for n, t in ws}), bucket_bytes=BUCKET)
+    refit_b = wx.EngineRefit(
+        group,
+        src,
+        dst_b,
+        load_weights=lambda ws: loaded.update({n: t.cpu().clone() for n, t in ws}),
+        bucket_bytes=BUCKET,
+    )
     seen = []
     out["served"] = refit_b.serve(on_version=lambda s: seen.append(s.version))
     out["seen"], out["loaded"] = seen, loaded
@@ -158,17 +166,28 @@ def _run_both(backend, n_trainer, n_engine, timeout=240):
 
     def engine():
         try:
-            result["engine"] = run_on_ranks(_engine_body, n_engine, args=(backend, port, n_trainer), backend=backend,
-                                            timeout=timeout, env={"CUDA_VISIBLE_DEVICES": "1"} if backend == "nccl"
-                                            else None)
+            result["engine"] = run_on_ranks(
+                _engine_body,
+                n_engine,
+                args=(backend, port, n_trainer),
+                backend=backend,
+                timeout=timeout,
+                env={"CUDA_VISIBLE_DEVICES": "1"} if backend == "nccl" else None,
+            )
         except BaseException as e:  # noqa: BLE001 - re-raised below
             result["error"] = e
 
     thread = threading.Thread(target=engine)
     thread.start()
     try:
-        trainer = run_on_ranks(_trainer_body, n_trainer, args=(backend, port, n_engine), backend=backend,
-                               timeout=timeout, env={"CUDA_VISIBLE_DEVICES": "0"} if backend == "nccl" else None)
+        trainer = run_on_ranks(
+            _trainer_body,
+            n_trainer,
+            args=(backend, port, n_engine),
+            backend=backend,
+            timeout=timeout,
+            env={"CUDA_VISIBLE_DEVICES": "0"} if backend == "nccl" else None,
+        )
     finally:
         thread.join()
     if "error" in result:
@@ -183,8 +202,9 @@ def _check(engine, ref, dst, r, label):
         torch.testing.assert_close(engine[n], want, rtol=0, atol=0, msg=f"{label} refit rank {r} {n}")
 
 
-@pytest.mark.parametrize("backend,n_trainer,n_engine", [
-    ("gloo", 2, 2), pytest.param("nccl", 1, 1, marks=pytest.mark.gpus(2))])
+@pytest.mark.parametrize(
+    "backend,n_trainer,n_engine", [("gloo", 2, 2), pytest.param("nccl", 1, 1, marks=pytest.mark.gpus(2))]
+)
 def test_remote_refit_exact(backend, n_trainer, n_engine):
     trainer, engine = _run_both(backend, n_trainer, n_engine)
     src, dst_a, dst_b = _layouts(_specs(n_trainer), n_trainer, n_engine)
@@ -209,8 +229,10 @@ def test_remote_refit_exact(backend, n_trainer, n_engine):
         assert reason == "plan" and f"refit ranks {engine_ranks}" in msg, msg
     # wrong tensors on the last engine rank: every rank of both jobs refuses within seconds, naming it
     bad = engine_ranks[-1]
-    problem = (f"refit rank {bad}: {QKV} is {tuple(dst_a.tensors[bad][QKV].shape)} torch.float16, the layout keeps "
-               f"{dst_a.tensors[bad][QKV].shape} torch.float32")
+    problem = (
+        f"refit rank {bad}: {QKV} is {tuple(dst_a.tensors[bad][QKV].shape)} torch.float16, the layout keeps "
+        f"{dst_a.tensors[bad][QKV].shape} torch.float32"
+    )
     for r, res in [*zip(range(n_trainer), trainer), *zip(engine_ranks, engine)]:
         reason, msg, seconds = res["tensors"]
         assert reason == "tensors" and seconds < 15, (r, seconds, msg)
@@ -236,8 +258,16 @@ def _tiny_layouts():
     from megatron_ext.sharding import gpt_specs, megatron_layout
     from megatron_ext.weight_export.layout import inference_layout
 
-    specs = gpt_specs(num_layers=1, hidden_size=8, num_heads=2, num_groups=1, head_dim=4, ffn_hidden_size=8,
-                      vocab_size=16, dtype=torch.float32)
+    specs = gpt_specs(
+        num_layers=1,
+        hidden_size=8,
+        num_heads=2,
+        num_groups=1,
+        head_dim=4,
+        ffn_hidden_size=8,
+        vocab_size=16,
+        dtype=torch.float32,
+    )
     return megatron_layout(specs, ranks=[0]), inference_layout(specs, ranks=[1])
 
 
@@ -312,9 +342,9 @@ def test_missing_peer_fails_within_timeout():
 # which exits hard (os._exit) after KILL_AFTER rounds of version 2: trainer rank 1 alone (rank 0, in this
 # process, then reads the engines' acknowledgements), or the whole trainer job, store included. Every
 # engine rank receives from both trainer ranks.
-KILL_BUCKET = 512   # many rounds
-KILL_AFTER = 3      # rounds of version 2 that a dying trainer rank posts before its process exits
-KILLED = 77         # the process's exit code
+KILL_BUCKET = 512  # many rounds
+KILL_AFTER = 3  # rounds of version 2 that a dying trainer rank posts before its process exits
+KILLED = 77  # the process's exit code
 KILL_TIMEOUT_S = 30
 
 
@@ -322,8 +352,16 @@ def _kill_layouts():
     from megatron_ext.sharding import gpt_specs, megatron_layout
     from megatron_ext.weight_export.layout import inference_layout
 
-    specs = gpt_specs(num_layers=2, hidden_size=16, num_heads=2, num_groups=2, head_dim=8, ffn_hidden_size=32,
-                      vocab_size=32, dtype=torch.float32)
+    specs = gpt_specs(
+        num_layers=2,
+        hidden_size=16,
+        num_heads=2,
+        num_groups=2,
+        head_dim=8,
+        ffn_hidden_size=32,
+        vocab_size=32,
+        dtype=torch.float32,
+    )
     return megatron_layout(specs, tp=2, ranks=[0, 1]), inference_layout(specs, tp=1, dp=2, ranks=[2, 3])
 
 
@@ -382,8 +420,9 @@ def test_trainer_killed_mid_refit(dying):
 
     src, dst = _kill_layouts()
     port = free_port()
-    child = multiprocessing.get_context("spawn").Process(target=_trainer_ranks_that_die, args=(port, dying),
-                                                         daemon=True)
+    child = multiprocessing.get_context("spawn").Process(
+        target=_trainer_ranks_that_die, args=(port, dying), daemon=True
+    )
     child.start()
 
     def trainer():  # trainer rank 0, when it survives

@@ -36,15 +36,22 @@ def test_nvlink_and_colocated_toy():
 
 
 def test_sampled_layers_predict_the_full_model():
-    specs = gpt_specs(num_layers=4, hidden_size=16, num_heads=4, num_groups=2, head_dim=4, ffn_hidden_size=24,
-                      vocab_size=32)
+    specs = gpt_specs(
+        num_layers=4, hidden_size=16, num_heads=4, num_groups=2, head_dim=4, ffn_hidden_size=24, vocab_size=32
+    )
     links = Links(gpus_per_node=2)
-    full = predict(build_reshard_plan(megatron_layout(specs, tp=2, pp=2), inference_layout(specs, tp=2, ranks=[4, 5])),
-                   links)
+    full = predict(
+        build_reshard_plan(megatron_layout(specs, tp=2, pp=2), inference_layout(specs, tp=2, ranks=[4, 5])), links
+    )
     kept, stage, weight = sample_layers(specs, 2)
     assert weight == {0: 2.0, 2: 2.0}
-    sampled = predict(build_reshard_plan(megatron_layout(kept, tp=2, pp=2, layer_stage=stage),
-                                         inference_layout(kept, tp=2, ranks=[4, 5])), links, layer_weight=weight)
+    sampled = predict(
+        build_reshard_plan(
+            megatron_layout(kept, tp=2, pp=2, layer_stage=stage), inference_layout(kept, tp=2, ranks=[4, 5])
+        ),
+        links,
+        layer_weight=weight,
+    )
     assert (sampled.nic_bytes, sampled.max_received_bytes) == (full.nic_bytes, full.max_received_bytes)
     assert sampled.seconds == pytest.approx(full.seconds)
 

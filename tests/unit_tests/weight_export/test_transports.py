@@ -24,9 +24,17 @@ def _trainer(target, transport, backend):
     gpu = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
     model = tiny_llama.build_model(SPEC, tiny_llama.transformer_config(SPEC), device=device)
-    exporter = wx.WeightExporter(model, wx.WeightExportConfig(
-        target=target, transport=transport, backend=backend, bucket_size_mb=0.03,
-        vocab_size=SPEC.hf_vocab_size, timeout_s=60))
+    exporter = wx.WeightExporter(
+        model,
+        wx.WeightExportConfig(
+            target=target,
+            transport=transport,
+            backend=backend,
+            bucket_size_mb=0.03,
+            vocab_size=SPEC.hf_vocab_size,
+            timeout_s=60,
+        ),
+    )
     first = exporter.export()
     buffers = [b.data_ptr() for b in exporter._buffers]
     with torch.no_grad():
@@ -37,21 +45,37 @@ def _trainer(target, transport, backend):
     verify = exporter.verify(tiny_llama.tokens(SPEC))
     extra = exporter.extra_memory_bytes
     exporter.close()
-    return dict(first=first, second=second, verify=verify, same_buffers=same_buffers, extra=extra,
-                buckets=len(exporter.plan.buckets), expected=reference_for(SPEC, model))
+    return dict(
+        first=first,
+        second=second,
+        verify=verify,
+        same_buffers=same_buffers,
+        extra=extra,
+        buckets=len(exporter.plan.buckets),
+        expected=reference_for(SPEC, model),
+    )
 
 
-@pytest.mark.parametrize("transport,backend,receiver_device", [
-    ("broadcast", "gloo", "cpu"),
-    pytest.param("ipc", "nccl", "cuda:0", marks=pytest.mark.gpus(1), id="cuda-ipc-same-gpu"),
-    pytest.param("ipc-direct", "nccl", "cuda:0", marks=pytest.mark.gpus(1), id="cuda-ipc-direct-same-gpu"),
-    pytest.param("ipc-push", "nccl", "cuda:0", marks=pytest.mark.gpus(1), id="cuda-ipc-push-same-gpu"),
-    pytest.param("broadcast", "nccl", "cuda:1", marks=pytest.mark.gpus(2), id="nccl-gpu0-to-gpu1"),
-])
+@pytest.mark.parametrize(
+    "transport,backend,receiver_device",
+    [
+        ("broadcast", "gloo", "cpu"),
+        pytest.param("ipc", "nccl", "cuda:0", marks=pytest.mark.gpus(1), id="cuda-ipc-same-gpu"),
+        pytest.param("ipc-direct", "nccl", "cuda:0", marks=pytest.mark.gpus(1), id="cuda-ipc-direct-same-gpu"),
+        pytest.param("ipc-push", "nccl", "cuda:0", marks=pytest.mark.gpus(1), id="cuda-ipc-push-same-gpu"),
+        pytest.param("broadcast", "nccl", "cuda:1", marks=pytest.mark.gpus(2), id="nccl-gpu0-to-gpu1"),
+    ],
+)
 def test_single_trainer_streams_over_transport(transport, backend, receiver_device):
     with start_hf_receiver(tiny_llama.build_hf, (SPEC,), device=receiver_device) as receiver:
-        (out,) = run_on_ranks(_trainer, 1, args=(receiver.address, transport, backend),
-                              backend=backend, timeout=240, watch=receiver.failure)
+        (out,) = run_on_ranks(
+            _trainer,
+            1,
+            args=(receiver.address, transport, backend),
+            backend=backend,
+            timeout=240,
+            watch=receiver.failure,
+        )
         got = receiver.result()
     assert got["ok"], got.get("error")
     assert got["applied"] == [1, 2] and got["plans"] == 1
@@ -72,8 +96,9 @@ def _push_to_cpu_engine(target):
 
     ps.initialize_model_parallel()
     model = tiny_llama.build_model(SPEC, tiny_llama.transformer_config(SPEC), device="cuda")
-    exporter = wx.WeightExporter(model, wx.WeightExportConfig(target=target, transport="ipc-push",
-                                                              vocab_size=SPEC.hf_vocab_size, timeout_s=60))
+    exporter = wx.WeightExporter(
+        model, wx.WeightExportConfig(target=target, transport="ipc-push", vocab_size=SPEC.hf_vocab_size, timeout_s=60)
+    )
     try:
         exporter.export()
         return "no error"
