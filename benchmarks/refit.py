@@ -185,7 +185,7 @@ def naive_receiver(spec, address, device, mode, key):
 
     from megatron_ext.weight_export import HFModelConsumer
     from megatron_ext.weight_export.config import parse_address
-    from megatron_ext.weight_export.transport import make_group
+    from megatron_ext.weight_export.refit_group import make_group
 
     device = torch.device(device)
     if device.type == "cuda":
@@ -243,7 +243,7 @@ def _trainer(spec, scenarios, bucket_mb, iters, timeout_s):
     from megatron.core import parallel_state as ps
 
     from megatron_ext import weight_export as wx
-    from megatron_ext.weight_export.transport import make_group
+    from megatron_ext.weight_export.refit_group import make_group
 
     ps.initialize_model_parallel()
     gpu = dist.get_backend() == "nccl"
@@ -265,7 +265,7 @@ def _trainer(spec, scenarios, bucket_mb, iters, timeout_s):
         if sc["kind"] == "ours":
             exporter = wx.WeightExporter(
                 model,
-                wx.WeightExportConfig(
+                wx.RefitConfig(
                     target=sc["address"],
                     transport=sc["transport"],
                     backend="nccl" if gpu else "gloo",

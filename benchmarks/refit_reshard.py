@@ -193,7 +193,7 @@ def _rank(spec, iters, limit_bytes, bucket_bytes, settings, layout="cross"):
     receiver = wx.WeightReceiver(wx.LoadWeightsConsumer(load)) if rank == 0 else None
     exporter = wx.WeightExporter(
         model,
-        wx.WeightExportConfig(vocab_size=spec.hf_vocab_size, bucket_size_mb=bucket_bytes / (1 << 20)),
+        wx.RefitConfig(vocab_size=spec.hf_vocab_size, bucket_size_mb=bucket_bytes / (1 << 20)),
         receiver=receiver,
     )
     spec_by = {s.name: s for s in specs}

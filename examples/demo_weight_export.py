@@ -46,7 +46,7 @@ def _train_and_export(target: str, transport: str, tp: int, steps: int, global_b
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.01, clip_grad=1.0), [model])
     exporter = wx.WeightExporter(
         model,
-        wx.WeightExportConfig(target=target, transport=transport, bucket_size_mb=0.25, vocab_size=SPEC.hf_vocab_size),
+        wx.RefitConfig(target=target, transport=transport, bucket_size_mb=0.25, vocab_size=SPEC.hf_vocab_size),
     )
     per_rank = global_batch // dp
     mine = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)

@@ -19,12 +19,13 @@ flag groups switch its capabilities on:
   with --use-distributed-optimizer only at the layout that saved them).
 - ``--symm-mem {auto,on,off}``: the DDP buckets staged in NCCL symmetric memory
   (default auto; gloo/CPU falls back to plain buffers and says so).
-- ``--weight-export-target HOST:PORT --weight-export-transport broadcast``:
-  the weights go to an engine started on its own
+- ``--refit-target HOST:PORT --refit-transport broadcast`` (aliases
+  ``--weight-export-*``): the weights go to an engine started on its own
   (``python -m megatron_ext.weight_export.engine --model DIR --address HOST:PORT``)
-  at start, every ``--weight-export-every-n-steps`` iterations and at the end.
-- ``--reshard-refit-*`` flags are listed but refused: the reshard refit's engine
-  side has no command of its own yet (use the library, docs/weight_export_reshard.md).
+  at start, every ``--refit-every-n-steps`` iterations and at the end.
+- ``--refit-transport p2p`` (the ``--reshard-refit-*`` flags) is refused: the reshard
+  refit's engine side has no command of its own yet (use the library,
+  docs/weight_export_reshard.md).
 
 The same command runs on CPU (gloo; a tiny model) and on GPUs (NCCL, one GPU per
 rank). Rank 0 prints a start-up summary of what the plugin enabled; the last rank
@@ -55,7 +56,7 @@ TRACKER = "latest_checkpointed_iteration.txt"
 def build_parser() -> argparse.ArgumentParser:
     from megatron_ext.fsdp_symm import add_fsdp_symm_args
     from megatron_ext.nonuniform_tp import add_nonuniform_tp_args
-    from megatron_ext.weight_export import add_reshard_refit_args, add_weight_export_args
+    from megatron_ext.weight_export import add_refit_args
 
     p = argparse.ArgumentParser(
         prog="torchrun --nproc-per-node N examples/pretrain_gpt.py",
@@ -187,8 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_nonuniform_tp_args(p)
     add_fsdp_symm_args(p)
-    add_weight_export_args(p)
-    add_reshard_refit_args(p)
+    add_refit_args(p)
     return p
 
 
@@ -203,7 +203,7 @@ class Plan:
     shares: object  # BatchShares: each replica's micro-batches of every global batch
     ntp: object | None  # NonuniformTPConfig
     symm: object  # SymmMemConfig
-    export: object | None  # WeightExportConfig
+    export: object | None  # RefitConfig (the export hook's)
     cuda: bool
 
     @property
@@ -245,7 +245,7 @@ def _positive(args, *names):
 def _check(args, world_size: int, cuda: bool, parser) -> Plan:
     from megatron_ext.fsdp_symm import SymmMemConfig
     from megatron_ext.nonuniform_tp import NonuniformTPConfig, equal_batch_shares
-    from megatron_ext.weight_export import WeightExportConfig
+    from megatron_ext.weight_export import RefitConfig
 
     _positive(
         args,
@@ -391,27 +391,31 @@ def _check(args, world_size: int, cuda: bool, parser) -> Plan:
         shares = equal_batch_shares(dp, args.global_batch_size, args.micro_batch_size)  # Megatron's split
 
     export = None
-    changed = [
-        f
-        for f in ("weight_export_every_n_steps", "weight_export_bucket_size_mb")
-        if getattr(args, f) != parser.get_default(f)
-    ]
-    if args.weight_export_target is None:
-        if changed or args.weight_export_transport != "inprocess":
-            flags = ", ".join(
-                "--" + f.replace("_", "-")
-                for f in changed + (["weight_export_transport"] if args.weight_export_transport != "inprocess" else [])
-            )
+    if args.refit_vocab_size is None and args.refit_target is not None:
+        args.refit_vocab_size = args.vocab_size
+    refit = RefitConfig.from_args(args)
+    if refit.p2p:
+        raise ValueError(
+            "--refit-transport p2p (the --reshard-refit-* flags): the reshard refit is not wired into this "
+            "script (its engine side has no command of its own yet); stream to an engine started on its own "
+            "with --refit-target HOST:PORT --refit-transport broadcast, or use the library "
+            "(TrainerRefit / EngineRefit, docs/weight_export_reshard.md)"
+        )
+    if refit.target is None:
+        changed = [
+            f for f in ("every_n_steps", "bucket_size_mb", "transport") if getattr(refit, f) != getattr(RefitConfig, f)
+        ]
+        if changed:
             raise ValueError(
-                f"{flags} given without --weight-export-target HOST:PORT (the engine's address: "
-                "python -m megatron_ext.weight_export.engine --model DIR --address HOST:PORT)"
+                f"{', '.join('--refit-' + f.replace('_', '-') for f in changed)} given without --refit-target "
+                "HOST:PORT (the engine's address: python -m megatron_ext.weight_export.engine --model DIR "
+                "--address HOST:PORT)"
             )
     else:
-        if args.weight_export_transport == "inprocess":
+        if refit.transport == "inprocess":
             raise ValueError(
-                "--weight-export-target needs --weight-export-transport broadcast (engine on CPU or "
-                "another GPU), ipc or ipc-push (engine on this job's first GPU); inprocess has no "
-                "engine in this script"
+                "--refit-target needs --refit-transport broadcast (engine on CPU or another GPU), ipc or "
+                "ipc-push (engine on this job's first GPU); inprocess has no engine in this script"
             )
         llama = {
             "--position-embedding-type rope": args.position_embedding_type == "rope",
@@ -422,23 +426,11 @@ def _check(args, world_size: int, cuda: bool, parser) -> Plan:
         missing = [flag for flag, ok in llama.items() if not ok]
         if missing:
             raise ValueError(
-                f"--weight-export-target exports in Hugging Face Llama naming: add {' '.join(missing)} "
+                f"--refit-target exports in Hugging Face Llama naming: add {' '.join(missing)} "
                 "(the model must be Llama-shaped)"
             )
-        if args.weight_export_vocab_size is None:
-            args.weight_export_vocab_size = args.vocab_size
-        export = WeightExportConfig.from_args(args)
+        export = refit
 
-    refit_changed = [
-        f for f in vars(args) if f.startswith("reshard_refit_") and getattr(args, f) != parser.get_default(f)
-    ]
-    if refit_changed:
-        raise ValueError(
-            f"{', '.join('--' + f.replace('_', '-') for f in refit_changed)}: the reshard refit is not "
-            "wired into this script (its engine side has no command of its own yet); stream to an "
-            "engine started on its own with --weight-export-target HOST:PORT, or use the library "
-            "(TrainerRefit / EngineRefit, docs/weight_export_reshard.md)"
-        )
     if args.data_path is None:
         args.mock_data = True
     return Plan(
@@ -973,7 +965,7 @@ def train(args, plan: Plan) -> int:
     startup_summary(args, plan, ddp, ntp_groups, exporter)
     if exporter is not None:
         # The starting weights go first (version = the iteration they are from): the engine checks the
-        # plan (names, shapes, dtypes) now, not after the first --weight-export-every-n-steps iterations.
+        # plan (names, shapes, dtypes) now, not after the first --refit-every-n-steps iterations.
         report_export(exporter, exporter.export(version=iteration))
     if iteration >= args.train_iters:
         print_rank_0(f"checkpoint iteration {iteration} >= --train-iters {args.train_iters}: nothing to train")

@@ -83,7 +83,7 @@ def _reference(model, spec):
     consumer = wx.LoadWeightsConsumer(lambda ws: got.update({n: t.detach().cpu().clone() for n, t in ws}))
     ref = wx.WeightExporter(
         model,
-        wx.WeightExportConfig(vocab_size=spec.hf_vocab_size, check_finite=False),
+        wx.RefitConfig(vocab_size=spec.hf_vocab_size, check_finite=False),
         receiver=wx.WeightReceiver(consumer),
     )
     ref.export()
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
         model = tiny_llama.build_model(spec, tiny_llama.transformer_config(spec), device=device)
         exporter = wx.WeightExporter(
             model,
-            wx.WeightExportConfig(
+            wx.RefitConfig(
                 target=args.target,
                 transport=args.transport,
                 bucket_size_mb=args.bucket_size_mb,

@@ -2,7 +2,7 @@
 
 Trainer side::
 
-    exporter = WeightExporter(model, WeightExportConfig.from_args(args))
+    exporter = WeightExporter(model, RefitConfig.from_args(args))
     result = exporter.maybe_export(step)       # or exporter.export()
 
 Engine side: :func:`serve` (a process listening at the target address) with a
@@ -11,7 +11,7 @@ command ``python -m megatron_ext.weight_export.engine --model DIR --address
 HOST:PORT`` for a Hugging Face model; see docs/weight_export.md.
 """
 
-from .config import TRANSPORTS, ReshardRefitConfig, WeightExportConfig, add_reshard_refit_args, add_weight_export_args
+from .config import TRANSPORTS, RefitConfig, add_refit_args
 from .errors import (
     ControlError,
     NonFiniteWeights,
@@ -87,10 +87,10 @@ __all__ = [
     "TensorMeta",
     "UnsupportedParameter",
     "VerifyResult",
-    "WeightExportConfig",
+    "RefitConfig",
     "WeightExporter",
     "WeightReceiver",
-    "add_weight_export_args",
+    "add_refit_args",
     "build_plan",
     "check_plan",
     "hf_config_from_megatron",
@@ -102,6 +102,4 @@ __all__ = [
     "RefitGroup",
     "RefitGroupError",
     "TrainerRefit",
-    "ReshardRefitConfig",
-    "add_reshard_refit_args",
 ]

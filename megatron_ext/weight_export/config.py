@@ -1,4 +1,22 @@
-"""Configuration of the weight export hook and of the reshard refit, with their argparse flags."""
+"""The one refit configuration (:class:`RefitConfig`) and its ``--refit-*`` flags.
+
+One dataclass describes every refit: where the weights go (``transport``),
+when (``every_n_steps``), how they move (bucket size, backend, timeout, finite
+check). ``transport`` picks the destination's form:
+
+- ``inprocess``, ``broadcast``, ``ipc``, ``ipc-push``, ``ipc-direct``: the
+  export hook (:class:`~.exporter.WeightExporter`): every engine receives whole
+  Hugging Face tensors at ``target`` (engines run :func:`~.transport.serve`).
+- ``p2p``: the reshard refit: point-to-point from the owning trainer ranks to
+  each engine rank's own shards of an ``engine_tp`` x ``engine_dp`` (``engine_ep``)
+  layout, inside this job or, with ``store``, across jobs
+  (:class:`~.reshard.ReshardExecutor`, :class:`~.remote_refit.TrainerRefit`).
+
+Fields that only one form reads are refused with the other, so a flag is never
+silently ignored. The flags of earlier releases keep working as aliases:
+``--weight-export-X`` is ``--refit-X``; ``--reshard-refit-X`` is ``--refit-X`` and
+selects ``--refit-transport p2p``.
+"""
 
 from __future__ import annotations
 
@@ -6,34 +24,31 @@ import argparse
 import dataclasses
 import math
 
-__all__ = [
-    "TRANSPORTS",
-    "ReshardRefitConfig",
-    "WeightExportConfig",
-    "add_reshard_refit_args",
-    "add_weight_export_args",
-    "parse_address",
-]
+__all__ = ["TRANSPORTS", "RefitConfig", "add_refit_args", "parse_address"]
 
-TRANSPORTS = ("inprocess", "broadcast", "ipc", "ipc-push", "ipc-direct")
+HOOK_TRANSPORTS = ("inprocess", "broadcast", "ipc", "ipc-push", "ipc-direct")
+TRANSPORTS = (*HOOK_TRANSPORTS, "p2p")
 BACKENDS = ("auto", "gloo", "nccl")
-MIN_BUCKET_MB, MAX_BUCKET_MB = 16, 1024
-# The smallest bucket_size_mb either config accepts: one 4 KiB page. Below it the
-# size means nothing: an export bucket (plan.build_plan) rounds every tensor up to
+MIN_BUCKET_MB, MAX_BUCKET_MB = 16, 1024  # the export hook's automatic size (5% of free memory) stays in this range
+P2P_BUCKET_MB = 64  # the p2p refit's default staging bucket per peer
+# The smallest bucket_size_mb accepted: one 4 KiB page. Below it the size means
+# nothing: an export bucket (plan.build_plan) rounds every tensor up to
 # wire.ALIGN = 256 bytes, so a smaller bucket holds no tensor and each one gets
-# an oversized bucket of its own; a reshard bucket (wire.bucketize) starts with a
+# an oversized bucket of its own; a p2p bucket (wire.bucketize) starts with a
 # 32-byte header padded to wire.ALIGN and cuts transfers into rows of at most
 # bucket_bytes - 256 bytes, so a tiny bucket moves a few bytes per message (and at
 # 1e-9 MiB, int(bucket_size_mb * 2**20) is 0). And a bucket under a page saves no
-# memory: the ipc transports share their buffers as /dev/shm files mapped in whole
-# pages, or as CUDA allocations of whole segments.
+# memory: the ipc transports share their buffers as CUDA allocations of whole segments.
 MIN_BUCKET_BYTES = 4096
 PORTS = (1, 65535)
+# Fields read by one form only (default values are what the other form gets).
+P2P_ONLY = ("store", "engine_tp", "engine_dp", "engine_ep", "vocab_padding", "max_inflight", "atomic")
+HOOK_ONLY = ("target", "vocab_size")
 
 
 def _host_port(addr: str) -> tuple[str, int] | None:
     """``"host:port"`` as ``(host, port)``; None if it is not of that form or the port is not in
-    ``PORTS`` (1..65535). The one parser of the export target and the refit store."""
+    ``PORTS`` (1..65535). The one parser of engine targets, refit stores and listen addresses."""
     host, _, port = addr.strip().rpartition(":")
     if not (host and port.isascii() and port.isdigit() and PORTS[0] <= int(port) <= PORTS[1]):
         return None
@@ -52,204 +67,110 @@ def _finite_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _bucket_size_error(owner: str, value) -> str | None:
-    """Why ``bucket_size_mb`` is refused (see MIN_BUCKET_BYTES), or None."""
-    if _finite_number(value) and value * (1 << 20) >= MIN_BUCKET_BYTES:
-        return None
-    return (
-        f"{owner}.bucket_size_mb must be > 0: a finite number of MiB >= {MIN_BUCKET_BYTES / (1 << 20):g} "
-        f"({MIN_BUCKET_BYTES // 1024} KiB, one page)"
-    )
-
-
 @dataclasses.dataclass
-class WeightExportConfig:
-    """How and when the trainer streams its weights to inference engines.
+class RefitConfig:
+    """How and when the trainer refits inference engines (see the module docstring for the two forms).
 
-    ``target``: the engines' receiver endpoints, ``"host:port[,host:port...]"``
-    (unused by ``transport="inprocess"``). ``bucket_size_mb``: bytes per bucket;
-    None sizes it from free device memory (5%, within 16..1024 MiB).
-    ``every_n_steps``: export after every N optimizer steps (0: only when
-    ``exporter.export()`` is called). ``vocab_size``: the HF vocabulary (Megatron's
-    padded rows beyond it are not exported). ``check_finite``: refuse to publish a
-    version with a NaN or Inf weight (one fused max-abs reduction per bucket on the
-    export rank, read once per export: one more read of the exported bytes).
+    Destination: ``transport``; ``target``, the engines' endpoints
+    ``"host:port[,host:port...]"`` (hook transports other than ``inprocess``);
+    ``store``, ``"host:port"`` of the :class:`~.refit_group.RefitGroup` when a p2p
+    engine is a separate job (None: its ranks are in this job); the p2p engine's
+    layout ``engine_tp`` x ``engine_dp`` ranks, experts split over ``engine_ep`` of
+    them (1: TP-sharded), vocabulary padded to ``vocab_padding`` rows;
+    ``vocab_size``: the hook's HF vocabulary (Megatron's padded rows beyond it are
+    not exported). Bytes: ``bucket_size_mb`` (None: the hook sizes it from free
+    device memory, 5% within 16..1024 MiB; p2p uses 64 MiB per peer),
+    ``max_inflight`` p2p rounds in flight, ``atomic`` (p2p: stage the whole
+    version and apply it at the end, else stream; a hook engine chooses with
+    ``serve(atomic=)``), ``check_finite`` (refuse to publish a version with a NaN
+    or Inf weight, one fused check per bucket before a byte moves), ``backend``
+    (of the broadcast group or the refit group; auto: NCCL on GPU) and
+    ``timeout_s`` (every wait on a peer). When: ``every_n_steps`` (0: only when
+    called; :meth:`due`).
     """
 
-    target: str | None = None
     transport: str = "inprocess"
+    target: str | None = None
+    store: str | None = None
+    engine_tp: int = 1
+    engine_dp: int = 1
+    engine_ep: int = 1
+    vocab_padding: int = 64
+    vocab_size: int | None = None
     bucket_size_mb: float | None = None
+    max_inflight: int = 2
+    atomic: bool = True
+    check_finite: bool = True
     every_n_steps: int = 0
     backend: str = "auto"
     timeout_s: float = 120.0
-    vocab_size: int | None = None
-    check_finite: bool = True
 
     def __post_init__(self):
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"WeightExportConfig.transport must be one of {TRANSPORTS}, got {self.transport!r}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"WeightExportConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
-        if self.transport != "inprocess" and not self.target:
+        def refuse(field, allowed):
+            value = getattr(self, field)
             raise ValueError(
-                f"WeightExportConfig.target is required for transport={self.transport!r}: the "
+                f"RefitConfig.{field} (--refit-{field.replace('_', '-')}) must be {allowed}, got {value!r}"
+            )
+
+        if self.transport not in TRANSPORTS:
+            refuse("transport", f"one of {TRANSPORTS}")
+        if self.backend not in BACKENDS:
+            refuse("backend", f"one of {BACKENDS}")
+        unused = HOOK_ONLY if self.p2p else P2P_ONLY
+        for field in unused:
+            if getattr(self, field) != RefitConfig.__dataclass_fields__[field].default:
+                form = "the export hook's transports" if field in HOOK_ONLY else "transport='p2p' (the reshard refit)"
+                raise ValueError(
+                    f"RefitConfig.{field} (--refit-{field.replace('_', '-')}) is read by {form} only; "
+                    f"transport={self.transport!r} would ignore it: drop it or change the transport"
+                )
+        for name in ("engine_tp", "engine_dp", "engine_ep", "vocab_padding", "max_inflight"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                refuse(name, "an integer >= 1")
+        if (self.engine_tp * self.engine_dp) % self.engine_ep:
+            refuse("engine_ep", f"a divisor of engine_tp * engine_dp = {self.engine_tp * self.engine_dp}")
+        if self.transport not in ("inprocess", "p2p") and not self.target:
+            raise ValueError(
+                f"RefitConfig.target (--refit-target) is required for transport={self.transport!r}: the "
                 "engines' receiver endpoints as 'host:port[,host:port...]'"
             )
         if self.target:
             bad = [a for a in self.targets if _host_port(a) is None]
             if bad or not self.targets:
-                raise ValueError(
-                    f"WeightExportConfig.target must be 'host:port[,host:port...]' with every port in "
-                    f"{PORTS[0]}..{PORTS[1]}, got {self.target!r}" + (f" ({bad[0]!r} is not)" if bad else "")
-                )
+                which = f" ({bad[0]!r} is not)" if bad else ""
+                refuse("target", f"'host:port[,host:port...]' with every port in {PORTS[0]}..{PORTS[1]}{which}")
         if self.transport == "ipc-push" and len(self.targets) != 1:
-            # The same reason IpcPushSender gives, here before any process group or engine is touched.
             raise ValueError(
-                f"WeightExportConfig.transport='ipc-push' writes into one engine's weights; got "
-                f"{len(self.targets)} targets in target={self.target!r} (use transport='ipc' or "
-                "'broadcast' for several engines)"
+                f"RefitConfig.transport='ipc-push' writes into one engine's weights; got {len(self.targets)} "
+                f"targets in target={self.target!r} (use transport='ipc' or 'broadcast' for several engines)"
             )
-        if self.bucket_size_mb is not None and (why := _bucket_size_error("WeightExportConfig", self.bucket_size_mb)):
-            raise ValueError(f"{why} or None (automatic), got {self.bucket_size_mb}")
-        if self.every_n_steps < 0:
-            raise ValueError(
-                f"WeightExportConfig.every_n_steps must be >= 0 (0: export only when called), got {self.every_n_steps}"
-            )
+        if self.store is not None and _host_port(self.store) is None:
+            refuse("store", f"'host:port' with a port in {PORTS[0]}..{PORTS[1]} (the refit group's TCP store)")
+        size = self.bucket_size_mb
+        if size is not None and not (_finite_number(size) and size * (1 << 20) >= MIN_BUCKET_BYTES):
+            smallest = MIN_BUCKET_BYTES / (1 << 20)
+            refuse("bucket_size_mb", f"None (automatic) or a finite number of MiB >= {smallest:g} (4 KiB, one page)")
+        if not isinstance(self.every_n_steps, int) or self.every_n_steps < 0:
+            refuse("every_n_steps", "an integer >= 0 (0: refit only when called)")
         if not (_finite_number(self.timeout_s) and self.timeout_s > 0):
-            raise ValueError(f"WeightExportConfig.timeout_s must be > 0 and finite (seconds), got {self.timeout_s}")
-        if self.vocab_size is not None and self.vocab_size <= 0:
-            raise ValueError(f"WeightExportConfig.vocab_size must be > 0, got {self.vocab_size}")
+            refuse("timeout_s", "> 0 and finite (seconds)")
+        if self.vocab_size is not None and (not isinstance(self.vocab_size, int) or self.vocab_size <= 0):
+            refuse("vocab_size", "None or an integer > 0")
+
+    @property
+    def p2p(self) -> bool:
+        return self.transport == "p2p"
 
     @property
     def targets(self) -> list[str]:
         return [a.strip() for a in (self.target or "").split(",") if a.strip()]
 
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "WeightExportConfig":
-        return cls(
-            target=args.weight_export_target,
-            transport=args.weight_export_transport,
-            bucket_size_mb=args.weight_export_bucket_size_mb,
-            every_n_steps=args.weight_export_every_n_steps,
-            backend=args.weight_export_backend,
-            timeout_s=args.weight_export_timeout_s,
-            vocab_size=args.weight_export_vocab_size,
-            check_finite=args.weight_export_check_finite,
-        )
-
-
-def add_weight_export_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the ``--weight-export-*`` flags (a Megatron ``extra_args_provider`` works too)."""
-    d = WeightExportConfig
-    g = parser.add_argument_group("weight export", "stream weights to inference engines (megatron_ext)")
-    g.add_argument(
-        "--weight-export-target",
-        default=d.target,
-        help="receiver endpoints 'host:port[,host:port...]' (engines run weight_export.serve)",
-    )
-    g.add_argument(
-        "--weight-export-transport",
-        choices=TRANSPORTS,
-        default=d.transport,
-        help="inprocess; broadcast (NCCL/gloo to engines on other GPUs); ipc (engine on the same GPU, "
-        "two shared buffers); ipc-push (one engine on the same GPU, written in place: one target); "
-        "ipc-direct (same GPU, TP=PP=1, engine copies from the weights)",
-    )
-    g.add_argument(
-        "--weight-export-bucket-size-mb",
-        type=float,
-        default=d.bucket_size_mb,
-        help=f"bucket size in MiB, at least {MIN_BUCKET_BYTES / (1 << 20):g} (4 KiB) "
-        f"(default: from free memory, {MIN_BUCKET_MB}..{MAX_BUCKET_MB})",
-    )
-    g.add_argument(
-        "--weight-export-every-n-steps",
-        type=int,
-        default=d.every_n_steps,
-        help="export after every N optimizer steps (0: off)",
-    )
-    g.add_argument(
-        "--weight-export-backend",
-        choices=BACKENDS,
-        default=d.backend,
-        help="process-group backend of the broadcast transport (auto: nccl on GPU)",
-    )
-    g.add_argument(
-        "--weight-export-timeout-s",
-        type=float,
-        default=d.timeout_s,
-        help="fail an export when a receiver does not answer within this many seconds",
-    )
-    g.add_argument(
-        "--weight-export-vocab-size",
-        type=int,
-        default=d.vocab_size,
-        help="HF vocabulary size (trims Megatron's padded embedding rows)",
-    )
-    g.add_argument(
-        "--weight-export-check-finite",
-        action=argparse.BooleanOptionalAction,
-        default=d.check_finite,
-        help="refuse to publish a version with NaN/Inf weights (one fused check per bucket)",
-    )
-    return parser
-
-
-@dataclasses.dataclass
-class ReshardRefitConfig:
-    """The reshard refit (docs/weight_export_reshard.md) as a training script sets it.
-
-    The engine's layout: ``engine_tp`` x ``engine_dp`` ranks, experts split over
-    ``engine_ep`` of them (1: TP-sharded), vocabulary padded to ``vocab_padding``
-    rows. The executor: buckets of ``bucket_size_mb`` per peer, ``max_inflight``
-    rounds in flight, ``atomic`` (stage the whole version, apply it at the end)
-    or streaming, ``check_finite`` (refuse a version with NaN/Inf on every rank before a
-    byte moves). ``store``: ``"host:port"`` of the :class:`~.refit_group.RefitGroup`
-    when the engine is a separate job (None: its ranks are in this job).
-    ``every_n_steps``: refit after every N optimizer steps (0: only when called).
-    """
-
-    engine_tp: int = 1
-    engine_dp: int = 1
-    engine_ep: int = 1
-    vocab_padding: int = 64
-    bucket_size_mb: float = 64.0
-    max_inflight: int = 2
-    atomic: bool = True
-    check_finite: bool = True
-    every_n_steps: int = 0
-    store: str | None = None
-    backend: str = "auto"
-    timeout_s: float = 120.0
-
-    def __post_init__(self):
-        for name in ("engine_tp", "engine_dp", "engine_ep", "vocab_padding", "max_inflight"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"ReshardRefitConfig.{name} must be an integer >= 1, got {value!r}")
-        if (self.engine_tp * self.engine_dp) % self.engine_ep:
-            raise ValueError(
-                f"ReshardRefitConfig.engine_ep must divide engine_tp * engine_dp = "
-                f"{self.engine_tp * self.engine_dp}, got {self.engine_ep}"
-            )
-        if why := _bucket_size_error("ReshardRefitConfig", self.bucket_size_mb):
-            raise ValueError(f"{why}, got {self.bucket_size_mb}")
-        if self.every_n_steps < 0:
-            raise ValueError(
-                f"ReshardRefitConfig.every_n_steps must be >= 0 (0: refit only when called), got {self.every_n_steps}"
-            )
-        if self.backend not in BACKENDS:
-            raise ValueError(f"ReshardRefitConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
-        if not (_finite_number(self.timeout_s) and self.timeout_s > 0):
-            raise ValueError(f"ReshardRefitConfig.timeout_s must be > 0 and finite (seconds), got {self.timeout_s}")
-        if self.store is not None and _host_port(self.store) is None:
-            raise ValueError(
-                f"ReshardRefitConfig.store must be 'host:port' with a port in {PORTS[0]}..{PORTS[1]} "
-                f"(the refit group's TCP store), got {self.store!r}"
-            )
-
     @property
-    def bucket_bytes(self) -> int:
+    def bucket_bytes(self) -> int | None:
+        """The bucket size in bytes; None: the export hook sizes it from free memory."""
+        if self.bucket_size_mb is None:
+            return P2P_BUCKET_MB << 20 if self.p2p else None
         return int(self.bucket_size_mb * (1 << 20))
 
     @property
@@ -266,8 +187,16 @@ class ReshardRefitConfig:
     def store_address(self) -> tuple[str, int] | None:
         return None if self.store is None else _host_port(self.store)
 
+    def resolved_backend(self, device) -> str:
+        """``backend`` with ``auto`` decided for ``device`` (NCCL on CUDA, gloo elsewhere)."""
+        if self.backend != "auto":
+            return self.backend
+        import torch
+
+        return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
     def engine_layout(self, specs, ranks=None):
-        """The engine's :func:`~.layout.inference_layout` on ``ranks`` (default ``0..tp*dp-1``)."""
+        """The p2p engine's :func:`~.layout.inference_layout` on ``ranks`` (default ``0..tp*dp-1``)."""
         from .layout import inference_layout
 
         return inference_layout(
@@ -288,86 +217,116 @@ class ReshardRefitConfig:
 
         if self.store_address is None:
             raise ValueError(
-                "store is not set: pass --reshard-refit-store host:port (refit rank 0's address) "
+                "RefitConfig.store is not set: pass --refit-store host:port (refit rank 0's address) "
                 "when the engine runs as a separate job"
             )
-        backend = self.backend if self.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
+        cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
         host, port = self.store_address
-        return RefitGroup.join(host, port, rank, world_size, backend=backend, device=device, timeout_s=self.timeout_s)
+        return RefitGroup.join(
+            host,
+            port,
+            rank,
+            world_size,
+            backend=self.resolved_backend("cuda" if cuda else "cpu"),
+            device=device,
+            timeout_s=self.timeout_s,
+        )
 
     def due(self, step: int) -> bool:
         """Whether optimizer step ``step`` (1-based) ends with a refit."""
         return self.every_n_steps > 0 and step % self.every_n_steps == 0
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "ReshardRefitConfig":
-        return cls(**{f.name: getattr(args, "reshard_refit_" + f.name) for f in dataclasses.fields(cls)})
+    def from_args(cls, args: argparse.Namespace) -> "RefitConfig":
+        """The config of :func:`add_refit_args`' flags. A ``--reshard-refit-*`` alias selects
+        ``transport='p2p'``; with another ``--refit-transport`` it is refused."""
+        values = {f.name: getattr(args, "refit_" + f.name) for f in dataclasses.fields(cls)}
+        aliases = getattr(args, _P2P_ALIASES, [])
+        if aliases and values["transport"] not in (None, "p2p"):
+            raise ValueError(
+                f"{aliases[0]} is a flag of the reshard refit (--refit-transport p2p), but the transport is "
+                f"{values['transport']!r}: drop one of them"
+            )
+        if values["transport"] is None:
+            values["transport"] = "p2p" if aliases else cls.transport
+        return cls(**values)
 
 
-def add_reshard_refit_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the ``--reshard-refit-*`` flags (a Megatron ``extra_args_provider`` works too)."""
-    d = ReshardRefitConfig
-    g = parser.add_argument_group(
-        "reshard refit", "move weights from the trainer's layout straight to the engine's (megatron_ext)"
-    )
-    g.add_argument("--reshard-refit-engine-tp", type=int, default=d.engine_tp, help="engine tensor parallel size")
-    g.add_argument("--reshard-refit-engine-dp", type=int, default=d.engine_dp, help="engine replicas")
+_P2P_ALIASES = "refit_p2p_aliases"  # the --reshard-refit-* flags given, in order
+
+
+def _p2p_alias(base):
+    class Alias(base):
+        def __call__(self, parser, namespace, values, option_string=None):
+            super().__call__(parser, namespace, values, option_string)
+            setattr(namespace, _P2P_ALIASES, [*getattr(namespace, _P2P_ALIASES, []), option_string])
+
+    return Alias
+
+
+_P2P_STORE, _P2P_BOOL = _p2p_alias(argparse._StoreAction), _p2p_alias(argparse.BooleanOptionalAction)
+
+
+def add_refit_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``--refit-*`` flags with their aliases ``--weight-export-*`` and ``--reshard-refit-*``
+    (a Megatron ``extra_args_provider`` works too). Adding them twice is a no-op."""
+    if any("--refit-transport" in a.option_strings for a in parser._actions):
+        return parser
+    d = RefitConfig
+    g = parser.add_argument_group("refit", "stream weights to inference engines (megatron_ext)")
+
+    def flag(name, *, hook=True, p2p=True, boolean=False, **kw):
+        names = [f"--refit-{name}"] + ([f"--weight-export-{name}"] if hook else [])
+        dest = "refit_" + name.replace("-", "_")
+        default = getattr(d, dest.removeprefix("refit_"))
+        if boolean:
+            g.add_argument(*names, dest=dest, action=argparse.BooleanOptionalAction, default=default, **kw)
+        else:
+            g.add_argument(*names, dest=dest, default=default, **kw)
+        if p2p:  # the alias of the reshard refit's flags; it selects transport p2p
+            action = _P2P_BOOL if boolean else _P2P_STORE
+            g.add_argument(
+                f"--reshard-refit-{name}",
+                dest=dest,
+                action=action,
+                default=argparse.SUPPRESS,
+                help=argparse.SUPPRESS,
+                **{k: v for k, v in kw.items() if k != "help"},
+            )
+
     g.add_argument(
-        "--reshard-refit-engine-ep",
-        type=int,
-        default=d.engine_ep,
-        help="engine expert parallel size (whole experts per rank; 1: experts TP-sharded)",
+        "--refit-transport",
+        "--weight-export-transport",
+        dest="refit_transport",
+        choices=TRANSPORTS,
+        default=None,
+        help="inprocess (default); broadcast (NCCL/gloo to engines on other GPUs); ipc (engine on the same GPU, "
+        "two shared buffers); ipc-push (one engine on the same GPU, written in place: one target); ipc-direct "
+        "(same GPU, TP=PP=1, engine copies from the weights); p2p (the reshard refit: each engine rank gets its "
+        "own shards; implied by any --reshard-refit-* flag)",
     )
-    g.add_argument(
-        "--reshard-refit-vocab-padding",
-        type=int,
-        default=d.vocab_padding,
-        help="the engine pads its vocabulary to a multiple of this many rows (vLLM: 64)",
-    )
-    g.add_argument(
-        "--reshard-refit-bucket-size-mb",
+    flag("target", p2p=False, help="hook: receiver endpoints 'host:port[,host:port...]' (engines run serve)")
+    flag("store", hook=False, help="p2p: 'host:port' of the refit group's TCP store when the engine is a separate job")
+    flag("engine-tp", hook=False, type=int, help="p2p: engine tensor parallel size")
+    flag("engine-dp", hook=False, type=int, help="p2p: engine replicas")
+    flag("engine-ep", hook=False, type=int, help="p2p: engine expert parallel size (1: experts TP-sharded)")
+    flag("vocab-padding", hook=False, type=int, help="p2p: the engine pads its vocabulary to this multiple (vLLM: 64)")
+    flag("vocab-size", p2p=False, type=int, help="hook: HF vocabulary size (trims Megatron's padded embedding rows)")
+    flag(
+        "bucket-size-mb",
         type=float,
-        default=d.bucket_size_mb,
-        help=f"staging bucket per peer, MiB, at least {MIN_BUCKET_BYTES / (1 << 20):g} (4 KiB) "
-        "(larger: fewer rounds, more staging memory)",
+        help=f"bucket size in MiB, at least {MIN_BUCKET_BYTES / (1 << 20):g} (4 KiB) (default: hook, from free "
+        f"memory within {MIN_BUCKET_MB}..{MAX_BUCKET_MB}; p2p, {P2P_BUCKET_MB} per peer)",
     )
-    g.add_argument(
-        "--reshard-refit-max-inflight",
-        type=int,
-        default=d.max_inflight,
-        help="rounds in flight before the oldest is waited on",
+    flag("max-inflight", hook=False, type=int, help="p2p: rounds in flight before the oldest is waited on")
+    flag(
+        "atomic",
+        hook=False,
+        boolean=True,
+        help="p2p: stage the whole version and apply it when all of it arrived (default), or stream",
     )
-    g.add_argument(
-        "--reshard-refit-atomic",
-        action=argparse.BooleanOptionalAction,
-        default=d.atomic,
-        help="stage the whole version and apply it only when all of it arrived (default); "
-        "--no-reshard-refit-atomic streams (max_inflight buckets per peer of staging)",
-    )
-    g.add_argument(
-        "--reshard-refit-check-finite",
-        action=argparse.BooleanOptionalAction,
-        default=d.check_finite,
-        help="refuse a version with NaN/Inf weights on every rank before a byte moves (default)",
-    )
-    g.add_argument(
-        "--reshard-refit-every-n-steps",
-        type=int,
-        default=d.every_n_steps,
-        help="refit after every N optimizer steps (0: off)",
-    )
-    g.add_argument(
-        "--reshard-refit-store",
-        default=d.store,
-        help="'host:port' of the refit group's TCP store when the engine runs as a separate job",
-    )
-    g.add_argument(
-        "--reshard-refit-backend", choices=BACKENDS, default=d.backend, help="refit group backend (auto: nccl on GPU)"
-    )
-    g.add_argument(
-        "--reshard-refit-timeout-s",
-        type=float,
-        default=d.timeout_s,
-        help="fail a refit group wait (join, plan check, announcement) after this many seconds",
-    )
+    flag("check-finite", boolean=True, help="refuse to publish a version with NaN/Inf weights (default)")
+    flag("every-n-steps", type=int, help="refit after every N optimizer steps (0: only when called)")
+    flag("backend", choices=BACKENDS, help="backend of the broadcast group or the refit group (auto: nccl on GPU)")
+    flag("timeout-s", type=float, help="fail a refit when a peer does not answer within this many seconds")
     return parser

@@ -6,7 +6,7 @@
 It loads ``--model`` with ``transformers.AutoModelForCausalLM.from_pretrained``
 and runs :func:`~.transport.serve` at ``--address`` for each trainer session
 (``--sessions``: how many trainers to serve one after another, 0 = until
-killed). Point the trainer's ``--weight-export-target`` at the same address
+killed). Point the trainer's ``--refit-target`` at the same address
 (same host: loopback needs no key; otherwise set ``MEGATRON_EXT_EXPORT_AUTHKEY``
 on both sides). It prints one line per applied version and, when a session
 ends, the version the model holds; ``--save`` writes the model

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ..sharding.megatron import megatron_tensors
 from ..sharding.names import global_layer_names, unwrap
 from ..sharding.spec import specs_from_model
-from .config import MAX_BUCKET_MB, MIN_BUCKET_MB, WeightExportConfig
+from .config import HOOK_TRANSPORTS, MAX_BUCKET_MB, MIN_BUCKET_MB, RefitConfig
 from .copies import copy_all, finite_flags
 from .errors import NonFiniteWeights, PlanMismatch
 from .gather import BucketGatherer, GatherGroup
@@ -147,11 +147,17 @@ class WeightExporter:
     Call :meth:`export` on every trainer rank.
     """
 
-    def __init__(self, model, config: WeightExportConfig | None = None, *, receiver=None, sender=None):
+    def __init__(self, model, config: RefitConfig | None = None, *, receiver=None, sender=None):
+        if config is not None and config.p2p:
+            raise ValueError(
+                "RefitConfig.transport='p2p' is the reshard refit (each engine rank receives its own shards): "
+                "drive it with ReshardExecutor or TrainerRefit (docs/weight_export_reshard.md); WeightExporter "
+                f"sends whole tensors over {HOOK_TRANSPORTS}"
+            )
         # NTP DDP: healthy replicas refresh their compute weights after a step.
         self._refresh = getattr(model, "refresh_compute_params", None)
         self.model = unwrap(model)
-        self.config = config or WeightExportConfig()
+        self.config = config or RefitConfig()
         self.has_experts = bool(getattr(self.model.config, "num_moe_experts", None))
         self.layout = _Layout(self.has_experts)
         lay = self.layout
@@ -258,9 +264,7 @@ class WeightExporter:
         return self._facts[1]
 
     def _bucket_bytes(self) -> int:
-        if self.config.bucket_size_mb is not None:
-            return int(self.config.bucket_size_mb * MiB)
-        return self._auto_bucket_bytes
+        return self.config.bucket_bytes or self._auto_bucket_bytes
 
     # ------------------------------------------------------------ transport
     @property
@@ -278,10 +282,7 @@ class WeightExporter:
     # --------------------------------------------------------------- export
     def maybe_export(self, step: int) -> ExportResult | None:
         """Export after optimizer step ``step`` (1-based) every ``config.every_n_steps``."""
-        n = self.config.every_n_steps
-        if n and step % n == 0:
-            return self.export(version=step)
-        return None
+        return self.export(version=step) if self.config.due(step) else None
 
     @torch.no_grad()
     def export(self, version: int | None = None) -> ExportResult:
@@ -388,7 +389,7 @@ class WeightExporter:
                 f"version {self.version} has NaN/Inf in {len(bad)} tensor(s): {', '.join(bad[:5])}"
                 f"{' ...' if len(bad) > 5 else ''}; it was not published (the engines keep their version). Fix "
                 "the training step (loss scale, learning rate, data), or pass check_finite=False / "
-                "--no-weight-export-check-finite to export anyway"
+                "--no-refit-check-finite to export anyway"
             )
 
     def verify(self, tokens: torch.Tensor):

@@ -2,7 +2,7 @@
 
 Each job keeps its own default ``torch.distributed`` world. :meth:`RefitGroup.join`
 builds one more group over a TCP store, outside both worlds, like the
-``broadcast`` transport's (:func:`~.transport.make_group`): refit rank 0 hosts
+``broadcast`` transport's (:func:`make_group`): refit rank 0 hosts
 the store; by convention the trainer's ranks are refit ranks ``0..T-1`` and the
 engine's ``T..T+E-1`` (the layouts' ``ranks`` say which is which). Plans and
 :class:`~.reshard.ReshardExecutor` use refit ranks; pass ``group=refit_group``.
@@ -29,7 +29,6 @@ import torch.distributed as dist
 
 from .errors import RefitGroupError
 from .control import listen_socket
-from .transport import make_group
 
 __all__ = [
     "NOTE_BYTES",
@@ -38,6 +37,7 @@ __all__ = [
     "batch_isend_irecv",
     "gather_notes",
     "gather_wire_ids",
+    "make_group",
     "sum_over_group",
 ]
 
@@ -51,6 +51,18 @@ def _cut_note(note: str) -> str:
 
 def _missing(store, keys: list[str], ranks) -> list[int]:
     return [r for r, k in zip(ranks, keys) if not store.check([k])]
+
+
+def make_group(store, rank: int, world: int, backend: str, timeout_s: float):
+    """A process group over ``store`` outside the default world (trainer + engines only): the
+    refit group's and the ``broadcast`` transport's."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    prefix = dist.PrefixStore("megatron_ext_weight_export", store)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(prefix, rank, world, timeout)
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    return dist.ProcessGroupNCCL(prefix, rank, world, opts)
 
 
 class RefitGroup:

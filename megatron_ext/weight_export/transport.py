@@ -45,6 +45,7 @@ from . import control
 from .control import ControlError
 from .plan import BucketMeta, ExportPlan, PlanMismatch
 from .receiver import WeightReceiver
+from .refit_group import make_group
 from .reshard_plan import run_view
 
 __all__ = [
@@ -120,7 +121,7 @@ class _RemoteSender:
         except ControlError as exc:
             self.close()
             raise ReceiverError(
-                f"{exc}; start the engine's weight receiver (weight_export.serve) first or fix --weight-export-target"
+                f"{exc}; start the engine's weight receiver (weight_export.serve) first or fix --refit-target"
             ) from exc
         self._fingerprint = None
 
@@ -248,17 +249,6 @@ class BroadcastSender(_RemoteSender):
 
     def send(self, bucket: BucketMeta, buf: torch.Tensor):
         return _Work(self.pg.broadcast(buf[: bucket.nbytes], 0), self, bucket.index)
-
-
-def make_group(store, rank: int, world: int, backend: str, timeout_s: float):
-    """A process group over ``store`` outside the default world (trainer + engines only)."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    prefix = dist.PrefixStore("megatron_ext_weight_export", store)
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(prefix, rank, world, timeout)
-    opts = dist.ProcessGroupNCCL.Options()
-    opts._timeout = timeout
-    return dist.ProcessGroupNCCL(prefix, rank, world, opts)
 
 
 def share(buf: torch.Tensor) -> dict:
@@ -684,10 +674,7 @@ def _inprocess(exporter) -> InProcessSender:
 
 def _broadcast(exporter) -> BroadcastSender:
     cfg = exporter.config
-    backend = cfg.backend
-    if backend == "auto":
-        backend = "nccl" if exporter.device.type == "cuda" else "gloo"
-    return BroadcastSender(cfg.targets, backend=backend, timeout_s=cfg.timeout_s)
+    return BroadcastSender(cfg.targets, backend=cfg.resolved_backend(exporter.device), timeout_s=cfg.timeout_s)
 
 
 def _ipc(exporter) -> IpcSender:
@@ -711,7 +698,7 @@ def _ipc_direct(exporter) -> IpcDirectSender:
     return IpcDirectSender(exporter.config.targets, timeout_s=exporter.config.timeout_s)
 
 
-# ``WeightExportConfig.transport`` -> the factory of its sender (checks what the transport needs, then builds it).
+# The export hook's ``RefitConfig.transport`` -> its sender's factory (checks what the transport needs, builds it).
 SENDERS = {
     "inprocess": _inprocess,
     "broadcast": _broadcast,

@@ -30,7 +30,7 @@ def _export_to(address):
     model = tiny_llama.build_model(SPEC, tiny_llama.transformer_config(SPEC))
     exporter = wx.WeightExporter(
         model,
-        wx.WeightExportConfig(
+        wx.RefitConfig(
             target=address, transport="broadcast", vocab_size=SPEC.hf_vocab_size, timeout_s=CONNECT_TIMEOUT_S
         ),
     )

@@ -150,9 +150,7 @@ def hook_reference(model, vocab_size: int):
 
     got = {}
     consumer = wx.LoadWeightsConsumer(lambda ws: got.update({n: t.cpu().clone() for n, t in ws}))
-    exporter = wx.WeightExporter(
-        model, wx.WeightExportConfig(vocab_size=vocab_size), receiver=wx.WeightReceiver(consumer)
-    )
+    exporter = wx.WeightExporter(model, wx.RefitConfig(vocab_size=vocab_size), receiver=wx.WeightReceiver(consumer))
     return exporter, got
 
 

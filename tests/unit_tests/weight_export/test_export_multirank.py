@@ -31,7 +31,7 @@ def _trainer(tp, pp, target, backend, transport="broadcast"):
     model = tiny_llama.build_model(SPEC, tiny_llama.transformer_config(SPEC, tp=tp, pp=pp), device=device)
     exporter = wx.WeightExporter(
         model,
-        wx.WeightExportConfig(
+        wx.RefitConfig(
             target=target,
             transport=transport,
             backend=backend,
@@ -116,7 +116,7 @@ def _trainer_against_bad_receivers(wrong_target, dying_target):
     for what, target, transport in (("wrong", wrong_target, "broadcast"), ("dying", dying_target, "broadcast")):
         exporter = wx.WeightExporter(
             model,
-            wx.WeightExportConfig(
+            wx.RefitConfig(
                 target=target,
                 transport=transport,
                 backend="gloo",

@@ -38,7 +38,7 @@ def _export_cases():
         receiver = wx.WeightReceiver(wx.HFModelConsumer(hf), atomic=True)
         # A small bucket size, so the model spans many buckets.
         exporter = wx.WeightExporter(
-            model, wx.WeightExportConfig(vocab_size=spec.hf_vocab_size, bucket_size_mb=0.02), receiver=receiver
+            model, wx.RefitConfig(vocab_size=spec.hf_vocab_size, bucket_size_mb=0.02), receiver=receiver
         )
         result = exporter.export()
         after = exporter.verify(toks)
@@ -90,7 +90,7 @@ def _export_cases():
         consumer = wx.HFModelConsumer(hf)
         snapshot = {n: p.detach().clone() for n, p in hf.named_parameters()}
         exporter = wx.WeightExporter(
-            model, wx.WeightExportConfig(vocab_size=spec.hf_vocab_size), receiver=wx.WeightReceiver(consumer)
+            model, wx.RefitConfig(vocab_size=spec.hf_vocab_size), receiver=wx.WeightReceiver(consumer)
         )
         try:
             exporter.export()
@@ -107,7 +107,7 @@ def _export_cases():
     )
     try:
         wx.WeightExporter(
-            model, wx.WeightExportConfig(vocab_size=spec.hf_vocab_size), receiver=wx.WeightReceiver(renamed)
+            model, wx.RefitConfig(vocab_size=spec.hf_vocab_size), receiver=wx.WeightReceiver(renamed)
         ).export()
         refusals["name"] = ("no error", True)
     except wx.PlanMismatch as exc:

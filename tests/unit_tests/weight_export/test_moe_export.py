@@ -87,7 +87,7 @@ def _single_rank():
     before = wx.verify_export(wx.megatron_logits(model, toks), wx.HFModelConsumer(hf).logits(toks))
     receiver = wx.WeightReceiver(wx.HFModelConsumer(hf))
     exporter = wx.WeightExporter(
-        model, wx.WeightExportConfig(vocab_size=SPEC.hf_vocab_size, bucket_size_mb=0.02), receiver=receiver
+        model, wx.RefitConfig(vocab_size=SPEC.hf_vocab_size, bucket_size_mb=0.02), receiver=receiver
     )
     result = exporter.export()
     after = exporter.verify(toks)
@@ -133,7 +133,7 @@ def _single_rank():
     try:
         wx.WeightExporter(
             model,
-            wx.WeightExportConfig(vocab_size=SPEC.hf_vocab_size),
+            wx.RefitConfig(vocab_size=SPEC.hf_vocab_size),
             receiver=wx.WeightReceiver(wx.HFModelConsumer(wrong)),
         ).export()
         out["refused"] = ("no error", False)
@@ -162,7 +162,7 @@ def _single_rank():
     grouped_hf = tiny_llama.hf_model(SPEC, cfg)
     grouped = wx.WeightExporter(
         model,
-        wx.WeightExportConfig(vocab_size=SPEC.hf_vocab_size, bucket_size_mb=0.02),
+        wx.RefitConfig(vocab_size=SPEC.hf_vocab_size, bucket_size_mb=0.02),
         receiver=wx.WeightReceiver(wx.HFModelConsumer(grouped_hf)),
     )
     grouped.export()
@@ -333,7 +333,7 @@ def _export_case(tp, pp, ep, target, transport, te_grouped=False, etp=1):
         receiver = wx.WeightReceiver(wx.HFModelConsumer(hf))
     exporter = wx.WeightExporter(
         model,
-        wx.WeightExportConfig(
+        wx.RefitConfig(
             target=target,
             transport=transport,
             backend="gloo",
@@ -381,7 +381,7 @@ def _export_case(tp, pp, ep, target, transport, te_grouped=False, etp=1):
         out["refit"] = _colocated_refit(model, tp=tp, ep=ep, etp=etp)
     exporter.close()
     if exporter.is_export_rank:  # ipc-direct maps only the export rank's storage: refused with EP > 1
-        direct = wx.WeightExporter(model, wx.WeightExportConfig(target="127.0.0.1:9", transport="ipc-direct"))
+        direct = wx.WeightExporter(model, wx.RefitConfig(target="127.0.0.1:9", transport="ipc-direct"))
         try:
             out["ipc_direct"] = f"no error: {direct.sender}"
         except ValueError as exc:

@@ -42,7 +42,7 @@ def _ntp_trainer(steps):
     receiver = wx.WeightReceiver(wx.HFModelConsumer(tiny_llama.build_hf(SPEC)))
     exporter = wx.WeightExporter(
         ddp,
-        wx.WeightExportConfig(transport="inprocess", bucket_size_mb=0.02, vocab_size=SPEC.hf_vocab_size),
+        wx.RefitConfig(transport="inprocess", bucket_size_mb=0.02, vocab_size=SPEC.hf_vocab_size),
         receiver=receiver,
     )
     result = exporter.export(version=steps)

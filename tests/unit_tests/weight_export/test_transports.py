@@ -26,7 +26,7 @@ def _trainer(target, transport, backend):
     model = tiny_llama.build_model(SPEC, tiny_llama.transformer_config(SPEC), device=device)
     exporter = wx.WeightExporter(
         model,
-        wx.WeightExportConfig(
+        wx.RefitConfig(
             target=target,
             transport=transport,
             backend=backend,
@@ -97,7 +97,7 @@ def _push_to_cpu_engine(target):
     ps.initialize_model_parallel()
     model = tiny_llama.build_model(SPEC, tiny_llama.transformer_config(SPEC), device="cuda")
     exporter = wx.WeightExporter(
-        model, wx.WeightExportConfig(target=target, transport="ipc-push", vocab_size=SPEC.hf_vocab_size, timeout_s=60)
+        model, wx.RefitConfig(target=target, transport="ipc-push", vocab_size=SPEC.hf_vocab_size, timeout_s=60)
     )
     try:
         exporter.export()
