@@ -271,11 +271,6 @@ class Channel:
         except OSError as exc:
             raise ControlError(f"{self.peer} went away while we sent {kind!r} ({exc})") from exc
 
-    def poll(self, timeout_s: float) -> bool:
-        """Whether a message (or the peer's close) arrived within ``timeout_s``."""
-        ready, _, _ = select.select([self.sock], [], [], max(0.0, timeout_s))
-        return bool(ready)
-
     def recv(self, timeout_s: float, *, max_header: int = MAX_HEADER_BYTES) -> Message:
         """The next message; :class:`ControlError` if it does not arrive within ``timeout_s``,
         the peer closed, or the bytes are not a well-formed frame."""

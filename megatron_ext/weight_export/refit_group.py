@@ -218,10 +218,6 @@ class RefitGroup:
             "the same refit steps?"
         ) from err
 
-    def gather_ints(self, value: int, *, what: str) -> list[int]:
-        """Every refit rank's ``value``, in refit-rank order (through the store, bounded)."""
-        return [v for v, _ in self.gather_notes(value, "", what=what)]
-
     def gather_notes(self, value: int, note: str, *, what: str) -> list[tuple[int, str]]:
         """Every refit rank's ``(value, note)``, in refit-rank order (through the store, bounded); a note is
         a short text (cut at :data:`NOTE_BYTES`), e.g. why a rank cannot take part."""

@@ -95,9 +95,6 @@ class ReshardPlan:
     dst: Layout
     transfers: list[Transfer]
 
-    def for_dst(self, rank: int) -> list[Transfer]:
-        return [t for t in self.transfers if t.dst == rank]
-
     def sent_bytes(self) -> dict[int, int]:
         out: dict[int, int] = defaultdict(int)
         for t in self.transfers:

@@ -150,7 +150,7 @@ def test_plan_moves_exact_bytes(case):
         for n in want[r]:
             torch.testing.assert_close(got[r][n], want[r][n], rtol=0, atol=0, msg=f"rank {r} {n}")
         # a receiver gets exactly the bytes it keeps: its local tensors, nothing more
-        assert sum(t.nbytes for t in plan.for_dst(r)) == dst.bytes_held(r)
+        assert sum(t.nbytes for t in (t for t in plan.transfers if t.dst == r)) == dst.bytes_held(r)
 
 
 def test_megatron_expert_names_are_local_to_the_ep_rank():
@@ -246,7 +246,7 @@ def test_fused_engine_tensors_are_planned_per_part():
     plan = build_reshard_plan(src, dst)
     moved = [
         t
-        for t in plan.for_dst(3)
+        for t in (t for t in plan.transfers if t.dst == 3)
         if t.name.endswith("qkv_proj.weight")
         or "_proj.weight" in t.name
         and "self_attn" in t.name
@@ -417,7 +417,7 @@ def test_te_layer_spec_names():
     assert "model.layers.3.input_layernorm.weight" in dst.tensors[2]
     plan = build_reshard_plan(src, dst)
     check_reshard_plan(plan)
-    norm = [t for t in plan.for_dst(2) if t.name == "model.layers.4.post_attention_layernorm.weight"]
+    norm = [t for t in plan.transfers if t.dst == 2 and t.name == "model.layers.4.post_attention_layernorm.weight"]
     assert [(t.src, t.src_run.local) for t in norm] == [(1, "decoder.layers.4.mlp.linear_fc1.layer_norm_weight")]
     # a parameter the specs do not describe is named, not skipped
     model.decoder.layers[0].mlp.linear_fc1.weight0 = torch.nn.Parameter(torch.zeros(1))

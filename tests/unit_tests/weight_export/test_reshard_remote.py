@@ -514,7 +514,8 @@ def test_store_listens_only_on_the_address_given():
     groups = _in_threads(*(lambda r=r: wx.RefitGroup.join("127.0.0.1", port, r, 2, timeout_s=10) for r in (0, 1)))
     try:
         assert all(isinstance(g, wx.RefitGroup) for g in groups), groups  # a normal join works, and its store
-        assert _in_threads(*(lambda g=g: g.gather_ints(10 + g.rank, what="gather") for g in groups)) == [[10, 11]] * 2
+        gathered = _in_threads(*(lambda g=g: g.gather_notes(10 + g.rank, "", what="gather") for g in groups))
+        assert gathered == [[(10, ""), (11, "")]] * 2
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
         for address in others:
             with pytest.raises(OSError):
