@@ -23,9 +23,11 @@ flag groups switch its capabilities on:
   ``--weight-export-*``): the weights go to an engine started on its own
   (``python -m megatron_ext.weight_export.engine --model DIR --address HOST:PORT``)
   at start, every ``--refit-every-n-steps`` iterations and at the end.
-- ``--refit-transport p2p`` (the ``--reshard-refit-*`` flags) is refused: the reshard
-  refit's engine side has no command of its own yet (use the library,
-  docs/weight_export_reshard.md).
+- ``--refit-transport p2p --refit-store HOST:PORT`` (or the ``--reshard-refit-*``
+  aliases): each engine rank, started on its own (``python -m
+  megatron_ext.weight_export.engine --model DIR --refit-store HOST:PORT --refit-rank R
+  --refit-world-size W``), receives its own shards point to point from the trainer
+  ranks that own them, at the same times (docs/weight_export_reshard.md).
 
 The same command runs on CPU (gloo; a tiny model) and on GPUs (NCCL, one GPU per
 rank). Rank 0 prints a start-up summary of what the plugin enabled; the last rank
@@ -394,14 +396,14 @@ def _check(args, world_size: int, cuda: bool, parser) -> Plan:
     if args.refit_vocab_size is None and args.refit_target is not None:
         args.refit_vocab_size = args.vocab_size
     refit = RefitConfig.from_args(args)
-    if refit.p2p:
+    if refit.p2p and (refit.store is None or ntp is not None):
         raise ValueError(
-            "--refit-transport p2p (the --reshard-refit-* flags): the reshard refit is not wired into this "
-            "script (its engine side has no command of its own yet); stream to an engine started on its own "
-            "with --refit-target HOST:PORT --refit-transport broadcast, or use the library "
-            "(TrainerRefit / EngineRefit, docs/weight_export_reshard.md)"
+            "--refit-transport p2p (the --reshard-refit-* flags) in this script refits an engine started on its "
+            "own (python -m megatron_ext.weight_export.engine --model DIR --refit-store HOST:PORT --refit-rank R "
+            "--refit-world-size W): give --refit-store HOST:PORT"
+            + (" and leave out --ntp-* (a nonuniform-TP trainer refits through the library)" if ntp else "")
         )
-    if refit.target is None:
+    if refit.target is None and not refit.p2p:
         changed = [
             f for f in ("every_n_steps", "bucket_size_mb", "transport") if getattr(refit, f) != getattr(RefitConfig, f)
         ]
@@ -426,8 +428,8 @@ def _check(args, world_size: int, cuda: bool, parser) -> Plan:
         missing = [flag for flag, ok in llama.items() if not ok]
         if missing:
             raise ValueError(
-                f"--refit-target exports in Hugging Face Llama naming: add {' '.join(missing)} "
-                "(the model must be Llama-shaped)"
+                f"--refit-{'store' if refit.p2p else 'target'} refits in Hugging Face Llama naming: add "
+                f"{' '.join(missing)} (the model must be Llama-shaped)"
             )
         export = refit
 
@@ -870,7 +872,16 @@ def startup_summary(args, plan: Plan, ddp, ntp_groups, exporter) -> None:
             more = f" (+{len(reasons) - 3} more)" if len(reasons) > 3 else ""
             line += f"; plain because: {' | '.join(reasons[:3])}{more}"
         lines.append(line)
-    if exporter is not None:
+    if isinstance(exporter, P2PRefit):
+        r = exporter.refit
+        lines.append(
+            f"megatron_ext: refit: p2p to the engine at {plan.export.store} (refit ranks {min(r.dst.ranks)}.."
+            f"{max(r.dst.ranks)}, engine TP{plan.export.engine_tp} x DP{plan.export.engine_dp}) at start, "
+            + (f"every {plan.export.every_n_steps} iterations and " if plan.export.every_n_steps else "")
+            + f"at the end; {len(r.src.specs)} HF tensors, "
+            f"{sum(spec.nbytes for spec in r.src.specs.values()) / 2**20:.2f} MiB"
+        )
+    elif exporter is not None:
         p = exporter.plan
         when = (
             f"at start, every {plan.export.every_n_steps} iterations and at the end"
@@ -887,7 +898,38 @@ def startup_summary(args, plan: Plan, ddp, ntp_groups, exporter) -> None:
     print_rank_0("\n".join(lines))
 
 
+class P2PRefit:
+    """The p2p (reshard) refit as this script drives the export hook: export / maybe_export / close."""
+
+    def __init__(self, ddp, config, vocab_size: int):
+        import torch.distributed as dist
+        from megatron_ext.weight_export import TrainerRefit
+
+        self.config, self.is_export_rank = config, dist.get_rank() == 0
+        self.refit = TrainerRefit.from_model(ddp, config, vocab_size=vocab_size)
+
+    def export(self, version: int):
+        """This rank's RefitStats and the version each engine refit rank holds afterwards."""
+        return self.refit.refit(version), self.refit.engine_versions()
+
+    def maybe_export(self, step: int):
+        return self.export(step) if self.config.due(step) else None
+
+    def close(self) -> None:
+        self.refit.close()
+        self.refit.group.close()
+
+
 def report_export(exporter, result) -> None:
+    if isinstance(exporter, P2PRefit):
+        if result is not None and exporter.is_export_rank:
+            stats, held = result
+            print(
+                f"refit: version {stats.version} (p2p, {stats.seconds * 1e3:.1f} ms, refit rank 0 sent "
+                f"{stats.sent_bytes / 1e6:.2f} MB); engine ranks hold {held}",
+                flush=True,
+            )
+        return
     if result is not None and exporter.is_export_rank:
         print(
             f"weight export: version {result.version} ({result.nbytes / 1e6:.2f} MB, {result.seconds * 1e3:.1f} ms); "
@@ -961,7 +1003,7 @@ def train(args, plan: Plan) -> int:
     if plan.export is not None:
         from megatron_ext.weight_export import WeightExporter
 
-        exporter = WeightExporter(ddp, plan.export)
+        exporter = P2PRefit(ddp, plan.export, args.vocab_size) if plan.export.p2p else WeightExporter(ddp, plan.export)
     startup_summary(args, plan, ddp, ntp_groups, exporter)
     if exporter is not None:
         # The starting weights go first (version = the iteration they are from): the engine checks the

@@ -71,6 +71,24 @@ class TensorSpec:
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 
+    def to_json(self) -> dict:
+        """Plain JSON data (the trainer publishes its specs to a refit engine that has none)."""
+        return {**dataclasses.asdict(self), "dtype": str(self.dtype).removeprefix("torch.")}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "TensorSpec":
+        """The spec :meth:`to_json` described; ValueError on anything else."""
+        try:
+            dtype = getattr(torch, data["dtype"])
+            if not isinstance(dtype, torch.dtype):
+                raise TypeError(data["dtype"])
+            fused = data.get("fused")
+            return cls(
+                **{**data, "dtype": dtype, "shape": tuple(data["shape"]), "fused": tuple(fused) if fused else None}
+            )
+        except (AttributeError, KeyError, TypeError) as exc:
+            raise ValueError(f"not a TensorSpec description: {data!r} ({exc})") from None
+
 
 def gpt_specs(
     *,

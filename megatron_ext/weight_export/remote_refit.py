@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from ..sharding.geometry import Layout
+from ..sharding.spec import TensorSpec
 from ..sharding.megatron import layout_from_recipe
 from .refit_group import NOTE_BYTES, RefitGroup, RefitGroupError
 from .gate import RefitGate
@@ -58,8 +59,8 @@ class _RemoteRefit:
         self,
         group: RefitGroup,
         src: Layout | None,
-        dst: Layout,
-        tensors: dict[str, torch.Tensor],
+        dst,
+        tensors: dict[str, torch.Tensor] | None,
         *,
         bucket_bytes: int,
         max_inflight: int,
@@ -67,7 +68,12 @@ class _RemoteRefit:
         check_finite: bool,
     ):
         self.tag = group.next_tag("refit")
-        src = self._exchange_trainer_layout(group, src, dst)
+        src, dst = self._exchange_trainer_layout(group, src, dst)
+        if tensors is None:  # an engine rank's own tensors, allocated on its device
+            tensors = {
+                n: torch.empty(lt.shape, dtype=lt.dtype, device=group.device)
+                for n, lt in dst.tensors.get(group.rank, {}).items()
+            }
         outside = sorted(r for r in (*src.ranks, *dst.ranks) if not 0 <= r < group.world_size)
         if outside:
             raise ValueError(
@@ -91,24 +97,34 @@ class _RemoteRefit:
         self.tensors = tensors
         self.announcer = min(src.ranks)  # the trainer rank that announces versions
         self.seq = 0  # refits so far: the same count on every rank
+        if self.executor.problem is None:
+            self.executor.problem = self._model_problem()
         self._check_plans()
 
-    def _exchange_trainer_layout(self, group: RefitGroup, src: Layout | None, dst: Layout) -> Layout:
-        """Refit rank 0 (a trainer rank) publishes how to build its layout (:attr:`Layout.recipe`); an
-        engine rank given ``src=None`` builds the trainer's layout from it and its own specs, so the
-        engine never types the trainer's topology."""
+    def _model_problem(self) -> str | None:
+        """Why this rank's model cannot take the layout's tensors (None: it can); quoted on every rank."""
+        return None
+
+    def _exchange_trainer_layout(self, group: RefitGroup, src: Layout | None, dst) -> tuple[Layout, Layout]:
+        """Refit rank 0 (a trainer rank) publishes how to build its layout (:attr:`Layout.recipe`) and its
+        specs; an engine rank given ``src=None`` builds the trainer's layout from them, and its own from the
+        trainer's specs when ``dst`` is a function of them, so the engine never types the trainer's
+        topology or model shape."""
         key = f"{self.tag}/src"
         if src is not None:
             if group.rank == 0:
-                group.store.set(key, json.dumps(src.recipe))
-            return src
+                specs = [s.to_json() for s in src.specs.values()]
+                group.store.set(key, json.dumps({"recipe": src.recipe, "specs": specs}))
+            return src, dst(list(src.specs.values()), src) if callable(dst) else dst
         group.wait_keys([key], [0], what="publish the trainer's layout")
-        recipe = json.loads(group.store.get(key).decode())
-        if recipe is None:
+        published = json.loads(group.store.get(key).decode())
+        if published["recipe"] is None:
             raise ValueError(
                 "the trainer's layout was built by hand (no recipe to send); pass src= on the engine side too"
             )
-        return layout_from_recipe(list(dst.specs.values()), recipe)
+        specs = [TensorSpec.from_json(s) for s in published["specs"]]
+        src = layout_from_recipe(specs, published["recipe"])
+        return src, dst(specs, src) if callable(dst) else dst
 
     def _check_plans(self) -> None:
         """Every rank runs the same plan and bucket size, with the layout's tensors; if not, every rank
@@ -179,6 +195,33 @@ class TrainerRefit(_RemoteRefit):
         )
         self._last: int | None = None  # the last refit's sequence number
 
+    @classmethod
+    def from_model(cls, model, config, *, vocab_size: int, device=None) -> "TrainerRefit":
+        """Every trainer rank of a Megatron job (TP x PP x DP, EP) refitting a separate engine job as
+        ``config`` (a :class:`~.config.RefitConfig` with ``transport='p2p'`` and ``store``) says: joins the
+        refit group as refit rank ``dist.get_rank()`` of ``T + engine_tp * engine_dp``, reads the trainer's
+        layout from the live groups and its specs from ``model`` (``vocab_size``: the HF vocabulary), and
+        publishes both to the engine. Collective over the trainer's ranks and the engine's."""
+        from ..sharding import megatron_layout_from_groups, megatron_tensors, specs_from_model
+
+        if not config.p2p or config.store is None:
+            raise ValueError(
+                "TrainerRefit.from_model needs RefitConfig(transport='p2p', store='host:port') (--refit-transport "
+                f"p2p --refit-store HOST:PORT), got transport={config.transport!r}, store={config.store!r}"
+            )
+        if callable(getattr(model, "refresh_compute_params", None)):
+            raise ValueError(
+                "a nonuniform-TP trainer refits through ntp_megatron_layout / ntp_megatron_tensors with "
+                "refresh=ddp.refresh_compute_params (docs/weight_export_reshard.md); from_model reads uniform groups"
+            )
+        trainer = dist.get_world_size()
+        engine = config.engine_tp * config.engine_dp
+        specs = specs_from_model(model, vocab_size=vocab_size)
+        src = megatron_layout_from_groups(specs)
+        dst = config.engine_layout(specs, ranks=range(trainer, trainer + engine))
+        group = config.join(dist.get_rank(), trainer + engine, device=device)
+        return cls(group, src, dst, megatron_tensors(model), **config.executor_kwargs)
+
     def _announce(self, value: str) -> None:
         if self.rank == self.announcer:
             self.group.store.set(f"{self.tag}/v/{self.seq}", value)
@@ -227,27 +270,29 @@ class EngineRefit(_RemoteRefit):
     (``dst.hf_tensors(rank, tensors)``, views into ``tensors``), e.g. a vLLM or
     HF model's ``load_weights``; a TP-sharded tensor is not whole, so with
     engine TP > 1 write in place instead (pass the engine's tensors).
+    ``expected``: the model's ``(shape, dtype)`` per HF name (e.g.
+    ``HFModelConsumer.expected_tensors()``); a tensor the model does not hold
+    as the trainer sends it is refused on every rank at the plan check, naming it.
+    ``dst`` may be a function of the trainer's specs and layout (with ``src=None``:
+    both layouts then come from what the trainer publishes, e.g. ``lambda specs,
+    trainer: inference_layout(specs, tp=1, dp=E, ranks=range(len(trainer.ranks), ...))``).
     """
 
     def __init__(
         self,
         group: RefitGroup,
         src: Layout | None,
-        dst: Layout,
+        dst: Layout | Callable[[list[TensorSpec], Layout], Layout],
         tensors: dict[str, torch.Tensor] | None = None,
         *,
         load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object] | None = None,
+        expected: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
         bucket_bytes: int = 64 << 20,
         max_inflight: int = 2,
         atomic: bool = True,
         check_finite: bool = True,
     ):
-        if tensors is None:
-            tensors = {
-                n: torch.empty(lt.shape, dtype=lt.dtype, device=group.device)
-                for n, lt in dst.tensors.get(group.rank, {}).items()
-            }
-        self.load_weights = load_weights
+        self.load_weights, self.expected = load_weights, expected
         super().__init__(
             group,
             src,
@@ -258,6 +303,19 @@ class EngineRefit(_RemoteRefit):
             atomic=atomic,
             check_finite=check_finite,
         )
+
+    def _model_problem(self) -> str | None:
+        if self.expected is None or self.rank not in self.dst.ranks:
+            return None
+        for name, t in self.dst.hf_tensors(self.rank, self.tensors):
+            want = self.expected.get(name)
+            if want is None or (tuple(want[0]), want[1]) != (tuple(t.shape), t.dtype):
+                has = "has no such tensor" if want is None else f"holds {tuple(want[0])} {want[1]}"
+                return (
+                    f"engine refit rank {self.rank}: {name}: the trainer sends {tuple(t.shape)} {t.dtype}, the "
+                    f"engine's model {has} (start the engine with the trainer's model and dtype)"
+                )
+        return None
 
     def next_version(self, timeout_s: float | None = None) -> int | None:
         """Wait for the trainer's next announcement: a version, or None when the trainer closed."""

@@ -127,27 +127,12 @@ def launch(nproc: int, *flags: str, env: dict, log: str) -> subprocess.Popen:
     )
 
 
-def engine_command(model_dir: str, address: str, device: str, env: dict, log: str) -> subprocess.Popen:
-    """The engine on its own: ``python -m megatron_ext.weight_export.engine --model DIR --address HOST:PORT``."""
-    return _start(
-        [
-            sys.executable,
-            "-m",
-            "megatron_ext.weight_export.engine",
-            "--model",
-            model_dir,
-            "--address",
-            address,
-            "--device",
-            device,
-            "--timeout-s",
-            "240",
-            "--sessions",
-            "1",
-        ],
-        env,
-        log,
-    )
+def engine_command(model_dir: str, address: str, device: str, env: dict, log: str, *p2p: str) -> subprocess.Popen:
+    """The engine on its own: ``python -m megatron_ext.weight_export.engine --model DIR --address HOST:PORT``,
+    or with ``p2p`` flags (``--refit-rank R --refit-world-size W``) one p2p engine rank at the store ``address``."""
+    where = ["--refit-store", address, *p2p] if p2p else ["--address", address, "--sessions", "1"]
+    cmd = [sys.executable, "-m", "megatron_ext.weight_export.engine", "--model", model_dir, *where]
+    return _start([*cmd, "--device", device, "--timeout-s", "240"], env, log)
 
 
 def finish(proc: subprocess.Popen, what: str, timeout: float = 300) -> str:
@@ -225,8 +210,14 @@ def runs(tmp_path_factory):
     )
     port = _port()
     address = f"127.0.0.1:{port}"
-    engine = engine_command(hf_model_dir(os.path.join(tmp, "hf")), address, "cpu", env, log("engine"))
-    procs = [engine, b]
+    hf = hf_model_dir(os.path.join(tmp, "hf"))
+    engine = engine_command(hf, address, "cpu", env, log("engine"))
+    # D's p2p engine: refit rank 2 of 3 (D's two ranks first), at the store D's rank 0 hosts.
+    store = f"127.0.0.1:{_port()}"
+    engine_p2p = engine_command(
+        hf, store, "cpu", env, log("engine_p2p"), "--refit-rank", "2", "--refit-world-size", "3"
+    )
+    procs = [engine, engine_p2p, b]
     out = {}
 
     def resume_from(ck: str) -> None:
@@ -272,6 +263,10 @@ def runs(tmp_path_factory):
             ck_ntp,
             "--data-cache-path",
             cache_b,
+            "--reshard-refit-store",  # the alias selects --refit-transport p2p
+            store,
+            "--refit-every-n-steps",
+            "2",
             env=env,
             log=log("D"),
         )
@@ -279,6 +274,7 @@ def runs(tmp_path_factory):
         out["engine"] = finish(engine, "the engine", timeout=60)
         out["C"] = finish(c, "C (NTP resuming the uniform checkpoint)")
         out["D"] = finish(d, "D (uniform TP2 resuming the NTP checkpoint)")
+        out["engine_p2p"] = finish(engine_p2p, "the p2p engine", timeout=60)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -383,7 +379,7 @@ def _script():
         (["--weight-export-every-n-steps", "2"], 2, "--refit-every-n-steps given without --refit-target"),
         (["--symm-mem", "sometimes"], 2, "argument --symm-mem: invalid choice: 'sometimes'"),
         (["--save-interval", "2"], 2, "--save-interval needs --save DIR"),
-        (["--reshard-refit-every-n-steps", "2"], 2, "the reshard refit is not wired into this script"),
+        (["--reshard-refit-every-n-steps", "2"], 2, "give --refit-store HOST:PORT"),
         (["--mock-data", "--data-path", "/data/x"], 2, "--mock-data and --data-path: pick one"),
     ],
 )
@@ -422,6 +418,24 @@ def test_gpt2_shaped_models_are_refused_for_the_weight_export(capsys, monkeypatc
 
 
 # ------------------------------------------------------------------------------------------- GPUs
+def test_p2p_refit_to_an_engine_started_on_its_own(runs):
+    """D (Megatron TP2, resumed at iteration 3) refits each engine rank's own shards, here one TP1 replica
+    (python -m megatron_ext.weight_export.engine --refit-store), point to point from the trainer ranks that
+    own them: at start (version 3), every 2 iterations (4, 6), the end not twice; the engine takes the
+    trainer's layout and specs from the trainer and acknowledges the version it holds."""
+    engine, d = runs["engine_p2p"], runs["D"]
+    assert re.search(
+        r"refit: p2p to the engine at 127\.0\.0\.1:\d+ \(refit ranks 2\.\.2, engine TP1 x DP1\) at start, every 2 "
+        r"iterations and at the end; \d+ HF tensors",
+        d,
+    ), d[-3000:]
+    for version in (3, 4, 6):
+        assert f"engine: applied version {version}\n" in engine, engine
+        assert re.search(rf"refit: version {version} \(p2p, .*\); engine ranks hold \{{2: {version}\}}", d), d[-3000:]
+    assert engine.count("engine: applied version") == 3, engine
+    assert "the trainer closed the refit; the model holds version 6" in engine, engine
+
+
 def _export_run(tmp_path, env, engine_device, nproc, transport, *flags):
     """A GPU job exporting every 3 iterations to an engine started on its own on ``engine_device``:
     the engine applies versions 0, 3 and 6 and ends holding 6. Returns the job's output."""

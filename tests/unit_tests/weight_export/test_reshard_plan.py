@@ -603,3 +603,17 @@ def test_interleaved_glu_experts_are_refused():
     model.module.config.moe_mlp_glu_interleave_size = 32
     with pytest.raises(ValueError, match="moe_mlp_glu_interleave_size=32"):
         specs_from_model(model, vocab_size=64)
+
+
+def test_specs_round_trip_through_json():
+    """What a trainer publishes to an engine that has no model description (TrainerRefit -> EngineRefit with
+    src=None): every field back, fused (kind, part) and expert tensors included; anything else is refused."""
+    from megatron_ext.sharding import TensorSpec
+
+    specs = gpt_specs(**MOE)
+    back = [TensorSpec.from_json(json.loads(json.dumps(s.to_json()))) for s in specs]
+    assert back == specs and any(s.fused for s in back) and any(s.expert is not None for s in back)
+    with pytest.raises(ValueError, match="not a TensorSpec description"):
+        TensorSpec.from_json({**specs[0].to_json(), "dtype": "Tensor"})  # a torch attribute that is no dtype
+    with pytest.raises(ValueError, match="not a TensorSpec description"):
+        TensorSpec.from_json({"name": "x"})
