@@ -13,6 +13,11 @@ versions the engine applied and any error to ``--out``. Faults:
 sent ``K`` buckets of version ``V`` (``K=0``: after all of its bytes, before it
 is committed; the in-place transports send no buckets); ``--nan-in-version V``
 puts a NaN into one weight before version ``V``.
+
+``--transport p2p``: ``--target`` is the refit group's store (this process hosts
+it as refit rank 0 of 2; the engine command joins as rank 1 with
+``--refit-store``), and ``--kill-after-buckets K`` counts rounds of point-to-point
+transfers instead of buckets.
 """
 
 from __future__ import annotations
@@ -75,6 +80,40 @@ class _KillAfter:
         return self.sender.finish(version)
 
 
+class _P2P:
+    """The p2p refit as this command drives an exporter: export(version).applied, close()."""
+
+    def __init__(self, model, spec, args):
+        from megatron_ext import weight_export as wx
+        from megatron_ext.weight_export import reshard
+
+        cfg = wx.RefitConfig(
+            transport="p2p", store=args.target, bucket_size_mb=args.bucket_size_mb, timeout_s=args.timeout_s
+        )
+        self.refit = wx.TrainerRefit.from_model(model, cfg, vocab_size=spec.hf_vocab_size)
+        self.version = None
+        if args.kill_in_version is not None:  # SIGKILL after K rounds of that version have been posted
+            post, left = reshard.batch_isend_irecv, [args.kill_after_buckets]
+
+            def counting(ops, group):
+                if self.version == args.kill_in_version:
+                    if left[0] == 0:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    left[0] -= 1
+                return post(ops, group)
+
+            reshard.batch_isend_irecv = counting
+
+    def export(self, version):
+        self.version = version
+        self.refit.refit(version)
+        return dataclasses.make_dataclass("Applied", ["applied"])(tuple(self.refit.engine_versions().values()))
+
+    def close(self):
+        self.refit.close()
+        self.refit.group.close()
+
+
 def _reference(model, spec):
     """The HF tensors an export sends, captured in this process."""
     from megatron_ext import weight_export as wx
@@ -112,17 +151,20 @@ def main(argv=None) -> int:
             device = torch.device("cuda", device.index or 0)
             torch.cuda.set_device(device)
         model = tiny_llama.build_model(spec, tiny_llama.transformer_config(spec), device=device)
-        exporter = wx.WeightExporter(
-            model,
-            wx.RefitConfig(
-                target=args.target,
-                transport=args.transport,
-                bucket_size_mb=args.bucket_size_mb,
-                vocab_size=spec.hf_vocab_size,
-                timeout_s=args.timeout_s,
-            ),
-        )
-        if args.kill_in_version is not None:
+        if args.transport == "p2p":
+            exporter = _P2P(model, spec, args)
+        else:
+            exporter = wx.WeightExporter(
+                model,
+                wx.RefitConfig(
+                    target=args.target,
+                    transport=args.transport,
+                    bucket_size_mb=args.bucket_size_mb,
+                    vocab_size=spec.hf_vocab_size,
+                    timeout_s=args.timeout_s,
+                ),
+            )
+        if args.kill_in_version is not None and args.transport != "p2p":
             exporter._sender = _KillAfter(exporter.sender, args.kill_in_version, args.kill_after_buckets)
         for v in range(1, args.versions + 1):
             if v > 1:

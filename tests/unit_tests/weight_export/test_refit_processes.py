@@ -238,3 +238,36 @@ def test_same_gpu_engine_as_its_own_process(tmp_path, env, model_dir, transport)
         _assert_holds(_saved_state(saved), second["sent"][1])
     else:
         assert "session 2 ended; the model holds no complete version" in out, out
+
+
+@pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "streaming"])
+def test_p2p_engine_keeps_its_version_when_the_trainer_is_killed_mid_refit(tmp_path, env, model_dir, atomic):
+    """The p2p refit with both sides as commands of their own: the engine command joins the trainer's
+    refit group (``--refit-store``), takes version 1, then the trainer (which hosts the store) is SIGKILLed
+    after 3 rounds of version 2. The engine fails at once, naming the dead peer, and its model holds version 1
+    bit for bit: it loads a version only when all of it arrived (a streaming engine's staging tensors are
+    mixed, its model is not)."""
+    store = f"127.0.0.1:{_port()}"
+    saved = tmp_path / "after"
+    p2p = ["--refit-store", store, "--refit-rank", "1", "--refit-world-size", "2", "--bucket-size-mb", "0.004"]
+    engine = subprocess.Popen(
+        [sys.executable, "-m", "megatron_ext.weight_export.engine", "--model", str(model_dir), *p2p, "--device",
+         "cpu", "--timeout-s", "90", "--save", str(saved), *([] if atomic else ["--no-atomic"])],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        killed, sent, _ = _trainer(
+            store, tmp_path / "t.pt", env, "--transport", "p2p", "--bucket-size-mb", "0.004",
+            "--kill-in-version", "2", "--kill-after-buckets", "3",
+        )  # fmt: skip
+        start = time.monotonic()
+        out, _ = engine.communicate(timeout=60)
+    finally:
+        engine.kill()
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert sent["applied"] == [(1,)] and sent["error"] is None and 2 in sent["sent"], sent["error"]
+    assert time.monotonic() - start < 30, out  # the engine learnt of the death from its connections
+    assert engine.returncode == 1 and "engine: applied version 1\n" in out, out
+    assert "engine: error: RefitGroupError: refit rank 1: recv from refit rank 0 failed" in out, out
+    _assert_holds(_saved_state(saved), sent["sent"][1])
+    assert not torch.equal(sent["sent"][2]["model.norm.weight"], sent["sent"][1]["model.norm.weight"])
