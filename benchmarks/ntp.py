@@ -19,8 +19,8 @@ slowest rank of each group; "sync vs uniform" compares unfold + grad sync.
 A second table gives the memory each rank holds for the model, counted exactly
 from the tensors (``ddp_memory_report``: works on CPU too): parameters (the
 ones forward runs), their gradients (``main_grad`` buffers), NTP's training
-shadow (healthy replicas: the ``tp_reduced`` shadow parameters and their grad
-buffer; spares hold a zero one), and the optimizer (fp32 main-param copies and
+shadow (healthy core ranks: the ``tp_reduced`` shadow parameters and their grad
+buffer; spares hold none), and the optimizer (fp32 main-param copies and
 Adam's state), for uniform ranks, NTP healthy core ranks, healthy spare ranks
 and degraded ranks (the largest rank of each group), and on GPUs the peak
 ``torch.cuda.max_memory_allocated`` of the run (activations and workspaces
@@ -150,8 +150,8 @@ def memory_table(uniform, ntp_out) -> dict:
             + f" | {g['total'] / base:9.2f}x | {peak:>9}"
         )
     print(
-        "shadow: the tp_reduced training shadow's parameters and grad buffer (healthy replicas; a spare's is "
-        "zero and never trained); optimizer: fp32 main params + Adam state over the shadow on healthy ranks."
+        "shadow: the tp_reduced training shadow's parameters and grad buffer (healthy core ranks; spares hold "
+        "none); optimizer: fp32 main params + Adam state over the shadow on healthy core ranks (spares: none)."
     )
     return groups
 

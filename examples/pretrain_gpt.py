@@ -14,7 +14,8 @@ flag groups switch its capabilities on:
 
 - ``--ntp-tp-base N --ntp-failed-slots R:S``: nonuniform tensor parallelism
   (launch the healthy GPUs only; ``--ntp-balance tp`` gives each replica a share
-  of every global batch by its TP degree); checkpoints are written in the layout that
+  of every global batch by its TP degree, ``--ntp-balance measured`` by its throughput
+  measured over the first ``--ntp-balance-measure-steps`` iterations); checkpoints are written in the layout that
   any TP degree resumes from (an NTP job resumes a uniform one's, and back;
   with --use-distributed-optimizer only at the layout that saved them).
 - ``--symm-mem {auto,on,off}``: the DDP buckets staged in NCCL symmetric memory
@@ -607,9 +608,9 @@ class NullTokenizer:
         return {"class": "NullTokenizer", "vocab_size": self.vocab_size, "eod_id": self.eod}
 
 
-def build_train_iterator(args, plan: Plan, consumed_samples: int):
-    """The training split of MockGPTDataset (or GPTDataset over --data-path), read from ``consumed_samples``."""
-    import torch
+def build_train_data(args, plan: Plan, consumed_samples: int):
+    """The training split of MockGPTDataset (or GPTDataset over --data-path) and the batch sampler
+    reading this replica's share of it from ``consumed_samples``: ``(dataset, sampler)``."""
     import torch.distributed as dist
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
@@ -636,8 +637,14 @@ def build_train_iterator(args, plan: Plan, consumed_samples: int):
     # Megatron-LM's MegatronPretrainingSampler order; with --ntp-balance each replica takes its own share.
     from megatron_ext.nonuniform_tp import BalancedPretrainingSampler
 
-    sampler = BalancedPretrainingSampler(total, consumed_samples, plan.shares)
-    return iter(torch.utils.data.DataLoader(train, batch_sampler=sampler, num_workers=0, pin_memory=False))
+    return train, BalancedPretrainingSampler(total, consumed_samples, plan.shares)
+
+
+def data_iterator(dataset, sampler):
+    """The micro-batches ``sampler`` picks from ``dataset`` (a new one after each sampler switch)."""
+    import torch
+
+    return iter(torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=0, pin_memory=False))
 
 
 def loss_func(loss_mask, output_tensor):
@@ -851,6 +858,8 @@ def startup_summary(args, plan: Plan, ddp, ntp_groups, exporter) -> None:
         lay = ntp_groups.layout
         degraded = [d for d in range(lay.num_replicas) if lay.is_degraded(d)]
         shares = f", --ntp-balance {plan.ntp.balance}: {plan.shares.describe()}" if plan.balanced else ""
+        if plan.ntp.balance == "measured":
+            shares += f" until {plan.ntp.balance_measure_steps} iteration(s) are timed"
         lines.append(
             f"megatron_ext: nonuniform TP: on, tp_base={lay.tp_base}, replica(s) {degraded} at "
             f"TP={lay.tp_reduced}, TP groups {lay.all_tp_groups()}, launch {plan.ntp.launch_mode}{shares}"
@@ -990,6 +999,14 @@ def train(args, plan: Plan) -> int:
     # What Megatron-LM's setup_model_and_optimizer hands the schedule.
     config.grad_scale_func = optimizer.scale_loss
     config.finalize_model_grads_func = finalize_model_grads
+    balance = None
+    if plan.ntp is not None and plan.ntp.balance == "measured":
+        from megatron_ext.nonuniform_tp import MeasuredBalance
+
+        # The shares by TP degree (plan.shares) until the first iterations are timed: each replica's compute,
+        # up to finalize_model_grads (before the gradient sync makes every replica wait for the slowest).
+        balance = MeasuredBalance(plan.ntp, gbs, args.micro_batch_size, num_replicas=plan.dp)
+        config.finalize_model_grads_func = balance.timed(finalize_model_grads)
     if args.overlap_grad_reduce:
         config.no_sync_func = ddp.no_sync
         config.grad_sync_func = ddp.start_grad_sync
@@ -1012,7 +1029,8 @@ def train(args, plan: Plan) -> int:
     if iteration >= args.train_iters:
         print_rank_0(f"checkpoint iteration {iteration} >= --train-iters {args.train_iters}: nothing to train")
 
-    data = build_train_iterator(args, plan, consumed)
+    train_ds, sampler = build_train_data(args, plan, consumed)
+    data = data_iterator(train_ds, sampler)
     forward_backward = get_forward_backward_func()
     # This replica's micro-batches per global batch (unequal under --ntp-balance).
     num_microbatches = plan.shares.num_microbatches()
@@ -1025,6 +1043,8 @@ def train(args, plan: Plan) -> int:
         start = time.perf_counter()
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
+        if balance is not None:
+            balance.step_started()
         losses = forward_backward(
             forward_step_func=partial(forward_step, device),
             data_iterator=data,
@@ -1039,6 +1059,20 @@ def train(args, plan: Plan) -> int:
         consumed += gbs
         if ok:
             scheduler.step(increment=gbs)
+        if balance is not None and balance.measuring:
+            new = balance.step_finished()  # collective on the last timed iteration
+            if new is not None:  # between global batches: the gradient weights and the data switch together
+                ddp.set_batch_shares(new)
+                num_microbatches = new.num_microbatches()
+                if iteration < args.train_iters:
+                    sampler = sampler.switch(new, consumed)
+                    data = data_iterator(train_ds, sampler)
+            if not balance.measuring:
+                seconds = ", ".join(f"{s * 1e3:.1f}" for s in balance.seconds)
+                print_rank_0(
+                    f"megatron_ext: --ntp-balance measured after iteration {iteration}: median compute ms per "
+                    f"replica [{seconds}]; {'now' if new is not None else 'kept'} {balance.shares.describe()}"
+                )
         # The global batch's loss: token-weighted over every replica. One rank per replica
         # (TP rank 0) contributes, so the same sum comes out of any TP layout, NTP included.
         total = torch.zeros(2, dtype=torch.float64, device=device)

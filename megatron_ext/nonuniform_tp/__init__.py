@@ -16,6 +16,10 @@ Balanced batch shares (``--ntp-balance tp``)::
     sampler = BalancedPretrainingSampler(len(dataset), consumed_samples, shares)   # DataLoader batch_sampler
     forward_backward_func(..., num_microbatches=shares.num_microbatches())
 
+``--ntp-balance measured``: ``balance = MeasuredBalance(ntp_config, global_batch_size, micro_batch_size)``
+starts with those shares and, after the timed warm-up steps, ``balance.step_finished()`` returns
+the shares by measured throughput (then ``ddp.set_batch_shares(new)``, ``sampler.switch(new, consumed)``).
+
 Distributed checkpoints (megatron-core ``dist_checkpointing``, any TP layout resumes them)::
 
     model_sd = model_sharded_state_dict(ddp)            # None on a healthy replica's spare rank
@@ -26,6 +30,7 @@ See docs/nonuniform_tp.md.
 from .balance import (
     BalancedPretrainingSampler,
     BatchShares,
+    MeasuredBalance,
     balanced_batch_shares,
     equal_batch_shares,
     reduce_loss_over_replicas,
@@ -68,6 +73,7 @@ __all__ = [
     "BalancedPretrainingSampler",
     "BatchShares",
     "DDPMemoryReport",
+    "MeasuredBalance",
     "NTPLayout",
     "NTPProcessGroups",
     "NonuniformTPBucketGroup",

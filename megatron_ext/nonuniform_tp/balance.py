@@ -16,6 +16,9 @@ and the gradient stays the exact mean over the global batch:
   micro-batches (lists of sample indices) of every global batch.
 - ``NonuniformTPDistributedDataParallel(..., batch_shares=shares)`` weights
   each replica's gradient by its share (see :meth:`BatchShares.gradient_weight`).
+- :class:`MeasuredBalance` (``--ntp-balance measured``) starts with the shares
+  by TP degree, times every replica's compute over the first steps and then
+  hands out shares by the measured throughputs, the same on every rank.
 
 See docs/nonuniform_tp.md, section "Balanced batch shares".
 """
@@ -26,12 +29,15 @@ import dataclasses
 import heapq
 import logging
 import math
-from collections.abc import Iterator, Sequence
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
 from fractions import Fraction
 
 __all__ = [
     "BalancedPretrainingSampler",
     "BatchShares",
+    "MeasuredBalance",
     "balanced_batch_shares",
     "equal_batch_shares",
     "reduce_loss_over_replicas",
@@ -183,7 +189,12 @@ def equal_batch_shares(num_replicas: int, global_batch_size: int, micro_batch_si
 
 
 def balanced_batch_shares(
-    throughputs: Sequence[float], global_batch_size: int, micro_batch_size: int, *, what: str = "throughputs"
+    throughputs: Sequence[float],
+    global_batch_size: int,
+    micro_batch_size: int,
+    *,
+    what: str = "throughputs",
+    require_gain: bool = True,
 ) -> BatchShares:
     """Micro-batch counts proportional to ``throughputs`` (one positive number per
     replica, e.g. its TP degree or its measured micro-batches per second).
@@ -196,8 +207,10 @@ def balanced_batch_shares(
     Refused with a ValueError saying what to change: ``global_batch_size`` not a
     multiple of ``micro_batch_size``, fewer micro-batches than replicas, and
     -- when the throughputs differ -- too few micro-batches to make the slowest
-    replica any faster than with equal shares. ``what`` names the throughputs
-    in the messages (e.g. "TP degrees (--ntp-balance tp)")."""
+    replica any faster than with equal shares (``require_gain=False`` returns the
+    best split then, as :class:`MeasuredBalance` does: its throughputs are
+    measured, never configured). ``what`` names the throughputs in the messages
+    (e.g. "TP degrees (--ntp-balance tp)")."""
     rates = [Fraction(t) for t in throughputs]
     if not rates or any(t <= 0 for t in rates):
         raise ValueError(f"{what} must be one number > 0 per replica, got {list(throughputs)}")
@@ -223,7 +236,7 @@ def balanced_batch_shares(
         _, d = heapq.heappop(heap)
         counts[d] += 1
         heapq.heappush(heap, ((counts[d] + 1) / rates[d], d))
-    if len(set(rates)) > 1:
+    if require_gain and len(set(rates)) > 1:
         slowest = max(m / t for m, t in zip(counts, rates))
         unbalanced = Fraction(total, replicas) / min(rates)
         if slowest >= unbalanced:
@@ -310,6 +323,25 @@ class BalancedPretrainingSampler:
         self.micro_batch_size = shares.micro_batch_size
         self._offsets = shares.micro_batch_offsets(self.data_parallel_rank)
 
+    def switch(self, shares: BatchShares, consumed_samples: int) -> "BalancedPretrainingSampler":
+        """The sampler that goes on from ``consumed_samples`` (the samples the training has
+        consumed: a global-batch boundary) with new ``shares`` of the same global batch size.
+
+        Global batch ``k`` is the same samples under any shares, so switching between
+        steps neither drops nor repeats a sample. Build a new ``DataLoader`` over it and
+        drop the old iterator (with workers it has read ahead under the old shares)."""
+        if shares.global_batch_size != self.shares.global_batch_size:
+            raise ValueError(
+                f"the new shares split global batches of {shares.global_batch_size} samples, this sampler's "
+                f"{self.shares.global_batch_size}: a switch keeps the global batch size"
+            )
+        if not isinstance(consumed_samples, int) or consumed_samples < self.consumed_samples:
+            raise ValueError(
+                f"consumed_samples={consumed_samples!r} is before this sampler's start {self.consumed_samples}: "
+                "pass the samples the training has consumed so far"
+            )
+        return BalancedPretrainingSampler(self.total_samples, consumed_samples, shares, self.data_parallel_rank)
+
     def __len__(self) -> int:
         """Micro-batches this replica yields."""
         return (self.total_samples - self.consumed_samples) // self.shares.global_batch_size * len(self._offsets)
@@ -319,6 +351,192 @@ class BalancedPretrainingSampler:
         for start in range(self.consumed_samples, self.total_samples - size + 1, size):
             for offset in self._offsets:
                 yield list(range(start + offset, start + offset + self.micro_batch_size))
+
+
+def _synchronized_clock() -> float:
+    """``time.perf_counter()`` once the work queued on this rank's current CUDA stream (the
+    compute; not the data-parallel collectives, which run on their own streams) has run."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.current_stream().synchronize()
+    return time.perf_counter()
+
+
+class MeasuredBalance:
+    """``--ntp-balance measured``: batch shares from the replicas' measured throughputs.
+
+    Starts with the shares by TP degree (:attr:`shares`, what ``--ntp-balance tp`` gives).
+    Over the first ``measure_steps`` steps each rank times its *compute*: from
+    :meth:`step_started` to :meth:`compute_finished`, which the wrapper from
+    :meth:`timed` calls when Megatron's forward-backward function enters
+    ``finalize_model_grads`` -- before the gradient sync, where every replica waits for
+    the slowest and all would measure the same time. At the end of the last of those
+    steps :meth:`step_finished` agrees on one time per replica with an all-reduce over
+    all active ranks (collective: call it on every rank after every step), and from
+    then on :attr:`shares` are ``balanced_batch_shares(throughputs, ...)`` with
+    ``throughputs[d] = num_microbatches(d) / seconds[d]`` (micro-batches per second
+    under the warm-up shares).
+
+    ``seconds[d]`` is the median of the per-step times of each of replica ``d``'s
+    ranks, then the largest over its TP ranks (they compute in lockstep; the slowest
+    sets the replica's pace). The median, not the mean: the first steps carry one-off
+    costs (allocator growth, kernel autotuning, communicator set-up, a checkpoint or
+    garbage-collector pause) that would skew a mean of a few steps; the median ignores
+    up to half the steps being outliers. Every rank reduces the same numbers and
+    computes the shares from them in the same way, so the shares are identical on
+    every rank.
+
+    Usage (Megatron training loop; ``consumed`` the samples consumed so far)::
+
+        balance = MeasuredBalance(ntp_config, global_batch_size, micro_batch_size)
+        ddp = NonuniformTPDistributedDataParallel(..., batch_shares=balance.shares)
+        config.finalize_model_grads_func = balance.timed(finalize_model_grads)
+        sampler = BalancedPretrainingSampler(len(train_ds), consumed, balance.shares)
+        data = iter(DataLoader(train_ds, batch_sampler=sampler))
+        while ...:
+            balance.step_started()
+            forward_backward(..., data_iterator=data, num_microbatches=balance.shares.num_microbatches())
+            optimizer.step()
+            consumed += global_batch_size
+            new = balance.step_finished()   # collective; new shares once, at the end of the warm-up
+            if new is not None:
+                ddp.set_batch_shares(new)
+                sampler = sampler.switch(new, consumed)
+                data = iter(DataLoader(train_ds, batch_sampler=sampler))
+
+    Args:
+        ntp_config: the job's :class:`NonuniformTPConfig` (``balance="measured"``).
+        global_batch_size, micro_batch_size: Megatron's sizes (kept by every switch).
+        num_replicas: default as :meth:`NonuniformTPConfig.batch_shares`.
+        measure_steps: steps timed before the shares change; default
+            ``ntp_config.balance_measure_steps`` (``--ntp-balance-measure-steps``).
+        clock: seconds as a float; default ``time.perf_counter`` after synchronising
+            the current CUDA stream (tests inject their own).
+        group: the group the times are agreed over; default all active ranks of the
+            NTP job (the world when no NTP groups are installed).
+        replica: this rank's replica; default ``parallel_state.get_data_parallel_rank()``.
+    """
+
+    def __init__(
+        self,
+        ntp_config,
+        global_batch_size: int,
+        micro_batch_size: int,
+        *,
+        num_replicas: int | None = None,
+        measure_steps: int | None = None,
+        clock: Callable[[], float] | None = None,
+        group=None,
+        replica: int | None = None,
+    ):
+        if ntp_config.balance != "measured":
+            raise ValueError(
+                f"MeasuredBalance needs NonuniformTPConfig.balance='measured' (--ntp-balance measured), got "
+                f"{ntp_config.balance!r}; use ntp_config.batch_shares(...) for the other modes"
+            )
+        measure_steps = ntp_config.balance_measure_steps if measure_steps is None else measure_steps
+        if not isinstance(measure_steps, int) or isinstance(measure_steps, bool) or measure_steps < 1:
+            raise ValueError(
+                "MeasuredBalance.measure_steps (--ntp-balance-measure-steps) must be an int >= 1, got "
+                f"{measure_steps!r}"
+            )
+        self.shares = ntp_config.batch_shares(global_batch_size, micro_batch_size, num_replicas)
+        self.measure_steps = measure_steps
+        self.clock = clock or _synchronized_clock
+        self.group = group
+        self.replica = self.shares._replica(replica)
+        self.times: list[float] = []  # this rank's compute seconds per warm-up step
+        self.seconds: tuple[float, ...] | None = None  # agreed per-replica seconds, once measured
+        self._started = self._finished = None
+
+    @property
+    def measuring(self) -> bool:
+        """True during the warm-up steps (their compute is timed)."""
+        return self.seconds is None
+
+    def step_started(self) -> None:
+        """Call right before the step's forward-backward function."""
+        if self.measuring:
+            self._started, self._finished = self.clock(), None
+
+    def compute_finished(self) -> None:
+        """This step's compute is done (the first call of a step counts); :meth:`timed` calls it."""
+        if self.measuring and self._started is not None and self._finished is None:
+            self._finished = self.clock()
+
+    def timed(self, finalize_model_grads: Callable) -> Callable:
+        """``finalize_model_grads`` calling :meth:`compute_finished` first: set it as the
+        ``TransformerConfig.finalize_model_grads_func`` that Megatron's forward-backward
+        function calls after the last backward."""
+
+        def finalize(*args, **kwargs):
+            self.compute_finished()
+            return finalize_model_grads(*args, **kwargs)
+
+        return finalize
+
+    def step_finished(self, seconds: float | None = None) -> BatchShares | None:
+        """Call after every step on every rank. ``seconds``: this step's compute time
+        measured by the caller (default: :meth:`step_started` to :meth:`compute_finished`,
+        or to now where that was not called, which includes the wait in the gradient sync).
+
+        At the end of the ``measure_steps``-th step (collective over :attr:`group`) the
+        shares by measured throughput replace :attr:`shares`; returns them when their
+        micro-batch counts differ from the warm-up shares, else ``None``."""
+        if not self.measuring:
+            return None
+        if seconds is None:
+            if self._started is None:
+                raise RuntimeError("MeasuredBalance.step_finished(): call step_started() before each step's compute")
+            seconds = (self._finished if self._finished is not None else self.clock()) - self._started
+        self.times.append(float(seconds))
+        self._started = self._finished = None
+        if len(self.times) < self.measure_steps:
+            return None
+        return self._agree()
+
+    def _agree(self) -> BatchShares | None:
+        import torch
+        import torch.distributed as dist
+
+        group = self.group
+        if group is None:
+            from .process_groups import get_ntp_process_groups
+
+            groups = get_ntp_process_groups()
+            group = groups.active_group if groups is not None else None
+        device = torch.device("cpu")
+        if dist.get_backend(group) == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        per_replica = torch.zeros(self.shares.num_replicas, dtype=torch.float64, device=device)
+        per_replica[self.replica] = statistics.median(self.times)
+        dist.all_reduce(per_replica, op=dist.ReduceOp.MAX, group=group)
+        self.seconds = tuple(per_replica.tolist())
+        if not all(s > 0 and math.isfinite(s) for s in self.seconds):
+            raise RuntimeError(
+                f"--ntp-balance measured: the median compute seconds per replica are {list(self.seconds)}; every "
+                "replica needs a time > 0 (check the clock, and that step_started() and step_finished() run on "
+                "every rank)"
+            )
+        old = self.shares
+        rates = [m / s for m, s in zip(old.microbatches, self.seconds)]
+        self.shares = balanced_batch_shares(
+            rates,
+            old.global_batch_size,
+            old.micro_batch_size,
+            what="measured throughputs (--ntp-balance measured)",
+            require_gain=False,
+        )
+        logger.info(
+            "nonuniform TP (--ntp-balance measured): median compute seconds per replica %s over %d steps under "
+            "%s; now %s",
+            [round(s, 6) for s in self.seconds],
+            len(self.times),
+            list(old.microbatches),
+            self.shares.describe(),
+        )
+        return self.shares if self.shares.microbatches != old.microbatches else None
 
 
 def reduce_loss_over_replicas(local_mean_loss, shares: BatchShares, group=None):

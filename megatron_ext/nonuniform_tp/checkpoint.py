@@ -415,7 +415,7 @@ def model_sharded_state_dict(ddp) -> dict | None:
       replica ids of the ``tp_base`` model. So the job's checkpoint is one
       ``tp_reduced`` layout, and torch_dist reshards it on load to any degree.
     - A healthy replica's spare rank: ``None``. It holds no training state of
-      its own (its shadow is zero); leave the ``"model"`` and ``"optimizer"``
+      its own (no training shadow); leave the ``"model"`` and ``"optimizer"``
       entries out of its state dict, but call ``dist_checkpointing.save`` /
       ``load`` on it too (they are collective).
 

@@ -47,8 +47,11 @@ class NonuniformTPConfig:
             (:meth:`batch_shares`). ``"none"``: equal shares, as Megatron.
             ``"tp"``: micro-batches in proportion to each replica's TP degree,
             so a degraded replica gets ``tp_reduced / tp_base`` of a healthy
-            share. ``"measured"`` (shares from measured step times) is not
-            implemented and refused.
+            share. ``"measured"``: the ``"tp"`` shares for the first
+            ``balance_measure_steps`` steps, then shares by the replicas'
+            measured throughputs (:class:`~megatron_ext.nonuniform_tp.balance.MeasuredBalance`).
+        balance_measure_steps: with ``balance="measured"``, how many steps are
+            timed before the shares change (an int >= 1).
     """
 
     tp_base: int
@@ -61,6 +64,7 @@ class NonuniformTPConfig:
     ffn_hidden_size: int | None = None
     vocab_size: int | None = None
     balance: str = "none"
+    balance_measure_steps: int = 5
 
     def __post_init__(self):
         if not isinstance(self.tp_base, int) or self.tp_base < 1:
@@ -76,12 +80,11 @@ class NonuniformTPConfig:
             raise ValueError(
                 f"NonuniformTPConfig.balance (--ntp-balance) must be one of {BALANCE_MODES}, got {self.balance!r}"
             )
-        if self.balance == "measured":
-            raise NotImplementedError(
-                "NonuniformTPConfig.balance='measured' (--ntp-balance measured) is not implemented: use 'tp' "
-                "(shares in proportion to the TP degrees) or 'none'; shares from your own per-replica timings "
-                "can be built with megatron_ext.nonuniform_tp.balance.balanced_batch_shares(throughputs, ...) "
-                "and passed to the DDP and the sampler"
+        steps = self.balance_measure_steps
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise ValueError(
+                "NonuniformTPConfig.balance_measure_steps (--ntp-balance-measure-steps) must be an int >= 1 (the "
+                f"steps timed before --ntp-balance measured sets the shares), got {steps!r}"
             )
         if self.data_parallel_size is not None and self.data_parallel_size < 1:
             raise ValueError(
@@ -150,8 +153,23 @@ class NonuniformTPConfig:
                     "tp_spares so both divide it (or pad the vocabulary to a common multiple)"
                 )
 
-    def check_model(self, transformer_config, vocab_size: int | None = None) -> None:
-        """Check a megatron ``TransformerConfig`` (and vocab) against both degrees."""
+    def check_model(self, transformer_config, vocab_size: int | None = None, module=None) -> None:
+        """Check a megatron ``TransformerConfig`` (and vocab) against both degrees, and
+        ``module``'s parameters (when given) against what NTP can fold.
+
+        Refused: parameters whose gradients Megatron's ``finalize_model_grads`` averages
+        over the TP group (``average_gradients_across_tp_domain``: DSA indexers, HF
+        wrappers). A healthy replica's TP group holds ``tp_base`` ranks, its spares
+        without a gradient, so the average would differ from a degraded replica's.
+        (Gradients it *sums* over TP, the q/k layer norms with ``qk_layernorm``, fold
+        exactly.)"""
+        if getattr(transformer_config, "num_moe_experts", None):
+            raise ValueError(
+                f"nonuniform TP does not train MoE models (num_moe_experts={transformer_config.num_moe_experts}): "
+                "the router's per-expert token counts and its load-balancing statistics are reduced over groups "
+                "that differ between healthy and degraded replicas, so they would diverge; train this model "
+                "without --ntp-tp-base"
+            )
         dataclasses.replace(
             self,
             num_attention_heads=transformer_config.num_attention_heads,
@@ -159,6 +177,21 @@ class NonuniformTPConfig:
             ffn_hidden_size=transformer_config.ffn_hidden_size,
             vocab_size=vocab_size,
         )
+        if module is None:
+            return
+        averaged = [
+            name
+            for name, p in module.named_parameters()
+            if p.requires_grad and getattr(p, "average_gradients_across_tp_domain", False)
+        ]
+        if averaged and self.tp_spares:
+            raise ValueError(
+                f"nonuniform TP cannot train parameters whose gradients finalize_model_grads averages over the "
+                f"TP group (average_gradients_across_tp_domain=True): {averaged[:3]}"
+                f"{f' and {len(averaged) - 3} more' if len(averaged) > 3 else ''}; a healthy replica's spare TP "
+                "ranks hold none of their gradient, so its average differs from a degraded replica's. Freeze them "
+                "(requires_grad=False) or train this model without --ntp-tp-base"
+            )
 
     def replica_tp_degrees(self, num_replicas: int) -> list[int]:
         """TP degree of every replica: ``tp_reduced`` for the listed ones, else ``tp_base``."""
@@ -208,8 +241,14 @@ class NonuniformTPConfig:
         try:
             if self.balance == "none":
                 return balance_mod.equal_batch_shares(num_replicas, global_batch_size, micro_batch_size)
+            # measured: the shares by TP degree until the throughputs are measured (the best split even
+            # where it is no faster than equal shares: the measured one replaces it)
             return balance_mod.balanced_batch_shares(
-                self.replica_tp_degrees(num_replicas), global_batch_size, micro_batch_size, what="TP degrees"
+                self.replica_tp_degrees(num_replicas),
+                global_batch_size,
+                micro_batch_size,
+                what="TP degrees",
+                require_gain=self.balance == "tp",
             )
         except ValueError as exc:
             raise ValueError(
@@ -234,6 +273,7 @@ class NonuniformTPConfig:
         data_parallel_size = getattr(args, "ntp_data_parallel_size", None)
         launch_mode = getattr(args, "ntp_launch_mode", "packed")
         balance = getattr(args, "ntp_balance", "none")
+        measure_steps = getattr(args, "ntp_balance_measure_steps", None)
         if tp_base is None:
             given = [
                 f"{flag} {value!r}"
@@ -243,6 +283,7 @@ class NonuniformTPConfig:
                     ("--ntp-data-parallel-size", data_parallel_size, None),
                     ("--ntp-launch-mode", launch_mode, "packed"),
                     ("--ntp-balance", balance, "none"),
+                    ("--ntp-balance-measure-steps", measure_steps, None),
                 )
                 if value != unset
             ]
@@ -260,8 +301,14 @@ class NonuniformTPConfig:
                 data_parallel_size if isinstance(data_parallel_size, int) and data_parallel_size >= 1 else None
             ),
         )
+        if measure_steps is not None and balance != "measured":
+            raise ValueError(
+                f"--ntp-balance-measure-steps {measure_steps} is read only with --ntp-balance measured (got "
+                f"--ntp-balance {balance}): drop it or pass --ntp-balance measured"
+            )
         if spares is None:
             spares, failed = compute_uniform_tp_spares_with_parity(failed, tp_base)
+        extra = {} if measure_steps is None else {"balance_measure_steps": measure_steps}
         config = cls(
             tp_base=tp_base,
             tp_spares=spares,
@@ -269,6 +316,7 @@ class NonuniformTPConfig:
             data_parallel_size=data_parallel_size,
             launch_mode=launch_mode,
             balance=balance,
+            **extra,
         )
         # Megatron's --global-batch-size / --micro-batch-size (and its world size): refuse a global batch
         # that the replicas cannot share as --ntp-balance asks, before anything is built.
@@ -443,6 +491,15 @@ def add_nonuniform_tp_args(parser: argparse.ArgumentParser) -> argparse.Argument
         default="none",
         help="Share of each global batch per replica: none: equal (Megatron's); tp: micro-batches "
         "in proportion to each replica's TP degree (a degraded replica is no straggler); "
-        "measured: not implemented. Needs --ntp-tp-base.",
+        "measured: tp for the first --ntp-balance-measure-steps steps, then in proportion to each "
+        "replica's measured throughput. Needs --ntp-tp-base.",
+    )
+    group.add_argument(
+        "--ntp-balance-measure-steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="With --ntp-balance measured: steps timed (per replica, the median) before the shares "
+        "change (default 5, >= 1).",
     )
     return parser

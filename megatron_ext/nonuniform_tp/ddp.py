@@ -5,7 +5,7 @@ NTP data-parallel groups: their rank ``i`` holds slice ``S_i`` of every
 TP-sharded tensor, and that is the layout in which gradients are reduced and
 the optimizer runs on every replica.
 
-A healthy replica computes at ``tp_base``. Each of its ranks also owns a
+A healthy replica computes at ``tp_base``. Each of its core ranks also owns a
 *training shadow* of the model in the ``tp_reduced`` layout: on core rank
 ``i`` (TP rank ``< tp_reduced``) it holds ``S_i`` -- the same tensors, sizes
 and order as degraded rank ``i`` -- and Megatron's grad buffer, bucket groups
@@ -17,10 +17,14 @@ gradients are folded into the shadow with one all-to-all inside the TP group
 updated shadow parameters are unfolded back into the ``tp_base`` compute
 parameters (one all-to-all per dtype), before the next forward.
 
-Spare ranks hold a zero shadow that never receives gradients; it keeps every
-rank of a healthy TP group on the same code path (optimizer, grad norm) and
-costs ``1/tp_reduced`` of the model in parameters, gradients and optimizer
-state on each spare.
+Spare ranks hold no shadow: their DDP is Megatron's over an empty module (only
+zero-gradient copies of the parameters ``finalize_model_grads`` all-reduces over
+the TP group, such as q/k layer norms, so that they join that all-reduce), and
+the optimizer built over it owns no parameters but still takes part in the
+grad-norm and other gradient-statistics all-reduces of the core ranks. They send
+their gradient pieces to the core ranks in each bucket group's fold (the core
+ranks' bucket groups, broadcast from TP rank 0 at construction, tell them when)
+and receive the updated parameters in the unfold.
 
 Balanced batch shares (:mod:`.balance`): with ``batch_shares``, each bucket
 scales its gradients by the replica's share of the global batch before the
@@ -33,9 +37,12 @@ for parameters, gradients, the shadow and the optimizer, from the tensors.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 
 import torch
+import torch.distributed as dist
 
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
@@ -53,10 +60,11 @@ class _HealthyState:
     """A healthy replica's compute parameters, their shadows and the unfold plan."""
 
     compute: list  # [(name, tp_base parameter)]
-    shadows: list  # [tp_reduced shadow parameter], same order
+    shadows: list  # [tp_reduced shadow parameter, or None where a spare holds none], same order
     tp_rank: int
     tp_group: object
     unfold: list  # reshard.Piece, shadow (core ranks) -> compute (all ranks)
+    schedule: _FoldSchedule  # when each bucket group's fold runs (the same on every rank of the TP group)
     stale: bool = False  # shadow updated since the last unfold
 
 
@@ -77,7 +85,9 @@ class DDPMemoryReport:
     - ``shadow_params``, ``shadow_grads``: healthy replicas only (else 0): the
       ``tp_reduced`` training shadow and its grad buffer, the one the
       data-parallel collective reduces. Core rank ``i`` holds what degraded rank
-      ``i`` holds; a spare holds a zero shadow of the same size.
+      ``i`` holds; a spare holds none (0), except zero-gradient copies of the
+      parameters ``finalize_model_grads`` all-reduces over the TP group (q/k layer
+      norms with ``qk_layernorm``).
     - ``optimizer_main_params``: the optimizer's own copies of the parameters
       (fp32 main params of a bf16/fp16 model; 0 when it steps the model's
       tensors in place), and ``optimizer_state``: its state tensors (Adam's
@@ -199,6 +209,69 @@ def _shadow_module(named_shapes) -> torch.nn.Module:
     return root
 
 
+def _reduced_over_tp_by_finalize(config, name: str, param) -> bool:
+    """Whether Megatron's ``finalize_model_grads`` all-reduces this parameter's gradient
+    over the TP group (``_allreduce_non_tensor_model_parallel_grads``, megatron-core 0.19:
+    the sums of :func:`reshard.tp_summed_grad`, and the averages of parameters marked
+    ``average_gradients_across_tp_domain``). A spare keeps a shadow of these only, with a
+    zero gradient, so that it joins that all-reduce of its TP group's core ranks."""
+    return reshard.tp_summed_grad(config, name, param) or bool(
+        getattr(param, "average_gradients_across_tp_domain", False)
+    )
+
+
+class _FoldSchedule:
+    """When the fold of each of the core ranks' shadow bucket groups runs, the same on
+    every rank of a healthy TP group (core ranks and spares).
+
+    A fold is one all-to-all in the TP group, so every rank must issue them in the same
+    order. Core ranks own the shadow's bucket groups; spares own none and fold by
+    ``group_of`` (each compute parameter's bucket-group index, from TP rank 0). A group
+    folds where Megatron's bucket group starts its collective: with ``overlap_grad_reduce``,
+    from the backward hook of the last micro-batch once each of its parameters was reported
+    as often as in the first batch (Megatron's golden counts; never in the first batch);
+    else, and for the groups still pending, in ``start_grad_sync`` / ``finish_grad_sync``,
+    in bucket-group order. A group folds once per step (until :meth:`reset`)."""
+
+    def __init__(self, group_of: list[int], make_fold, overlap: bool):
+        self.group_of = group_of
+        self.members = [[] for _ in range(max(group_of, default=-1) + 1)]
+        for i, k in enumerate(group_of):
+            self.members[k].append(i)
+        self.folds = [make_fold(m) for m in self.members]
+        self.overlap = overlap
+        self.last_microbatch = True
+        self.golden = [None] * len(self.folds)
+        self.counts = [{} for _ in self.folds]
+        self.done = [False] * len(self.folds)
+
+    def fold(self, k: int) -> None:
+        if not self.done[k]:
+            self.folds[k]()
+            self.done[k] = True
+
+    def fold_pending(self) -> None:
+        for k in range(len(self.folds)):
+            self.fold(k)
+
+    def grad_ready(self, index: int) -> None:
+        if not (self.overlap and self.last_microbatch):
+            return
+        k = self.group_of[index]
+        counts = self.counts[k]
+        counts[index] = counts.get(index, 0) + 1
+        if self.golden[k] is not None and counts == self.golden[k]:
+            self.fold(k)
+
+    def reset(self) -> None:
+        for k, counts in enumerate(self.counts):
+            if self.golden[k] is None and counts:
+                self.golden[k] = counts
+        self.counts = [{} for _ in self.folds]
+        self.done = [False] * len(self.folds)
+        self.last_microbatch = True
+
+
 _COPIED_ATTRS = (
     "tensor_model_parallel",
     "partition_dim",
@@ -221,8 +294,9 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
     stages the bucket buffers in NCCL symmetric memory per its policy; on gloo or
     unsupported setups they stay plain with one warning. On degraded replicas and in jobs without failures it is exactly
     Megatron's DDP. On healthy replicas ``self.module`` is the training shadow
-    (``tp_reduced`` layout; what the optimizer and ``state_dict`` see) and
-    :attr:`compute_module` is the ``tp_base`` model that ``forward`` runs.
+    (``tp_reduced`` layout; what the optimizer and ``state_dict`` see; on spare
+    ranks an empty module, see the module docstring) and :attr:`compute_module`
+    is the ``tp_base`` model that ``forward`` runs.
 
     ``batch_shares`` (a :class:`~megatron_ext.nonuniform_tp.balance.BatchShares`,
     from ``ntp_config.batch_shares(global_batch_size, micro_batch_size)``) makes
@@ -281,7 +355,7 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
                 "ntp_config differs from the config the NTP process groups were built "
                 f"with: {ntp_config} vs {groups.config}"
             )
-        ntp_config.check_model(config)
+        ntp_config.check_model(config, module=module)
         self._ntp_groups = groups
         if getattr(config, "sequence_parallel", False) or config.pipeline_model_parallel_size != 1:
             raise ValueError(
@@ -308,9 +382,13 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
             shape = list(p.shape)
             if spec.dim is not None:
                 shape[spec.dim] = shape[spec.dim] * b // r
-            pieces.append(
-                reshard.reshard_pieces(idx, spec, p.shape[spec.dim] if spec.dim is not None else 0, b, r, name=name)
-            )
+            size = p.shape[spec.dim] if spec.dim is not None else 0
+            # Gradients Megatron sums over TP (qk_layernorm): the spares' partial sums fold in too.
+            summed = reshard.tp_summed_grad(config, name, p)
+            pieces.append(reshard.reshard_pieces(idx, spec, size, b, r, name=name, summed=summed))
+            if role.spare and not _reduced_over_tp_by_finalize(config, name, p):
+                shadows.append(None)  # a spare trains nothing: it only sends its gradient pieces to core ranks
+                continue
             shadow = torch.nn.Parameter(torch.zeros(shape, dtype=p.dtype, device=p.device))
             for attr in _COPIED_ATTRS:
                 if hasattr(p, attr):
@@ -318,12 +396,15 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
             shadows.append(shadow)
         tp_rank, tp_group = role.tp_rank, groups.tp_group
         fold_all = [pc for per in pieces for pc in per]
-        reshard.exchange(fold_all, tp_rank, tp_group, src=lambda i: compute[i][1].data, dst=lambda i: shadows[i].data)
+        params_fold = [pc for pc in fold_all if not pc.add]  # parameters are whole on every rank, never summed
+        reshard.exchange(
+            params_fold, tp_rank, tp_group, src=lambda i: compute[i][1].data, dst=lambda i: shadows[i].data
+        )
 
         super().__init__(
             config,
             ddp_config,
-            _shadow_module((n, s) for (n, _), s in zip(compute, shadows)),
+            _shadow_module((n, s) for (n, _), s in zip(compute, shadows) if s is not None),
             disable_bucketing,
             pg_collection,
             full_param_layout,
@@ -334,22 +415,52 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
         for _, p in compute:
             p.main_grad = torch.zeros_like(p, dtype=grad_dtype or p.dtype)
             p.grad_added_to_main_grad = False
-        index_of = {id(s): i for i, s in enumerate(shadows)}
-        for bucket_group in self.bucket_groups:
-            idxs = sorted(index_of[id(s)] for s in bucket_group.params)
-            group_pieces = [pc for i in idxs for pc in pieces[i]]
-            bucket_group.__class__ = NonuniformTPBucketGroup
-            bucket_group.ntp_fold = self._make_fold(group_pieces, compute, shadows, tp_rank, tp_group)
+        schedule = _FoldSchedule(
+            self._bucket_group_of(compute, shadows, role.spare, tp_group),
+            lambda idxs: self._make_fold([pc for i in idxs for pc in pieces[i]], compute, shadows, tp_rank, tp_group),
+            ddp_config.overlap_grad_reduce,
+        )
+        if not role.spare:  # a spare's own bucket groups (if any) hold only zero gradients: no fold
+            for k, bucket_group in enumerate(self.bucket_groups):
+                bucket_group.__class__ = NonuniformTPBucketGroup
+                bucket_group.ntp_fold = functools.partial(schedule.fold, k)
 
         self._ntp = _HealthyState(
-            compute=compute, shadows=shadows, tp_rank=tp_rank, tp_group=tp_group, unfold=reshard.reverse(fold_all, b, r)
+            compute=compute,
+            shadows=shadows,
+            tp_rank=tp_rank,
+            tp_group=tp_group,
+            unfold=reshard.reverse(fold_all, b, r),
+            schedule=schedule,
         )
         self.__dict__["_compute_module"] = module  # not a registered submodule
         self._compute_hooks = []
-        for (_, p), s in zip(compute, shadows):
+        for idx, ((_, p), s) in enumerate(zip(compute, shadows)):
             acc = p.expand_as(p).grad_fn.next_functions[0][0]
-            acc.register_hook(self._make_compute_hook(p, s))
+            acc.register_hook(self._make_compute_hook(idx, p, None if role.spare else s))
             self._compute_hooks.append(acc)
+
+    def _bucket_group_of(self, compute, shadows, spare: bool, tp_group) -> list[int]:
+        """Each compute parameter's bucket group among the core ranks' shadow bucket groups
+        (``self.bucket_groups`` order), the same list on every rank of the healthy TP group:
+        TP rank 0 (a core rank) broadcasts its own; spares have no such bucket groups."""
+        if not compute:
+            return []
+        mine = torch.full((len(compute),), -1, dtype=torch.int64, device=compute[0][1].device)
+        if not spare:
+            index_of = {id(s): i for i, s in enumerate(shadows)}
+            for k, bucket_group in enumerate(self.bucket_groups):
+                for s in bucket_group.params:
+                    mine[index_of[id(s)]] = k
+        group_of = mine.clone()
+        dist.broadcast(group_of, src=dist.get_global_rank(tp_group, 0), group=tp_group)
+        if (not spare and not torch.equal(group_of, mine)) or bool((group_of < 0).any()):
+            raise RuntimeError(
+                "nonuniform TP: the core ranks of a healthy TP group built different shadow bucket groups "
+                f"({mine.tolist()} here, {group_of.tolist()} on TP rank 0); every rank needs the same "
+                "DistributedDataParallelConfig and model"
+            )
+        return group_of.tolist()
 
     # ---- batch shares ---------------------------------------------------------------
     def set_batch_shares(self, shares: BatchShares) -> None:
@@ -423,13 +534,15 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
 
         return fold
 
-    def _make_compute_hook(self, param, shadow):
+    def _make_compute_hook(self, index, param, shadow):
         def hook(*unused):
             if param.grad is not None and not param.grad_added_to_main_grad:
                 param.main_grad.add_(param.grad.data)
             param.grad = None
             if self.ddp_config.overlap_grad_reduce:
-                self.param_to_bucket_group[shadow].register_grad_ready(shadow, self.force_all_reduce)
+                self._ntp.schedule.grad_ready(index)  # may fold this parameter's bucket group
+                if shadow is not None:  # core ranks: Megatron's bucket group then starts its collective
+                    self.param_to_bucket_group[shadow].register_grad_ready(shadow, self.force_all_reduce)
 
         return hook
 
@@ -443,13 +556,14 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
         ntp = self._ntp
         by_dtype = {}
         for pc in ntp.unfold:
-            by_dtype.setdefault(ntp.shadows[pc.index].dtype, []).append(pc)
+            by_dtype.setdefault(ntp.compute[pc.index][1].dtype, []).append(pc)  # a shadow has its parameter's dtype
         for dtype in sorted(by_dtype, key=str):
             reshard.exchange(
                 by_dtype[dtype],
                 ntp.tp_rank,
                 ntp.tp_group,
-                src=lambda i: ntp.shadows[i].data,
+                # only core ranks send; on a spare (no shadow) src gives the dtype and device at most
+                src=lambda i: (ntp.compute[i][1] if ntp.shadows[i] is None else ntp.shadows[i]).data,
                 dst=lambda i: ntp.compute[i][1].data,
             )
         ntp.stale = False
@@ -495,7 +609,26 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
             self._compute_module.train(mode)
         return self
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        with super().no_sync():
+            if self._ntp is None:
+                yield
+                return
+            self._ntp.schedule.last_microbatch = False
+            try:
+                yield
+            finally:
+                self._ntp.schedule.last_microbatch = True
+
+    def start_grad_sync(self, *unused):
+        if self._ntp is not None:
+            self._ntp.schedule.fold_pending()
+        super().start_grad_sync(*unused)
+
     def finish_grad_sync(self, force_all_reduce: bool | None = False):
+        if self._ntp is not None:
+            self._ntp.schedule.fold_pending()  # in bucket-group order on every rank, spares included
         super().finish_grad_sync(force_all_reduce=force_all_reduce)
         if self._ntp is not None:
             self._ntp.stale = True
@@ -504,6 +637,7 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
         super().zero_grad_buffer()
         if self._ntp is None:
             return
+        self._ntp.schedule.reset()
         self.refresh_compute_params()
         for _, p in self._ntp.compute:
             p.main_grad.zero_()

@@ -14,6 +14,13 @@ degree ``t`` of rank ``k`` is therefore, per chunk, the contiguous global range
 Tensors that are not TP-sharded (norms, row-parallel biases, position
 embeddings) are replicated in a TP group: core rank ``i`` keeps its own copy
 and spare rank ``j`` receives it from core rank ``j % tp_reduced``.
+
+Some replicated parameters get a *partial* gradient on each TP rank, which
+Megatron's ``finalize_model_grads`` sums over the TP group after the
+data-parallel collective (:func:`tp_summed_grad`: the q/k layer norms with
+``qk_layernorm``, each rank's gradient covering its own heads). Their fold adds
+spare ``j``'s gradient into core rank ``j % tp_reduced``'s, so that the sum
+over the core ranks is the sum over all ``tp_base`` ranks.
 """
 
 from __future__ import annotations
@@ -26,14 +33,15 @@ import torch.distributed as dist
 
 from ..sharding.megatron import ShardSpec, shard_spec
 
-__all__ = ["Piece", "ShardSpec", "exchange", "reshard_pieces", "shard_spec"]
+__all__ = ["Piece", "ShardSpec", "exchange", "reshard_pieces", "shard_spec", "tp_summed_grad"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
     """Elements ``[src_off, src_off+length)`` of parameter ``index`` along ``dim``
     on TP rank ``src`` go to ``[dst_off, dst_off+length)`` on TP rank ``dst``
-    (``dim is None``: the whole tensor)."""
+    (``dim is None``: the whole tensor). ``add``: added to the destination
+    (after the pieces that copy into it) instead of copied."""
 
     index: int
     src: int
@@ -42,6 +50,7 @@ class Piece:
     src_off: int = 0
     dst_off: int = 0
     length: int = 0
+    add: bool = False
 
     def view(self, t: torch.Tensor, side: str) -> torch.Tensor:
         if self.dim is None:
@@ -49,14 +58,39 @@ class Piece:
         return t.narrow(self.dim, self.src_off if side == "src" else self.dst_off, self.length)
 
 
+def tp_summed_grad(config, name: str, param: torch.Tensor) -> bool:
+    """Whether Megatron's ``finalize_model_grads`` sums this parameter's gradient
+    over the TP group (``_allreduce_non_tensor_model_parallel_grads``, megatron-core
+    0.19, same selection): a replicated parameter whose gradient each TP rank
+    holds only in part. Parameters it averages (``average_gradients_across_tp_domain``)
+    are not summed."""
+    if getattr(param, "average_gradients_across_tp_domain", False):
+        return False
+    return bool(
+        (getattr(config, "sequence_parallel", False) and getattr(param, "sequence_parallel", False))
+        or (getattr(config, "qk_layernorm", False) and ("q_layernorm" in name or "k_layernorm" in name))
+    )
+
+
 def reshard_pieces(
-    index: int, spec: ShardSpec, local_size_at_base: int, tp_base: int, tp_reduced: int, name: str | None = None
+    index: int,
+    spec: ShardSpec,
+    local_size_at_base: int,
+    tp_base: int,
+    tp_reduced: int,
+    name: str | None = None,
+    summed: bool = False,
 ) -> list[Piece]:
     """Pieces that move one parameter from the ``tp_base`` layout (src = healthy
     TP rank) to the ``tp_reduced`` layout (dst = core TP rank). ``local_size_at_base``
-    is the size along ``spec.dim`` of a ``tp_base`` shard (ignored when replicated)."""
+    is the size along ``spec.dim`` of a ``tp_base`` shard (ignored when replicated).
+    ``summed`` (replicated only, :func:`tp_summed_grad`): the tensor is a partial
+    sum per TP rank, so spare ``j``'s is also added into core ``j % tp_reduced``'s."""
     if spec.dim is None:
-        return [Piece(index, i, i, None) for i in range(tp_reduced)]
+        pieces = [Piece(index, i, i, None) for i in range(tp_reduced)]
+        if summed:
+            pieces += [Piece(index, j, j % tp_reduced, None, add=True) for j in range(tp_reduced, tp_base)]
+        return pieces
     per_chunk_b = local_size_at_base // spec.chunks
     n = per_chunk_b * tp_base
     if n % tp_reduced:
@@ -92,7 +126,7 @@ def reverse(pieces: Sequence[Piece], tp_base: int, tp_reduced: int) -> list[Piec
     out = []
     for p in pieces:
         if p.dim is None:
-            if p.src == p.dst:  # replicated: every rank j takes core j % tp_reduced's copy
+            if p.src == p.dst and not p.add:  # replicated: every rank j takes core j % tp_reduced's copy
                 out.extend(Piece(p.index, p.src, j, None) for j in range(tp_base) if j % tp_reduced == p.src)
         else:
             out.append(Piece(p.index, p.dst, p.src, p.dim, src_off=p.dst_off, dst_off=p.src_off, length=p.length))
@@ -108,28 +142,34 @@ def exchange(
     dst: Callable[[int], torch.Tensor],
 ) -> None:
     """Carry out ``pieces`` inside a TP group: this rank (TP rank ``me``) sends
-    ``piece.view(src(index))`` and receives into ``piece.view(dst(index))``.
+    ``piece.view(src(index))`` and receives into ``piece.view(dst(index))``
+    (copied, or added for ``piece.add`` after every copy).
     One ``all_to_all_single`` per call (all tensors must share a dtype)."""
     size = dist.get_world_size(group)
     send = [[] for _ in range(size)]
     recv = [[] for _ in range(size)]
+    own_adds = []
     for p in pieces:
         if p.src == me and p.dst == me:
-            p.view(dst(p.index), "dst").copy_(p.view(src(p.index), "src"))
+            if p.add:
+                own_adds.append(p)
+            else:
+                p.view(dst(p.index), "dst").copy_(p.view(src(p.index), "src"))
         elif p.src == me:
             send[p.dst].append(p.view(src(p.index), "src"))
         elif p.dst == me:
-            recv[p.src].append(p.view(dst(p.index), "dst"))
+            recv[p.src].append((p.view(dst(p.index), "dst"), p.add))
     if size == 1:
+        for p in own_adds:
+            p.view(dst(p.index), "dst").add_(p.view(src(p.index), "src"))
         return
     dtype = device = None
-    for lst in send + recv:
-        for t in lst:
-            dtype, device = t.dtype, t.device
+    for t in [t for lst in send for t in lst] + [t for lst in recv for t, _ in lst]:
+        dtype, device = t.dtype, t.device
     if dtype is None:  # nothing to move for me, but peers may still call the collective
         dtype, device = src(pieces[0].index).dtype, src(pieces[0].index).device
     in_splits = [sum(t.numel() for t in lst) for lst in send]
-    out_splits = [sum(t.numel() for t in lst) for lst in recv]
+    out_splits = [sum(t.numel() for t, _ in lst) for lst in recv]
     flat_in = (
         torch.cat([t.reshape(-1) for lst in send for t in lst])
         if any(in_splits)
@@ -137,9 +177,16 @@ def exchange(
     )
     flat_out = torch.empty(sum(out_splits), dtype=dtype, device=device)
     dist.all_to_all_single(flat_out, flat_in, out_splits, in_splits, group=group)
-    offset = 0
+    offset, adds = 0, []
     for lst in recv:
-        for t in lst:
+        for t, add in lst:
             n = t.numel()
-            t.copy_(flat_out[offset : offset + n].view(t.shape))
+            if add:
+                adds.append((t, flat_out[offset : offset + n].view(t.shape)))
+            else:
+                t.copy_(flat_out[offset : offset + n].view(t.shape))
             offset += n
+    for p in own_adds:
+        p.view(dst(p.index), "dst").add_(p.view(src(p.index), "src"))
+    for t, received in adds:
+        t.add_(received)

@@ -22,6 +22,7 @@ class TinyGPTSpec:
     num_query_groups: int | None = None  # None: no GQA
     ffn_hidden_size: int = 128
     gated_linear_unit: bool = False
+    qk_layernorm: bool = False  # layer norms of the queries and keys (their grads are partial per TP rank)
     vocab_size: int = 128
     seq_length: int = 16
     micro_batch_size: int = 2
@@ -39,6 +40,7 @@ def transformer_config(spec: TinyGPTSpec, tp: int = 1, pp: int = 1, **overrides)
         num_query_groups=spec.num_query_groups,
         ffn_hidden_size=spec.ffn_hidden_size,
         gated_linear_unit=spec.gated_linear_unit,
+        qk_layernorm=spec.qk_layernorm,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         use_cpu_initialization=True,
@@ -74,7 +76,7 @@ def build_model(spec: TinyGPTSpec, config, device: torch.device | str = "cpu"):
     tensor_parallel.model_parallel_cuda_manual_seed(spec.seed)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
+        transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm),
         vocab_size=spec.vocab_size,
         max_sequence_length=spec.seq_length,
         position_embedding_type="learned_absolute",

@@ -71,7 +71,7 @@ def ntp_megatron_tensors(ddp) -> dict[str, torch.Tensor]:
     The NTP layout holds each replica at the TP degree it computes at. On a
     healthy replica (``tp_base``) those are the compute parameters
     (``ddp.compute_module``), not ``ddp.module`` / ``ddp.named_parameters()``:
-    that is the training shadow in the ``tp_reduced`` layout (zeros on spare
+    that is the training shadow in the ``tp_reduced`` layout (empty on spare
     ranks), which the optimizer steps. The compute parameters catch up with the
     optimizer only when the shadow is unfolded into them, so this first calls
     ``ddp.refresh_compute_params()`` (a no-op unless a step happened since the
@@ -232,6 +232,7 @@ class ReshardExecutor:
                     return (
                         f"{self._who}: the plan needs local tensor {name!r} ({layout.description}); "
                         "pass it in `tensors`"
+                        + (" (a nonuniform-TP trainer: ntp_megatron_tensors(ddp))" if layout is self.plan.src else "")
                     )
                 if tuple(t.shape[1:]) != lt.shape[1:] or t.shape[0] < lt.shape[0] or t.dtype != lt.dtype:
                     return (

@@ -10,8 +10,10 @@ On CPU (gloo) four launches, each checked for several things:
   saving at iteration 3;
   B = NTP ``--ntp-tp-base 2 --ntp-failed-slots 0:1`` on the 3 healthy ranks with
   ``--symm-mem on``, saving at iteration 3;
-- then C = NTP with batch shares by TP degree (``--ntp-balance tp``: 1 and 3 of the 4
-  micro-batches) resuming A's uniform checkpoint (once A is done) and D = uniform TP2 x DP1
+- then C = NTP with measured batch shares (``--ntp-balance measured
+  --ntp-balance-measure-steps 1``: by TP degree, 1 and 3 of the 4 micro-batches, for its first
+  iteration, then by the replicas' measured throughputs) resuming A's uniform checkpoint
+  (once A is done) and D = uniform TP2 x DP1
   (``--symm-mem`` at its default, auto) resuming B's NTP checkpoint (once B is done).
 
 Loss tolerance. Every layout trains the same global model (CPU initialisation from the
@@ -250,7 +252,18 @@ def runs(tmp_path_factory):
         out["A"] = finish(a, "A (uniform, export)")
         resume_from(ck_uniform)
         c = launch(
-            3, *NTP, "--ntp-balance", "tp", "--load", ck_uniform, "--data-cache-path", cache_a, env=env, log=log("C")
+            3,
+            *NTP,
+            "--ntp-balance",
+            "measured",
+            "--ntp-balance-measure-steps",
+            "1",
+            "--load",
+            ck_uniform,
+            "--data-cache-path",
+            cache_a,
+            env=env,
+            log=log("C"),
         )
         procs.append(c)
         out["B"] = finish(b, "B (NTP, symm-mem on)")
@@ -331,7 +344,8 @@ def test_weight_export_to_an_engine_started_on_its_own(runs):
 
 def test_checkpoints_resume_across_layouts(runs):
     """C: an NTP job resumes the uniform job's iteration-3 checkpoint, its replicas taking unequal shares
-    of each global batch (--ntp-balance tp); D: a uniform TP2 job resumes the NTP job's. Both go on
+    of each global batch (--ntp-balance measured: by TP degree for iteration 4, then by the throughputs
+    measured in it, whatever they are on this machine); D: a uniform TP2 job resumes the NTP job's. Both go on
     exactly as the uninterrupted runs did (model, optimizer state, learning-rate schedule and data
     position restored; the shares change who computes which sample, not the global batch)."""
     a, b, c, d = (losses(runs[k]) for k in "ABCD")
@@ -339,7 +353,15 @@ def test_checkpoints_resume_across_layouts(runs):
     assert_same_losses(c, a, range(4, ITERS + 1), "NTP resumed from uniform")
     assert_same_losses(d, b, range(4, ITERS + 1), "uniform TP2 resumed from NTP")
     assert "saved as uniform TP=1 x DP=2; resumed as NTP tp_base=2" in runs["C"]
-    assert "--ntp-balance tp: batch shares: [1, 3] micro-batches of 2 per replica" in runs["C"]
+    assert (
+        "--ntp-balance measured: batch shares: [1, 3] micro-batches of 2 per replica (global batch 8) for "
+        "throughputs [1, 2]; predicted step at 88.9% of the balanced ideal until 1 iteration(s) are timed"
+    ) in runs["C"]
+    assert re.search(
+        r"--ntp-balance measured after iteration 4: median compute ms per replica \[\d+\.\d, \d+\.\d\]; "
+        r"(now|kept) batch shares: \[[1-3], [1-3]\] micro-batches of 2 per replica \(global batch 8\)",
+        runs["C"],
+    ), runs["C"][-3000:]
     assert "saved as NTP tp_base=2 tp_reduced=1 x 2 replicas" in runs["D"]
     assert "resumed as uniform TP=2 x DP=1" in runs["D"]
     assert "consumed samples:           32" in runs["C"]  # the data goes on from the checkpoint's position

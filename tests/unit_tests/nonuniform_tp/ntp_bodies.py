@@ -186,6 +186,20 @@ def train_cases(cases):
     return results
 
 
+class StepClock:
+    """A fake clock for ``MeasuredBalance``: called twice per timed step (``step_started``,
+    then the ``finalize_model_grads`` wrapper), it makes step ``k`` last ``seconds[k]``
+    exactly (it reads 0 at the start of every step)."""
+
+    def __init__(self, seconds):
+        self.seconds, self.calls = list(seconds), 0
+
+    def __call__(self):
+        step, end = divmod(self.calls, 2)
+        self.calls += 1
+        return self.seconds[step] if end else 0.0
+
+
 def loss_mask(spec, step, num_samples):
     """A per-token loss mask with a different number of tokens per sample:
     sample ``j`` of step ``step`` masks its first ``(3 * j + step) % 11`` tokens."""
@@ -205,10 +219,17 @@ def train_with_schedule(
     distributed_optimizer=False,
     overlap=False,
     per_token_loss=False,
+    measured=None,
 ):
     """Train the tiny GPT as a Megatron training loop does: each replica gets its
     micro-batches of every global batch from ``BalancedPretrainingSampler`` and runs
     Megatron's forward-backward function with ``shares.num_microbatches()``.
+
+    ``measured`` (with ``balance="measured"``): ``dict(steps=N, seconds={(replica, tp_rank):
+    [compute seconds of warm-up step 0, 1, ...]})``: a ``MeasuredBalance`` timed by a fake
+    clock that makes each warm-up step of this rank last the given seconds between
+    ``step_started`` and the ``finalize_model_grads`` wrapper; when it returns new shares
+    the DDP and the sampler switch to them (``sampler.switch`` at the consumed samples).
 
     ``ntp_kwargs is None``: uniform TP=1 with Megatron's DDP and equal shares, else
     ``NonuniformTPConfig(**ntp_kwargs)`` (packed) with ``ntp_config.batch_shares``.
@@ -235,11 +256,18 @@ def train_with_schedule(
 
     job = init_job(ntp_kwargs)
     ntp_cfg = job.ntp_config
+    tp_rank, tp_group = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
+    balance = clock = None
     if ntp_cfg is None:
         shares = equal_batch_shares(job.replicas, global_batch, micro_batch_size)
+    elif measured is not None:
+        from megatron_ext.nonuniform_tp import MeasuredBalance
+
+        clock = StepClock(measured["seconds"][job.replica, tp_rank])
+        balance = MeasuredBalance(ntp_cfg, global_batch, micro_batch_size, measure_steps=measured["steps"], clock=clock)
+        shares = balance.shares
     else:
         shares = ntp_cfg.batch_shares(global_batch, micro_batch_size)
-    tp_rank, tp_group = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
     cfg = tiny_gpt.transformer_config(
         spec, tp=ps.get_tensor_model_parallel_world_size(), calculate_per_token_loss=per_token_loss
     )
@@ -267,9 +295,10 @@ def train_with_schedule(
         [ddp],
     )
     cfg.no_sync_func = ddp.no_sync
-    cfg.finalize_model_grads_func = finalize_model_grads
+    cfg.finalize_model_grads_func = finalize_model_grads if balance is None else balance.timed(finalize_model_grads)
     forward_backward = get_forward_backward_func()
-    sampler = iter(BalancedPretrainingSampler(steps * global_batch, 0, shares))
+    batch_sampler = BalancedPretrainingSampler(steps * global_batch, 0, shares)
+    sampler = iter(batch_sampler)
     seq = spec.seq_length
     position_ids = torch.arange(seq, device=dev).unsqueeze(0)
     attention_mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool, device=dev), diagonal=1)
@@ -285,7 +314,7 @@ def train_with_schedule(
 
         return per_token, loss_func
 
-    indices, reports, weighted = [], [], []
+    indices, reports, weighted, step_shares = [], [], [], []
     for step in range(steps):
         tokens, labels = tiny_gpt.global_batch(spec, step=step, num_samples=global_batch)
         mask = loss_mask(spec, step, global_batch) if per_token_loss else torch.ones(global_batch, seq)
@@ -295,6 +324,8 @@ def train_with_schedule(
         data = iter([(tokens[r].to(dev), labels[r].to(dev), mask[r].to(dev)) for r in rows])
         ddp.zero_grad_buffer()
         opt.zero_grad()
+        if balance is not None:
+            balance.step_started()
         out = forward_backward(
             forward_step_func=forward_step,
             data_iterator=data,
@@ -309,6 +340,13 @@ def train_with_schedule(
         reports.append([(s.item(), int(c)) for s, c in out])
         local_mean = torch.stack([s / c for s, c in out]).mean().to(dev)
         weighted.append(reduce_loss_over_replicas(local_mean, shares).item())
+        step_shares.append(shares)
+        new = balance.step_finished() if balance is not None else None
+        if new is not None:  # between global batches: the DDP's weights and the sampler switch together
+            shares = new
+            ddp.set_batch_shares(shares)
+            batch_sampler = batch_sampler.switch(shares, (step + 1) * global_batch)
+            sampler = iter(batch_sampler)
     assert next(sampler, None) is None, "the sampler has samples beyond the last global batch"
     ddp.zero_grad_buffer()  # healthy NTP replicas refresh their compute weights here
     final = gather_full_state(getattr(ddp, "compute_module", ddp.module), tp_group, spec.gated_linear_unit)
@@ -317,7 +355,10 @@ def train_with_schedule(
         replica=job.replica,
         tp_rank=tp_rank,
         degraded=job.degraded,
-        microbatches=list(shares.microbatches),
+        microbatches=list(step_shares[0].microbatches),
+        step_shares=step_shares,
+        measured_seconds=None if balance is None else balance.seconds,
+        clock_calls=None if clock is None else clock.calls,
         indices=indices,
         reports=reports,
         weighted=weighted,

@@ -145,6 +145,38 @@ def test_replicated_params_come_from_core_ranks():
     pieces = reshard.reshard_pieces(7, reshard.ShardSpec(None), 0, 4, 3)
     assert [(p.src, p.dst) for p in pieces] == [(0, 0), (1, 1), (2, 2)]
     assert sorted((p.src, p.dst) for p in reshard.reverse(pieces, 4, 3)) == [(0, 0), (0, 3), (1, 1), (2, 2)]
+    # a partial sum per TP rank (qk_layernorm gradients): spares add theirs into core j % tp_reduced
+    summed = reshard.reshard_pieces(7, reshard.ShardSpec(None), 0, 4, 2, summed=True)
+    assert [(p.src, p.dst, p.add) for p in summed] == [(0, 0, False), (1, 1, False), (2, 0, True), (3, 1, True)]
+    assert reshard.reverse(summed, 4, 2) == reshard.reverse(summed[:2], 4, 2)  # parameters unfold from core copies
+
+
+def test_tp_summed_grads_follow_finalize_model_grads_and_tp_averaged_ones_are_refused():
+    """The parameters whose gradient finalize_model_grads sums over TP (the fold adds the spares'
+    partial sums for them); those it averages over TP cannot be folded and are refused."""
+    from types import SimpleNamespace
+
+    qk, plain = SimpleNamespace(qk_layernorm=True), SimpleNamespace(qk_layernorm=False)
+    norm = torch.nn.Parameter(torch.ones(4))
+    assert reshard.tp_summed_grad(qk, "decoder.layers.0.self_attention.k_layernorm.weight", norm)
+    assert not reshard.tp_summed_grad(plain, "decoder.layers.0.self_attention.k_layernorm.weight", norm)
+    assert not reshard.tp_summed_grad(qk, "decoder.layers.0.input_layernorm.weight", norm)
+    sp = torch.nn.Parameter(torch.ones(4))
+    sp.sequence_parallel = True
+    assert reshard.tp_summed_grad(SimpleNamespace(sequence_parallel=True), "decoder.final_layernorm.weight", sp)
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    model[1].weight.average_gradients_across_tp_domain = True
+    tc = SimpleNamespace(num_attention_heads=4, num_query_groups=None, ffn_hidden_size=8)
+    ntp = NonuniformTPConfig(tp_base=2, tp_spares=1, non_active_ranks_per_dp={0: (1,)})
+    with pytest.raises(ValueError, match=r"average_gradients_across_tp_domain=True\): \['1\.weight'\].*Freeze them"):
+        ntp.check_model(tc, module=model)
+    ntp.check_model(tc)  # the config alone is fine
+    NonuniformTPConfig(tp_base=2).check_model(tc, module=model)  # no spare, nothing to fold
+    model[1].weight.requires_grad_(False)
+    ntp.check_model(tc, module=model)
+    with pytest.raises(ValueError, match=r"nonuniform TP does not train MoE models \(num_moe_experts=4\)"):
+        ntp.check_model(SimpleNamespace(**vars(tc), num_moe_experts=4))
 
 
 FORM = "'REPLICA:SLOT[,SLOT...]' entries separated by ';'"

@@ -1,6 +1,7 @@
-"""Balanced batch shares (--ntp-balance tp): the shares, their validation, the
-sampler, and training with unequal shares through Megatron's forward-backward
-function matching a uniform / single-rank baseline."""
+"""Balanced batch shares (--ntp-balance tp and measured): the shares, their
+validation, the sampler (and its switch to new shares), the measured balance, and
+training with unequal shares through Megatron's forward-backward function
+matching a uniform / single-rank baseline (in the same job: qk_layernorm parity)."""
 
 import argparse
 import itertools
@@ -16,6 +17,7 @@ from megatron_ext.nonuniform_tp import (
     balanced_batch_shares,
     equal_batch_shares,
 )
+from megatron_ext.testing import tiny_gpt
 from megatron_ext.testing.multirank import run_on_ranks
 
 from .ntp_bodies import train_cases
@@ -115,12 +117,27 @@ def test_balance_flag_and_config_validation():
         parser.parse_args(["--ntp-tp-base", "2", "--ntp-balance", "fast"])
     with pytest.raises(ValueError, match=r"balance \(--ntp-balance\) must be one of \('none', 'tp', 'measured'\)"):
         NonuniformTPConfig(tp_base=2, balance="fast")
-    with pytest.raises(
-        NotImplementedError,
-        match=r"balance='measured' \(--ntp-balance measured\) is not "
-        "implemented: use 'tp'",
-    ):
-        NonuniformTPConfig.from_args(parser.parse_args(["--ntp-tp-base", "2", "--ntp-balance", "measured"]))
+    measured = ["--ntp-tp-base", "2", "--ntp-failed-slots", "0:1", "--ntp-balance", "measured"]
+    cfg = NonuniformTPConfig.from_args(parser.parse_args(measured))
+    assert (cfg.balance, cfg.balance_measure_steps) == ("measured", 5)
+    cfg = NonuniformTPConfig.from_args(parser.parse_args([*measured, "--ntp-balance-measure-steps", "2"]))
+    assert cfg.balance_measure_steps == 2
+    # until measured, the shares by TP degree -- the best split even where it is no faster than equal shares
+    assert cfg.batch_shares(4, 2, num_replicas=2).microbatches == (1, 1)
+    assert cfg.batch_shares(4, 1, num_replicas=2).microbatches == (1, 3)
+    for bad in (0, -1, True, "3"):
+        with pytest.raises(
+            ValueError, match=r"balance_measure_steps \(--ntp-balance-measure-steps\) must be an int >= 1"
+        ):
+            NonuniformTPConfig(tp_base=2, balance="measured", balance_measure_steps=bad)
+    with pytest.raises(ValueError, match="must be an int >= 1"):
+        NonuniformTPConfig.from_args(parser.parse_args([*measured, "--ntp-balance-measure-steps", "0"]))
+    with pytest.raises(ValueError, match="--ntp-balance-measure-steps 3 is read only with --ntp-balance measured"):
+        NonuniformTPConfig.from_args(
+            parser.parse_args(["--ntp-tp-base", "2", "--ntp-balance", "tp", "--ntp-balance-measure-steps", "3"])
+        )
+    with pytest.raises(ValueError, match="--ntp-balance-measure-steps 3 given without --ntp-tp-base"):
+        NonuniformTPConfig.from_args(parser.parse_args(["--ntp-balance-measure-steps", "3"]))
     with pytest.raises(ValueError, match="--ntp-balance 'tp' given without --ntp-tp-base"):
         NonuniformTPConfig.from_args(parser.parse_args(["--ntp-balance", "tp"]))
     # Megatron's --global-batch-size / --micro-batch-size and world size are checked at parse time.
@@ -180,6 +197,74 @@ def test_sampler_uses_every_sample_of_each_global_batch_once(shares):
         assert sorted(used) == list(range(start, start + size)), f"global batch {k}"
 
 
+@pytest.mark.parametrize(
+    "before,after",
+    [
+        (BatchShares(1, (1, 3)), BatchShares(1, (2, 2))),
+        (BatchShares(2, (1, 2)), BatchShares(2, (2, 1))),
+        (BatchShares(1, (4, 3, 5)), BatchShares(1, (6, 3, 3))),
+    ],
+    ids=str,
+)
+def test_sampler_switch_keeps_every_sample_of_each_global_batch_once(before, after):
+    """--ntp-balance measured: the replicas switch to new shares between global batches
+    (``sampler.switch(new, consumed_samples)``); each global batch is still used exactly once."""
+    size, consumed = before.global_batch_size, before.global_batch_size  # resumed after one global batch
+    total, switch_after = consumed + 5 * size + 1, 2  # 5 global batches; the switch after the second
+    replicas = range(before.num_replicas)
+    old = [BalancedPretrainingSampler(total, consumed, before, data_parallel_rank=d) for d in replicas]
+    iters = [iter(s) for s in old]
+    taken = [[next(it) for _ in range(switch_after * before.num_microbatches(d))] for d, it in enumerate(iters)]
+    for it in iters:
+        next(it)  # a DataLoader's read-ahead under the old shares: dropped with the old iterator
+    new = [s.switch(after, consumed + switch_after * size) for s in old]
+    taken = [t + list(s) for t, s in zip(taken, new)]
+    for k in range(5):
+        shares = before if k < switch_after else after
+        used = []
+        for d in replicas:
+            first = sum(
+                (before if j < switch_after else after).num_microbatches(d) for j in range(k)
+            )  # this replica's micro-batches before global batch k
+            used += [i for m in taken[d][first : first + shares.num_microbatches(d)] for i in m]
+        start = consumed + k * size
+        assert sorted(used) == list(range(start, start + size)), f"global batch {k}"
+    assert all(
+        len(t) == sum((before if k < switch_after else after).num_microbatches(d) for k in range(5))
+        for d, t in zip(replicas, taken)
+    )
+    with pytest.raises(ValueError, match="a switch keeps the global batch size"):
+        old[0].switch(BatchShares(before.micro_batch_size, (1,) * before.num_replicas), 2 * size)
+    with pytest.raises(ValueError, match="is before this sampler's start"):
+        old[0].switch(after, 0)
+
+
+def test_measured_balance_times_the_compute_until_it_agrees():
+    """Before the agreement (the last timed step, a collective: tested in the training job)."""
+    from megatron_ext.nonuniform_tp import MeasuredBalance
+
+    cfg = NonuniformTPConfig(
+        tp_base=2, tp_spares=1, non_active_ranks_per_dp={0: (1,)}, balance="measured", balance_measure_steps=3
+    )
+    ticks = iter([10.0, 10.25, 20.0, 21.0])
+    balance = MeasuredBalance(cfg, 4, 1, num_replicas=2, replica=1, clock=lambda: next(ticks))
+    assert balance.shares.microbatches == (1, 3) and balance.measuring
+    finalize = balance.timed(lambda *a, **k: ("finalized", a, k))
+    balance.step_started()
+    assert finalize([1], x=2) == ("finalized", ([1],), {"x": 2})
+    balance.compute_finished()  # only a step's first end counts
+    assert balance.step_finished() is None
+    balance.step_started()
+    assert balance.step_finished() is None  # no finalize: up to now
+    assert balance.times == [0.25, 1.0] and balance.measuring
+    with pytest.raises(RuntimeError, match=r"call step_started\(\) before each step's compute"):
+        balance.step_finished()
+    with pytest.raises(ValueError, match=r"needs NonuniformTPConfig\.balance='measured'"):
+        MeasuredBalance(NonuniformTPConfig(tp_base=2, balance="tp"), 4, 1, num_replicas=2, replica=0)
+    with pytest.raises(ValueError, match=r"measure_steps \(--ntp-balance-measure-steps\) must be an int >= 1"):
+        MeasuredBalance(cfg, 4, 1, num_replicas=2, replica=0, measure_steps=0)
+
+
 def test_sampler_with_equal_shares_is_megatrons():
     from megatron.training.datasets.data_samplers import MegatronPretrainingSampler
 
@@ -200,6 +285,25 @@ def test_sampler_refuses_a_resume_inside_a_global_batch():
 # ---- training -----------------------------------------------------------------------
 NTP_BALANCED = dict(tp_base=2, tp_spares=1, non_active_ranks_per_dp={0: (1,)}, balance="tp")
 PER_TOKEN = dict(per_token_loss=True, distributed_optimizer=True, global_batch=6, micro_batch_size=2)
+# qk_layernorm: each TP rank's gradient of the (replicated) q/k layer norms covers its own heads only, and
+# finalize_model_grads sums it over the TP group; equal shares (3:3 for NTP, 2:2:2 for uniform TP=1 x DP=3).
+NTP_EQUAL = dict(tp_base=2, tp_spares=1, non_active_ranks_per_dp={0: (1,)})
+# --ntp-balance measured: 3 timed steps under the tp shares 1:3, compute seconds injected per (replica, TP rank).
+# Medians: replica 0 0.4 s (its slow first step ignored), replica 1 max(1.5, 1.3) = 1.5 s (the slower TP rank;
+# its TP rank 1's 30 s outlier ignored). Throughputs 1 / 0.4 = 2.5 and 3 / 1.5 = 2.0 micro-batches/s: shares 2:2.
+# (Means would give 1 / 1.567 and 3 / 10.83 micro-batches/s: shares 3:1.)
+NTP_MEASURED = dict(NTP_EQUAL, balance="measured")
+MEASURE_STEPS = 3
+MEASURED = dict(
+    steps=MEASURE_STEPS, seconds={(0, 0): [4.0, 0.4, 0.3], (1, 0): [1.5, 1.4, 1.6], (1, 1): [1.2, 1.3, 30.0]}
+)
+QK_LAYERNORM = dict(
+    spec=tiny_gpt.TinyGPTSpec(qk_layernorm=True),
+    global_batch=6,
+    micro_batch_size=1,
+    distributed_optimizer=True,
+    overlap=True,
+)
 
 
 def _replica_heads(results):
@@ -242,20 +346,49 @@ def test_balanced_shares_train_like_uniform(backend):
     - calculate_per_token_loss with a loss mask (unequal token counts), global batch
       6 of micro-batches of 2: shares 1:2, distributed optimizer. Against uniform
       TP=1 x DP=3 (Megatron's DDP, equal shares) on the same 3 processes.
+    - qk_layernorm=True (--ntp-balance none, global batch 6 of micro-batches of 1,
+      distributed optimizer, overlapped reduction): the healthy replica's spare TP
+      rank holds part of the q/k layer norms' gradient (its heads'); against uniform
+      TP=1 x DP=3 on the same processes.
+    - --ntp-balance measured (global batch 4 of micro-batches of 1): the tp shares 1:3
+      for 3 steps timed by injected per-rank seconds, then 2:2 from the measured
+      throughputs, on every rank; the sampler switches at the global-batch boundary.
+      Against the single-rank baseline over all 10 steps.
     """
     cases = [
         (NTP_BALANCED, STEPS, {}),
         (NTP_BALANCED, STEPS, dict(distributed_optimizer=True, overlap=True)),
         (NTP_BALANCED, STEPS, PER_TOKEN),
         (None, STEPS, PER_TOKEN),
+        (NTP_EQUAL, STEPS, QK_LAYERNORM),
+        (None, STEPS, QK_LAYERNORM),
+        (NTP_MEASURED, STEPS, dict(measured=MEASURED)),
     ]
     per_rank = run_on_ranks(train_cases, 3, args=(cases,), timeout=300, backend=backend)
-    plain, distopt, per_token, uniform = zip(*per_rank)
+    plain, distopt, per_token, uniform, qk_ntp, qk_uniform, measured = zip(*per_rank)
     ref = _baseline(SPEC, backend)
 
-    for results in (plain, distopt):
+    # measured: every rank agrees on the replicas' median seconds and on the shares they give
+    warmup = balanced_batch_shares([1, 2], 4, 1)  # the tp shares, 1:3
+    want = balanced_batch_shares([1 / 0.4, 3 / 1.5], 4, 1, require_gain=False)  # 2:2, equal shares
+    assert warmup.microbatches == (1, 3) and want.microbatches == (2, 2)
+    for o in measured:
+        assert o["measured_seconds"] == (0.4, 1.5), o["measured_seconds"]
+        assert o["clock_calls"] == 2 * MEASURE_STEPS  # timed through the finalize_model_grads wrapper, then not
+        assert [s.microbatches for s in o["step_shares"]] == [(1, 3)] * MEASURE_STEPS + [(2, 2)] * (
+            STEPS - MEASURE_STEPS
+        )
+        assert o["step_shares"][-1] == want, o["step_shares"][-1]
+    heads = _replica_heads(measured)
+    for step in range(STEPS):  # every sample of each global batch once, across the switch
+        used = sorted(i for h in heads for micro in h["indices"][step] for i in micro)
+        assert used == list(range(step * 4, (step + 1) * 4)), f"step {step}: {used}"
+        assert [len(h["indices"][step]) for h in heads] == list(measured[0]["step_shares"][step].microbatches)
+
+    for results in (plain, distopt, measured):
         assert any(o["degraded"] for o in results) and any(not o["degraded"] for o in results)
-        _check_shares_used(results, [1, 3], 4)
+        if results is not measured:
+            _check_shares_used(results, [1, 3], 4)
         heads = _replica_heads(results)
         for step, want in enumerate(ref["losses"]):
             # the global batch's loss: the mean over all its micro-batches (each a token mean)
@@ -281,3 +414,21 @@ def test_balanced_shares_train_like_uniform(backend):
         assert abs(got - want) <= RTOL * abs(want), f"step {step}: per-token NTP {got} vs uniform {want}"
     uniform_head = next(o for o in uniform if o["final"] is not None)
     _check_weights(per_token, uniform_head["init"], uniform_head["final"])
+
+    _check_shares_used(qk_ntp, [3, 3], 6)
+    _check_shares_used(qk_uniform, [2, 2, 2], 6)
+    ntp_heads, uniform_heads = _replica_heads(qk_ntp), _replica_heads(qk_uniform)
+    qk_names = [n for n in ntp_heads[0]["final"] if "q_layernorm" in n or "k_layernorm" in n]
+    assert len(qk_names) == 2 * 2 * tiny_gpt.TinyGPTSpec().num_layers, qk_names  # weight and bias, q and k
+
+    def sample_mean(heads, step):  # equal micro-batches: the global batch's loss is the mean of their means
+        means = [s / n for h in heads for s, n in h["reports"][step]]
+        return sum(means) / len(means)
+
+    rel = [abs(sample_mean(ntp_heads, k) / sample_mean(uniform_heads, k) - 1) for k in range(STEPS)]
+    assert max(rel) <= RTOL, f"qk_layernorm NTP vs uniform, relative loss error per step: {rel}"
+    uniform_head = next(o for o in qk_uniform if o["final"] is not None)
+    for o in filter(lambda o: o["final"] is not None, qk_ntp):
+        err = {n: (o["final"][n] - uniform_head["final"][n]).abs().max().item() for n in qk_names}
+        assert max(err.values()) <= WEIGHT_ATOL, f"replica {o['replica']}: q/k layer norm weights off by {err}"
+    _check_weights(qk_ntp, uniform_head["init"], uniform_head["final"])

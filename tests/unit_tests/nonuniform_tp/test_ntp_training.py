@@ -45,8 +45,15 @@ def _baseline(spec, backend):
 
 def _check_overlap(out):
     """Overlapped runs dispatch the fold + DP collective of each bucket group
-    from the backward hooks, before finish_grad_sync."""
-    for o in filter(None, out):
+    from the backward hooks, before finish_grad_sync. Spares own no bucket group
+    (no shadow); they fold with the core ranks of their TP group (a collective)."""
+    ranks = [o for o in out if o is not None]
+    spares = [o for o in ranks if o["memory"].role == "healthy spare"]
+    assert spares, "the job has no spare rank"
+    for o in ranks:
+        if o in spares:
+            assert o["bucket_groups"] == o["in_flight_after_backward"] == 0, o
+            continue
         assert o["bucket_groups"] > 1, o["bucket_groups"]
         assert o["in_flight_after_backward"] == o["bucket_groups"], o
 
@@ -108,9 +115,10 @@ def _nbytes(state):
 def _check_memory_reports(out, tp_reduced):
     """``ddp_memory_report`` / ``memory_report`` count exactly the tensors each rank holds
     (fp32 model and gradients, plain Adam, no distributed optimizer: no bucket padding).
-    Every healthy rank's shadow is the size of a degraded rank's model (Megatron's TP=tp_reduced
-    shards); the spares' is the zero shadow they carry for nothing; Adam keeps two fp32
-    moments and an fp32 step per parameter of the layout it steps (``tp_reduced`` everywhere)."""
+    Every healthy core rank's shadow is the size of a degraded rank's model (Megatron's TP=tp_reduced
+    shards); Adam keeps two fp32 moments and an fp32 step per parameter of the layout it steps
+    (``tp_reduced`` everywhere). Spares hold no shadow and no optimizer state: only their
+    compute parameters and gradients (and nothing in their training state)."""
     ranks = [o for o in out if o is not None]
     degraded = {o["tp_rank"]: o for o in ranks if o["degraded"]}
     assert len(degraded) == tp_reduced
@@ -118,13 +126,16 @@ def _check_memory_reports(out, tp_reduced):
         m, i = o["memory"], o["tp_rank"]
         reduced = degraded[i % tp_reduced]["train_state"]  # Megatron's model at TP=tp_reduced
         role = "degraded" if o["degraded"] else "healthy spare" if i >= tp_reduced else "healthy core"
-        shadow = 0 if o["degraded"] else _nbytes(reduced)
+        trained = {} if role == "healthy spare" else reduced  # what this rank's optimizer steps
+        shadow = 0 if o["degraded"] else _nbytes(trained)
         assert m.role == role, (i, m)
         assert m.params == m.grads == _nbytes(o["compute_state"]), (role, m)
         assert m.shadow_params == m.shadow_grads == shadow, (role, m)
         assert m.optimizer_main_params == 0, (role, m)
-        assert m.optimizer_state == 2 * _nbytes(reduced) + 4 * len(reduced), (role, m)
+        assert m.optimizer_state == 2 * _nbytes(trained) + 4 * len(trained), (role, m)
         assert m.total == m.params + m.grads + 2 * shadow + m.optimizer_state
+        if role == "healthy spare":
+            assert o["train_state"] == {} and m.total == 2 * _nbytes(o["compute_state"]), m
 
 
 @pytest.mark.parametrize("backend", _backends(3))
@@ -211,14 +222,15 @@ def test_simulated_tp2_distributed_optimizer_overlap_glu_gqa(backend):
     # Distributed optimizer: the healthy core rank's shadow buffers are the degraded rank's (same
     # DP group, same bucket padding); the two DP peers' optimizer shards hold Adam's two fp32 moments
     # of every shadow element once, plus an fp32 step per parameter piece (1 or 2 per parameter).
-    # The spare's DP group holds the healthy replica alone: it keeps the whole zero shadow's state.
+    # The spare holds no shadow, no param buffer and no optimizer state: its compute model only.
     by_role = {o["memory"].role: o for o in out if o is not None}
     core, deg, spare = (by_role[r]["memory"] for r in ("healthy core", "degraded", "healthy spare"))
     reduced = by_role["degraded"]["train_state"]
     assert (core.shadow_params, core.shadow_grads) == (deg.params, deg.grads), (core, deg)
     moments, n = 2 * _nbytes(reduced), len(reduced)
     assert moments + 4 * n <= core.optimizer_state + deg.optimizer_state <= moments + 8 * n, (core, deg)
-    assert spare.optimizer_state == moments + 4 * n, spare
+    assert spare.shadow == spare.optimizer == 0, spare
+    assert spare.total == spare.params + spare.grads == 2 * _nbytes(by_role["healthy spare"]["compute_state"]), spare
 
 
 @pytest.mark.parametrize("backend", _backends(6))
@@ -294,6 +306,9 @@ def test_packed_tp2_with_symmetric_memory_staging(backend):
     out = run_on_ranks(train, 3, args=(ntp, STEPS), kwargs=dict(symm_mem=dict(mode="on")), timeout=300, backend=backend)
     _check_parity(out, _baseline(SPEC, backend), replicas=2)
     for o in out:
+        if o["memory"].role == "healthy spare":  # no shadow: no bucket to stage
+            assert not o["symm_decisions"], o["symm_decisions"]
+            continue
         assert o["symm_decisions"], "no bucket was considered for staging"
         for d in o["symm_decisions"]:
             if backend == "gloo":

@@ -1,5 +1,6 @@
 """The fold/unfold all-to-all inside a healthy TP group moves exact tensors
-(row- and column-sharded, gated fc1, replicated), on gloo and on NCCL."""
+(row- and column-sharded, gated fc1, replicated; a replicated tensor that is a
+partial sum per TP rank folds to the sum), on gloo and on NCCL."""
 
 import pytest
 import torch
@@ -23,6 +24,10 @@ def _full():
     }
 
 
+def _partial(rank):
+    return torch.arange(6.0) * 10 ** (rank + 1) + rank
+
+
 def _exchange_body(tp_base, tp_reduced):
     me, dev = dist.get_rank(), tiny_gpt.rank_device()
     specs = {str(i): s for i, s in enumerate(SPECS)}
@@ -35,6 +40,10 @@ def _exchange_body(tp_base, tp_reduced):
         for i, s in enumerate(SPECS)
         for pc in reshard.reshard_pieces(i, s, mine[i].shape[s.dim] if s.dim is not None else 0, tp_base, tp_reduced)
     ]
+    # a partial sum per TP rank (a q/k layer norm's gradient): rank k holds _partial(k)
+    mine.append(_partial(me).to(dev))
+    shadow.append(torch.full_like(mine[-1], float("nan")))
+    pieces += reshard.reshard_pieces(len(SPECS), reshard.ShardSpec(None), 0, tp_base, tp_reduced, summed=True)
     reshard.exchange(pieces, me, None, src=lambda i: mine[i], dst=lambda i: shadow[i])
     folded = [t.cpu() for t in shadow] if me < tp_reduced else None
     back = [torch.zeros_like(t) for t in mine]
@@ -52,9 +61,11 @@ def test_fold_and_unfold_move_exact_shards(backend):
     assert out[1][0] is None
     for i in range(len(SPECS)):
         assert torch.equal(folded[i], want[0][str(i)]), i
+    assert torch.equal(folded[-1], _partial(0) + _partial(1))  # the core rank holds the TP sum
     for _, back, mine, _ in out:
-        for b, m in zip(back, mine):
+        for b, m in zip(back[:-1], mine):
             assert torch.equal(b, m)
+        assert torch.equal(back[-1], _partial(0) + _partial(1))  # unfolds what the core holds
 
 
 def test_ddp_without_ntp_groups_says_what_to_call():

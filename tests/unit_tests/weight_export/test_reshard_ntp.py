@@ -144,7 +144,8 @@ def test_ntp_trainer_refit_exact(backend):
     for r in HEALTHY:
         assert results[r]["refreshed"] == sorted(src.tensors[r]), r
     assert results[DEGRADED]["refreshed"] == []
-    for r in range(3):  # the training shadow (TP1 shapes on a TP2 replica) is refused, naming the way out
+    # the training shadow (TP1 shapes on a TP2 core rank, nothing on the spare) is refused, naming the way out
+    for r in range(3):
         reason, msg = results[r]["shadow_error"]
         assert reason == "tensors" and "ntp_megatron_tensors" in msg, msg
         # a degraded replica's module is the model itself: it has no problem of its own and names the others
