@@ -29,6 +29,7 @@ import os
 import signal
 import sys
 import traceback
+import types
 
 import torch
 
@@ -107,7 +108,7 @@ class _P2P:
     def export(self, version):
         self.version = version
         self.refit.refit(version)
-        return dataclasses.make_dataclass("Applied", ["applied"])(tuple(self.refit.engine_versions().values()))
+        return types.SimpleNamespace(applied=tuple(self.refit.engine_versions().values()))
 
     def close(self):
         self.refit.close()

@@ -73,15 +73,8 @@ def _args(argv):
     args = p.parse_args(argv)
     try:
         parse_address(args.address or args.refit_store, "--address" if args.address else "--refit-store")
-        if args.refit_store:
-            RefitConfig(
-                transport="p2p",
-                store=args.refit_store,
-                bucket_size_mb=args.bucket_size_mb,
-                vocab_padding=args.vocab_padding,
-            )
     except ValueError as exc:
-        p.error(str(exc).replace("RefitConfig.", "--").replace("bucket_size_mb", "bucket-size-mb"))
+        p.error(str(exc))
     if args.refit_store and not (
         isinstance(args.refit_world_size, int)
         and isinstance(args.refit_rank, int)
@@ -97,6 +90,19 @@ def _args(argv):
         p.error(f"--timeout-s must be > 0 and finite, got {args.timeout_s}")
     if args.sessions < 0:
         p.error(f"--sessions must be >= 0 (0: forever), got {args.sessions}")
+    args.refit = None  # the p2p refit's config, checked here once
+    if args.refit_store:
+        try:
+            args.refit = RefitConfig(
+                transport="p2p",
+                store=args.refit_store,
+                bucket_size_mb=args.bucket_size_mb,
+                vocab_padding=args.vocab_padding,
+                atomic=args.atomic,
+                timeout_s=args.timeout_s,
+            )
+        except ValueError as exc:
+            p.error(str(exc).replace("RefitConfig.", "--").replace("bucket_size_mb", "bucket-size-mb"))
     return args
 
 
@@ -166,10 +172,7 @@ def _serve_p2p(args, consumer, device) -> None:
             specs, tp=1, dp=world - first, ranks=range(first, world), vocab_padding=args.vocab_padding
         )
 
-    cfg = RefitConfig(
-        transport="p2p", store=args.refit_store, bucket_size_mb=args.bucket_size_mb, vocab_padding=args.vocab_padding,
-        atomic=args.atomic, timeout_s=args.timeout_s,
-    )  # fmt: skip
+    cfg = args.refit
     print(f"engine: joining the refit group at {args.refit_store} as refit rank {args.refit_rank} of {world}")
     group = cfg.join(args.refit_rank, world, device=device)
     try:
