@@ -4,6 +4,19 @@ megatron_ext.weight_export's mapping code."""
 
 import torch
 
+# gpt_specs(**SPECS): a small dense GQA model with a padded vocabulary (config and reshard-check tests).
+SPECS = dict(
+    num_layers=2,
+    hidden_size=32,
+    num_heads=4,
+    num_groups=2,
+    head_dim=8,
+    ffn_hidden_size=48,
+    vocab_size=100,
+    padded_vocab_size=128,
+    dtype=torch.float32,
+)
+
 
 def hf_state_from_megatron(state: dict, *, num_layers, num_heads, num_groups, hidden, vocab, tied) -> dict:
     hd = hidden // num_heads

@@ -20,17 +20,7 @@ from megatron_ext.weight_export import (
     wire,
 )
 
-SPECS = dict(
-    num_layers=2,
-    hidden_size=32,
-    num_heads=4,
-    num_groups=2,
-    head_dim=8,
-    ffn_hidden_size=48,
-    vocab_size=100,
-    padded_vocab_size=128,
-    dtype=torch.float32,
-)
+from ._reference import SPECS  # a small dense model's gpt_specs arguments
 
 
 def _parse(argv):
