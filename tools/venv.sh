@@ -41,11 +41,20 @@ spec="."
 [ -n "$extras" ] && spec=".[$extras]"
 stamp="$venv/.installed-${extras:-base}"
 if [ ! -f "$stamp" ] || [ setup.py -nt "$stamp" ] || [ constraints.txt -nt "$stamp" ]; then
+    free_kb=$(df -Pk . | awk 'NR==2 {print $4}')
+    if [ ! -d "$venv/lib/python3.12/site-packages/torch" ] && [ "${free_kb:-0}" -lt $((9 * 1024 * 1024)) ]; then
+        echo "[venv] warning: $(df -h . | awk 'NR==2 {print $4}') free here; installing torch needs about 9 GB." >&2
+    fi
     echo "[venv] installing megatron_ext$( [ -n "$extras" ] && echo "[$extras]") (editable; first run downloads torch, a few minutes)"
     log="$venv/pip-install.log"
     if ! "$venv/bin/python" -m pip install -q -c constraints.txt -e "$spec" >"$log" 2>&1; then
         grep -v "is neither a file nor a directory" "$log" >&2
         echo "error: pip install -e '$spec' into $venv failed (log: $log)." >&2
+        if grep -q "No space left on device" "$log"; then
+            echo "       The disk is full: $venv needs about 6 GB (torch from PyPI brings its CUDA libraries) and" >&2
+            echo "       pip needs about 3 GB more while it downloads. Free space here: $(df -h . | awk 'NR==2 {print $4}')." >&2
+            echo "       Free some space (or set TMPDIR to a larger disk), remove $venv and run again." >&2
+        fi
         exit 1
     fi
     (cd / && "$OLDPWD/$venv/bin/python" -c "import megatron.core, torch, megatron_ext") >/dev/null 2>&1 \
