@@ -86,7 +86,6 @@ class _P2P:
 
     def __init__(self, model, spec, args):
         from megatron_ext import weight_export as wx
-        from megatron_ext.weight_export import reshard
 
         cfg = wx.RefitConfig(
             transport="p2p", store=args.target, bucket_size_mb=args.bucket_size_mb, timeout_s=args.timeout_s
@@ -94,16 +93,17 @@ class _P2P:
         self.refit = wx.TrainerRefit.from_model(model, cfg, vocab_size=spec.hf_vocab_size)
         self.version = None
         if args.kill_in_version is not None:  # SIGKILL after K rounds of that version have been posted
-            post, left = reshard.batch_isend_irecv, [args.kill_after_buckets]
+            group, left = self.refit.group, [args.kill_after_buckets]
+            post = group.post
 
-            def counting(ops, group):
+            def counting(ops):
                 if self.version == args.kill_in_version:
                     if left[0] == 0:
                         os.kill(os.getpid(), signal.SIGKILL)
                     left[0] -= 1
-                return post(ops, group)
+                return post(ops)
 
-            reshard.batch_isend_irecv = counting
+            group.post = counting
 
     def export(self, version):
         self.version = version

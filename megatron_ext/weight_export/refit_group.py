@@ -29,24 +29,9 @@ import torch.distributed as dist
 
 from .errors import RefitGroupError
 from .control import listen_socket
+from .peers import NOTE_BYTES, Peers, cut_note
 
-__all__ = [
-    "NOTE_BYTES",
-    "RefitGroup",
-    "RefitGroupError",
-    "batch_isend_irecv",
-    "gather_notes",
-    "gather_wire_ids",
-    "make_group",
-    "sum_over_group",
-]
-
-
-NOTE_BYTES = 1016  # the longest reason a rank gives its peers at the first-refit agreement (utf-8, cut there)
-
-
-def _cut_note(note: str) -> str:
-    return note.encode()[:NOTE_BYTES].decode(errors="ignore")
+__all__ = ["NOTE_BYTES", "RefitGroup", "RefitGroupError", "make_group"]
 
 
 def _missing(store, keys: list[str], ranks) -> list[int]:
@@ -65,12 +50,15 @@ def make_group(store, rank: int, world: int, backend: str, timeout_s: float):
     return dist.ProcessGroupNCCL(prefix, rank, world, opts)
 
 
-class RefitGroup:
+class RefitGroup(Peers):
     """Refit ranks of a trainer job and an engine job in one group. Build it with :meth:`join`.
 
     ``store`` is a namespaced view of the group's TCP store (control messages);
-    ``pg`` the gloo or NCCL backend object that moves the bytes.
+    ``pg`` the gloo or NCCL backend object that moves the bytes. As the reshard executor's
+    :class:`~.peers.Peers`, its ranks are refit ranks.
     """
+
+    word = "refit rank"
 
     def __init__(
         self,
@@ -218,11 +206,11 @@ class RefitGroup:
             "the same refit steps?"
         ) from err
 
-    def gather_notes(self, value: int, note: str, *, what: str) -> list[tuple[int, str]]:
+    def gather_notes(self, value: int, note: str, device=None, *, what: str) -> list[tuple[int, str]]:
         """Every refit rank's ``(value, note)``, in refit-rank order (through the store, bounded); a note is
         a short text (cut at :data:`NOTE_BYTES`), e.g. why a rank cannot take part."""
         tag = self.next_tag("gather")
-        self.store.set(f"{tag}/{self.rank}", f"{int(value)} {_cut_note(note)}")
+        self.store.set(f"{tag}/{self.rank}", f"{int(value)} {cut_note(note)}")
         keys = [f"{tag}/{r}" for r in range(self.world_size)]
         self.wait_keys(keys, range(self.world_size), what=what)
         out = []
@@ -231,14 +219,14 @@ class RefitGroup:
             out.append((int(v), n))
         return out
 
-    def create_communicator(self) -> None:
+    def start(self) -> None:
         """On NCCL, one all-reduce creates the communicator on every rank, which PyTorch asks for
         before the first batch of point-to-point ops (call it after every rank arrived)."""
         if self.backend == "nccl":
             self.pg.allreduce([torch.zeros(1, device=self.device)]).wait()
 
     # ------------------------------------------------------------ point-to-point
-    def batch_isend_irecv(self, ops: list[tuple[str, torch.Tensor, int]]) -> list:
+    def post(self, ops: list[tuple[str, torch.Tensor, int]]) -> list:
         """Post ``("send" | "recv", tensor, peer refit rank)`` ops; returns waitable requests."""
         if self.backend == "nccl":
             return [_Request(w, self, "the batched sends/receives") for w in _nccl_coalesced(self.pg, ops)]
@@ -247,6 +235,11 @@ class RefitGroup:
             work = self.pg.send([t], peer, 0) if kind == "send" else self.pg.recv([t], peer, 0)
             out.append(_Request(work, self, f"{kind} {'to' if kind == 'send' else 'from'} refit rank {peer}"))
         return out
+
+    def sum(self, value: torch.Tensor) -> int:
+        t = value.to(self.device, copy=True)
+        _Request(self.pg.allreduce([t]), self, "the refit's all-reduce").wait()
+        return int(t.item())
 
     def close(self) -> None:
         """Shut the backend down (NCCL frees its communicator) and drop this rank's store references (on
@@ -301,66 +294,3 @@ def _nccl_coalesced(pg, ops) -> list:
     finally:
         work = end()
     return [work] if work is not None else []
-
-
-def batch_isend_irecv(ops: list[tuple[str, torch.Tensor, int]], group) -> list:
-    """``("send" | "recv", tensor, peer)`` ops on ``group``: a :class:`RefitGroup`, or a
-    ``torch.distributed`` group (None: the default world; peers are global ranks)."""
-    if isinstance(group, RefitGroup):
-        return group.batch_isend_irecv(ops)
-    return dist.batch_isend_irecv(
-        [dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, peer, group=group) for kind, t, peer in ops]
-    )
-
-
-def gather_wire_ids(group, wire_id: int, device: torch.device, note: str = "") -> list[tuple[int, str]]:
-    """Before the first batch of point-to-point ops: every rank of ``group`` is there, and
-    every rank's ``(wire_id, note)`` comes back in group order (refit-rank order on a
-    :class:`RefitGroup`, through its store), so that a rank running another plan or
-    bucket size, or one that cannot take part (its buffers could not be allocated, its
-    tensors are not the layout's: a status code instead of its wire id, and ``note``,
-    a short reason its peers can quote), is refused on every rank before a byte moves."""
-    out = gather_notes(group, wire_id, device, note, what="reach the refit")
-    if isinstance(group, RefitGroup):
-        group.create_communicator()  # every rank arrived: no barrier needed
-    return out
-
-
-def gather_notes(group, value: int, device: torch.device, note: str = "", *, what: str) -> list[tuple[int, str]]:
-    """Every rank's ``(value, note)`` in group order: one all-gather of ``8 +`` :data:`NOTE_BYTES` bytes per
-    rank (a :class:`RefitGroup`: through its store, bounded; ``what`` names the step in its timeout error)."""
-    if isinstance(group, RefitGroup):
-        return group.gather_notes(value, note, what=what)
-    if not dist.is_initialized():
-        return [(value, _cut_note(note))]
-    if dist.get_backend(group) == "nccl" and device.type == "cpu":  # a rank with no tensors of the plan
-        device = torch.device("cuda", torch.cuda.current_device())
-    raw = _cut_note(note).encode()
-    mine = torch.zeros(8 + NOTE_BYTES, dtype=torch.uint8)
-    mine[:8].view(torch.int64)[0] = value
-    if raw:
-        mine[8 : 8 + len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
-    world = dist.get_world_size(group)
-    out = torch.empty(world * mine.numel(), dtype=torch.uint8, device=device)
-    dist.all_gather_into_tensor(out, mine.to(device), group=group)
-    rows = out.view(world, -1).cpu()
-    return [
-        (int(row[:8].view(torch.int64)[0]), bytes(row[8:].tolist()).rstrip(b"\0").decode(errors="ignore"))
-        for row in rows
-    ]
-
-
-def sum_over_group(group, value: torch.Tensor) -> int:
-    """The sum over every rank of ``group`` of a one-element int64 tensor (on this rank's device; one
-    all-reduce, then one device-to-host read)."""
-    if isinstance(group, RefitGroup):
-        t = value.to(group.device).clone()
-        _Request(group.pg.allreduce([t]), group, "the refit's all-reduce").wait()
-        return int(t.item())
-    if not dist.is_initialized():
-        return int(value.item())
-    t = value.clone()
-    if dist.get_backend(group) == "nccl" and t.device.type == "cpu":
-        t = t.to(torch.device("cuda", torch.cuda.current_device()))
-    dist.all_reduce(t, group=group)
-    return int(t.item())

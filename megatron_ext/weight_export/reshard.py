@@ -45,7 +45,7 @@ import torch
 from .errors import RefitRejected
 from ..sharding.megatron import megatron_tensors
 from .copies import CopyBatch, finite_flags
-from .refit_group import RefitGroup, batch_isend_irecv, gather_notes, gather_wire_ids, sum_over_group
+from .peers import as_peers
 from .reshard_plan import ReshardPlan, Transfer, fanout_plans, run_view
 from .gate import RefitGate
 from .wire import BAD_TENSORS, HEADER_BYTES, NO_STAGING, NO_VERSION, PAYLOAD_OFFSET, bucket_nbytes, bucketize, wire_id
@@ -137,7 +137,8 @@ class ReshardExecutor:
 
     ``group``: a ``torch.distributed`` group (None: the default world), whose
     global ranks are the plan's ranks; or a :class:`~.refit_group.RefitGroup`
-    spanning a trainer job and an engine job, whose refit ranks are.
+    spanning a trainer job and an engine job, whose refit ranks are (any
+    :class:`~.peers.Peers`: the executor moves bytes only through it).
 
     ``max_inflight`` rounds are posted before the oldest is waited on. Staging
     memory (:attr:`staging_bytes`): ``max_inflight`` send buckets per peer, plus
@@ -186,6 +187,7 @@ class ReshardExecutor:
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
         self.plan, self.rank, self.group = plan, rank, group
+        self.peers = as_peers(group)
         self.tensors, self.atomic, self.max_inflight = tensors, atomic, max_inflight
         self.bucket_bytes = bucket_bytes
         self.refresh = refresh
@@ -221,7 +223,7 @@ class ReshardExecutor:
 
     @property
     def _who(self) -> str:
-        return f"{'refit rank' if isinstance(self.group, RefitGroup) else 'rank'} {self.rank}"
+        return f"{self.peers.word} {self.rank}"
 
     def _check_tensors(self) -> str | None:
         """What is wrong with this rank's tensors for the plan (the first problem), or None."""
@@ -251,9 +253,8 @@ class ReshardExecutor:
             return RefitRejected(
                 f"{self.problem}. Every rank of the refit refused it; nothing was sent", reason="tensors"
             )
-        word = "refit ranks" if isinstance(self.group, RefitGroup) else "ranks"
         return RefitRejected(
-            f"{self._who}: {word} {[r for r, _ in bad]} cannot take part in the refit, nothing "
+            f"{self._who}: {self.peers.word}s {[r for r, _ in bad]} cannot take part in the refit, nothing "
             "was sent: " + " | ".join(n for _, n in bad[:2]),
             reason="tensors",
         )
@@ -450,22 +451,18 @@ class ReshardExecutor:
                 self._send_buf = self._recv_buf = None
                 failed = exc
         code = BAD_TENSORS if self.problem is not None else NO_STAGING if failed else self.wire_id
-        got = gather_wire_ids(self.group, code, self.device, self.problem or "")
+        got = self.peers.gather_notes(code, self.problem or "", self.device, what="reach the refit")
+        self.peers.start()  # every rank arrived
         ids = [v for v, _ in got]
         try:
             if BAD_TENSORS in ids:
-                ranks = self._group_ranks(len(ids))
+                ranks = self.peers.ranks(len(ids))
                 raise self.tensors_rejected([(ranks[i], note) for i, (v, note) in enumerate(got) if v == BAD_TENSORS])
             self._check_staging(ids, failed)
             self._check_same_plan(ids)
         except RefitRejected:
             self._send_buf = self._recv_buf = None  # the next refit allocates and checks again
             raise
-
-    def _group_ranks(self, n: int) -> list[int]:
-        if self.group is None or isinstance(self.group, RefitGroup) or not torch.distributed.is_initialized():
-            return list(range(n))  # the world's ranks, or a RefitGroup's refit ranks
-        return torch.distributed.get_process_group_ranks(self.group)
 
     def _check_staging(self, ids: list[int], failed: BaseException | None) -> None:
         """Every rank raises :class:`RefitRejected` (``"staging"``) if a rank could not
@@ -486,7 +483,7 @@ class ReshardExecutor:
                 reason="staging",
             ) from failed
         if NO_STAGING in ids:
-            ranks = self._group_ranks(len(ids))
+            ranks = self.peers.ranks(len(ids))
             raise RefitRejected(
                 f"rank {self.rank}: ranks {[ranks[i] for i, v in enumerate(ids) if v == NO_STAGING]} "
                 "ran out of memory for their staging buffers (their errors say how much); nothing "
@@ -499,7 +496,7 @@ class ReshardExecutor:
         another plan or bucket size, naming the ranks that differ from the most common one."""
         if len(set(ids)) == 1:
             return
-        group_ranks = self._group_ranks(len(ids))
+        group_ranks = self.peers.ranks(len(ids))
         common = max(set(ids), key=lambda v: (ids.count(v), -ids.index(v)))
         odd = [group_ranks[i] for i, v in enumerate(ids) if v != common]
         raise RefitRejected(
@@ -530,11 +527,11 @@ class ReshardExecutor:
         flag = torch.zeros(1, dtype=torch.int64, device=self.device)
         for _, flags in finite_flags([self._finite_views[n] for n in serving]):
             flag |= (~flags).any().to(torch.int64)
-        if not sum_over_group(self.group, flag):
+        if not self.peers.sum(flag):
             return
         note = self._first_nonfinite(set(serving)) if flag.item() else ""
-        got = gather_notes(self.group, 0, self.device, note, what=f"check version {version} for NaN/Inf")
-        ranks = self._group_ranks(len(got))
+        got = self.peers.gather_notes(0, note, self.device, what=f"check version {version} for NaN/Inf")
+        ranks = self.peers.ranks(len(got))
         bad = [(ranks[i], n) for i, (_, n) in enumerate(got) if n]
         if not bad:
             return  # the NaN / Inf lie in rows that no rank sends (another replica serves them)
@@ -549,11 +546,10 @@ class ReshardExecutor:
                 reason="nonfinite",
                 stats=stats,
             )
-        word = "refit rank" if isinstance(self.group, RefitGroup) else "rank"
         held = f"; this rank keeps version {self.version}" if self.rank in self.plan.dst.ranks else ""
         raise RefitRejected(
             f"{self._who}: refused version {version} before a byte moved: "
-            + "; ".join(f"{word} {r} serves a NaN or Inf in {n}" for r, n in bad[:4])
+            + "; ".join(f"{self.peers.word} {r} serves a NaN or Inf in {n}" for r, n in bad[:4])
             + held,
             reason="nonfinite",
             stats=stats,
@@ -600,7 +596,7 @@ class ReshardExecutor:
                 ops.append(("recv", buf[:n], peer))
                 arrived.append((peer, buf))
                 received += n
-        reqs = batch_isend_irecv(ops, self.group) if ops else []
+        reqs = self.peers.post(ops) if ops else []
         return (k, reqs, arrived), sent, received
 
     def _complete(self, posted, version: int, refused: list[str], unchecked: list) -> None:

@@ -389,23 +389,23 @@ def _trainer_rank(port, rank, *, before_v2=lambda: None):
 def _trainer_ranks_that_die(port, ranks):
     """Trainer ``ranks`` (threads of this process) serve version 1, then the process exits after KILL_AFTER
     rounds of version 2."""
-    from megatron_ext.weight_export import reshard
+    from megatron_ext.weight_export.refit_group import RefitGroup
 
-    post, posted = reshard.batch_isend_irecv, {}
+    post, posted = RefitGroup.post, {}
 
-    def post_then_die(ops, grp):  # test-only hook, in this process only
+    def post_then_die(grp, ops):  # test-only hook, in this process only
         # gloo sends a bucket only once its receiver posted the receive, and an engine posts round k only
         # after it wrote round k - 1 (max_inflight=1): rounds 0 .. KILL_AFTER - 2 are written when this dies
         if posted.setdefault(grp.rank, 0) == KILL_AFTER:
             os._exit(KILLED)
         posted[grp.rank] += 1
-        return post(ops, grp)
+        return post(grp, ops)
 
     def rank_body(r):
         refit, _ = _trainer_rank(port, r, before_v2=lambda: arrived.wait())
         refit.refit(2)
 
-    arrived = threading.Barrier(len(ranks), action=lambda: setattr(reshard, "batch_isend_irecv", post_then_die))
+    arrived = threading.Barrier(len(ranks), action=lambda: setattr(RefitGroup, "post", post_then_die))
     threads = [threading.Thread(target=rank_body, args=(r,)) for r in ranks]
     for t in threads:
         t.start()
