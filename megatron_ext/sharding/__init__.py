@@ -8,9 +8,11 @@ checkpoint converters, the export hook and the reshard refit all read them here.
 - :mod:`.spec`: :class:`TensorSpec` and the specs of a model (from a config or a built model).
 - :mod:`.geometry`: boxes, TP boxes, fused stacking and :class:`Layout`.
 - :mod:`.megatron`: a Megatron parameter's :class:`ShardSpec` and a Megatron job's layout.
+- :mod:`.fp8`: block-scaled FP8 as a layout (which weights, where their scales live).
 - :mod:`.hf_config`: the ``transformers`` config with a Megatron config's shape.
 """
 
+from .fp8 import FP8_BLOCK, fp8_layout
 from .geometry import Box, Layout, LocalTensor, Segment, whole_layout
 from .hf_config import hf_config_from_megatron
 from .megatron import (
@@ -26,6 +28,7 @@ from .megatron import (
 from .spec import TensorSpec, UnsupportedParameter, gpt_specs, specs_from_config, specs_from_model
 
 __all__ = [
+    "FP8_BLOCK",
     "Box",
     "Layout",
     "LocalTensor",
@@ -33,6 +36,7 @@ __all__ = [
     "ShardSpec",
     "TensorSpec",
     "UnsupportedParameter",
+    "fp8_layout",
     "gpt_specs",
     "hf_config_from_megatron",
     "layout_from_recipe",

@@ -99,6 +99,7 @@ class Layout:
     specs: dict[str, TensorSpec]
     description: str = ""
     recipe: dict | None = None  # JSON-able: how to rebuild it from the same specs (megatron.layout_from_recipe)
+    base: Layout | None = None  # the layout this one was derived from (fp8.fp8_layout: its unquantized form)
 
     def holdings(self, name: str) -> list[tuple[int, str, Segment]]:
         """``(rank, local tensor, segment)`` of every copy of any part of HF tensor ``name``."""

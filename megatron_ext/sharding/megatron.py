@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .fp8 import fp8_layout
 from .geometry import Layout, local_tensors, tp_box
 from .names import global_layer_names, global_name, unwrap
 from .spec import TensorSpec
@@ -183,7 +184,9 @@ def layout_from_recipe(specs: list[TensorSpec], recipe: dict) -> Layout:
         return megatron_layout(specs, **{k: recipe[k] for k in ("tp", "pp", "dp", "ep", "etp", "ranks", "layer_stage")})
     if kind == "replicas":
         return _replicas_layout(specs, recipe["groups"], recipe["description"])
-    raise ValueError(f"unknown layout recipe {recipe!r}: expected kind 'megatron' or 'replicas'")
+    if kind == "fp8-block":
+        return fp8_layout(layout_from_recipe(specs, recipe["base"]), recipe["block"])
+    raise ValueError(f"unknown layout recipe {recipe!r}: expected kind 'megatron', 'replicas' or 'fp8-block'")
 
 
 def megatron_expert_coords(i: int, *, tp: int, dp: int, ep: int, etp: int) -> tuple[int, int]:

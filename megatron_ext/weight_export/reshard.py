@@ -317,11 +317,12 @@ class ReshardExecutor:
                 )
             )
         self._local_copies = CopyBatch(local)
-        # the rows of each source tensor that the layout keeps (padded vocabulary rows excluded), by dtype
+        # the rows of each source tensor that the layout keeps (padded vocabulary rows excluded), by dtype;
+        # FP8 values are checked through their float32 block scales (a NaN or Inf makes its block's scale one)
         self._finite_views = {
             n: self.tensors[n][:rows]
             for n, rows in self._source_rows.items()
-            if self.tensors[n].is_floating_point() and self.tensors[n].numel()
+            if self.tensors[n].is_floating_point() and self.tensors[n].dtype.itemsize > 1 and self.tensors[n].numel()
         }
         if self.atomic:  # the whole version at once, after the last round's headers are checked
             self._apply = CopyBatch([pair for k in sorted(unpack) for pair in unpack[k]] + local)

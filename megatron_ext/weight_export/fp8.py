@@ -1,0 +1,121 @@
+"""FP8 refit: quantize the trainer's weights into the block-scaled layout FP8 checkpoints use.
+
+The layout side (which tensors, where the scales live) is
+:func:`megatron_ext.sharding.fp8_layout`; this module holds the arithmetic and the
+trainer's FP8 copies:
+
+- :func:`quantize_blocks` / :func:`dequantize_blocks`: ``float8_e4m3fn`` values and one
+  float32 ``weight_scale_inv`` per ``block x block`` block (``scale_inv = amax / 448``,
+  dequantized = fp8 x ``scale_inv``). A NaN or Inf in a block makes its scale non-finite,
+  so the refit's finite check (on the float32 scales) still refuses the version.
+- :class:`Fp8Sources`: a trainer rank's FP8 copy of its quantized local tensors (its
+  other tensors as they are), requantized by :meth:`~Fp8Sources.refresh` before each
+  refit (pass it as the executor's ``refresh``). It holds 1 byte per weight element
+  plus the scales: half the memory of the bf16 weights it mirrors.
+- :func:`dequantized`: ``(HF name, tensor)`` pairs with FP8 weights and their scales
+  turned back into the model's dtype, for engines that load plain checkpoints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from ..sharding.fp8 import FP8_BLOCK, FP8_DTYPE, scale_name
+from ..sharding.geometry import Layout
+
+__all__ = ["FP8_MAX", "Fp8Sources", "dequantize_blocks", "dequantized", "quantize_blocks"]
+
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448 for e4m3fn
+_TINY = float(torch.finfo(torch.float32).tiny)  # the scale of an all-zero block (its values stay 0)
+
+
+def _padded(x: torch.Tensor, block: int) -> torch.Tensor:
+    rows, cols = x.shape
+    pr, pc = -rows % block, -cols % block
+    return F.pad(x, (0, pc, 0, pr)) if pr or pc else x
+
+
+@torch.no_grad()
+def quantize_blocks(
+    x: torch.Tensor, block: int = FP8_BLOCK, *, out: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(fp8 values, float32 scale_inv per block)`` of a 2-D tensor; a partial last block is scaled by its
+    own elements. ``out``: tensors of those shapes and dtypes to write into."""
+    if x.dim() != 2:
+        raise ValueError(f"block FP8 quantizes 2-D weights, got shape {tuple(x.shape)}")
+    rows, cols = x.shape
+    xp = _padded(x.float(), block)
+    blocks = xp.view(xp.shape[0] // block, block, xp.shape[1] // block, block)
+    scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=_TINY)  # NaN and Inf stay in the scale
+    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view(xp.shape)[:rows, :cols]
+    if out is None:
+        return q.to(FP8_DTYPE), scale
+    out[0].copy_(q)
+    out[1].copy_(scale)
+    return out
+
+
+@torch.no_grad()
+def dequantize_blocks(
+    q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.bfloat16, block: int = FP8_BLOCK
+) -> torch.Tensor:
+    """The weight that ``q`` and its block scales stand for, in ``dtype``."""
+    rows, cols = q.shape
+    s = scale_inv.repeat_interleave(block, 0).repeat_interleave(block, 1)[:rows, :cols]
+    return (q.float() * s).to(dtype)
+
+
+class Fp8Sources:
+    """A trainer rank's tensors for an FP8 source layout (:func:`~megatron_ext.sharding.fp8_layout`).
+
+    ``tensors``: the rank's own local tensors (e.g. :func:`~megatron_ext.sharding.megatron_tensors`);
+    ``layout``: the FP8 layout; :attr:`tensors` is what the executor sends (FP8 copies and scales for the
+    quantized tensors, the others as given). Build the executor with ``refresh=sources.refresh``.
+    """
+
+    def __init__(self, tensors: dict[str, torch.Tensor], layout: Layout, rank: int, *, block: int = FP8_BLOCK):
+        self.block = block
+        self.tensors: dict[str, torch.Tensor] = {}
+        self._jobs: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        mine = layout.tensors.get(rank, {})
+        for name, lt in mine.items():
+            if name in self.tensors:
+                continue
+            if lt.dtype != FP8_DTYPE:
+                if name in tensors:
+                    self.tensors[name] = tensors[name]
+                continue
+            src = tensors.get(name)
+            if src is None or tuple(src.shape) != lt.shape:
+                continue  # the executor reports the missing or misshapen tensor at the first refit
+            q = torch.empty(lt.shape, dtype=FP8_DTYPE, device=src.device)
+            s = torch.empty(mine[scale_name(name)].shape, dtype=torch.float32, device=src.device)
+            self.tensors[name], self.tensors[scale_name(name)] = q, s
+            self._jobs.append((name, src, q, s))
+        self.refresh()
+
+    @property
+    def nbytes(self) -> int:
+        """Memory of the FP8 copies and their scales."""
+        return sum(q.numel() + s.numel() * 4 for _, _, q, s in self._jobs)
+
+    def refresh(self) -> None:
+        """Quantize the current weights (one local tensor at a time: its float32 scratch is the only extra)."""
+        for _, src, q, s in self._jobs:
+            quantize_blocks(src, self.block, out=(q, s))
+
+
+def dequantized(
+    pairs: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype = torch.bfloat16, block: int = FP8_BLOCK
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``pairs`` (e.g. ``Layout.hf_tensors`` of an FP8 engine layout) with every FP8 weight dequantized
+    with its ``weight_scale_inv`` (the scales themselves are not yielded); other tensors pass through."""
+    pairs = dict(pairs)
+    for name, t in pairs.items():
+        if t.dtype == FP8_DTYPE:
+            yield name, dequantize_blocks(t, pairs[scale_name(name)], dtype, block)
+        elif not (name.endswith("_scale_inv") and name.removesuffix("_scale_inv") in pairs):
+            yield name, t
