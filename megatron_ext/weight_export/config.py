@@ -29,6 +29,7 @@ __all__ = ["TRANSPORTS", "RefitConfig", "add_refit_args", "parse_address"]
 HOOK_TRANSPORTS = ("inprocess", "broadcast", "ipc", "ipc-push", "ipc-direct")
 TRANSPORTS = (*HOOK_TRANSPORTS, "p2p")
 BACKENDS = ("auto", "gloo", "nccl")
+QUANTIZE = ("none", "fp8-block")  # what the p2p refit sends: the model's dtype, or block-scaled FP8 (sharding.fp8)
 MIN_BUCKET_MB, MAX_BUCKET_MB = 16, 1024  # the export hook's automatic size (5% of free memory) stays in this range
 P2P_BUCKET_MB = 64  # the p2p refit's default staging bucket per peer
 # The smallest bucket_size_mb accepted: one 4 KiB page. Below it the size means
@@ -42,7 +43,7 @@ P2P_BUCKET_MB = 64  # the p2p refit's default staging bucket per peer
 MIN_BUCKET_BYTES = 4096
 PORTS = (1, 65535)
 # Fields read by one form only (default values are what the other form gets).
-P2P_ONLY = ("store", "engine_tp", "engine_dp", "engine_ep", "vocab_padding", "max_inflight", "atomic")
+P2P_ONLY = ("store", "engine_tp", "engine_dp", "engine_ep", "vocab_padding", "max_inflight", "atomic", "quantize")
 HOOK_ONLY = ("target", "vocab_size")
 
 
@@ -85,8 +86,10 @@ class RefitConfig:
     ``serve(atomic=)``), ``check_finite`` (refuse to publish a version with a NaN
     or Inf weight, one fused check per bucket before a byte moves), ``backend``
     (of the broadcast group or the refit group; auto: NCCL on GPU) and
-    ``timeout_s`` (every wait on a peer). When: ``every_n_steps`` (0: only when
-    called; :meth:`due`).
+    ``timeout_s`` (every wait on a peer). ``quantize`` (p2p): ``fp8-block`` sends
+    decoder-layer linear weights as FP8 with a float32 scale per 128 x 128 block
+    (:func:`~megatron_ext.sharding.fp8_layout`), about half the bytes. When:
+    ``every_n_steps`` (0: only when called; :meth:`due`).
     """
 
     transport: str = "inprocess"
@@ -104,6 +107,7 @@ class RefitConfig:
     every_n_steps: int = 0
     backend: str = "auto"
     timeout_s: float = 120.0
+    quantize: str = "none"
 
     def __post_init__(self):
         def refuse(field, allowed):
@@ -116,6 +120,8 @@ class RefitConfig:
             refuse("transport", f"one of {TRANSPORTS}")
         if self.backend not in BACKENDS:
             refuse("backend", f"one of {BACKENDS}")
+        if self.quantize not in QUANTIZE:
+            refuse("quantize", f"one of {QUANTIZE}")
         unused = HOOK_ONLY if self.p2p else P2P_ONLY
         for field in unused:
             if getattr(self, field) != RefitConfig.__dataclass_fields__[field].default:
@@ -207,6 +213,12 @@ class RefitConfig:
             ranks=ranks,
             vocab_padding=self.vocab_padding,
         )
+
+    def wire_layout(self, layout):
+        """``layout`` as the p2p refit sends it: block-scaled FP8 with ``quantize='fp8-block'``."""
+        from ..sharding.fp8 import fp8_layout
+
+        return fp8_layout(layout) if self.quantize == "fp8-block" else layout
 
     def join(self, rank: int, world_size: int, *, device=None):
         """Join the :class:`~.refit_group.RefitGroup` at ``store`` as refit rank ``rank`` of
@@ -317,6 +329,13 @@ def add_refit_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         type=float,
         help=f"bucket size in MiB, at least {MIN_BUCKET_BYTES / (1 << 20):g} (4 KiB) (default: hook, from free "
         f"memory within {MIN_BUCKET_MB}..{MAX_BUCKET_MB}; p2p, {P2P_BUCKET_MB} per peer)",
+    )
+    flag(
+        "quantize",
+        hook=False,
+        choices=QUANTIZE,
+        help="p2p: none (the model's dtype, default) or fp8-block (decoder-layer linear weights as FP8 e4m3 with "
+        "a float32 weight_scale_inv per 128x128 block, as FP8 checkpoints; about half the bytes)",
     )
     flag("max-inflight", hook=False, type=int, help="p2p: rounds in flight before the oldest is waited on")
     flag(

@@ -182,6 +182,7 @@ def _serve_p2p(args, consumer, device) -> None:
             layout,
             load_weights=consumer.load_weights,
             expected=consumer.expected_tensors(),
+            dequantize=True,  # an FP8 refit (the trainer's --refit-quantize fp8-block) loads dequantized
             **cfg.executor_kwargs,
         )
         report = lambda stats: print(f"engine: applied version {stats.version}", flush=True)  # noqa: E731

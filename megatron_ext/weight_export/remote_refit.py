@@ -43,8 +43,10 @@ import torch.distributed as dist
 
 from ..sharding.geometry import Layout
 from ..sharding.spec import TensorSpec
+from ..sharding.fp8 import fp8_layout
 from ..sharding.megatron import layout_from_recipe
 from .refit_group import NOTE_BYTES, RefitGroup, RefitGroupError
+from .fp8 import Fp8Sources, dequantized
 from .gate import RefitGate
 from .reshard import RefitRejected, RefitStats, ReshardExecutor
 from .reshard_plan import build_reshard_plan
@@ -66,6 +68,7 @@ class _RemoteRefit:
         max_inflight: int,
         atomic: bool,
         check_finite: bool,
+        refresh: Callable[[], None] | None = None,
     ):
         self.tag = group.next_tag("refit")
         src, dst = self._exchange_trainer_layout(group, src, dst)
@@ -93,6 +96,7 @@ class _RemoteRefit:
             atomic=atomic,
             max_inflight=max_inflight,
             check_finite=check_finite,
+            refresh=refresh,
         )
         self.tensors = tensors
         self.announcer = min(src.ranks)  # the trainer rank that announces versions
@@ -112,10 +116,11 @@ class _RemoteRefit:
         topology or model shape."""
         key = f"{self.tag}/src"
         if src is not None:
+            model = src.base or src  # an FP8 layout publishes the model's specs and its FP8 recipe
             if group.rank == 0:
-                specs = [s.to_json() for s in src.specs.values()]
+                specs = [s.to_json() for s in model.specs.values()]
                 group.store.set(key, json.dumps({"recipe": src.recipe, "specs": specs}))
-            return src, dst(list(src.specs.values()), src) if callable(dst) else dst
+            return src, dst(list(model.specs.values()), src) if callable(dst) else dst
         group.wait_keys([key], [0], what="publish the trainer's layout")
         published = json.loads(group.store.get(key).decode())
         if published["recipe"] is None:
@@ -124,7 +129,10 @@ class _RemoteRefit:
             )
         specs = [TensorSpec.from_json(s) for s in published["specs"]]
         src = layout_from_recipe(specs, published["recipe"])
-        return src, dst(specs, src) if callable(dst) else dst
+        dst = dst(specs, src) if callable(dst) else dst
+        if src.recipe["kind"] == "fp8-block" and dst.base is None:  # the trainer sends FP8: so does the plan
+            dst = fp8_layout(dst, src.recipe["block"])
+        return src, dst
 
     def _check_plans(self) -> None:
         """Every rank runs the same plan and bucket size, with the layout's tensors; if not, every rank
@@ -169,6 +177,7 @@ class TrainerRefit(_RemoteRefit):
 
     ``src``: the trainer's layout (refit ranks ``0..T-1``); ``dst``: the engine's
     (refit ranks ``T..``); both built exactly as the engine builds them.
+    ``refresh``: as the executor's (e.g. :meth:`~.fp8.Fp8Sources.refresh`).
     """
 
     def __init__(
@@ -182,6 +191,7 @@ class TrainerRefit(_RemoteRefit):
         max_inflight: int = 2,
         atomic: bool = True,
         check_finite: bool = True,
+        refresh: Callable[[], None] | None = None,
     ):
         super().__init__(
             group,
@@ -192,6 +202,7 @@ class TrainerRefit(_RemoteRefit):
             max_inflight=max_inflight,
             atomic=atomic,
             check_finite=check_finite,
+            refresh=refresh,
         )
         self._last: int | None = None  # the last refit's sequence number
 
@@ -201,7 +212,9 @@ class TrainerRefit(_RemoteRefit):
         ``config`` (a :class:`~.config.RefitConfig` with ``transport='p2p'`` and ``store``) says: joins the
         refit group as refit rank ``dist.get_rank()`` of ``T + engine_tp * engine_dp``, reads the trainer's
         layout from the live groups and its specs from ``model`` (``vocab_size``: the HF vocabulary), and
-        publishes both to the engine. Collective over the trainer's ranks and the engine's."""
+        publishes both to the engine. With ``quantize='fp8-block'`` it sends FP8 copies of the weights
+        (:class:`~.fp8.Fp8Sources`, requantized at every refit). Collective over the trainer's ranks and
+        the engine's."""
         from ..sharding import megatron_layout_from_groups, megatron_tensors, specs_from_model
 
         if not config.p2p or config.store is None:
@@ -217,10 +230,14 @@ class TrainerRefit(_RemoteRefit):
         trainer = dist.get_world_size()
         engine = config.engine_tp * config.engine_dp
         specs = specs_from_model(model, vocab_size=vocab_size)
-        src = megatron_layout_from_groups(specs)
-        dst = config.engine_layout(specs, ranks=range(trainer, trainer + engine))
+        src = config.wire_layout(megatron_layout_from_groups(specs))
+        dst = config.wire_layout(config.engine_layout(specs, ranks=range(trainer, trainer + engine)))
+        tensors, refresh = megatron_tensors(model), None
+        if src.base is not None:  # FP8: the executor sends copies quantized before every refit
+            sources = Fp8Sources(tensors, src, dist.get_rank())
+            tensors, refresh = sources.tensors, sources.refresh
         group = config.join(dist.get_rank(), trainer + engine, device=device)
-        return cls(group, src, dst, megatron_tensors(model), **config.executor_kwargs)
+        return cls(group, src, dst, tensors, refresh=refresh, **config.executor_kwargs)
 
     def _announce(self, value: str) -> None:
         if self.rank == self.announcer:
@@ -270,6 +287,10 @@ class EngineRefit(_RemoteRefit):
     (``dst.hf_tensors(rank, tensors)``, views into ``tensors``), e.g. a vLLM or
     HF model's ``load_weights``; a TP-sharded tensor is not whole, so with
     engine TP > 1 write in place instead (pass the engine's tensors).
+    ``dequantize``: when the trainer sends FP8 (``--refit-quantize fp8-block``),
+    hand ``load_weights`` the weights dequantized to the model's dtype (an engine
+    that loads plain checkpoints, e.g. a Hugging Face model) instead of the FP8
+    values and their ``weight_scale_inv`` (an FP8 engine such as vLLM's block-FP8).
     ``expected``: the model's ``(shape, dtype)`` per HF name (e.g.
     ``HFModelConsumer.expected_tensors()``); a tensor the model does not hold
     as the trainer sends it is refused on every rank at the plan check, naming it.
@@ -287,12 +308,13 @@ class EngineRefit(_RemoteRefit):
         *,
         load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object] | None = None,
         expected: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
+        dequantize: bool = False,
         bucket_bytes: int = 64 << 20,
         max_inflight: int = 2,
         atomic: bool = True,
         check_finite: bool = True,
     ):
-        self.load_weights, self.expected = load_weights, expected
+        self.load_weights, self.expected, self.dequantize = load_weights, expected, dequantize
         super().__init__(
             group,
             src,
@@ -307,15 +329,29 @@ class EngineRefit(_RemoteRefit):
     def _model_problem(self) -> str | None:
         if self.expected is None or self.rank not in self.dst.ranks:
             return None
+        model = self.dst.base if self.dequantize and self.dst.base is not None else None
         for name, t in self.dst.hf_tensors(self.rank, self.tensors):
+            dtype = t.dtype
+            if model is not None:  # FP8 dequantized: the model gets the trainer's dtype, and no scales
+                if name not in model.specs:
+                    continue
+                dtype = model.specs[name].dtype
             want = self.expected.get(name)
-            if want is None or (tuple(want[0]), want[1]) != (tuple(t.shape), t.dtype):
+            if want is None or (tuple(want[0]), want[1]) != (tuple(t.shape), dtype):
                 has = "has no such tensor" if want is None else f"holds {tuple(want[0])} {want[1]}"
                 return (
-                    f"engine refit rank {self.rank}: {name}: the trainer sends {tuple(t.shape)} {t.dtype}, the "
+                    f"engine refit rank {self.rank}: {name}: the trainer sends {tuple(t.shape)} {dtype}, the "
                     f"engine's model {has} (start the engine with the trainer's model and dtype)"
                 )
         return None
+
+    def _loaded(self):
+        """``(HF name, tensor)`` of what this rank hands ``load_weights`` (FP8 dequantized when asked)."""
+        pairs = self.dst.hf_tensors(self.rank, self.tensors)
+        if self.dequantize and self.dst.base is not None:
+            dtype = next(iter(self.dst.base.specs.values())).dtype
+            return dequantized(pairs, dtype)
+        return pairs
 
     def next_version(self, timeout_s: float | None = None) -> int | None:
         """Wait for the trainer's next announcement: a version, or None when the trainer closed."""
@@ -346,7 +382,7 @@ class EngineRefit(_RemoteRefit):
             stats = self.executor.refit(want, verify=verify)
             if self.load_weights is not None and self.rank in self.dst.ranks:
                 try:
-                    self.load_weights(self.dst.hf_tensors(self.rank, self.tensors))
+                    self.load_weights(self._loaded())
                 except BaseException:
                     self.executor.version = None  # the engine's model holds no complete version
                     raise

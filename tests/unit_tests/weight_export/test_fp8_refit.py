@@ -149,3 +149,52 @@ def test_executor_requantizes_every_refit_and_refuses_nan():
     assert err.value.reason == "nonfinite" and ex.version == 2
     assert all(torch.equal(held[n].view(torch.uint8), engine[n].view(torch.uint8)) for n in held)
     assert sources.nbytes < sum(t.nbytes for t in trainer.values()) // 2 + 4096
+
+
+def test_engine_job_takes_the_trainers_fp8_and_loads_it_dequantized():
+    """Across jobs (a RefitGroup; the two refit ranks are threads here): the engine builds its layout from the
+    trainer's published specs in the model's dtype; the trainer's FP8 recipe makes the plan FP8 on both sides,
+    and ``dequantize=True`` hands ``load_weights`` exactly the dequantized FP8 checkpoint (no scales)."""
+    import threading
+
+    from megatron_ext.testing.multirank import free_port
+    from megatron_ext.weight_export import EngineRefit, RefitGroup, TrainerRefit
+
+    specs = gpt_specs(**ALIGNED)
+    weights = _weights(specs)
+    src = fp8_layout(megatron_layout(specs, ranks=[0]))
+    sources = Fp8Sources(_megatron_locals(src.base, weights, specs, 1)[0], src, 0)
+    port, out, loaded = free_port(), {}, {}
+
+    def trainer():
+        group = RefitGroup.join("127.0.0.1", port, 0, 2, timeout_s=30)
+        dst = fp8_layout(inference_layout(specs, ranks=[1]))
+        refit = TrainerRefit(group, src, dst, sources.tensors, bucket_bytes=1 << 16, refresh=sources.refresh)
+        refit.refit(7)
+        out["acks"] = refit.engine_versions()
+        refit.close()
+
+    def engine():
+        group = RefitGroup.join("127.0.0.1", port, 1, 2, timeout_s=30)
+        refit = EngineRefit(
+            group,
+            None,
+            lambda published, trainer: inference_layout(published, ranks=[1]),
+            load_weights=lambda pairs: loaded.update((n, t.clone()) for n, t in pairs),
+            expected={s.name: (s.shape, s.dtype) for s in specs},
+            dequantize=True,
+            bucket_bytes=1 << 16,
+        )
+        out["engine_held"] = refit.serve(timeout_s=30)
+
+    threads = [threading.Thread(target=f) for f in (trainer, engine)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a refit rank hung"
+    assert out == {"acks": {1: 7}, "engine_held": 7}
+    assert set(loaded) == {s.name for s in specs}
+    for name, w in weights.items():
+        want = dequantize_blocks(*quantize_blocks(w)) if src.specs[name].dtype == torch.float8_e4m3fn else w
+        assert loaded[name].dtype == torch.bfloat16 and torch.equal(loaded[name], want), name

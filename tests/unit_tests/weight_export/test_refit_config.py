@@ -111,6 +111,8 @@ def test_reshard_refit_aliases_select_p2p_and_round_trip():
         (dict(transport="p2p", target="h:1"), "RefitConfig.target (--refit-target) is read by the export hook's "
          "transports only; transport='p2p' would ignore it"),
         (dict(transport="p2p", vocab_size=10), "RefitConfig.vocab_size (--refit-vocab-size) is read by the export"),
+        (dict(transport="p2p", quantize="fp8"), "quantize (--refit-quantize) must be one of ('none', 'fp8-block')"),
+        (dict(quantize="fp8-block"), "RefitConfig.quantize (--refit-quantize) is read by transport='p2p'"),
     ],
 )  # fmt: skip
 def test_bad_values_are_refused_naming_the_field_and_flag(kw, needle):
