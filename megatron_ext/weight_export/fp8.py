@@ -47,13 +47,25 @@ def quantize_blocks(
     if x.dim() != 2:
         raise ValueError(f"block FP8 quantizes 2-D weights, got shape {tuple(x.shape)}")
     rows, cols = x.shape
-    xp = _padded(x.float(), block)
-    blocks = xp.view(xp.shape[0] // block, block, xp.shape[1] // block, block)
-    scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=_TINY)  # NaN and Inf stay in the scale
-    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view(xp.shape)[:rows, :cols]
+    xp = _padded(x, block)
+    shape = (xp.shape[0] // block, block, xp.shape[1] // block, block)
+    blocks = xp.view(shape)
+    # max |x| per block from the block's max and min, read in x's own dtype (exact; no |x| temporary);
+    # a NaN or Inf stays in the scale
+    amax = torch.maximum(blocks.amax(dim=(1, 3)).float(), blocks.amin(dim=(1, 3)).float().neg())
+    scale = (amax / FP8_MAX).clamp(min=_TINY)
+    if out is not None and out[0].shape == xp.shape:
+        q = out[0]
+    else:
+        q = torch.empty(xp.shape, dtype=FP8_DTYPE, device=x.device)
+    # x / scale computed in float32 and rounded once to e4m3 as it is stored (one kernel, no float32
+    # tensor); |x / scale| <= 448 up to the division's rounding, which the conversion saturates to 448
+    torch.div(blocks, scale[:, None, :, None], out=q.view(shape))
+    q = q[:rows, :cols]
     if out is None:
-        return q.to(FP8_DTYPE), scale
-    out[0].copy_(q)
+        return q, scale
+    if q.data_ptr() != out[0].data_ptr() or q.shape != out[0].shape:
+        out[0].copy_(q)
     out[1].copy_(scale)
     return out
 

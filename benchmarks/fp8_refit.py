@@ -1,0 +1,143 @@
+"""FP8 refit benchmark on one GPU: what block-FP8 costs (quantization) and saves (bytes), for a Llama preset.
+
+    python benchmarks/fp8_refit.py --preset 3b --out fp8_refit.json      # one GPU
+    (the tiny preset is refused: its 32-row heads cut 128-row blocks)
+
+Measured (median of ``--iters`` after a warm-up), printed as a table and written as JSON:
+
+- quantize: :meth:`Fp8Sources.refresh` of a trainer rank (the whole model at TP1; one rank's share at TP2);
+- wire bytes of the plan Megatron TP2 -> engine TP2 (the cross-GPU layout of the recorded refit table),
+  bf16 vs ``fp8-block``;
+- a refit on one rank (trainer and engine TP1 on the same GPU: every byte a device copy), bf16 vs FP8
+  (requantization included).
+
+With one GPU there is no link to measure; the last rows project a link-bound refit as wire bytes per
+rank / ``--link-gbps`` (default: the 321 GB/s point-to-point limit measured on 4xH200) plus the
+quantization, and say so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common import PRESETS  # noqa: E402
+from megatron_ext.sharding import fp8_layout, gpt_specs, megatron_layout  # noqa: E402
+from megatron_ext.weight_export import ReshardExecutor, build_reshard_plan, inference_layout  # noqa: E402
+from megatron_ext.weight_export.fp8 import Fp8Sources  # noqa: E402
+
+
+def _specs(preset: str):
+    p = PRESETS[preset]
+    return gpt_specs(
+        num_layers=p["num_layers"],
+        hidden_size=p["hidden_size"],
+        num_heads=p["num_attention_heads"],
+        num_groups=p["num_query_groups"],
+        head_dim=p["hidden_size"] // p["num_attention_heads"],
+        ffn_hidden_size=p["ffn_hidden_size"],
+        vocab_size=p["hf_vocab_size"],
+        dtype=torch.bfloat16,
+    )
+
+
+def _timed(fn, device, iters):
+    fn()
+    out = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        out.append(time.perf_counter() - t)
+    return statistics.median(out)
+
+
+def _locals(layout, rank, device):
+    return {n: torch.randn(lt.shape, dtype=lt.dtype, device=device) for n, lt in layout.tensors[rank].items()}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="3b")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--link-gbps", type=float, default=321.0, help="link bandwidth per GPU for the projection")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    specs = _specs(args.preset)
+    rows = {}
+
+    # quantization per trainer rank
+    for tp in (1, 2):
+        src = fp8_layout(megatron_layout(specs, tp=tp))
+        sources = Fp8Sources(_locals(src.base, 0, device), src, 0)
+        rows[f"quantize_tp{tp}_rank_s"] = _timed(sources.refresh, device, args.iters)
+        rows[f"quantize_tp{tp}_rank_bytes_in"] = sum(t.numel() * 2 for _, t, _, _ in sources._jobs)
+        del sources
+
+    # wire bytes, Megatron TP2 -> engine TP2 on other ranks
+    src, dst = megatron_layout(specs, tp=2), inference_layout(specs, tp=2, ranks=[2, 3])
+    bf16_plan, fp8_plan = build_reshard_plan(src, dst), build_reshard_plan(fp8_layout(src), fp8_layout(dst))
+    rows["wire_bytes_bf16"] = sum(t.nbytes for t in bf16_plan.transfers)
+    rows["wire_bytes_fp8"] = sum(t.nbytes for t in fp8_plan.transfers)
+    rows["wire_ratio"] = rows["wire_bytes_fp8"] / rows["wire_bytes_bf16"]
+
+    # a refit on one rank (device copies only)
+    for name, wire in (("bf16", lambda lay: lay), ("fp8", fp8_layout)):
+        s, d = wire(megatron_layout(specs, ranks=[0])), wire(inference_layout(specs, ranks=[0]))
+        trainer = _locals(s.base or s, 0, device)
+        refresh = None
+        if s.base is not None:
+            sources = Fp8Sources(trainer, s, 0)
+            trainer, refresh = sources.tensors, sources.refresh
+        engine = {n: torch.empty(lt.shape, dtype=lt.dtype, device=device) for n, lt in d.tensors[0].items()}
+        ex = ReshardExecutor(build_reshard_plan(s, d), 0, {**trainer, **engine}, refresh=refresh)
+        version = iter(range(1, 1000))
+        rows[f"local_refit_{name}_s"] = _timed(lambda ex=ex: ex.refit(next(version)), device, args.iters)
+        del ex, trainer, engine
+
+    # projection for a link-bound refit (not measured: one GPU has no link)
+    per_rank = {k: rows[f"wire_bytes_{k}"] / 2 for k in ("bf16", "fp8")}  # two engine ranks receive in parallel
+    link = args.link_gbps * 1e9
+    rows["projected_link_bf16_s"] = per_rank["bf16"] / link
+    rows["projected_link_fp8_s"] = per_rank["fp8"] / link + rows["quantize_tp2_rank_s"]
+    rows["projected_speedup"] = rows["projected_link_bf16_s"] / rows["projected_link_fp8_s"]
+
+    print(f"FP8 refit, preset {args.preset}, {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}")
+    print(f"{'what':<44} {'value':>14}")
+    for k, v in rows.items():
+        unit = f"{v * 1e3:11.2f} ms" if k.endswith("_s") else f"{v / 1e9:11.3f} GB" if "bytes" in k else f"{v:14.3f}"
+        print(f"{k:<44} {unit:>14}")
+    record = {
+        "machine": platform.node(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(),
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "torch": torch.__version__,
+        "preset": args.preset,
+        "link_gbps_assumed": args.link_gbps,
+        "rows": rows,
+    }
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=2)
+    return record
+
+
+if __name__ == "__main__":
+    main()
