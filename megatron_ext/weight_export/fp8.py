@@ -4,7 +4,7 @@ The layout side (which tensors, where the scales live) is
 :func:`megatron_ext.sharding.fp8_layout`; this module holds the arithmetic and the
 trainer's FP8 copies:
 
-- :func:`quantize_blocks` / :func:`dequantize_blocks`: ``float8_e4m3fn`` values and one
+- :func:`quantize_blocks` (one Triton kernel on CUDA) / :func:`dequantize_blocks`: ``float8_e4m3fn`` values and one
   float32 ``weight_scale_inv`` per ``block x block`` block (``scale_inv = amax / 448``,
   dequantized = fp8 x ``scale_inv``). A NaN or Inf in a block makes its scale non-finite,
   so the refit's finite check (on the float32 scales) still refuses the version.
@@ -43,9 +43,18 @@ def quantize_blocks(
     x: torch.Tensor, block: int = FP8_BLOCK, *, out: tuple[torch.Tensor, torch.Tensor] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(fp8 values, float32 scale_inv per block)`` of a 2-D tensor; a partial last block is scaled by its
-    own elements. ``out``: tensors of those shapes and dtypes to write into."""
+    own elements. ``out``: tensors of those shapes and dtypes to write into. On CUDA one Triton kernel
+    reads each block once (:func:`_quantize_triton`); elsewhere, or without Triton, PyTorch ops do the
+    same arithmetic (:func:`_quantize_torch`)."""
     if x.dim() != 2:
         raise ValueError(f"block FP8 quantizes 2-D weights, got shape {tuple(x.shape)}")
+    kernel = _triton_kernel() if x.is_cuda and x.is_contiguous() else None
+    if kernel is not None:
+        return _quantize_triton(kernel, x, block, out)
+    return _quantize_torch(x, block, out)
+
+
+def _quantize_torch(x, block, out):
     rows, cols = x.shape
     xp = _padded(x, block)
     shape = (xp.shape[0] // block, block, xp.shape[1] // block, block)
@@ -67,6 +76,55 @@ def quantize_blocks(
     if q.data_ptr() != out[0].data_ptr() or q.shape != out[0].shape:
         out[0].copy_(q)
     out[1].copy_(scale)
+    return out
+
+
+_KERNEL: list = []  # the compiled Triton kernel, or None when Triton is not usable (looked up once)
+
+
+def _triton_kernel():
+    if not _KERNEL:
+        try:
+            import triton
+            import triton.language as tl
+        except ImportError:
+            _KERNEL.append(None)
+            return None
+
+        @triton.jit
+        def quantize(x_ptr, q_ptr, s_ptr, rows, cols, n_col_blocks, BLOCK: tl.constexpr, FMAX: tl.constexpr):
+            # one program per block: max |x| (a NaN anywhere makes the scale NaN), then x / scale, rounded to
+            # nearest (div_rn, as PyTorch divides) and stored as e4m3 (the conversion saturates at 448)
+            br, bc = tl.program_id(0), tl.program_id(1)
+            r = br * BLOCK + tl.arange(0, BLOCK)[:, None]
+            c = bc * BLOCK + tl.arange(0, BLOCK)[None, :]
+            mask = (r < rows) & (c < cols)
+            x = tl.load(x_ptr + r * cols + c, mask=mask, other=0.0).to(tl.float32)
+            amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+            nans = tl.sum(tl.sum((x != x).to(tl.int32), axis=1), axis=0)
+            scale = tl.maximum(amax / FMAX, 1.1754943508222875e-38)
+            scale = tl.where(nans > 0, float("nan"), scale)
+            tl.store(q_ptr + r * cols + c, tl.math.div_rn(x, scale).to(q_ptr.dtype.element_ty), mask=mask)
+            tl.store(s_ptr + br * n_col_blocks + bc, scale)
+
+        _KERNEL.append(quantize)
+    return _KERNEL[0]
+
+
+def _quantize_triton(kernel, x, block, out):
+    rows, cols = x.shape
+    grid = (-(-rows // block), -(-cols // block))
+    q, scale = out if out is not None else (None, None)
+    if q is None or not q.is_contiguous():
+        q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    if scale is None or not scale.is_contiguous():
+        scale = torch.empty(grid, dtype=torch.float32, device=x.device)
+    kernel[grid](x, q, scale, rows, cols, grid[1], BLOCK=block, FMAX=FP8_MAX)
+    if out is None:
+        return q, scale
+    for dst, src in zip(out, (q, scale)):
+        if dst.data_ptr() != src.data_ptr():
+            dst.copy_(src)
     return out
 
 

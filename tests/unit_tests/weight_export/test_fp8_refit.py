@@ -198,3 +198,26 @@ def test_engine_job_takes_the_trainers_fp8_and_loads_it_dequantized():
     for name, w in weights.items():
         want = dequantize_blocks(*quantize_blocks(w)) if src.specs[name].dtype == torch.float8_e4m3fn else w
         assert loaded[name].dtype == torch.bfloat16 and torch.equal(loaded[name], want), name
+
+
+@pytest.mark.gpus(1)
+def test_cuda_kernel_gives_the_same_bits_as_the_pytorch_path():
+    """On CUDA the quantizer is one Triton kernel; it must store exactly what the PyTorch ops compute (the
+    same max, the same correctly rounded division, the same saturating e4m3 conversion), partial blocks,
+    zero blocks, NaN and Inf included."""
+    from megatron_ext.weight_export import fp8
+
+    assert fp8._triton_kernel() is not None, "Triton is not usable on this GPU machine"
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(520, 700, generator=g)
+    x[:128, :128] *= 1e-30  # tiny values: subnormal after scaling
+    x[128:256, 128:256] = 0
+    x[300, 600] = float("nan")
+    x[400, 10] = float("inf")
+    for dtype in (torch.bfloat16, torch.float32):
+        xc = x.to(dtype).cuda()
+        q1, s1 = fp8._quantize_triton(fp8._triton_kernel(), xc, 128, None)
+        q2, s2 = fp8._quantize_torch(xc, 128, None)
+        assert torch.equal(s1.isnan(), s2.isnan()) and torch.equal(s1.nan_to_num(), s2.nan_to_num()), dtype
+        finite = torch.isfinite(s2).repeat_interleave(128, 0).repeat_interleave(128, 1)[:520, :700]
+        assert torch.equal(q1.view(torch.uint8)[finite], q2.view(torch.uint8)[finite]), dtype
