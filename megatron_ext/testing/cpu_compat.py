@@ -22,6 +22,19 @@ Call sites covered (megatron-core 0.19.2):
   pipeline_parallel/schedules.py (the forward-backward functions' token count).
 - ``Tensor.type() == 'torch.cuda.FloatTensor'`` checks in the optimizer,
   distributed optimizer and clip_grads.
+
+:func:`install_inference` adds what megatron-core's static-batching inference
+path (``StaticInferenceEngine(legacy=True)``, ``TextGenerationController``,
+``GPTInferenceWrapper``) needs on top:
+
+- ``Tensor.cuda()``: ``generate_all_output_tokens_static_batch`` moves its
+  generated-length counter with ``torch.zeros(...).cuda()``; on a CPU-only
+  process it returns the CPU tensor itself.
+- ``torch.cuda.Event(enable_timing=True).elapsed_time``: the controller times
+  every step with CUDA events; CPU events time nothing (0 ms).
+- ``device="cuda"`` in ``transformer.utils.get_default_causal_mask`` (the local
+  ``DotProductAttention`` builds its causal mask there when the inference
+  wrapper passes none, i.e. ``attention_backend`` other than ``local``).
 """
 
 from __future__ import annotations
@@ -32,6 +45,7 @@ import types
 import torch
 
 _INSTALLED = False
+_INFERENCE_INSTALLED = False
 
 
 class _NullStream:
@@ -75,6 +89,9 @@ class _NullEvent:
 
     def query(self):
         return True
+
+    def elapsed_time(self, other):
+        return 0.0
 
 
 class _CpuTorch(types.ModuleType):
@@ -164,6 +181,28 @@ def install() -> bool:
     _patch_tensor_type()
     _patch_megatron()
     _INSTALLED = True
+    return True
+
+
+def install_inference() -> bool:
+    """:func:`install` plus the shims megatron-core's static-batching inference path
+    needs on CPU (see the module docstring). Returns False (and does nothing) when
+    CUDA is available."""
+    global _INFERENCE_INSTALLED
+    if not install():
+        return False
+    if _INFERENCE_INSTALLED:
+        return True
+    import megatron.core.transformer.utils as transformer_utils
+
+    to_cuda = torch.Tensor.cuda
+
+    def cuda(self, *args, **kwargs):
+        return self if self.device.type == "cpu" else to_cuda(self, *args, **kwargs)
+
+    torch.Tensor.cuda = cuda
+    transformer_utils.torch = _CpuTorch()
+    _INFERENCE_INSTALLED = True
     return True
 
 

@@ -44,6 +44,14 @@ from .plan import BucketMeta, ExportPlan, TensorMeta, build_plan, check_plan, un
 from .receiver import HFModelConsumer, LoadWeightsConsumer, WeightReceiver
 from .transport import BroadcastSender, InProcessSender, IpcDirectSender, IpcPushSender, IpcSender, serve
 from .gate import RefitGate, VerifyResult, megatron_logits, verify_export
+from .fp8 import Fp8Sources
+from .megatron_engine import (
+    MegatronEngine,
+    MegatronEngineRefit,
+    megatron_engine_layout,
+    megatron_engine_specs,
+    megatron_trainer_refit,
+)
 
 __all__ = [
     "RefitError",
@@ -102,4 +110,10 @@ __all__ = [
     "RefitGroup",
     "RefitGroupError",
     "TrainerRefit",
+    "Fp8Sources",
+    "MegatronEngine",
+    "MegatronEngineRefit",
+    "megatron_engine_layout",
+    "megatron_engine_specs",
+    "megatron_trainer_refit",
 ]

@@ -1,0 +1,355 @@
+"""megatron-core's own inference engine as the target of a reshard refit.
+
+Megatron-RL serves rollouts with ``megatron.core.inference``; here that engine
+runs in a job of its own and takes every version the trainer job sends over a
+:class:`~.refit_group.RefitGroup`, written in place into its ``GPTModel``'s
+parameters (Megatron's local tensors at the engine's TP degree: no vLLM names,
+no ``load_weights``)::
+
+    # trainer job, every rank (T ranks, any TP x PP x DP; E = engine_tp * engine_dp engine ranks)
+    group = wx.RefitGroup.join(host, port, rank=dist.get_rank(), world_size=T + E, backend="nccl")
+    refit = megatron_trainer_refit(model, group, engine_tp=E_TP, engine_dp=E_DP)
+    refit.refit(version)
+
+    # engine job, every rank (initialize_model_parallel(E_TP), its GPTModel built from the trainer's config)
+    group = wx.RefitGroup.join(host, port, rank=T + dist.get_rank(), world_size=T + E, backend="nccl")
+    engine = MegatronEngine(model, max_batch_size=8, max_sequence_length=4096)
+    refit = MegatronEngineRefit(group, engine)   # the engine's layout, from the trainer's published specs
+    refit.refit()                                # the next version, in place; the engine's state reset
+    # or, gated: refit.refit(verify=wx.RefitGate(engine, tokens, reference_logits, load=False))
+    tokens = engine.generate([[3, 17, 5]], num_tokens=16)   # greedy (top_k=1), collective over the engine's TP
+
+:class:`MegatronEngine` is megatron-core's static-batching engine
+(``StaticInferenceEngine(legacy=True)`` over a ``TextGenerationController`` and a
+``GPTInferenceWrapper`` with a ``StaticInferenceContext``: the KV cache is
+rewritten from position 0 by every batch). megatron-core's dynamic engine
+(``DynamicInferenceEngine``, also what ``StaticInferenceEngine(legacy=False)``
+runs) needs CUDA and flash-attn >= 2.7.3 for its paged attention, so it is not
+the engine here.
+
+The vocabulary is copied at Megatron's *padded* rows (:func:`megatron_engine_specs`):
+megatron-core's sampling runs over all of ``GPTModel.vocab_size`` rows (greedy
+is an argmax over them), so padded rows left at the engine's initial values
+would make its tokens differ from the trainer's. The engine's ``GPTModel`` must
+therefore have the trainer's padded vocabulary, dtype and shapes; anything else
+(and any parameter the trainer does not send) is refused on every rank of both
+jobs before a byte moves (:class:`~.reshard.RefitRejected`, reason ``"tensors"``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Sequence
+
+import torch
+
+from ..sharding.geometry import Layout
+from ..sharding.megatron import megatron_layout, megatron_layout_from_groups, megatron_tensors
+from ..sharding.names import unwrap
+from ..sharding.spec import TensorSpec, specs_from_model
+from .gate import RefitGate
+from .refit_group import RefitGroup
+from .remote_refit import EngineRefit, TrainerRefit
+from .reshard import RefitStats
+
+__all__ = [
+    "MegatronEngine",
+    "MegatronEngineRefit",
+    "TokenIds",
+    "megatron_engine_layout",
+    "megatron_engine_specs",
+    "megatron_trainer_refit",
+]
+
+
+def _positive_int(where: str, arg: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{where}: {arg} must be an int >= 1, got {value!r}")
+    return value
+
+
+def megatron_engine_specs(specs: Sequence[TensorSpec]) -> list[TensorSpec]:
+    """``specs`` of a Megatron -> Megatron refit: a vocabulary tensor (embedding,
+    output layer) spans Megatron's padded rows (``padded_rows``), so the padded
+    rows are copied too. Build the trainer's layout and the engine's from these."""
+    return [
+        dataclasses.replace(s, shape=(s.padded_rows, *s.shape[1:]), padded_rows=None) if s.padded_rows else s
+        for s in specs
+    ]
+
+
+def megatron_engine_layout(specs: Sequence[TensorSpec], *, tp: int = 1, dp: int = 1, ranks: Sequence[int]) -> Layout:
+    """A megatron-core engine's layout: ``dp`` replicas of a TP ``tp`` Megatron model
+    (rank order ``tp-dp``, pipeline size 1) at refit ranks ``ranks``, vocabulary at
+    the padded rows (:func:`megatron_engine_specs`). The trainer passes it as ``dst``;
+    :class:`MegatronEngineRefit` builds the same one from the trainer's specs."""
+    _positive_int("megatron_engine_layout", "tp", tp)
+    _positive_int("megatron_engine_layout", "dp", dp)
+    layout = megatron_layout(megatron_engine_specs(specs), tp=tp, dp=dp, ranks=ranks)
+    layout.description = f"megatron-core engine TP{tp}xDP{dp}"
+    return layout
+
+
+def megatron_trainer_refit(
+    model, group: RefitGroup, *, engine_tp: int = 1, engine_dp: int = 1, **executor_kwargs
+) -> TrainerRefit:
+    """Every trainer rank's :class:`~.remote_refit.TrainerRefit` towards a megatron-core engine job
+    of ``engine_tp * engine_dp`` ranks (refit ranks ``T..``): the trainer's layout read from its live
+    Megatron groups (its ranks are refit ranks ``0..T-1``, its global ranks), both layouts from
+    :func:`megatron_engine_specs` of ``model``'s specs. ``executor_kwargs``: ``bucket_bytes``,
+    ``max_inflight``, ``atomic``, ``check_finite`` (the engine's must be the same)."""
+    import torch.distributed as dist
+
+    _positive_int("megatron_trainer_refit", "engine_tp", engine_tp)
+    _positive_int("megatron_trainer_refit", "engine_dp", engine_dp)
+    if group.rank != dist.get_rank():
+        raise ValueError(
+            f"megatron_trainer_refit: the trainer's refit ranks are its global ranks, but global rank "
+            f"{dist.get_rank()} joined the refit group as refit rank {group.rank}"
+        )
+    padded = unwrap(model).vocab_size  # the vocabulary at Megatron's padded rows: every row is copied
+    specs = megatron_engine_specs(specs_from_model(model, vocab_size=padded))
+    src = megatron_layout_from_groups(specs)
+    trainer = len(src.ranks)
+    if group.world_size != trainer + engine_tp * engine_dp:
+        raise ValueError(
+            f"the refit group has {group.world_size} ranks; the trainer's {trainer} + engine_tp={engine_tp} x "
+            f"engine_dp={engine_dp} make {trainer + engine_tp * engine_dp}"
+        )
+    dst = megatron_engine_layout(specs, tp=engine_tp, dp=engine_dp, ranks=range(trainer, group.world_size))
+    return TrainerRefit(group, src, dst, megatron_tensors(model), **executor_kwargs)
+
+
+class TokenIds:
+    """The tokenizer megatron-core's controller asks for, when prompts are already token ids:
+    ``eod`` pads short prompts (and ends a generation only where the sampling params allow it);
+    ``detokenize`` spells ids as text."""
+
+    def __init__(self, eod: int = 0, bos: int | None = None):
+        self.eod, self.bos = eod, bos
+
+    def tokenize(self, text: str) -> list[int]:
+        return [int(t) for t in text.split()]
+
+    def detokenize(self, ids, **kwargs) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+
+class MegatronEngine:
+    """megatron-core's static-batching inference engine over ``model`` (a ``GPTModel`` of
+    this rank's TP shard, pipeline size 1, in the engine job's parallel state).
+
+    ``max_batch_size`` prompts run as one batch (more wait for the next one);
+    ``max_sequence_length`` (default ``model.max_sequence_length``) bounds prompt + generated
+    tokens. ``tokenizer``: megatron-core's tokenizer interface (default :class:`TokenIds`:
+    prompts are token ids, ``eod`` 0 pads). :meth:`generate` and :meth:`logits` are collective
+    over the engine's TP group (every TP rank passes the same prompts); DP replicas run
+    independently. megatron-core's ``StaticInferenceEngine`` marks the process as serving
+    inference (``InferenceMode``) and reseeds torch's global RNG on every ``generate``.
+    """
+
+    def __init__(self, model, *, max_batch_size: int = 8, max_sequence_length: int | None = None, tokenizer=None):
+        from megatron.core import parallel_state as ps
+        from megatron.core.inference.contexts import StaticInferenceContext
+        from megatron.core.inference.engines import StaticInferenceEngine
+        from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
+        from megatron.core.inference.text_generation_controllers.text_generation_controller import (
+            TextGenerationController,
+        )
+
+        gpt = unwrap(model)
+        if max_sequence_length is None:
+            max_sequence_length = getattr(gpt, "max_sequence_length", None)
+        _positive_int("MegatronEngine", "max_batch_size", max_batch_size)
+        _positive_int("MegatronEngine", "max_sequence_length", max_sequence_length)
+        if ps.model_parallel_is_initialized() and ps.get_pipeline_model_parallel_world_size() != 1:
+            raise ValueError(
+                "MegatronEngine runs pipeline size 1 (one stage holds the whole model per TP rank), got "
+                f"pipeline_model_parallel_size={ps.get_pipeline_model_parallel_world_size()}"
+            )
+        self.model = model
+        self.vocab_size = gpt.vocab_size  # Megatron's padded rows: what the engine samples over
+        self.max_batch_size, self.max_sequence_length = max_batch_size, max_sequence_length
+        self.context = StaticInferenceContext(max_batch_size, max_sequence_length)
+        self.wrapper = GPTInferenceWrapper(model, self.context)
+        self.controller = TextGenerationController(self.wrapper, tokenizer if tokenizer is not None else TokenIds())
+        with warnings.catch_warnings():  # "the static engine will be deprecated": its legacy path is the one chosen
+            warnings.filterwarnings("ignore", message="The static engine will be deprecated")
+            self.engine = StaticInferenceEngine(self.controller, max_batch_size=max_batch_size, legacy=True)
+        self.version: int | None = None  # the refit version the weights hold (MegatronEngineRefit sets it)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def generate(self, prompts: Sequence[Sequence[int]], num_tokens: int, *, sampling_params=None) -> list[list[int]]:
+        """The tokens megatron-core generates after each prompt (token ids), one list per prompt.
+
+        Default sampling: greedy (``top_k=1``), exactly ``num_tokens`` tokens (no stop at
+        ``eod``). ``sampling_params``: megatron-core's ``SamplingParams`` instead (its
+        ``num_tokens_to_generate`` set to ``num_tokens``)."""
+        from megatron.core.inference.inference_request import InferenceRequest
+        from megatron.core.inference.sampling_params import SamplingParams
+
+        _positive_int("MegatronEngine.generate", "num_tokens", num_tokens)
+        prompts = [[int(t) for t in p] for p in prompts]
+        if not prompts or not all(prompts):
+            raise ValueError("prompts must be a non-empty list of non-empty token id lists")
+        longest = max(len(p) for p in prompts)
+        if longest + num_tokens > self.max_sequence_length:
+            raise ValueError(
+                f"the longest prompt ({longest} tokens) + num_tokens={num_tokens} exceeds max_sequence_length="
+                f"{self.max_sequence_length}"
+            )
+        bad = sorted({t for p in prompts for t in p if not 0 <= t < self.vocab_size})
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary 0..{self.vocab_size - 1}")
+        if sampling_params is None:
+            sampling_params = SamplingParams(top_k=1, num_tokens_to_generate=num_tokens)
+            sampling_params.add_attributes({"no_early_termination": True})
+        else:
+            sampling_params = dataclasses.replace(sampling_params, num_tokens_to_generate=num_tokens)
+        scheduler = self.engine.scheduler
+        requests = [
+            InferenceRequest(
+                request_id=scheduler.get_new_request_id(), prompt="", prompt_tokens=p, sampling_params=sampling_params
+            )
+            for p in prompts
+        ]
+        try:
+            done = self.engine.generate(inference_requests=requests)
+        finally:  # the scheduler keeps every request it saw: drop this call's
+            for r in requests:
+                for pool in (scheduler.requests, scheduler.completed_request_pool, scheduler.streams):
+                    pool.pop(r.request_id, None)
+        return [r.generated_tokens.tolist() for r in done]
+
+    @torch.inference_mode()
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits ``[batch, seq, vocab_size]`` (float32) of ``tokens`` through the
+        engine's inference forward (``GPTInferenceWrapper``: one prefill step over the KV cache,
+        logits gathered over TP): what :class:`~.gate.RefitGate` compares (``load=False``)."""
+        if tokens.dim() != 2 or tokens.shape[0] > self.max_batch_size or tokens.shape[1] > self.max_sequence_length:
+            raise ValueError(
+                f"tokens must be [batch <= {self.max_batch_size}, seq <= {self.max_sequence_length}], "
+                f"got {tuple(tokens.shape)}"
+            )
+        wrapper, config = self.wrapper, self.context.config
+        wrapper.prep_model_for_inference()
+        last_only = config.materialize_only_last_token_logits
+        config.materialize_only_last_token_logits = False
+        try:
+            batch = wrapper.prep_inference_input(tokens.to(self.device))
+            out = wrapper.run_one_forward_step(wrapper.get_batch_for_context_window(batch, 0, tokens.shape[1]))
+        finally:
+            config.materialize_only_last_token_logits = last_only
+            self.context.reset()
+        return out.float()
+
+    def reset(self) -> None:
+        """Forget what the engine computed from the previous weights: the static KV cache
+        goes back to position 0 in prefill mode (the next batch rewrites it). The parameters
+        are written in place, so their storage (and anything captured from it) stays valid."""
+        self.context.reset()
+
+
+class MegatronEngineRefit(EngineRefit):
+    """An engine rank's side of the reshard refit into a :class:`MegatronEngine`.
+
+    Joins the trainer's refit (``group``: this rank is refit rank ``T + its engine-job rank``),
+    takes the trainer's layout and specs from the trainer, and writes every version into
+    ``engine.model``'s parameters in place at the engine's layout
+    (:func:`megatron_engine_layout`: TP from the engine job's parallel state, DP = engine
+    ranks / TP); after each refit the engine's inference state is reset and
+    ``engine.version`` says what it holds. The trainer builds its side with
+    :func:`megatron_trainer_refit`. Refused on every rank before a byte moves (reason
+    ``"tensors"``) when the model is not the trainer's at this layout: another shape (e.g.
+    another padded vocabulary), dtype, a parameter the trainer does not send, or TP ranks
+    out of Megatron's order. ``verify``: a :class:`~.gate.RefitGate` built with
+    ``consumer=engine, load=False``.
+    """
+
+    def __init__(
+        self,
+        group: RefitGroup,
+        engine: MegatronEngine,
+        *,
+        bucket_bytes: int = 64 << 20,
+        max_inflight: int = 2,
+        atomic: bool = True,
+        check_finite: bool = True,
+    ):
+        from megatron.core import parallel_state as ps
+
+        self.engine = engine
+        initialized = ps.model_parallel_is_initialized()
+        self.tp = ps.get_tensor_model_parallel_world_size() if initialized else 1
+        self._tp_rank = ps.get_tensor_model_parallel_rank() if initialized else 0
+        tp, world = self.tp, group.world_size
+
+        def layout(specs: list[TensorSpec], trainer: Layout) -> Layout:
+            cut = next((s for s in specs if s.padded_rows), None)
+            if cut is not None:
+                raise ValueError(
+                    f"the trainer's layout keeps {cut.shape[0]} of the {cut.padded_rows} padded rows of {cut.name}; "
+                    "megatron-core samples over every padded row: build the trainer's side with "
+                    "megatron_trainer_refit (layouts from megatron_engine_specs)"
+                )
+            first = len(trainer.ranks)
+            engines = world - first
+            if engines < 1 or engines % tp:
+                raise ValueError(
+                    f"the refit group's {world} ranks less the trainer's {first} leave {engines} engine ranks, "
+                    f"not a multiple of the engine's TP {tp}"
+                )
+            return megatron_engine_layout(specs, tp=tp, dp=engines // tp, ranks=range(first, world))
+
+        super().__init__(
+            group,
+            None,
+            layout,
+            megatron_tensors(engine.model),
+            bucket_bytes=bucket_bytes,
+            max_inflight=max_inflight,
+            atomic=atomic,
+            check_finite=check_finite,
+        )
+
+    def _model_problem(self) -> str | None:
+        if self.rank not in self.dst.ranks:
+            return None
+        who = f"engine refit rank {self.rank}"
+        position = self.rank - min(self.dst.ranks)
+        if position % self.tp != self._tp_rank:
+            return (
+                f"{who} is TP rank {position % self.tp} of the engine's layout but TP rank {self._tp_rank} of its "
+                "Megatron groups: join the refit group as refit rank T + the engine job's rank, with Megatron's "
+                "default rank order (TP ranks consecutive)"
+            )
+        local = self.dst.tensors[self.rank]
+        extra = sorted(set(self.tensors) - set(local))
+        if extra:
+            return (
+                f"{who}: the engine's model has parameters the trainer does not send: {extra[:3]} (build the "
+                "engine's GPTModel from the trainer's config: same layers, biases, tied embeddings)"
+            )
+        for name, lt in local.items():
+            t = self.tensors.get(name)
+            if t is not None and tuple(t.shape) != lt.shape:
+                return (
+                    f"{who}: {name} is {tuple(t.shape)}, the trainer's model at engine TP{self.tp} is {lt.shape} "
+                    "(build the engine's GPTModel from the trainer's config and padded vocabulary)"
+                )
+        return None
+
+    def refit(
+        self, version: int | None = None, *, timeout_s: float | None = None, verify: RefitGate | None = None
+    ) -> RefitStats:
+        """:meth:`EngineRefit.refit` (the trainer's next version, written into the engine's
+        parameters), then the engine's inference state is reset, also after a failed refit."""
+        try:
+            return super().refit(version, timeout_s=timeout_s, verify=verify)
+        finally:
+            self.engine.reset()
+            self.engine.version = self.version

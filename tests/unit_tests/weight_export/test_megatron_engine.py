@@ -1,0 +1,256 @@
+"""megatron-core's own inference engine (``megatron.core.inference``: StaticInferenceEngine,
+TextGenerationController, GPTInferenceWrapper) as the target of the reshard refit, in a job of
+its own: a trainer job (2 ranks) and an engine job (2 ranks) over one RefitGroup, at trainer
+TP2 -> engine TP1 x DP2 and trainer TP1 x DP2 -> engine TP2 (the tiny Llama: GQA, SwiGLU,
+RoPE, padded vocabulary). After each version the engine's greedy tokens equal a plain greedy
+loop over the trainer model's forward, its logits pass the KL gate against the trainer's (also
+as the RefitGate inside the refit), and its parameters gathered to TP1 equal the trainer's bit
+for bit, padded vocabulary rows included; before the first refit (other weights) they do not.
+An engine model with another padded vocabulary is refused on every rank of both jobs, naming
+the tensor."""
+
+import dataclasses
+import io
+import threading
+
+import pytest
+import torch
+
+from megatron_ext.testing import tiny_llama
+from megatron_ext.testing.multirank import free_port, run_on_ranks
+
+from ._reference import gather_tp
+
+SPEC = tiny_llama.TinyLlamaSpec()  # llama: GQA (4 heads, 2 groups), SwiGLU, RoPE; 128 padded rows for 120 tokens
+ENGINE_SPEC = dataclasses.replace(SPEC, seed=SPEC.seed + 1)  # the engine starts from other weights
+PROMPTS = [[3, 17, 5, 9, 60], [11, 2, 40], [7, 7, 101, 33, 2, 90, 14]]  # different lengths: one static batch
+NEW_TOKENS = 6
+BUCKET = 4096  # small buckets: many rounds
+CASES = ((2, 1), (1, 2))  # (trainer TP, engine TP); each job has 2 ranks, so the TP1 side runs 2 DP replicas
+EMBED = "embedding.word_embeddings.weight"
+SHARP = {"init_method_std": 0.1}  # larger weights, peaked logits: a wrong tensor changes the tokens
+
+
+def _device(backend):
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+def _tokens():
+    return tiny_llama.tokens(SPEC, batch=2)
+
+
+def _greedy(model, prompts, n):
+    """A plain greedy loop over the model's forward (no KV cache): the argmax over all of
+    Megatron's vocabulary rows, as megatron-core's top_k=1 does. Collective over TP."""
+    from megatron_ext.weight_export import megatron_logits
+
+    out = []
+    for p in prompts:
+        seq = torch.tensor([p])
+        for _ in range(n):
+            seq = torch.cat([seq, megatron_logits(model, seq)[:, -1].argmax(-1, keepdim=True).cpu()], dim=1)
+        out.append(seq[0, len(p) :].tolist())
+    return out
+
+
+def _logits_key(case, version):
+    return f"test/logits/{case}/{version}"
+
+
+def _to_bytes(t):
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    return buf.getvalue()
+
+
+def _from_bytes(raw):
+    return torch.load(io.BytesIO(raw))
+
+
+def _tp1_state(model):
+    """Every parameter gathered to its TP1 tensor (one plain all_gather each), on CPU."""
+    return {n: gather_tp(n, p).to("cpu", copy=True) for n, p in model.named_parameters()}
+
+
+def _trainer_body(backend, port, n_engine):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_ext import weight_export as wx
+    from megatron_ext.weight_export.megatron_engine import megatron_trainer_refit
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    group = wx.RefitGroup.join("127.0.0.1", port, rank, world + n_engine, backend=backend, timeout_s=60)
+    out = {}
+    for case, (tp, engine_tp) in enumerate(CASES):
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+        cfg = tiny_llama.transformer_config(SPEC, tp=tp, **SHARP)
+        model = tiny_llama.build_model(SPEC, cfg, device=_device(backend))
+        refit = megatron_trainer_refit(
+            model, group, engine_tp=engine_tp, engine_dp=n_engine // engine_tp, bucket_bytes=BUCKET
+        )
+        for version in (1, 2):
+            if version == 2:
+                gen = torch.Generator().manual_seed(7)  # the next version: the same noise on every replica
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(torch.randn(p.shape, generator=gen).to(p) * 0.05)
+            logits = wx.megatron_logits(model, _tokens()).cpu()
+            if rank == 0:  # the engine's refit gate compares its logits with these
+                group.store.set(_logits_key(case, version), _to_bytes(logits))
+            out[case, version] = {
+                "tokens": _greedy(model, PROMPTS, NEW_TOKENS),
+                "logits": logits,
+                "state": _tp1_state(model),
+                "stats": refit.refit(version),
+                "acks": refit.engine_versions(),
+            }
+        refit.close()  # the engine's serve() returns
+        if case == len(CASES) - 1:  # an engine model with another padded vocabulary: refused everywhere
+            try:
+                megatron_trainer_refit(model, group, engine_tp=engine_tp, engine_dp=1, bucket_bytes=BUCKET)
+                out["refused"] = None
+            except wx.RefitRejected as e:
+                out["refused"] = (e.reason, str(e))
+        ps.destroy_model_parallel()
+    group.close()
+    return out
+
+
+def _engine_body(backend, port, n_trainer):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_ext import weight_export as wx
+    from megatron_ext.testing import cpu_compat
+    from megatron_ext.weight_export.megatron_engine import MegatronEngine, MegatronEngineRefit
+
+    cpu_compat.install_inference()  # CPU only: megatron-core's static inference path's torch.cuda calls
+    world = dist.get_world_size()
+    rank = n_trainer + dist.get_rank()  # refit rank
+    group = wx.RefitGroup.join("127.0.0.1", port, rank, n_trainer + world, backend=backend, timeout_s=60)
+    out = {}
+    for case, (_, tp) in enumerate(CASES):
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+        cfg = tiny_llama.transformer_config(ENGINE_SPEC, tp=tp, **SHARP)
+        model = tiny_llama.build_model(ENGINE_SPEC, cfg, device=_device(backend))
+        engine = MegatronEngine(model, max_batch_size=4, max_sequence_length=32)
+
+        def observe(engine=engine, model=model):  # every engine rank (collective over the engine's TP)
+            return {
+                "tokens": engine.generate(PROMPTS, NEW_TOKENS),
+                "logits": engine.logits(_tokens()).cpu(),
+                "state": _tp1_state(model),
+                "version": engine.version,
+            }
+
+        out[case, None] = observe()  # the engine's own weights, before any refit
+        refit = MegatronEngineRefit(group, engine, bucket_bytes=BUCKET)
+        # the KL gate inside the refit: the engine's logits against the trainer's (published through the store)
+        gate = wx.RefitGate(
+            engine, _tokens(), lambda v, case=case: _from_bytes(group.store.get(_logits_key(case, v))), load=False
+        )
+        for _ in (1, 2):
+            stats = refit.refit(verify=gate)  # the announced version
+            out[case, stats.version] = {**observe(), "stats": stats}
+        out[case, "served"] = refit.serve()  # returns at the trainer's close
+        if case == len(CASES) - 1:
+            bad_spec = dataclasses.replace(ENGINE_SPEC, vocab_size=256)  # padded to 256 rows, the trainer has 128
+            bad = MegatronEngine(tiny_llama.build_model(bad_spec, cfg, device=_device(backend)))
+            try:
+                MegatronEngineRefit(group, bad, bucket_bytes=BUCKET)
+                out["refused"] = None
+            except wx.RefitRejected as e:
+                out["refused"] = (e.reason, str(e))
+        ps.destroy_model_parallel()
+    group.close()
+    return out
+
+
+def _run_both(backend, n_trainer=2, n_engine=2, timeout=240):
+    """The trainer job and the engine job, each its own run_on_ranks world, at the same time."""
+    port, result = free_port(), {}
+
+    def engine():
+        try:
+            result["engine"] = run_on_ranks(
+                _engine_body,
+                n_engine,
+                args=(backend, port, n_trainer),
+                backend=backend,
+                timeout=timeout,
+                env={"CUDA_VISIBLE_DEVICES": "2,3"} if backend == "nccl" else None,
+            )
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            result["engine error"] = e
+
+    thread = threading.Thread(target=engine)
+    thread.start()
+    try:
+        trainer = run_on_ranks(
+            _trainer_body,
+            n_trainer,
+            args=(backend, port, n_engine),
+            backend=backend,
+            timeout=timeout,
+            env={"CUDA_VISIBLE_DEVICES": "0,1"} if backend == "nccl" else None,
+        )
+    except BaseException as e:  # noqa: BLE001 - reported with the engine job's error below
+        result["trainer error"] = e
+    finally:
+        thread.join()
+    failed = [f"{job} job: {result[f'{job} error']}" for job in ("engine", "trainer") if f"{job} error" in result]
+    if failed:  # both jobs' errors: the first one to fail is often the other's cause
+        raise AssertionError("\n\n".join(failed))
+    return trainer, result["engine"]
+
+
+@pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.gpus(4))])
+def test_megatron_engine_refit(backend, monkeypatch):
+    from megatron_ext.weight_export import verify_export
+
+    monkeypatch.setenv("TQDM_DISABLE", "1")  # megatron-core's static engine draws a progress bar per batch
+    trainer, engine = _run_both(backend)
+    for case, (tp, engine_tp) in enumerate(CASES):
+        label = f"trainer TP{tp} -> engine TP{engine_tp}"
+        ref = {v: trainer[0][case, v] for v in (1, 2)}
+        assert ref[1]["tokens"] != ref[2]["tokens"], label  # the two versions generate differently
+        for t in trainer:
+            assert t[case, 1]["tokens"] == ref[1]["tokens"]  # every trainer rank ran the same model
+            assert t[case, 1]["acks"] == {2: 1, 3: 1} and t[case, 2]["acks"] == {2: 2, 3: 2}, label
+        for r, res in enumerate(engine):
+            who = f"{label}, engine rank {r}"
+            before = res[case, None]
+            assert before["tokens"] != ref[1]["tokens"], who  # other weights: other tokens
+            assert not verify_export(ref[1]["logits"], before["logits"]).ok(max_kl=1e-3), who
+            assert res[case, "served"] == 2, who
+            for v in (1, 2):
+                got = res[case, v]
+                stats = got["stats"]
+                assert got["version"] == v and stats.version == v and stats.received_bytes > 0, who
+                assert stats.gate_ok and stats.kl < 1e-3, (who, v, stats)  # the gate ran in the refit
+                # what a user checks: the engine's greedy tokens are the trainer's ...
+                assert got["tokens"] == ref[v]["tokens"], (who, v, got["tokens"], ref[v]["tokens"])
+                # ... its logits pass the KL gate (every padded row compared) ...
+                result = verify_export(ref[v]["logits"], got["logits"])
+                assert got["logits"].shape == (2, SPEC.seq_length, SPEC.vocab_size), who
+                assert result.ok(max_kl=1e-3) and result.max_abs_diff < 1e-3, (who, v, result)
+                # ... and its parameters are a copy of the trainer's, padded vocabulary rows included
+                assert sorted(got["state"]) == sorted(ref[v]["state"]), who
+                for n, t in got["state"].items():
+                    torch.testing.assert_close(t, ref[v]["state"][n], rtol=0, atol=0, msg=f"{who} v{v} {n}")
+
+    # an engine GPTModel with 256 padded vocabulary rows: refused on every rank of both jobs, naming it
+    def problem(r):
+        return (
+            f"engine refit rank {r}: {EMBED} is (128, {SPEC.hidden_size}), the trainer's model at engine TP2 is "
+            f"(64, {SPEC.hidden_size})"
+        )
+
+    for r, res in enumerate([*trainer, *engine]):
+        reason, msg = res["refused"]
+        assert reason == "tensors", (r, msg)
+        if r < len(trainer):
+            assert "refit ranks [2, 3] cannot take part" in msg and problem(2) in msg, (r, msg)
+        else:
+            assert msg.startswith(problem(r)), (r, msg)
