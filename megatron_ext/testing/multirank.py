@@ -24,6 +24,7 @@ import multiprocessing
 import os
 import socket
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -32,7 +33,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["RankFailure", "free_port", "run_on_ranks"]
+__all__ = ["RankFailure", "free_port", "run_on_ranks", "run_two_jobs"]
 
 # After one rank fails, how long the others get to report their own error
 # (a peer blocked in a collective usually fails fast once its partner is gone).
@@ -225,3 +226,30 @@ def run_on_ranks(
         if res is not None and not res["ok"]:
             lines.append(res["error"].rstrip())
     raise RankFailure("\n".join(lines))
+
+
+def run_two_jobs(first: dict, second: dict) -> tuple[list[Any], list[Any]]:
+    """Two independent jobs at the same time, each its own :func:`run_on_ranks` world (e.g. a trainer
+    job and an engine job that meet in a refit group): ``first`` / ``second`` are ``run_on_ranks``
+    keyword arguments (``fn``, ``world_size``, ``args``, ``backend``, ``timeout``, ``env``). Returns both
+    jobs' results; if either fails, raises AssertionError with both jobs' errors (the first to fail is
+    often the other's cause)."""
+    out: dict[str, Any] = {}
+
+    def run(key, job):
+        try:
+            out[key] = run_on_ranks(**job)
+        except BaseException as e:  # noqa: BLE001 - reported below with the other job's
+            out[f"{key} error"] = e
+
+    thread = threading.Thread(target=run, args=("second", second))
+    thread.start()
+    try:
+        run("first", first)
+    finally:
+        thread.join()
+    jobs = (("second", second), ("first", first))
+    failed = [f"{k} job ({job['fn'].__name__}): {out[k + ' error']}" for k, job in jobs if k + " error" in out]
+    if failed:
+        raise AssertionError("\n\n".join(failed))
+    return out["first"], out["second"]

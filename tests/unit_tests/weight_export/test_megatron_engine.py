@@ -11,13 +11,12 @@ the tensor."""
 
 import dataclasses
 import io
-import threading
 
 import pytest
 import torch
 
 from megatron_ext.testing import tiny_llama
-from megatron_ext.testing.multirank import free_port, run_on_ranks
+from megatron_ext.testing.multirank import free_port, run_two_jobs
 
 from ._reference import gather_tp
 
@@ -169,40 +168,13 @@ def _engine_body(backend, port, n_trainer):
 
 def _run_both(backend, n_trainer=2, n_engine=2, timeout=240):
     """The trainer job and the engine job, each its own run_on_ranks world, at the same time."""
-    port, result = free_port(), {}
-
-    def engine():
-        try:
-            result["engine"] = run_on_ranks(
-                _engine_body,
-                n_engine,
-                args=(backend, port, n_trainer),
-                backend=backend,
-                timeout=timeout,
-                env={"CUDA_VISIBLE_DEVICES": "2,3"} if backend == "nccl" else None,
-            )
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            result["engine error"] = e
-
-    thread = threading.Thread(target=engine)
-    thread.start()
-    try:
-        trainer = run_on_ranks(
-            _trainer_body,
-            n_trainer,
-            args=(backend, port, n_engine),
-            backend=backend,
-            timeout=timeout,
-            env={"CUDA_VISIBLE_DEVICES": "0,1"} if backend == "nccl" else None,
-        )
-    except BaseException as e:  # noqa: BLE001 - reported with the engine job's error below
-        result["trainer error"] = e
-    finally:
-        thread.join()
-    failed = [f"{job} job: {result[f'{job} error']}" for job in ("engine", "trainer") if f"{job} error" in result]
-    if failed:  # both jobs' errors: the first one to fail is often the other's cause
-        raise AssertionError("\n\n".join(failed))
-    return trainer, result["engine"]
+    port, nccl = free_port(), backend == "nccl"
+    return run_two_jobs(
+        dict(fn=_trainer_body, world_size=n_trainer, args=(backend, port, n_engine), backend=backend,
+             timeout=timeout, env={"CUDA_VISIBLE_DEVICES": "0,1"} if nccl else None),
+        dict(fn=_engine_body, world_size=n_engine, args=(backend, port, n_trainer), backend=backend,
+             timeout=timeout, env={"CUDA_VISIBLE_DEVICES": "2,3"} if nccl else None),
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.gpus(4))])

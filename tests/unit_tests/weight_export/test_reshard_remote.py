@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from megatron_ext.testing import tiny_llama
-from megatron_ext.testing.multirank import free_port, run_on_ranks
+from megatron_ext.testing.multirank import free_port, run_two_jobs
 
 from ._reference import hook_reference
 
@@ -161,38 +161,13 @@ def _engine_body(backend, port, n_trainer):
 
 def _run_both(backend, n_trainer, n_engine, timeout=240):
     """The trainer job and the engine job, each its own run_on_ranks world, at the same time."""
-    port = free_port()
-    result = {}
-
-    def engine():
-        try:
-            result["engine"] = run_on_ranks(
-                _engine_body,
-                n_engine,
-                args=(backend, port, n_trainer),
-                backend=backend,
-                timeout=timeout,
-                env={"CUDA_VISIBLE_DEVICES": "1"} if backend == "nccl" else None,
-            )
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            result["error"] = e
-
-    thread = threading.Thread(target=engine)
-    thread.start()
-    try:
-        trainer = run_on_ranks(
-            _trainer_body,
-            n_trainer,
-            args=(backend, port, n_engine),
-            backend=backend,
-            timeout=timeout,
-            env={"CUDA_VISIBLE_DEVICES": "0"} if backend == "nccl" else None,
-        )
-    finally:
-        thread.join()
-    if "error" in result:
-        raise result["error"]
-    return trainer, result["engine"]
+    port, nccl = free_port(), backend == "nccl"
+    return run_two_jobs(
+        dict(fn=_trainer_body, world_size=n_trainer, args=(backend, port, n_engine), backend=backend,
+             timeout=timeout, env={"CUDA_VISIBLE_DEVICES": "0"} if nccl else None),
+        dict(fn=_engine_body, world_size=n_engine, args=(backend, port, n_trainer), backend=backend,
+             timeout=timeout, env={"CUDA_VISIBLE_DEVICES": "1"} if nccl else None),
+    )  # fmt: skip
 
 
 def _check(engine, ref, dst, r, label):
