@@ -261,7 +261,11 @@ def test_p2p_engine_keeps_its_version_when_the_trainer_is_killed_mid_refit(tmp_p
             "--kill-in-version", "2", "--kill-after-buckets", "3",
         )  # fmt: skip
         start = time.monotonic()
-        out, _ = engine.communicate(timeout=60)
+        try:
+            out, _ = engine.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            engine.kill()
+            pytest.fail(f"the engine did not exit within 60 s of the trainer's death:\n{engine.communicate()[0]}")
     finally:
         engine.kill()
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
