@@ -152,7 +152,7 @@ class RefitConfig:
                 f"targets in target={self.target!r} (use transport='ipc' or 'broadcast' for several engines)"
             )
         if self.store is not None and _host_port(self.store) is None:
-            refuse("store", f"'host:port' with a port in {PORTS[0]}..{PORTS[1]} (the refit group's TCP store)")
+            refuse("store", f"'host:port' with a port in {PORTS[0]}..{PORTS[1]} (the refit group's store)")
         size = self.bucket_size_mb
         if size is not None and not (_finite_number(size) and size * (1 << 20) >= MIN_BUCKET_BYTES):
             smallest = MIN_BUCKET_BYTES / (1 << 20)
@@ -318,7 +318,12 @@ def add_refit_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "own shards; implied by any --reshard-refit-* flag)",
     )
     flag("target", p2p=False, help="hook: receiver endpoints 'host:port[,host:port...]' (engines run serve)")
-    flag("store", hook=False, help="p2p: 'host:port' of the refit group's TCP store when the engine is a separate job")
+    flag(
+        "store",
+        hook=False,
+        help="p2p: 'host:port' of the refit group's store when the engine is a separate job (refit rank 0 hosts it; "
+        "off loopback set MEGATRON_EXT_EXPORT_AUTHKEY to the same secret in both jobs)",
+    )
     flag("engine-tp", hook=False, type=int, help="p2p: engine tensor parallel size")
     flag("engine-dp", hook=False, type=int, help="p2p: engine replicas")
     flag("engine-ep", hook=False, type=int, help="p2p: engine expert parallel size (1: experts TP-sharded)")

@@ -1,19 +1,22 @@
 """A process group for reshard refit that spans two jobs: a Megatron trainer and a separate inference engine.
 
 Each job keeps its own default ``torch.distributed`` world. :meth:`RefitGroup.join`
-builds one more group over a TCP store, outside both worlds, like the
-``broadcast`` transport's (:func:`make_group`): refit rank 0 hosts
-the store; by convention the trainer's ranks are refit ranks ``0..T-1`` and the
-engine's ``T..T+E-1`` (the layouts' ``ranks`` say which is which). Plans and
+builds one more group outside both worlds, over the refit's own store
+(:mod:`.store`: the control channel's authenticated frames), like the
+``broadcast`` transport's (:func:`make_group`): refit rank 0 hosts the store; by
+convention the trainer's ranks are refit ranks ``0..T-1`` and the engine's
+``T..T+E-1`` (the layouts' ``ranks`` say which is which). Plans and
 :class:`~.reshard.ReshardExecutor` use refit ranks; pass ``group=refit_group``.
 
 Every wait is bounded by ``timeout_s`` and fails with :class:`RefitGroupError`
 naming the refit ranks that did not arrive, so a missing job is an error, not a
 hang. Refit rank 0's store listens only on the address it is given (``host``,
-resolved once), not on every interface of the machine. The store also carries
-the small control messages of :mod:`~.remote_refit` (plan fingerprints,
-announced versions, acknowledgements): strings and integers only, nothing is
-unpickled.
+resolved once) and admits only clients that know the key
+(:func:`~.control.resolve_key`: ``authkey``, ``$MEGATRON_EXT_EXPORT_AUTHKEY``,
+or on loopback this user's key file); a health check, a port scan or garbage
+bytes are dropped without disturbing the group. The store also carries the
+small control messages of :mod:`~.remote_refit` (plan fingerprints, announced
+versions, acknowledgements): strings and integers only, nothing is unpickled.
 
 Point-to-point: gloo ``send`` / ``recv`` on the backend object; NCCL batched
 between the backend's coalescing calls, as ``torch.distributed.batch_isend_irecv``
@@ -27,9 +30,10 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from .control import ControlError, resolve_key
 from .errors import RefitGroupError
-from .control import listen_socket
 from .peers import NOTE_BYTES, Peers, cut_note
+from .store import ControlStore, host_store
 
 __all__ = ["NOTE_BYTES", "RefitGroup", "RefitGroupError", "make_group"]
 
@@ -53,7 +57,7 @@ def make_group(store, rank: int, world: int, backend: str, timeout_s: float):
 class RefitGroup(Peers):
     """Refit ranks of a trainer job and an engine job in one group. Build it with :meth:`join`.
 
-    ``store`` is a namespaced view of the group's TCP store (control messages);
+    ``store`` is a namespaced view of the group's store (:mod:`.store`; control messages);
     ``pg`` the gloo or NCCL backend object that moves the bytes. As the reshard executor's
     :class:`~.peers.Peers`, its ranks are refit ranks.
     """
@@ -70,11 +74,11 @@ class RefitGroup(Peers):
         device: torch.device,
         timeout_s: float,
         address: str,
-        tcp_store=None,
+        base_store=None,
     ):
         self.store, self.pg, self.rank, self.world_size = store, pg, rank, world_size
         self.backend, self.device, self.timeout_s, self.address = backend, device, timeout_s, address
-        self._tcp_store = tcp_store  # keeps the server alive on refit rank 0
+        self._base_store = base_store  # the connection (and on refit rank 0 the server) under ``store``
         self._counters: dict[str, int] = {}
 
     # ------------------------------------------------------------------ joining
@@ -90,6 +94,7 @@ class RefitGroup(Peers):
         device: torch.device | str | None = None,
         timeout_s: float = 120.0,
         name: str = "refit",
+        authkey: bytes | str | None = None,
     ) -> "RefitGroup":
         """Join refit group ``name`` at ``host:port`` as refit rank ``rank`` of ``world_size``.
 
@@ -101,6 +106,9 @@ class RefitGroup(Peers):
         ``backend``, and raises :class:`RefitGroupError` after ``timeout_s``
         naming the ranks that did not. ``device``: where the refit's buffers
         live (NCCL: this rank's GPU, default the current one; gloo: CPU).
+        ``authkey``: the store's shared secret (every rank of both jobs the same);
+        by default ``$MEGATRON_EXT_EXPORT_AUTHKEY``, or on a loopback address this
+        user's key file. Off loopback a key is required.
         """
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
@@ -116,36 +124,24 @@ class RefitGroup(Peers):
                 raise ValueError(f"backend 'nccl' needs a CUDA device, got {device}")
             torch.cuda.set_device(device)  # NCCL's batched P2P needs the current device set
         address = f"{host}:{port}"
-        timeout = datetime.timedelta(seconds=timeout_s)
+        key = resolve_key(address, authkey, create=True)  # loopback: this user's key file, made by whoever is first
         try:
-            if rank == 0:  # bind the one address asked for, then hand the socket to the store
-                # the store takes the descriptor over; left to itself it would listen on every interface
-                sock = listen_socket(host, port)
-                bound = sock.getsockname()[0]
-                tcp = dist.TCPStore(
-                    bound,
-                    port,
-                    world_size,
-                    is_master=True,
-                    timeout=timeout,
-                    wait_for_workers=False,
-                    master_listen_fd=sock.detach(),
-                )
+            if rank == 0:  # serve the store on the one address asked for
+                base = host_store(host, port, key, timeout_s)
             else:
-                tcp = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
-        except (OSError, RuntimeError, dist.DistError) as exc:
-            what = (
+                base = ControlStore(address, key, timeout_s)
+        except OSError as exc:
+            raise RefitGroupError(
                 f"refit rank 0 could not host the refit group's store at {address} (port in use, or {host} "
-                "is not an address of this machine?)"
-                if rank == 0
-                else f"refit rank {rank} could not reach the refit group's store at {address} within "
-                f"{timeout_s:g}s: refit rank 0 (the trainer's first rank) hosts it; is that job up?"
-            )
-            raise RefitGroupError(f"{what} ({exc})") from exc
-        store = dist.PrefixStore(f"megatron_ext_refit/{name}", tcp)
-        group = cls(
-            store, None, rank, world_size, backend, device, timeout_s, address, tcp_store=tcp if rank == 0 else None
-        )
+                f"is not an address of this machine?) ({exc})"
+            ) from exc
+        except ControlError as exc:
+            raise RefitGroupError(
+                f"refit rank {rank} could not reach the refit group's store at {address} within {timeout_s:g}s: "
+                f"refit rank 0 (the trainer's first rank) hosts it; is that job up? ({exc})"
+            ) from exc
+        store = dist.PrefixStore(f"megatron_ext_refit/{name}", base)
+        group = cls(store, None, rank, world_size, backend, device, timeout_s, address, base_store=base)
         if store.add(f"seat/{rank}", 1) > 1:
             raise RefitGroupError(
                 f"refit rank {rank} joined {address} twice: give every rank of both jobs its own "
@@ -250,7 +246,9 @@ class RefitGroup(Peers):
                 self.pg.shutdown()
             except RuntimeError:
                 pass
-        self.pg = self.store = self._tcp_store = None
+        if self._base_store is not None:
+            self._base_store.close()
+        self.pg = self.store = self._base_store = None
 
 
 class _Request:

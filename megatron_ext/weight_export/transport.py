@@ -34,11 +34,10 @@ engine's previous version in place.
 
 from __future__ import annotations
 
-import datetime
 import logging
+import secrets
 
 import torch
-import torch.distributed as dist
 
 from .errors import ReceiverError
 from . import control
@@ -46,6 +45,7 @@ from .control import ControlError
 from .plan import BucketMeta, ExportPlan, PlanMismatch
 from .receiver import WeightReceiver
 from .refit_group import make_group
+from .store import ControlStore, host_store
 from .reshard_plan import run_view
 
 __all__ = [
@@ -236,12 +236,23 @@ class BroadcastSender(_RemoteSender):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
         super().__init__(addresses, timeout_s=timeout_s, authkey=authkey)
         world = len(self.chans) + 1
-        store = dist.TCPStore(
-            store_host, 0, world, is_master=True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
-        )
+        key = secrets.token_bytes(32)  # this group's own; it reaches the engines over their authenticated channels
+        try:
+            store = host_store(store_host, 0, key, timeout_s)
+        except OSError as exc:
+            raise ControlError(
+                f"cannot host the broadcast group's store at {store_host} ({exc}); give store_host= an address "
+                "of this machine that the engines reach"
+            ) from exc
         for rank in range(1, world):
             self.chans[rank - 1].send(
-                "join", host=store_host, port=store.port, rank=rank, world=world, backend=backend, timeout_s=timeout_s
+                "join",
+                address=store.address,
+                key=key,
+                rank=rank,
+                world=world,
+                backend=backend,
+                timeout_s=timeout_s,
             )
         self.store = store
         self.pg = make_group(store, 0, world, backend, timeout_s)
@@ -249,6 +260,12 @@ class BroadcastSender(_RemoteSender):
 
     def send(self, bucket: BucketMeta, buf: torch.Tensor):
         return _Work(self.pg.broadcast(buf[: bucket.nbytes], 0), self, bucket.index)
+
+    def close(self) -> None:
+        super().close()
+        if getattr(self, "store", None) is not None:
+            self.store.close()
+            self.store = None
 
 
 def share(buf: torch.Tensor) -> dict:
@@ -549,6 +566,8 @@ def serve(
                 on_version(receiver.applied_version)
     finally:
         ch.close()
+        if state.store is not None:
+            state.store.close()
     return receiver
 
 
@@ -562,18 +581,13 @@ class _Serving:
     def __init__(self, receiver: WeightReceiver, consumer, device: torch.device):
         self.receiver, self.consumer, self.device = receiver, consumer, device
         self.pg, self.bufs, self.plan, self.direct, self.push = None, [], None, None, False
+        self.store = None  # the broadcast group's store (a client of the trainer's)
 
     def handle(self, msg: control.Message, ch: control.Channel) -> None:
         r = self.receiver
         if msg.kind == "join":
-            store = dist.TCPStore(
-                msg["host"],
-                msg["port"],
-                msg["world"],
-                is_master=False,
-                timeout=datetime.timedelta(seconds=msg["timeout_s"]),
-            )
-            self.pg = make_group(store, msg["rank"], msg["world"], msg["backend"], msg["timeout_s"])
+            self.store = ControlStore(msg["address"], msg["key"], msg["timeout_s"])
+            self.pg = make_group(self.store, msg["rank"], msg["world"], msg["backend"], msg["timeout_s"])
         elif msg.kind == "plan":
             self._plan(ExportPlan.from_wire(msg["plan"]), msg["info"], ch)
         elif msg.kind == "begin":

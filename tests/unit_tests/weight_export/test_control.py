@@ -154,6 +154,77 @@ def test_every_wait_is_bounded_and_names_the_peer(key_dir):
         assert time.monotonic() - start < 5
 
 
+def _knock(address, port, results):
+    """Strangers at the refit store: a health check, HTTP, a wrong frame, garbage, a wrong key, a silent peer."""
+    from megatron_ext.weight_export.store import ControlStore
+
+    for payload in (b"", b"GET / HTTP/1.0\r\n\r\n", b"\x00\x00\x00\x05{bad}", os.urandom(64)):
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(payload)
+    try:
+        ControlStore(address, b"not the key", 5)
+    except ControlError as exc:
+        results["wrong_key"] = str(exc)
+    results["silent"] = socket.create_connection(("127.0.0.1", port))
+
+
+def _gloo_rank(store, rank, world, out):
+    pg = torch.distributed.ProcessGroupGloo(torch.distributed.PrefixStore("g", store), rank, world, _td(10))
+    t = torch.full((3,), float(rank + 1))
+    pg.allreduce([t]).wait()
+    out[rank] = (t, pg)
+
+
+def _td(s):
+    import datetime
+
+    return datetime.timedelta(seconds=s)
+
+
+def test_refit_store_speaks_the_control_protocol_and_survives_strangers(key_dir):
+    """The refit group's store (p2p refit, broadcast group) is a torch.distributed Store over the control
+    channel: a gloo group rendezvouses through it while strangers knock; they are dropped, the group is not."""
+    import torch.distributed as dist
+
+    from megatron_ext.weight_export.store import ControlStore, host_store
+
+    key = b"k" * 32
+    host = host_store("127.0.0.1", 0, key, timeout_s=10)
+    server, port = host._server, host._server.port
+    results = {}
+    knock = threading.Thread(target=_knock, args=(host.address, port, results))
+    out = {}
+    stores = [host, ControlStore(host.address, key, 10), ControlStore(host.address, key, 10)]
+    ranks = [threading.Thread(target=_gloo_rank, args=(stores[r], r, 3, out)) for r in range(3)]
+    knock.start()
+    for t in ranks:
+        t.start()
+    for t in [knock, *ranks]:
+        t.join(60)
+    assert all(torch.equal(out[r][0], torch.full((3,), 6.0)) for r in range(3)), out
+    assert "refused the connection: wrong key" in results["wrong_key"], results
+    deadline = time.monotonic() + 10
+    while server.rejected < 5 and time.monotonic() < deadline:  # 4 strangers and the wrong key
+        time.sleep(0.05)
+    assert server.rejected >= 5, server.rejected
+    results["silent"].close()
+    # the operations torch and the refit use; waits are bounded and name the keys
+    assert (host.add("n", 2), host.add("n", 3), host.check(["n"]), host.check(["nope"])) == (2, 5, True, False)
+    assert (host.compare_set("c", b"", b"x"), host.compare_set("c", b"y", b"z"), host.get("c")) == (b"x", b"x", b"x")
+    host.multi_set(["a", "b"], [b"1", b"2"])
+    assert host.multi_get(["a", "b"]) == [b"1", b"2"] and host.delete_key("a") and not host.check(["a"])
+    start = time.monotonic()
+    with pytest.raises(dist.DistStoreError, match=r"keys \['late'\] not set within 1s"):
+        host.wait(["late"], _td(1))
+    assert time.monotonic() - start < 5
+    other = ControlStore(host.address, key, 10)
+    server.close(drop_clients=True)  # the host died
+    with pytest.raises(dist.DistNetworkError, match=f"lost the refit store at {host.address}.*refit rank 0"):
+        other.get("n")
+    with pytest.raises(ControlError, match="nothing is listening"):
+        ControlStore(host.address, key, 1)
+
+
 def _other_addresses() -> list[str]:
     out = set()
     for host in (socket.gethostname(), socket.getfqdn()):

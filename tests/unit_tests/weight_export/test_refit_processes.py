@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -240,11 +241,24 @@ def test_same_gpu_engine_as_its_own_process(tmp_path, env, model_dir, transport)
         assert "session 2 ended; the model holds no complete version" in out, out
 
 
+def _knock_until_dead(port, engine, knocked):
+    """A health check, HTTP and garbage at the p2p refit's store, every 0.2 s while the engine runs."""
+    payloads = (b"", b"GET / HTTP/1.0\r\n\r\n", os.urandom(64))
+    while engine.poll() is None:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+                s.sendall(payloads[len(knocked) % len(payloads)])
+            knocked.append(port)
+        except OSError:
+            pass  # the store is not up yet, or gone
+        time.sleep(0.2)
+
+
 @pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "streaming"])
 def test_p2p_engine_keeps_its_version_when_the_trainer_is_killed_mid_refit(tmp_path, env, model_dir, atomic):
     """The p2p refit with both sides as commands of their own: the engine command joins the trainer's
-    refit group (``--refit-store``), takes version 1, then the trainer (which hosts the store) is SIGKILLed
-    after 3 rounds of version 2. The engine fails at once, naming the dead peer, and its model holds version 1
+    refit group (``--refit-store``), takes version 1 while strangers knock at the store (logged and
+    dropped by the trainer, which hosts it), then the trainer is SIGKILLed after 3 rounds of version 2. The engine fails at once, naming the dead peer, and its model holds version 1
     bit for bit: it loads a version only when all of it arrived (a streaming engine's staging tensors are
     mixed, its model is not)."""
     store = f"127.0.0.1:{_port()}"
@@ -255,7 +269,10 @@ def test_p2p_engine_keeps_its_version_when_the_trainer_is_killed_mid_refit(tmp_p
          "cpu", "--timeout-s", "90", "--save", str(saved), *([] if atomic else ["--no-atomic"])],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
+    knocked = []
+    knocker = threading.Thread(target=_knock_until_dead, args=(int(store.rsplit(":", 1)[1]), engine, knocked))
     try:
+        knocker.start()  # strangers at the trainer's store while the group forms and refits
         killed, sent, _ = _trainer(
             store, tmp_path / "t.pt", env, "--transport", "p2p", "--bucket-size-mb", "0.004",
             "--kill-in-version", "2", "--kill-after-buckets", "3",
@@ -268,8 +285,13 @@ def test_p2p_engine_keeps_its_version_when_the_trainer_is_killed_mid_refit(tmp_p
             pytest.fail(f"the engine did not exit within 60 s of the trainer's death:\n{engine.communicate()[0]}")
     finally:
         engine.kill()
+    knocker.join(30)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert sent["applied"] == [(1,)] and sent["error"] is None and 2 in sent["sent"], sent["error"]
+    assert knocked and f"refit store at {store}: dropped a connection" in killed.stderr, (
+        knocked,
+        killed.stderr[-3000:],
+    )
     assert time.monotonic() - start < 30, out  # the engine learnt of the death from its connections
     assert engine.returncode == 1 and "engine: applied version 1\n" in out, out
     assert "engine: error: RefitGroupError: refit rank 1: recv from refit rank 0 failed" in out, out
