@@ -28,7 +28,12 @@ flag groups switch its capabilities on:
   aliases): each engine rank, started on its own (``python -m
   megatron_ext.weight_export.engine --model DIR --refit-store HOST:PORT --refit-rank R
   --refit-world-size W``), receives its own shards point to point from the trainer
-  ranks that own them, at the same times (docs/weight_export_reshard.md).
+  ranks that own them, at the same times (docs/weight_export_reshard.md). With
+  ``--refit-engine megatron`` the engine is megatron-core's inference engine, one job of
+  ``--refit-engine-tp`` x ``--refit-engine-dp`` ranks (``torchrun --nproc-per-node E -m
+  megatron_ext.weight_export.engine --engine megatron --refit-store HOST:PORT
+  --refit-rank-offset T --tp N``): the trainer publishes its model config, the engine
+  builds the same GPTModel from it and takes Megatron's shards in place.
 
 The same command runs on CPU (gloo; a tiny model) and on GPUs (NCCL, one GPU per
 rank). Rank 0 prints a start-up summary of what the plugin enabled; the last rank
@@ -53,6 +58,7 @@ from functools import partial
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 TRACKER = "latest_checkpointed_iteration.txt"
+REFIT_ENGINES = ("hf", "megatron")
 
 
 # ----------------------------------------------------------------------------------------- arguments
@@ -192,6 +198,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_nonuniform_tp_args(p)
     add_fsdp_symm_args(p)
     add_refit_args(p)
+    p.add_argument(
+        "--refit-engine",
+        choices=REFIT_ENGINES,
+        default="hf",
+        help="p2p: what the engine is: hf (a Hugging Face model in vLLM's layout: python -m "
+        "megatron_ext.weight_export.engine --model DIR) or megatron (megatron-core's inference engine, built from "
+        "the config this trainer publishes: ... engine --engine megatron)",
+    )
     return p
 
 
@@ -208,6 +222,7 @@ class Plan:
     symm: object  # SymmMemConfig
     export: object | None  # RefitConfig (the export hook's)
     cuda: bool
+    refit_engine: str = "hf"  # p2p: the engine's kind (--refit-engine)
 
     @property
     def balanced(self) -> bool:
@@ -401,9 +416,12 @@ def _check(args, world_size: int, cuda: bool, parser) -> Plan:
         raise ValueError(
             "--refit-transport p2p (the --reshard-refit-* flags) in this script refits an engine started on its "
             "own (python -m megatron_ext.weight_export.engine --model DIR --refit-store HOST:PORT --refit-rank R "
-            "--refit-world-size W): give --refit-store HOST:PORT"
+            "--refit-world-size W, or --engine megatron --refit-store HOST:PORT --refit-rank-offset T): give "
+            "--refit-store HOST:PORT"
             + (" and leave out --ntp-* (a nonuniform-TP trainer refits through the library)" if ntp else "")
         )
+    if args.refit_engine == "megatron":
+        _check_megatron_engine(args, refit, groups, padded)
     if refit.target is None and not refit.p2p:
         changed = [
             f for f in ("every_n_steps", "bucket_size_mb", "transport") if getattr(refit, f) != getattr(RefitConfig, f)
@@ -446,7 +464,39 @@ def _check(args, world_size: int, cuda: bool, parser) -> Plan:
         symm=symm,
         export=export,
         cuda=cuda,
+        refit_engine=args.refit_engine,
     )
+
+
+def _check_megatron_engine(args, refit, groups: int, padded: int) -> None:
+    """--refit-engine megatron: a p2p refit to an engine that builds this model at --refit-engine-tp."""
+    from megatron_ext.weight_export import RefitConfig
+
+    if not refit.p2p or refit.store is None:
+        raise ValueError(
+            "--refit-engine megatron refits megatron-core's engine over the p2p refit: add --refit-transport p2p "
+            "--refit-store HOST:PORT"
+        )
+    unread = {
+        "--refit-engine-ep": refit.engine_ep != RefitConfig.engine_ep,
+        "--refit-vocab-padding": refit.vocab_padding != RefitConfig.vocab_padding,
+        "--refit-quantize": refit.quantize != RefitConfig.quantize,
+    }
+    given = [flag for flag, changed in unread.items() if changed]
+    if given:
+        raise ValueError(
+            f"{', '.join(given)}: not read with --refit-engine megatron (the engine builds this model: dense, its "
+            "padded vocabulary, its dtype); drop them"
+        )
+    etp = refit.engine_tp
+    for name, value in (
+        ("--num-attention-heads", args.num_attention_heads),
+        ("--num-query-groups", groups),
+        ("--ffn-hidden-size", args.ffn_hidden_size),
+        ("the padded vocabulary", padded),
+    ):
+        if value % etp:
+            raise ValueError(f"{name} {value} must be divisible by --refit-engine-tp {etp} (the engine's TP)")
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -884,7 +934,8 @@ def startup_summary(args, plan: Plan, ddp, ntp_groups, exporter) -> None:
     if isinstance(exporter, P2PRefit):
         r = exporter.refit
         lines.append(
-            f"megatron_ext: refit: p2p to the engine at {plan.export.store} (refit ranks {min(r.dst.ranks)}.."
+            f"megatron_ext: refit: p2p to the {'megatron-core ' if exporter.engine == 'megatron' else ''}engine at "
+            f"{plan.export.store} (refit ranks {min(r.dst.ranks)}.."
             f"{max(r.dst.ranks)}, engine TP{plan.export.engine_tp} x DP{plan.export.engine_dp}) at start, "
             + (f"every {plan.export.every_n_steps} iterations and " if plan.export.every_n_steps else "")
             + f"at the end; {len(r.src.specs)} HF tensors, "
@@ -908,14 +959,29 @@ def startup_summary(args, plan: Plan, ddp, ntp_groups, exporter) -> None:
 
 
 class P2PRefit:
-    """The p2p (reshard) refit as this script drives the export hook: export / maybe_export / close."""
+    """The p2p (reshard) refit as this script drives the export hook: export / maybe_export / close.
+    ``engine``: ``hf`` (whole HF tensors in vLLM's layout) or ``megatron`` (megatron-core's engine:
+    Megatron's shards at the engine's TP, and this model's config published for the engine to build)."""
 
-    def __init__(self, ddp, config, vocab_size: int):
+    def __init__(self, ddp, config, vocab_size: int, engine: str = "hf"):
         import torch.distributed as dist
         from megatron_ext.weight_export import TrainerRefit
 
-        self.config, self.is_export_rank = config, dist.get_rank() == 0
-        self.refit = TrainerRefit.from_model(ddp, config, vocab_size=vocab_size)
+        self.config, self.engine, self.is_export_rank = config, engine, dist.get_rank() == 0
+        if engine == "megatron":
+            from megatron_ext.weight_export.megatron_engine import megatron_trainer_refit
+
+            world = dist.get_world_size() + config.engine_tp * config.engine_dp
+            group = config.join(dist.get_rank(), world)
+            try:
+                self.refit = megatron_trainer_refit(
+                    ddp, group, engine_tp=config.engine_tp, engine_dp=config.engine_dp, **config.executor_kwargs
+                )
+            except BaseException:
+                group.close()
+                raise
+        else:
+            self.refit = TrainerRefit.from_model(ddp, config, vocab_size=vocab_size)
 
     def export(self, version: int):
         """This rank's RefitStats and the version each engine refit rank holds afterwards."""
@@ -1020,7 +1086,11 @@ def train(args, plan: Plan) -> int:
     if plan.export is not None:
         from megatron_ext.weight_export import WeightExporter
 
-        exporter = P2PRefit(ddp, plan.export, args.vocab_size) if plan.export.p2p else WeightExporter(ddp, plan.export)
+        exporter = (
+            P2PRefit(ddp, plan.export, args.vocab_size, plan.refit_engine)
+            if plan.export.p2p
+            else WeightExporter(ddp, plan.export)
+        )
     startup_summary(args, plan, ddp, ntp_groups, exporter)
     if exporter is not None:
         # The starting weights go first (version = the iteration they are from): the engine checks the

@@ -396,16 +396,23 @@ class EngineRefit(_RemoteRefit):
         return stats
 
     def serve(
-        self, on_version: Callable[[RefitStats], object] | None = None, *, timeout_s: float | None = None
+        self,
+        on_version: Callable[[RefitStats], object] | None = None,
+        *,
+        timeout_s: float | None = None,
+        verify: RefitGate | None = None,
     ) -> int | None:
         """Refit every announced version until the trainer closes; returns the last version held.
-        ``timeout_s`` bounds the wait for each announcement (the trainer's time between refits)."""
+        ``timeout_s`` bounds the wait for each announcement (the trainer's time between refits).
+        ``verify``: as :meth:`refit`'s, run at every version; a gate built with ``on_fail="raise"``
+        ends the loop at the first version it fails (:class:`~.reshard.RefitRejected`, reason
+        ``"gate"``), one with ``"report"`` carries on (``stats.gate_ok`` in ``on_version``)."""
         while True:
             if self.next_version(timeout_s) is None:
                 self._ack(self.seq)
                 self.seq += 1
                 return self.version
-            stats = self.refit(timeout_s=timeout_s)
+            stats = self.refit(timeout_s=timeout_s, verify=verify)
             if on_version is not None:
                 on_version(stats)
 

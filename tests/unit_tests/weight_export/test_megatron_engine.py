@@ -4,10 +4,12 @@ its own: a trainer job (2 ranks) and an engine job (2 ranks) over one RefitGroup
 TP2 -> engine TP1 x DP2 and trainer TP1 x DP2 -> engine TP2 (the tiny Llama: GQA, SwiGLU,
 RoPE, padded vocabulary). After each version the engine's greedy tokens equal a plain greedy
 loop over the trainer model's forward, its logits pass the KL gate against the trainer's (also
-as the RefitGate inside the refit), and its parameters gathered to TP1 equal the trainer's bit
+as the RefitGate inside the refit: ``refit(verify=gate)`` in the first case, ``serve(verify=gate)``
+in the second), and its parameters gathered to TP1 equal the trainer's bit
 for bit, padded vocabulary rows included; before the first refit (other weights) they do not.
-An engine model with another padded vocabulary is refused on every rank of both jobs, naming
-the tensor."""
+The trainer publishes the engine's model config (that of the engine's GPTModel) and layout. An
+engine model with another padded vocabulary is refused on every rank of both jobs, naming the
+tensor; a trainer that cannot build its side publishes why, and the engine reads it."""
 
 import dataclasses
 import io
@@ -111,6 +113,11 @@ def _trainer_body(backend, port, n_engine):
                 out["refused"] = None
             except wx.RefitRejected as e:
                 out["refused"] = (e.reason, str(e))
+            try:  # a trainer side that cannot be built (5 engine replicas do not fit the group): the engine is told
+                megatron_trainer_refit(model, group, engine_tp=1, engine_dp=5, bucket_bytes=BUCKET)
+                out["trainer error"] = None
+            except ValueError as e:
+                out["trainer error"] = str(e)
         ps.destroy_model_parallel()
     group.close()
     return out
@@ -122,7 +129,13 @@ def _engine_body(backend, port, n_trainer):
 
     from megatron_ext import weight_export as wx
     from megatron_ext.testing import cpu_compat
-    from megatron_ext.weight_export.megatron_engine import MegatronEngine, MegatronEngineRefit
+    from megatron_ext.weight_export.megatron_engine import (
+        MegatronEngine,
+        MegatronEngineRefit,
+        megatron_model_config,
+        megatron_model_problem,
+        receive_model_config,
+    )
 
     cpu_compat.install_inference()  # CPU only: megatron-core's static inference path's torch.cuda calls
     world = dist.get_world_size()
@@ -144,23 +157,38 @@ def _engine_body(backend, port, n_trainer):
             }
 
         out[case, None] = observe()  # the engine's own weights, before any refit
+        published = receive_model_config(group)  # what megatron_trainer_refit published: this engine's model
+        out[case, "published"] = (
+            megatron_model_problem(published, tp),
+            published.get("engine"),
+            published["config"] == megatron_model_config(model)["config"],
+        )
         refit = MegatronEngineRefit(group, engine, bucket_bytes=BUCKET)
         # the KL gate inside the refit: the engine's logits against the trainer's (published through the store)
         gate = wx.RefitGate(
             engine, _tokens(), lambda v, case=case: _from_bytes(group.store.get(_logits_key(case, v))), load=False
         )
-        for _ in (1, 2):
-            stats = refit.refit(verify=gate)  # the announced version
-            out[case, stats.version] = {**observe(), "stats": stats}
-        out[case, "served"] = refit.serve()  # returns at the trainer's close
+        if case == 0:  # one refit() at a time, then serve() until the trainer's close
+            for _ in (1, 2):
+                stats = refit.refit(verify=gate)  # the announced version
+                out[case, stats.version] = {**observe(), "stats": stats}
+            out[case, "served"] = refit.serve()  # returns at the trainer's close
+        else:  # serve() with the gate at every version, the engine observed after each
+
+            def report(stats, case=case, observe=observe):
+                out[case, stats.version] = {**observe(), "stats": stats}
+
+            out[case, "served"] = refit.serve(report, verify=gate)
         if case == len(CASES) - 1:
             bad_spec = dataclasses.replace(ENGINE_SPEC, vocab_size=256)  # padded to 256 rows, the trainer has 128
             bad = MegatronEngine(tiny_llama.build_model(bad_spec, cfg, device=_device(backend)))
+            receive_model_config(group)
             try:
                 MegatronEngineRefit(group, bad, bucket_bytes=BUCKET)
                 out["refused"] = None
             except wx.RefitRejected as e:
                 out["refused"] = (e.reason, str(e))
+            out["trainer error"] = megatron_model_problem(receive_model_config(group), tp)
         ps.destroy_model_parallel()
     group.close()
     return out
@@ -196,6 +224,8 @@ def test_megatron_engine_refit(backend, monkeypatch):
             assert before["tokens"] != ref[1]["tokens"], who  # other weights: other tokens
             assert not verify_export(ref[1]["logits"], before["logits"]).ok(max_kl=1e-3), who
             assert res[case, "served"] == 2, who
+            # the trainer published this engine's model (the same config as the engine's GPTModel) and layout
+            assert res[case, "published"] == (None, {"tp": engine_tp, "dp": 2 // engine_tp}, True), who
             for v in (1, 2):
                 got = res[case, v]
                 stats = got["stats"]
@@ -226,3 +256,8 @@ def test_megatron_engine_refit(backend, monkeypatch):
             assert "refit ranks [2, 3] cannot take part" in msg and problem(2) in msg, (r, msg)
         else:
             assert msg.startswith(problem(r)), (r, msg)
+    # a trainer that cannot build its side publishes why instead of its model: the engine reads it at once
+    error = "the refit group has 4 ranks; the trainer's 2 + engine_tp=1 x engine_dp=5 make 7"
+    assert all(t["trainer error"] == error for t in trainer), [t["trainer error"] for t in trainer]
+    for res in engine:
+        assert res["trainer error"] == f"the trainer could not build its side of the refit: ValueError: {error}"
