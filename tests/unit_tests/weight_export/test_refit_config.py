@@ -137,7 +137,7 @@ BAD_FLAGS = [
         "target='127.0.0.1:5555,127.0.0.1:5556' (use transport='ipc' or 'broadcast' for several engines)",
     ),
     (["--reshard-refit-store", "10.0.0.1:70000"], "RefitConfig.store (--refit-store) must be 'host:port' with a "
-     "port in 1..65535 (the refit group's TCP store), got '10.0.0.1:70000'"),
+     "port in 1..65535 (the refit group's store), got '10.0.0.1:70000'"),
     (["--reshard-refit-store", "10.0.0.1:0"], "got '10.0.0.1:0'"),
     *[
         (flags, f"RefitConfig.bucket_size_mb (--refit-bucket-size-mb) must be None (automatic) or a finite number "

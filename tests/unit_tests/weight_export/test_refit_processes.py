@@ -258,9 +258,10 @@ def _knock_until_dead(port, engine, knocked):
 def test_p2p_engine_keeps_its_version_when_the_trainer_is_killed_mid_refit(tmp_path, env, model_dir, atomic):
     """The p2p refit with both sides as commands of their own: the engine command joins the trainer's
     refit group (``--refit-store``), takes version 1 while strangers knock at the store (logged and
-    dropped by the trainer, which hosts it), then the trainer is SIGKILLed after 3 rounds of version 2. The engine fails at once, naming the dead peer, and its model holds version 1
-    bit for bit: it loads a version only when all of it arrived (a streaming engine's staging tensors are
-    mixed, its model is not)."""
+    dropped by the trainer, which hosts it), then the trainer is SIGKILLed after 3 rounds of version 2.
+    The engine fails at once, naming the dead peer, and its model holds version 1 bit for bit: it loads
+    a version only when all of it arrived (a streaming engine's staging tensors are mixed, its model
+    is not)."""
     store = f"127.0.0.1:{_port()}"
     saved = tmp_path / "after"
     p2p = ["--refit-store", store, "--refit-rank", "1", "--refit-world-size", "2", "--bucket-size-mb", "0.004"]

@@ -1,5 +1,5 @@
 """Reshard refit between a Megatron trainer job and a SEPARATE engine job (own
-default worlds, one RefitGroup over a TCP store): the engine's tensors equal the
+default worlds, one RefitGroup over the refit store): the engine's tensors equal the
 export hook's HF weights exactly after each version, a mismatched version or plan
 is refused with RefitRejected, an engine rank with wrong tensors is refused on
 every rank within seconds, naming it, a missing peer fails within the timeout
