@@ -15,6 +15,7 @@ for what a TP rank holds of a tensor (Megatron's and an engine's), and
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -52,10 +53,7 @@ class Box:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     @property
     def slices(self) -> tuple[slice, ...]:
@@ -83,7 +81,7 @@ class LocalTensor:
 
     @property
     def nbytes(self) -> int:
-        return Box.full(self.shape).numel * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclasses.dataclass
@@ -150,11 +148,9 @@ def tp_box(spec: TensorSpec, tp: int, r: int, *, megatron: bool, vocab_padding: 
         head_dim = spec.shape[0] // spec.num_groups
         if tp <= spec.num_groups:
             g0, g1 = split_range(spec.num_groups, tp, r)
+        elif megatron:
+            raise ValueError(f"{spec.name}: Megatron needs num_query_groups ({spec.num_groups}) divisible by TP ({tp})")
         else:
-            if megatron:
-                raise ValueError(
-                    f"{spec.name}: Megatron needs num_query_groups ({spec.num_groups}) divisible by TP ({tp})"
-                )
             g0 = r * spec.num_groups // tp
             g1 = g0 + 1
         return box.replace(0, g0 * head_dim, g1 * head_dim)

@@ -116,22 +116,13 @@ def megatron_layout(
                 mine.append(s)
         tensors[g] = local_tensors(mine, boxes, megatron=True)
     moe = any(s.expert is not None for s in specs)
-    recipe = {
-        "kind": "megatron",
-        "tp": tp,
-        "pp": pp,
-        "dp": dp,
-        "ep": ep,
-        "etp": etp,
-        "ranks": list(ranks),
-        "layer_stage": list(layer_stage),
-    }
     return Layout(
         ranks,
         tensors,
         {s.name: s for s in specs},
         f"megatron TP{tp}xPP{pp}xDP{dp}" + (f" EP{ep}" if ep > 1 else "") + (f" ETP{etp}" if etp > 1 and moe else ""),
-        recipe,
+        # the recipe: this function's arguments
+        dict(kind="megatron", tp=tp, pp=pp, dp=dp, ep=ep, etp=etp, ranks=list(ranks), layer_stage=list(layer_stage)),
     )
 
 
@@ -157,23 +148,18 @@ def megatron_layout_from_groups(specs: list[TensorSpec], *, ranks: Sequence[int]
     if tp * pp * dp != world:
         raise ValueError(f"TP={tp} x PP={pp} x DP={dp} != world size {world}")
     me = dist.get_rank()
-    expected = {
-        "tensor": [me // tp * tp + t for t in range(tp)],
-        "pipeline": [me % (tp * dp) + s * tp * dp for s in range(pp)],
-    }
-    actual = {
-        "tensor": dist.get_process_group_ranks(ps.get_tensor_model_parallel_group()),
-        "pipeline": dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group()),
-    }
-    for kind in expected:
-        if sorted(actual[kind]) != expected[kind]:
+    for kind, group, expected in (
+        ("tensor", ps.get_tensor_model_parallel_group(), [me // tp * tp + t for t in range(tp)]),
+        ("pipeline", ps.get_pipeline_model_parallel_group(), [me % (tp * dp) + s * tp * dp for s in range(pp)]),
+    ):
+        actual = dist.get_process_group_ranks(group)
+        if sorted(actual) != expected:
             raise ValueError(
-                f"rank {me}: its {kind}-parallel group is {actual[kind]}, Megatron's default order "
-                f"tp-cp-ep-dp-pp puts it at {expected[kind]}; build the layout by hand for another "
+                f"rank {me}: its {kind}-parallel group is {actual}, Megatron's default order "
+                f"tp-cp-ep-dp-pp puts it at {expected}; build the layout by hand for another "
                 "order"
             )
-    layout = megatron_layout(specs, tp=tp, pp=pp, dp=dp, ep=ep, etp=etp, ranks=range(world) if ranks is None else ranks)
-    return layout
+    return megatron_layout(specs, tp=tp, pp=pp, dp=dp, ep=ep, etp=etp, ranks=range(world) if ranks is None else ranks)
 
 
 def layout_from_recipe(specs: list[TensorSpec], recipe: dict) -> Layout:
@@ -181,7 +167,7 @@ def layout_from_recipe(specs: list[TensorSpec], recipe: dict) -> Layout:
     describes, built from ``specs``."""
     kind = recipe.get("kind") if isinstance(recipe, dict) else None
     if kind == "megatron":
-        return megatron_layout(specs, **{k: recipe[k] for k in ("tp", "pp", "dp", "ep", "etp", "ranks", "layer_stage")})
+        return megatron_layout(specs, **{k: v for k, v in recipe.items() if k != "kind"})
     if kind == "replicas":
         return _replicas_layout(specs, recipe["groups"], recipe["description"])
     if kind == "fp8-block":

@@ -21,8 +21,6 @@ import re
 import torch
 
 __all__ = [
-    "expert_hf_names",
-    "expert_param",
     "fused_expert_views",
     "grouped_expert_issue",
     "moe_layer_pattern",
@@ -30,10 +28,6 @@ __all__ = [
     "router_issue",
 ]
 
-# Layer suffixes of one local expert's weight (or its expert-TP shard): SequentialMLP's module per
-# expert, and TEGroupedMLP's numbered weights (TEGroupedLinear registers weight{i} per GEMM).
-SEQUENTIAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
-GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc1|linear_fc2)\.weight(\d+)$")
 # Expert weights we recognise but cannot map; each hint says what to do.
 UNSUPPORTED_HINTS = (
     (
@@ -60,19 +54,6 @@ UNSUPPORTED_HINTS = (
 )
 
 
-def expert_param(suffix: str) -> tuple[int, str, bool] | None:
-    """``(local expert index, "linear_fc1" | "linear_fc2", grouped)`` of a layer
-    suffix holding one local expert's weight (SequentialMLP, or TEGroupedMLP
-    when ``grouped``); None for any other parameter."""
-    m = SEQUENTIAL_EXPERT.match(suffix)
-    if m:
-        return int(m.group(1)), m.group(2), False
-    m = GROUPED_EXPERT.match(suffix)
-    if m:
-        return int(m.group(2)), m.group(1), True
-    return None
-
-
 def grouped_expert_issue(config) -> str | None:
     """Why TEGroupedMLP's expert weights under ``config`` are not ``[gate; up]`` /
     plain per-expert tensors; None when they are."""
@@ -83,13 +64,6 @@ def grouped_expert_issue(config) -> str | None:
             "Qwen3-MoE's gate_proj / up_proj do not; set moe_mlp_glu_interleave_size=None"
         )
     return None
-
-
-def expert_hf_names(layer: int, expert: int, fc: str) -> tuple[str, ...]:
-    """HF names of global expert ``expert``'s ``linear_fc1`` (gate, up) or ``linear_fc2`` (down)."""
-    from .names import EXPERT_NAMES
-
-    return tuple(f"model.layers.{layer}.mlp.experts.{expert}.{hf}" for hf in EXPERT_NAMES[fc][1])
 
 
 def router_issue(config) -> str | None:
@@ -159,18 +133,9 @@ def fused_expert_views(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor],
     views, fused = {}, set()
     for prefix, module in model.named_modules():
         gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-        if not (
-            isinstance(gate_up, torch.nn.Parameter)
-            and isinstance(down, torch.nn.Parameter)
-            and gate_up.dim() == 3
-            and down.dim() == 3
-        ):
-            continue
-        if (
-            not getattr(module, "is_concatenated", True)
-            or not getattr(module, "has_gate", True)
-            or getattr(module, "has_bias", False)
-        ):
+        fused_3d = all(isinstance(p, torch.nn.Parameter) and p.dim() == 3 for p in (gate_up, down))
+        plain = getattr(module, "is_concatenated", True) and getattr(module, "has_gate", True)
+        if not fused_3d or not plain or getattr(module, "has_bias", False):
             continue
         transposed = getattr(module, "is_transposed", False)
         gate_up, down = gate_up.detach(), down.detach()

@@ -11,22 +11,17 @@ Megatron tensor that tensor parallelism shards (None: replicated).
 
 from __future__ import annotations
 
-import re
 
 __all__ = [
     "ENGINE_FUSED",
     "EXPERT_NAMES",
     "GLOBAL_NAMES",
-    "LAYER",
     "LAYER_NAMES",
-    "VOCAB_PARAMS",
     "engine_name",
     "global_layer_names",
     "global_name",
     "unwrap",
 ]
-
-LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 # Per-layer Megatron suffix -> (kind, HF names relative to ``model.layers.{i}.``, TP dim).
 # Transformer Engine layer specs fuse the layernorms into the next linear (``*.layer_norm_weight``).
@@ -64,7 +59,6 @@ GLOBAL_NAMES = {
     "decoder.final_layernorm.weight": ("copy", ("model.norm.weight",), None),
     "output_layer.weight": ("copy", ("lm_head.weight",), 0),
 }
-VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 # The module an inference engine (vLLM / SGLang) fuses each kind's HF tensors into.
 ENGINE_FUSED = {"qkv": "qkv_proj", "glu": "gate_up_proj"}
 

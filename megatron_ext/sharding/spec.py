@@ -131,19 +131,12 @@ def gpt_specs(
     def add(entry, megatron_name: str, hf_prefix: str, shapes, **kw):
         kind, hf_names, tp_dim = entry
         for part, (hf, shape) in enumerate(zip(hf_names, shapes)):
+            name = hf_prefix + hf
             fused = None if kind == "copy" else (kind, part)
-            specs.append(
-                TensorSpec(
-                    hf_prefix + hf,
-                    tuple(shape),
-                    dtype,
-                    tp_dim,
-                    megatron_name,
-                    engine_name(hf_prefix + hf, kind),
-                    fused=fused,
-                    **kw,
-                )
+            spec = TensorSpec(
+                name, tuple(shape), dtype, tp_dim, megatron_name, engine_name(name, kind), fused=fused, **kw
             )
+            specs.append(spec)
 
     def add_global(name: str, shape, **kw):
         add(GLOBAL_NAMES[name], name, "", [shape], **kw)

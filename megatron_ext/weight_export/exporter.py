@@ -16,6 +16,7 @@ While one buffer is on its way the other is being filled.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -131,6 +132,13 @@ class _FiniteCheck:
         return [n for n, good in zip(self.names, ok) if not good]
 
 
+def _wait(pending: list, slot: int) -> None:
+    """Wait for the send in flight from export buffer ``slot`` (if any) and clear it."""
+    p, pending[slot] = pending[slot], None
+    if p is not None:
+        p.wait()
+
+
 def auto_bucket_bytes(device: torch.device) -> int:
     """5% of free device memory, within 16..1024 MiB (64 MiB on CPU)."""
     if device.type == "cuda":
@@ -224,16 +232,15 @@ class WeightExporter:
         sizes = dict(tp=lay.tp_size, ep=lay.ep_size, etp=lay.etp_size)
         self._plan = build_plan(
             specs,
-            self._bucket_bytes(),
+            self.config.bucket_bytes or self._auto_bucket_bytes,
             pp=lay.pp_size,
             **sizes,
             layer_stage=[layer_stage[i] for i in range(len(layer_stage))],
         )
-        if self.gathers_experts:
-            lay.exchange_expert_coords()
         self._tensors = megatron_tensors(self.model)
         groups = {"tp": GatherGroup(lay.tp_group, lay.tp_rank, tuple(members("tp", lay.pp_rank, **sizes)))}
         if self.gathers_experts:
+            lay.exchange_expert_coords()
             groups["ep"] = GatherGroup(
                 lay.expert_group, lay.expert_rank, tuple(members("ep", lay.pp_rank, **sizes, coords=lay.expert_coords))
             )
@@ -262,9 +269,6 @@ class WeightExporter:
             layers = sorted(int(gp.split(".")[2]) for gp in global_layer_names(self.model).values())
             self._facts = (sig, (specs, layers, problem))
         return self._facts[1]
-
-    def _bucket_bytes(self) -> int:
-        return self.config.bucket_bytes or self._auto_bucket_bytes
 
     # ------------------------------------------------------------ transport
     @property
@@ -298,7 +302,7 @@ class WeightExporter:
         self._ensure_plan()
         plan = self._plan
         sender = self.sender if self.is_export_rank else None
-        if getattr(sender, "direct", False):
+        if getattr(sender, "direct", False):  # the engine copies from the trainer's tensors itself
             if sender._info is None or self._direct_for != self._signature:
                 sender.prepare([t for b in plan.buckets for t in b.transfers], self._tensors)
                 self._direct_for = self._signature
@@ -307,11 +311,25 @@ class WeightExporter:
                 check.add(self._tensors.items())
                 self._refuse_nonfinite(check)
             sender.start(plan, [], self.version)
-            applied = tuple(sender.finish(self.version))
-            self.last_result = ExportResult(
-                self.version, plan.total_bytes, time.perf_counter() - start, len(plan.buckets), applied
+        else:
+            self._export_buckets(plan, sender)
+        applied = tuple(sender.finish(self.version)) if sender is not None else ()
+        nbytes = plan.total_bytes if self.is_export_rank else 0
+        self.last_result = ExportResult(self.version, nbytes, time.perf_counter() - start, len(plan.buckets), applied)
+        if self.is_export_rank:
+            r = self.last_result
+            log.info(
+                "weight export: version %d, %.1f MB in %d buckets, %.1f ms, %.2f GB/s; receivers applied %s",
+                r.version,
+                r.nbytes / 1e6,
+                r.num_buckets,
+                r.seconds * 1e3,
+                r.gbps,
+                list(r.applied),
             )
-            return self.last_result
+        return self.last_result
+
+    def _export_buckets(self, plan: ExportPlan, sender) -> None:
         # In-place senders write into the engine's tensors: the export rank needs buffers
         # only to receive other stages' buckets.
         push = getattr(sender, "push", False)
@@ -334,30 +352,12 @@ class WeightExporter:
             # Let in-flight sends finish or fail (each bounded by the timeout), so no
             # transfer is left writing into a buffer or blocking the group's teardown;
             # then the receivers drop the version (they keep the previous one).
-            for p in pending:
-                try:
-                    if p is not None:
-                        p.wait()
-                except Exception:  # noqa: BLE001 - the first error is the one raised
-                    pass
+            for slot in range(2):
+                with contextlib.suppress(Exception):  # the first error is the one raised
+                    _wait(pending, slot)
             if sender is not None:
                 sender.abort(self.version)
             raise
-        applied = tuple(sender.finish(self.version)) if sender is not None else ()
-        nbytes = plan.total_bytes if self.is_export_rank else 0
-        self.last_result = ExportResult(self.version, nbytes, time.perf_counter() - start, len(plan.buckets), applied)
-        if self.is_export_rank:
-            r = self.last_result
-            log.info(
-                "weight export: version %d, %.1f MB in %d buckets, %.1f ms, %.2f GB/s; receivers applied %s",
-                r.version,
-                r.nbytes / 1e6,
-                r.num_buckets,
-                r.seconds * 1e3,
-                r.gbps,
-                list(r.applied),
-            )
-        return self.last_result
 
     def _agree_on_bucket_bytes(self) -> None:
         """Set the automatic bucket size, the smallest over all trainer ranks (every rank that
@@ -401,10 +401,8 @@ class WeightExporter:
         if not self.is_export_rank:
             return None
         sender = self.sender
-        if isinstance(sender, InProcessSender):
-            got = sender.receiver.consumer.logits(tokens)
-        else:
-            got = sender.request_logits(tokens)
+        in_process = isinstance(sender, InProcessSender)
+        got = sender.receiver.consumer.logits(tokens) if in_process else sender.request_logits(tokens)
         return verify_export(reference, got)
 
     def _stream_buckets(self, plan, sender, pending, check: _FiniteCheck | None = None) -> None:
@@ -418,9 +416,7 @@ class WeightExporter:
                 continue
             out = None
             if self.is_leader:
-                if pending[slot] is not None:
-                    p, pending[slot] = pending[slot], None
-                    p.wait()
+                _wait(pending, slot)
                 out = self._buffers[slot] if self._buffers else None
             if mine:
                 self._gatherer.gather(bucket, sender.views if push else self._views(bucket, out))
@@ -429,9 +425,7 @@ class WeightExporter:
                 if push:
                     copy_all([(sender.views[name], t) for name, t in unpack(bucket, out)])
             if check is not None:
-                check.add((t.name, sender.views[t.name]) for t in bucket.tensors) if push else check.add(
-                    unpack(bucket, out)
-                )
+                check.add(((t.name, sender.views[t.name]) for t in bucket.tensors) if push else unpack(bucket, out))
             if push:
                 continue
             if self.is_export_rank:
@@ -440,9 +434,7 @@ class WeightExporter:
                 pending[slot] = dist.isend(out[: bucket.nbytes], dst=lay.stage_leaders[0])
         last = plan.buckets[-1].index if plan.buckets else 0
         for slot in ((last + 1) % 2, last % 2):  # oldest first: acknowledgements come in order
-            if pending[slot] is not None:
-                p, pending[slot] = pending[slot], None
-                p.wait()
+            _wait(pending, slot)
 
     def close(self) -> None:
         if self._sender is not None:

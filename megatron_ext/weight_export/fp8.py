@@ -70,12 +70,16 @@ def _quantize_torch(x, block, out):
     # x / scale computed in float32 and rounded once to e4m3 as it is stored (one kernel, no float32
     # tensor); |x / scale| <= 448 up to the division's rounding, which the conversion saturates to 448
     torch.div(blocks, scale[:, None, :, None], out=q.view(shape))
-    q = q[:rows, :cols]
+    return _into(out, q[:rows, :cols], scale)
+
+
+def _into(out, q: torch.Tensor, scale: torch.Tensor):
+    """``(q, scale)``, or ``out`` with them copied in where they are not already ``out``'s own tensors."""
     if out is None:
         return q, scale
-    if q.data_ptr() != out[0].data_ptr() or q.shape != out[0].shape:
-        out[0].copy_(q)
-    out[1].copy_(scale)
+    for dst, src in zip(out, (q, scale)):
+        if dst.data_ptr() != src.data_ptr() or dst.shape != src.shape:
+            dst.copy_(src)
     return out
 
 
@@ -120,12 +124,7 @@ def _quantize_triton(kernel, x, block, out):
     if scale is None or not scale.is_contiguous():
         scale = torch.empty(grid, dtype=torch.float32, device=x.device)
     kernel[grid](x, q, scale, rows, cols, grid[1], BLOCK=block, FMAX=FP8_MAX)
-    if out is None:
-        return q, scale
-    for dst, src in zip(out, (q, scale)):
-        if dst.data_ptr() != src.data_ptr():
-            dst.copy_(src)
-    return out
+    return _into(out, q, scale)
 
 
 @torch.no_grad()

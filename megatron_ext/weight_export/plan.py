@@ -51,6 +51,10 @@ class TensorMeta:
     offset: int
     nbytes: int
 
+    def view(self, buf: torch.Tensor) -> torch.Tensor:
+        """This tensor in the flat uint8 bucket buffer ``buf`` (a view, no copy)."""
+        return buf[self.offset : self.offset + self.nbytes].view(self.dtype).view(self.shape)
+
 
 @dataclasses.dataclass(frozen=True)
 class BucketMeta:
@@ -65,6 +69,9 @@ class BucketMeta:
     tensors: tuple[TensorMeta, ...]
     group: str = "tp"
     transfers: tuple[Transfer, ...] = ()
+
+
+_SIZES = ("tp_size", "pp_size", "ep_size", "etp_size")  # the trainer layout an ExportPlan was cut for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,10 +98,7 @@ class ExportPlan:
         the trainer-side transfers stay home). :meth:`from_wire` rebuilds it."""
         return {
             "buffer_bytes": self.buffer_bytes,
-            "tp_size": self.tp_size,
-            "pp_size": self.pp_size,
-            "ep_size": self.ep_size,
-            "etp_size": self.etp_size,
+            **{f: getattr(self, f) for f in _SIZES},
             "buckets": [
                 {
                     "index": b.index,
@@ -117,13 +121,10 @@ class ExportPlan:
                 tensors = []
                 for name, dtype, shape, offset, nbytes in b["tensors"]:
                     dt = dtype_of(dtype)
-                    numel = 1
-                    for s in shape:
-                        numel *= int(s)
                     if (
                         not isinstance(name, str)
                         or min(shape, default=0) < 0
-                        or nbytes != numel * dt.itemsize
+                        or nbytes != math.prod(int(s) for s in shape) * dt.itemsize
                         or not 0 <= offset <= offset + nbytes <= b["nbytes"]
                     ):
                         raise ValueError(f"tensor {name!r}")
@@ -133,14 +134,7 @@ class ExportPlan:
                 buckets.append(
                     BucketMeta(int(b["index"]), int(b["pp_rank"]), int(b["nbytes"]), tuple(tensors), b["group"])
                 )
-            return cls(
-                tuple(buckets),
-                int(data["buffer_bytes"]),
-                int(data["tp_size"]),
-                int(data["pp_size"]),
-                int(data["ep_size"]),
-                int(data["etp_size"]),
-            )
+            return cls(tuple(buckets), int(data["buffer_bytes"]), *(int(data[f]) for f in _SIZES))
         except (KeyError, TypeError, ValueError, ControlError) as exc:
             raise PlanMismatch(f"the trainer sent a malformed export plan ({exc})") from None
 
@@ -249,7 +243,7 @@ def _block_size(nbytes: int) -> int:
 def unpack(bucket: BucketMeta, buf: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, view)`` of every tensor of ``bucket`` in the flat uint8 ``buf`` (no copies)."""
     for t in bucket.tensors:
-        yield t.name, buf[t.offset : t.offset + t.nbytes].view(t.dtype).view(t.shape)
+        yield t.name, t.view(buf)
 
 
 def check_plan(

@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterable
 import torch
 
 from ..sharding.moe import fused_expert_views
+from .copies import copy_all
+from .wire import align
 from .plan import BucketMeta, ExportPlan, PlanMismatch, check_plan, unpack
 
 __all__ = ["HFModelConsumer", "LoadWeightsConsumer", "WeightReceiver"]
@@ -39,10 +41,7 @@ class HFModelConsumer:
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        pairs = [(self._targets[name], tensor) for name, tensor in weights]
-        if pairs:
-            dsts, srcs = zip(*pairs)
-            torch._foreach_copy_(list(dsts), list(srcs))  # one launch for the bucket
+        copy_all([(self._targets[name], tensor) for name, tensor in weights])  # few launches for the bucket
 
     def target(self, name: str) -> torch.Tensor:
         """The tensor (or view) that receives ``name`` (lets direct IPC copy straight into it)."""
@@ -120,7 +119,7 @@ class WeightReceiver:
             self._offsets, total = {}, 0
             for b in plan.buckets:
                 self._offsets[b.index] = total
-                total += (b.nbytes + 255) // 256 * 256
+                total += align(b.nbytes)
             try:
                 self._staging = torch.empty(total, dtype=torch.uint8, device=self.device)
             except torch.OutOfMemoryError as exc:
@@ -168,9 +167,7 @@ class WeightReceiver:
         if self._version is None:
             raise RuntimeError("direct load outside a version")
         self._mixed = True
-        if pairs:
-            dsts, srcs = zip(*pairs)
-            torch._foreach_copy_(list(dsts), list(srcs))
+        copy_all(list(pairs))
         if loads:
             metas = {t.name: t for t in self.plan.tensors()}
             self.consumer.load_weights((n, _assemble(metas[n], pieces)) for n, pieces in loads)

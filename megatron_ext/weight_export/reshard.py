@@ -34,6 +34,7 @@ refit and records the KL in :class:`RefitStats`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -46,7 +47,7 @@ from .errors import RefitRejected
 from ..sharding.megatron import megatron_tensors
 from .copies import CopyBatch, finite_flags
 from .peers import as_peers
-from .reshard_plan import ReshardPlan, Transfer, fanout_plans, run_view
+from .reshard_plan import ReshardPlan, Run, Transfer, fanout_plans, run_view
 from .gate import RefitGate
 from .wire import BAD_TENSORS, HEADER_BYTES, NO_STAGING, NO_VERSION, PAYLOAD_OFFSET, bucket_nbytes, bucketize, wire_id
 
@@ -106,6 +107,13 @@ class RefitStats:
     kl: float | None = None
     max_logit_diff: float | None = None
     gate_ok: bool | None = None
+
+
+def _held(version: int, source_version) -> Callable[[str], int | None]:
+    """The version each local tensor holds, from :meth:`ReshardExecutor.refit`'s ``source_version``."""
+    if isinstance(source_version, dict):
+        return lambda name: source_version.get(name, version)
+    return lambda name: version if source_version is None else source_version
 
 
 def _same_shape(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,11 +213,11 @@ class ReshardExecutor:
         self.send = {p: bucketize(ts, bucket_bytes) for p, ts in sorted(out.items())}
         self.recv = {p: bucketize(ts, bucket_bytes) for p, ts in sorted(inc.items())}
         self.rounds = max([len(b) for b in (*self.send.values(), *self.recv.values())], default=0)
+        self.sent_bytes, self.received_bytes = (
+            sum(bucket_nbytes(b) for bs in table.values() for b in bs) for table in (self.send, self.recv)
+        )  # per refit, on the wire
         self.device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
-        # what this rank serves (plan order) and how many rows of each source tensor the layout keeps
-        self._sourced = [t for t in plan.transfers if t.src == rank]
-        served = {t.src_run.local for t in self._sourced}
-        self._source_rows = {n: lt.shape[0] for n, lt in plan.src.tensors.get(rank, {}).items() if n in served}
+        self._sourced = [t for t in plan.transfers if t.src == rank]  # what this rank serves, in plan order
         # what every header of this plan carries: the plan and the bucket size both sides cut it with
         self.check_finite = check_finite
         self.wire_id = wire_id(plan.fingerprint, bucket_bytes, check_finite)
@@ -217,8 +225,7 @@ class ReshardExecutor:
             (p, k): sorted({t.src_run.local for t, _ in b}) for p, bs in self.send.items() for k, b in enumerate(bs)
         }
         self._header_index = {key: i for i, key in enumerate(self._send_sources)}
-        self._send_buf: dict[tuple[int, int], torch.Tensor] | None = None
-        self._recv_buf: dict[tuple[int, int], torch.Tensor] | None = None
+        self._bufs: dict[tuple[str, int, int], torch.Tensor] | None = None  # (send|recv, peer, slot) -> buffer
         self.version: int | None = None  # the version this rank's destination tensors hold (None: none accepted)
 
     @property
@@ -260,8 +267,9 @@ class ReshardExecutor:
         )
 
     # ------------------------------------------------------------------ staging
-    def _slot(self, k: int, *, recv: bool) -> int:
-        return k if (recv and self.atomic) else k % self.max_inflight
+    def _key(self, kind: str, peer: int, k: int) -> tuple[str, int, int]:
+        """The staging buffer of round ``k`` with ``peer``: atomic receivers keep every round."""
+        return kind, peer, k if (kind == "recv" and self.atomic) else k % self.max_inflight
 
     def _staging_sizes(self) -> dict[tuple[str, int, int], int]:
         """Bytes of each staging buffer, by ``(send|recv, peer, slot)``."""
@@ -269,17 +277,19 @@ class ReshardExecutor:
         for kind, table in (("send", self.send), ("recv", self.recv)):
             for peer, buckets in table.items():
                 for k, bucket in enumerate(buckets):
-                    key = (kind, peer, self._slot(k, recv=kind == "recv"))
+                    key = self._key(kind, peer, k)
                     sizes[key] = max(sizes.get(key, 0), bucket_nbytes(bucket))
         return sizes
 
     def _allocate(self) -> None:
-        """Every staging buffer, sized once: one per (peer, slot)."""
-        sizes = self._staging_sizes()
-        mk = lambda n: torch.empty(n, dtype=torch.uint8, device=self.device)  # noqa: E731
-        self._send_buf = {(p, s): mk(n) for (kind, p, s), n in sizes.items() if kind == "send"}
-        self._recv_buf = {(p, s): mk(n) for (kind, p, s), n in sizes.items() if kind == "recv"}
+        """Every staging buffer, sized once: one per (send|recv, peer, slot)."""
+        self._bufs = {
+            key: torch.empty(n, dtype=torch.uint8, device=self.device) for key, n in self._staging_sizes().items()
+        }
         self._build_copies()
+
+    def _view(self, run: Run) -> torch.Tensor:
+        return run_view(self.tensors[run.local], run)
 
     def _build_copies(self) -> None:
         """Every copy of a refit as ``(dst, src)`` views, built once: buffers and tensors are
@@ -288,10 +298,10 @@ class ReshardExecutor:
         pack: dict[int, list] = defaultdict(list)  # round -> every peer's header and pieces
         for peer, buckets in self.send.items():
             for k, bucket in enumerate(buckets):
-                buf = self._send_buf[(peer, self._slot(k, recv=False))]
+                buf = self._bufs[self._key("send", peer, k)]
                 pack[k].append((buf[:HEADER_BYTES].view(torch.int64), self._header_rows[self._header_index[(peer, k)]]))
                 for t, off in bucket:
-                    src = run_view(self.tensors[t.src_run.local], t.src_run)
+                    src = self._view(t.src_run)
                     pack[k].append((buf[off : off + t.nbytes].view(src.dtype).view(src.shape), src))
         self._pack = {k: CopyBatch(pairs) for k, pairs in pack.items()}
         # Streaming receivers reuse a buffer max_inflight rounds later, so each unpack also keeps the
@@ -302,27 +312,21 @@ class ReshardExecutor:
         unpack: dict[int, list] = defaultdict(list)  # round -> every peer's pieces
         for peer, buckets in self.recv.items():
             for k, bucket in enumerate(buckets):
-                buf = self._recv_buf[(peer, self._slot(k, recv=True))]
+                buf = self._bufs[self._key("recv", peer, k)]
                 if not self.atomic:
                     unpack[k].append((self._seen[(peer, k)], buf[:HEADER_BYTES].view(torch.int64)))
                 for t, off in bucket:
-                    dst = run_view(self.tensors[t.dst_run.local], t.dst_run)
+                    dst = self._view(t.dst_run)
                     unpack[k].append((dst, buf[off : off + t.nbytes].view(dst.dtype).view(dst.shape)))
-        local = []
-        for t in self.local:
-            local.append(
-                _same_shape(
-                    run_view(self.tensors[t.dst_run.local], t.dst_run),
-                    run_view(self.tensors[t.src_run.local], t.src_run),
-                )
-            )
+        local = [_same_shape(self._view(t.dst_run), self._view(t.src_run)) for t in self.local]
         self._local_copies = CopyBatch(local)
-        # the rows of each source tensor that the layout keeps (padded vocabulary rows excluded), by dtype;
+        # the rows of each source tensor served that the layout keeps (padded vocabulary rows excluded);
         # FP8 values are checked through their float32 block scales (a NaN or Inf makes its block's scale one)
+        served = {t.src_run.local for t in self._sourced}
         self._finite_views = {
-            n: self.tensors[n][:rows]
-            for n, rows in self._source_rows.items()
-            if self.tensors[n].is_floating_point() and self.tensors[n].dtype.itemsize > 1 and self.tensors[n].numel()
+            n: self.tensors[n][: lt.shape[0]]
+            for n, lt in self.plan.src.tensors.get(self.rank, {}).items()
+            if n in served and self.tensors[n].is_floating_point() and self.tensors[n].dtype.itemsize > 1
         }
         if self.atomic:  # the whole version at once, after the last round's headers are checked
             self._apply = CopyBatch([pair for k in sorted(unpack) for pair in unpack[k]] + local)
@@ -332,7 +336,7 @@ class ReshardExecutor:
     @property
     def staging_bytes(self) -> int:
         """Bytes of staging memory this rank holds (0 before the first refit)."""
-        return sum(b.numel() for bufs in (self._send_buf or {}, self._recv_buf or {}) for b in bufs.values())
+        return sum(b.numel() for b in (self._bufs or {}).values())
 
     # -------------------------------------------------------------------- refit
     def refit(
@@ -356,7 +360,7 @@ class ReshardExecutor:
         holds no complete version (:attr:`version` None) from its first write
         until the refit completes, so a refit that dies midway leaves it None.
         """
-        if self._send_buf is None:
+        if self._bufs is None:
             self._prepare()
         start = time.perf_counter()
         if self.refresh is not None:
@@ -364,7 +368,6 @@ class ReshardExecutor:
         if self.check_finite:
             self._check_finite(version, source_version, start)
         self._set_headers(version, source_version)
-        sent = received = 0
         self._wrote = False
         refused: list[str] = []
         unchecked: list = []  # rounds whose headers are checked together later (see _complete)
@@ -373,9 +376,7 @@ class ReshardExecutor:
             for k in range(self.rounds):
                 if len(inflight) == self.max_inflight:
                     self._complete(inflight.popleft(), version, refused, unchecked)
-                posted, s, r = self._post(k)
-                inflight.append(posted)
-                sent, received = sent + s, received + r
+                inflight.append(self._post(k))
             while inflight:
                 self._complete(inflight.popleft(), version, refused, unchecked)
             if unchecked and not refused:
@@ -383,11 +384,10 @@ class ReshardExecutor:
         except BaseException:
             for _, reqs, _ in inflight:  # let posted transfers finish or fail before the buffers are reused
                 for req in reqs:
-                    try:
+                    with contextlib.suppress(Exception):  # the first error is the one raised
                         req.wait()
-                    except Exception:  # noqa: BLE001 - the first error is the one raised
-                        pass
             raise
+        sent, received = self.sent_bytes, self.received_bytes
         stats = RefitStats(
             version, 0.0, sent, received, self.local_bytes, self.rounds, self.max_inflight, self.staging_bytes
         )
@@ -449,28 +449,28 @@ class ReshardExecutor:
             try:
                 self._allocate()
             except torch.OutOfMemoryError as exc:
-                self._send_buf = self._recv_buf = None
+                self._bufs = None
                 failed = exc
         code = BAD_TENSORS if self.problem is not None else NO_STAGING if failed else self.wire_id
         got = self.peers.gather_notes(code, self.problem or "", self.device, what="reach the refit")
         self.peers.start()  # every rank arrived
-        ids = [v for v, _ in got]
+        ids = dict(zip(self.peers.ranks(len(got)), (v for v, _ in got)))  # rank -> its code
         try:
-            if BAD_TENSORS in ids:
-                ranks = self.peers.ranks(len(ids))
-                raise self.tensors_rejected([(ranks[i], note) for i, (v, note) in enumerate(got) if v == BAD_TENSORS])
+            bad = [(r, note) for r, (v, note) in zip(ids, got) if v == BAD_TENSORS]
+            if bad:
+                raise self.tensors_rejected(bad)
             self._check_staging(ids, failed)
             self._check_same_plan(ids)
         except RefitRejected:
-            self._send_buf = self._recv_buf = None  # the next refit allocates and checks again
+            self._bufs = None  # the next refit allocates and checks again
             raise
 
-    def _check_staging(self, ids: list[int], failed: BaseException | None) -> None:
+    def _check_staging(self, ids: dict[int, int], failed: BaseException | None) -> None:
         """Every rank raises :class:`RefitRejected` (``"staging"``) if a rank could not
         allocate its staging buffers; that rank's message says how to need less."""
         if failed is not None:
             need = sum(self._staging_sizes().values())
-            received = sum(bucket_nbytes(b) for bs in self.recv.values() for b in bs)
+            received = self.received_bytes
             raise RefitRejected(
                 f"rank {self.rank}: out of device memory for {need / 2**30:.2f} GiB of reshard staging buffers "
                 + (
@@ -483,39 +483,28 @@ class ReshardExecutor:
                 + "; lower bucket_bytes or max_inflight, or free memory before the refit. Nothing was sent.",
                 reason="staging",
             ) from failed
-        if NO_STAGING in ids:
-            ranks = self.peers.ranks(len(ids))
+        if NO_STAGING in ids.values():
             raise RefitRejected(
-                f"rank {self.rank}: ranks {[ranks[i] for i, v in enumerate(ids) if v == NO_STAGING]} "
+                f"rank {self.rank}: ranks {[r for r, v in ids.items() if v == NO_STAGING]} "
                 "ran out of memory for their staging buffers (their errors say how much); nothing "
                 "was sent",
                 reason="staging",
             )
 
-    def _check_same_plan(self, ids: list[int]) -> None:
+    def _check_same_plan(self, ids: dict[int, int]) -> None:
         """Every rank raises :class:`RefitRejected` (``"plan"``) if any rank of the group runs
         another plan or bucket size, naming the ranks that differ from the most common one."""
-        if len(set(ids)) == 1:
+        values = list(ids.values())
+        if len(set(values)) == 1:
             return
-        group_ranks = self.peers.ranks(len(ids))
-        common = max(set(ids), key=lambda v: (ids.count(v), -ids.index(v)))
-        odd = [group_ranks[i] for i, v in enumerate(ids) if v != common]
+        common = max(set(values), key=lambda v: (values.count(v), -values.index(v)))
         raise RefitRejected(
-            f"rank {self.rank}: ranks {odd} run another reshard plan or bucket_bytes than ranks "
-            f"{[group_ranks[i] for i, v in enumerate(ids) if v == common]}; nothing was sent. Build "
+            f"rank {self.rank}: ranks {[r for r, v in ids.items() if v != common]} run another reshard plan or "
+            f"bucket_bytes than ranks {[r for r, v in ids.items() if v == common]}; nothing was sent. Build "
             "the same layouts (specs, TP/PP/DP/EP, ranks, vocab padding) and the same bucket_bytes "
             "on every rank",
             reason="plan",
         )
-
-    def _serving(self, version: int, source_version) -> list[str]:
-        """This rank's source tensors that serve ``version`` (a tensor that holds another version is refused
-        by its receivers for that, and is not checked)."""
-        if source_version is None or (not isinstance(source_version, dict) and source_version == version):
-            return list(self._finite_views)
-        if not isinstance(source_version, dict):
-            return []
-        return [n for n in self._finite_views if source_version.get(n, version) == version]
 
     def _check_finite(self, version: int, source_version, start: float) -> None:
         """Every rank raises :class:`RefitRejected` (``"nonfinite"``) before a byte moves if any source
@@ -524,7 +513,8 @@ class ReshardExecutor:
         and one all-reduce of the flag over the group: one device-to-host read. Slow path, only when
         some rank is flagged: each flagged rank looks, in plan order, for the first transfer it really
         sends or copies with a non-finite value, and every rank learns the HF names (one gather)."""
-        serving = self._serving(version, source_version)
+        # a tensor that holds another version is refused by its receivers for that, and is not checked
+        serving = [n for n in self._finite_views if _held(version, source_version)(n) == version]
         flag = torch.zeros(1, dtype=torch.int64, device=self.device)
         for _, flags in finite_flags([self._finite_views[n] for n in serving]):
             flag |= (~flags).any().to(torch.int64)
@@ -532,8 +522,7 @@ class ReshardExecutor:
             return
         note = self._first_nonfinite(set(serving)) if flag.item() else ""
         got = self.peers.gather_notes(0, note, self.device, what=f"check version {version} for NaN/Inf")
-        ranks = self.peers.ranks(len(got))
-        bad = [(ranks[i], n) for i, (_, n) in enumerate(got) if n]
+        bad = [(r, n) for r, (_, n) in zip(self.peers.ranks(len(got)), got) if n]
         if not bad:
             return  # the NaN / Inf lie in rows that no rank sends (another replica serves them)
         stats = RefitStats(
@@ -560,45 +549,34 @@ class ReshardExecutor:
         """The HF name of the first tensor this rank sends or copies for the version with a NaN or Inf
         (exact runs, plan order), or ""."""
         for t in self._sourced:
-            if t.src_run.local in serving:
-                view = run_view(self.tensors[t.src_run.local], t.src_run)
-                if not bool(torch.isfinite(view).all()):
-                    box = ", ".join(f"{a}:{b}" for a, b in t.box.ranges)
-                    return f"{t.name}[{box}] (this rank's {t.src_run.local})"
+            if t.src_run.local in serving and not bool(torch.isfinite(self._view(t.src_run)).all()):
+                box = ", ".join(f"{a}:{b}" for a, b in t.box.ranges)
+                return f"{t.name}[{box}] (this rank's {t.src_run.local})"
         return ""
 
     def _set_headers(self, version: int, source_version) -> None:
         """This refit's header rows, one per send bucket (``self._send_sources`` order), in one copy."""
         if not self._send_sources:
             return
-        held = source_version if isinstance(source_version, dict) else {}
-        default = version if source_version is None or isinstance(source_version, dict) else source_version
-        rows = []
+        holds, rows = _held(version, source_version), []
         for (_peer, k), locals_ in self._send_sources.items():
-            vs = {held.get(n, default) for n in locals_}
+            vs = {holds(n) for n in locals_}
             v = version if vs == {version} else next(iter(vs - {version}))
             rows.append([NO_VERSION if v is None else v, self.wire_id, self.rank, k])
         self._header_rows.copy_(torch.tensor(rows, dtype=torch.int64))
 
     def _post(self, k: int):
         ops, arrived = [], []
-        sent = received = 0
         if k in self._pack:
             self._pack[k].run()  # every peer's header and pieces of this round: batched copies
-        for peer, buckets in self.send.items():
-            if k < len(buckets):
-                n = bucket_nbytes(buckets[k])
-                ops.append(("send", self._send_buf[(peer, self._slot(k, recv=False))][:n], peer))
-                sent += n
-        for peer, buckets in self.recv.items():
-            if k < len(buckets):
-                n = bucket_nbytes(buckets[k])
-                buf = self._recv_buf[(peer, self._slot(k, recv=True))]
-                ops.append(("recv", buf[:n], peer))
-                arrived.append((peer, buf))
-                received += n
-        reqs = self.peers.post(ops) if ops else []
-        return (k, reqs, arrived), sent, received
+        for kind, table in (("send", self.send), ("recv", self.recv)):
+            for peer, buckets in table.items():
+                if k < len(buckets):
+                    n, buf = bucket_nbytes(buckets[k]), self._bufs[self._key(kind, peer, k)]
+                    ops.append((kind, buf[:n], peer))
+                    if kind == "recv":
+                        arrived.append((peer, buf))
+        return k, self.peers.post(ops) if ops else [], arrived
 
     def _complete(self, posted, version: int, refused: list[str], unchecked: list) -> None:
         k, reqs, arrived = posted
@@ -606,18 +584,17 @@ class ReshardExecutor:
             req.wait()
         if not arrived or refused:
             return  # after a refusal: drain the remaining rounds, write nothing more
+        headers = [(k, peer, buf[:HEADER_BYTES].view(torch.int64)) for peer, buf in arrived]
         if self.atomic:
             # Nothing is written before the last round, so the headers are checked then, all at
             # once (each bucket keeps its own buffer): reading them here would stall the host on every round.
-            unchecked.extend((k, peer, buf[:HEADER_BYTES].view(torch.int64)) for peer, buf in arrived)
+            unchecked.extend(headers)
             return
         if not self._wrote:
             # Streaming: the first round that arrives carries a bucket of every source (round 0),
             # so its headers are checked before anything is written; later rounds are written as
             # they arrive and checked at the end (a bad one then leaves the tensors mixed: version None).
-            self._check_headers(
-                [(k, peer, buf[:HEADER_BYTES].view(torch.int64)) for peer, buf in arrived], version, refused
-            )
+            self._check_headers(headers, version, refused)
             if refused:
                 return
             self.version = None  # from the first write until the refit completes: no complete version
@@ -647,41 +624,17 @@ class FanoutRefit:
     headers say which), so a replica that was refused or failed its gate
     causes its own receivers to refuse rather than spread a wrong version;
     :meth:`refit` raises :class:`RefitRejected` at the end on such ranks.
-    ``refresh`` is passed to every wave's :class:`ReshardExecutor`."""
+    The other keyword arguments (``group``, ``bucket_bytes``, ``atomic``,
+    ``max_inflight``, ``refresh``, ``check_finite``) are given to every wave's
+    :class:`ReshardExecutor`."""
 
     def __init__(
-        self,
-        src,
-        dst,
-        replicas: list[list[int]],
-        rank: int,
-        tensors: dict[str, torch.Tensor],
-        *,
-        group=None,
-        bucket_bytes: int = 64 << 20,
-        first_wave: int = 1,
-        atomic: bool = True,
-        max_inflight: int = 2,
-        refresh: Callable[[], None] | None = None,
-        check_finite: bool = True,
+        self, src, dst, replicas: list[list[int]], rank: int, tensors: dict[str, torch.Tensor], *, first_wave=1, **kw
     ):
         self.plans = fanout_plans(src, dst, replicas, first_wave=first_wave)
         self.rank = rank
         self._engine_locals = tuple(dst.tensors.get(rank, {}))
-        self.waves = [
-            ReshardExecutor(
-                p,
-                rank,
-                tensors,
-                group=group,
-                bucket_bytes=bucket_bytes,
-                atomic=atomic,
-                max_inflight=max_inflight,
-                refresh=refresh,
-                check_finite=check_finite,
-            )
-            for p in self.plans
-        ]
+        self.waves = [ReshardExecutor(p, rank, tensors, **kw) for p in self.plans]
         self.version: int | None = None
 
     def refit(self, version: int, *, verify: RefitGate | None = None) -> list[RefitStats]:

@@ -64,42 +64,34 @@ class Prediction:
         return self.lower_bound_s / self.seconds if self.seconds else 1.0
 
 
-def _weights(plan: ReshardPlan, layer_weight: dict[int, float] | None):
-    specs = plan.dst.specs
-    for t in plan.transfers:
-        layer = specs[t.name].layer
-        w = layer_weight.get(layer, 1.0) if (layer_weight and layer is not None) else 1.0
-        yield t, t.nbytes * w
+def _weight(layer_weight: dict[int, float] | None, layer: int | None) -> float:
+    return layer_weight.get(layer, 1.0) if (layer_weight and layer is not None) else 1.0
 
 
 def predict(plan: ReshardPlan, links: Links = Links(), *, layer_weight: dict[int, float] | None = None) -> Prediction:
     """Predicted seconds of ``plan`` and the lower bound. ``layer_weight`` scales
     the bytes of sampled layers (:func:`sample_layers`)."""
     node = lambda r: r // links.gpus_per_node  # noqa: E731
-    ports: dict[tuple[int, str], float] = defaultdict(float)
-    nic = nvl = local = 0.0
-    for t, b in _weights(plan, layer_weight):
+    ports: dict[tuple[int, str], float] = defaultdict(float)  # (rank, "<link> in|out" or "HBM copy") -> bytes
+    moved: dict[str, float] = defaultdict(float)  # bytes per link: HBM, NVLink, NIC
+    sent: dict[int, float] = defaultdict(float)
+    recv: dict[int, float] = defaultdict(float)
+    for t in plan.transfers:
+        b = t.nbytes * _weight(layer_weight, plan.dst.specs[t.name].layer)
         if t.src == t.dst:
             ports[(t.dst, "HBM copy")] += b
-            local += b
-        elif node(t.src) == node(t.dst):
-            ports[(t.src, "NVLink out")] += b
-            ports[(t.dst, "NVLink in")] += b
-            nvl += b
-        else:
-            ports[(t.src, "NIC out")] += b
-            ports[(t.dst, "NIC in")] += b
-            nic += b
-    bw = {
-        "HBM copy": links.hbm_gbps,
-        "NVLink out": links.nvlink_gbps,
-        "NVLink in": links.nvlink_gbps,
-        "NIC out": links.nic_gbps,
-        "NIC in": links.nic_gbps,
-    }
+            moved["HBM"] += b
+            continue
+        link = "NVLink" if node(t.src) == node(t.dst) else "NIC"
+        ports[(t.src, f"{link} out")] += b
+        ports[(t.dst, f"{link} in")] += b
+        moved[link] += b
+        sent[t.src] += b
+        recv[t.dst] += b
+    bw = {"HBM": links.hbm_gbps, "NVLink": links.nvlink_gbps, "NIC": links.nic_gbps}
     busy, seconds = "nothing to move", 0.0
     for (rank, port), b in ports.items():
-        s = b / (bw[port] * 1e9)
+        s = b / (bw[port.split()[0]] * 1e9)
         if s > seconds:
             busy, seconds = f"rank {rank} {port}", s
     per_rank: dict[int, float] = defaultdict(float)
@@ -107,20 +99,14 @@ def predict(plan: ReshardPlan, links: Links = Links(), *, layer_weight: dict[int
         per_rank[rank] = max(per_rank[rank], b)
     buckets = max((-(-int(b) // links.bucket_bytes) for b in per_rank.values()), default=0)
     seconds += buckets * links.latency_s
-    sent = defaultdict(float)
-    recv = defaultdict(float)
-    for t, b in _weights(plan, layer_weight):
-        if t.src != t.dst:
-            sent[t.src] += b
-            recv[t.dst] += b
     return Prediction(
         seconds,
         _lower_bound(plan, links, layer_weight),
         busy,
-        int(nic + nvl + local),
-        int(nic),
-        int(nvl),
-        int(local),
+        int(sum(moved.values())),
+        int(moved["NIC"]),
+        int(moved["NVLink"]),
+        int(moved["HBM"]),
         int(max(recv.values(), default=0)),
         int(max(sent.values(), default=0)),
     )
@@ -128,12 +114,11 @@ def predict(plan: ReshardPlan, links: Links = Links(), *, layer_weight: dict[int
 
 def _lower_bound(plan: ReshardPlan, links: Links, layer_weight) -> float:
     node = lambda r: r // links.gpus_per_node  # noqa: E731
-    nic_in: dict[int, float] = defaultdict(float)
-    nvl_in: dict[int, float] = defaultdict(float)
+    bound = 0.0
     for d in plan.dst.ranks:
+        nic_in = nvl_in = 0.0
         for _lt, seg in plan.dst.segments(d):
             spec = plan.dst.specs[seg.name]
-            w = layer_weight.get(spec.layer, 1.0) if (layer_weight and spec.layer is not None) else 1.0
             # bytes of this segment by best path: held here, on this node, or off-node
             here = node_bytes = 0
             for r, _, sseg in plan.src.holdings(seg.name):
@@ -144,14 +129,12 @@ def _lower_bound(plan: ReshardPlan, links: Links, layer_weight) -> float:
                     here += inter.numel
                 elif node(r) == node(d):
                     node_bytes += inter.numel
-            need = seg.box.numel
-            on_node = min(need - min(here, need), node_bytes)
-            off_node = need - min(here, need) - on_node
-            nvl_in[d] += on_node * spec.dtype.itemsize * w
-            nic_in[d] += max(off_node, 0) * spec.dtype.itemsize * w
-    bound = 0.0
-    for d in plan.dst.ranks:
-        bound = max(bound, nic_in[d] / (links.nic_gbps * 1e9), nvl_in[d] / (links.nvlink_gbps * 1e9))
+            need = seg.box.numel - min(here, seg.box.numel)
+            on_node = min(need, node_bytes)
+            scale = spec.dtype.itemsize * _weight(layer_weight, spec.layer)
+            nvl_in += on_node * scale
+            nic_in += (need - on_node) * scale
+        bound = max(bound, nic_in / (links.nic_gbps * 1e9), nvl_in / (links.nvlink_gbps * 1e9))
     return bound
 
 
@@ -169,76 +152,46 @@ def sample_layers(specs: list[TensorSpec], pp: int) -> tuple[list[TensorSpec], l
     return kept, stage, weight
 
 
+QWEN3_4B = dict(
+    num_layers=36,
+    hidden_size=2560,
+    num_heads=32,
+    num_groups=8,
+    head_dim=128,
+    ffn_hidden_size=9728,
+    vocab_size=151936,
+    tie_embeddings=True,
+    qk_norm=True,
+)
+QWEN3_235B = dict(
+    num_layers=94,
+    hidden_size=4096,
+    num_heads=64,
+    num_groups=4,
+    head_dim=128,
+    ffn_hidden_size=12288,
+    vocab_size=151936,
+    qk_norm=True,
+    num_experts=128,
+    moe_ffn_hidden_size=1536,
+)
+_NEMO_RL = "NeMo-RL NCCL reshard refit, H100"
+_235B_TRAINER, _235B_ENGINE = dict(tp=4, pp=8, dp=4, ep=16, etp=1), dict(tp=8, dp=16)
+
 # name: (model kwargs for gpt_specs, trainer layout, engine layout, colocated, published seconds, source)
 CONFIGS = {
-    "qwen3-4b dp8->tp8": (
-        dict(
-            num_layers=36,
-            hidden_size=2560,
-            num_heads=32,
-            num_groups=8,
-            head_dim=128,
-            ffn_hidden_size=9728,
-            vocab_size=151936,
-            tie_embeddings=True,
-            qk_norm=True,
-        ),
-        dict(tp=1, dp=8),
-        dict(tp=8),
-        True,
-        "0.07-0.08",
-        "NeMo-RL NCCL reshard refit, H100",
-    ),
-    "qwen3-235b tp4xpp8xep16 -> tp8xdp16": (
-        dict(
-            num_layers=94,
-            hidden_size=4096,
-            num_heads=64,
-            num_groups=4,
-            head_dim=128,
-            ffn_hidden_size=12288,
-            vocab_size=151936,
-            qk_norm=True,
-            num_experts=128,
-            moe_ffn_hidden_size=1536,
-        ),
-        dict(tp=4, pp=8, dp=4, ep=16, etp=1),
-        dict(tp=8, dp=16),
-        True,
-        "4.6-4.9",
-        "NeMo-RL NCCL reshard refit, H100",
-    ),
+    "qwen3-4b dp8->tp8": (QWEN3_4B, dict(tp=1, dp=8), dict(tp=8), True, "0.07-0.08", _NEMO_RL),
+    "qwen3-235b tp4xpp8xep16 -> tp8xdp16": (QWEN3_235B, _235B_TRAINER, _235B_ENGINE, True, "4.6-4.9", _NEMO_RL),
     "qwen3-235b tp4xpp8xep16 -> tp8xdp16, separate GPUs": (
-        dict(
-            num_layers=94,
-            hidden_size=4096,
-            num_heads=64,
-            num_groups=4,
-            head_dim=128,
-            ffn_hidden_size=12288,
-            vocab_size=151936,
-            qk_norm=True,
-            num_experts=128,
-            moe_ffn_hidden_size=1536,
-        ),
-        dict(tp=4, pp=8, dp=4, ep=16, etp=1),
-        dict(tp=8, dp=16),
+        QWEN3_235B,
+        _235B_TRAINER,
+        _235B_ENGINE,
         False,
         "-",
         "(engine on its own 128 GPUs)",
     ),
     "qwen3-4b tp1dp8 -> 32 replicas tp2, separate nodes": (
-        dict(
-            num_layers=36,
-            hidden_size=2560,
-            num_heads=32,
-            num_groups=8,
-            head_dim=128,
-            ffn_hidden_size=9728,
-            vocab_size=151936,
-            tie_embeddings=True,
-            qk_norm=True,
-        ),
+        QWEN3_4B,
         dict(tp=1, dp=8),
         dict(tp=2, dp=32),
         False,
@@ -246,17 +199,7 @@ CONFIGS = {
         "(one trainer node feeds 8 engine nodes)",
     ),
     "qwen3-4b tp1dp8 -> 32 replicas tp2, separate nodes, fan-out": (
-        dict(
-            num_layers=36,
-            hidden_size=2560,
-            num_heads=32,
-            num_groups=8,
-            head_dim=128,
-            ffn_hidden_size=9728,
-            vocab_size=151936,
-            tie_embeddings=True,
-            qk_norm=True,
-        ),
+        QWEN3_4B,
         dict(tp=1, dp=8),
         dict(tp=2, dp=32),
         False,

@@ -33,6 +33,7 @@ and re-initialise the engine's group).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ipaddress
 import socket
 import time
@@ -213,10 +214,8 @@ class TorchGroup:
         if self._destroy:
             import torch.distributed as dist
 
-            try:
+            with contextlib.suppress(Exception):  # best effort at teardown
                 dist.destroy_process_group(self.pg)
-            except Exception:  # noqa: BLE001 - best effort at teardown
-                pass
         self.pg = None
 
 
@@ -369,8 +368,7 @@ class EngineSender:
         return pending
 
     def finish(self, version: int) -> list[int]:
-        for p in self._pending:
-            p.wait()
+        self._settle()
         self._pending = []
         return [self._finish(version)]
 
@@ -400,10 +398,9 @@ class EngineSender:
                 "engine join again"
             )
 
-    def _await_work(self, is_done, wait, futures, index: int) -> None:
-        """Wait for one broadcast, watching the engine calls that receive it: an engine call that
-        fails ends the wait at once with the engine's error; a broadcast that fails reports the
-        engine's error if the engine had one, else its own; both bounded by ``timeout_s``."""
+    def _watch(self, is_done: Callable[[], bool], futures, timeout_error: str) -> None:
+        """Wait until ``is_done()``, bounded by ``timeout_s`` (then ReceiverError ``timeout_error``); an engine
+        call of ``futures`` that fails ends the wait at once with the engine's error."""
         deadline = time.monotonic() + self.timeout_s
         delay = 1e-4
         while not is_done():
@@ -411,12 +408,19 @@ class EngineSender:
                 if fut.done() and fut.exception() is not None:
                     raise self.calls.error(fut)
             if time.monotonic() > deadline:
-                raise ReceiverError(
-                    f"{self.what} did not receive bucket {index} within {self.timeout_s:g}s (the broadcast is still "
-                    "pending; with NCCL it cannot be cancelled: restart this process before refitting again)"
-                )
+                raise ReceiverError(timeout_error)
             time.sleep(delay)
             delay = min(2 * delay, _POLL_MAX_S)
+
+    def _await_work(self, is_done, wait, futures, index: int) -> None:
+        """Wait for one broadcast, watching the engine calls that receive it (:meth:`_watch`); a broadcast
+        that fails reports the engine's error if the engine had one, else its own."""
+        self._watch(
+            is_done,
+            futures,
+            f"{self.what} did not receive bucket {index} within {self.timeout_s:g}s (the broadcast is still "
+            "pending; with NCCL it cannot be cancelled: restart this process before refitting again)",
+        )
         try:
             wait()
         except Exception as exc:  # gloo: the peer is gone or timed out
@@ -435,16 +439,12 @@ class EngineSender:
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="group-join")
         try:
             joined = pool.submit(join)
-            deadline = time.monotonic() + self.timeout_s
-            while not joined.done():
-                if init_fut.done() and init_fut.exception() is not None:
-                    raise self.calls.error(init_fut)
-                if time.monotonic() > deadline:
-                    raise ReceiverError(
-                        f"{self.what} did not join the weight update group within {self.timeout_s:g}s; check that it "
-                        "can reach the master address and port, and that its rank count (engine_ranks) is right"
-                    )
-                time.sleep(_POLL_MAX_S)
+            self._watch(
+                joined.done,
+                [init_fut],
+                f"{self.what} did not join the weight update group within {self.timeout_s:g}s; check that it "
+                "can reach the master address and port, and that its rank count (engine_ranks) is right",
+            )
             try:
                 group = joined.result()
             except Exception as exc:
@@ -456,8 +456,23 @@ class EngineSender:
         finally:
             pool.shutdown(wait=False)
 
+    def _set_master(self, master_address, master_port) -> None:
+        """The group's rendezvous (hosted by the trainer): its address the engine reaches, and the port."""
+        if not isinstance(master_address, str) or not master_address:
+            raise ValueError(f"master_address must be the trainer's address the engine reaches, got {master_address!r}")
+        self.master_address = master_address
+        self.master_port = check_int("master_port (0: pick a free one)", master_port, 0)
+        if self.master_port > 65535:
+            raise ValueError(f"master_port must be in 0..65535, got {master_port}")
+
+    def _port(self) -> int:
+        """The rendezvous port; 0 given: a free one, picked at the first call."""
+        if self.master_port == 0:
+            self.master_port = free_port(self.master_address)
+        return self.master_port
+
     def _connect(self) -> None:
-        raise NotImplementedError
+        pass
 
     def _begin(self, version: int) -> None:
         pass

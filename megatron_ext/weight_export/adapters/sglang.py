@@ -72,7 +72,6 @@ from .base import (
     check_int,
     dtype_str,
     expect_version,
-    free_port,
     region,
     tcp_url,
 )
@@ -144,7 +143,17 @@ def _requests(tensors: tuple[TensorMeta, ...], by_dtype: bool, flattened: bool =
 class _SglangSender(EngineSender):
     what = "the SGLang engine"
 
-    def __init__(self, call, *, engine_ranks, group_by_dtype, update_kwargs, timeout_s, check_version, publish_version):
+    def __init__(
+        self,
+        call: EngineCall,
+        *,
+        engine_ranks: int = 1,
+        group_by_dtype: bool = False,
+        update_kwargs: dict | None = None,
+        timeout_s: float = 120.0,
+        check_version: bool = False,
+        publish_version: str = "update_weight_version",
+    ):
         super().__init__(call, timeout_s=timeout_s, check=_check_result)
         self.engine_ranks = check_int("engine_ranks (the engine's TP size)", engine_ranks, 1)
         self.group_by_dtype = bool(group_by_dtype)
@@ -189,7 +198,9 @@ class SglangDistributedSender(_SglangSender):
     ``flattened``: one flattened broadcast per bucket (``load_format="flattened_bucket"``) or one
     per tensor. ``update_kwargs``: extra fields of every update request (e.g.
     ``abort_all_requests=True``). ``publish_version``: see the module docstring. ``check_version``:
-    ask ``get_weight_version`` at the end and require the version just sent."""
+    ask ``get_weight_version`` at the end and require the version just sent. ``engine_ranks``,
+    ``group_by_dtype``, ``update_kwargs``, ``timeout_s``, ``check_version`` and ``publish_version``
+    are :class:`SglangTensorSender`'s too."""
 
     def __init__(
         self,
@@ -197,31 +208,13 @@ class SglangDistributedSender(_SglangSender):
         *,
         master_address: str,
         master_port: int = 0,
-        engine_ranks: int = 1,
         group_name: str = "weight_update_group",
         backend: str = "nccl",
         flattened: bool = True,
-        group_by_dtype: bool = False,
-        update_kwargs: dict | None = None,
-        timeout_s: float = 120.0,
-        check_version: bool = False,
-        publish_version: str = "update_weight_version",
+        **kwargs,
     ):
-        super().__init__(
-            call,
-            engine_ranks=engine_ranks,
-            group_by_dtype=group_by_dtype,
-            update_kwargs=update_kwargs,
-            timeout_s=timeout_s,
-            check_version=check_version,
-            publish_version=publish_version,
-        )
-        if not isinstance(master_address, str) or not master_address:
-            raise ValueError(f"master_address must be the trainer's address the engine reaches, got {master_address!r}")
-        self.master_address = master_address
-        self.master_port = check_int("master_port (0: pick a free one)", master_port, 0)
-        if self.master_port > 65535:
-            raise ValueError(f"master_port must be in 0..65535, got {master_port}")
+        super().__init__(call, **kwargs)
+        self._set_master(master_address, master_port)
         if not isinstance(group_name, str) or not group_name:
             raise ValueError(f"group_name must be a non-empty string, got {group_name!r}")
         self.group_name = group_name
@@ -230,12 +223,10 @@ class SglangDistributedSender(_SglangSender):
         self.world_size = 1 + self.engine_ranks
 
     def _connect(self) -> None:
-        if self.master_port == 0:
-            self.master_port = free_port(self.master_address)
         fut = self.calls.submit(
             "init_weights_update_group",
             master_address=self.master_address,
-            master_port=self.master_port,
+            master_port=self._port(),
             rank_offset=1,
             world_size=self.world_size,
             group_name=self.group_name,
@@ -268,8 +259,7 @@ class SglangDistributedSender(_SglangSender):
                 at += region(data.numel())
                 works.append(self.group.broadcast(data.view(tensors[0].dtype) if self.group_by_dtype else data))
             else:
-                for t in tensors:
-                    works.append(self.group.broadcast(buf[t.offset : t.offset + t.nbytes].view(t.dtype).view(t.shape)))
+                works += [self.group.broadcast(t.view(buf)) for t in tensors]
         return _Pending(self, bucket, works, futures)
 
 
@@ -278,30 +268,6 @@ class SglangTensorSender(_SglangSender):
     per bucket (see the module docstring): for an engine on the trainer's GPU (CUDA IPC), or, on
     CPU, for engine processes of the same parent (shared memory; test set-ups).
     ``engine_ranks``: the engine's TP size (one serialized copy per rank)."""
-
-    def __init__(
-        self,
-        call: EngineCall,
-        *,
-        engine_ranks: int = 1,
-        group_by_dtype: bool = False,
-        update_kwargs: dict | None = None,
-        timeout_s: float = 120.0,
-        check_version: bool = False,
-        publish_version: str = "update_weight_version",
-    ):
-        super().__init__(
-            call,
-            engine_ranks=engine_ranks,
-            group_by_dtype=group_by_dtype,
-            update_kwargs=update_kwargs,
-            timeout_s=timeout_s,
-            check_version=check_version,
-            publish_version=publish_version,
-        )
-
-    def _connect(self) -> None:
-        pass
 
     def _send(self, bucket: BucketMeta, buf: torch.Tensor, slot: int) -> _Pending:
         futures, at = [], 0

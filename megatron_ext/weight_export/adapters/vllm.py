@@ -52,6 +52,9 @@ world_size, device, timeout_s)`` returning an object with ``broadcast(tensor)``
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+
 import torch
 
 from ..plan import BucketMeta
@@ -65,7 +68,6 @@ from .base import (
     check_int,
     dtype_str,
     expect_version,
-    free_port,
     region,
     threshold_chunks,
 )
@@ -102,14 +104,12 @@ def vllm_nccl_group(master_address: str, master_port: int, world_size: int, devi
 
 
 class _VllmGroupSender(EngineSender):
-    def __init__(self, call, *, master_address, master_port, engine_ranks, group, timeout_s, check=None):
-        super().__init__(call, timeout_s=timeout_s, check=check)
-        if not isinstance(master_address, str) or not master_address:
-            raise ValueError(f"master_address must be the trainer's address the engine reaches, got {master_address!r}")
-        self.master_address = master_address
-        self.master_port = check_int("master_port (0: pick a free one)", master_port, 0)
-        if self.master_port > 65535:
-            raise ValueError(f"master_port must be in 0..65535, got {master_port}")
+    """What both vLLM routes share: the group the workers join (keyword arguments ``master_address``,
+    ``master_port``, ``engine_ranks``, ``group``, ``timeout_s``; see the module docstring)."""
+
+    def __init__(self, call, *, master_address, master_port=0, engine_ranks=1, group=None, timeout_s=120.0):
+        super().__init__(call, timeout_s=timeout_s)
+        self._set_master(master_address, master_port)
         self.engine_ranks = check_int("engine_ranks (the engine's TP x PP x DP workers)", engine_ranks, 1)
         self.world_size = 1 + self.engine_ranks
         self._group_factory = group or vllm_nccl_group
@@ -123,11 +123,6 @@ class _VllmGroupSender(EngineSender):
             ),
         )
 
-    def _port(self) -> int:
-        if self.master_port == 0:
-            self.master_port = free_port(self.master_address)
-        return self.master_port
-
 
 class VllmWeightTransferSender(_VllmGroupSender):
     """vLLM's weight-transfer engine (``nccl`` backend), one ``update_weights`` per bucket.
@@ -137,7 +132,8 @@ class VllmWeightTransferSender(_VllmGroupSender):
     ``master_port`` 0 picks a free port. ``engine_ranks``: the engine's workers (TP x PP x DP).
     ``packed`` / ``packed_params_in`` / ``packed_buffer_size_bytes`` / ``packed_num_buffers``: see
     the module docstring (sizes None: vLLM's defaults, not sent). ``check_version``: after
-    ``finish_weight_update`` ask ``get_weight_version`` and require the version just sent."""
+    ``finish_weight_update`` ask ``get_weight_version`` and require the version just sent.
+    ``group``: see the module docstring; ``timeout_s``: the bound of every wait (default 120)."""
 
     what = "the vLLM engine"
 
@@ -145,35 +141,22 @@ class VllmWeightTransferSender(_VllmGroupSender):
         self,
         call: EngineCall,
         *,
-        master_address: str,
-        master_port: int = 0,
-        engine_ranks: int = 1,
         packed: bool = True,
         packed_params_in: str = "update_info",
         packed_buffer_size_bytes: int | None = None,
         packed_num_buffers: int | None = None,
-        group=None,
-        timeout_s: float = 120.0,
         check_version: bool = False,
+        **group_kwargs,
     ):
-        super().__init__(
-            call,
-            master_address=master_address,
-            master_port=master_port,
-            engine_ranks=engine_ranks,
-            group=group,
-            timeout_s=timeout_s,
-        )
+        super().__init__(call, **group_kwargs)
         if not isinstance(packed, bool):
             raise ValueError(f"packed must be True or False, got {packed!r}")
         self.packed = packed
         self.packed_params_in = check_choice("packed_params_in", packed_params_in, PACKED_PARAMS_IN)
-        if packed_buffer_size_bytes is not None:
-            check_int("packed_buffer_size_bytes", packed_buffer_size_bytes, 1)
-        if packed_num_buffers is not None:
-            check_int("packed_num_buffers", packed_num_buffers, 1)
-        self.packed_buffer_size_bytes = packed_buffer_size_bytes
-        self.packed_num_buffers = packed_num_buffers
+        self.packed_buffer_size_bytes, self.packed_num_buffers = packed_buffer_size_bytes, packed_num_buffers
+        for name, value in self._sizes().items():
+            if value is not None:
+                check_int(name, value, 1)
         self.check_version = bool(check_version)
         self._open = False  # a version was started and not finished
 
@@ -182,13 +165,11 @@ class VllmWeightTransferSender(_VllmGroupSender):
         """The byte count past which the workers close a packed chunk."""
         return self.packed_buffer_size_bytes or VLLM_DEFAULT_PACKED_BUFFER_BYTES
 
+    def _sizes(self) -> dict:
+        return dict(packed_buffer_size_bytes=self.packed_buffer_size_bytes, packed_num_buffers=self.packed_num_buffers)
+
     def _wire_params(self) -> dict:
-        params = {"packed": self.packed}
-        if self.packed_buffer_size_bytes is not None:
-            params["packed_buffer_size_bytes"] = self.packed_buffer_size_bytes
-        if self.packed_num_buffers is not None:
-            params["packed_num_buffers"] = self.packed_num_buffers
-        return params
+        return {"packed": self.packed, **{k: v for k, v in self._sizes().items() if v is not None}}
 
     def _connect(self) -> None:
         init_info = dict(
@@ -211,28 +192,21 @@ class VllmWeightTransferSender(_VllmGroupSender):
         the version is not published and the weights are partly written."""
         if self._open:
             self._open = False
-            try:
+            with contextlib.suppress(Exception):  # the engine may be gone or stuck; the version is dropped anyway
                 self.calls.wait(self.calls.submit("finish_weight_update"), timeout_s=min(self.timeout_s, 5.0))
-            except Exception:  # noqa: BLE001 - the engine may be gone or stuck; the version is dropped anyway
-                pass
         return super().abort(version)
 
     def _send(self, bucket: BucketMeta, buf: torch.Tensor, slot: int) -> _Pending:
         if not self.packed:
             fut = self.calls.submit("update_weights", update_info=self._update_info(bucket.tensors))
-            works = [
-                self.group.broadcast(buf[t.offset : t.offset + t.nbytes].view(t.dtype).view(t.shape))
-                for t in bucket.tensors
-            ]
+            works = [self.group.broadcast(t.view(buf)) for t in bucket.tensors]
             return _Pending(self, bucket, works, [fut])
         works, futures, at = [], [], 0
         for tensors in aligned_requests(bucket.tensors, self.chunk_limit):
             futures.append(self.calls.submit("update_weights", update_info=self._update_info(tensors)))
             data = self.packer.pack(tensors, buf, slot, at=at)
             at += region(data.numel())
-            starts = [0]
-            for t in tensors:
-                starts.append(starts[-1] + t.nbytes)
+            starts = [0, *itertools.accumulate(t.nbytes for t in tensors)]
             for first, end in threshold_chunks([t.nbytes for t in tensors], self.chunk_limit):
                 works.append(self.group.broadcast(data[starts[first] : starts[end]]))
         return _Pending(self, bucket, works, futures)
@@ -260,7 +234,8 @@ class VllmWorkerExtensionSender(_VllmGroupSender):
     master_port, rank_offset, world_size)`` once, then ``update_weight(name, dtype_name, shape)`` per
     tensor (positional arguments), each receiving one broadcast of that tensor in its dtype.
     ``init_method`` / ``update_method`` rename the two methods; ``version_method`` (optional) is
-    called with ``str(version)`` after the last tensor of a version."""
+    called with ``str(version)`` after the last tensor of a version. ``master_address``,
+    ``master_port``, ``engine_ranks``, ``group``, ``timeout_s``: as :class:`VllmWeightTransferSender`'s."""
 
     what = "the vLLM workers"
 
@@ -268,23 +243,12 @@ class VllmWorkerExtensionSender(_VllmGroupSender):
         self,
         call: EngineCall,
         *,
-        master_address: str,
-        master_port: int = 0,
-        engine_ranks: int = 1,
         init_method: str = "init_weight_update_group",
         update_method: str = "update_weight",
         version_method: str | None = None,
-        group=None,
-        timeout_s: float = 120.0,
+        **group_kwargs,
     ):
-        super().__init__(
-            call,
-            master_address=master_address,
-            master_port=master_port,
-            engine_ranks=engine_ranks,
-            group=group,
-            timeout_s=timeout_s,
-        )
+        super().__init__(call, **group_kwargs)
         for name, value in (("init_method", init_method), ("update_method", update_method)):
             if not isinstance(value, str) or not value:
                 raise ValueError(f"{name} must name the worker extension's method, got {value!r}")
@@ -298,7 +262,7 @@ class VllmWorkerExtensionSender(_VllmGroupSender):
         works, futures = [], []
         for t in bucket.tensors:
             futures.append(self.calls.submit(self.update_method, t.name, dtype_str(t.dtype), list(t.shape)))
-            works.append(self.group.broadcast(buf[t.offset : t.offset + t.nbytes].view(t.dtype).view(t.shape)))
+            works.append(self.group.broadcast(t.view(buf)))
         return _Pending(self, bucket, works, futures)
 
     def _finish(self, version: int) -> int:
