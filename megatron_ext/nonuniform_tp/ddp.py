@@ -65,7 +65,9 @@ class _HealthyState:
     tp_group: object
     unfold: list  # reshard.Piece, shadow (core ranks) -> compute (all ranks)
     schedule: _FoldSchedule  # when each bucket group's fold runs (the same on every rank of the TP group)
+    scratch: object  # reshard.Scratch: the flat buffers every fold and unfold shares
     stale: bool = False  # shadow updated since the last unfold
+    unfolds: list | None = None  # reshard.Exchange per dtype, built at the first unfold
 
 
 @dataclasses.dataclass(frozen=True)
@@ -415,9 +417,12 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
         for _, p in compute:
             p.main_grad = torch.zeros_like(p, dtype=grad_dtype or p.dtype)
             p.grad_added_to_main_grad = False
+        scratch = reshard.Scratch()  # the folds' and unfolds' flat buffers, one per dtype
         schedule = _FoldSchedule(
             self._bucket_group_of(compute, shadows, role.spare, tp_group),
-            lambda idxs: self._make_fold([pc for i in idxs for pc in pieces[i]], compute, shadows, tp_rank, tp_group),
+            lambda idxs: self._make_fold(
+                [pc for i in idxs for pc in pieces[i]], compute, shadows, tp_rank, tp_group, scratch
+            ),
             ddp_config.overlap_grad_reduce,
         )
         if not role.spare:  # a spare's own bucket groups (if any) hold only zero gradients: no fold
@@ -432,6 +437,7 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
             tp_group=tp_group,
             unfold=reshard.reverse(fold_all, b, r),
             schedule=schedule,
+            scratch=scratch,
         )
         self.__dict__["_compute_module"] = module  # not a registered submodule
         self._compute_hooks = []
@@ -526,13 +532,15 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
         return ddp_memory_report(self, optimizer)
 
     @staticmethod
-    def _make_fold(pieces, compute, shadows, tp_rank, tp_group):
-        def fold():
-            reshard.exchange(
-                pieces, tp_rank, tp_group, src=lambda i: compute[i][1].main_grad, dst=lambda i: shadows[i].main_grad
-            )
-
-        return fold
+    def _make_fold(pieces, compute, shadows, tp_rank, tp_group, scratch):
+        return reshard.Exchange(
+            pieces,
+            tp_rank,
+            tp_group,
+            src=lambda i: compute[i][1].main_grad,
+            dst=lambda i: shadows[i].main_grad,
+            scratch=scratch,
+        ).run
 
     def _make_compute_hook(self, index, param, shadow):
         def hook(*unused):
@@ -554,18 +562,24 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
         if self._ntp is None:
             return
         ntp = self._ntp
-        by_dtype = {}
-        for pc in ntp.unfold:
-            by_dtype.setdefault(ntp.compute[pc.index][1].dtype, []).append(pc)  # a shadow has its parameter's dtype
-        for dtype in sorted(by_dtype, key=str):
-            reshard.exchange(
-                by_dtype[dtype],
-                ntp.tp_rank,
-                ntp.tp_group,
-                # only core ranks send; on a spare (no shadow) src gives the dtype and device at most
-                src=lambda i: (ntp.compute[i][1] if ntp.shadows[i] is None else ntp.shadows[i]).data,
-                dst=lambda i: ntp.compute[i][1].data,
-            )
+        if ntp.unfolds is None:  # one exchange per dtype, built at the first unfold, run every step
+            by_dtype = {}
+            for pc in ntp.unfold:
+                by_dtype.setdefault(ntp.compute[pc.index][1].dtype, []).append(pc)  # a shadow has its param's dtype
+            ntp.unfolds = [
+                reshard.Exchange(
+                    by_dtype[dtype],
+                    ntp.tp_rank,
+                    ntp.tp_group,
+                    # only core ranks send; on a spare (no shadow) src gives the dtype and device at most
+                    src=lambda i: (ntp.compute[i][1] if ntp.shadows[i] is None else ntp.shadows[i]).data,
+                    dst=lambda i: ntp.compute[i][1].data,
+                    scratch=ntp.scratch,
+                )
+                for dtype in sorted(by_dtype, key=str)
+            ]
+        for unfold in ntp.unfolds:
+            unfold.run()
         ntp.stale = False
 
     def refresh_compute_params(self) -> None:
@@ -639,6 +653,6 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
             return
         self._ntp.schedule.reset()
         self.refresh_compute_params()
+        torch._foreach_zero_([p.main_grad for _, p in self._ntp.compute])  # one launch per dtype, not per param
         for _, p in self._ntp.compute:
-            p.main_grad.zero_()
             p.grad_added_to_main_grad = False

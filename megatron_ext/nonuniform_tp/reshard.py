@@ -31,9 +31,10 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from ..copies import CopyBatch
 from ..sharding.megatron import ShardSpec, shard_spec
 
-__all__ = ["Piece", "ShardSpec", "exchange", "reshard_pieces", "shard_spec", "tp_summed_grad"]
+__all__ = ["Exchange", "Piece", "Scratch", "ShardSpec", "exchange", "reshard_pieces", "shard_spec", "tp_summed_grad"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +134,128 @@ def reverse(pieces: Sequence[Piece], tp_base: int, tp_reduced: int) -> list[Piec
     return out
 
 
-@torch.no_grad()
+class Scratch:
+    """Flat send/receive buffers shared by the exchanges of one model, one per dtype, as large as
+    the largest exchange: they run one after another (each collective is ordered on the stream
+    before the next exchange's copies), so the model holds one such workspace, not one per
+    bucket group."""
+
+    def __init__(self):
+        self.buffers: dict[torch.dtype, torch.Tensor] = {}
+
+    def get(self, dtype: torch.dtype, device: torch.device, numel: int) -> torch.Tensor:
+        buf = self.buffers.get(dtype)
+        if buf is None or buf.numel() < numel or buf.device != device:
+            buf = self.buffers[dtype] = torch.empty(numel, dtype=dtype, device=device)
+        return buf[:numel]
+
+    def moved(self, dtype: torch.dtype, ptr: int) -> bool:
+        """Whether the ``dtype`` buffer was reallocated (grown for a larger exchange) since ``ptr``."""
+        return self.buffers[dtype].data_ptr() != ptr
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+
+
+class Exchange:
+    """``pieces`` carried out inside a TP group, built once and run many times (NTP's per-step
+    unfold and folds): this rank (TP rank ``me``) sends ``piece.view(src(index))`` and receives
+    into ``piece.view(dst(index))`` (copied, or added for ``piece.add`` after every copy).
+
+    One ``all_to_all_single`` per run (all tensors must share a dtype). The views, split sizes
+    and the copies into and out of the flat send/receive buffers are fixed at construction and
+    issued as multi-tensor copies (:class:`~megatron_ext.copies.CopyBatch`), so a run costs a
+    few kernel launches however many pieces there are (a fused QKV splits into one piece per
+    query group). ``src`` / ``dst`` are called again at each run only to check that the
+    tensors were not reallocated (e.g. a checkpoint load that replaced ``.data``); if one was,
+    the exchange is rebuilt."""
+
+    def __init__(
+        self,
+        pieces: Sequence[Piece],
+        me: int,
+        group: dist.ProcessGroup | None,
+        src: Callable[[int], torch.Tensor],
+        dst: Callable[[int], torch.Tensor],
+        scratch: Scratch | None = None,
+    ):
+        self.pieces, self.me, self.group, self.src, self.dst = list(pieces), me, group, src, dst
+        self.scratch = Scratch() if scratch is None else scratch
+        self.indices = sorted({p.index for p in self.pieces})
+        self._build()
+
+    def _pointers(self) -> list[int]:
+        return [(self.src if side == "src" else self.dst)(i).data_ptr() for i, side in self.used]
+
+    @torch.no_grad()
+    def _build(self) -> None:
+        me, size = self.me, dist.get_world_size(self.group)
+        send = [[] for _ in range(size)]
+        recv = [[] for _ in range(size)]
+        local, own_adds, used = [], [], set()
+        for p in self.pieces:
+            if p.src == me:
+                used.add((p.index, "src"))
+            if p.dst == me:
+                used.add((p.index, "dst"))
+            if p.src == me and p.dst == me:
+                (own_adds if p.add else local).append(
+                    (p.view(self.dst(p.index), "dst"), p.view(self.src(p.index), "src"))
+                )
+            elif p.src == me:
+                send[p.dst].append(p.view(self.src(p.index), "src"))
+            elif p.dst == me:
+                recv[p.src].append((p.view(self.dst(p.index), "dst"), p.add))
+        self.used = sorted(used)
+        self.size, self.ptrs = size, self._pointers()
+        self.local, self.own_adds = CopyBatch(local), own_adds
+        if size == 1:
+            return
+        moved = [t for lst in send for t in lst] + [t for lst in recv for t, _ in lst]
+        # nothing to move for me, but peers still call the collective: any tensor of the dtype will do
+        first = moved[0] if moved else self.src(self.pieces[0].index)
+        self.in_splits = [sum(t.numel() for t in lst) for lst in send]
+        self.out_splits = [sum(t.numel() for t, _ in lst) for lst in recv]
+        n_in = sum(self.in_splits)
+        flat = self.scratch.get(first.dtype, first.device, n_in + sum(self.out_splits))
+        self.flat_in, self.flat_out, self.flat_ptr = flat[:n_in], flat[n_in:], flat.data_ptr()
+        self.pack = CopyBatch(
+            zip(_slices(self.flat_in, [t for lst in send for t in lst]), (t for lst in send for t in lst))
+        )
+        received = [(t, add) for lst in recv for t, add in lst]
+        parts = _slices(self.flat_out, [t for t, _ in received])
+        self.unpack = CopyBatch((t, part) for (t, add), part in zip(received, parts) if not add)
+        self.adds = [(t, part) for (t, add), part in zip(received, parts) if add]
+
+    @torch.no_grad()
+    def run(self) -> None:
+        if self._pointers() != self.ptrs or (self.size > 1 and self.scratch.moved(self.flat_in.dtype, self.flat_ptr)):
+            self._build()
+        self.local.run()
+        if self.size > 1:
+            self.pack.run()
+            dist.all_to_all_single(self.flat_out, self.flat_in, self.out_splits, self.in_splits, group=self.group)
+            self.unpack.run()
+        _add_all(self.own_adds)
+        if self.size > 1:
+            _add_all(self.adds)
+
+
+def _slices(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Consecutive pieces of ``flat`` shaped like ``like``."""
+    out, offset = [], 0
+    for t in like:
+        out.append(flat[offset : offset + t.numel()].view(t.shape))
+        offset += t.numel()
+    return out
+
+
+def _add_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for dst, src in pairs:
+        dst.add_(src)
+
+
 def exchange(
     pieces: Sequence[Piece],
     me: int,
@@ -141,52 +263,5 @@ def exchange(
     src: Callable[[int], torch.Tensor],
     dst: Callable[[int], torch.Tensor],
 ) -> None:
-    """Carry out ``pieces`` inside a TP group: this rank (TP rank ``me``) sends
-    ``piece.view(src(index))`` and receives into ``piece.view(dst(index))``
-    (copied, or added for ``piece.add`` after every copy).
-    One ``all_to_all_single`` per call (all tensors must share a dtype)."""
-    size = dist.get_world_size(group)
-    send = [[] for _ in range(size)]
-    recv = [[] for _ in range(size)]
-    own_adds = []
-    for p in pieces:
-        if p.src == me and p.dst == me:
-            if p.add:
-                own_adds.append(p)
-            else:
-                p.view(dst(p.index), "dst").copy_(p.view(src(p.index), "src"))
-        elif p.src == me:
-            send[p.dst].append(p.view(src(p.index), "src"))
-        elif p.dst == me:
-            recv[p.src].append((p.view(dst(p.index), "dst"), p.add))
-    if size == 1:
-        for p in own_adds:
-            p.view(dst(p.index), "dst").add_(p.view(src(p.index), "src"))
-        return
-    dtype = device = None
-    for t in [t for lst in send for t in lst] + [t for lst in recv for t, _ in lst]:
-        dtype, device = t.dtype, t.device
-    if dtype is None:  # nothing to move for me, but peers may still call the collective
-        dtype, device = src(pieces[0].index).dtype, src(pieces[0].index).device
-    in_splits = [sum(t.numel() for t in lst) for lst in send]
-    out_splits = [sum(t.numel() for t, _ in lst) for lst in recv]
-    flat_in = (
-        torch.cat([t.reshape(-1) for lst in send for t in lst])
-        if any(in_splits)
-        else torch.empty(0, dtype=dtype, device=device)
-    )
-    flat_out = torch.empty(sum(out_splits), dtype=dtype, device=device)
-    dist.all_to_all_single(flat_out, flat_in, out_splits, in_splits, group=group)
-    offset, adds = 0, []
-    for lst in recv:
-        for t, add in lst:
-            n = t.numel()
-            if add:
-                adds.append((t, flat_out[offset : offset + n].view(t.shape)))
-            else:
-                t.copy_(flat_out[offset : offset + n].view(t.shape))
-            offset += n
-    for p in own_adds:
-        p.view(dst(p.index), "dst").add_(p.view(src(p.index), "src"))
-    for t, received in adds:
-        t.add_(received)
+    """:class:`Exchange` once (e.g. the first fold of the parameters at construction)."""
+    Exchange(pieces, me, group, src, dst).run()

@@ -29,7 +29,7 @@ from ..sharding.megatron import megatron_tensors
 from ..sharding.names import global_layer_names, unwrap
 from ..sharding.spec import specs_from_model
 from .config import HOOK_TRANSPORTS, MAX_BUCKET_MB, MIN_BUCKET_MB, RefitConfig
-from .copies import copy_all, finite_flags
+from ..copies import copy_all, finite_flags
 from .errors import NonFiniteWeights, PlanMismatch
 from .gather import BucketGatherer, GatherGroup
 from .plan import ExportPlan, build_plan, members, unpack

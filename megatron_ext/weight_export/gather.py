@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .copies import CopyBatch
+from ..copies import CopyBatch
 from .plan import BucketMeta
 from .reshard_plan import Transfer, run_view
 from .wire import align

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from ..sharding.moe import fused_expert_views
-from .copies import copy_all
+from ..copies import copy_all
 from .wire import align
 from .plan import BucketMeta, ExportPlan, PlanMismatch, check_plan, unpack
 

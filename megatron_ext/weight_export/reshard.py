@@ -27,7 +27,7 @@ reports this at the first refit's agreement, so that every rank refuses at once
 
 Staging buffers are allocated on the first refit and reused, and every copy
 (pack, unpack, local) is built once then as views, issued as batched copies
-(:class:`~.copies.CopyBatch`). An optional
+(:class:`~megatron_ext.copies.CopyBatch`). An optional
 :class:`RefitGate` runs the engine's logits against the trainer's after the
 refit and records the KL in :class:`RefitStats`.
 """
@@ -45,7 +45,7 @@ import torch
 
 from .errors import RefitRejected
 from ..sharding.megatron import megatron_tensors
-from .copies import CopyBatch, finite_flags
+from ..copies import CopyBatch, finite_flags
 from .peers import as_peers
 from .reshard_plan import ReshardPlan, Run, Transfer, fanout_plans, run_view
 from .gate import RefitGate

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from ..copies import copy_all
+from ...copies import copy_all
 from ..errors import ReceiverError
 from ..plan import BucketMeta, ExportPlan, TensorMeta
 

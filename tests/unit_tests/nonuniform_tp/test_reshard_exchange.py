@@ -45,27 +45,56 @@ def _exchange_body(tp_base, tp_reduced):
     shadow.append(torch.full_like(mine[-1], float("nan")))
     pieces += reshard.reshard_pieces(len(SPECS), reshard.ShardSpec(None), 0, tp_base, tp_reduced, summed=True)
     reshard.exchange(pieces, me, None, src=lambda i: mine[i], dst=lambda i: shadow[i])
-    folded = [t.cpu() for t in shadow] if me < tp_reduced else None
+    folded = [t.cpu().clone() for t in shadow] if me < tp_reduced else None
     back = [torch.zeros_like(t) for t in mine]
     # spares' shadows are not valid sources; unfold reads core ranks' shadows only
     reshard.exchange(
         reshard.reverse(pieces, tp_base, tp_reduced), me, None, src=lambda i: shadow[i], dst=lambda i: back[i]
     )
-    return folded, [t.cpu() for t in back], [t.cpu() for t in mine], want
+    back_once, mine_once = [t.clone() for t in back], [t.clone() for t in mine]
+    # built once, run every step (NTP's unfold): new values in place, then a reallocated source
+    scratch = reshard.Scratch()
+    unfold = reshard.Exchange(
+        reshard.reverse(pieces, tp_base, tp_reduced), me, None, src=lambda i: shadow[i], dst=lambda i: back[i],
+        scratch=scratch,
+    )  # fmt: skip
+    fold = reshard.Exchange(pieces, me, None, src=lambda i: mine[i], dst=lambda i: shadow[i], scratch=scratch)
+    runs = []
+    for step in range(3):
+        for t in back:
+            t.fill_(float("nan"))
+        if step == 2:
+            mine[0] = mine[0] * 1.0  # a new tensor: the fold must rebuild, not read the old storage
+        for t in mine:
+            t.mul_(-2.0)  # the next step's values
+        if me < tp_reduced:
+            for t in shadow:
+                t.fill_(float("nan"))
+        fold.run()
+        unfold.run()
+        runs.append(([t.cpu().clone() for t in mine], [t.cpu().clone() for t in back]))
+    return folded, [t.cpu() for t in back_once], [t.cpu() for t in mine_once], want, runs
 
 
 @pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.gpus(2))])
 def test_fold_and_unfold_move_exact_shards(backend):
     out = run_on_ranks(_exchange_body, 2, args=(2, 1), backend=backend, timeout=180)
-    folded, _, _, want = out[0]
+    folded, _, _, want, _ = out[0]
     assert out[1][0] is None
     for i in range(len(SPECS)):
         assert torch.equal(folded[i], want[0][str(i)]), i
     assert torch.equal(folded[-1], _partial(0) + _partial(1))  # the core rank holds the TP sum
-    for _, back, mine, _ in out:
+    for _, back, mine, _, _ in out:
         for b, m in zip(back[:-1], mine):
             assert torch.equal(b, m)
         assert torch.equal(back[-1], _partial(0) + _partial(1))  # unfolds what the core holds
+    for step in range(3):  # the cached exchanges: every step's values, also after a source was reallocated
+        mine_all = [out[r][4][step][0] for r in range(2)]
+        for r in range(2):
+            back = out[r][4][step][1]
+            for i in range(len(SPECS)):
+                assert torch.equal(back[i], mine_all[r][i]), (step, r, i)
+            assert torch.equal(back[-1], mine_all[0][-1] + mine_all[1][-1]), step
 
 
 def test_ddp_without_ntp_groups_says_what_to_call():

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_ext.weight_export.copies import CopyBatch
+from megatron_ext.copies import CopyBatch
 
 
 def _pairs(device):

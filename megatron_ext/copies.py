@@ -1,7 +1,7 @@
 """Many tensor copies in few kernel launches, and a fused NaN/Inf check (no communication).
 
-Both refit paths move a model as many small views (a TP shard's rows of each
-query group, one expert's rows, ...); :class:`CopyBatch` issues them as one
+NTP's fold/unfold and both refit paths move a model as many small views (a TP
+shard's rows of each query group, one expert's rows, ...); :class:`CopyBatch` issues them as one
 multi-tensor copy per dtype and :func:`finite_flags` checks them with one fused
 reduction per dtype, so the host cost does not grow with the number of views.
 """
