@@ -2,7 +2,8 @@
 
     python -m megatron_ext.testing.export_trainer --target 127.0.0.1:PORT --out result.pt \\
         [--spec '{"arch": "qwen3"}'] [--versions 2] [--transport broadcast] [--timeout-s 60] \\
-        [--kill-in-version 2 --kill-after-buckets 3] [--nan-in-version 2] [--verify] [--device cuda]
+        [--kill-in-version 2 --kill-after-buckets 3] [--nan-in-version 2] [--verify] [--device cuda] \\
+        [--hold-until FILE]
 
 It builds the tiny Llama-shaped Megatron model (:mod:`.tiny_llama`) on one gloo
 rank (on ``--device``; ``cuda`` for the same-GPU IPC transports), exports
@@ -17,7 +18,9 @@ puts a NaN into one weight before version ``V``.
 ``--transport p2p``: ``--target`` is the refit group's store (this process hosts
 it as refit rank 0 of 2; the engine command joins as rank 1 with
 ``--refit-store``), and ``--kill-after-buckets K`` counts rounds of point-to-point
-transfers instead of buckets.
+transfers instead of buckets. ``--hold-until FILE``: once connected (p2p: once its
+store is up and the engine joined), wait until ``FILE`` exists before the first
+version (a test's cue, e.g. after it knocked at the store), at most ``--timeout-s``.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import json
 import os
 import signal
 import sys
+import time
 import traceback
 import types
 
@@ -50,6 +54,7 @@ def _args(argv):
     p.add_argument("--nan-in-version", type=int, default=None)
     p.add_argument("--verify", action="store_true", help="run the verifier (engine logits) after version 1")
     p.add_argument("--device", default="cpu", help="where the model lives (cuda: the ipc transports)")
+    p.add_argument("--hold-until", default=None, help="wait for this file before the first version")
     return p.parse_args(argv)
 
 
@@ -167,6 +172,12 @@ def main(argv=None) -> int:
             )
         if args.kill_in_version is not None and args.transport != "p2p":
             exporter._sender = _KillAfter(exporter.sender, args.kill_in_version, args.kill_after_buckets)
+        if args.hold_until is not None:
+            deadline = time.monotonic() + args.timeout_s
+            while not os.path.exists(args.hold_until):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"--hold-until {args.hold_until}: not created within {args.timeout_s:g}s")
+                time.sleep(0.05)
         for v in range(1, args.versions + 1):
             if v > 1:
                 with torch.no_grad():

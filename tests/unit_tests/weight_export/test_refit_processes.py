@@ -241,17 +241,23 @@ def test_same_gpu_engine_as_its_own_process(tmp_path, env, model_dir, transport)
         assert "session 2 ended; the model holds no complete version" in out, out
 
 
-def _knock_until_dead(port, engine, knocked):
-    """A health check, HTTP and garbage at the p2p refit's store, every 0.2 s while the engine runs."""
-    payloads = (b"", b"GET / HTTP/1.0\r\n\r\n", os.urandom(64))
-    while engine.poll() is None:
+def _knock_then_cue(port, engine, knocked, cue):
+    """Once the trainer's store is up: a health check, HTTP and garbage at it, each on its own connection;
+    then ``cue`` lets the trainer (held with ``--hold-until``) start refitting."""
+    deadline = time.monotonic() + 90
+    while engine.poll() is None and time.monotonic() < deadline:
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
-                s.sendall(payloads[len(knocked) % len(payloads)])
-            knocked.append(port)
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()  # the health check
+            break
         except OSError:
-            pass  # the store is not up yet, or gone
-        time.sleep(0.2)
+            time.sleep(0.02)  # the store is not up yet
+    knocked.append(b"")
+    for payload in (b"GET / HTTP/1.0\r\n\r\n", os.urandom(64)):
+        with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+            s.sendall(payload)
+        knocked.append(payload)
+    time.sleep(0.5)  # the store's threads log the drops as each connection closes
+    cue.touch()
 
 
 @pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "streaming"])
@@ -270,13 +276,13 @@ def test_p2p_engine_keeps_its_version_when_the_trainer_is_killed_mid_refit(tmp_p
          "cpu", "--timeout-s", "90", "--save", str(saved), *([] if atomic else ["--no-atomic"])],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
-    knocked = []
-    knocker = threading.Thread(target=_knock_until_dead, args=(int(store.rsplit(":", 1)[1]), engine, knocked))
+    knocked, cue = [], tmp_path / "knocked"
+    knocker = threading.Thread(target=_knock_then_cue, args=(int(store.rsplit(":", 1)[1]), engine, knocked, cue))
     try:
-        knocker.start()  # strangers at the trainer's store while the group forms and refits
+        knocker.start()  # strangers at the trainer's store once it is up; the refit waits for them
         killed, sent, _ = _trainer(
             store, tmp_path / "t.pt", env, "--transport", "p2p", "--bucket-size-mb", "0.004",
-            "--kill-in-version", "2", "--kill-after-buckets", "3",
+            "--kill-in-version", "2", "--kill-after-buckets", "3", "--hold-until", str(cue),
         )  # fmt: skip
         start = time.monotonic()
         try:
@@ -289,7 +295,7 @@ def test_p2p_engine_keeps_its_version_when_the_trainer_is_killed_mid_refit(tmp_p
     knocker.join(30)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert sent["applied"] == [(1,)] and sent["error"] is None and 2 in sent["sent"], sent["error"]
-    assert knocked and f"refit store at {store}: dropped a connection" in killed.stderr, (
+    assert len(knocked) == 3 and killed.stderr.count(f"refit store at {store}: dropped a connection") >= 3, (
         knocked,
         killed.stderr[-3000:],
     )
