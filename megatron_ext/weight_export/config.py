@@ -29,7 +29,8 @@ __all__ = ["TRANSPORTS", "RefitConfig", "add_refit_args", "parse_address"]
 HOOK_TRANSPORTS = ("inprocess", "broadcast", "ipc", "ipc-push", "ipc-direct")
 TRANSPORTS = (*HOOK_TRANSPORTS, "p2p")
 BACKENDS = ("auto", "gloo", "nccl")
-QUANTIZE = ("none", "fp8-block")  # what the p2p refit sends: the model's dtype, or block-scaled FP8 (sharding.fp8)
+QUANTIZE = ("none", "fp8-block")  # what a refit sends: the model's dtype, or block-scaled FP8 (sharding.fp8)
+IN_PLACE = ("ipc-push", "ipc-direct")  # hook transports that write the engine's own tensors (no export buckets)
 MIN_BUCKET_MB, MAX_BUCKET_MB = 16, 1024  # the export hook's automatic size (5% of free memory) stays in this range
 P2P_BUCKET_MB = 64  # the p2p refit's default staging bucket per peer
 # The smallest bucket_size_mb accepted: one 4 KiB page. Below it the size means
@@ -43,7 +44,7 @@ P2P_BUCKET_MB = 64  # the p2p refit's default staging bucket per peer
 MIN_BUCKET_BYTES = 4096
 PORTS = (1, 65535)
 # Fields read by one form only (default values are what the other form gets).
-P2P_ONLY = ("store", "engine_tp", "engine_dp", "engine_ep", "vocab_padding", "max_inflight", "atomic", "quantize")
+P2P_ONLY = ("store", "engine_tp", "engine_dp", "engine_ep", "vocab_padding", "max_inflight", "atomic")
 HOOK_ONLY = ("target", "vocab_size")
 
 
@@ -86,9 +87,11 @@ class RefitConfig:
     ``serve(atomic=)``), ``check_finite`` (refuse to publish a version with a NaN
     or Inf weight, one fused check per bucket before a byte moves), ``backend``
     (of the broadcast group or the refit group; auto: NCCL on GPU) and
-    ``timeout_s`` (every wait on a peer). ``quantize`` (p2p): ``fp8-block`` sends
+    ``timeout_s`` (every wait on a peer). ``quantize``: ``fp8-block`` sends
     decoder-layer linear weights as FP8 with a float32 scale per 128 x 128 block
-    (:func:`~megatron_ext.sharding.fp8_layout`), about half the bytes. When:
+    (:func:`~megatron_ext.sharding.fp8_layout`; the hook quantizes whole tensors
+    after its gather), about half the bytes; not with ``ipc-push`` / ``ipc-direct``,
+    which write the engine's tensors in the model's dtype. When:
     ``every_n_steps`` (0: only when called; :meth:`due`).
     """
 
@@ -146,6 +149,13 @@ class RefitConfig:
             if bad or not self.targets:
                 which = f" ({bad[0]!r} is not)" if bad else ""
                 refuse("target", f"'host:port[,host:port...]' with every port in {PORTS[0]}..{PORTS[1]}{which}")
+        if self.quantize != "none" and self.transport in IN_PLACE:
+            refuse(
+                "quantize",
+                f"'none' with transport={self.transport!r}, which writes the engine's tensors in the model's "
+                "dtype (for FP8 use transport='ipc', 'broadcast' or 'inprocess' (buckets of FP8 weights and "
+                "scales) or 'p2p')",
+            )
         if self.transport == "ipc-push" and len(self.targets) != 1:
             raise ValueError(
                 f"RefitConfig.transport='ipc-push' writes into one engine's weights; got {len(self.targets)} "
@@ -337,10 +347,10 @@ def add_refit_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     flag(
         "quantize",
-        hook=False,
         choices=QUANTIZE,
-        help="p2p: none (the model's dtype, default) or fp8-block (decoder-layer linear weights as FP8 e4m3 with "
-        "a float32 weight_scale_inv per 128x128 block, as FP8 checkpoints; about half the bytes)",
+        help="none (the model's dtype, default) or fp8-block (decoder-layer linear weights as FP8 e4m3 with "
+        "a float32 weight_scale_inv per 128x128 block, as FP8 checkpoints; about half the bytes; not with "
+        "ipc-push / ipc-direct)",
     )
     flag("max-inflight", hook=False, type=int, help="p2p: rounds in flight before the oldest is waited on")
     flag(

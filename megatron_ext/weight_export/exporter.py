@@ -25,6 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..sharding.fp8 import scale_name
 from ..sharding.megatron import megatron_tensors
 from ..sharding.names import global_layer_names, unwrap
 from ..sharding.spec import specs_from_model
@@ -32,7 +33,8 @@ from .config import HOOK_TRANSPORTS, MAX_BUCKET_MB, MIN_BUCKET_MB, RefitConfig
 from ..copies import copy_all, finite_flags
 from .errors import NonFiniteWeights, PlanMismatch
 from .gather import BucketGatherer, GatherGroup
-from .plan import ExportPlan, build_plan, members, unpack
+from .fp8 import quantize_blocks
+from .plan import ExportPlan, build_plan, members, unpack, unpack_one
 from .transport import InProcessSender, make_sender
 
 __all__ = ["ExportResult", "NonFiniteWeights", "WeightExporter"]
@@ -184,10 +186,11 @@ class WeightExporter:
         self._receiver, self._sender = receiver, sender
         self._plan: ExportPlan | None = None
         self._tensors: dict[str, torch.Tensor] = {}
-        self._bucket_views: dict[int, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
+        self._bucket_views: dict[int, tuple] = {}  # bucket index -> (buffer, gather dests, quantizations)
         self._facts = None
         self._signature = None
         self._buffers: list[torch.Tensor] = []
+        self._staging: torch.Tensor | None = None  # FP8: the leader gathers quantized weights here
         self._gatherer = None
         self._direct_for = None
         self._auto_bucket_bytes: int | None = None
@@ -236,6 +239,7 @@ class WeightExporter:
             pp=lay.pp_size,
             **sizes,
             layer_stage=[layer_stage[i] for i in range(len(layer_stage))],
+            quantize=self.config.quantize,
         )
         self._tensors = megatron_tensors(self.model)
         groups = {"tp": GatherGroup(lay.tp_group, lay.tp_rank, tuple(members("tp", lay.pp_rank, **sizes)))}
@@ -245,7 +249,7 @@ class WeightExporter:
                 lay.expert_group, lay.expert_rank, tuple(members("ep", lay.pp_rank, **sizes, coords=lay.expert_coords))
             )
         self._gatherer = BucketGatherer(self._tensors, groups, device=self.device)
-        self._buffers, self._bucket_views = [], {}
+        self._buffers, self._bucket_views, self._staging = [], {}, None
         self._signature = sig
         self.plans_built += 1
         if self.is_export_rank:
@@ -281,7 +285,8 @@ class WeightExporter:
     def extra_memory_bytes(self) -> int:
         """Trainer memory the exporter holds: its buffers plus the TP gather scratch."""
         scratch = self._gatherer.scratch_bytes if self._gatherer else 0
-        return sum(b.numel() for b in self._buffers) + scratch
+        staging = 0 if self._staging is None else self._staging.numel()
+        return sum(b.numel() for b in self._buffers) + scratch + staging
 
     # --------------------------------------------------------------- export
     def maybe_export(self, step: int) -> ExportResult | None:
@@ -372,15 +377,26 @@ class WeightExporter:
             nbytes = int(t.item())
         self._auto_bucket_bytes = nbytes
 
-    def _views(self, bucket, out: torch.Tensor | None) -> dict[str, torch.Tensor] | None:
-        """The HF tensors of ``bucket`` as views of export buffer ``out`` (kept, so that the
-        gatherer reuses the copies it built into them)."""
+    def _views(self, bucket, out: torch.Tensor | None) -> tuple[dict[str, torch.Tensor] | None, list]:
+        """Where the gather writes ``bucket``: its HF tensors as views of export buffer ``out``,
+        FP8-quantized weights in the staging buffer instead; and the quantizations
+        ``(staged, fp8 view, scale view)`` that then fill ``out``. Kept, so that the gatherer
+        reuses the copies it built into them."""
         if out is None:
-            return None
+            return None, []
         hit = self._bucket_views.get(bucket.index)
         if hit is None or hit[0] is not out:
-            hit = self._bucket_views[bucket.index] = (out, dict(unpack(bucket, out)))
-        return hit[1]
+            dests = dict(unpack(bucket, out))
+            jobs = []
+            if bucket.staged:
+                if self._staging is None or self._staging.numel() < self._plan.staging_bytes:
+                    self._staging = None
+                    self._staging = torch.empty(self._plan.staging_bytes, dtype=torch.uint8, device=self.device)
+                for t in bucket.staged:
+                    dests[t.name] = t.view(self._staging)
+                    jobs.append((dests[t.name], *(unpack_one(bucket, n, out) for n in (t.name, scale_name(t.name)))))
+            hit = self._bucket_views[bucket.index] = (out, dests, jobs)
+        return hit[1], hit[2]
 
     def _refuse_nonfinite(self, check: _FiniteCheck) -> None:
         bad = check.bad()
@@ -419,7 +435,10 @@ class WeightExporter:
                 _wait(pending, slot)
                 out = self._buffers[slot] if self._buffers else None
             if mine:
-                self._gatherer.gather(bucket, sender.views if push else self._views(bucket, out))
+                dests, quantize = (sender.views, []) if push else self._views(bucket, out)
+                self._gatherer.gather(bucket, dests)
+                for staged, q, scale in quantize:
+                    quantize_blocks(staged, out=(q, scale))
             else:  # the export rank receives another stage's bucket
                 dist.recv(out[: bucket.nbytes], src=lay.stage_leaders[bucket.pp_rank])
                 if push:

@@ -20,6 +20,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
+from ..sharding.fp8 import FP8_BLOCK, FP8_DTYPE, is_quantized, scale_name
 from ..sharding.geometry import whole_layout
 from ..sharding.megatron import megatron_layout
 from ..sharding.spec import TensorSpec
@@ -38,6 +39,7 @@ __all__ = [
     "members",
     "stage_ranks",
     "unpack",
+    "unpack_one",
 ]
 
 
@@ -59,9 +61,11 @@ class TensorMeta:
 @dataclasses.dataclass(frozen=True)
 class BucketMeta:
     """One flat buffer's worth of tensors, all from pipeline stage ``pp_rank``,
-    gathered in its ``group`` (``"tp"``: dense, ``"ep"``: experts). ``transfers``
-    (trainer side only, not sent): which trainer rank holds which box of each
-    tensor, and where in its local tensor."""
+    gathered in its ``group`` (``"tp"``: dense, ``"ep"``: experts). Trainer side
+    only (not sent): ``transfers``, which trainer rank holds which box of each
+    tensor, and where in its local tensor; ``staged``, with FP8, the quantized
+    weights in the model's dtype, at their offsets in the gathering leader's
+    staging buffer (gathered there, then quantized into the bucket)."""
 
     index: int
     pp_rank: int
@@ -69,6 +73,11 @@ class BucketMeta:
     tensors: tuple[TensorMeta, ...]
     group: str = "tp"
     transfers: tuple[Transfer, ...] = ()
+    staged: tuple[TensorMeta, ...] = ()
+
+    @property
+    def staged_bytes(self) -> int:
+        return max((t.offset + t.nbytes for t in self.staged), default=0)
 
 
 _SIZES = ("tp_size", "pp_size", "ep_size", "etp_size")  # the trainer layout an ExportPlan was cut for
@@ -88,6 +97,11 @@ class ExportPlan:
     def tensors(self) -> Iterator[TensorMeta]:
         for b in self.buckets:
             yield from b.tensors
+
+    @property
+    def staging_bytes(self) -> int:
+        """The FP8 staging buffer a gathering leader needs (0 without FP8; trainer side only)."""
+        return max((b.staged_bytes for b in self.buckets), default=0)
 
     @property
     def total_bytes(self) -> int:
@@ -179,6 +193,7 @@ def build_plan(
     ep: int = 1,
     etp: int = 1,
     layer_stage: Sequence[int] | None = None,
+    quantize: str = "none",
 ) -> ExportPlan:
     """Every HF tensor of ``specs``, whole, in buckets of at most ``bucket_bytes``.
 
@@ -192,6 +207,15 @@ def build_plan(
     so that consecutive ones belong to different EP ranks (equal gather slots).
     A tensor larger than ``bucket_bytes`` gets a bucket of its own and the
     buffers grow to fit it (``plan.buffer_bytes``).
+
+    ``quantize="fp8-block"``: the decoder-layer linear weights
+    (:func:`~megatron_ext.sharding.fp8.is_quantized`) travel as ``float8_e4m3fn``
+    plus a float32 ``weight_scale_inv`` per 128 x 128 block of the whole tensor,
+    next to each other in one bucket (the layout of FP8 checkpoints); they are
+    gathered in the model's dtype into a staging buffer (:attr:`BucketMeta.staged`)
+    and quantized from there. A bucket then also keeps its staged bytes within
+    ``bucket_bytes``, so the staging buffer plus the two (smaller) export buffers
+    take no more memory than the two export buffers of the unquantized plan.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
@@ -213,23 +237,49 @@ def build_plan(
         (ts[0].src // per_stage, trainer.specs[name].expert is not None, i, name, ts)
         for i, (name, ts) in enumerate(pieces.items())
     )
+    if quantize not in ("none", "fp8-block"):
+        raise ValueError(f"quantize must be 'none' or 'fp8-block', got {quantize!r}")
     buckets: list[BucketMeta] = []
     tensors: list[TensorMeta] = []
     transfers: list[Transfer] = []
-    used, key = 0, None
+    staged: list[TensorMeta] = []
+    used = staging = 0
+    key = None
+
+    def close():
+        b = BucketMeta(len(buckets), key[0], used, tuple(tensors), GROUPS[key[1]], tuple(transfers), tuple(staged))
+        buckets.append(b)
+
     for stage, expert, _, name, ts in units:
         spec = trainer.specs[name]
-        if tensors and ((stage, expert) != key or used + align(spec.nbytes) > bucket_bytes):
-            buckets.append(BucketMeta(len(buckets), key[0], used, tuple(tensors), GROUPS[key[1]], tuple(transfers)))
-            tensors, transfers, used = [], [], 0
+        fp8 = quantize == "fp8-block" and is_quantized(spec)
+        wire = _wire_tensors(spec) if fp8 else [(name, spec.dtype, spec.shape)]
+        wire_bytes = sum(align(math.prod(shape) * dt.itemsize) for _, dt, shape in wire)
+        stage_bytes = align(spec.nbytes) if fp8 else 0
+        if tensors and (
+            (stage, expert) != key or used + wire_bytes > bucket_bytes or staging + stage_bytes > bucket_bytes
+        ):
+            close()
+            tensors, transfers, staged, used, staging = [], [], [], 0, 0
         key = (stage, expert)
-        tensors.append(TensorMeta(name, spec.dtype, spec.shape, used, spec.nbytes))
+        for wname, dt, shape in wire:
+            nbytes = math.prod(shape) * dt.itemsize
+            tensors.append(TensorMeta(wname, dt, shape, used, nbytes))
+            used += align(nbytes)
+        if stage_bytes:
+            staged.append(TensorMeta(name, spec.dtype, spec.shape, staging, spec.nbytes))
+            staging += stage_bytes
         transfers += ts
-        used += align(spec.nbytes)
     if tensors:
-        buckets.append(BucketMeta(len(buckets), key[0], used, tuple(tensors), GROUPS[key[1]], tuple(transfers)))
+        close()
     capacity = _block_size(max((b.nbytes for b in buckets), default=ALIGN))
     return ExportPlan(tuple(buckets), capacity, tp, pp, ep, etp)
+
+
+def _wire_tensors(spec: TensorSpec) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """A quantized weight as it travels: its FP8 values, then its block scales."""
+    blocks = tuple(-(-n // FP8_BLOCK) for n in spec.shape)
+    return [(spec.name, FP8_DTYPE, spec.shape), (scale_name(spec.name), torch.float32, blocks)]
 
 
 def _block_size(nbytes: int) -> int:
@@ -244,6 +294,11 @@ def unpack(bucket: BucketMeta, buf: torch.Tensor) -> Iterator[tuple[str, torch.T
     """``(name, view)`` of every tensor of ``bucket`` in the flat uint8 ``buf`` (no copies)."""
     for t in bucket.tensors:
         yield t.name, t.view(buf)
+
+
+def unpack_one(bucket: BucketMeta, name: str, buf: torch.Tensor) -> torch.Tensor:
+    """The view of tensor ``name`` of ``bucket`` in ``buf``."""
+    return next(t.view(buf) for t in bucket.tensors if t.name == name)
 
 
 def check_plan(

@@ -5,6 +5,12 @@ A :class:`WeightReceiver` wraps a *consumer*, anything with
 ``expected_tensors() -> {name: (shape, dtype)}``: the shape of vLLM's and
 SGLang's weight-update entry points. :class:`HFModelConsumer` is the consumer
 for a ``transformers`` model.
+
+An FP8 export (``RefitConfig.quantize="fp8-block"``) sends a quantized weight
+as ``float8_e4m3fn`` values plus its ``weight_scale_inv``: a consumer that
+expects the weight in FP8 (an FP8 engine) gets both as they are; one that
+expects it in another dtype gets it dequantized (``values x scale`` per block,
+in that dtype) and no scale; one that states no expectations gets both.
 """
 
 from __future__ import annotations
@@ -13,9 +19,11 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from ..sharding.fp8 import FP8_BLOCK, FP8_DTYPE, scale_name
 from ..sharding.moe import fused_expert_views
 from ..copies import copy_all
 from .wire import align
+from .fp8 import dequantize_blocks
 from .plan import BucketMeta, ExportPlan, PlanMismatch, check_plan, unpack
 
 __all__ = ["HFModelConsumer", "LoadWeightsConsumer", "WeightReceiver"]
@@ -99,6 +107,7 @@ class WeightReceiver:
         self._staging: torch.Tensor | None = None
         self._in_place = False  # the version in progress is written by the transport itself
         self._offsets: dict[int, int] = {}
+        self._dequantize: dict[str, torch.dtype] = {}  # FP8 weight -> the dtype the consumer loads it in
         self.plans_received = 0
 
     @property
@@ -112,7 +121,16 @@ class WeightReceiver:
         the transport writes the consumer's weights itself (``ipc-push``,
         ``ipc-direct``), so nothing is staged whatever ``atomic`` says."""
         expected = getattr(self.consumer, "expected_tensors", lambda: None)()
+        self._dequantize = {}
         if expected is not None:
+            expected = dict(expected)
+            names = {t.name for t in plan.tensors()}
+            for t in plan.tensors():
+                want = expected.get(t.name)
+                if t.dtype == FP8_DTYPE and scale_name(t.name) in names and want is not None and want[1] != FP8_DTYPE:
+                    self._dequantize[t.name] = want[1]  # the consumer loads it dequantized, without the scale
+                    expected[t.name] = (want[0], FP8_DTYPE)
+                    expected.setdefault(scale_name(t.name), (_blocks(want[0]), torch.float32))
             check_plan(plan, expected)
         self._staging, self._offsets = None, {}
         if self.atomic and not in_place:
@@ -159,8 +177,22 @@ class WeightReceiver:
             stage.copy_(buf[: bucket.nbytes])
         else:
             self._mixed = True
-            self.consumer.load_weights(unpack(bucket, buf))
+            self.consumer.load_weights(self._loadable(bucket, buf))
         self._arrived.add(bucket.index)
+
+    def _loadable(self, bucket: BucketMeta, buf: torch.Tensor):
+        """``bucket``'s tensors in ``buf`` as the consumer loads them (FP8 weights it expects in
+        another dtype dequantized with their scales, which it then does not get)."""
+        pairs = unpack(bucket, buf)
+        if not self._dequantize:
+            return pairs
+        pairs = dict(pairs)
+        scales = {scale_name(n) for n in self._dequantize}
+        return [
+            (n, dequantize_blocks(t, pairs[scale_name(n)], self._dequantize[n]) if n in self._dequantize else t)
+            for n, t in pairs.items()
+            if n not in scales
+        ]
 
     def load_direct(self, pairs, loads) -> None:
         """Apply a whole version from mapped trainer storage (``ipc-direct``)."""
@@ -188,7 +220,7 @@ class WeightReceiver:
         if self._staging is not None and not self._in_place:  # commit the staged version
             self._mixed = True
             for b in self.plan.buckets:
-                self.consumer.load_weights(unpack(b, self.staging(b)))
+                self.consumer.load_weights(self._loadable(b, self.staging(b)))
         if torch.cuda.is_available():
             torch.cuda.current_stream().synchronize()
         self.applied_version, self._version, self._mixed = version, None, False
@@ -201,6 +233,10 @@ class WeightReceiver:
         if self._mixed:
             self.applied_version = None
         return self.applied_version
+
+
+def _blocks(shape) -> tuple[int, ...]:
+    return tuple(-(-n // FP8_BLOCK) for n in shape)
 
 
 def _assemble(meta, pieces) -> torch.Tensor:

@@ -72,12 +72,13 @@ class _Done:
 
 class InProcessSender:
     """Hands buckets to a receiver in this process. A consumer with
-    ``target(name)`` (:class:`HFModelConsumer`) is written in place: the gather
-    writes straight into its tensors (``push``), with no export buffers."""
+    ``target(name)`` (:class:`HFModelConsumer`) is written in place unless
+    ``in_place=False`` (an FP8 export: the bucket holds what the consumer does not):
+    the gather writes straight into its tensors (``push``), with no export buffers."""
 
-    def __init__(self, receiver: WeightReceiver):
+    def __init__(self, receiver: WeightReceiver, *, in_place: bool = True):
         self.receiver = receiver
-        self.push = callable(getattr(receiver.consumer, "target", None))
+        self.push = in_place and callable(getattr(receiver.consumer, "target", None))
         self.views: dict[str, torch.Tensor] | None = None
         self._fingerprint = None
 
@@ -683,7 +684,7 @@ def _inprocess(exporter) -> InProcessSender:
             "transport='inprocess' needs receiver=WeightReceiver(...) "
             "(or pass transport='broadcast'/'ipc' with a target)"
         )
-    return InProcessSender(exporter._receiver)
+    return InProcessSender(exporter._receiver, in_place=exporter.config.quantize == "none")
 
 
 def _broadcast(exporter) -> BroadcastSender:

@@ -112,7 +112,10 @@ def test_reshard_refit_aliases_select_p2p_and_round_trip():
          "transports only; transport='p2p' would ignore it"),
         (dict(transport="p2p", vocab_size=10), "RefitConfig.vocab_size (--refit-vocab-size) is read by the export"),
         (dict(transport="p2p", quantize="fp8"), "quantize (--refit-quantize) must be one of ('none', 'fp8-block')"),
-        (dict(quantize="fp8-block"), "RefitConfig.quantize (--refit-quantize) is read by transport='p2p'"),
+        (dict(transport="ipc-push", target="h:1", quantize="fp8-block"), "RefitConfig.quantize (--refit-quantize) "
+         "must be 'none' with transport='ipc-push', which writes the engine's tensors in the model's dtype"),
+        (dict(transport="ipc-direct", target="h:1", quantize="fp8-block"), "must be 'none' with "
+         "transport='ipc-direct'"),
     ],
 )  # fmt: skip
 def test_bad_values_are_refused_naming_the_field_and_flag(kw, needle):

@@ -1,0 +1,204 @@
+"""FP8 through the export hook (``RefitConfig.quantize="fp8-block"`` with the hook's bucket transports).
+
+A TP2 x PP2 trainer (gloo, 4 ranks) quantizes each gathered whole HF tensor into the FP8 checkpoint
+layout (``float8_e4m3fn`` + ``weight_scale_inv`` per 128 x 128 block) and sends it:
+
+- over ``broadcast`` to a Hugging Face model in another process (a consumer that expects its weights in
+  float32): the engine holds exactly ``dequantize(quantize(W))`` of the whole gathered tensors for the
+  quantized weights and ``W`` for the others, after two versions (so the trainer requantized);
+- in process to a consumer that expects the FP8 checkpoint itself: it gets the FP8 values and scales bit
+  for bit what the quantizer makes of the whole tensors;
+- the bytes on the wire are exactly 1 per quantized element + 4 per block + the unquantized tensors;
+- a NaN in one shard is refused before the engine applies the version, naming the weight's scale, and the
+  engine keeps the previous version;
+- the KL of the FP8 engine against the float32 trainer is within the default gate (1e-3).
+
+The model's FFN (320 = 2.5 blocks) and heads give partial blocks and TP shards that cut blocks, which
+the hook allows (it quantizes after the gather); the p2p refit needs shards of whole blocks.
+"""
+
+import dataclasses
+
+import pytest
+
+import torch
+
+from megatron_ext.testing import tiny_llama
+from megatron_ext.testing.multirank import run_on_ranks
+from megatron_ext.testing.receiver_proc import start_hf_receiver
+
+from ._reference import gathered_hf_state
+
+SPEC = dataclasses.replace(
+    tiny_llama.TinyLlamaSpec(arch="qwen2", num_layers=2),
+    hidden_size=256,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=320,
+)
+TIMEOUT = 240
+
+
+def _quantized(name: str, t: torch.Tensor) -> bool:
+    """The weights FP8 checkpoints quantize: 2-D linear weights of a decoder layer, not the MoE router."""
+    return name.startswith("model.layers.") and name.endswith(".weight") and t.dim() == 2
+
+
+class _Fp8Engine:
+    """An engine that loads the FP8 checkpoint itself (expects FP8 weights and their scales)."""
+
+    def __init__(self, expected):
+        self.expected, self.state = expected, {}
+
+    def expected_tensors(self):
+        return self.expected
+
+    def load_weights(self, weights):
+        self.state.update({n: t.clone() for n, t in weights})
+
+
+def _trainer(target):
+    from megatron.core import parallel_state as ps
+
+    from megatron_ext import weight_export as wx
+    from megatron_ext.weight_export.fp8 import quantize_blocks
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    model = tiny_llama.build_model(SPEC, tiny_llama.transformer_config(SPEC, tp=2, pp=2))
+    common = dict(bucket_size_mb=0.25, vocab_size=SPEC.hf_vocab_size, timeout_s=60, quantize="fp8-block")
+    exporter = wx.WeightExporter(model, wx.RefitConfig(target=target, transport="broadcast", **common))
+    plain = wx.WeightExporter(
+        model, wx.RefitConfig(transport="inprocess", bucket_size_mb=0.25, vocab_size=SPEC.hf_vocab_size)
+    )
+    out = {}
+    exporter.export(version=1)
+    with torch.no_grad():  # a training step's worth of change: the next export requantizes
+        for p in model.parameters():
+            p.mul_(1.5).add_(0.01)
+    out["second"] = exporter.export(version=2)
+    out["plan_bytes"], out["plain_bytes"] = exporter.plan.total_bytes, plain.plan.total_bytes
+    out["staging"], out["buffer"] = exporter.plan.staging_bytes, exporter.plan.buffer_bytes
+    out["extra"] = exporter.extra_memory_bytes
+    out["plain_buffer"] = plain.plan.buffer_bytes
+    reference = gathered_hf_state(SPEC, model)  # collective: every rank
+    fp8 = None
+    if exporter.is_export_rank:
+        checkpoint = {}
+        for name, w in reference.items():
+            if _quantized(name, w):
+                checkpoint[name], checkpoint[name + "_scale_inv"] = quantize_blocks(w)
+            else:
+                checkpoint[name] = w
+        out["checkpoint"] = checkpoint
+        fp8 = _Fp8Engine({n: (tuple(t.shape), t.dtype) for n, t in checkpoint.items()})
+    local = wx.WeightExporter(
+        model,
+        wx.RefitConfig(transport="inprocess", **common),
+        receiver=wx.WeightReceiver(fp8) if fp8 is not None else None,
+    )
+    local.export(version=2)
+    if exporter.is_export_rank:
+        out["fp8_engine"] = fp8.state
+    # A NaN in one TP shard of one layer's down_proj: refused before the engine applies the version.
+    stage_layer = next(n for n, _ in model.named_parameters() if n.endswith("mlp.linear_fc2.weight"))
+    with torch.no_grad():
+        dict(model.named_parameters())[stage_layer].view(-1)[5] = float("nan")
+    try:
+        exporter.export(version=3)
+        out["nan"] = None
+    except wx.NonFiniteWeights as exc:
+        out["nan"] = str(exc)
+    with torch.no_grad():
+        dict(model.named_parameters())[stage_layer].view(-1)[5] = 0.0
+    out["fourth"] = exporter.export(version=4).applied
+    reference = gathered_hf_state(SPEC, model)  # collective: every rank
+    out["reference"] = reference if exporter.is_export_rank else None
+    exporter.close()
+    return out
+
+
+def test_fp8_export_sends_the_fp8_checkpoint_and_engines_load_it():
+    from megatron_ext.weight_export.fp8 import dequantize_blocks, quantize_blocks
+
+    with start_hf_receiver(tiny_llama.build_hf, (SPEC,)) as receiver:
+        out = run_on_ranks(
+            _trainer, 4, args=(receiver.address,), backend="gloo", timeout=TIMEOUT, watch=receiver.failure
+        )
+        got = receiver.result()
+    assert got["ok"], got.get("error")
+    export = out[0]
+    # The NaN (in a shard of stage 0 or 1) is refused by the export rank, which names the weight's scale.
+    assert export["nan"] is not None and "down_proj.weight_scale_inv" in export["nan"], export["nan"]
+    assert got["applied"] == [1, 2, 4], "version 3 (NaN) must not be applied"
+    checkpoint, reference = export["checkpoint"], export["reference"]
+    # The in-process FP8 engine got the checkpoint bit for bit (values and scales) at version 2.
+    assert export["fp8_engine"].keys() == checkpoint.keys()
+    for name, want in checkpoint.items():
+        assert export["fp8_engine"][name].dtype == want.dtype, name
+        assert torch.equal(export["fp8_engine"][name].view(torch.uint8), want.view(torch.uint8)), name
+    # The HF engine (float32 weights) holds version 4 dequantized: exactly dequantize(quantize(W)).
+    assert got["state"].keys() == reference.keys()
+    quantized = [n for n, w in reference.items() if _quantized(n, w)]
+    assert len(quantized) == 7 * SPEC.num_layers
+    for name, w in reference.items():
+        want = dequantize_blocks(*quantize_blocks(w), w.dtype) if name in quantized else w
+        assert torch.equal(got["state"][name], want), name
+        if name in quantized:
+            assert not torch.equal(want, w), f"{name}: FP8 rounding must show (the test would not see a bf16 path)"
+    # Wire bytes: 1 per quantized element + 4 per 128 x 128 block + the other tensors in their dtype, each
+    # tensor at a 256-byte aligned offset (the plan's sizes are exact, not aligned).
+    blocks = {n: -(-reference[n].shape[0] // 128) * -(-reference[n].shape[1] // 128) for n in quantized}
+    want_bytes = sum(
+        reference[n].numel() + 4 * blocks[n] if n in blocks else reference[n].numel() * reference[n].itemsize
+        for n in reference
+    )
+    assert export["plan_bytes"] == want_bytes
+    assert export["plain_bytes"] == sum(w.numel() * w.itemsize for w in reference.values())
+    assert export["fourth"] == (4,)
+    # Memory: the staging buffer (float32 of the quantized weights of a bucket) stays within the bucket size
+    # the plain plan would use; each export buffer is no larger than the plain plan's.
+    assert 0 < export["staging"] <= export["plain_buffer"] and export["buffer"] <= export["plain_buffer"]
+    assert export["extra"] <= 4 * export["plain_buffer"]
+
+
+def _gpu_trainer(target):
+    from megatron.core import parallel_state as ps
+
+    from megatron_ext import weight_export as wx
+
+    ps.initialize_model_parallel()
+    device = torch.device("cuda", torch.cuda.current_device())
+    model = tiny_llama.build_model(SPEC, tiny_llama.transformer_config(SPEC), device=device)
+    cfg = wx.RefitConfig(transport="ipc", target=target, bucket_size_mb=0.25, vocab_size=SPEC.hf_vocab_size)
+    exporter = wx.WeightExporter(model, dataclasses.replace(cfg, quantize="fp8-block"))
+    exporter.export(version=1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5).add_(0.01)
+    second = exporter.export(version=2)
+    verify = exporter.verify(tiny_llama.tokens(SPEC).to(device))
+    reference = {n: t.cpu() for n, t in gathered_hf_state(SPEC, model).items()}
+    quantized = {n: w for n, w in gathered_hf_state(SPEC, model).items() if _quantized(n, w)}
+    from megatron_ext.weight_export.fp8 import dequantize_blocks, quantize_blocks
+
+    # the Triton kernel's FP8 checkpoint, dequantized on the GPU as the receiver does
+    want = {n: dequantize_blocks(*quantize_blocks(w), w.dtype).cpu() for n, w in quantized.items()}
+    exporter.close()
+    return dict(second=second.applied, verify=verify, reference=reference, want=want)
+
+
+@pytest.mark.gpus(1)
+def test_fp8_export_on_gpu_to_a_colocated_engine():
+    """One GPU: the Triton quantizer writes into the export buffers shared over CUDA IPC with an HF engine
+    on the same GPU, which loads the weights dequantized; the engine's logits pass the default KL gate
+    against the trainer's."""
+    with start_hf_receiver(tiny_llama.build_hf, (SPEC,), device="cuda:0") as receiver:
+        (out,) = run_on_ranks(_gpu_trainer, 1, args=(receiver.address,), backend="nccl", timeout=TIMEOUT)
+        got = receiver.result()
+    assert got["ok"], got.get("error")
+    assert out["second"] == (2,) and got["applied"] == [1, 2]
+    for name, w in out["reference"].items():
+        assert torch.equal(got["state"][name], out["want"].get(name, w)), name
+    assert len(out["want"]) == 7 * SPEC.num_layers
+    print(f"FP8 export KL against the trainer: {out['verify'].kl:.3g}, max logit diff {out['verify'].max_abs_diff:.3g}")
+    assert out["verify"].ok(max_kl=1e-3), out["verify"]
