@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import sys
-
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_ext.testing import tiny_llama  # noqa: E402
+from megatron_ext.testing import tiny_llama
 
 PRESETS = {
     # Llama-3.2-1B / 3B and Llama-3-8B shapes, untied embeddings, GQA.

@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import PRESETS  # noqa: E402
+from benchmarks.common import PRESETS  # noqa: E402
 from megatron_ext.sharding import fp8_layout, gpt_specs, megatron_layout  # noqa: E402
 from megatron_ext.weight_export import ReshardExecutor, build_reshard_plan, inference_layout  # noqa: E402
 from megatron_ext.weight_export.fp8 import Fp8Sources  # noqa: E402

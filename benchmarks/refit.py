@@ -41,7 +41,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import GiB, PRESETS, megatron_config, spec_for  # noqa: E402
+from benchmarks.common import GiB, PRESETS, megatron_config, spec_for  # noqa: E402
 from megatron_ext.testing import tiny_llama  # noqa: E402
 from megatron_ext.testing.multirank import run_on_ranks  # noqa: E402
 from megatron_ext.testing.receiver_proc import start_hf_receiver  # noqa: E402
@@ -323,7 +323,7 @@ def _trainer(spec, scenarios, bucket_mb, iters, timeout_s):
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--reshard" in argv:  # reshard refit vs gather-then-broadcast: benchmarks/refit_reshard.py
-        import refit_reshard
+        from benchmarks import refit_reshard
 
         return refit_reshard.main([a for a in argv if a != "--reshard"])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

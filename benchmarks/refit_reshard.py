@@ -44,7 +44,6 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from megatron_ext.testing import tiny_llama  # noqa: E402
 from megatron_ext.testing.multirank import run_on_ranks  # noqa: E402
@@ -95,7 +94,7 @@ def _rank(spec, iters, limit_bytes, bucket_bytes, settings, layout="cross"):
     from megatron_ext.weight_export.layout import inference_layout
     from megatron_ext.weight_export.reshard import ReshardExecutor, megatron_tensors
     from megatron_ext.weight_export.reshard_plan import build_reshard_plan
-    from common import megatron_config as _mconfig
+    from benchmarks.common import megatron_config as _mconfig
 
     world, rank = dist.get_world_size(), dist.get_rank()
     tp = world // 2 if layout == "cross" else world
@@ -239,7 +238,7 @@ def _settings(sweep: str | None, bucket_mb: float, max_inflight: int, streaming:
 
 
 def main(argv=None) -> int:
-    from common import PRESETS, spec_for
+    from benchmarks.common import PRESETS, spec_for
 
     from megatron_ext.weight_export import simulate
 

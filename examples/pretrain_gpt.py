@@ -559,6 +559,8 @@ def transformer_config(args, plan: Plan, tp: int):
     import torch
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from megatron_ext.sharding import UNFUSED_LOCAL_SPEC
+
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     return TransformerConfig(
         num_layers=args.num_layers,
@@ -581,13 +583,7 @@ def transformer_config(args, plan: Plan, tp: int):
         bf16=args.bf16,
         params_dtype=dtype,
         pipeline_dtype=dtype,
-        # The local layer spec: no fused kernels (they need Apex / Transformer Engine).
-        gradient_accumulation_fusion=False,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
+        **UNFUSED_LOCAL_SPEC,
     )
 
 

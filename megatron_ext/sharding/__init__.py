@@ -10,11 +10,13 @@ checkpoint converters, the export hook and the reshard refit all read them here.
 - :mod:`.megatron`: a Megatron parameter's :class:`ShardSpec` and a Megatron job's layout.
 - :mod:`.fp8`: block-scaled FP8 as a layout (which weights, where their scales live).
 - :mod:`.hf_config`: the ``transformers`` config with a Megatron config's shape.
+- :mod:`.local_spec`: the ``TransformerConfig`` flags of the local layer spec without fused kernels.
 """
 
 from .fp8 import FP8_BLOCK, fp8_layout
 from .geometry import Box, Layout, LocalTensor, Segment, whole_layout
 from .hf_config import hf_config_from_megatron
+from .local_spec import UNFUSED_LOCAL_SPEC
 from .megatron import (
     ShardSpec,
     layout_from_recipe,
@@ -29,6 +31,7 @@ from .spec import TensorSpec, UnsupportedParameter, gpt_specs, specs_from_config
 
 __all__ = [
     "FP8_BLOCK",
+    "UNFUSED_LOCAL_SPEC",
     "Box",
     "Layout",
     "LocalTensor",

@@ -30,8 +30,10 @@ class TinyGPTSpec:
 
 
 def transformer_config(spec: TinyGPTSpec, tp: int = 1, pp: int = 1, **overrides):
-    """A TransformerConfig for ``spec`` with fusions that need CUDA turned off."""
+    """A TransformerConfig for ``spec`` on the local layer spec without fused kernels."""
     from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_ext.sharding import UNFUSED_LOCAL_SPEC
 
     kwargs = dict(
         num_layers=spec.num_layers,
@@ -49,12 +51,7 @@ def transformer_config(spec: TinyGPTSpec, tp: int = 1, pp: int = 1, **overrides)
         params_dtype=torch.float32,
         bf16=False,
         fp16=False,
-        gradient_accumulation_fusion=False,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
+        **UNFUSED_LOCAL_SPEC,
     )
     if spec.gated_linear_unit:
         kwargs["activation_func"] = torch.nn.functional.silu

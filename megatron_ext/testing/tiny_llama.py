@@ -46,6 +46,8 @@ class TinyLlamaSpec:
 def transformer_config(spec: TinyLlamaSpec, tp: int = 1, pp: int = 1, ep: int = 1, **overrides):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from megatron_ext.sharding import UNFUSED_LOCAL_SPEC
+
     if spec.arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {spec.arch!r}")
     kwargs = dict(
@@ -71,12 +73,7 @@ def transformer_config(spec: TinyLlamaSpec, tp: int = 1, pp: int = 1, ep: int = 
         pipeline_dtype=torch.float32,
         bf16=False,
         fp16=False,
-        gradient_accumulation_fusion=False,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
+        **UNFUSED_LOCAL_SPEC,
     )
     if spec.arch == "qwen3_moe":
         kwargs.update(

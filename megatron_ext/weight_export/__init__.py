@@ -9,6 +9,11 @@ Engine side: :func:`serve` (a process listening at the target address) with a
 consumer exposing ``load_weights(iterable of (hf_name, tensor))``, or the
 command ``python -m megatron_ext.weight_export.engine --model DIR --address
 HOST:PORT`` for a Hugging Face model; see docs/weight_export.md.
+
+megatron-core's own inference engine as a p2p refit target (docs/weight_export_reshard.md):
+:func:`megatron_trainer_refit` on the trainer's ranks; on the engine's, :func:`receive_model_config`,
+:func:`megatron_model_problem` (or :func:`refuse_refit`), :func:`build_engine_model`, :class:`MegatronEngine`
+and :class:`MegatronEngineRefit`.
 """
 
 from .config import TRANSPORTS, RefitConfig, add_refit_args
@@ -51,6 +56,13 @@ from .megatron_engine import (
     megatron_engine_layout,
     megatron_engine_specs,
     megatron_trainer_refit,
+    refuse_refit,
+)
+from .megatron_engine_config import (
+    build_engine_model,
+    megatron_model_config,
+    megatron_model_problem,
+    receive_model_config,
 )
 
 __all__ = [
@@ -116,4 +128,9 @@ __all__ = [
     "megatron_engine_layout",
     "megatron_engine_specs",
     "megatron_trainer_refit",
+    "refuse_refit",
+    "build_engine_model",
+    "megatron_model_config",
+    "megatron_model_problem",
+    "receive_model_config",
 ]

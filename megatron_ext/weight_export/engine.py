@@ -365,14 +365,8 @@ def _serve_megatron(args) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from .megatron_engine import (
-        MegatronEngine,
-        MegatronEngineRefit,
-        build_engine_model,
-        megatron_model_problem,
-        receive_model_config,
-        refuse_refit,
-    )
+    from .megatron_engine import MegatronEngine, MegatronEngineRefit, refuse_refit
+    from .megatron_engine_config import build_engine_model, megatron_model_problem, receive_model_config
 
     if args.device == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))

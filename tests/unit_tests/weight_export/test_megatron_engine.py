@@ -129,9 +129,8 @@ def _engine_body(backend, port, n_trainer):
 
     from megatron_ext import weight_export as wx
     from megatron_ext.testing import cpu_compat
-    from megatron_ext.weight_export.megatron_engine import (
-        MegatronEngine,
-        MegatronEngineRefit,
+    from megatron_ext.weight_export.megatron_engine import MegatronEngine, MegatronEngineRefit
+    from megatron_ext.weight_export.megatron_engine_config import (
         megatron_model_config,
         megatron_model_problem,
         receive_model_config,

@@ -1,23 +1,15 @@
 """benchmarks/refit.py --reshard runs end to end on CPU (tiny preset, 4 gloo ranks)."""
 
 import json
-import pathlib
-import sys
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[3]
+from benchmarks import refit as bench
 
 
 def _run(tmp_path, *args):
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import refit as bench
-
-        out = tmp_path / "rr.json"
-        assert bench.main(["--reshard", *args, "--out", str(out)]) == 0
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
+    out = tmp_path / "rr.json"
+    assert bench.main(["--reshard", *args, "--out", str(out)]) == 0
     return json.loads(out.read_text())
 
 
