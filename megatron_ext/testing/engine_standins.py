@@ -13,6 +13,9 @@ and function of the real engine it mirrors. What differs, on purpose:
   the rendezvous of vLLM's ``StatelessProcessGroup`` (rank 0 hosts a TCP store
   at ``master_address:master_port``, the others connect) and moves the bytes
   with gloo, so it runs on CPU.
+- vLLM's ``ipc`` backend maps CUDA IPC handles (CUDA only); on CPU its stand-in
+  takes :class:`CudaIpcStandin` instead of torch's ``rebuild_cuda_tensor`` and the
+  GPU's UUID: handles of the same tuple layout naming tensors of one process.
 - the engine's model is a dict of HF-named tensors (:class:`StandinModel`), whose
   ``load_weights`` refuses unknown names and wrong shapes as vLLM's and SGLang's
   model loaders do.
@@ -31,6 +34,7 @@ import io
 import math
 import pickle
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -39,12 +43,14 @@ from megatron_ext.weight_export import control
 from megatron_ext.weight_export.adapters.base import PyNcclGroup, TorchGroup
 
 __all__ = [
+    "CudaIpcStandin",
     "FlattenedTensorBucketStandin",
     "SglangEngineStandin",
     "StandinClient",
     "StandinModel",
     "StandinServer",
     "StatelessGroup",
+    "VllmIpcWorkerStandin",
     "VllmNcclWorkerStandin",
     "VllmWorkerExtensionStandin",
     "init_custom_process_group",
@@ -135,31 +141,70 @@ def packed_chunk_sizes(sizes: list[int], limit: int) -> list[int]:
     return out
 
 
-def unpack_chunk(packed: torch.Tensor, metas) -> list[tuple[str, torch.Tensor]]:
+def unpack_chunk(packed: torch.Tensor, metas, sizes=None) -> list[tuple[str, torch.Tensor]]:
     """vLLM's ``unpack_tensor`` (``packed_tensor.py``): ``split`` the uint8 chunk by the tensors'
-    byte sizes, then ``.contiguous().view(dtype).view(*shape)`` each piece (``metas``: ``(name,
-    shape, dtype)``). A piece at a byte offset that is not a multiple of its dtype's size cannot
-    be viewed (torch refuses), as in vLLM."""
-    sizes = [math.prod(shape) * dtype.itemsize for _, shape, dtype in metas]
-    parts = packed.split(sizes)
+    byte sizes (``sizes``, by default computed from ``metas``: ``(name, shape, dtype)``), then
+    ``.contiguous().view(dtype).view(*shape)`` each piece. A piece at a byte offset that is not a
+    multiple of its dtype's size cannot be viewed (torch refuses), as in vLLM."""
+    if sizes is None:
+        sizes = [math.prod(shape) * dtype.itemsize for _, shape, dtype in metas]
+    parts = packed.split(list(sizes))
     return [(name, t.contiguous().view(dtype).view(*shape)) for (name, shape, dtype), t in zip(metas, parts)]
 
 
-def _parse(kind: str, fields: dict, allowed: tuple, required: tuple) -> dict:
+def _parse(kind: str, fields: dict, allowed: tuple, required: tuple, engine="NCCLWeightTransferEngine") -> dict:
     """vLLM's ``parse_init_info`` / ``parse_update_info`` (``weight_transfer/base.py``): the dict
     goes to the backend's dataclass; an unknown or missing field is ``ValueError("Invalid ...")``."""
     for k in fields:
         if k not in allowed:
-            raise ValueError(
-                f"Invalid {kind} for NCCLWeightTransferEngine: __init__() got an unexpected keyword argument {k!r}"
-            )
+            raise ValueError(f"Invalid {kind} for {engine}: __init__() got an unexpected keyword argument {k!r}")
     for k in required:
         if k not in fields:
-            raise ValueError(f"Invalid {kind} for NCCLWeightTransferEngine: missing required argument {k!r}")
+            raise ValueError(f"Invalid {kind} for {engine}: missing required argument {k!r}")
     return dict(fields)
 
 
-class VllmNcclWorkerStandin:
+def _check_lengths(names, **lists) -> None:
+    """The length checks of the update-info dataclasses' ``__post_init__`` (``nccl_engine.py``, ``ipc_engine.py``)."""
+    for field, values in lists.items():
+        if len(values) != len(names):
+            raise ValueError(f"`{field}` should be of the same size as `names`: got {len(values)} and {len(names)}")
+
+
+class _VllmWorkerSession:
+    """The update session of a vLLM worker (``vllm/v1/worker/gpu_worker.py``: ``start_weight_update``
+    refuses a second start, ``update_weights`` and ``finish_weight_update`` need a started one) and
+    the LLM's ``finish_weight_update(weight_version)``, which records the version once the update
+    finished; ``get_weight_version`` reports it."""
+
+    def __init__(self):
+        self.updating = False
+        self.sessions = 0  # start_weight_update calls accepted
+        self.weight_version: str | None = None
+
+    def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
+        if self.updating:
+            raise RuntimeError(
+                "start_weight_update called while a weight update is already active. Call finish_weight_update first."
+            )
+        self.updating = True
+        self.sessions += 1
+
+    def _require_session(self, method: str) -> None:
+        if not self.updating:
+            raise RuntimeError(f"start_weight_update must be called before {method}.")
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._require_session("finish_weight_update")
+        self.updating = False
+        if weight_version is not None:
+            self.weight_version = weight_version
+
+    def get_weight_version(self) -> str | None:
+        return self.weight_version
+
+
+class VllmNcclWorkerStandin(_VllmWorkerSession):
     """Stand-in for one vLLM worker with ``WeightTransferConfig(backend="nccl")`` and the LLM /
     HTTP calls that reach it (``llm.init_weight_transfer_engine`` ... ``finish_weight_update``).
 
@@ -178,13 +223,12 @@ class VllmNcclWorkerStandin:
     WIRE = ("packed", "packed_buffer_size_bytes", "packed_num_buffers")
 
     def __init__(self, model: StandinModel, *, rank: int, world_size_per_dp: int, dp_rank: int = 0, era: str):
+        super().__init__()
         if era not in ("update_info", "init_info"):
             raise ValueError(f"era must be 'update_info' or 'init_info', got {era!r}")
         self.model, self.rank, self.per_dp, self.dp_rank, self.era = model, rank, world_size_per_dp, dp_rank, era
         self.group: StatelessGroup | None = None
         self.wire = dict(packed=False, packed_buffer_size_bytes=VLLM_DEFAULT_PACKED_BUFFER_BYTES)
-        self.updating = False
-        self.weight_version: str | None = None
         self.chunks: list[int] = []  # byte size of every packed chunk received
         self.timeout_s = 60.0
 
@@ -201,20 +245,14 @@ class VllmNcclWorkerStandin:
     def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
         if self.group is None:
             raise RuntimeError("NCCL weight transfer not initialized. Call init_transfer_engine() first.")
-        self.updating = True
+        super().start_weight_update(is_checkpoint_format)
 
     def update_weights(self, update_info: dict) -> None:
-        if not self.updating:
-            raise RuntimeError("update_weights called before start_weight_update")
+        self._require_session("update_weights")
         allowed = self.UPDATE + (self.WIRE if self.era == "update_info" else ())
         info = _parse("update_info", update_info, allowed, self.UPDATE[:3])
         names, dtype_names, shapes = info["names"], info["dtype_names"], info["shapes"]
-        if len(dtype_names) != len(names):
-            raise ValueError(
-                f"`dtype_names` should be of the same size as `names`: got {len(dtype_names)} and {len(names)}"
-            )
-        if len(shapes) != len(names):
-            raise ValueError(f"`shapes` should be of the same size as `names`: got {len(shapes)} and {len(names)}")
+        _check_lengths(names, dtype_names=dtype_names, shapes=shapes)
         wire = dict(self.wire)
         if self.era == "update_info":
             wire = dict(packed=False, packed_buffer_size_bytes=VLLM_DEFAULT_PACKED_BUFFER_BYTES)
@@ -253,13 +291,153 @@ class VllmNcclWorkerStandin:
             self.chunks.append(total)
             self.model.load_weights(unpack_chunk(packed, [c[:3] for c in chunk]))
 
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.updating = False
-        if weight_version is not None:
-            self.weight_version = weight_version
 
-    def get_weight_version(self) -> str | None:
-        return self.weight_version
+class CudaIpcStandin:
+    """CUDA IPC within one process, for CPU tests of the ``ipc`` route: :meth:`shares` makes handles
+    with the layout of torch's ``reduce_tensor`` argument tuple for a CUDA tensor (tensor class,
+    size, stride, offset, storage class, dtype, device index at 6, storage handle at 7, ...), the
+    handle naming a storage registered here; :meth:`rebuild` is ``rebuild_cuda_tensor``'s
+    counterpart (a view of that storage, not a copy), :attr:`uuid` the GPU UUID both sides use."""
+
+    uuid = "GPU-00000000-0000-0000-0000-standin00000"
+
+    def __init__(self):
+        self.storages: dict[bytes, torch.UntypedStorage] = {}
+        self.shared = 0  # handles made
+
+    def shares(self):
+        """A sharer for one request, like the adapter's ``CudaIpcShares`` (``keep``: what it holds)."""
+
+        def share(t: torch.Tensor) -> tuple:
+            storage = t.untyped_storage()
+            handle = f"standin-{storage.data_ptr()}".encode()
+            self.storages[handle] = storage
+            share.keep[storage.data_ptr()] = t
+            self.shared += 1
+            nbytes = storage.nbytes()
+            return (torch.Tensor, t.size(), t.stride(), t.storage_offset(), torch.storage.TypedStorage, t.dtype, 0,
+                    handle, nbytes, 0, False, b"", 0, b"", False)  # fmt: skip
+
+        share.keep = {}
+        return share
+
+    def rebuild(self, tensor_cls, size, stride, offset, storage_cls, dtype, device, handle, *rest) -> torch.Tensor:
+        if device != 0:
+            raise AssertionError(f"the worker rebuilds on its own device (index 0 here), got {device}")
+        return torch.empty(0, dtype=dtype).set_(self.storages[handle], offset, size, stride)
+
+
+class VllmIpcWorkerStandin(_VllmWorkerSession):
+    """Stand-in for one vLLM worker with ``WeightTransferConfig(backend="ipc")`` and the LLM / HTTP
+    calls that reach it.
+
+    Mirrors ``vllm/distributed/weight_transfer/ipc_engine.py``: ``IPCWeightTransferInitInfo``
+    (``packed`` in vLLM main, set at the handshake), ``IPCWeightTransferEngine.parse_update_info``
+    (``ipc_handles_pickled``: base64 pickle, refused without ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``,
+    refused beside ``ipc_handles``), ``IPCWeightTransferUpdateInfo`` (``names``, ``dtype_names``,
+    ``shapes``, ``ipc_handles``, ``tensor_sizes``; its length checks), ``receive_weights`` (each
+    handle a ``{gpu_uuid: args}`` dict, the worker's own UUID taken, device index put at position 6,
+    the tensor rebuilt with ``rebuild_cuda_tensor``; packed: one handle for the request, cut by
+    ``packed_ipc_consumer`` / ``unpack_tensor`` of ``packed_tensor.py``), then ``load_weights`` and a
+    device synchronize (``WeightTransferEngine.update_weights``, ``base.py``).
+
+    ``era``: where ``packed`` comes from: ``"init_info"`` (vLLM main), ``"engine_config"``
+    (``IPCWeightTransferConfig.packed``, given as ``packed``) or ``"update_info"`` (versions whose
+    update info has ``packed``). ``allow_insecure_serialization``: the engine's
+    ``VLLM_ALLOW_INSECURE_SERIALIZATION``. ``ipc``: a :class:`CudaIpcStandin` on CPU; None on CUDA
+    (torch's ``rebuild_cuda_tensor`` and the GPU's UUID). ``delay_s``: each ``update_weights`` waits
+    that long before it maps the handles (a busy engine; a trainer that writes a buffer again before
+    the engine answered would be caught). ``refuse_session``: a FAULT INJECTION, not vLLM
+    behaviour: the ``update_weights`` calls of that session (1 = the first version) raise before
+    loading anything."""
+
+    UPDATE = ("names", "dtype_names", "shapes", "ipc_handles", "ipc_handles_pickled", "tensor_sizes")
+
+    def __init__(
+        self,
+        model: StandinModel,
+        *,
+        era: str = "init_info",
+        packed: bool = False,
+        allow_insecure_serialization: bool = True,
+        ipc: CudaIpcStandin | None = None,
+        refuse_session: int | None = None,
+        delay_s: float = 0.0,
+    ):
+        super().__init__()
+        if era not in ("init_info", "engine_config", "update_info"):
+            raise ValueError(f"era must be 'init_info', 'engine_config' or 'update_info', got {era!r}")
+        self.model, self.era, self.packed = model, era, packed
+        self.allow_insecure_serialization = allow_insecure_serialization
+        self.ipc, self.refuse_session, self.delay_s = ipc, refuse_session, delay_s
+        self.received: list[dict] = []  # what each update_weights carried (handles replaced by their count)
+
+    def _device(self) -> tuple[int, str]:
+        if self.ipc is not None:
+            return 0, self.ipc.uuid
+        index = self.model.device.index if self.model.device.index is not None else torch.cuda.current_device()
+        return index, str(torch.cuda.get_device_properties(index).uuid)
+
+    def _rebuild(self, args, device_index: int) -> torch.Tensor:
+        args = list(args)
+        args[6] = device_index  # the receiving worker's device
+        if self.ipc is not None:
+            return self.ipc.rebuild(*args)
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        return rebuild_cuda_tensor(*args)
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        allowed = ("packed",) if self.era == "init_info" else ()
+        info = _parse("init_info", init_info, allowed, (), engine="IPCWeightTransferEngine")
+        if self.era == "init_info":
+            self.packed = bool(info.get("packed", False))
+
+    def update_weights(self, update_info: dict) -> None:
+        self._require_session("update_weights")
+        fields = dict(update_info)
+        pickled = fields.pop("ipc_handles_pickled", None)
+        if pickled is not None:
+            if fields.get("ipc_handles") is not None:
+                raise ValueError("Cannot specify both `ipc_handles` and `ipc_handles_pickled`")
+            if not self.allow_insecure_serialization:
+                raise ValueError(
+                    "Refusing to deserialize `ipc_handles_pickled` without VLLM_ALLOW_INSECURE_SERIALIZATION=1"
+                )
+            fields["ipc_handles"] = pickle.loads(base64.b64decode(pickled))
+        allowed = self.UPDATE + (("packed",) if self.era == "update_info" else ())
+        info = _parse("update_info", fields, allowed, self.UPDATE[:3], engine="IPCWeightTransferEngine")
+        names, handles = info["names"], info.get("ipc_handles")
+        if handles is None:
+            raise ValueError("Either `ipc_handles` or `ipc_handles_pickled` must be provided")
+        _check_lengths(names, dtype_names=info["dtype_names"], shapes=info["shapes"])
+        if isinstance(handles, list):
+            _check_lengths(names, ipc_handles=handles)
+        packed = bool(info.get("packed", False)) if self.era == "update_info" else self.packed
+        self.received.append(dict(info, ipc_handles=len(handles), pickled=pickled is not None, packed=packed))
+        if self.refuse_session == self.sessions:
+            raise RuntimeError(f"weight update session {self.sessions} refused (stand-in fault injection)")
+        time.sleep(self.delay_s)
+        device_index, uuid = self._device()
+
+        def own(handle: dict):
+            if uuid not in handle:
+                raise ValueError(f"IPC handle not found for GPU UUID {uuid}. Available UUIDs: {list(handle.keys())}")
+            return self._rebuild(handle[uuid], device_index)
+
+        if packed:
+            if info.get("tensor_sizes") is None:
+                raise ValueError("`tensor_sizes` is required when packed=True")
+            assert isinstance(handles, dict)
+            sizes = info["tensor_sizes"]
+            metas = [(n, list(s), getattr(torch, d)) for n, d, s in zip(names, info["dtype_names"], info["shapes"])]
+            weights = unpack_chunk(own(handles)[: sum(sizes)], metas, sizes)
+        else:
+            assert isinstance(handles, list)
+            weights = [(name, own(handle)) for name, handle in zip(names, handles)]
+        self.model.load_weights(weights)
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
 
 
 class VllmWorkerExtensionStandin:

@@ -17,6 +17,9 @@ POST, ``llm.collective_rpc``, a Ray actor method)::
 Registry (name -> adapter; modules imported on first use):
 
 - ``vllm``: vLLM's weight-transfer engine, nccl backend (:class:`.vllm.VllmWeightTransferSender`);
+- ``vllm-ipc``: vLLM's weight-transfer engine, ipc backend: an engine on the trainer's GPU reads
+  the export buffers through CUDA IPC handles sent with ``update_weights``
+  (:class:`.vllm.VllmIpcSender`);
 - ``vllm-rpc``: a vLLM worker extension's ``update_weight`` per tensor through
   ``collective_rpc`` (:class:`.vllm.VllmWorkerExtensionSender`);
 - ``sglang-distributed``: SGLang ``init_weights_update_group`` +
@@ -35,6 +38,7 @@ __all__ = [
     "ADAPTERS",
     "SglangDistributedSender",
     "SglangTensorSender",
+    "VllmIpcSender",
     "VllmWeightTransferSender",
     "VllmWorkerExtensionSender",
     "adapter_class",
@@ -44,6 +48,7 @@ __all__ = [
 # name -> (module of this package, class)
 ADAPTERS = {
     "vllm": ("vllm", "VllmWeightTransferSender"),
+    "vllm-ipc": ("vllm", "VllmIpcSender"),
     "vllm-rpc": ("vllm", "VllmWorkerExtensionSender"),
     "sglang-distributed": ("sglang", "SglangDistributedSender"),
     "sglang-tensor": ("sglang", "SglangTensorSender"),

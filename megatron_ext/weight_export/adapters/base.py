@@ -27,7 +27,8 @@ engine's own weight-update protocol instead of :func:`~..transport.serve`'s:
 
 After a failed call or broadcast the group's collectives are out of step: the
 adapter refuses further versions (:class:`ReceiverError` saying to rebuild it
-and re-initialise the engine's group).
+and re-initialise the engine's group). Adapters without a group (vLLM's ``ipc``
+backend) refuse them too: the engine may hold a partly written version.
 """
 
 from __future__ import annotations
@@ -287,10 +288,12 @@ class EngineCalls:
 
 
 class _Pending:
-    """One bucket on its way: its broadcasts and the engine calls that receive them."""
+    """One bucket on its way: its broadcasts and the engine calls that receive them. ``keep``: what
+    must stay alive until the engine acknowledged them (e.g. the storage its IPC handles name)."""
 
-    def __init__(self, sender: EngineSender, bucket: BucketMeta, works=(), futures=()):
+    def __init__(self, sender: EngineSender, bucket: BucketMeta, works=(), futures=(), keep=()):
         self.sender, self.bucket, self.works, self.futures = sender, bucket, list(works), list(futures)
+        self.keep = keep
         self.done = False
 
     def wait(self) -> None:
@@ -311,6 +314,7 @@ class _Pending:
             s.broken = s.broken or "a bucket failed"
             raise
         self.done = True
+        self.keep = ()
 
 
 class EngineSender:
@@ -321,6 +325,11 @@ class EngineSender:
     ``_finish(version) -> applied version``."""
 
     what = "the engine"
+    # why a sender that failed refuses further versions, and what to do (see _check_usable)
+    after_failure = (
+        "the engine's weight update group is out of step; close it, build a new adapter (a new group port/name) "
+        "and let the engine join again"
+    )
 
     def __init__(self, call: EngineCall, *, timeout_s: float = 120.0, check=None):
         number = isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)
@@ -393,9 +402,7 @@ class EngineSender:
     def _check_usable(self) -> None:
         if self.broken:
             raise ReceiverError(
-                f"this {type(self).__name__} cannot send another version: {self.broken}, so the engine's weight "
-                "update group is out of step; close it, build a new adapter (a new group port/name) and let the "
-                "engine join again"
+                f"this {type(self).__name__} cannot send another version: {self.broken}, so {self.after_failure}"
             )
 
     def _watch(self, is_done: Callable[[], bool], futures, timeout_error: str) -> None:

@@ -6,10 +6,12 @@ vLLM or SGLang themselves.
 
 One 3-rank CPU gloo job: rank 0 is a Megatron trainer exporting a tiny Qwen3 through
 WeightExporter(sender=adapter); ranks 1 and 2 are the two TP ranks of every stand-in engine.
+vLLM's ipc backend needs CUDA IPC: on CPU its stand-in runs inside the trainer process, the
+handles made and opened by engine_standins.CudaIpcStandin (same tuple layout, no CUDA).
 On 2 GPUs (NCCL) the engine has one rank on GPU 1, and the cases that exist on GPUs run: the
 vLLM stand-in's group is torch NCCL behind the adapter's PyNccl wrapper, SGLang's group is NCCL
-over a Megatron world bound to its device; on 1 GPU (colocated) SGLang's tensor route shares the
-export buffers through CUDA IPC.
+over a Megatron world bound to its device; on 1 GPU (colocated) SGLang's tensor route and vLLM's
+ipc backend share the export buffers through CUDA IPC with an engine process on the same GPU.
 Each case exports two versions and compares the engine's tensors with the trainer's HF
 tensors, written out by hand (tests/unit_tests/weight_export/_reference.py)."""
 
@@ -24,6 +26,7 @@ from megatron_ext.testing import tiny_llama
 from megatron_ext.testing.multirank import free_port, run_on_ranks
 from megatron_ext.weight_export.adapters import make_adapter
 from megatron_ext.weight_export.adapters.base import Packer, aligned_requests, region, threshold_chunks
+from megatron_ext.weight_export.adapters.vllm import VllmIpcSender
 from megatron_ext.weight_export.plan import BucketMeta, TensorMeta
 from megatron_ext.weight_export.wire import align
 
@@ -80,18 +83,54 @@ FAULTS = {
         "sglang",
     ),
 }
-
+# vLLM's ipc backend: on CPU the stand-in is in the trainer's process (CudaIpcStandin); colocated on
+# one GPU it is the engine process, reached over the stand-in RPC, whose JSON needs pickled handles.
+IPC_CASES = {
+    # a slow engine (20 ms per request): a buffer written again before the engine answered would show
+    "vllm-ipc": ("vllm-ipc", dict(check_version=True), "vllm-ipc", dict(delay_s=0.02), "raise"),
+    "vllm-ipc-packed-pickled": ("vllm-ipc", dict(packed=True, pickle_handles=True), "vllm-ipc", {}, "raise"),
+}
+IPC_FAULTS = {
+    # The engine refuses the second version's first request: the first version stays the engine's.
+    "fault-vllm-ipc-refused-version": (
+        "vllm-ipc",
+        dict(timeout_s=FAULT_TIMEOUT_S),
+        "vllm-ipc",
+        dict(refuse_session=2),
+        "raise",
+    ),
+    # Pickled handles to an engine without VLLM_ALLOW_INSECURE_SERIALIZATION=1.
+    "fault-vllm-ipc-insecure": (
+        "vllm-ipc",
+        dict(pickle_handles=True, timeout_s=FAULT_TIMEOUT_S),
+        "vllm-ipc",
+        dict(allow_insecure_serialization=False),
+        "raise",
+    ),
+}
 
 GPU_CASES = ("vllm-packed", "vllm-unpacked", "sglang-flattened", "sglang-per-tensor", "sglang-tensor")
-COLOCATED_CASES = ("sglang-tensor", "sglang-flattened")
+COLOCATED_CASES = (
+    "sglang-tensor",
+    "sglang-flattened",
+    "vllm-ipc",
+    "vllm-ipc-packed-pickled",
+    "fault-vllm-ipc-refused-version",
+)
 
 
 def _cases(backend):
-    """The cases of one job: all on gloo; on NCCL the success cases that run there, SGLang's group on NCCL."""
+    """The cases of one job: all on gloo; on NCCL the success cases that run there, SGLang's group on NCCL;
+    colocated (one GPU) the CUDA IPC routes (vLLM ipc with pickled handles: the stand-in RPC is JSON)."""
     if backend == "gloo":
-        return {**CASES, **FAULTS}
+        return {**CASES, **FAULTS, **IPC_CASES, **IPC_FAULTS}
     if backend == "colocated":
-        return {case: CASES[case] for case in COLOCATED_CASES}
+        every = {**CASES, **IPC_CASES, **IPC_FAULTS}
+        out = {case: every[case] for case in COLOCATED_CASES}
+        for case, (adapter, kw, kind, standin_kw, merge) in out.items():
+            if adapter == "vllm-ipc":
+                out[case] = (adapter, {**kw, "pickle_handles": True}, kind, standin_kw, merge)
+        return out
     out = {}
     for case in GPU_CASES:
         adapter, kw, kind, standin_kw, merge = CASES[case]
@@ -99,7 +138,14 @@ def _cases(backend):
     return out
 
 
+def _in_trainer(kind, backend) -> bool:
+    """vLLM's ipc stand-in runs in the trainer's process on CPU (no CUDA IPC between processes)."""
+    return kind == "vllm-ipc" and backend == "gloo"
+
+
 def _standin(kind, model, tp_rank, engine_ranks, kw):
+    if kind == "vllm-ipc":
+        return es.VllmIpcWorkerStandin(model, **kw)
     if kind == "vllm":
         return es.VllmNcclWorkerStandin(model, rank=tp_rank, world_size_per_dp=engine_ranks, **kw)
     if kind == "vllm-ext":
@@ -107,10 +153,12 @@ def _standin(kind, model, tp_rank, engine_ranks, kw):
     return es.SglangEngineStandin(model, tp_rank=tp_rank, **kw)
 
 
-def _engine(rank, address, cases, device):
+def _engine(rank, address, cases, device, backend):
     hf = dict(tiny_llama.build_hf(SPEC).named_parameters())
     models, engines = {}, {}
     for case, (_, _, kind, kw, _) in cases.items():
+        if _in_trainer(kind, backend):
+            continue
         params = dict(hf)
         if case == "fault-vllm-unknown-name":
             del params["lm_head.weight"]
@@ -127,20 +175,56 @@ def _engine(rank, address, cases, device):
             chunks=list(getattr(e, "chunks", [])),
             requests=getattr(e, "requests", None),
             cache_flushes=getattr(e, "cache_flushes", None),
+            received=list(getattr(e, "received", [])),
         )
     return out
 
 
-def _export_case(model, client, case, spec):
-    from megatron_ext import weight_export as wx
+class CpuIpcSender(VllmIpcSender):
+    """The vllm-ipc adapter with its three CUDA-bound steps (the CUDA check, the GPU's UUID, making
+    the handles) done by the CPU stand-in of CUDA IPC; everything else is the adapter's."""
 
-    adapter_name, kw, _, _, merge = spec
-    kw = dict(kw, engine_ranks=dist.get_world_size() - 1)
-    if adapter_name.startswith("vllm"):
+    def __init__(self, call, ipc: es.CudaIpcStandin, **kw):
+        super().__init__(call, **kw)
+        self.ipc = ipc
+
+    def _require_cuda(self, device, what):
+        pass
+
+    def _gpu_uuid(self, device):
+        return self.ipc.uuid
+
+    def _shares(self):
+        return self.ipc.shares()
+
+
+def _make_adapter(client, case, spec, backend):
+    """The case's adapter and, when the stand-in runs in this process, the stand-in (else None)."""
+    adapter_name, kw, kind, standin_kw, merge = spec
+    if _in_trainer(kind, backend):
+        ipc = es.CudaIpcStandin()
+        hf = dict(tiny_llama.build_hf(SPEC).named_parameters())
+        standin = es.VllmIpcWorkerStandin(es.StandinModel(hf), ipc=ipc, **standin_kw)
+        return CpuIpcSender(standin, ipc, **kw), standin
+    if adapter_name != "vllm-ipc":
+        kw = dict(kw, engine_ranks=dist.get_world_size() - 1)
+    if adapter_name in ("vllm", "vllm-rpc"):
         kw = dict(kw, group=es.vllm_trainer_group, master_address="127.0.0.1")
     elif adapter_name == "sglang-distributed":
         kw = dict(kw, group_name=f"weight_update_{case}", master_address="127.0.0.1")
-    adapter = make_adapter(adapter_name, client.caller(case, merge), **kw)
+    return make_adapter(adapter_name, client.caller(case, merge), **kw), None
+
+
+def _in_trainer_engine(standin) -> dict | None:
+    if standin is None:
+        return None
+    return dict(state=standin.model.state(), version=standin.weight_version, received=list(standin.received))
+
+
+def _export_case(model, client, case, spec, backend):
+    from megatron_ext import weight_export as wx
+
+    adapter, standin = _make_adapter(client, case, spec, backend)
     cfg = wx.RefitConfig(bucket_size_mb=0.03, vocab_size=SPEC.hf_vocab_size, timeout_s=60)
     exporter = wx.WeightExporter(model, cfg, sender=adapter)
     start = time.monotonic()
@@ -150,25 +234,31 @@ def _export_case(model, client, case, spec):
         saved = norm.detach().clone()
         with torch.no_grad():
             norm[3] = float("nan")
+    first_expected = None
     try:
         first = exporter.export(version=1)
+        if case == "fault-vllm-ipc-refused-version":
+            first_expected = snapshot(reference_for(SPEC, model))
         with torch.no_grad():
             for p in model.parameters():
                 p.mul_(-0.5).add_(0.125)
+        start = time.monotonic()
         second = exporter.export(version=2)
         return dict(
             applied=(first.applied, second.applied),
             expected=snapshot(reference_for(SPEC, model)),
             buckets=len(exporter.plan.buckets),
             copied=adapter.packer.copies,
+            engine=_in_trainer_engine(standin),
         )
     except Exception as exc:  # noqa: BLE001 - the fault cases report what the trainer saw
-        out = dict(error=f"{type(exc).__name__}: {exc}", elapsed=time.monotonic() - start)
+        out = dict(error=f"{type(exc).__name__}: {exc}", elapsed=time.monotonic() - start, expected=first_expected)
         try:
             exporter.export(version=3)
             out["again"] = "exported"
         except Exception as again:  # noqa: BLE001
             out["again"] = f"{type(again).__name__}: {again}"
+        out["engine"] = _in_trainer_engine(standin)
         return out
     finally:
         exporter.close()
@@ -177,13 +267,13 @@ def _export_case(model, client, case, spec):
                 norm.copy_(saved)
 
 
-def _trainer(addresses, cases, device):
+def _trainer(addresses, cases, device, backend):
     from megatron_ext.testing import tiny_llama as tl
 
     model = tl.build_model(SPEC, tl.transformer_config(SPEC), device=device)
     client = es.StandinClient(addresses, key=KEY, timeout_s=120)
     try:
-        return {case: _export_case(model, client, case, spec) for case, spec in cases.items()}
+        return {case: _export_case(model, client, case, spec, backend) for case, spec in cases.items()}
     finally:
         client.close()
 
@@ -197,8 +287,8 @@ def _job(backend):
     addresses = [None] * dist.get_world_size()
     dist.all_gather_object(addresses, f"127.0.0.1:{free_port()}" if rank else None)
     if rank == 0:
-        return _trainer(addresses[1:], _cases(backend), device)
-    return _engine(rank, addresses[rank], _cases(backend), device)
+        return _trainer(addresses[1:], _cases(backend), device, backend)
+    return _engine(rank, addresses[rank], _cases(backend), device, backend)
 
 
 @pytest.fixture(
@@ -285,6 +375,73 @@ def test_version_refused_by_the_hooks_nan_check_is_not_published(job):
         assert engine["fault-sglang-nan"]["version"] is None
 
 
+def _ipc_engines(job, case) -> list[dict]:
+    """The vLLM ipc stand-in's results: from the trainer's process on CPU, the engine ranks on a GPU."""
+    if case not in job[0]:
+        pytest.skip(f"{case} does not run in this job (see _cases)")
+    engine = job[0][case].get("engine")
+    return [engine] if engine is not None else [r[case] for r in job[1:]]
+
+
+@pytest.mark.parametrize("case", list(IPC_CASES))
+def test_vllm_ipc_delivers_exact_tensors_and_version_to_the_standin(job, case):
+    engines = _ipc_engines(job, case)
+    trainer = job[0][case]
+    assert "error" not in trainer, trainer.get("error")
+    assert trainer["applied"] == ((1,), (2,))
+    assert trainer["buckets"] > 4
+    kw = CASES.get(case, IPC_CASES[case])[1]
+    for engine in engines:
+        assert engine["version"] == "2", engine["version"]
+        assert engine["state"].keys() == trainer["expected"].keys()
+        for name, ref in trainer["expected"].items():
+            assert torch.equal(engine["state"][name], ref), f"{case}: {name}"
+        received = engine["received"]
+        # an engine process (GPU) is reached over the stand-in RPC, whose JSON needs pickled handles
+        pickled = kw.get("pickle_handles", False) or trainer.get("engine") is None
+        assert {r["pickled"] for r in received} == {pickled}
+        assert {r["packed"] for r in received} == {kw.get("packed", False)}
+        for r in received:
+            assert len(r["names"]) == len(r["dtype_names"]) == len(r["shapes"]) > 0
+        # one request per bucket (one dtype, fp32, in this model)
+        assert len(received) == 2 * trainer["buckets"]
+        if kw.get("packed", False):
+            # one handle per request: the bucket's tensors back to back, cut by tensor_sizes; the qk-norm
+            # weights (64 bytes) break the 256-byte aligned layout, so some buckets were packed by a copy
+            assert all(r["ipc_handles"] == 1 and len(r["tensor_sizes"]) == len(r["names"]) for r in received)
+            assert trainer["copied"] > 0
+        else:
+            # one handle per tensor, each a view of the export buffer: nothing copied
+            assert all(r["ipc_handles"] == len(r["names"]) and r.get("tensor_sizes") is None for r in received)
+            assert trainer["copied"] == 0
+
+
+def test_vllm_ipc_refused_version_leaves_the_engine_on_the_previous_one(job):
+    case = "fault-vllm-ipc-refused-version"
+    engines = _ipc_engines(job, case)
+    trainer = job[0][case]
+    assert "ReceiverError" in trainer.get("error", ""), trainer
+    assert "update_weights" in trainer["error"] and "refused (stand-in fault injection)" in trainer["error"]
+    assert "bucket 0" in trainer["error"], "the failing bucket is named"
+    assert trainer["elapsed"] < FAULT_TIMEOUT_S, trainer["elapsed"]
+    assert "cannot send another version" in trainer["again"] and "new adapter" in trainer["again"]
+    for engine in engines:
+        # refused at the version's first request: nothing of version 2 was loaded, version 1 is kept
+        assert engine["version"] == "1", engine["version"]
+        for name, ref in trainer["expected"].items():
+            assert torch.equal(engine["state"][name], ref), name
+
+
+def test_vllm_ipc_pickled_handles_are_refused_without_insecure_serialization(job):
+    case = "fault-vllm-ipc-insecure"
+    engines = _ipc_engines(job, case)
+    trainer = job[0][case]
+    assert "ReceiverError" in trainer.get("error", ""), trainer
+    want = "Refusing to deserialize `ipc_handles_pickled` without VLLM_ALLOW_INSECURE_SERIALIZATION=1"
+    assert want in trainer["error"], trainer["error"]
+    assert all(engine["version"] is None and engine["received"] == [] for engine in engines)
+
+
 # ------------------------------------------------------------------------ in-process layout checks
 def _bucket(shapes_dtypes):
     """A bucket laid out as the export plan lays it out (256-byte aligned offsets), and its tensors."""
@@ -359,7 +516,124 @@ def test_packed_chunks_are_cut_where_vllms_consumer_cuts_them(limit):
     assert [sum(sizes[a:b]) for a, b in threshold_chunks(sizes, limit)] == es.packed_chunk_sizes(sizes, limit)
 
 
+class _Recorder:
+    """Records every engine call (method, keyword arguments) and forwards it to ``engine``."""
+
+    def __init__(self, engine):
+        self.engine, self.calls = engine, []
+
+    def __call__(self, method, *args, **kwargs):
+        self.calls.append((method, kwargs))
+        return getattr(self.engine, method)(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "packed, pickle_handles, packed_params_in",
+    [
+        (False, False, "init_info"),
+        (False, True, "update_info"),
+        (True, False, "init_info"),
+        (True, True, "engine_config"),
+        (True, False, "update_info"),
+    ],
+)
+def test_vllm_ipc_messages_have_vllms_layout_and_unpack_exactly(packed, pickle_handles, packed_params_in):
+    """The fields of every call (vLLM's IPCWeightTransferInitInfo / IPCWeightTransferUpdateInfo), the
+    handles ({gpu uuid: rebuild_cuda_tensor args}) and, through the stand-in worker, the exact tensors
+    of a mixed-dtype bucket with odd sizes, over two versions (CPU: CudaIpcStandin for CUDA IPC)."""
+    import base64
+    import pickle
+
+    bucket, buf, tensors = _bucket(MIXED)
+    want = dict(zip((m.name for m in bucket.tensors), tensors))
+    ipc = es.CudaIpcStandin()
+    era = {"engine_config": dict(era="engine_config", packed=packed)}.get(packed_params_in, dict(era=packed_params_in))
+    model = es.StandinModel({name: t for name, t in want.items()})
+    worker = es.VllmIpcWorkerStandin(model, ipc=ipc, **era)
+    recorder = _Recorder(worker)
+    adapter = CpuIpcSender(
+        recorder, ipc, packed=packed, pickle_handles=pickle_handles, packed_params_in=packed_params_in,
+        check_version=True,
+    )  # fmt: skip
+    for version in (1, 2):
+        adapter.start(None, [buf], version)
+        adapter.send(bucket, buf).wait()
+        assert adapter.finish(version) == [version]
+        assert worker.weight_version == str(version)
+        for name, t in want.items():
+            assert model.params[name].dtype == t.dtype and torch.equal(model.params[name], t), name
+        buf.zero_()  # the next version must be read again, not kept from the first
+        for m, t in zip(bucket.tensors, tensors):
+            buf[m.offset : m.offset + m.nbytes].copy_(t.reshape(-1).view(torch.uint8))
+    adapter.close()
+
+    methods = [m for m, _ in recorder.calls]
+    requests = [kw for m, kw in recorder.calls if m == "update_weights"]
+    per_version = len(requests) // 2
+    assert methods == ["init_weight_transfer_engine"] + 2 * (
+        ["start_weight_update"] + ["update_weights"] * per_version + ["finish_weight_update", "get_weight_version"]
+    )
+    init = recorder.calls[0][1]
+    assert init == {"init_info": {"packed": packed} if packed_params_in == "init_info" else {}}
+    finishes = [kw for m, kw in recorder.calls if m == "finish_weight_update"]
+    assert finishes == [{"weight_version": "1"}, {"weight_version": "2"}]
+    expected_requests = aligned_requests(bucket.tensors) if packed else [list(bucket.tensors)]
+    assert per_version == len(expected_requests)
+    for kw, metas in zip(requests, 2 * expected_requests):
+        info = kw["update_info"]
+        handle_key = "ipc_handles_pickled" if pickle_handles else "ipc_handles"
+        keys = ["names", "dtype_names", "shapes", handle_key] + (["tensor_sizes"] if packed else [])
+        assert list(info) == keys + (["packed"] if packed_params_in == "update_info" else [])
+        if packed_params_in == "update_info":
+            assert info["packed"] is packed
+        assert info["names"] == [m.name for m in metas]
+        assert info["dtype_names"] == [str(m.dtype).removeprefix("torch.") for m in metas]
+        assert info["shapes"] == [list(m.shape) for m in metas]
+        handles = info[handle_key]
+        if pickle_handles:
+            assert isinstance(handles, str)
+            handles = pickle.loads(base64.b64decode(handles))
+        one = [handles] if packed else handles
+        assert isinstance(handles, dict if packed else list) and len(one) == (1 if packed else len(metas))
+        for h, m in zip(one, metas):
+            assert list(h) == [ipc.uuid]
+            args = h[ipc.uuid]
+            assert len(args) == 15  # rebuild_cuda_tensor's parameters
+            assert args[5] == (torch.uint8 if packed else m.dtype)
+            if not packed:
+                assert tuple(args[1]) == m.shape
+        if packed:
+            assert info["tensor_sizes"] == [m.nbytes for m in metas]
+            assert tuple(one[0][ipc.uuid][1]) == (sum(m.nbytes for m in metas),)
+    # unpacked: every handle is a view of the export buffer; packed: the odd sizes needed a staging copy
+    assert (adapter.packer.copies > 0) == packed
+
+
+def test_vllm_ipc_refuses_tensors_that_are_not_on_a_cuda_device():
+    adapter = make_adapter("vllm-ipc", lambda *a, **k: None)
+    with pytest.raises(ValueError, match=r"through CUDA IPC, which needs CUDA tensors; got the export buffers on cpu"):
+        adapter.allocate(1024, "cpu")
+    bucket, buf, _ = _bucket(MIXED)
+    with pytest.raises(ValueError, match="needs CUDA tensors; got the export buffers on cpu"):
+        adapter.start(None, [buf], 1)
+    with pytest.raises(ValueError, match="needs CUDA tensors; got the export buffers on cpu"):
+        adapter.send(bucket, buf)
+    adapter.close()
+
+
 def test_adapter_arguments_are_checked_by_name():
+    with pytest.raises(ValueError, match=r"packed must be True or False, got 'yes'"):
+        make_adapter("vllm-ipc", lambda *a, **k: None, packed="yes")
+    with pytest.raises(
+        ValueError, match=r"packed_params_in must be one of \('update_info', 'init_info', 'engine_config'\), got 'http'"
+    ):
+        make_adapter("vllm-ipc", lambda *a, **k: None, packed_params_in="http")
+    with pytest.raises(ValueError, match=r"pickle_handles must be True or False, got 1"):
+        make_adapter("vllm-ipc", lambda *a, **k: None, pickle_handles=1)
+    with pytest.raises(ValueError, match=r"timeout_s must be > 0"):
+        make_adapter("vllm-ipc", lambda *a, **k: None, timeout_s=0)
+    with pytest.raises(TypeError, match="master_address"):  # no group: a group argument is a mistake
+        make_adapter("vllm-ipc", lambda *a, **k: None, master_address="127.0.0.1")
     with pytest.raises(
         ValueError, match=r"packed_params_in must be one of \('update_info', 'init_info', 'engine_config'\)"
     ):
