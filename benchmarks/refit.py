@@ -272,6 +272,7 @@ def _trainer(spec, scenarios, bucket_mb, iters, timeout_s):
                     bucket_size_mb=bucket_mb,
                     vocab_size=spec.hf_vocab_size,
                     timeout_s=timeout_s,
+                    quantize=sc.get("quantize", "none"),
                 ),
             )
             first = exporter.export()
@@ -334,6 +335,11 @@ def main(argv=None) -> int:
     parser.add_argument("--limit-gib", type=float, default=1.0, help="payload of the limit measurements")
     parser.add_argument("--timeout-s", type=float, default=300)
     parser.add_argument("--no-naive", action="store_true", help="skip the naive baseline")
+    parser.add_argument(
+        "--fp8",
+        action="store_true",
+        help="add rows of the same transports with --refit-quantize fp8-block (the bf16 engine loads dequantized)",
+    )
     parser.add_argument("--out", default="refit.json")
     args = parser.parse_args(argv)
 
@@ -368,13 +374,28 @@ def main(argv=None) -> int:
         plan.append(("colocated", "ipc", colocated, True))
     if cross is not None:
         plan.append(("cross-gpu", "broadcast", cross, True))
-    for where, transport, device, with_naive in plan:
+    if args.fp8:  # FP8 goes through buckets: not ipc-push / ipc-direct
+        plan += [
+            (where, transport, device, False, "fp8-block")
+            for where, transport, device, _ in plan
+            if transport in ("ipc", "broadcast")
+        ]
+    for where, transport, device, with_naive, *quantize in plan:
         rec = start_hf_receiver(
             build_receiver_model, (spec, str(device)), device=device, timeout_s=args.timeout_s, keep_state=False
         )
         receivers.append(rec)
+        quantize = quantize[0] if quantize else "none"
+        label = transport if quantize == "none" else f"{transport}, {quantize}"
         scenarios.append(
-            dict(name=f"{where} ours ({transport})", kind="ours", transport=transport, address=rec.address, where=where)
+            dict(
+                name=f"{where} ours ({label})",
+                kind="ours",
+                transport=transport,
+                address=rec.address,
+                where=where,
+                quantize=quantize,
+            )
         )
         if with_naive and not args.no_naive:
             key = secrets.token_bytes(16)
@@ -411,7 +432,7 @@ def main(argv=None) -> int:
 
     for row, sc in zip(rows, scenarios):
         limit = limits["copy_gbps"] if sc["where"] == "colocated" else limits.get("broadcast_gbps")
-        row["where"] = sc["where"]
+        row["where"], row["quantize"] = sc["where"], sc.get("quantize", "none")
         row["fraction_of_limit"] = row["gbps"] / limit if limit else None
         if "buffer_bytes" in row and "peak_extra_bytes" in row:
             row["peak_extra_buffers"] = row["peak_extra_bytes"] / row["buffer_bytes"]
@@ -419,6 +440,14 @@ def main(argv=None) -> int:
         naive = [r for r in rows if r["kind"] == "naive" and r["where"] == row["where"]]
         if row["kind"] == "ours" and naive:
             row["speedup_vs_naive"] = naive[0]["seconds"] / row["seconds"]
+        bf16 = [
+            r
+            for r in rows
+            if r is not row and r.get("quantize") == "none" and r["name"] == row["name"].split(",")[0] + ")"
+        ]
+        if row.get("quantize", "none") != "none" and bf16:
+            row["bytes_vs_bf16"] = row["nbytes"] / bf16[0]["nbytes"]
+            row["speedup_vs_bf16"] = bf16[0]["seconds"] / row["seconds"]
 
     header = f"{'scenario':38} {'time ms':>9} {'GB/s':>8} {'of limit':>8} {'vs naive':>8} {'extra mem':>12} {'KL':>9}"
     print(f"\nmodel: {rows[0]['params'] / 1e9:.2f}B params, {rows[0]['nbytes'] / GiB:.2f} GiB bf16 payload")
@@ -464,6 +493,12 @@ def main(argv=None) -> int:
                     r["peak_extra_buffers"] <= 2.0,
                     f"{r['peak_extra_buffers']:.2f} buffers",
                 )
+            )
+    for r in rows:
+        if "speedup_vs_bf16" in r:
+            print(
+                f"{r['name']}: {r['bytes_vs_bf16']:.3f}x the bytes of bf16, {r['speedup_vs_bf16']:.2f}x its speed "
+                f"(KL vs the bf16 trainer {r['kl']:.2e})"
             )
     print("\ntargets:")
     for what, ok, value in targets:

@@ -133,8 +133,10 @@ def dequantize_blocks(
 ) -> torch.Tensor:
     """The weight that ``q`` and its block scales stand for, in ``dtype``."""
     rows, cols = q.shape
-    s = scale_inv.repeat_interleave(block, 0).repeat_interleave(block, 1)[:rows, :cols]
-    return (q.float() * s).to(dtype)
+    x = _padded(q.float(), block)  # one float32 copy (padded only for a partial last block)
+    shape = (x.shape[0] // block, block, x.shape[1] // block, block)
+    x.view(shape).mul_(scale_inv[:, None, :, None])  # each block times its scale, broadcast (no repeated scales)
+    return x[:rows, :cols].to(dtype).contiguous()
 
 
 class Fp8Sources:

@@ -177,12 +177,15 @@ def _gpu_trainer(target):
             p.mul_(1.5).add_(0.01)
     second = exporter.export(version=2)
     verify = exporter.verify(tiny_llama.tokens(SPEC).to(device))
-    reference = {n: t.cpu() for n, t in gathered_hf_state(SPEC, model).items()}
-    quantized = {n: w for n, w in gathered_hf_state(SPEC, model).items() if _quantized(n, w)}
     from megatron_ext.weight_export.fp8 import dequantize_blocks, quantize_blocks
 
-    # the Triton kernel's FP8 checkpoint, dequantized on the GPU as the receiver does
-    want = {n: dequantize_blocks(*quantize_blocks(w), w.dtype).cpu() for n, w in quantized.items()}
+    reference = gathered_hf_state(SPEC, model)  # on the CPU
+    # the Triton kernel's FP8 checkpoint of the whole tensors, dequantized on the GPU as the receiver does
+    want = {
+        n: dequantize_blocks(*quantize_blocks(w.to(device)), w.dtype).cpu()
+        for n, w in reference.items()
+        if _quantized(n, w)
+    }
     exporter.close()
     return dict(second=second.applied, verify=verify, reference=reference, want=want)
 
@@ -198,7 +201,8 @@ def test_fp8_export_on_gpu_to_a_colocated_engine():
     assert got["ok"], got.get("error")
     assert out["second"] == (2,) and got["applied"] == [1, 2]
     for name, w in out["reference"].items():
-        assert torch.equal(got["state"][name], out["want"].get(name, w)), name
+        want = out["want"].get(name, w)
+        assert torch.equal(got["state"][name], want), f"{name}: {(got['state'][name] != want).sum()} elements differ"
     assert len(out["want"]) == 7 * SPEC.num_layers
     print(f"FP8 export KL against the trainer: {out['verify'].kl:.3g}, max logit diff {out['verify'].max_abs_diff:.3g}")
     assert out["verify"].ok(max_kl=1e-3), out["verify"]
