@@ -96,7 +96,8 @@ class _NullEvent:
 
 class _CpuTorch(types.ModuleType):
     """Stands in for the name ``torch`` inside a Megatron module: tensor factories
-    asked for ``device='cuda'`` allocate on CPU; everything else is real torch."""
+    asked for ``device='cuda'`` or ``pin_memory=True`` allocate plain CPU memory;
+    everything else is real torch."""
 
     _FACTORIES = frozenset(
         {"tensor", "zeros", "ones", "empty", "full", "zeros_like", "ones_like", "empty_like", "full_like", "arange"}
@@ -114,6 +115,7 @@ class _CpuTorch(types.ModuleType):
             device = kwargs.get("device")
             if device is not None and str(device).startswith("cuda"):
                 kwargs["device"] = "cpu"
+            kwargs.pop("pin_memory", None)  # pinning needs the CUDA driver
             return attr(*args, **kwargs)
 
         return factory
@@ -203,6 +205,18 @@ def install_inference() -> bool:
     torch.Tensor.cuda = cuda
     transformer_utils.torch = _CpuTorch()
     _INFERENCE_INSTALLED = True
+    return True
+
+
+def install_resharding() -> bool:
+    """:func:`install` plus megatron-core's gloo copy service of ``swap_model_weights``
+    (``megatron.core.resharding``), which stages every transfer in pinned host memory:
+    plain CPU memory here. Returns False (and does nothing) when CUDA is available."""
+    if not install():
+        return False
+    from megatron.core.resharding.copy_services import gloo_copy_service
+
+    gloo_copy_service.torch = _CpuTorch()
     return True
 
 

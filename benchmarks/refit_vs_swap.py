@@ -1,0 +1,725 @@
+"""Our reshard refit against megatron-core's ``swap_model_weights``: same model, ranks and layouts, one job.
+
+    # 4 GPUs: the default layouts for 4 ranks (colocated TP4 -> TP1xDP4, TP4 -> TP2xDP2,
+    # TP2xPP2 -> TP1xDP4; non-colocated TP2 -> TP2, TP2 -> TP1xDP2)
+    python benchmarks/refit_vs_swap.py --preset 3b --out refit_vs_swap_3b_4gpu.json
+    # 2 GPUs
+    python benchmarks/refit_vs_swap.py --preset 3b --world 2 --out refit_vs_swap_3b_2gpu.json
+    # CPU smoke run (gloo): our rows only on a machine without the CUDA driver, where megatron-core's
+    # gloo copy service cannot pin its staging buffers (the CPU test runs swap:gloo with a test-only shim)
+    python benchmarks/refit_vs_swap.py --preset tiny --device cpu --world 4 --layouts co:tp2dp2:tp1dp4,nc:tp2:tp1dp2
+
+The trainer is a Llama-shaped Megatron ``GPTModel`` (``benchmarks.common`` presets, local layer
+spec) at layout A, the engine a second ``GPTModel`` at layout B, both in one ``torch.distributed``
+job (:func:`~megatron_ext.testing.multirank.run_on_ranks`). A layout is ``co:A:B`` (colocated:
+both models on ranks ``0..|A|-1``) or ``nc:A:B`` (trainer on ranks ``0..|A|-1``, engine on the
+next ``|B|``); a side is ``tp<N>[pp<N>][dp<N>]`` (the engine has PP 1, as megatron-core's inference
+engine does in ``megatron_ext.weight_export.megatron_engine``). Ranks outside a layout idle (they
+still take part in every collective, as both methods require).
+
+Process groups: every model gets its own ``ProcessGroupCollection`` from megatron-core's
+``megatron.core.inference.shards.build_inference_pg_collection(world_size, tp_size=, pp_size=,
+rank_offset=)`` (two ``HyperCommGrid`` s in Megatron's ``tp-cp-dp-pp`` rank order, the builder
+``megatron.training`` uses for the RL inference model), passed as ``GPTModel(pg_collection=)``.
+``swap_model_weights`` reads the groups from ``model.pg_collection`` (its planner all-gathers each
+parameter's TP/DP/PP group ranks). Non-colocated, the trainer's window starts at rank 0 and the
+engine's at ``|A|``; the trainer ranks call ``swap_model_weights(trainer, None, ...)``, the engine
+ranks ``swap_model_weights(None, engine, ...)``, the rest ``(None, None)``. One world holds both, so
+the group ranks are already global: ``src_rank_offset = dst_rank_offset = 0`` (the offsets shift
+group ranks of *independent* worlds into one refit group).
+
+Rows per layout (``--methods``):
+
+- ``swap:<service>``: ``megatron.core.resharding.swap_model_weights(trainer, engine, refit_method=
+  service)`` for each copy service that works here (``nccl`` on GPU, plus ``nvshmem`` / ``nixl``
+  when their packages import, ``gloo`` only when named; ``gloo`` with ``--device cpu`` where the CUDA
+  driver is installed: its staging buffers are pinned host memory). Its plan cache is cleared
+  before the first refit.
+- ``ours:stream`` / ``ours:atomic``: :class:`~megatron_ext.weight_export.reshard.ReshardExecutor`
+  over :class:`~megatron_ext.weight_export.peers.DistPeers` (the job's world), from
+  ``megatron_layout`` of the trainer to ``megatron_engine_layout`` of the engine (the Megatron ->
+  Megatron layouts of ``megatron_engine.py``: padded vocabulary rows copied too), streaming
+  ``--stream-bucket-mb`` / atomic ``--atomic-bucket-mb`` buckets, ``--max-inflight`` rounds. The
+  engine's local tensor names get an ``engine/`` prefix in its layout: colocated, both models'
+  Megatron names would otherwise collide in the executor's one ``tensors`` dict.
+
+Columns: seconds per refit (median of ``--iters`` after ``--warmup``; each refit timed on the
+slowest rank, device synchronised), GB/s per GPU (bytes the busiest engine rank must receive from
+other ranks: what it keeps less what its own trainer shard already holds, the same count for every
+row / seconds), the fraction of the measured link limit (GPU: NCCL ``batch_isend_irecv`` over the
+layout's ranks, every rank sending to the next and receiving from the previous at once when
+colocated, trainer rank ``i`` -> engine rank ``|A|+i`` otherwise; CPU: none), peak extra memory on
+trainer and engine ranks (``torch.cuda.max_memory_allocated`` over the method's refits minus what
+was allocated before them; colocated ranks hold both models, so both columns are the same ranks),
+the first refit (plans, services / executors, staging and the first transfer), the plan alone
+(``swap``: ``prepare_swap_model_weights``, timed on its own before its cache is cleared again;
+ours: ``build_reshard_plan`` and the executor, slowest rank) and the speed-up of our rows over the
+best ``swap`` row of the layout.
+
+Correctness: every trainer parameter is filled with values drawn from its global name (the same
+global tensor at every layout, sharded the way Megatron shards it: ``partition_dim``,
+``partition_stride``), every engine parameter is set to NaN before each method, and after the
+method's last refit every engine rank compares each parameter, exactly, with its shard of those
+global tensors (and the trainer its own). A method that leaves one element wrong gets no time in
+the table (``correct: false``, seconds None) and the script exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import datetime
+import gc
+import importlib.util
+import json
+import os
+import platform
+import re
+import shlex
+import statistics
+import sys
+import time
+import zlib
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_ext.testing.multirank import run_on_ranks  # noqa: E402
+
+MiB = 1 << 20
+GiB = 1 << 30
+SWAP_SERVICES = ("nccl", "gloo", "nvshmem", "nixl")
+OURS = ("stream", "atomic")
+ENGINE_PREFIX = "engine/"  # the engine's local tensor names in our layout (colocated: distinct from the trainer's)
+SEED = 1234
+
+
+# --------------------------------------------------------------------------- layouts
+@dataclasses.dataclass(frozen=True)
+class Side:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+
+    @property
+    def size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def __str__(self) -> str:
+        return f"TP{self.tp}" + (f"xPP{self.pp}" if self.pp > 1 else "") + (f"xDP{self.dp}" if self.dp > 1 else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One layout pair: the trainer at ``trainer``, the engine at ``engine``, colocated or not."""
+
+    name: str
+    colocated: bool
+    trainer: Side
+    engine: Side
+
+    @property
+    def trainer_ranks(self) -> range:
+        return range(self.trainer.size)
+
+    @property
+    def engine_ranks(self) -> range:
+        first = 0 if self.colocated else self.trainer.size
+        return range(first, first + self.engine.size)
+
+    @property
+    def world(self) -> int:
+        return max(self.trainer_ranks.stop, self.engine_ranks.stop)
+
+    def describe(self) -> str:
+        if self.colocated:
+            return f"colocated {self.trainer} -> {self.engine} ({_ranks(self.trainer_ranks)})"
+        return f"{self.trainer} on {_ranks(self.trainer_ranks)} -> {self.engine} on {_ranks(self.engine_ranks)}"
+
+
+def _ranks(r: range) -> str:
+    return f"rank {r.start}" if len(r) == 1 else f"ranks {r.start}-{r.stop - 1}"
+
+
+_SIDE = re.compile(r"tp(\d+)(?:pp(\d+))?(?:dp(\d+))?")
+
+
+def _side(text: str, what: str) -> Side:
+    m = _SIDE.fullmatch(text)
+    if m is None:
+        raise ValueError(f"{what} {text!r} is not tp<N>[pp<N>][dp<N>]")
+    tp, pp, dp = (int(g) if g else 1 for g in m.groups())
+    if min(tp, pp, dp) < 1:
+        raise ValueError(f"{what} {text!r}: sizes must be >= 1")
+    return Side(tp, pp, dp)
+
+
+def parse_case(name: str) -> Case:
+    """``co:A:B`` (colocated) or ``nc:A:B`` (engine on the ranks after the trainer's)."""
+    parts = name.split(":")
+    if len(parts) != 3 or parts[0] not in ("co", "nc"):
+        raise ValueError(f"layout {name!r} is not co:A:B or nc:A:B (e.g. co:tp4:tp1dp4, nc:tp2:tp2)")
+    trainer, engine = _side(parts[1], "trainer side"), _side(parts[2], "engine side")
+    if engine.pp != 1:
+        raise ValueError(f"layout {name!r}: the engine runs pipeline size 1 (megatron-core's inference engine)")
+    if parts[0] == "co" and trainer.size != engine.size:
+        raise ValueError(f"layout {name!r}: colocated sides need the same ranks, {trainer.size} != {engine.size}")
+    return Case(name, parts[0] == "co", trainer, engine)
+
+
+def default_layouts(world: int) -> list[str]:
+    """The issue's layouts scaled to ``world`` ranks: TP change, TP -> TP x DP, PP -> DP, non-colocated."""
+    if world == 2:
+        return ["co:tp2:tp1dp2", "co:tp1pp2:tp1dp2", "nc:tp1:tp1"]
+    half = world // 2
+    return [
+        f"co:tp{world}:tp1dp{world}",
+        f"co:tp{world}:tp2dp{half}",
+        f"co:tp{half}pp2:tp1dp{world}",
+        f"nc:tp{half}:tp{half}",
+        f"nc:tp{half}:tp1dp{half}",
+    ]
+
+
+NO_DRIVER_GLOO = (
+    "swap:gloo cannot run on a machine without the CUDA driver: megatron-core's GlooCopyService stages "
+    "every transfer in pinned host memory (torch.empty(..., pin_memory=True) in submit_recv and run), "
+    "which raises 'Found no NVIDIA driver'"
+)
+
+
+def available_methods(gpu: bool, driver: bool | None = None) -> list[str]:
+    """The rows that run by default: the copy services that work on this machine, then ours.
+    ``driver``: whether the CUDA driver is there (default: ask torch); without it megatron-core's
+    gloo service cannot pin its staging buffers, so a CPU-only machine runs our rows only."""
+    driver = torch.cuda.is_available() if driver is None else driver
+    services = ["nccl"] if gpu else ["gloo"] if driver else []
+    if gpu:  # the modules megatron-core's NVSHMEM / NIXL copy services import
+        services += [s for s, pkg in (("nvshmem", "nvshmem.core"), ("nixl", "nixl._api")) if _importable(pkg)]
+    return [f"swap:{s}" for s in services] + [f"ours:{m}" for m in OURS]
+
+
+def _importable(pkg: str) -> bool:
+    try:
+        return importlib.util.find_spec(pkg) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def parse_methods(text: str) -> list[str]:
+    methods = [m.strip() for m in text.split(",") if m.strip()]
+    known = [f"swap:{s}" for s in SWAP_SERVICES] + [f"ours:{m}" for m in OURS]
+    bad = [m for m in methods if m not in known]
+    if bad or not methods:
+        raise ValueError(f"--methods: unknown {bad}; choose from {known}")
+    return methods
+
+
+# --------------------------------------------------------------------------- models and weights
+_PGCS: dict[tuple[int, int, int, int], object] = {}
+
+
+def _pg_collection(size: int, side: Side, offset: int):
+    """megatron-core's groups for a model on ranks ``offset..offset+size-1`` (every rank calls it:
+    ``new_group`` is collective). Memoised: layouts that share a side share its groups."""
+    from megatron.core.inference.shards import build_inference_pg_collection
+
+    key = (size, side.tp, side.pp, offset)
+    if key not in _PGCS:
+        _PGCS[key] = build_inference_pg_collection(
+            size, tp_size=side.tp, pp_size=side.pp, cp_size=1, ep_size=1, expt_tp_size=side.tp, rank_offset=offset
+        )
+    return _PGCS[key]
+
+
+def _build_gpt(spec, base_config, side: Side, pgc, device):
+    """This rank's ``GPTModel`` at ``side`` with groups ``pgc``: ``tiny_llama.build_model``'s model
+    (local spec, RoPE, RMSNorm, SwiGLU, GQA), with explicit process groups (``build_model`` reads
+    ``parallel_state``, which cannot describe two layouts at once), in bf16 under ``Float16Module``
+    (as ``benchmarks/refit_reshard.py`` and the engine command wrap it). Weights are not
+    initialised: :func:`_fill_trainer` / NaN set them."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.module import Float16Module
+
+    config = copy.deepcopy(base_config)  # as megatron.training builds its RL inference model's config
+    config.tensor_model_parallel_size = side.tp
+    config.pipeline_model_parallel_size = side.pp
+    config.expert_tensor_parallel_size = side.tp
+    config.perform_initialization = False
+    pp_rank, pp_size = pgc.pp.rank(), pgc.pp.size()
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(
+            qk_layernorm=config.qk_layernorm, normalization=config.normalization
+        ),
+        vocab_size=spec.vocab_size,
+        max_sequence_length=spec.seq_length,
+        position_embedding_type="rope",
+        rotary_base=spec.rope_theta,
+        share_embeddings_and_output_weights=spec.tie_embeddings,
+        pre_process=pp_rank == 0,
+        post_process=pp_rank == pp_size - 1,
+        pg_collection=pgc,
+    )
+    return Float16Module(config, model.to(device))
+
+
+def _global_params(model):
+    """``(global name, parameter)``: layer indices with the pipeline offset applied (the names of
+    ``megatron_tensors``, i.e. of our layouts)."""
+    from megatron_ext.sharding.names import global_layer_names, global_name, unwrap
+
+    gpt = unwrap(model)
+    prefixes = global_layer_names(gpt)
+    return [(global_name(n, prefixes), p) for n, p in gpt.named_parameters()]
+
+
+def _expected(name: str, p: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
+    """This rank's shard of the global tensor ``name`` (values drawn from the name alone), split as
+    Megatron splits a TP parameter: ``tp * partition_stride`` chunks on ``partition_dim``, rank ``r``
+    keeping chunks ``r, r + tp, ...`` (stride 2: the ``[gate_r; up_r]`` of a GLU ``linear_fc1``)."""
+    split = bool(getattr(p, "tensor_model_parallel", False))
+    dim, stride = int(getattr(p, "partition_dim", 0)), int(getattr(p, "partition_stride", 1))
+    shape = list(p.shape)
+    if split:
+        shape[dim] *= tp
+    gen = torch.Generator(device=p.device).manual_seed(zlib.crc32(f"{SEED}:{name}".encode()))
+    full = torch.randn(shape, generator=gen, device=p.device, dtype=torch.float32)
+    if split:
+        full = torch.cat(full.chunk(tp * stride, dim)[tp_rank::tp], dim)
+    return full.to(p.dtype)
+
+
+def _tp(model) -> tuple[int, int]:
+    from megatron_ext.sharding.names import unwrap
+
+    tp = unwrap(model).pg_collection.tp
+    return tp.size(), tp.rank()
+
+
+@torch.no_grad()
+def _fill_trainer(model) -> None:
+    tp, r = _tp(model)
+    for name, p in _global_params(model):
+        p.copy_(_expected(name, p, tp, r))
+
+
+@torch.no_grad()
+def _wrong(model) -> list[str]:
+    """Parameters of ``model`` that are not exactly their shard of the global tensors."""
+    tp, r = _tp(model)
+    return [name for name, p in _global_params(model) if not torch.equal(p, _expected(name, p, tp, r))]
+
+
+def _prefixed(layout, prefix: str):
+    """``layout`` with every local tensor renamed ``prefix + name`` (the plan names tensors by these)."""
+    tensors = {
+        r: {prefix + n: dataclasses.replace(lt, name=prefix + n) for n, lt in locs.items()}
+        for r, locs in layout.tensors.items()
+    }
+    return dataclasses.replace(layout, tensors=tensors, recipe=None)
+
+
+# --------------------------------------------------------------------------- timing
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _slowest(seconds: float, device) -> float:
+    import torch.distributed as dist
+
+    t = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _timed(fn, device) -> float:
+    """One call of ``fn`` on every rank, timed on the slowest rank (devices synchronised around it)."""
+    import torch.distributed as dist
+
+    _sync(device)
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return _slowest(time.perf_counter() - start, device)
+
+
+def _link_limit(case: Case, rank: int, nbytes: int, device) -> float | None:
+    """GB/s per GPU of NCCL point-to-point over the layout's ranks, all pairs at once (None on CPU)."""
+    import torch.distributed as dist
+
+    if device.type != "cuda":
+        return None
+    if case.colocated:  # every rank sends to the next and receives from the previous: both directions busy
+        ranks = list(case.trainer_ranks)
+        pairs = [(ranks[j], ranks[(j + 1) % len(ranks)]) for j in range(len(ranks))] if len(ranks) > 1 else []
+    else:  # trainer rank j -> engine rank j
+        n = min(len(case.trainer_ranks), len(case.engine_ranks))
+        pairs = [(case.trainer_ranks[j], case.engine_ranks[j]) for j in range(n)]
+    sends = [dst for src, dst in pairs if src == rank]
+    recvs = [src for src, dst in pairs if dst == rank]
+    bufs = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in sends + recvs]
+
+    def p2p():
+        ops = [dist.P2POp(dist.isend, b, peer) for b, peer in zip(bufs, sends)]
+        ops += [dist.P2POp(dist.irecv, b, peer) for b, peer in zip(bufs[len(sends) :], recvs)]
+        if ops:
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+
+    _timed(p2p, device)  # warm-up: the pairs' communicators
+    seconds = statistics.median(_timed(p2p, device) for _ in range(3))
+    return nbytes / seconds / 1e9 if pairs else None
+
+
+# --------------------------------------------------------------------------- one rank
+def _rank(preset: str, cases: list[Case], methods: list[str], opts: dict, rank_setup=None):
+    if rank_setup is not None:  # before anything of megatron-core is bound here
+        rank_setup()
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.resharding.refit import clear_all_caches, prepare_swap_model_weights, swap_model_weights
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from benchmarks.common import megatron_config, spec_for
+    from megatron_ext.sharding import megatron_layout, specs_from_config
+    from megatron_ext.weight_export.megatron_engine import megatron_engine_layout, megatron_engine_specs
+    from megatron_ext.weight_export.peers import DistPeers
+    from megatron_ext.weight_export.reshard import ReshardExecutor, megatron_tensors
+    from megatron_ext.weight_export.reshard_plan import build_reshard_plan
+
+    rank = dist.get_rank()
+    gpu = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+    # parallel_state at TP1: the global state megatron-core's modules expect (RNG tracker); every
+    # model below takes its own groups
+    ps.initialize_model_parallel()
+    model_parallel_cuda_manual_seed(SEED)
+    spec = spec_for(preset)
+    base_config = megatron_config(spec, gpu)
+    specs = specs_from_config(
+        base_config,
+        vocab_size=spec.hf_vocab_size,
+        padded_vocab_size=spec.vocab_size,
+        tie_embeddings=spec.tie_embeddings,
+        dtype=torch.bfloat16,
+    )
+    versions = iter(range(1, 10**9))
+    out = []
+    for case in cases:
+        t_pgc = _pg_collection(case.trainer.size, case.trainer, 0)
+        e_pgc = _pg_collection(case.engine.size, case.engine, case.engine_ranks.start)
+        is_trainer, is_engine = rank in case.trainer_ranks, rank in case.engine_ranks
+        trainer = _build_gpt(spec, base_config, case.trainer, t_pgc, device) if is_trainer else None
+        engine = _build_gpt(spec, base_config, case.engine, e_pgc, device) if is_engine else None
+        if trainer is not None:
+            _fill_trainer(trainer)
+        src = megatron_layout(
+            megatron_engine_specs(specs),
+            tp=case.trainer.tp,
+            pp=case.trainer.pp,
+            dp=case.trainer.dp,
+            ranks=case.trainer_ranks,
+        )
+        dst = _prefixed(
+            megatron_engine_layout(specs, tp=case.engine.tp, dp=case.engine.dp, ranks=case.engine_ranks),
+            ENGINE_PREFIX,
+        )
+        tensors = dict(megatron_tensors(trainer)) if trainer is not None else {}
+        if engine is not None:
+            tensors.update({ENGINE_PREFIX + n: t for n, t in megatron_tensors(engine).items()})
+        plan = build_reshard_plan(src, dst)  # for the byte count; every "ours" row builds its own, timed
+        link_bytes = sum(t.nbytes for t in plan.transfers if t.dst == rank and t.src != rank)
+        del plan
+        res = dict(
+            case=case.name,
+            trainer=is_trainer,
+            engine=is_engine,
+            link_bytes=link_bytes,
+            limit_gbps=_link_limit(case, rank, opts["limit_bytes"], device),
+            methods={},
+        )
+        for method in methods:
+            kind, what = method.split(":")
+            if engine is not None:
+                with torch.no_grad():
+                    for p in engine.parameters():
+                        p.fill_(float("nan"))
+            gc.collect()
+            if gpu:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+                base = torch.cuda.memory_allocated(device)
+            state = {}
+            if kind == "swap":
+                clear_all_caches()  # the plan alone (collective: an all-gather of every rank's metadata) ...
+                plan_s = _timed(lambda: prepare_swap_model_weights(trainer, engine), device)
+                clear_all_caches()  # ... and again within the first refit
+
+                def refit():
+                    swap_model_weights(trainer, engine, refit_method=what, src_rank_offset=0, dst_rank_offset=0)
+
+                first_fn = refit
+            else:
+                bucket = opts["stream_bucket"] if what == "stream" else opts["atomic_bucket"]
+
+                def first_fn():  # the plan, the executor, its staging and the first-refit agreement
+                    start = time.perf_counter()
+                    state["ex"] = ReshardExecutor(
+                        build_reshard_plan(src, dst),
+                        rank,
+                        tensors,
+                        group=DistPeers(),
+                        bucket_bytes=bucket,
+                        max_inflight=opts["max_inflight"],
+                        atomic=what == "atomic",
+                        check_finite=opts["check_finite"],
+                    )
+                    state["plan_s"] = time.perf_counter() - start  # no communication: every rank plans alone
+                    state["ex"].refit(next(versions))
+
+                def refit():
+                    state["ex"].refit(next(versions))
+
+            first = _timed(first_fn, device)
+            if kind == "ours":
+                plan_s = _slowest(state["plan_s"], device)
+            for _ in range(opts["warmup"]):
+                _timed(refit, device)
+            times = [_timed(refit, device) for _ in range(opts["iters"])]
+            peak = torch.cuda.max_memory_allocated(device) - base if gpu else None
+            ex = state.get("ex")
+            wrong = (_wrong(engine) if engine is not None else []) + (
+                [f"trainer {n}" for n in _wrong(trainer)] if trainer is not None else []
+            )
+            res["methods"][method] = dict(
+                first_s=first,
+                plan_s=plan_s,
+                times=times,
+                peak_extra_bytes=peak,
+                wrong=wrong[:5],
+                wrong_count=len(wrong),
+                checked=(trainer is not None) + (engine is not None),
+                rounds=ex.rounds if ex is not None else None,
+                staging_bytes=ex.staging_bytes if ex is not None else None,
+            )
+            state.clear()
+            del ex
+            if kind == "swap":
+                clear_all_caches()
+        out.append(res)
+        trainer = engine = tensors = None  # this layout's models go before the next one's are built
+        gc.collect()
+        if gpu:
+            torch.cuda.empty_cache()
+    clear_all_caches()
+    return out
+
+
+# --------------------------------------------------------------------------- the table
+def _rows(cases: list[Case], methods: list[str], res: list[list[dict]]) -> list[dict]:
+    rows = []
+    for ci, case in enumerate(cases):
+        per_rank = [r[ci] for r in res]
+        link = max((r["link_bytes"] for r in per_rank if r["engine"]), default=0)
+        limits = [r["limit_gbps"] for r in per_rank if r["limit_gbps"] is not None]
+        limit = min(limits) if limits else None
+        case_rows = []
+        for method in methods:
+            ms = [r["methods"][method] for r in per_rank]
+            wrong = sum(m["wrong_count"] for m in ms)
+            checked = sum(m["checked"] for m in ms)
+            correct = wrong == 0 and checked >= len(case.trainer_ranks) + len(case.engine_ranks)
+            seconds = statistics.median(ms[0]["times"]) if correct else None  # all-reduced: equal on every rank
+            gbps = link / seconds / 1e9 if seconds else None
+
+            def peak(side, ms=ms):
+                vals = [m["peak_extra_bytes"] for r, m in zip(per_rank, ms) if r[side]]
+                return max(vals) if vals and vals[0] is not None else None
+
+            case_rows.append(
+                dict(
+                    layout=case.name,
+                    description=case.describe(),
+                    colocated=case.colocated,
+                    method=method,
+                    seconds=seconds,
+                    gbps_per_gpu=gbps,
+                    fraction_of_limit=gbps / limit if gbps is not None and limit else None,
+                    first_refit_s=ms[0]["first_s"] if correct else None,
+                    plan_s=ms[0]["plan_s"],
+                    peak_extra_trainer_bytes=peak("trainer"),
+                    peak_extra_engine_bytes=peak("engine"),
+                    correct=correct,
+                    checked_ranks=checked,
+                    wrong=[w for m in ms for w in m["wrong"]][:5],
+                    times_s=ms[0]["times"] if correct else None,
+                    rounds=max((m["rounds"] or 0 for m in ms), default=0) if method.startswith("ours") else None,
+                    staging_bytes=max((m["staging_bytes"] or 0 for m in ms), default=0)
+                    if method.startswith("ours")
+                    else None,
+                    link_bytes=link,
+                    limit_gbps=limit,
+                )
+            )
+        swaps = [r["seconds"] for r in case_rows if r["method"].startswith("swap") and r["seconds"]]
+        for r in case_rows:
+            r["speedup_vs_best_swap"] = min(swaps) / r["seconds"] if swaps and r["seconds"] else None
+        rows += case_rows
+    return rows
+
+
+def _fmt(v, spec: str, scale: float = 1.0, none: str = "-") -> str:
+    return none if v is None else format(v * scale, spec)
+
+
+def print_table(rows: list[dict]) -> None:
+    head = (
+        f"{'method':13} {'ms/refit':>9} {'GB/s/GPU':>9} {'of limit':>8} {'first ms':>9} {'plan ms':>8} "
+        f"{'+MiB train':>10} {'+MiB engine':>11} {'vs swap':>7}  correct"
+    )
+    layout = None
+    for r in rows:
+        if r["layout"] != layout:
+            layout = r["layout"]
+            limit = _fmt(r["limit_gbps"], ".1f", none="none (CPU)")
+            print(
+                f"\n{layout}: {r['description']}; busiest engine rank receives {r['link_bytes'] / 1e9:.3f} GB "
+                f"over links; link limit {limit} GB/s per GPU"
+            )
+            print(head + "\n" + "-" * len(head))
+        print(
+            f"{r['method']:13} {_fmt(r['seconds'], '9.2f', 1e3):>9} {_fmt(r['gbps_per_gpu'], '9.1f'):>9} "
+            f"{_fmt(r['fraction_of_limit'], '8.0%'):>8} {_fmt(r['first_refit_s'], '9.1f', 1e3):>9} "
+            f"{_fmt(r['plan_s'], '8.1f', 1e3):>8} "
+            f"{_fmt(r['peak_extra_trainer_bytes'], '10.1f', 1 / MiB):>10} "
+            f"{_fmt(r['peak_extra_engine_bytes'], '11.1f', 1 / MiB):>11} "
+            f"{_fmt(r['speedup_vs_best_swap'], '.2f') + ('x' if r['speedup_vs_best_swap'] else ''):>7}  "
+            + ("yes" if r["correct"] else f"NO: {r['checked_ranks']} ranks checked, wrong {r['wrong']}")
+        )
+
+
+def _versions(gpu: bool) -> dict:
+    import megatron.core
+
+    import megatron_ext
+
+    v = dict(
+        torch=torch.__version__,
+        megatron_core=getattr(megatron.core, "__version__", None),
+        megatron_ext=getattr(megatron_ext, "__version__", None),
+        python=platform.python_version(),
+    )
+    if gpu:
+        v["cuda"] = torch.version.cuda
+        nccl = torch.cuda.nccl.version()
+        v["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
+    return v
+
+
+def _machine(gpu: bool, world: int) -> dict:
+    m = dict(host=platform.node(), platform=platform.platform(), cpus=os.cpu_count())
+    if gpu:
+        m["gpus"] = [torch.cuda.get_device_name(i) for i in range(world)]
+    return m
+
+
+def main(argv=None, *, rank_setup=None) -> int:
+    """The benchmark; ``rank_setup`` (Python callers only): a module-level function every rank calls
+    first (the CPU test installs its test-only shim there)."""
+    from benchmarks.common import PRESETS
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="3b")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    p.add_argument("--world", type=int, default=0, help="ranks of the job; default: all GPUs, 4 on CPU")
+    p.add_argument(
+        "--layouts",
+        default=None,
+        help="comma-separated co:A:B (colocated) / nc:A:B (engine on the next ranks), A and B "
+        "tp<N>[pp<N>][dp<N>]; default: the issue's layouts for --world",
+    )
+    p.add_argument("--methods", default=None, help="comma-separated swap:nccl|gloo|nvshmem|nixl, ours:stream|atomic")
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--stream-bucket-mb", type=float, default=512)
+    p.add_argument("--atomic-bucket-mb", type=float, default=256)
+    p.add_argument("--max-inflight", type=int, default=2)
+    p.add_argument("--no-check-finite", action="store_true", help="ours without its NaN/Inf check per refit")
+    p.add_argument("--limit-gib", type=float, default=1.0, help="payload of the link-limit measurement")
+    p.add_argument("--timeout-s", type=float, default=900)
+    p.add_argument("--out", default="refit_vs_swap.json")
+    a = p.parse_args(argv)
+    gpus = torch.cuda.device_count()
+    gpu = a.device == "cuda" or (a.device == "auto" and gpus >= 2)
+    world = a.world or (gpus if gpu else 4)
+    if gpu and gpus < world:
+        p.error(f"--world {world} needs {world} GPUs, found {gpus}")
+    if a.iters < 1 or a.warmup < 0:
+        p.error("--iters must be >= 1 and --warmup >= 0")
+    try:
+        cases = [parse_case(n.strip()) for n in (a.layouts or ",".join(default_layouts(world))).split(",")]
+        methods = parse_methods(a.methods) if a.methods else available_methods(gpu)
+    except ValueError as exc:
+        p.error(str(exc))
+    if "swap:gloo" in methods and not torch.cuda.is_available() and rank_setup is None:
+        p.error(NO_DRIVER_GLOO + "; leave it out of --methods (the CPU test runs it with a test-only shim)")
+    if not a.methods and not any(m.startswith("swap") for m in methods):
+        print(f"note: {NO_DRIVER_GLOO}; running our rows only", flush=True)
+    too_big = [c.name for c in cases if c.world > world]
+    if too_big:
+        p.error(f"layouts {too_big} need more than --world {world} ranks")
+    opts = dict(
+        iters=a.iters,
+        warmup=a.warmup,
+        stream_bucket=int(a.stream_bucket_mb * MiB),
+        atomic_bucket=int(a.atomic_bucket_mb * MiB),
+        max_inflight=a.max_inflight,
+        check_finite=not a.no_check_finite,
+        limit_bytes=int(a.limit_gib * GiB),
+    )
+    backend = "nccl" if gpu else "gloo"
+    print(
+        f"refit vs swap_model_weights: preset {a.preset}, {world} ranks ({backend}), "
+        f"{len(cases)} layout(s), methods {', '.join(methods)}; median of {a.iters} after {a.warmup} warm-up(s)",
+        flush=True,
+    )
+    res = run_on_ranks(
+        _rank, world, args=(a.preset, cases, methods, opts, rank_setup), backend=backend, timeout=a.timeout_s
+    )
+    rows = _rows(cases, methods, res)
+    print_table(rows)
+    result = dict(
+        benchmark="refit_vs_swap",
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        command=shlex.join([sys.executable, *(sys.argv if argv is None else [__file__, *argv])]),
+        machine=_machine(gpu, world),
+        versions=_versions(gpu),
+        preset=a.preset,
+        world=world,
+        backend=backend,
+        methods=methods,
+        options={k: v for k, v in opts.items()},
+        layouts=[dict(name=c.name, description=c.describe()) for c in cases],
+        rows=rows,
+        all_correct=all(r["correct"] for r in rows),
+        ranks=res,
+    )
+    with open(a.out, "w") as f:
+        json.dump(result, f, indent=2, default=str)
+    print(f"\nwrote {a.out}")
+    if not result["all_correct"]:
+        print("some rows gave the engine wrong weights: their times are not reported", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    sys.exit(main())

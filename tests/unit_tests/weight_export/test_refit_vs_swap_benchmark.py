@@ -1,0 +1,102 @@
+"""benchmarks/refit_vs_swap.py runs end to end on CPU: megatron-core's swap_model_weights (gloo copy
+service) and our reshard refit (streaming and atomic) on 4 gloo ranks, a colocated and a
+non-colocated layout, each row checked exact against the trainer's weights.
+
+megatron-core's ``GlooCopyService`` stages every transfer in pinned host memory
+(``torch.empty(..., pin_memory=True)`` in ``submit_recv`` and ``run``), which needs the CUDA driver:
+on a CPU-only machine it raises "Found no NVIDIA driver". The test therefore installs, in every
+rank (the benchmark's ``rank_setup`` hook), ``cpu_compat.install_resharding()``: ``pin_memory``
+dropped inside that one megatron-core module; its other CUDA calls (``torch.cuda.Stream``,
+``current_stream``, ``synchronize``) are covered by ``cpu_compat.install``, which ``run_on_ranks``
+installs on gloo ranks. Nothing is shimmed in the benchmark itself.
+"""
+
+import json
+import math
+
+import pytest
+import torch
+
+from benchmarks import refit_vs_swap as bench
+
+LAYOUTS = ["co:tp2dp2:tp1dp4", "nc:tp2:tp1dp2"]
+
+
+def unpinned_gloo_copy_service():
+    """Per rank: megatron-core's gloo copy service on a CPU-only machine (test support's shim)."""
+    from megatron_ext.testing import cpu_compat
+
+    cpu_compat.install_resharding()
+
+
+def swap_that_misses_one_element():
+    """Test-only, per rank: the shim above, and swap_model_weights followed by a change to one element of
+    the engine's first parameter (a wrong result the benchmark's check must catch)."""
+    from megatron.core.resharding import refit
+
+    from megatron_ext.sharding.names import unwrap
+
+    unpinned_gloo_copy_service()
+    swap = refit.swap_model_weights
+
+    def wrong_swap(src_model, target_model, *args, **kwargs):
+        swap(src_model, target_model, *args, **kwargs)
+        if target_model is not None:
+            with torch.no_grad():
+                next(unwrap(target_model).parameters()).view(-1)[0] += 1
+
+    refit.swap_model_weights = wrong_swap
+
+
+def test_parse_layouts_and_methods():
+    case = bench.parse_case("nc:tp2pp2:tp1dp2")
+    assert (case.trainer, case.engine, case.colocated) == (bench.Side(2, 2, 1), bench.Side(1, 1, 2), False)
+    assert (list(case.trainer_ranks), list(case.engine_ranks), case.world) == ([0, 1, 2, 3], [4, 5], 6)
+    assert list(bench.parse_case("co:tp4:tp2dp2").engine_ranks) == [0, 1, 2, 3]
+    for bad in ("co:tp4:tp1dp2", "nc:tp2:tp1pp2", "xx:tp1:tp1", "co:tp2"):
+        with pytest.raises(ValueError):
+            bench.parse_case(bad)
+    for world in (2, 4, 8):
+        assert all(bench.parse_case(n).world <= world for n in bench.default_layouts(world))
+    assert bench.available_methods(gpu=False, driver=True) == ["swap:gloo", "ours:stream", "ours:atomic"]
+    assert bench.available_methods(gpu=False, driver=False) == ["ours:stream", "ours:atomic"]
+    assert bench.available_methods(gpu=True)[0] == "swap:nccl"
+    with pytest.raises(ValueError):
+        bench.parse_methods("swap:mpi")
+
+
+def test_refit_vs_swap_benchmark_cpu_smoke(tmp_path):
+    out = tmp_path / "rvs.json"
+    argv = ["--preset", "tiny", "--device", "cpu", "--world", "4", "--layouts", ",".join(LAYOUTS)]
+    argv += ["--methods", "swap:gloo,ours:stream,ours:atomic", "--iters", "2", "--warmup", "1"]
+    argv += ["--stream-bucket-mb", "0.25", "--atomic-bucket-mb", "1"]
+    assert bench.main([*argv, "--out", str(out)], rank_setup=unpinned_gloo_copy_service) == 0
+    result = json.loads(out.read_text())
+    assert result["all_correct"] is True and result["backend"] == "gloo"
+    rows = {(r["layout"], r["method"]): r for r in result["rows"]}
+    assert set(rows) == {(lay, m) for lay in LAYOUTS for m in ("swap:gloo", "ours:stream", "ours:atomic")}
+    for (layout, _), r in rows.items():
+        # the exact check ran on every rank that holds a model (colocated: both models on 4 ranks)
+        assert r["correct"] is True and r["checked_ranks"] == (8 if layout.startswith("co") else 4)
+        assert math.isfinite(r["seconds"]) and r["seconds"] > 0
+        assert 0 < r["plan_s"] < r["first_refit_s"] < math.inf  # the first refit plans, then moves the bytes
+        assert r["gbps_per_gpu"] > 0 and r["fraction_of_limit"] is None  # no link limit on CPU
+        assert r["peak_extra_engine_bytes"] is None  # no device memory on CPU
+        assert r["speedup_vs_best_swap"] > 0
+    # colocated: an engine replica keeps the whole model and half of it is already its trainer shard;
+    # non-colocated: everything it keeps crosses a link
+    assert 0 < rows[(LAYOUTS[0], "ours:atomic")]["link_bytes"] < rows[(LAYOUTS[1], "ours:atomic")]["link_bytes"]
+    assert rows[(LAYOUTS[0], "ours:stream")]["rounds"] > rows[(LAYOUTS[0], "ours:atomic")]["rounds"]
+    assert result["command"] and result["versions"]["torch"] == torch.__version__
+
+
+def test_refit_vs_swap_benchmark_reports_no_time_for_a_wrong_result(tmp_path):
+    out = tmp_path / "wrong.json"
+    argv = ["--preset", "tiny", "--device", "cpu", "--world", "2", "--layouts", "nc:tp1:tp1"]
+    argv += ["--methods", "swap:gloo,ours:atomic", "--iters", "1", "--warmup", "0", "--out", str(out)]
+    assert bench.main(argv, rank_setup=swap_that_misses_one_element) == 1
+    rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
+    wrong, ours = rows["swap:gloo"], rows["ours:atomic"]
+    assert wrong["correct"] is False and wrong["seconds"] is None and wrong["gbps_per_gpu"] is None
+    assert wrong["wrong"] == ["embedding.word_embeddings.weight"]  # the engine's first parameter, found on rank 1
+    assert ours["correct"] is True and ours["seconds"] > 0 and ours["speedup_vs_best_swap"] is None
