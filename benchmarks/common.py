@@ -1,4 +1,4 @@
-"""What the refit benchmarks share: model presets and the trainer's Megatron config."""
+"""What the refit benchmarks share: model presets, the trainer's Megatron config, timing across ranks."""
 
 from __future__ import annotations
 
@@ -57,3 +57,18 @@ def megatron_config(spec, gpu: bool):
     return tiny_llama.transformer_config(
         spec, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, bf16=True, use_cpu_initialization=not gpu
     )
+
+
+def sync(device) -> None:
+    """Wait for ``device``'s work (a no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def slowest(seconds: float, device) -> float:
+    """The largest of every rank's ``seconds`` (collective over the default group)."""
+    import torch.distributed as dist
+
+    t = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()

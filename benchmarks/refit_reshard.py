@@ -45,23 +45,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.common import slowest, sync  # noqa: E402
+
 from megatron_ext.testing import tiny_llama  # noqa: E402
 from megatron_ext.testing.multirank import run_on_ranks  # noqa: E402
 
 GiB = 1 << 30
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _slowest(seconds: float, device) -> float:
-    import torch.distributed as dist
-
-    t = torch.tensor([seconds], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
 
 
 def _timed(fn, iters, device):
@@ -70,12 +59,12 @@ def _timed(fn, iters, device):
     fn()  # warm-up: buffers allocated, plans built
     times = []
     for _ in range(iters):
-        _sync(device)
+        sync(device)
         dist.barrier()
         start = time.perf_counter()
         fn()
-        _sync(device)
-        times.append(_slowest(time.perf_counter() - start, device))
+        sync(device)
+        times.append(slowest(time.perf_counter() - start, device))
     return statistics.median(times)
 
 

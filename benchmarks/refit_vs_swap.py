@@ -86,6 +86,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.common import slowest, sync  # noqa: E402
+
 from megatron_ext.testing.multirank import run_on_ranks  # noqa: E402
 
 MiB = 1 << 20
@@ -324,29 +326,18 @@ def _prefixed(layout, prefix: str):
 
 
 # --------------------------------------------------------------------------- timing
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _slowest(seconds: float, device) -> float:
-    import torch.distributed as dist
-
-    t = torch.tensor([seconds], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
 
 
 def _timed(fn, device) -> float:
     """One call of ``fn`` on every rank, timed on the slowest rank (devices synchronised around it)."""
     import torch.distributed as dist
 
-    _sync(device)
+    sync(device)
     dist.barrier()
     start = time.perf_counter()
     fn()
-    _sync(device)
-    return _slowest(time.perf_counter() - start, device)
+    sync(device)
+    return slowest(time.perf_counter() - start, device)
 
 
 def _link_limit(case: Case, rank: int, nbytes: int, device) -> float | None:
@@ -488,7 +479,7 @@ def _rank(preset: str, cases: list[Case], methods: list[str], opts: dict, rank_s
 
             first = _timed(first_fn, device)
             if kind == "ours":
-                plan_s = _slowest(state["plan_s"], device)
+                plan_s = slowest(state["plan_s"], device)
             for _ in range(opts["warmup"]):
                 _timed(refit, device)
             times = [_timed(refit, device) for _ in range(opts["iters"])]
