@@ -22,7 +22,7 @@ import torch
 from .geometry import Box, Layout, LocalTensor, Segment
 from .spec import TensorSpec
 
-__all__ = ["FP8_BLOCK", "FP8_DTYPE", "fp8_layout", "is_quantized", "scale_name"]
+__all__ = ["FP8_BLOCK", "FP8_DTYPE", "fp8_layout", "is_quantized", "scale_name", "scale_shape"]
 
 FP8_BLOCK = 128
 FP8_DTYPE = torch.float8_e4m3fn
@@ -47,6 +47,12 @@ def _blocks(n: int, block: int) -> int:
     return -(-n // block)
 
 
+def scale_shape(shape, block: int = FP8_BLOCK) -> tuple[int, ...]:
+    """The shape of a weight's ``weight_scale_inv``: one scale per ``block x block`` block, a partial last block
+    included."""
+    return tuple(_blocks(n, block) for n in shape)
+
+
 def _scale_box(box: Box, spec: TensorSpec, block: int, where: str) -> Box:
     ranges = []
     for d, (a, b) in enumerate(box.ranges):
@@ -65,7 +71,7 @@ def _scale_spec(spec: TensorSpec, block: int) -> TensorSpec:
     return dataclasses.replace(
         spec,
         name=scale_name(spec.name),
-        shape=tuple(_blocks(n, block) for n in spec.shape),
+        shape=scale_shape(spec.shape, block),
         dtype=torch.float32,
         megatron_name=scale_name(spec.megatron_name),
         engine_name=scale_name(spec.engine_name),
@@ -107,7 +113,7 @@ def fp8_layout(layout: Layout, block: int = FP8_BLOCK) -> Layout:
                 box = _scale_box(seg.box, layout.specs[seg.name], block, where)
                 segments.append(Segment(scale_name(seg.name), box, seg.row // block))
             out[name] = dataclasses.replace(lt, dtype=FP8_DTYPE)
-            shape = tuple(_blocks(n, block) for n in lt.shape)
+            shape = scale_shape(lt.shape, block)
             out[scale_name(name)] = LocalTensor(scale_name(name), torch.float32, shape, tuple(segments))
         tensors[rank] = out
     recipe = None if layout.recipe is None else {"kind": "fp8-block", "block": block, "base": layout.recipe}

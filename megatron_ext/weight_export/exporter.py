@@ -34,7 +34,7 @@ from ..copies import copy_all, finite_flags
 from .errors import NonFiniteWeights, PlanMismatch
 from .gather import BucketGatherer, GatherGroup
 from .fp8 import quantize_blocks
-from .plan import ExportPlan, build_plan, members, unpack, unpack_one
+from .plan import ExportPlan, build_plan, members, unpack
 from .transport import InProcessSender, make_sender
 
 __all__ = ["ExportResult", "NonFiniteWeights", "WeightExporter"]
@@ -388,13 +388,12 @@ class WeightExporter:
         if hit is None or hit[0] is not out:
             dests = dict(unpack(bucket, out))
             jobs = []
-            if bucket.staged:
-                if self._staging is None or self._staging.numel() < self._plan.staging_bytes:
-                    self._staging = None
-                    self._staging = torch.empty(self._plan.staging_bytes, dtype=torch.uint8, device=self.device)
-                for t in bucket.staged:
-                    dests[t.name] = t.view(self._staging)
-                    jobs.append((dests[t.name], *(unpack_one(bucket, n, out) for n in (t.name, scale_name(t.name)))))
+            if bucket.staged and self._staging is None:  # one per plan, its largest bucket's staged bytes
+                self._staging = torch.empty(self._plan.staging_bytes, dtype=torch.uint8, device=self.device)
+            for t in bucket.staged:
+                staged = t.view(self._staging)
+                jobs.append((staged, dests[t.name], dests[scale_name(t.name)]))
+                dests[t.name] = staged
             hit = self._bucket_views[bucket.index] = (out, dests, jobs)
         return hit[1], hit[2]
 

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.nn.functional as F
 
-from ..sharding.fp8 import FP8_BLOCK, FP8_DTYPE, scale_name
+from ..sharding.fp8 import FP8_BLOCK, FP8_DTYPE, scale_name, scale_shape
 from ..sharding.geometry import Layout
 
 __all__ = ["FP8_MAX", "Fp8Sources", "dequantize_blocks", "dequantized", "quantize_blocks"]
@@ -117,7 +117,7 @@ def _triton_kernel():
 
 def _quantize_triton(kernel, x, block, out):
     rows, cols = x.shape
-    grid = (-(-rows // block), -(-cols // block))
+    grid = scale_shape(x.shape, block)
     q, scale = out if out is not None else (None, None)
     if q is None or not q.is_contiguous():
         q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)

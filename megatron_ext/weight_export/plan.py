@@ -20,7 +20,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
-from ..sharding.fp8 import FP8_BLOCK, FP8_DTYPE, is_quantized, scale_name
+from ..sharding.fp8 import FP8_DTYPE, is_quantized, scale_name, scale_shape
 from ..sharding.geometry import whole_layout
 from ..sharding.megatron import megatron_layout
 from ..sharding.spec import TensorSpec
@@ -39,7 +39,6 @@ __all__ = [
     "members",
     "stage_ranks",
     "unpack",
-    "unpack_one",
 ]
 
 
@@ -278,8 +277,7 @@ def build_plan(
 
 def _wire_tensors(spec: TensorSpec) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
     """A quantized weight as it travels: its FP8 values, then its block scales."""
-    blocks = tuple(-(-n // FP8_BLOCK) for n in spec.shape)
-    return [(spec.name, FP8_DTYPE, spec.shape), (scale_name(spec.name), torch.float32, blocks)]
+    return [(spec.name, FP8_DTYPE, spec.shape), (scale_name(spec.name), torch.float32, scale_shape(spec.shape))]
 
 
 def _block_size(nbytes: int) -> int:
@@ -294,11 +292,6 @@ def unpack(bucket: BucketMeta, buf: torch.Tensor) -> Iterator[tuple[str, torch.T
     """``(name, view)`` of every tensor of ``bucket`` in the flat uint8 ``buf`` (no copies)."""
     for t in bucket.tensors:
         yield t.name, t.view(buf)
-
-
-def unpack_one(bucket: BucketMeta, name: str, buf: torch.Tensor) -> torch.Tensor:
-    """The view of tensor ``name`` of ``bucket`` in ``buf``."""
-    return next(t.view(buf) for t in bucket.tensors if t.name == name)
 
 
 def check_plan(

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from ..sharding.fp8 import FP8_BLOCK, FP8_DTYPE, scale_name
+from ..sharding.fp8 import FP8_DTYPE, scale_name, scale_shape
 from ..sharding.moe import fused_expert_views
 from ..copies import copy_all
 from .wire import align
@@ -130,7 +130,7 @@ class WeightReceiver:
                 if t.dtype == FP8_DTYPE and scale_name(t.name) in names and want is not None and want[1] != FP8_DTYPE:
                     self._dequantize[t.name] = want[1]  # the consumer loads it dequantized, without the scale
                     expected[t.name] = (want[0], FP8_DTYPE)
-                    expected.setdefault(scale_name(t.name), (_blocks(want[0]), torch.float32))
+                    expected.setdefault(scale_name(t.name), (scale_shape(want[0]), torch.float32))
             check_plan(plan, expected)
         self._staging, self._offsets = None, {}
         if self.atomic and not in_place:
@@ -233,10 +233,6 @@ class WeightReceiver:
         if self._mixed:
             self.applied_version = None
         return self.applied_version
-
-
-def _blocks(shape) -> tuple[int, ...]:
-    return tuple(-(-n // FP8_BLOCK) for n in shape)
 
 
 def _assemble(meta, pieces) -> torch.Tensor:
