@@ -1,4 +1,5 @@
-"""What the refit benchmarks share: model presets, the trainer's Megatron config, timing across ranks."""
+"""What the refit benchmarks share: model presets, the trainer's Megatron config, timing across ranks,
+and the record of where and how a result was measured."""
 
 from __future__ import annotations
 
@@ -72,3 +73,39 @@ def slowest(seconds: float, device) -> float:
     t = torch.tensor([seconds], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
+
+
+def provenance(script: str, argv=None) -> dict:
+    """``date`` (UTC), ``command`` (``argv``: the arguments a caller passed to ``main``; default
+    ``sys.argv``), ``machine`` (host, platform, CPUs, the visible GPUs) and ``versions`` (Python, torch,
+    CUDA and NCCL when a GPU is visible, megatron-core, megatron_ext) of one benchmark run."""
+    import datetime
+    import importlib.metadata
+    import os
+    import platform
+    import shlex
+    import sys
+
+    import megatron_ext
+
+    args = sys.argv[1:] if argv is None else list(argv)
+    gpu = torch.cuda.is_available()
+    versions = dict(
+        python=platform.python_version(),
+        torch=torch.__version__,
+        megatron_core=importlib.metadata.version("megatron-core"),  # the installed wheel's, not a source tree's
+        megatron_ext=getattr(megatron_ext, "__version__", None),
+    )
+    if gpu:
+        versions.update(cuda=torch.version.cuda, nccl=".".join(map(str, torch.cuda.nccl.version())))
+    return dict(
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        command=shlex.join(["python", script, *args]),
+        machine=dict(
+            host=platform.node(),
+            platform=platform.platform(),
+            cpus=os.cpu_count(),
+            gpus=[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if gpu else [],
+        ),
+        versions=versions,
+    )

@@ -19,10 +19,8 @@ quantization, and say so.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -31,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import PRESETS  # noqa: E402
+from benchmarks.common import PRESETS, provenance  # noqa: E402
 from megatron_ext.sharding import fp8_layout, gpt_specs, megatron_layout  # noqa: E402
 from megatron_ext.weight_export import ReshardExecutor, build_reshard_plan, inference_layout  # noqa: E402
 from megatron_ext.weight_export.fp8 import Fp8Sources  # noqa: E402
@@ -124,11 +122,8 @@ def main(argv=None):
         unit = f"{v * 1e3:11.2f} ms" if k.endswith("_s") else f"{v / 1e9:11.3f} GB" if "bytes" in k else f"{v:14.3f}"
         print(f"{k:<44} {unit:>14}")
     record = {
-        "machine": platform.node(),
+        **provenance("benchmarks/fp8_refit.py", argv),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(),
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-        "torch": torch.__version__,
         "preset": args.preset,
         "link_gbps_assumed": args.link_gbps,
         "rows": rows,

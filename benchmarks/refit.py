@@ -31,7 +31,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import secrets
 import statistics
 import sys
@@ -41,7 +40,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import GiB, PRESETS, megatron_config, spec_for  # noqa: E402
+from benchmarks.common import GiB, PRESETS, megatron_config, provenance, spec_for  # noqa: E402
 from megatron_ext.testing import tiny_llama  # noqa: E402
 from megatron_ext.testing.multirank import run_on_ranks  # noqa: E402
 from megatron_ext.testing.receiver_proc import start_hf_receiver  # noqa: E402
@@ -503,21 +502,12 @@ def main(argv=None) -> int:
     print("\ntargets:")
     for what, ok, value in targets:
         print(f"  {'PASS' if ok else 'FAIL'}  {what} ({value})")
-    machine = dict(
-        platform=platform.platform(),
-        torch=torch.__version__,
-        python=platform.python_version(),
-        gpus=[torch.cuda.get_device_name(i) for i in range(gpus)] if gpu else [],
-        nccl=".".join(map(str, torch.cuda.nccl.version())) if gpu else None,
-    )
     result = dict(
-        date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        command=" ".join(["python", *sys.argv]),
+        **provenance("benchmarks/refit.py", argv),
         preset=args.preset,
         spec=dataclasses.asdict(spec),
         bucket_size_mb=args.bucket_size_mb,
         iters=args.iters,
-        machine=machine,
         limits=limits,
         rows=rows,
         targets=[dict(target=w, met=ok, value=v) for w, ok, v in targets],

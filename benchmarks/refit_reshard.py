@@ -45,7 +45,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import slowest, sync  # noqa: E402
+from benchmarks.common import provenance, slowest, sync  # noqa: E402
 
 from megatron_ext.testing import tiny_llama  # noqa: E402
 from megatron_ext.testing.multirank import run_on_ranks  # noqa: E402
@@ -329,6 +329,7 @@ def main(argv=None) -> int:
             sim.append(simulate.simulate_config(name))
         print(simulate.format_rows(sim))
     result = dict(
+        **provenance("benchmarks/refit_reshard.py", argv),
         preset=a.preset,
         world=world,
         layout=a.layout,

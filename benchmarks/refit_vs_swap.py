@@ -69,14 +69,11 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import datetime
 import gc
 import importlib.util
 import json
 import os
-import platform
 import re
-import shlex
 import statistics
 import sys
 import time
@@ -86,7 +83,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import slowest, sync  # noqa: E402
+from benchmarks.common import provenance, slowest, sync  # noqa: E402
 
 from megatron_ext.testing.multirank import run_on_ranks  # noqa: E402
 
@@ -595,31 +592,6 @@ def print_table(rows: list[dict]) -> None:
         )
 
 
-def _versions(gpu: bool) -> dict:
-    import megatron.core
-
-    import megatron_ext
-
-    v = dict(
-        torch=torch.__version__,
-        megatron_core=getattr(megatron.core, "__version__", None),
-        megatron_ext=getattr(megatron_ext, "__version__", None),
-        python=platform.python_version(),
-    )
-    if gpu:
-        v["cuda"] = torch.version.cuda
-        nccl = torch.cuda.nccl.version()
-        v["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
-    return v
-
-
-def _machine(gpu: bool, world: int) -> dict:
-    m = dict(host=platform.node(), platform=platform.platform(), cpus=os.cpu_count())
-    if gpu:
-        m["gpus"] = [torch.cuda.get_device_name(i) for i in range(world)]
-    return m
-
-
 def main(argv=None, *, rank_setup=None) -> int:
     """The benchmark; ``rank_setup`` (Python callers only): a module-level function every rank calls
     first (the CPU test installs its test-only shim there)."""
@@ -687,10 +659,7 @@ def main(argv=None, *, rank_setup=None) -> int:
     print_table(rows)
     result = dict(
         benchmark="refit_vs_swap",
-        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        command=shlex.join([sys.executable, *(sys.argv if argv is None else [__file__, *argv])]),
-        machine=_machine(gpu, world),
-        versions=_versions(gpu),
+        **provenance("benchmarks/refit_vs_swap.py", argv),
         preset=a.preset,
         world=world,
         backend=backend,
