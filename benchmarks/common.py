@@ -46,11 +46,45 @@ PRESETS = {
         hf_vocab_size=4096,
     ),
 }
+# Qwen3-MoE-shaped (SequentialMLP experts, top-2 softmax router, qk-layernorm), every layer MoE; only
+# benchmarks that place experts (refit_vs_swap.py) offer them.
+MOE_PRESETS = {
+    # 16 layers, 8 experts of 3072 per layer, Qwen3's vocabulary: 3.21B parameters, 6.41 GB bf16
+    # (experts 2.42B): large enough that a refit is bound by the links, small enough for both models on a GPU.
+    "moe-3b": dict(
+        arch="qwen3_moe",
+        num_layers=16,
+        hidden_size=2048,
+        num_attention_heads=16,
+        num_query_groups=4,
+        ffn_hidden_size=3072,
+        vocab_size=151936,
+        hf_vocab_size=151936,
+        num_moe_experts=8,
+        moe_ffn_hidden_size=3072,
+        moe_router_topk=2,
+    ),
+    "moe-tiny": dict(
+        arch="qwen3_moe",
+        num_layers=2,
+        hidden_size=256,
+        num_attention_heads=8,
+        num_query_groups=2,
+        ffn_hidden_size=512,
+        vocab_size=4096,
+        hf_vocab_size=4096,
+        num_moe_experts=8,
+        moe_ffn_hidden_size=128,
+        moe_router_topk=2,
+    ),
+}
 GiB = 1 << 30
 
 
 def spec_for(preset: str) -> tiny_llama.TinyLlamaSpec:
-    return tiny_llama.TinyLlamaSpec(arch="llama", seq_length=32, **PRESETS[preset])
+    """The model of a :data:`PRESETS` or :data:`MOE_PRESETS` entry."""
+    fields = PRESETS[preset] if preset in PRESETS else MOE_PRESETS[preset]
+    return tiny_llama.TinyLlamaSpec(**{"arch": "llama", "seq_length": 32, **fields})
 
 
 def megatron_config(spec, gpu: bool):

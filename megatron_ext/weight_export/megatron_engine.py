@@ -91,15 +91,27 @@ def megatron_engine_specs(specs: Sequence[TensorSpec]) -> list[TensorSpec]:
     ]
 
 
-def megatron_engine_layout(specs: Sequence[TensorSpec], *, tp: int = 1, dp: int = 1, ranks: Sequence[int]) -> Layout:
+def megatron_engine_layout(
+    specs: Sequence[TensorSpec], *, tp: int = 1, dp: int = 1, ep: int = 1, etp: int | None = None, ranks: Sequence[int]
+) -> Layout:
     """A megatron-core engine's layout: ``dp`` replicas of a TP ``tp`` Megatron model
     (rank order ``tp-dp``, pipeline size 1) at refit ranks ``ranks``, vocabulary at
-    the padded rows (:func:`megatron_engine_specs`). The trainer passes it as ``dst``;
-    :class:`MegatronEngineRefit` builds the same one from the trainer's specs."""
+    the padded rows (:func:`megatron_engine_specs`). MoE experts split over ``ep``
+    expert-parallel ranks, each expert sharded over ``etp`` expert-TP ranks (default
+    ``tp``, Megatron's ``expert_tensor_parallel_size`` default), as
+    :func:`~megatron_ext.sharding.megatron.megatron_layout` places them. The trainer
+    passes it as ``dst``; :class:`MegatronEngineRefit` builds the same one (dense
+    models) from the trainer's specs."""
     _positive_int("megatron_engine_layout", "tp", tp)
     _positive_int("megatron_engine_layout", "dp", dp)
-    layout = megatron_layout(megatron_engine_specs(specs), tp=tp, dp=dp, ranks=ranks)
-    layout.description = f"megatron-core engine TP{tp}xDP{dp}"
+    _positive_int("megatron_engine_layout", "ep", ep)
+    if etp is not None:
+        _positive_int("megatron_engine_layout", "etp", etp)
+    layout = megatron_layout(megatron_engine_specs(specs), tp=tp, dp=dp, ep=ep, etp=etp, ranks=ranks)
+    experts = any(s.expert is not None for s in specs)
+    layout.description = f"megatron-core engine TP{tp}xDP{dp}" + (
+        f" EP{ep} ETP{tp if etp is None else etp}" if experts else ""
+    )
     return layout
 
 

@@ -1,6 +1,8 @@
 """benchmarks/refit_vs_swap.py runs end to end on CPU: megatron-core's swap_model_weights (gloo copy
 service) and our reshard refit (streaming and atomic) on 4 gloo ranks, a colocated and a
-non-colocated layout, each row checked exact against the trainer's weights.
+non-colocated layout of a dense model and of a MoE model whose expert-parallel size changes, each
+row checked exact against the trainer's weights; a wrong swap result, and megatron-core's refusal
+to move SequentialMLP experts between EP sizes, get no time.
 
 megatron-core's ``GlooCopyService`` stages every transfer in pinned host memory
 (``torch.empty(..., pin_memory=True)`` in ``submit_recv`` and ``run``), which needs the CUDA driver:
@@ -20,6 +22,9 @@ import torch
 from benchmarks import refit_vs_swap as bench
 
 LAYOUTS = ["co:tp2dp2:tp1dp4", "nc:tp2:tp1dp2"]
+# MoE (8 experts per layer, whole on each EP rank): trainer EP4 -> engine EP2 x expert-DP2 on the same
+# 4 ranks; trainer TP2 x EP2 on ranks 0-1 -> engine TP1 x DP2 without EP (every expert) on ranks 2-3
+MOE_LAYOUTS = ["co:tp1ep4:tp1ep2dp4", "nc:tp2ep2:tp1dp2"]
 
 
 def unpinned_gloo_copy_service():
@@ -53,11 +58,28 @@ def test_parse_layouts_and_methods():
     assert (case.trainer, case.engine, case.colocated) == (bench.Side(2, 2, 1), bench.Side(1, 1, 2), False)
     assert (list(case.trainer_ranks), list(case.engine_ranks), case.world) == ([0, 1, 2, 3], [4, 5], 6)
     assert list(bench.parse_case("co:tp4:tp2dp2").engine_ranks) == [0, 1, 2, 3]
-    for bad in ("co:tp4:tp1dp2", "nc:tp2:tp1pp2", "xx:tp1:tp1", "co:tp2"):
+    for bad in ("co:tp4:tp1dp2", "nc:tp2:tp1pp2", "xx:tp1:tp1", "co:tp2", "co:tp0:tp1"):
         with pytest.raises(ValueError):
             bench.parse_case(bad)
+    # EP spans TP x DP ranks (experts whole: expert TP 1); DP defaults to the fewest replicas EP needs
+    moe = bench.parse_case("co:tp2ep2dp2:tp1ep4", num_experts=8)
+    assert (moe.trainer, moe.engine) == (bench.Side(2, 1, 2, 2), bench.Side(1, 1, 4, 4))
+    assert bench.parse_case("nc:tp2ep4:tp1ep2dp4", num_experts=8).trainer == bench.Side(2, 1, 2, 4)
+    with pytest.raises(ValueError, match="--preset is dense"):
+        bench.parse_case("co:tp1ep4:tp1dp4")
+    with pytest.raises(ValueError, match="ep=4 must divide tp\\*dp=2"):
+        bench.parse_case("co:tp2ep4dp1:tp1dp2", num_experts=8)
+    with pytest.raises(ValueError, match="ep8 must divide the preset's 4 experts"):
+        bench.parse_case("co:tp1ep8:tp1dp8", num_experts=4)
     for world in (2, 4, 8):
         assert all(bench.parse_case(n).world <= world for n in bench.default_layouts(world))
+        moe_cases = [bench.parse_case(n, num_experts=8) for n in bench.default_layouts(world, moe=True)]
+        assert all(c.world <= world for c in moe_cases)
+        assert any(c.colocated and c.trainer.ep != c.engine.ep for c in moe_cases)
+        assert any(not c.colocated for c in moe_cases)
+    assert bench.swap_problem(moe, "sequential") == bench.SEQUENTIAL_EP_CHANGE
+    assert bench.swap_problem(moe, "grouped") is None
+    assert bench.swap_problem(bench.parse_case("nc:tp2ep2:tp1ep2", num_experts=8), "sequential") is None
     assert bench.available_methods(gpu=False, driver=True) == ["swap:gloo", "ours:stream", "ours:atomic"]
     assert bench.available_methods(gpu=False, driver=False) == ["ours:stream", "ours:atomic"]
     assert bench.available_methods(gpu=True)[0] == "swap:nccl"
@@ -90,13 +112,47 @@ def test_refit_vs_swap_benchmark_cpu_smoke(tmp_path):
     assert result["command"] and result["versions"]["torch"] == torch.__version__
 
 
-def test_refit_vs_swap_benchmark_reports_no_time_for_a_wrong_result(tmp_path):
+def test_refit_vs_swap_benchmark_moe_ep_changes_cpu_smoke(tmp_path):
+    """Experts under TEGroupedMLP's names (the default): swap_model_weights and ours both move them
+    between EP sizes, exactly."""
+    from benchmarks.common import spec_for
+
+    out = tmp_path / "moe.json"
+    argv = ["--preset", "moe-tiny", "--device", "cpu", "--world", "4", "--layouts", ",".join(MOE_LAYOUTS)]
+    argv += ["--methods", "swap:gloo,ours:stream,ours:atomic", "--iters", "1", "--warmup", "0"]
+    argv += ["--stream-bucket-mb", "0.25", "--atomic-bucket-mb", "1"]
+    assert bench.main([*argv, "--out", str(out)], rank_setup=unpinned_gloo_copy_service) == 0
+    result = json.loads(out.read_text())
+    assert result["all_correct"] is True and result["experts"] == "grouped"
+    rows = {(r["layout"], r["method"]): r for r in result["rows"]}
+    assert set(rows) == {(lay, m) for lay in MOE_LAYOUTS for m in ("swap:gloo", "ours:stream", "ours:atomic")}
+    for (layout, _), r in rows.items():
+        assert r["correct"] is True and r["checked_ranks"] == (8 if layout.startswith("co") else 4)
+        assert r["seconds"] > 0 and r["unsupported"] is None and r["error"] is None
+    # colocated EP4 -> EP2: the dense tensors are whole on every rank (TP1) and stay; engine rank 1 keeps
+    # experts 4-7, none of which its trainer shard (experts 2-3) holds: 4 experts per layer cross a link
+    spec = spec_for("moe-tiny")
+    expert_bytes = 3 * spec.hidden_size * spec.moe_ffn_hidden_size * 2  # [gate; up] and down, bf16
+    assert rows[(MOE_LAYOUTS[0], "ours:atomic")]["link_bytes"] == spec.num_layers * 4 * expert_bytes
+
+
+def test_refit_vs_swap_benchmark_reports_no_time_for_a_wrong_or_failed_swap(tmp_path):
+    """A swap result with one wrong element, and megatron-core's plan refusing SequentialMLP experts
+    whose EP size changes (the destination's local_experts.4 is not in the source), both get no time;
+    only the wrong result fails the run (the refusal is a known limitation, named in the row)."""
     out = tmp_path / "wrong.json"
-    argv = ["--preset", "tiny", "--device", "cpu", "--world", "2", "--layouts", "nc:tp1:tp1"]
-    argv += ["--methods", "swap:gloo,ours:atomic", "--iters", "1", "--warmup", "0", "--out", str(out)]
+    argv = ["--preset", "moe-tiny", "--experts", "sequential", "--device", "cpu", "--world", "2"]
+    argv += ["--layouts", "nc:tp1:tp1,co:tp1ep2:tp1dp2", "--methods", "swap:gloo,ours:atomic"]
+    argv += ["--iters", "1", "--warmup", "0", "--out", str(out)]
     assert bench.main(argv, rank_setup=swap_that_misses_one_element) == 1
-    rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
-    wrong, ours = rows["swap:gloo"], rows["ours:atomic"]
+    rows = {(r["layout"], r["method"]): r for r in json.loads(out.read_text())["rows"]}
+    wrong, failed = rows[("nc:tp1:tp1", "swap:gloo")], rows[("co:tp1ep2:tp1dp2", "swap:gloo")]
     assert wrong["correct"] is False and wrong["seconds"] is None and wrong["gbps_per_gpu"] is None
     assert wrong["wrong"] == ["embedding.word_embeddings.weight"]  # the engine's first parameter, found on rank 1
-    assert ours["correct"] is True and ours["seconds"] > 0 and ours["speedup_vs_best_swap"] is None
+    assert wrong["error"] is None and wrong["unsupported"] is None
+    assert failed["correct"] is False and failed["seconds"] is None and failed["first_refit_s"] is None
+    assert failed["unsupported"] == bench.SEQUENTIAL_EP_CHANGE
+    assert "local_experts.4.linear_fc1.weight' on rank 0 not found in source model" in failed["error"]
+    for layout in ("nc:tp1:tp1", "co:tp1ep2:tp1dp2"):
+        ours = rows[(layout, "ours:atomic")]
+        assert ours["correct"] is True and ours["seconds"] > 0 and ours["speedup_vs_best_swap"] is None
