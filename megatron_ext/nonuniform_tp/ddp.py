@@ -582,6 +582,15 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
             unfold.run()
         ntp.stale = False
 
+    def fold_gradients(self) -> None:
+        """Fold this step's pending gradients into the shadow now (healthy replicas; a
+        no-op on degraded ones). ``start_grad_sync`` / ``finish_grad_sync`` run the same
+        folds first, so calling this before them only moves the folds' time out of the
+        DP collective's, e.g. to time them apart. Collective over the TP group: call it on
+        every rank of the replica."""
+        if self._ntp is not None:
+            self._ntp.schedule.fold_pending()
+
     def refresh_compute_params(self) -> None:
         """Bring the compute parameters up to date with the optimizer's last step
         (a no-op unless the shadow changed since the last unfold). Collective
