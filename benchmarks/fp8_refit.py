@@ -14,6 +14,15 @@ Measured (median of ``--iters`` after a warm-up), printed as a table and written
 With one GPU there is no link to measure; the last rows project a link-bound refit as wire bytes per
 rank / ``--link-gbps`` (default: the 321 GB/s point-to-point limit measured on 4xH200) plus the
 quantization, and say so.
+
+``--kernels`` times the arithmetic alone on the weights a refit quantizes (the preset's decoder-layer
+linear weights, whole, as the export hook quantizes them and a bf16 engine dequantizes them; each weight
+its own tensors), with CUDA events: quantize (the Triton kernel, bf16 in) and dequantize into a bf16
+tensor, the PyTorch ops against the Triton kernel. One row per distinct shape (its weights one after
+another), then the whole model (what an engine pays per refit). GB/s counts the bytes each call must
+read and write (bf16 weight, FP8 values, float32 scales), the same for both dequantize paths.
+
+    python benchmarks/fp8_refit.py --kernels --preset 3b --out fp8_kernels.json   # one GPU
 """
 
 from __future__ import annotations
@@ -31,7 +40,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import PRESETS, provenance  # noqa: E402
 from megatron_ext.sharding import fp8_layout, gpt_specs, megatron_layout  # noqa: E402
+from megatron_ext.sharding.fp8 import is_quantized  # noqa: E402
 from megatron_ext.weight_export import ReshardExecutor, build_reshard_plan, inference_layout  # noqa: E402
+from megatron_ext.weight_export import fp8  # noqa: E402
 from megatron_ext.weight_export.fp8 import Fp8Sources  # noqa: E402
 
 
@@ -63,6 +74,90 @@ def _timed(fn, device, iters):
     return statistics.median(out)
 
 
+def _event_ms(fn, iters):
+    """Median milliseconds of ``iters`` calls of ``fn`` after a warm-up, each timed by CUDA events."""
+    fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _kernel_rows(specs, device, iters):
+    """Milliseconds and bytes of quantize (Triton) and of dequantize to bf16 (PyTorch ops, Triton kernel) per
+    distinct weight shape (all weights of that shape, one after another), and for the whole model. Every
+    weight has its own tensors, as in a refit: a shape's working set is not served from L2."""
+    kernels = fp8._kernels()
+    if kernels is None:
+        raise SystemExit("--kernels: Triton is not importable; install the triton that matches torch")
+    block = fp8.FP8_BLOCK
+    paths = {  # dequantize writes into an existing bf16 tensor both ways, as the receiver writes an engine's weight
+        "quantize": lambda w, q, s, out: fp8._quantize_triton(kernels["quantize"], w, block, (q, s)),
+        "dequantize_torch": lambda w, q, s, out: fp8._dequantize_torch(q, s, torch.bfloat16, block, out),
+        "dequantize_triton": lambda w, q, s, out: fp8._dequantize_triton(
+            kernels["dequantize"], q, s, torch.bfloat16, block, out
+        ),
+    }
+    weights = {}  # shape -> [(bf16 weight, fp8 values, scales, bf16 output)] in the model's order
+    for spec in specs:
+        if is_quantized(spec):
+            w = torch.randn(spec.shape, device=device, dtype=torch.bfloat16)
+            weights.setdefault(tuple(spec.shape), []).append((w, *fp8.quantize_blocks(w), torch.empty_like(w)))
+    rows = []
+    for shape, tensors in weights.items():
+        w, q, s, _ = tensors[0]
+        # every call reads and writes these: the bf16 weight, its FP8 values and its float32 scales
+        nbytes = len(tensors) * (w.numel() * w.element_size() + q.numel() + s.numel() * 4)
+        rows.append(dict(shape=list(shape), count=len(tensors), bytes=nbytes, tensors=tensors))
+    left = {shape: iter(tensors) for shape, tensors in weights.items()}
+    ordered = [next(left[tuple(spec.shape)]) for spec in specs if is_quantized(spec)]
+    total = dict(shape="model", count=len(ordered), bytes=sum(r["bytes"] for r in rows), tensors=ordered)
+    for r in (*rows, total):
+        tensors = r.pop("tensors")
+        for name, fn in paths.items():
+            r[f"{name}_ms"] = _event_ms(lambda fn=fn, tensors=tensors: [fn(*t) for t in tensors], iters)
+            r[f"{name}_gbps"] = r["bytes"] / (r[f"{name}_ms"] * 1e-3) / 1e9
+    return rows, total
+
+
+def _kernels_main(args, argv, specs, device):
+    rows, total = _kernel_rows(specs, device, args.iters)
+    name = torch.cuda.get_device_name(device)
+    print(f"FP8 block arithmetic, preset {args.preset} (decoder-layer linear weights, bf16 <-> FP8), {name}")
+    head = f"{'weight':>14} {'count':>5} {'MB':>9}"
+    for what in ("quantize", "dequant torch", "dequant triton"):
+        head += f" {what + ' ms':>19} {'GB/s':>7}"
+    print(head)
+    for r in (*rows, total):
+        shape = "x".join(map(str, r["shape"])) if r is not total else "whole model"
+        line = f"{shape:>14} {r['count']:>5} {r['bytes'] / 1e6:>9.1f}"
+        for key in ("quantize", "dequantize_torch", "dequantize_triton"):
+            line += f" {r[f'{key}_ms']:>19.3f} {r[f'{key}_gbps']:>7.0f}"
+        print(line)
+    torch_ms, triton_ms = total["dequantize_torch_ms"], total["dequantize_triton_ms"]
+    print(f"whole model dequantize: PyTorch {torch_ms:.2f} ms, Triton {triton_ms:.2f} ms ({torch_ms / triton_ms:.2f}x)")
+    record = {
+        **provenance("benchmarks/fp8_refit.py", argv),
+        "device": name,
+        "preset": args.preset,
+        "mode": "kernels",
+        "note": "a row: every quantized weight of that shape (the model row: all of them, in the model's order), "
+        "one call each, back to back; ms: median of --iters after a warm-up (CUDA events); bytes: read and "
+        "written by those calls (bf16 weight, FP8 values, float32 scales)",
+        "shapes": rows,
+        "model": total,
+    }
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=2)
+    return record
+
+
 def _locals(layout, rank, device):
     return {n: torch.randn(lt.shape, dtype=lt.dtype, device=device) for n, lt in layout.tensors[rank].items()}
 
@@ -74,10 +169,20 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--link-gbps", type=float, default=321.0, help="link bandwidth per GPU for the projection")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--kernels", action="store_true", help="time quantize / dequantize alone (see the module doc)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(
+            "benchmarks/fp8_refit.py measures CUDA kernels and copies, and this machine has no CUDA device "
+            "(torch.cuda.is_available() is False): run it on a GPU machine"
+        )
+    if args.kernels and device.type != "cuda":
+        raise SystemExit(f"--kernels times the Triton kernels with CUDA events: give a CUDA --device, not {device}")
     torch.manual_seed(0)
     specs = _specs(args.preset)
+    if args.kernels:
+        return _kernels_main(args, argv, specs, device)
     rows = {}
 
     # quantization per trainer rank

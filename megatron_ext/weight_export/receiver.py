@@ -10,7 +10,8 @@ An FP8 export (``RefitConfig.quantize="fp8-block"``) sends a quantized weight
 as ``float8_e4m3fn`` values plus its ``weight_scale_inv``: a consumer that
 expects the weight in FP8 (an FP8 engine) gets both as they are; one that
 expects it in another dtype gets it dequantized (``values x scale`` per block,
-in that dtype) and no scale; one that states no expectations gets both.
+in that dtype; straight into the consumer's tensor when it has ``target(name)``)
+and no scale; one that states no expectations gets both.
 """
 
 from __future__ import annotations
@@ -182,17 +183,27 @@ class WeightReceiver:
 
     def _loadable(self, bucket: BucketMeta, buf: torch.Tensor):
         """``bucket``'s tensors in ``buf`` as the consumer loads them (FP8 weights it expects in
-        another dtype dequantized with their scales, which it then does not get)."""
+        another dtype dequantized with their scales, which it then does not get). A consumer with
+        ``target(name)`` on the bucket's device gets those weights dequantized straight into its tensors
+        (no dequantized copy to load), the rest through ``load_weights``."""
         pairs = unpack(bucket, buf)
         if not self._dequantize:
             return pairs
         pairs = dict(pairs)
         scales = {scale_name(n) for n in self._dequantize}
-        return [
-            (n, dequantize_blocks(t, pairs[scale_name(n)], self._dequantize[n]) if n in self._dequantize else t)
-            for n, t in pairs.items()
-            if n not in scales
-        ]
+        target = getattr(self.consumer, "target", None)
+        loadable = []
+        for n, t in pairs.items():
+            if n in scales:
+                continue
+            if n in self._dequantize:
+                dst = target(n) if callable(target) else None
+                if dst is not None and dst.device == t.device:
+                    dequantize_blocks(t, pairs[scale_name(n)], self._dequantize[n], out=dst)
+                    continue
+                t = dequantize_blocks(t, pairs[scale_name(n)], self._dequantize[n])
+            loadable.append((n, t))
+        return loadable
 
     def load_direct(self, pairs, loads) -> None:
         """Apply a whole version from mapped trainer storage (``ipc-direct``)."""

@@ -15,6 +15,13 @@ layout (``float8_e4m3fn`` + ``weight_scale_inv`` per 128 x 128 block) and sends 
 
 The model's FFN (320 = 2.5 blocks) and heads give partial blocks and TP shards that cut blocks, which
 the hook allows (it quantizes after the gather); the p2p refit needs shards of whole blocks.
+
+The same job then exports a Qwen3-MoE model at TP2 x EP2 x expert-TP2 (each rank holds half of two experts;
+expert FFN 192 = 1.5 blocks, so every expert shard cuts a block) in process to a Hugging Face Qwen3-MoE
+model (float32, fused 3-D experts) and to an FP8 consumer: every expert weight arrives with its
+``weight_scale_inv`` under the checkpoint's per-expert names, the HF model holds exactly
+``dequantize(quantize(W))`` of each whole expert weight, and the router, norms and embeddings arrive bit
+for bit.
 """
 
 import dataclasses
@@ -27,7 +34,7 @@ from megatron_ext.testing import tiny_llama
 from megatron_ext.testing.multirank import run_on_ranks
 from megatron_ext.testing.receiver_proc import start_hf_receiver
 
-from ._reference import gathered_hf_state
+from ._reference import gather_tp, gathered_hf_state, hf_checkpoint_names, hf_state_from_megatron
 
 SPEC = dataclasses.replace(
     tiny_llama.TinyLlamaSpec(arch="qwen2", num_layers=2),
@@ -36,12 +43,25 @@ SPEC = dataclasses.replace(
     num_query_groups=2,
     ffn_hidden_size=320,
 )
+# experts of 1.5 blocks (their expert-TP2 shards of 96 rows / columns cut blocks), 256-wide attention
+MOE_SPEC = dataclasses.replace(
+    tiny_llama.TinyLlamaSpec(arch="qwen3_moe", num_layers=2),
+    hidden_size=256,
+    num_attention_heads=4,
+    num_query_groups=2,
+    moe_ffn_hidden_size=192,
+)
 TIMEOUT = 240
 
 
 def _quantized(name: str, t: torch.Tensor) -> bool:
     """The weights FP8 checkpoints quantize: 2-D linear weights of a decoder layer, not the MoE router."""
-    return name.startswith("model.layers.") and name.endswith(".weight") and t.dim() == 2
+    return (
+        name.startswith("model.layers.")
+        and name.endswith(".weight")
+        and t.dim() == 2
+        and not name.endswith(".mlp.gate.weight")
+    )
 
 
 class _Fp8Engine:
@@ -114,6 +134,85 @@ def _trainer(target):
     reference = gathered_hf_state(SPEC, model)  # collective: every rank
     out["reference"] = reference if exporter.is_export_rank else None
     exporter.close()
+    ps.destroy_model_parallel()
+    out["moe"] = _moe_export()
+    return out
+
+
+def _moe_full_state(model) -> dict:
+    """The MoE model's whole Megatron tensors (experts under their global index), gathered by hand: one
+    plain ``all_gather`` per parameter over its TP or expert-TP group, then the EP ranks' experts with one
+    ``all_gather_object`` each (no pipeline stages). Collective over every rank."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    ep_group = ps.get_expert_model_parallel_group()
+    num_local = MOE_SPEC.num_moe_experts // dist.get_world_size(ep_group)
+    state = {}
+    for name, p in model.named_parameters():
+        if ".local_experts." not in name:
+            state[name] = gather_tp(name, p).to("cpu", copy=True)
+            continue
+        whole = gather_tp(name, p, group=ps.get_expert_tensor_parallel_group()).to("cpu", copy=True)
+        per_rank = [None] * dist.get_world_size(ep_group)
+        dist.all_gather_object(per_rank, whole, group=ep_group)
+        head, tail = name.split(".local_experts.")
+        local, rest = tail.split(".", 1)
+        for ep_rank, t in enumerate(per_rank):
+            state[f"{head}.local_experts.{ep_rank * num_local + int(local)}.{rest}"] = t
+    return state
+
+
+def _moe_export():
+    """TP2 x EP2 x expert-TP2 MoE export with fp8-block, in process to an HF model (bf16-style consumer:
+    dequantized) and to an FP8 consumer (values and scales), versions 1 and 2 (requantized)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_ext import weight_export as wx
+
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=2, expert_model_parallel_size=2, expert_tensor_parallel_size=2
+    )
+    cfg = tiny_llama.transformer_config(MOE_SPEC, tp=2, ep=2, expert_tensor_parallel_size=2)
+    model = tiny_llama.build_model(MOE_SPEC, cfg)
+    export_rank = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+    common = dict(transport="inprocess", bucket_size_mb=0.25, vocab_size=MOE_SPEC.hf_vocab_size, quantize="fp8-block")
+    hf = tiny_llama.hf_model(MOE_SPEC, tiny_llama.transformer_config(MOE_SPEC)) if export_rank else None
+    names = wx.HFModelConsumer(hf).expected_tensors() if export_rank else None
+    exporter = wx.WeightExporter(
+        model, wx.RefitConfig(**common), receiver=wx.WeightReceiver(wx.HFModelConsumer(hf)) if export_rank else None
+    )
+    exporter.export(version=1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-1.25).add_(0.02)
+    second = exporter.export(version=2)
+    out = dict(second=second.applied, is_export_rank=exporter.is_export_rank)
+    fp8 = None
+    if exporter.is_export_rank:  # the FP8 engine lists every plan tensor: FP8 weights with their scales
+        expected = {t.name: (tuple(t.shape), t.dtype) for t in exporter.plan.tensors()}
+        fp8 = _Fp8Engine(expected)
+        out["hf_names"] = names
+    fp8_exporter = wx.WeightExporter(
+        model, wx.RefitConfig(**common), receiver=wx.WeightReceiver(fp8) if fp8 is not None else None
+    )
+    fp8_exporter.export(version=2)
+    state = _moe_full_state(model)  # collective: every rank
+    if exporter.is_export_rank:
+        out["fp8_engine"] = fp8.state
+        out["received"] = hf_checkpoint_names(dict(hf.named_parameters()))
+        out["reference"] = hf_state_from_megatron(
+            state,
+            num_layers=MOE_SPEC.num_layers,
+            num_heads=MOE_SPEC.num_attention_heads,
+            num_groups=MOE_SPEC.num_query_groups,
+            hidden=MOE_SPEC.hidden_size,
+            vocab=MOE_SPEC.hf_vocab_size,
+            tied=MOE_SPEC.tie_embeddings,
+        )
+    exporter.close()
+    fp8_exporter.close()
+    ps.destroy_model_parallel()
     return out
 
 
@@ -159,6 +258,45 @@ def test_fp8_export_sends_the_fp8_checkpoint_and_engines_load_it():
     # the plain plan would use; each export buffer is no larger than the plain plan's.
     assert 0 < export["staging"] <= export["plain_buffer"] and export["buffer"] <= export["plain_buffer"]
     assert export["extra"] <= 4 * export["plain_buffer"]
+    _check_moe(out)
+
+
+def _check_moe(out):
+    """The MoE export (see the module doc), read on the export rank."""
+    from megatron_ext.weight_export.fp8 import dequantize_blocks, quantize_blocks
+
+    export = next(o["moe"] for o in out if o["moe"]["is_export_rank"])
+    assert [o["moe"]["is_export_rank"] for o in out].count(True) == 1
+    assert export["second"] == (2,)
+    reference, received, fp8 = export["reference"], export["received"], export["fp8_engine"]
+    experts = [n for n in reference if ".mlp.experts." in n]
+    assert len(experts) == 3 * MOE_SPEC.num_moe_experts * MOE_SPEC.num_layers
+    assert not torch.equal(
+        reference["model.layers.0.mlp.experts.0.gate_proj.weight"],
+        reference["model.layers.0.mlp.experts.2.gate_proj.weight"],
+    ), "experts must differ per EP rank"
+    quantized = {n for n, w in reference.items() if _quantized(n, w)}
+    assert set(experts) <= quantized and "model.layers.1.mlp.gate.weight" in reference
+    # The FP8 consumer: exactly the checkpoint names (each quantized weight and its weight_scale_inv, the rest
+    # as they are), the quantizer's values and scales of the whole tensors, the other tensors bit for bit.
+    assert fp8.keys() == reference.keys() | {n + "_scale_inv" for n in quantized}
+    assert set(export["hf_names"]) == reference.keys()
+    for name, w in reference.items():
+        if name in quantized:
+            q, s = quantize_blocks(w)
+            assert fp8[name].dtype == torch.float8_e4m3fn, name
+            assert torch.equal(fp8[name].view(torch.uint8), q.view(torch.uint8)), name
+            assert fp8[name + "_scale_inv"].shape == ((w.shape[0] + 127) // 128, (w.shape[1] + 127) // 128), name
+            assert torch.equal(fp8[name + "_scale_inv"], s), name
+        else:
+            assert torch.equal(fp8[name], w), name
+    # The HF model (float32, fused experts): dequantize(quantize(W)) for the quantized weights, W for the rest.
+    assert received.keys() == reference.keys()
+    for name, w in reference.items():
+        want = dequantize_blocks(*quantize_blocks(w), w.dtype) if name in quantized else w
+        assert torch.equal(received[name], want), name
+        if name in quantized:
+            assert not torch.equal(want, w), f"{name}: FP8 rounding must show"
 
 
 def _gpu_trainer(target):

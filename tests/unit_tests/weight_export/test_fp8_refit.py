@@ -2,23 +2,27 @@
 
 - The block quantizer is within FP8 rounding of its input, with the bound derived below, and puts a NaN or
   Inf into its block's scale.
-- Planned over trainer shards (Megatron TP2, TP1 x DP2, TP2 x PP2) and applied, the engine receives exactly
-  the checkpoint an FP8 converter makes from the whole HF tensors (``quantize_blocks`` on each full tensor),
-  in the bytes the format says: 1 per weight element plus 4 per block.
+- Planned over trainer shards (Megatron TP2, TP1 x DP2, TP2 x PP2, and a Qwen3-MoE TP2 x DP2 x EP2 x expert-TP2)
+  and applied, the engine receives exactly the checkpoint an FP8 converter makes from the whole HF tensors
+  (``quantize_blocks`` on each full tensor, experts included), in the bytes the format says: 1 per weight
+  element plus 4 per block.
 - A shard that does not cover whole blocks is refused when the layout is built, naming the tensor.
 - Through the executor (trainer and engine TP1 on one rank: every byte is a local copy), each refit
   requantizes the current weights, and a NaN is refused before a byte moves, naming the weight.
+- ``dequantize_blocks(..., out=)`` writes a strided view exactly as a new tensor; scales of another shape
+  are refused. On a GPU both Triton kernels store the PyTorch path's bits.
 """
 
 import pytest
 import torch
 
 from megatron_ext.sharding import fp8_layout, gpt_specs, megatron_layout
+from megatron_ext.sharding.fp8 import scale_shape
 from megatron_ext.weight_export import RefitRejected, ReshardExecutor, build_reshard_plan, inference_layout
 from megatron_ext.weight_export.fp8 import FP8_MAX, Fp8Sources, dequantize_blocks, dequantized, quantize_blocks
 from megatron_ext.weight_export.reshard_plan import check_reshard_plan
 
-from .test_reshard_plan import _apply, _engine_locals, _hf_weights, _megatron_locals
+from .test_reshard_plan import _apply, _engine_locals, _hf_weights, _mcore_expert_coords, _megatron_locals
 
 # every TP shard of this model (TP <= 2) covers whole 128 x 128 blocks; an engine at TP4 cuts gate/up in 64 rows
 ALIGNED = dict(
@@ -68,17 +72,20 @@ def test_quantizer_is_within_fp8_rounding():
         assert not torch.isfinite(sy[1, 0]) and torch.isfinite(sy[torch.arange(2) != 1]).all()
 
 
-CASES = {
-    "tp2_to_tp1": (dict(tp=2), dict(tp=1)),
-    "tp1dp2_to_tp2": (dict(tp=1, dp=2), dict(tp=2)),
-    "tp2pp2_to_tp2dp2": (dict(tp=2, pp=2), dict(tp=2, dp=2)),
+# Qwen3-MoE experts of two blocks: whole blocks in every expert-TP2 shard and engine TP2 shard
+ALIGNED_MOE = dict(ALIGNED, num_experts=4, moe_ffn_hidden_size=256)
+CASES = {  # name: (spec kwargs, megatron kwargs, engine kwargs)
+    "tp2_to_tp1": (ALIGNED, dict(tp=2), dict(tp=1)),
+    "tp1dp2_to_tp2": (ALIGNED, dict(tp=1, dp=2), dict(tp=2)),
+    "tp2pp2_to_tp2dp2": (ALIGNED, dict(tp=2, pp=2), dict(tp=2, dp=2)),
+    "moe_tp2dp2ep2etp2_to_tp2": (ALIGNED_MOE, dict(tp=2, dp=2, ep=2, etp=2), dict(tp=2)),
 }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_engine_receives_the_fp8_checkpoint_of_the_whole_tensors(case):
-    mkw, ekw = CASES[case]
-    specs = gpt_specs(**ALIGNED)
+    spec_kw, mkw, ekw = CASES[case]
+    specs = gpt_specs(**spec_kw)
     src = megatron_layout(specs, **mkw)
     world = len(src.ranks)
     dst = inference_layout(specs, **ekw, ranks=range(world, world + ekw["tp"] * ekw.get("dp", 1)))
@@ -86,7 +93,9 @@ def test_engine_receives_the_fp8_checkpoint_of_the_whole_tensors(case):
     plan = build_reshard_plan(fsrc, fdst)
     check_reshard_plan(plan)
     weights = _weights(specs)
-    trainer = _megatron_locals(src, weights, specs, mkw["tp"])
+    ep, etp = mkw.get("ep", 1), mkw.get("etp", 1)
+    coords = _mcore_expert_coords(tp=mkw["tp"], dp=mkw.get("dp", 1), pp=mkw.get("pp", 1), ep=ep, etp=etp)
+    trainer = _megatron_locals(src, weights, specs, mkw["tp"], coords=coords, ep=ep, etp=etp)
     sources = {r: Fp8Sources(trainer[r], fsrc, r).tensors for r in fsrc.ranks}
     got = _apply(plan, sources, fdst)
     # independently: an FP8 converter's checkpoint of the whole HF tensors, stacked as the engine holds them
@@ -106,6 +115,8 @@ def test_engine_receives_the_fp8_checkpoint_of_the_whole_tensors(case):
     bf16_bytes = sum(t.nbytes for t in build_reshard_plan(src, dst).transfers)
     quantized = [s for s in specs if fsrc.specs[s.name].dtype == torch.float8_e4m3fn]
     saved = sum(s.nbytes // 2 - 4 * -(-s.shape[0] // 128) * -(-s.shape[1] // 128) for s in quantized)
+    experts = [s for s in quantized if s.expert is not None]
+    assert len(experts) == 3 * spec_kw.get("num_experts", 0) * spec_kw["num_layers"]  # the FP8 rule takes experts
     assert fp8_bytes == bf16_bytes - saved * ekw.get("dp", 1)  # every engine replica receives the model
     assert fp8_bytes <= 0.52 * bf16_bytes
 
@@ -221,3 +232,84 @@ def test_cuda_kernel_gives_the_same_bits_as_the_pytorch_path():
         assert torch.equal(s1.isnan(), s2.isnan()) and torch.equal(s1.nan_to_num(), s2.nan_to_num()), dtype
         finite = torch.isfinite(s2).repeat_interleave(128, 0).repeat_interleave(128, 1)[:520, :700]
         assert torch.equal(q1.view(torch.uint8)[finite], q2.view(torch.uint8)[finite]), dtype
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bit patterns (same-size integers): equal bits, not only equal values (-0.0 is not 0.0)."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def test_dequantize_into_out_and_wrong_scales_refused():
+    """``out=`` (here a transposed view of a larger tensor, as an engine's fused weight gives) gets exactly
+    what a new tensor gets and nothing around it changes; scales of another shape are refused (a broadcast
+    would silently scale whole rows with one block's scale)."""
+    g = torch.Generator().manual_seed(3)
+    q, s = quantize_blocks(torch.randn(200, 300, generator=g))
+    want = dequantize_blocks(q, s, torch.bfloat16)
+    base = torch.full((310, 200), float("nan"), dtype=torch.bfloat16)
+    got = dequantize_blocks(q, s, torch.bfloat16, out=base[5:305].t())
+    assert got.data_ptr() == base[5].data_ptr() and torch.equal(_bits(got), _bits(want))
+    assert base[:5].isnan().all() and base[305:].isnan().all()
+    with pytest.raises(ValueError, match=r"scale_inv has shape \(1, 3\).*has \(2, 3\)"):
+        dequantize_blocks(q, s[:1], torch.bfloat16)
+    with pytest.raises(ValueError, match=r"out is .* torch.float32.*dtype torch.bfloat16"):
+        dequantize_blocks(q, s, torch.bfloat16, out=torch.empty(200, 300))
+
+
+# dequantize kernel cases: shapes (whole blocks, ragged edges, smaller than one block) and scales
+DEQUANTIZE_SHAPES = [(384, 256), (1024, 128), (200, 300), (129, 257), (64, 1000), (5, 7), (1, 1)]
+
+
+def _dequantize_inputs(shape, g):
+    """FP8 values and float32 scales over the whole ranges both take: every finite e4m3 bit pattern (both
+    zeros and subnormals included), scales from 2^-140 (an fp32 subnormal) to 2^100 (products past fp16's
+    range, and fp32 subnormals that a flush-to-zero would lose)."""
+    patterns = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+    patterns[(patterns & 0x7F) == 0x7F] = 0x7E  # 0x7F / 0xFF are e4m3fn's NaNs
+    exponents = torch.randint(-140, 101, scale_shape(shape), generator=g).float()
+    scale = torch.randn(scale_shape(shape), generator=g).abs().add(0.5) * torch.exp2(exponents)
+    return patterns.view(torch.float8_e4m3fn), scale
+
+
+@pytest.mark.gpus(1)
+def test_cuda_dequantize_kernel_gives_the_same_bits_as_the_pytorch_path():
+    """On CUDA the dequantizer is one Triton kernel per call (named ``dequantize`` in the profiler); it must
+    store exactly what the PyTorch ops compute (e4m3 widened to float32, one float32 product, one rounding
+    to the output dtype), on the GPU and on the CPU, into a new tensor or a strided ``out``."""
+    from megatron_ext.weight_export import fp8
+
+    assert fp8._dequantize_kernel() is not None, "Triton is not usable on this GPU machine"
+    g = torch.Generator().manual_seed(4)
+    cases = []  # (shape, dtype, q, s, PyTorch path on the GPU, base of a transposed out view)
+    for shape in DEQUANTIZE_SHAPES:
+        q_cpu, s_cpu = _dequantize_inputs(shape, g)
+        q, s = q_cpu.cuda(), s_cpu.cuda()
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            want = fp8._dequantize_torch(q, s, dtype, 128, None)
+            assert torch.equal(_bits(want.cpu()), _bits(dequantize_blocks(q_cpu, s_cpu, dtype))), (shape, dtype)
+            base = torch.full((shape[1], shape[0] + 3), float("nan"), dtype=dtype, device="cuda")
+            cases.append((shape, dtype, q, s, want, base))
+
+    def run():
+        return [
+            (dequantize_blocks(q, s, dtype), dequantize_blocks(q, s, dtype, out=base[:, 3:].t()))
+            for _, dtype, q, s, _, base in cases
+        ]
+
+    run()  # every specialization compiled outside the profile
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        results = run()
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 2 * len(cases) and all("dequantize" in k for k in kernels), kernels
+    for (shape, dtype, _, _, want, base), (got, into) in zip(cases, results):
+        assert got.dtype == dtype and got.is_contiguous()
+        assert torch.equal(_bits(got), _bits(want)), (shape, dtype, int((_bits(got) != _bits(want)).sum()))
+        assert into.data_ptr() == base[0, 3].data_ptr() and torch.equal(_bits(into), _bits(want)), (shape, dtype)
+        assert base[:, :3].isnan().all()
+    # a NaN scale (a block the trainer found non-finite) gives NaN over exactly its block
+    q, s = (t.cuda() for t in _dequantize_inputs((200, 300), g))
+    s[1, 2] = float("nan")
+    got = dequantize_blocks(q, s, torch.bfloat16)
+    assert got[128:, 256:].isnan().all() and not got[:128].isnan().any() and not got[:, :256].isnan().any()
