@@ -18,9 +18,11 @@ run a symmetric kernel, falls back to eager timing and says so.
 captured graph, so plain replays run the kernels plain eager calls run.
 
 From these timings the benchmark derives the size band per collective where
-symmetric buffers are not slower than plain for either dtype (and per dtype),
-then measures the policy column the same way with the derived bands (the
-candidate defaults of ``megatron_ext/fsdp_symm/config.py``), against plain.
+symmetric buffers are not slower than plain for either dtype (and per dtype)
+with ``megatron_ext.fsdp_symm.probe.bands_from_timings`` (the derivation the
+start-up probe uses), then measures the policy column the same way with the
+derived bands (the candidate defaults of ``megatron_ext/fsdp_symm/config.py``),
+against plain.
 
 Part 2, training steps whose communication is exposed (small batch, no
 overlap), each model family in its own 2-rank job: experimental FSDP (upstream
@@ -39,7 +41,6 @@ import argparse
 import gc
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -48,6 +49,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from benchmarks.common import provenance  # noqa: E402
+from megatron_ext.fsdp_symm.probe import bands_from_timings  # noqa: E402
 
 MIB = 1 << 20
 SIZES = [
@@ -295,8 +299,8 @@ def bench_collectives(quick, reps, use_graphs):
                     f"eager {row['eager_plain_us']:7.1f}/{row['eager_symmetric_us']:7.1f} us  "
                     f"{row['symmetric_kernels'][:1]}"
                 )
-    bands = recommend_bands(rows)
-    dtype_bands = {d: recommend_bands(rows, dtypes=(d,)) for d in DTYPES}
+    bands = bands_from_timings(rows)
+    dtype_bands = {d: bands_from_timings(rows, dtypes=(d,)) for d in DTYPES}
     cfg = config_from_bands(bands, bands)  # one band for both dtypes
     dtype_cfg = {d: config_from_bands(b, b) for d, b in dtype_bands.items()}
     _log("recommended bands (MiB):", _mib_bands(bands))
@@ -347,39 +351,6 @@ def bench_collectives(quick, reps, use_graphs):
         policy_worst_vs_plain=max(r["policy_ratio"] for r in policy_rows),
         policy_symk_matches_decision=all(r["policy_symk"] == r["policy_symmetric"] for r in policy_rows),
     )
-
-
-def recommend_bands(rows, tolerance=0.01, key="us", dtypes=None):
-    """Per collective: the longest run of consecutive measured sizes where the
-    symmetric kernel ran and was not slower than plain by more than
-    ``tolerance`` for every dtype (or only ``dtypes``), as ``(min_bytes,
-    max_bytes)`` (min 0 when the run starts at the smallest size); ``None`` when
-    there is no such size. ``key``: ``"us"`` compares the primary times (graph
-    replays where they ran), ``"eager_us"`` back-to-back eager calls."""
-
-    def get(r, variant):
-        return r[f"eager_{variant}_us"] if key == "eager_us" else r[f"{variant}_{key}"]
-
-    bands = {}
-    for collective in COLLECTIVES:
-        pts_all = [r for r in rows if r["collective"] == collective and (dtypes is None or r["dtype"] in dtypes)]
-        sizes = sorted({r["nbytes"] for r in pts_all})
-        good = []
-        for s in sizes:
-            pts = [r for r in pts_all if r["nbytes"] == s]
-            good.append(
-                all(r["symk_engaged"] and get(r, "symmetric") <= get(r, "plain") * (1 + tolerance) for r in pts)
-            )
-        best, run = None, None
-        for i, ok in enumerate(good):
-            if ok:
-                run = (run[0], i) if run else (i, i)
-                if best is None or run[1] - run[0] > best[1] - best[0]:
-                    best = run
-            else:
-                run = None
-        bands[collective] = None if best is None else (0 if best[0] == 0 else sizes[best[0]], sizes[best[1]])
-    return bands
 
 
 def config_from_bands(bands, fp32_bands=None, **kwargs):
@@ -610,7 +581,7 @@ def _job(result, key, fn, args, timeout, out_path):
     return value
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="symm_mem.json")
     parser.add_argument("--quick", action="store_true", help="fewer sizes and models")
@@ -619,17 +590,14 @@ def main():
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs (eager timing only)")
     parser.add_argument("--steps", type=int, default=20, help="training steps per timed repetition")
     parser.add_argument("--step-reps", type=int, default=7)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     parts = set(args.parts.split(","))
     # Plain buffers of a captured graph must run the kernels plain eager calls run.
     os.environ.setdefault("NCCL_GRAPH_REGISTER", "0")
     result = dict(
-        machine=f"{socket.gethostname()}: {torch.cuda.device_count()}x {torch.cuda.get_device_name()}",
-        torch=torch.__version__,
-        nccl=".".join(map(str, torch.cuda.nccl.version())),
+        **provenance("benchmarks/symm_mem.py", argv),
         nvls=os.environ.get("NCCL_NVLS_ENABLE"),
         graph_register=os.environ.get("NCCL_GRAPH_REGISTER"),
-        date=time.strftime("%Y-%m-%d"),
         args=vars(args),
     )
     bands = None

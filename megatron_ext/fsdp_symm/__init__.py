@@ -3,6 +3,8 @@
 - :class:`SymmMemConfig` / :func:`add_fsdp_symm_args`: mode (auto/on/off) and the
   per-collective size bands where symmetric kernels win.
 - :func:`decide`: the per-bucket policy; :func:`probe`: can a group use it.
+- :func:`resolve_config` / :func:`measure_bands` / :func:`load_bands`: bands
+  measured on the machine that runs (``bands="probe"``), cached in a JSON file.
 - :class:`SymmMemDistributedDataParallel` / :class:`SymmMemDDPMixin` /
   :func:`stage_ddp_buffers`: Megatron DDP buckets on symmetric buffers.
 - :func:`fully_shard`: megatron-core's experimental FSDP entry point whose
@@ -14,15 +16,19 @@ Megatron-dependent pieces are imported lazily so the config can be used alone.
 """
 
 from .capability import Capability, probe
-from .config import COLLECTIVES, MODES, SymmMemConfig, add_fsdp_symm_args
+from .config import BANDS, COLLECTIVES, MODES, SymmMemConfig, add_fsdp_symm_args
 from .memory import SymmetricPlacementMismatch, SymmetricRegistrationError, window_stats
 from .policy import Decision, decide, format_report
+from .probe import BandProbeError, MeasuredBands, bands_from_timings, load_bands, measure_bands, resolve_config
 
 __all__ = [
+    "BANDS",
     "COLLECTIVES",
     "MODES",
+    "BandProbeError",
     "Capability",
     "Decision",
+    "MeasuredBands",
     "SymmMemConfig",
     "SymmMemDDPMixin",
     "SymmMemDistributedDataParallel",
@@ -30,11 +36,15 @@ __all__ = [
     "SymmetricPlacementMismatch",
     "SymmetricRegistrationError",
     "add_fsdp_symm_args",
+    "bands_from_timings",
     "decide",
     "format_report",
     "fully_shard",
+    "load_bands",
+    "measure_bands",
     "probe",
     "release_symmetric_memory",
+    "resolve_config",
     "stage_ddp_buffers",
     "window_stats",
 ]

@@ -5,11 +5,30 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 
-__all__ = ["COLLECTIVES", "DEFAULT_BANDS", "DEFAULT_BANDS_FP32", "MODES", "SymmMemConfig", "add_fsdp_symm_args"]
+__all__ = [
+    "BAND_FIELDS",
+    "BANDS",
+    "COLLECTIVES",
+    "DEFAULT_BANDS",
+    "DEFAULT_BANDS_FP32",
+    "DEFAULT_BANDS_RANKS",
+    "MODES",
+    "SymmMemConfig",
+    "add_fsdp_symm_args",
+]
 
 MODES = ("auto", "on", "off")
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+# Where the auto-mode bands come from: "measured" = DEFAULT_BANDS / DEFAULT_BANDS_FP32
+# below; "probe" = timed on the machine that runs, at start-up, and cached (probe.py).
+BANDS = ("measured", "probe")
+# The band fields, in the order of COLLECTIVES: (min, max) of the band for every
+# dtype but float32, then (min, max) of the float32 band.
+BAND_FIELDS = tuple(
+    f"{name}_{prefix}{bound}_bytes" for name in COLLECTIVES for prefix in ("", "fp32_") for bound in ("min", "max")
+)
 
 _MIB = 1 << 20
 
@@ -38,6 +57,8 @@ DEFAULT_BANDS_FP32: dict[str, tuple[int, int]] = {
     "reduce_scatter": (2 * _MIB, 32 * _MIB),
     "all_reduce": (2 * _MIB, 32 * _MIB),
 }
+# The number of ranks of the group the default bands were measured with.
+DEFAULT_BANDS_RANKS = 2
 
 
 @dataclasses.dataclass
@@ -59,6 +80,18 @@ class SymmMemConfig:
     ``None`` means: the measured fp32 default while that collective's band is at
     its default, otherwise that collective's band (so setting a band alone
     applies it to every dtype).
+    ``bands`` says where the bands come from: ``"measured"`` (default) keeps the
+    fields as they are, whose defaults were measured on 2x H200 at 2 ranks;
+    ``"probe"`` replaces every band field the user did not set by bands timed on
+    the machine that runs, once per group of ranks at start-up and cached in the
+    JSON file ``probe_cache`` (``None``: ``~/.cache/megatron_ext/symm_mem_bands.json``);
+    see :func:`megatron_ext.fsdp_symm.probe.resolve_config`. An fp32 field counts
+    as set when it is not ``None``, any other band field when it differs from its
+    default or is named in ``pinned_bands`` (:meth:`from_args` names there every
+    field whose flag was given, so a flag equal to the default counts as set).
+    With ``"probe"``, ``min <= max`` is checked for bands whose two bounds are
+    set; a set bound beyond the probed other bound means no symmetric buffers
+    for that band.
     ``report`` logs, once at start-up, which buckets use symmetric memory and why.
     """
 
@@ -76,17 +109,48 @@ class SymmMemConfig:
     all_reduce_fp32_min_bytes: int | None = None
     all_reduce_fp32_max_bytes: int | None = None
     report: bool = True
+    bands: str = "measured"
+    probe_cache: str | None = None
+    pinned_bands: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"SymmMemConfig.mode must be one of {', '.join(map(repr, MODES))}; got {self.mode!r}")
+        if self.bands not in BANDS:
+            raise ValueError(
+                f"SymmMemConfig.bands must be one of {', '.join(map(repr, BANDS))}; got {self.bands!r} "
+                "('measured': the shipped 2-rank bands; 'probe': measure on this machine at start-up)"
+            )
+        if self.probe_cache is not None:
+            if isinstance(self.probe_cache, os.PathLike):
+                self.probe_cache = os.fspath(self.probe_cache)
+            if not isinstance(self.probe_cache, str) or not self.probe_cache:
+                raise ValueError(
+                    f"SymmMemConfig.probe_cache must be None (the default file) or a non-empty path; "
+                    f"got {self.probe_cache!r}"
+                )
+        if not isinstance(self.pinned_bands, (tuple, list, set, frozenset)) or not all(
+            isinstance(f, str) for f in self.pinned_bands
+        ):
+            raise ValueError(
+                f"SymmMemConfig.pinned_bands must be a tuple of band field names; got {self.pinned_bands!r}"
+            )
+        unknown = sorted(set(self.pinned_bands) - set(BAND_FIELDS))
+        if unknown:
+            raise ValueError(
+                f"SymmMemConfig.pinned_bands has unknown fields {unknown}; allowed: {', '.join(BAND_FIELDS)}"
+            )
+        self.pinned_bands = tuple(f for f in BAND_FIELDS if f in self.pinned_bands)
+        # With bands="probe", a bound left unset is the probe's: min <= max can
+        # only be checked when both are set (resolve_config handles the rest).
+        given = set(self.set_band_fields()) if self.bands == "probe" else set(BAND_FIELDS)
         for name in COLLECTIVES:
             lo_field, hi_field = f"{name}_min_bytes", f"{name}_max_bytes"
             lo, hi = getattr(self, lo_field), getattr(self, hi_field)
             for field, value in ((lo_field, lo), (hi_field, hi)):
                 if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                     raise ValueError(f"SymmMemConfig.{field} must be an int >= 0 (bytes); got {value!r}")
-            if lo > hi:
+            if lo > hi and {lo_field, hi_field} <= given:
                 raise ValueError(
                     f"SymmMemConfig.{lo_field} ({lo}) must be <= {hi_field} ({hi}); "
                     f"raise {hi_field} or lower {lo_field}"
@@ -97,7 +161,7 @@ class SymmMemConfig:
                 if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                     raise ValueError(f"SymmMemConfig.{field} must be None or an int >= 0 (bytes); got {value!r}")
             lo, hi = self.band(name, "float32")
-            if lo > hi:
+            if lo > hi and {lo_field, hi_field} <= given:
                 raise ValueError(
                     f"SymmMemConfig.{lo_field} ({lo}) must be <= {hi_field} ({hi}) (the float32 "
                     f"band; None fields take the {name} band or its fp32 default); "
@@ -121,7 +185,13 @@ class SymmMemConfig:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "SymmMemConfig":
         """Build the config from flags added by :func:`add_fsdp_symm_args`."""
-        kwargs = {"mode": args.symm_mem, "report": not args.symm_mem_no_report}
+        kwargs = {
+            "mode": args.symm_mem,
+            "report": not args.symm_mem_no_report,
+            "bands": getattr(args, "symm_mem_bands", "measured"),
+            "probe_cache": getattr(args, "symm_mem_probe_cache", None),
+        }
+        pinned = []
         for name in COLLECTIVES:
             for prefix in ("", "fp32_"):
                 flag = f"{prefix}{name}".replace("_", "-")
@@ -132,7 +202,24 @@ class SymmMemConfig:
                         if not (math.isfinite(mib) and mib >= 0):
                             raise ValueError(f"--symm-mem-{flag}-{bound}-mib must be >= 0 and finite (MiB); got {mib}")
                         kwargs[f"{name}_{prefix}{bound}_bytes"] = int(round(mib * _MIB))
-        return cls(**kwargs)
+                        pinned.append(f"{name}_{prefix}{bound}_bytes")
+        return cls(**kwargs, pinned_bands=tuple(pinned))
+
+    def set_band_fields(self) -> tuple[str, ...]:
+        """The band fields the user set: fp32 fields that are not ``None``; the
+        others when named in ``pinned_bands`` or different from their default.
+        ``bands="probe"`` keeps them."""
+        out = []
+        for field in BAND_FIELDS:
+            value = getattr(self, field)
+            name, bound = field.removesuffix("_bytes").rsplit("_", 1)
+            if name.endswith("_fp32"):
+                given = value is not None
+            else:
+                given = field in self.pinned_bands or value != DEFAULT_BANDS[name][0 if bound == "min" else 1]
+            if given:
+                out.append(field)
+        return tuple(out)
 
 
 def add_fsdp_symm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -170,6 +257,21 @@ def add_fsdp_symm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                 f"{name} buffer (MiB) to stage in symmetric memory (default {value / _MIB:g} "
                 f"while the {name} band is at its default, else that band).",
             )
+    group.add_argument(
+        "--symm-mem-bands",
+        choices=BANDS,
+        default="measured",
+        help="Where auto mode's size bands come from: measured (the shipped bands, measured on 2x H200 "
+        "at 2 ranks) or probe (time plain vs symmetric collectives on this machine at start-up, a few "
+        "seconds per group of ranks, cached; band flags given here still win). Default: measured.",
+    )
+    group.add_argument(
+        "--symm-mem-probe-cache",
+        default=None,
+        metavar="PATH",
+        help="JSON file of probed bands (--symm-mem-bands probe); default "
+        "~/.cache/megatron_ext/symm_mem_bands.json. Delete an entry or the file to probe again.",
+    )
     group.add_argument(
         "--symm-mem-no-report",
         action="store_true",

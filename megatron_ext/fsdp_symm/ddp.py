@@ -32,6 +32,7 @@ from .capability import probe
 from .config import SymmMemConfig
 from .memory import SymmetricMemory, SymmetricPlacementMismatch, quiesce, release_storage
 from .policy import REPORTER, Decision, decide
+from .probe import resolve_config
 
 __all__ = [
     "SymmMemDDPMixin",
@@ -194,11 +195,13 @@ def _stage_buffer(ddp, buffer, bucket_groups, config, prefix):
         if reason is None and n > 1:
             # Coalesced into one NCCL group; symmetric kernels run one collective per group.
             reason = f"its bucket group coalesces {n} collectives"
+        # The group's bands (probed once per group with bands="probe").
+        used = resolve_config(config, group, buffer.grad_data.device) if reason is None else config
         grad_bytes = bucket.grad_data.numel() * bucket.grad_data.element_size()
-        grad_decisions.append(decide(grad_op, grad_bytes, config, reason, bucket.grad_data.dtype))
+        grad_decisions.append(decide(grad_op, grad_bytes, used, reason, bucket.grad_data.dtype))
         if bucket.param_data is not None and cfg.use_distributed_optimizer:
             nbytes = bucket.param_data.numel() * bucket.param_data.element_size()
-            param_decisions.append(decide("all_gather", nbytes, config, reason, bucket.param_data.dtype))
+            param_decisions.append(decide("all_gather", nbytes, used, reason, bucket.param_data.dtype))
         else:
             param_decisions.append(None)
         memories[id(bucket)] = group

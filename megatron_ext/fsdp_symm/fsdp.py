@@ -44,6 +44,7 @@ from .capability import probe
 from .config import SymmMemConfig
 from .memory import SymmetricMemory, SymmetricPlacementMismatch, move_storage, release_storage
 from .policy import REPORTER, Decision, decide
+from .probe import resolve_config
 
 __all__ = ["SymmFsdpModule", "SymmFsdpParameterGroup", "fully_shard"]
 
@@ -87,6 +88,8 @@ class SymmFsdpParameterGroup(FsdpParameterGroup):
             cap = probe(mesh.get_group(0))
             why_not = None if cap.available else cap.reason
             why_not = why_not or self._unsupported_layout(placements)
+            if why_not is None:  # the group's bands (probed once per group with bands="probe")
+                config = resolve_config(config, mesh.get_group(0), self.main_weight.device)
         self.all_gather_decision = decide("all_gather", ag_bytes, config, why_not, self.model_weight.dtype)
         self.reduce_scatter_decision = (
             decide("reduce_scatter", rs_bytes, config, why_not, self.dtype)

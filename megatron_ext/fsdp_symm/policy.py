@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 
 from .config import COLLECTIVES, SymmMemConfig
 
@@ -62,8 +63,9 @@ def decide(collective: str, nbytes: int, config: SymmMemConfig, unavailable: str
     return Decision(collective, nbytes, True, f"{auto}: {_mib(lo)} <= {_mib(nbytes)} <= {_mib(hi)}")
 
 
-def format_report(rows: list[tuple[str, Decision]]) -> str:
-    """A table of ``(bucket name, decision)`` rows."""
+def format_report(rows: list[tuple[str, Decision]], notes: Sequence[str] = ()) -> str:
+    """A table of ``(bucket name, decision)`` rows, then ``notes`` (where the
+    bands came from), one line each."""
     n_symm = sum(d.symmetric for _, d in rows)
     lines = [f"symmetric-memory staging: {n_symm} of {len(rows)} collective buffers symmetric"]
     width = max([len(name) for name, _ in rows] + [6])
@@ -71,6 +73,7 @@ def format_report(rows: list[tuple[str, Decision]]) -> str:
     for name, d in rows:
         staging = "symmetric" if d.symmetric else "plain"
         lines.append(f"  {name:<{width}}  {d.collective:<14} {_mib(d.nbytes):>11}  {staging:<9}  {d.reason}")
+    lines += [f"  note: {note}" for note in notes]
     return "\n".join(lines)
 
 
@@ -79,17 +82,24 @@ class Reporter:
 
     def __init__(self):
         self.pending: list[tuple[str, Decision]] = []
+        self.notes: list[str] = []
         self.last_report: str | None = None
 
     def add(self, name: str, decision: Decision) -> None:
         self.pending.append((name, decision))
 
+    def note(self, text: str) -> None:
+        """Add a line under the next report (once, however often it is added)."""
+        if text not in self.notes:
+            self.notes.append(text)
+
     def flush(self, enabled: bool = True) -> str | None:
-        """Log the pending decisions (rank 0 only) and return the text; ``None`` if none."""
-        if not self.pending:
+        """Log the pending decisions and notes (rank 0 only) and return the text;
+        ``None`` if there are none."""
+        if not self.pending and not self.notes:
             return None
-        text = format_report(self.pending)
-        self.pending = []
+        text = format_report(self.pending, self.notes)
+        self.pending, self.notes = [], []
         self.last_report = text
         if enabled and _is_rank0():
             logger.warning(text)

@@ -468,3 +468,183 @@ def staged_models_lifecycle(builds, steps):
         decisions=decisions,
         warnings=[str(w.message) for w in caught if "fsdp_symm" in str(w.message)],
     )
+
+
+# ------------------------------------------------------------- probed bands
+MIB = 1 << 20
+FAKE_BANDS = {"all_gather": (MIB, 32 * MIB), "reduce_scatter": None, "all_reduce": (0, 4 * MIB)}
+FAKE_BANDS_FP32 = {"all_gather": (MIB, 32 * MIB), "reduce_scatter": (2 * MIB, 16 * MIB), "all_reduce": (0, 8 * MIB)}
+
+
+def _fake_measure(calls):
+    """A stand-in for probe.measure_bands (no GPU): fixed bands, counts its calls."""
+    from megatron_ext.fsdp_symm.probe import MeasuredBands
+
+    def measure(group=None, device=None, **kwargs):
+        calls.append(dist.get_world_size(group))
+        return MeasuredBands(
+            bands=dict(FAKE_BANDS),
+            bands_fp32=dict(FAKE_BANDS_FP32),
+            ranks=dist.get_world_size(group),
+            seconds=1.5,
+            date="2026-01-01T00:00:00+00:00",
+            rows=({"nbytes": MIB},),
+        )
+
+    return measure
+
+
+def band_cache_and_resolve(path):
+    """The band cache over a gloo group, with a stand-in measurement: a miss
+    measures on every rank and rank 0 writes; a hit measures nothing; a corrupt
+    file warns once and counts as a miss; resolve_config leaves an unavailable
+    group's config alone, and (with the capability probe standing in as
+    available) applies the bands once per group of ranks."""
+    import json
+    from unittest import mock
+
+    from megatron_ext.fsdp_symm import SymmMemConfig, probe as probe_mod
+    from megatron_ext.fsdp_symm.capability import Capability
+    from megatron_ext.fsdp_symm.policy import REPORTER
+
+    calls, out = [], {}
+    world = dist.group.WORLD
+    cpu = torch.device("cpu")
+    with mock.patch.object(probe_mod, "measure_bands", _fake_measure(calls)):
+        first = probe_mod.load_bands(world, cpu, path)
+        out["miss"] = (first.source, first.bands, first.bands_fp32, len(calls))
+        dist.barrier()
+        with open(path) as f:
+            out["file_after_miss"] = json.load(f)
+        second = probe_mod.load_bands(world, cpu, path)
+        out["hit"] = (second.source, second.bands, second.bands_fp32, second.seconds, second.key, len(calls))
+        dist.barrier()
+        if dist.get_rank() == 0:
+            with open(path, "w") as f:
+                f.write("{not json")
+        dist.barrier()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            third = probe_mod.load_bands(world, cpu, path)
+        out["corrupt"] = (third.source, len(calls), [str(w.message) for w in caught])
+        dist.barrier()
+        with open(path) as f:
+            out["file_after_corrupt"] = json.load(f)
+
+        # gloo: the real capability probe says unavailable, so nothing is probed.
+        cfg = SymmMemConfig(bands="probe", probe_cache=path)
+        before = len(calls)
+        out["gloo_resolve"] = (probe_mod.resolve_config(cfg, world, cpu) is cfg, len(calls) - before)
+
+        # The capability stands in as available: bands applied, loaded once per ranks.
+        one = dist.new_group([0])
+        with mock.patch.object(probe_mod.capability, "probe", lambda group=None: Capability(True, "stand-in")):
+            os_path = path + ".resolve"
+            cfg = SymmMemConfig(bands="probe", probe_cache=os_path, all_reduce_max_bytes=2 * MIB)
+            resolved = [probe_mod.resolve_config(cfg, world, cpu) for _ in range(3)]
+            out["resolved"] = (resolved[0], all(r == resolved[0] for r in resolved), len(calls) - before)
+            # A 1-rank group is not probed (rank 0 alone: collective over [0] only).
+            out["one_rank"] = probe_mod.resolve_config(cfg, one, cpu) is cfg if dist.get_rank() == 0 else None
+            # bands="measured" on a group of another size: a note, the config as is.
+            plain = SymmMemConfig()
+            out["measured_other_size"] = (
+                probe_mod.resolve_config(plain, one, cpu) is plain if dist.get_rank() == 0 else None
+            )
+        out["notes"] = list(REPORTER.notes)
+        REPORTER.notes = []
+    return out
+
+
+def _first_collectives(dev):
+    """The collectives the probe uses, once, so that what their first calls
+    keep allocated is not counted as the probe's."""
+    dist.broadcast_object_list([None], src=0)
+    dist.all_reduce(torch.ones(1, device=dev))
+    torch.cuda.synchronize()
+
+
+def probe_on_gpus(path):
+    """The real probe over NCCL: bands measured and cached, a second load hits
+    the cache without timing anything, a DDP staged with bands="probe" decides
+    with the probed bands; and a probe with the kernel check (its rows)."""
+    import json
+    from unittest import mock
+
+    from megatron.core import parallel_state as ps
+
+    from megatron_ext.fsdp_symm import SymmMemConfig, decide, probe as probe_mod
+    from megatron_ext.fsdp_symm.memory import window_stats
+
+    world = dist.group.WORLD
+    dev = tiny_gpt.rank_device()
+    _first_collectives(dev)
+    before = torch.cuda.memory_allocated(dev)
+    measured = probe_mod.load_bands(world, dev, path)
+    out = dict(
+        source=measured.source,
+        bands=measured.bands,
+        bands_fp32=measured.bands_fp32,
+        seconds=measured.seconds,
+        allocated_delta=torch.cuda.memory_allocated(dev) - before,
+        windows=window_stats(dev, world.group_name),
+    )
+    # With the kernel check (off in staging: it costs a profiler start-up).
+    checked = probe_mod.measure_bands(world, dev, check_kernels=True)
+    out["rows"] = [{k: v for k, v in r.items() if not k.endswith("runs_us")} for r in checked.rows]
+    dist.barrier()
+    with open(path) as f:
+        out["file"] = json.load(f)
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("a cache hit must not time anything")
+
+    with mock.patch.object(probe_mod, "measure_bands", no_timing):
+        again = probe_mod.load_bands(world, dev, path)
+        out["again"] = (again.source, again.bands, again.bands_fp32)
+        # Staging with bands="probe": the DDP's group gets the cached bands.
+        ps.initialize_model_parallel()
+        cfg = SymmMemConfig(bands="probe", probe_cache=path, all_gather_min_bytes=0)
+        ddp, decisions = _build_ddp("symm", True, True, cfg)
+    resolved = probe_mod.apply_bands(cfg, again)
+    expected = []
+    for buffer in ddp.buffers:
+        for bucket in buffer.buckets:
+            grad = bucket.grad_data
+            expected.append(decide("reduce_scatter", grad.numel() * grad.element_size(), resolved, None, grad.dtype))
+            param = bucket.param_data
+            expected.append(decide("all_gather", param.numel() * param.element_size(), resolved, None, param.dtype))
+    out["decisions"] = [d for _, d in decisions]
+    out["expected"] = expected
+    from megatron_ext.fsdp_symm.policy import REPORTER
+
+    out["report"] = REPORTER.last_report
+    from megatron_ext.fsdp_symm import release_symmetric_memory
+
+    release_symmetric_memory(ddp)
+    return out
+
+
+def probe_on_one_gpu(path):
+    """One GPU, one rank: the probe's machinery runs (buffers, timed runs, the
+    cache) and returns its symmetric buffers to the pool; resolve_config leaves a
+    1-rank group's config alone."""
+    from megatron_ext.fsdp_symm import SymmMemConfig, probe as probe_mod
+    from megatron_ext.fsdp_symm.policy import REPORTER
+
+    dev = tiny_gpt.rank_device()
+    _first_collectives(dev)
+    before = torch.cuda.memory_allocated(dev)
+    measured = probe_mod.load_bands(dist.group.WORLD, dev, path)
+    cfg = SymmMemConfig(bands="probe", probe_cache=path)
+    same = probe_mod.resolve_config(cfg, dist.group.WORLD, dev) is cfg
+    notes = list(REPORTER.notes)
+    REPORTER.notes = []
+    return dict(
+        source=measured.source,
+        seconds=measured.seconds,
+        rows=[{k: v for k, v in r.items() if not k.endswith("runs_us")} for r in measured.rows],
+        allocated_delta=torch.cuda.memory_allocated(dev) - before,
+        same=same,
+        notes=notes,
+        again=probe_mod.load_bands(dist.group.WORLD, dev, path).source,
+    )
