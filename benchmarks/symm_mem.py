@@ -1,14 +1,17 @@
-"""Benchmark NCCL symmetric-memory staging on 2 GPUs: collectives and training steps.
+"""Benchmark NCCL symmetric-memory staging on ``--world`` GPUs (default 2): collectives and training steps.
 
-    python benchmarks/symm_mem.py [--out symm_mem.json] [--quick] [--parts collectives,fsdp,ddp]
+    python benchmarks/symm_mem.py [--world N] [--out symm_mem.json] [--quick] [--parts collectives,fsdp,ddp]
+
+Every job runs on ``--world`` ranks (one GPU each), so the collectives and the
+size bands derived from them are those of a group of that many ranks.
 
 Part 1, collectives: all-gather, reduce-scatter and all-reduce, bf16 and fp32,
 full-buffer sizes 256 KiB .. 512 MiB, plain buffers vs symmetric buffers (send
 and receive both from the pool and registered). Launch-free timing: for every
 (collective, dtype, size, variant) N back-to-back collectives are captured into
 a CUDA graph; each timed replay starts after a barrier and a device sync on
-both ranks, and the per-call time is the replay's CUDA-event time over N, the
-smaller of the two ranks' (the rank that arrived last never waited for its
+every rank, and the per-call time is the replay's CUDA-event time over N, the
+smallest over the ranks (the rank that arrived last never waited for a
 peer). Variants are interleaved; median, min and max of the repetitions are
 reported, with back-to-back eager timings beside them. The profiler checks
 which kernels ran inside the replays (``ncclSymk*`` for symmetric buffers, none
@@ -25,14 +28,17 @@ derived bands (the candidate defaults of ``megatron_ext/fsdp_symm/config.py``),
 against plain.
 
 Part 2, training steps whose communication is exposed (small batch, no
-overlap), each model family in its own 2-rank job: experimental FSDP (upstream
+overlap), each model family in its own job of ``--world`` ranks: experimental FSDP (upstream
 plain, upstream ``use_symm_mem=True``, ours auto with the derived bands, ours
 on) and Megatron DDP (plain, ours auto, ours on; auto with the derived bf16 and
 fp32 bands when part 1 ran, else the shipped defaults), ms/step (median, min, max of
-repetitions) and the NCCL kernels of one profiled step. Staged models are freed
-with ``release_symmetric_memory`` between variants.
+repetitions) and the NCCL kernels of one profiled step (their count, summed
+time, and the time when only NCCL kernels ran on the GPU: :func:`profile_step`).
+Staged models are freed with ``release_symmetric_memory`` between variants.
+``benchmarks/train_step.py`` runs the end-to-end step benchmark (a >= 1B GPTModel).
 
-Prints tables and writes JSON. Needs 2 GPUs (NCCL_NVLS_ENABLE=0 on our 2xH200).
+Prints tables and writes JSON (``world``: the ranks of every job). Needs
+``--world`` GPUs (NCCL_NVLS_ENABLE=0 on our H200 machines).
 """
 
 from __future__ import annotations
@@ -115,8 +121,8 @@ def _capture(fn, n):
 
 def _aligned_replays(graphs: dict, reps: int) -> dict:
     """Per-call time (us) of each ``name -> (graph, n)``, ``reps`` interleaved
-    repetitions; each replay starts after a barrier + device sync on both ranks
-    and counts as the smaller of the two ranks' event times."""
+    repetitions; each replay starts after a barrier + device sync on every rank
+    and counts as the smallest of the ranks' event times."""
     names = list(graphs)
     times = {n: [] for n in names}
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -179,11 +185,17 @@ def _op(collective, send, recv):
     return lambda: dist.all_reduce(send, op=dist.ReduceOp.SUM)
 
 
+def _gpu_events(prof):
+    """The GPU work the profiler saw: kernels, memcpys, memsets (not user annotations mirrored on the GPU)."""
+    return [
+        e
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+    ]
+
+
 def _nccl_events(prof):
-    return sorted(
-        (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "nccl" in e.name.lower()),
-        key=lambda e: e.time_range.start,
-    )
+    return sorted((e for e in _gpu_events(prof) if "nccl" in e.name.lower()), key=lambda e: e.time_range.start)
 
 
 def _kernel_names(calls):
@@ -303,7 +315,7 @@ def bench_collectives(quick, reps, use_graphs):
     dtype_bands = {d: bands_from_timings(rows, dtypes=(d,)) for d in DTYPES}
     cfg = config_from_bands(bands, bands)  # one band for both dtypes
     dtype_cfg = {d: config_from_bands(b, b) for d, b in dtype_bands.items()}
-    _log("recommended bands (MiB):", _mib_bands(bands))
+    _log(f"recommended bands (MiB) at {ws} ranks:", _mib_bands(bands))
     for d, b in dtype_bands.items():
         _log(f"  {d} only:", _mib_bands(b))
     # Phase B: the policy with the derived bands against plain, measured the same way.
@@ -381,7 +393,10 @@ def _quiesce():
     dist.barrier()
 
 
-def _step_stats(step, steps, reps, warmup=3):
+def step_stats(step, steps, reps, warmup=3):
+    """This rank's ms per step of ``step``: after ``warmup`` untimed steps, ``reps``
+    repetitions of ``steps`` back-to-back steps, each after a device sync and a barrier
+    (CUDA-event time over ``steps``); median, min, max and every repetition."""
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
@@ -394,20 +409,61 @@ def _step_stats(step, steps, reps, warmup=3):
     return dict(ms_per_step=statistics.median(per_rep), ms_min=min(per_rep), ms_max=max(per_rep), ms_reps=per_rep)
 
 
-def _profile_step(step):
+def merged_intervals(intervals):
+    """``(start, end)`` intervals merged into sorted, disjoint ones."""
+    out = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return [tuple(i) for i in out]
+
+
+def busy_us(intervals) -> float:
+    """The time covered by at least one of ``intervals``."""
+    return sum(end - start for start, end in merged_intervals(intervals))
+
+
+def exposed_us(comm, other) -> float:
+    """The time covered by ``comm`` intervals and by none of ``other``: on a GPU
+    timeline, communication that no other GPU work hides."""
+    a, b = merged_intervals(comm), merged_intervals(other)
+    overlap, j = 0.0, 0
+    for start, end in a:
+        while j < len(b) and b[j][1] <= start:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < end:
+            overlap += min(end, b[k][1]) - max(start, b[k][0])
+            k += 1
+    return busy_us(a) - overlap
+
+
+def profile_step(step):
+    """The GPU work of one ``step`` under the profiler: NCCL kernels (count, how many
+    ran symmetric ``ncclSymk`` kernels, summed time), the time NCCL kernels ran
+    (on any stream), the part of it no other kernel, memcpy or memset overlapped
+    (exposed), and the time the GPU ran anything."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    events = _nccl_events(prof)
+    gpu = _gpu_events(prof)
+    events = sorted((e for e in gpu if "nccl" in e.name.lower()), key=lambda e: e.time_range.start)
     names = [e.name.split("(")[0] for e in events]
+    comm = [(e.time_range.start, e.time_range.end) for e in events]
+    other = [(e.time_range.start, e.time_range.end) for e in gpu if "nccl" not in e.name.lower()]
     return {
         "nccl_kernels": len(names),
         "symk_kernels": sum("symk" in n.lower() for n in names),
         # Includes time spent waiting for the peer inside the kernel.
         "nccl_kernel_us": sum(e.time_range.elapsed_us() for e in events),
+        "nccl_busy_us": busy_us(comm),
+        "exposed_nccl_us": exposed_us(comm, other),
+        "gpu_busy_us": busy_us(comm + other),
     }
 
 
@@ -458,8 +514,8 @@ def fsdp_rank(width, layers, batch, steps, reps, bands):
                 opt.step()
                 losses.append(loss.detach())
 
-            r = _step_stats(step, steps, reps)
-            r.update(_profile_step(step), final_loss=losses[-1].float().item())
+            r = step_stats(step, steps, reps)
+            r.update(profile_step(step), final_loss=losses[-1].float().item())
             if variant.startswith("ours"):
                 r["symmetric_collectives"] = sum(
                     g.all_gather_decision.symmetric + g.reduce_scatter_decision.symmetric
@@ -533,10 +589,10 @@ def ddp_rank(hidden, layers, bucket_mib, distopt, steps, reps, bands):
                 ddp.finish_grad_sync()
                 opt.step()
 
-            r = _step_stats(step, steps, reps)
+            r = step_stats(step, steps, reps)
             decisions = getattr(ddp, "symm_mem_decisions", [])
             r.update(
-                _profile_step(step),
+                profile_step(step),
                 buckets=len(ddp.buffers[0].buckets),
                 bucket_mib=[b.grad_data.numel() * 4 / MIB for b in ddp.buffers[0].buckets],
                 symmetric_buffers=sum(d.symmetric for _, d in decisions),
@@ -561,12 +617,12 @@ def ddp_rank(hidden, layers, bucket_mib, distopt, steps, reps, bands):
 
 
 # ------------------------------------------------------------------ driver
-def _job(result, key, fn, args, timeout, out_path):
+def _job(result, key, fn, args, timeout, out_path, world):
     from megatron_ext.testing.multirank import RankFailure, run_on_ranks
 
     t0 = time.time()
     try:
-        value = run_on_ranks(fn, 2, args=args, backend="nccl", timeout=timeout)[0]
+        value = run_on_ranks(fn, world, args=args, backend="nccl", timeout=timeout)[0]
     except RankFailure as exc:
         value = {"error": str(exc)[-6000:]}
         print(f"{key} failed:\n{value['error']}", flush=True)
@@ -583,6 +639,7 @@ def _job(result, key, fn, args, timeout, out_path):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, default=2, help="ranks (GPUs) of every job (default 2)")
     parser.add_argument("--out", default="symm_mem.json")
     parser.add_argument("--quick", action="store_true", help="fewer sizes and models")
     parser.add_argument("--parts", default="collectives,fsdp,ddp")
@@ -591,6 +648,13 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=20, help="training steps per timed repetition")
     parser.add_argument("--step-reps", type=int, default=7)
     args = parser.parse_args(argv)
+    if args.world < 2:
+        parser.error(f"--world must be >= 2 (ranks of every job, one GPU each); got {args.world}")
+    if torch.cuda.device_count() < args.world:
+        parser.error(
+            f"--world {args.world} needs {args.world} CUDA GPUs (NCCL, one per rank); "
+            f"{torch.cuda.device_count()} visible"
+        )
     parts = set(args.parts.split(","))
     # Plain buffers of a captured graph must run the kernels plain eager calls run.
     os.environ.setdefault("NCCL_GRAPH_REGISTER", "0")
@@ -598,12 +662,19 @@ def main(argv=None):
         **provenance("benchmarks/symm_mem.py", argv),
         nvls=os.environ.get("NCCL_NVLS_ENABLE"),
         graph_register=os.environ.get("NCCL_GRAPH_REGISTER"),
+        world=args.world,
         args=vars(args),
     )
     bands = None
     if "collectives" in parts:
         value = _job(
-            result, "collectives_part", collectives_rank, (args.quick, args.reps, not args.eager), 590, args.out
+            result,
+            "collectives_part",
+            collectives_rank,
+            (args.quick, args.reps, not args.eager),
+            590,
+            args.out,
+            args.world,
         )
         if "error" not in value:
             result.pop("collectives_part")
@@ -612,7 +683,7 @@ def main(argv=None):
             # every dtype but float32, which gets its own.
             per_dtype = value["recommended_bands_per_dtype"]
             bands = (per_dtype["bf16"], per_dtype["fp32"])
-            _log_summary(value)
+            _log_summary(value, args.world)
     result["step_bands"] = bands
     if "fsdp" in parts:
         for width, layers in [(2048, 8)] if args.quick else [(2048, 8), (4096, 4), (8192, 2)]:
@@ -623,6 +694,7 @@ def main(argv=None):
                 (width, layers, 4, args.steps, args.step_reps, bands),
                 300,
                 args.out,
+                args.world,
             )
     if "ddp" in parts:
         for distopt in (False, True):
@@ -633,14 +705,15 @@ def main(argv=None):
                 (1024, 4, 4, distopt, args.steps, args.step_reps, bands),
                 300,
                 args.out,
+                args.world,
             )
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    print(f"wrote {args.out} ({sum(result.get('wall_s', {}).values()):.0f} s in jobs)")
+    print(f"wrote {args.out} ({args.world} ranks; {sum(result.get('wall_s', {}).values()):.0f} s in jobs)")
 
 
-def _log_summary(value):
-    print("recommended bands (MiB):", _mib_bands(value["recommended_bands"]), flush=True)
+def _log_summary(value, world):
+    print(f"recommended bands (MiB) at {world} ranks:", _mib_bands(value["recommended_bands"]), flush=True)
     for d, b in value["recommended_bands_per_dtype"].items():
         print(f"  {d} only:", _mib_bands(b), flush=True)
     print(
