@@ -143,3 +143,20 @@ def provenance(script: str, argv=None) -> dict:
         ),
         versions=versions,
     )
+
+
+def int_at_least(minimum: int):
+    """An ``argparse`` type: an int >= ``minimum`` (the error names the bound and the value given)."""
+
+    def parse(text: str) -> int:
+        import argparse
+
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an int >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an int >= {minimum}, got {value}")
+        return value
+
+    return parse

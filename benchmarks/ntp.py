@@ -73,7 +73,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import provenance  # noqa: E402
+from benchmarks.common import int_at_least, provenance  # noqa: E402
 from megatron_ext.testing import tiny_gpt  # noqa: E402
 from megatron_ext.testing.multirank import run_on_ranks  # noqa: E402
 
@@ -691,16 +691,6 @@ def _param_count(args) -> int:
     return args.layers * layer + 2 * v * h + s * h + 2 * h
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
-    return value
-
-
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -710,21 +700,21 @@ def parse_args(argv=None):
         help="model and batch defaults: tiny (CPU) or 2b (2.0e9 parameters, for 4 GPUs at TP=2); the flags "
         "below override single values",
     )
-    parser.add_argument("--tp-base", type=_positive_int, default=2)
-    parser.add_argument("--replicas", type=_positive_int, default=2)
-    parser.add_argument("--spares", type=_positive_int, default=1, help="GPUs replica 0 loses (1..tp-base-1)")
+    parser.add_argument("--tp-base", type=int_at_least(1), default=2)
+    parser.add_argument("--replicas", type=int_at_least(1), default=2)
+    parser.add_argument("--spares", type=int_at_least(1), default=1, help="GPUs replica 0 loses (1..tp-base-1)")
     for flag in ("hidden", "layers", "heads", "vocab", "seq", "micro-batch", "global-batch", "steps"):
-        parser.add_argument(f"--{flag}", type=_positive_int, default=None)
-    parser.add_argument("--ffn", type=_positive_int, default=None, help="MLP width (default: 4 x --hidden)")
+        parser.add_argument(f"--{flag}", type=int_at_least(1), default=None)
+    parser.add_argument("--ffn", type=int_at_least(1), default=None, help="MLP width (default: 4 x --hidden)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps before each job's timed steps")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default=None, help="default: bf16 on nccl, else fp32")
     parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
-    parser.add_argument("--model-dp", type=_positive_int, default=64, help="large-job model: replicas")
-    parser.add_argument("--model-tp", type=_positive_int, default=8, help="large-job model: TP degree")
-    parser.add_argument("--model-failed", type=_positive_int, default=8, help="large-job model: k = 1..this")
+    parser.add_argument("--model-dp", type=int_at_least(1), default=64, help="large-job model: replicas")
+    parser.add_argument("--model-tp", type=int_at_least(1), default=8, help="large-job model: TP degree")
+    parser.add_argument("--model-failed", type=int_at_least(1), default=8, help="large-job model: k = 1..this")
     parser.add_argument(
         "--model-microbatches",
-        type=_positive_int,
+        type=int_at_least(1),
         default=None,
         help="large-job model: micro-batches per replica of the uniform job (default: this run's)",
     )

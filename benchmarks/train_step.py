@@ -71,7 +71,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import GiB, PRESETS, megatron_config, provenance  # noqa: E402
+from benchmarks.common import GiB, PRESETS, int_at_least, megatron_config, provenance  # noqa: E402
 from benchmarks.symm_mem import profile_step, step_stats  # noqa: E402
 from megatron_ext.testing import tiny_gpt, tiny_llama  # noqa: E402
 
@@ -444,24 +444,6 @@ def print_table(rows: list[dict], world: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------ flags
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {value}")
-    return value
 
 
 def _choice_list(allowed):
@@ -516,12 +498,12 @@ def build_parser() -> argparse.ArgumentParser:
         ("ffn", "ffn_hidden_size"),
         ("vocab", "vocab_size"),
     ):
-        parser.add_argument(f"--{flag}", type=_positive_int, default=None, help=f"{field} (default: the preset's)")
-    parser.add_argument("--seq", type=_positive_int, default=None, help="sequence length (default 2048; tiny: 128)")
-    parser.add_argument("--micro-batch", type=_positive_int, default=1, help="sequences per micro-batch (default 1)")
+        parser.add_argument(f"--{flag}", type=int_at_least(1), default=None, help=f"{field} (default: the preset's)")
+    parser.add_argument("--seq", type=int_at_least(1), default=None, help="sequence length (default 2048; tiny: 128)")
+    parser.add_argument("--micro-batch", type=int_at_least(1), default=1, help="sequences per micro-batch (default 1)")
     parser.add_argument(
         "--global-batch",
-        type=_positive_int,
+        type=int_at_least(1),
         default=None,
         help="sequences per step over all ranks, a multiple of --world x --micro-batch (default: one micro-batch "
         "per rank)",
@@ -556,10 +538,10 @@ def build_parser() -> argparse.ArgumentParser:
         default="measured",
         help="auto mode's bands: measured (shipped, 2 ranks) or probe (measured at start-up on these ranks, cached)",
     )
-    parser.add_argument("--steps", type=_positive_int, default=10, help="timed steps per repetition (default 10)")
-    parser.add_argument("--warmup", type=_non_negative_int, default=3, help="untimed steps first (default 3)")
-    parser.add_argument("--reps", type=_positive_int, default=5, help="timed repetitions (default 5)")
-    parser.add_argument("--job-timeout", type=_positive_int, default=JOB_TIMEOUT_S, help="seconds per variant's job")
+    parser.add_argument("--steps", type=int_at_least(1), default=10, help="timed steps per repetition (default 10)")
+    parser.add_argument("--warmup", type=int_at_least(0), default=3, help="untimed steps first (default 3)")
+    parser.add_argument("--reps", type=int_at_least(1), default=5, help="timed repetitions (default 5)")
+    parser.add_argument("--job-timeout", type=int_at_least(1), default=JOB_TIMEOUT_S, help="seconds per variant's job")
     parser.add_argument("--out", default="train_step.json")
     return parser
 
