@@ -73,7 +73,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import int_at_least, provenance  # noqa: E402
+from benchmarks.common import int_at_least, provenance, sync  # noqa: E402
 from megatron_ext.testing import tiny_gpt  # noqa: E402
 from megatron_ext.testing.multirank import run_on_ranks  # noqa: E402
 
@@ -105,8 +105,7 @@ JOB_TIMEOUT_S = 600
 
 # ---------------------------------------------------------------------------------------- one rank
 def _clock(device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    sync(device)
     return time.perf_counter()
 
 
@@ -115,8 +114,7 @@ def _barrier(device) -> None:
     import torch.distributed as dist
 
     dist.all_reduce(torch.zeros(1, device=device))
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    sync(device)
 
 
 def _bench_rank(job, ntp_kwargs, tp, spec, dtype, phases, steps, warmup):
