@@ -116,6 +116,41 @@ def gather_tp(name: str, param, group=None) -> torch.Tensor:
     return torch.cat(parts, dim=param.partition_dim)
 
 
+def moe_full_state(model) -> dict:
+    """A MoE GPTModel's whole Megatron tensors (CPU) under global names, on every rank, gathered
+    independently of the exporter: one plain ``all_gather`` per parameter over its TP or expert-TP
+    group, the EP ranks' experts with one ``all_gather_object`` each (experts under their global
+    index), then the pipeline stages'. TE grouped-expert names (``as_te_grouped_moe``) are read
+    back as the local spec's. Collective over every rank."""
+    import re
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    ep = ps.get_expert_model_parallel_world_size()
+    num_local = model.config.num_moe_experts // ep
+    state = {}
+    for name, p in model.named_parameters():
+        name = re.sub(r"\.experts\.(linear_fc[12])\.weight(\d+)$", r".experts.local_experts.\2.\1.weight", name)
+        name = name.replace("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight")
+        if name.startswith("decoder.layers."):  # global layer numbers (pipeline stages)
+            j, rest = name[len("decoder.layers.") :].split(".", 1)
+            name = f"decoder.layers.{model.decoder.layers[int(j)].layer_number - 1}.{rest}"
+        if ".local_experts." in name:  # expert-TP shards (plain all_gather), then EP ranks' experts
+            t = gather_tp(name, p, group=ps.get_expert_tensor_parallel_group())
+            copies = [None] * ep
+            dist.all_gather_object(copies, t.cpu().clone(), group=ps.get_expert_model_parallel_group())
+            head, tail = name.split(".local_experts.")
+            local, suffix = tail.split(".", 1)
+            for r, c in enumerate(copies):
+                state[f"{head}.local_experts.{r * num_local + int(local)}.{suffix}"] = c
+            continue
+        state[name] = gather_tp(name, p).cpu().clone()
+    stages = [None] * ps.get_pipeline_model_parallel_world_size()
+    dist.all_gather_object(stages, state, group=ps.get_pipeline_model_parallel_group())
+    return {k: v for s in stages for k, v in s.items()}
+
+
 def gathered_hf_state(spec, model) -> dict:
     """The full HF tensors (CPU) of a TP x PP Megatron model of ``spec``, on every rank,
     gathered by hand, independently of the export hook and the reshard executor: one

@@ -34,7 +34,7 @@ from megatron_ext.testing import tiny_llama
 from megatron_ext.testing.multirank import run_on_ranks
 from megatron_ext.testing.receiver_proc import start_hf_receiver
 
-from ._reference import gather_tp, gathered_hf_state, hf_checkpoint_names, hf_state_from_megatron
+from ._reference import gathered_hf_state, hf_checkpoint_names, hf_state_from_megatron, moe_full_state
 
 SPEC = dataclasses.replace(
     tiny_llama.TinyLlamaSpec(arch="qwen2", num_layers=2),
@@ -139,30 +139,6 @@ def _trainer(target):
     return out
 
 
-def _moe_full_state(model) -> dict:
-    """The MoE model's whole Megatron tensors (experts under their global index), gathered by hand: one
-    plain ``all_gather`` per parameter over its TP or expert-TP group, then the EP ranks' experts with one
-    ``all_gather_object`` each (no pipeline stages). Collective over every rank."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    ep_group = ps.get_expert_model_parallel_group()
-    num_local = MOE_SPEC.num_moe_experts // dist.get_world_size(ep_group)
-    state = {}
-    for name, p in model.named_parameters():
-        if ".local_experts." not in name:
-            state[name] = gather_tp(name, p).to("cpu", copy=True)
-            continue
-        whole = gather_tp(name, p, group=ps.get_expert_tensor_parallel_group()).to("cpu", copy=True)
-        per_rank = [None] * dist.get_world_size(ep_group)
-        dist.all_gather_object(per_rank, whole, group=ep_group)
-        head, tail = name.split(".local_experts.")
-        local, rest = tail.split(".", 1)
-        for ep_rank, t in enumerate(per_rank):
-            state[f"{head}.local_experts.{ep_rank * num_local + int(local)}.{rest}"] = t
-    return state
-
-
 def _moe_export():
     """TP2 x EP2 x expert-TP2 MoE export with fp8-block, in process to an HF model (bf16-style consumer:
     dequantized) and to an FP8 consumer (values and scales), versions 1 and 2 (requantized)."""
@@ -197,7 +173,7 @@ def _moe_export():
         model, wx.RefitConfig(**common), receiver=wx.WeightReceiver(fp8) if fp8 is not None else None
     )
     fp8_exporter.export(version=2)
-    state = _moe_full_state(model)  # collective: every rank
+    state = moe_full_state(model)  # collective: every rank
     if exporter.is_export_rank:
         out["fp8_engine"] = fp8.state
         out["received"] = hf_checkpoint_names(dict(hf.named_parameters()))

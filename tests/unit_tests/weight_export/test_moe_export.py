@@ -17,7 +17,7 @@ from megatron_ext.testing import tiny_llama
 from megatron_ext.testing.multirank import run_on_ranks
 from megatron_ext.testing.receiver_proc import start_hf_receiver
 
-from ._reference import gather_tp, hf_checkpoint_names, hf_state_from_megatron
+from ._reference import hf_checkpoint_names, hf_state_from_megatron, moe_full_state
 
 SPEC = tiny_llama.TinyLlamaSpec(arch="qwen3_moe")
 TIMEOUT = 240
@@ -260,36 +260,6 @@ def test_te_grouped_gemm_names_export_exactly_the_sequential_tensors(single):
 
 
 # ------------------------------------------------------------------ multi rank
-def _naive_full_state(model):
-    """Full Megatron weights under global names (experts under global indices),
-    gathered with one plain collective per parameter, independently of the exporter."""
-    from megatron.core import parallel_state as ps
-
-    ep = ps.get_expert_model_parallel_world_size()
-    num_local = SPEC.num_moe_experts // ep
-    state = {}
-    for name, p in model.named_parameters():
-        t = p.detach()
-        # TE names (as_te_grouped_moe) back to the local spec's: the reference knows only those.
-        name = re.sub(r"\.experts\.(linear_fc[12])\.weight(\d+)$", r".experts.local_experts.\2.\1.weight", name)
-        name = name.replace("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight")
-        if name.startswith("decoder.layers."):  # global layer numbers (pipeline stages)
-            j, rest = name[len("decoder.layers.") :].split(".", 1)
-            name = f"decoder.layers.{model.decoder.layers[int(j)].layer_number - 1}.{rest}"
-        if ".local_experts." in name:  # expert-TP shards (plain all_gather), then EP ranks' experts
-            t = gather_tp(name, p, group=ps.get_expert_tensor_parallel_group())
-            copies = [None] * ep
-            dist.all_gather_object(copies, t.cpu().clone(), group=ps.get_expert_model_parallel_group())
-            head, tail = name.split(".local_experts.")
-            local, suffix = tail.split(".", 1)
-            for r, c in enumerate(copies):
-                state[f"{head}.local_experts.{r * num_local + int(local)}.{suffix}"] = c
-            continue
-        t = gather_tp(name, p)
-        state[name] = t.cpu().clone()
-    stages = [None] * ps.get_pipeline_model_parallel_world_size()
-    dist.all_gather_object(stages, state, group=ps.get_pipeline_model_parallel_group())
-    return {k: v for s in stages for k, v in s.items()}
 
 
 def _count_collectives(counts):
@@ -372,7 +342,7 @@ def _export_case(tp, pp, ep, target, transport, te_grouped=False, etp=1):
             ep_group=tuple(dist.get_process_group_ranks(ps.get_expert_model_parallel_group())),
             etp_ep_group=tuple(dist.get_process_group_ranks(ps.get_expert_tensor_and_model_parallel_group())),
         ),
-        expected=_naive_full_state(model),
+        expected=moe_full_state(model),
         layout_names=_layout_names(cfg),
         received=hf_checkpoint_names(dict(hf.named_parameters())) if hf is not None else None,
     )
