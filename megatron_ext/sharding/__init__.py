@@ -8,6 +8,7 @@ checkpoint converters, the export hook and the reshard refit all read them here.
 - :mod:`.spec`: :class:`TensorSpec` and the specs of a model (from a config or a built model).
 - :mod:`.geometry`: boxes, TP boxes, fused stacking and :class:`Layout`.
 - :mod:`.megatron`: a Megatron parameter's :class:`ShardSpec` and a Megatron job's layout.
+- :mod:`.mesh`: :class:`MegatronMesh`, this process's sizes, ranks and groups read from ``parallel_state``.
 - :mod:`.fp8`: block-scaled FP8 as a layout (which weights, where their scales live).
 - :mod:`.hf_config`: the ``transformers`` config with a Megatron config's shape.
 - :mod:`.local_spec`: the ``TransformerConfig`` flags of the local layer spec without fused kernels.
@@ -27,6 +28,7 @@ from .megatron import (
     ntp_megatron_layout,
     shard_spec,
 )
+from .mesh import MegatronMesh
 from .spec import TensorSpec, UnsupportedParameter, gpt_specs, specs_from_config, specs_from_model
 
 __all__ = [
@@ -35,6 +37,7 @@ __all__ = [
     "Box",
     "Layout",
     "LocalTensor",
+    "MegatronMesh",
     "Segment",
     "ShardSpec",
     "TensorSpec",

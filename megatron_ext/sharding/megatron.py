@@ -127,39 +127,13 @@ def megatron_layout(
 
 
 def megatron_layout_from_groups(specs: list[TensorSpec], *, ranks: Sequence[int] | None = None) -> Layout:
-    """The trainer's layout read from this process's live Megatron groups
-    (``parallel_state``: TP, PP, DP, EP and expert-TP sizes), so nobody types the
-    trainer's topology by hand. ``ranks``: the job's ranks in the group that moves
-    the bytes (default: its global ranks ``0..world-1``). Checks, without
-    communication, that this rank's TP and PP groups are where Megatron's default
-    order (``tp-cp-ep-dp-pp``) puts them, and raises ValueError if not (context
-    parallelism > 1 or another ``order`` is not described)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
+    """The trainer's layout read from this process's live Megatron groups: TP, PP, DP, EP and
+    expert-TP sizes (:meth:`~.mesh.MegatronMesh.layout`, which says what it checks), so nobody
+    types the trainer's topology by hand. ``ranks``: the job's ranks in the group that moves
+    the bytes (default: its global ranks ``0..world-1``)."""
+    from .mesh import MegatronMesh
 
-    if not ps.model_parallel_is_initialized():
-        raise ValueError("megatron_layout_from_groups needs parallel_state.initialize_model_parallel() first")
-    if ps.get_context_parallel_world_size() != 1:
-        raise ValueError("context parallelism > 1 is not described by megatron_layout; build the layout by hand")
-    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
-    dp = ps.get_data_parallel_world_size()
-    ep, etp = ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
-    world = dist.get_world_size()
-    if tp * pp * dp != world:
-        raise ValueError(f"TP={tp} x PP={pp} x DP={dp} != world size {world}")
-    me = dist.get_rank()
-    for kind, group, expected in (
-        ("tensor", ps.get_tensor_model_parallel_group(), [me // tp * tp + t for t in range(tp)]),
-        ("pipeline", ps.get_pipeline_model_parallel_group(), [me % (tp * dp) + s * tp * dp for s in range(pp)]),
-    ):
-        actual = dist.get_process_group_ranks(group)
-        if sorted(actual) != expected:
-            raise ValueError(
-                f"rank {me}: its {kind}-parallel group is {actual}, Megatron's default order "
-                f"tp-cp-ep-dp-pp puts it at {expected}; build the layout by hand for another "
-                "order"
-            )
-    return megatron_layout(specs, tp=tp, pp=pp, dp=dp, ep=ep, etp=etp, ranks=range(world) if ranks is None else ranks)
+    return MegatronMesh.current().layout(specs, ranks=ranks)
 
 
 def layout_from_recipe(specs: list[TensorSpec], recipe: dict) -> Layout:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from ..sharding.fp8 import scale_name
 from ..sharding.megatron import megatron_tensors
+from ..sharding.mesh import MegatronMesh
 from ..sharding.names import global_layer_names, unwrap
 from ..sharding.spec import specs_from_model
 from .config import HOOK_TRANSPORTS, MAX_BUCKET_MB, MIN_BUCKET_MB, RefitConfig
@@ -56,59 +57,6 @@ class ExportResult:
     @property
     def gbps(self) -> float:
         return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
-
-
-class _Layout:
-    """This rank's place in Megatron's parallel layout (single rank without it);
-    the expert layout only for MoE models."""
-
-    def __init__(self, experts: bool = False):
-        self.tp_size = self.pp_size = self.ep_size = self.etp_size = 1
-        self.tp_rank = self.pp_rank = self.dp_rank = self.ep_rank = self.etp_rank = self.edp_rank = 0
-        self.tp_group = self.ep_group = self.expert_group = None
-        self.expert_rank, self.expert_coords = 0, [(0, 0)]  # rank in expert_group; (ep, etp) of its ranks
-        self.stage_leaders = [dist.get_rank() if dist.is_initialized() else 0]
-        try:
-            from megatron.core import parallel_state as ps
-
-            ready = ps.model_parallel_is_initialized()
-        except ImportError:
-            ready = False
-        if not ready:
-            return
-        self.tp_size = ps.get_tensor_model_parallel_world_size()
-        self.tp_rank = ps.get_tensor_model_parallel_rank()
-        self.pp_size = ps.get_pipeline_model_parallel_world_size()
-        self.pp_rank = ps.get_pipeline_model_parallel_rank()
-        self.dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
-        self.tp_group = ps.get_tensor_model_parallel_group()
-        self.pp_group = ps.get_pipeline_model_parallel_group()
-        self.stage_leaders = dist.get_process_group_ranks(self.pp_group)
-        if not experts:
-            return
-        # Expert layout (Megatron order ``tp-ep-dp-pp`` for experts inside a stage).
-        self.ep_size = ps.get_expert_model_parallel_world_size()
-        self.ep_rank = ps.get_expert_model_parallel_rank()
-        self.ep_group = ps.get_expert_model_parallel_group()
-        self.etp_size = ps.get_expert_tensor_parallel_world_size()
-        self.etp_rank = ps.get_expert_tensor_parallel_rank()
-        self.edp_rank = ps.get_expert_data_parallel_rank()
-        if self.etp_size == 1:
-            self.expert_group, self.expert_rank = self.ep_group, self.ep_rank
-            self.expert_coords = [(r, 0) for r in range(self.ep_size)]
-            return
-        # Expert TP: gather in the ETP x EP group; its rank order is asked (exchange_expert_coords), not assumed.
-        self.expert_group = ps.get_expert_tensor_and_model_parallel_group()
-        self.expert_rank = dist.get_rank(self.expert_group)
-        self.expert_coords = None
-
-    def exchange_expert_coords(self) -> None:
-        """``(ep_rank, etp_rank)`` of every rank of the expert group, once (collective over
-        that group: called by its ranks when they first plan; a no-op without expert TP)."""
-        if self.expert_coords is None:
-            coords = [None] * dist.get_world_size(self.expert_group)
-            dist.all_gather_object(coords, (self.ep_rank, self.etp_rank), group=self.expert_group)
-            self.expert_coords = [tuple(c) for c in coords]
 
 
 class _FiniteCheck:
@@ -169,17 +117,26 @@ class WeightExporter:
         self.model = unwrap(model)
         self.config = config or RefitConfig()
         self.has_experts = bool(getattr(self.model.config, "num_moe_experts", None))
-        self.layout = _Layout(self.has_experts)
-        lay = self.layout
-        self.gathers_dense = lay.dp_rank == 0
-        self.gathers_experts = self.has_experts and lay.edp_rank == 0
+        self.mesh = m = MegatronMesh.current()
+        # the plan's trainer sizes: experts split over EP and expert TP only in MoE models
+        self.sizes = dict(tp=m.tp, ep=m.ep, etp=m.etp) if self.has_experts else dict(tp=m.tp, ep=1, etp=1)
+        self.stage_leaders = (
+            dist.get_process_group_ranks(m.pp_group)
+            if m.pp_group is not None
+            else [dist.get_rank() if dist.is_initialized() else 0]
+        )
+        # experts are gathered in the EP group, with expert TP in the ETP x EP group (its rank order is asked)
+        self._expert_group, self._expert_rank = (m.ep_group, m.ep_rank) if m.etp == 1 else (m.etp_ep_group, None)
+        self._expert_coords = [(r, 0) for r in range(m.ep)] if m.etp == 1 else None
+        self.gathers_dense = m.dp_rank == 0
+        self.gathers_experts = self.has_experts and m.edp_rank == 0
         self.participates = self.gathers_dense or self.gathers_experts
-        self.is_leader = self.gathers_dense and lay.tp_rank == 0
-        self.is_export_rank = self.is_leader and lay.pp_rank == 0
-        if self.is_leader and self.has_experts and (lay.ep_rank != 0 or lay.etp_rank != 0 or not self.gathers_experts):
+        self.is_leader = self.gathers_dense and m.tp_rank == 0
+        self.is_export_rank = self.is_leader and m.pp_rank == 0
+        if self.is_leader and self.has_experts and (m.ep_rank != 0 or m.etp_rank != 0 or not self.gathers_experts):
             raise RuntimeError(
-                f"the stage leader (TP rank 0, DP rank 0) is EP rank {lay.ep_rank}, expert-TP rank {lay.etp_rank}, "
-                f"expert-DP rank {lay.edp_rank}; the MoE export needs it to be EP rank 0 and expert-TP rank 0 of "
+                f"the stage leader (TP rank 0, DP rank 0) is EP rank {m.ep_rank}, expert-TP rank {m.etp_rank}, "
+                f"expert-DP rank {m.edp_rank}; the MoE export needs it to be EP rank 0 and expert-TP rank 0 of "
                 "expert-DP rank 0: use Megatron's default rank order (order='tp-cp-ep-dp-pp')"
             )
         self.device = next(self.model.parameters()).device
@@ -214,17 +171,17 @@ class WeightExporter:
         return self._plan
 
     def _ensure_plan(self) -> None:
-        lay = self.layout
+        m = self.mesh
         sig = self._local_signature()
-        if sig == self._signature and lay.pp_size == 1:
+        if sig == self._signature and m.pp == 1:
             return
         # Every stage's signature, global layers and specs check travel together, so every rank
         # rebuilds at the same time and learns why any stage cannot be exported.
         specs, layers, problem = self._stage_facts(sig)
         stages = [(sig, layers, problem)]
-        if lay.pp_size > 1:
-            stages = [None] * lay.pp_size
-            dist.all_gather_object(stages, (sig, layers, problem), group=lay.pp_group)
+        if m.pp > 1:
+            stages = [None] * m.pp
+            dist.all_gather_object(stages, (sig, layers, problem), group=m.pp_group)
         problems = [f"stage {i}: {p}" for i, (_, _, p) in enumerate(stages) if p]
         if problems:
             raise PlanMismatch(f"the model cannot be exported: {'; '.join(problems)}")
@@ -232,22 +189,25 @@ class WeightExporter:
         if sig == self._signature:
             return
         layer_stage = {layer: i for i, (_, ls, _) in enumerate(stages) for layer in ls}
-        sizes = dict(tp=lay.tp_size, ep=lay.ep_size, etp=lay.etp_size)
+        sizes = self.sizes
         self._plan = build_plan(
             specs,
             self.config.bucket_bytes or self._auto_bucket_bytes,
-            pp=lay.pp_size,
+            pp=m.pp,
             **sizes,
             layer_stage=[layer_stage[i] for i in range(len(layer_stage))],
             quantize=self.config.quantize,
         )
         self._tensors = megatron_tensors(self.model)
-        groups = {"tp": GatherGroup(lay.tp_group, lay.tp_rank, tuple(members("tp", lay.pp_rank, **sizes)))}
+        groups = {"tp": GatherGroup(m.tp_group, m.tp_rank, tuple(members("tp", m.pp_rank, **sizes)))}
         if self.gathers_experts:
-            lay.exchange_expert_coords()
-            groups["ep"] = GatherGroup(
-                lay.expert_group, lay.expert_rank, tuple(members("ep", lay.pp_rank, **sizes, coords=lay.expert_coords))
-            )
+            if self._expert_coords is None:  # once, collective over the expert group
+                coords = [None] * dist.get_world_size(self._expert_group)
+                dist.all_gather_object(coords, (m.ep_rank, m.etp_rank), group=self._expert_group)
+                self._expert_coords = [tuple(c) for c in coords]
+                self._expert_rank = dist.get_rank(self._expert_group)
+            ranks = tuple(members("ep", m.pp_rank, **sizes, coords=self._expert_coords))
+            groups["ep"] = GatherGroup(self._expert_group, self._expert_rank, ranks)
         self._gatherer = BucketGatherer(self._tensors, groups, device=self.device)
         self._buffers, self._bucket_views, self._staging = [], {}, None
         self._signature = sig
@@ -338,7 +298,7 @@ class WeightExporter:
         # In-place senders write into the engine's tensors: the export rank needs buffers
         # only to receive other stages' buckets.
         push = getattr(sender, "push", False)
-        if self.is_leader and not self._buffers and not (push and self.layout.pp_size == 1):
+        if self.is_leader and not self._buffers and not (push and self.mesh.pp == 1):
             alloc = (
                 sender.allocate
                 if sender is not None and not push
@@ -421,12 +381,12 @@ class WeightExporter:
         return verify_export(reference, got)
 
     def _stream_buckets(self, plan, sender, pending, check: _FiniteCheck | None = None) -> None:
-        lay = self.layout
+        pp_rank, leaders = self.mesh.pp_rank, self.stage_leaders
         push = self.is_export_rank and getattr(sender, "push", False)
         for bucket in plan.buckets:
             slot = bucket.index % 2
             gathers = self.gathers_experts if bucket.group == "ep" else self.gathers_dense
-            mine = bucket.pp_rank == lay.pp_rank and gathers
+            mine = bucket.pp_rank == pp_rank and gathers
             if not (mine or self.is_export_rank):
                 continue
             out = None
@@ -439,7 +399,7 @@ class WeightExporter:
                 for staged, q, scale in quantize:
                     quantize_blocks(staged, out=(q, scale))
             else:  # the export rank receives another stage's bucket
-                dist.recv(out[: bucket.nbytes], src=lay.stage_leaders[bucket.pp_rank])
+                dist.recv(out[: bucket.nbytes], src=leaders[bucket.pp_rank])
                 if push:
                     copy_all([(sender.views[name], t) for name, t in unpack(bucket, out)])
             if check is not None:
@@ -449,7 +409,7 @@ class WeightExporter:
             if self.is_export_rank:
                 pending[slot] = sender.send(bucket, out)
             elif self.is_leader:
-                pending[slot] = dist.isend(out[: bucket.nbytes], dst=lay.stage_leaders[0])
+                pending[slot] = dist.isend(out[: bucket.nbytes], dst=leaders[0])
         last = plan.buckets[-1].index if plan.buckets else 0
         for slot in ((last + 1) % 2, last % 2):  # oldest first: acknowledgements come in order
             _wait(pending, slot)

@@ -703,12 +703,11 @@ def _ipc_push(exporter) -> IpcPushSender:
 
 
 def _ipc_direct(exporter) -> IpcDirectSender:
-    lay = exporter.layout
-    if lay.tp_size != 1 or lay.pp_size != 1 or lay.ep_size != 1 or lay.etp_size != 1:
+    sizes = {k.upper(): v for k, v in dict(exporter.sizes, pp=exporter.mesh.pp).items()}
+    if set(sizes.values()) != {1}:
         raise ValueError(
-            f"transport='ipc-direct' needs TP=PP=EP=ETP=1, as the engine maps only the "
-            f"export rank's storage (got TP={lay.tp_size}, PP={lay.pp_size}, "
-            f"EP={lay.ep_size}, ETP={lay.etp_size}); use transport='ipc'"
+            "transport='ipc-direct' needs TP=PP=EP=ETP=1, as the engine maps only the export rank's storage "
+            f"(got {', '.join(f'{k}={v}' for k, v in sizes.items())}); use transport='ipc'"
         )
     return IpcDirectSender(exporter.config.targets, timeout_s=exporter.config.timeout_s)
 

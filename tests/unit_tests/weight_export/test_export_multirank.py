@@ -48,7 +48,23 @@ def _trainer(tp, pp, target, backend, transport="broadcast"):
     verify = exporter.verify(tiny_llama.tokens(SPEC).to(device)) if pp == 1 else None
     expected = gathered_hf_state(SPEC, model)
     exporter.close()
+    # the trainer's layout read from the live groups is the one built from the sizes; another rank order is refused
+    specs = wx.specs_from_model(model, vocab_size=SPEC.hf_vocab_size)
+    dp = dist.get_world_size() // (tp * pp)
+    from_groups = (
+        wx.megatron_layout_from_groups(specs).tensors == wx.megatron_layout(specs, tp=tp, pp=pp, dp=dp).tensors
+    )
+    order = None
+    if dp == 2:
+        ps.destroy_model_parallel()
+        ps.initialize_model_parallel(pipeline_model_parallel_size=2, order="tp-cp-ep-pp-dp")
+        try:
+            order = f"no error: {wx.megatron_layout_from_groups(specs).description}"
+        except ValueError as exc:
+            order = str(exc)
     return dict(
+        from_groups=from_groups,
+        order=order,
         first=first,
         second=second,
         verify=verify,
@@ -103,6 +119,9 @@ def test_trainer_streams_to_hf_receiver_process(tp, pp, dp, backend, transport, 
     # Trainer memory: two export buffers plus (TP > 1) one gather scratch of ~ a bucket.
     for rank_out in out:
         assert rank_out["extra"] <= 4 * rank_out["buffer"]
+    assert all(r["from_groups"] for r in out)
+    if dp == 2:  # rank 0's pipeline group is [0, 1] under tp-pp-dp, [0, 2] under Megatron's default order
+        assert "pipeline-parallel group is [0, 1]" in out[0]["order"] and "[0, 2]" in out[0]["order"], out[0]["order"]
 
 
 def _trainer_against_bad_receivers(wrong_target, dying_target):

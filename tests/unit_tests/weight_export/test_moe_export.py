@@ -324,7 +324,7 @@ def _export_case(tp, pp, ep, target, transport, te_grouped=False, etp=1):
     finally:
         undo()
     verify = exporter.verify(tiny_llama.tokens(SPEC)) if pp == 1 else None
-    lay = exporter.layout
+    lay = exporter.mesh
     out = dict(
         first=first,
         second=second,
