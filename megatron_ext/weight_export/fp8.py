@@ -119,10 +119,11 @@ def _compile() -> dict | None:
     @triton.jit
     def quantize(x_ptr, q_ptr, s_ptr, rows, cols, n_col_blocks, BLOCK: tl.constexpr, FMAX: tl.constexpr):
         # one program per block: max |x| (a NaN anywhere makes the scale NaN), then x / scale, rounded to
-        # nearest (div_rn, as PyTorch divides) and stored as e4m3 (the conversion saturates at 448)
+        # nearest (div_rn, as PyTorch divides) and stored as e4m3 (the conversion saturates at 448);
+        # 64-bit offsets (a weight may hold 2^31 elements or more)
         br, bc = tl.program_id(0), tl.program_id(1)
-        r = br * BLOCK + tl.arange(0, BLOCK)[:, None]
-        c = bc * BLOCK + tl.arange(0, BLOCK)[None, :]
+        r = (br * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)[:, None]
+        c = (bc * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)[None, :]
         mask = (r < rows) & (c < cols)
         x = tl.load(x_ptr + r * cols + c, mask=mask, other=0.0).to(tl.float32)
         amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)

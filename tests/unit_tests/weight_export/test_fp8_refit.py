@@ -313,3 +313,28 @@ def test_cuda_dequantize_kernel_gives_the_same_bits_as_the_pytorch_path():
     s[1, 2] = float("nan")
     got = dequantize_blocks(q, s, torch.bfloat16)
     assert got[128:, 256:].isnan().all() and not got[:128].isnan().any() and not got[:, :256].isnan().any()
+
+
+@pytest.mark.gpus(1)
+def test_cuda_kernels_address_tensors_of_more_than_2_31_elements():
+    """Both kernels index with 64-bit offsets: in a (16512, 131072) weight the last block row starts at
+    element 2^31, where a 32-bit ``row * cols`` wraps. That block row (quantized and dequantized through
+    the whole tensor) must equal the same rows done on their own by the PyTorch path, and the rows before
+    it must be untouched by it."""
+    from megatron_ext.weight_export import fp8
+
+    assert fp8._triton_kernel() is not None and fp8._dequantize_kernel() is not None
+    rows, cols = 129 * 128, 1 << 17  # rows * cols = 2^31 + 2^24
+    x = torch.empty(rows, cols, dtype=torch.bfloat16, device="cuda")
+    x[:-128].fill_(1.0)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x[-128:] = torch.randn(128, cols, generator=g, device="cuda", dtype=torch.bfloat16)
+    q, s = quantize_blocks(x)
+    q_tail, s_tail = fp8._quantize_torch(x[-128:], 128, None)
+    assert torch.equal(s[-1], s_tail[0]) and torch.equal(q[-128:].view(torch.uint8), q_tail.view(torch.uint8))
+    assert (s[:-1] == 1.0 / fp8.FP8_MAX).all()  # blocks of ones: untouched by the last row's writes
+    assert (q[:-128].view(torch.uint8) == q[0, 0].view(torch.uint8)).all()
+    del x
+    out = dequantize_blocks(q, s, torch.bfloat16)
+    want = fp8._dequantize_torch(q_tail, s_tail, torch.bfloat16, 128, None)
+    assert torch.equal(_bits(out[-128:]), _bits(want)) and (out[:-128] == 1.0).all()
