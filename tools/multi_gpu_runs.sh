@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The measurements that need 2 or 4 GPUs, as named slices of under 10 minutes each, so that a
+# short session on a multi-GPU machine runs them without composing commands. Each slice writes
+# its log and JSON under $OUT (default ./multi_gpu_out) and installs megatron-core from .whl/
+# as tools/gpu_tests.sh does.
+#
+#   tools/multi_gpu_runs.sh list            # the slices, their GPUs and what each answers
+#   tools/multi_gpu_runs.sh 4x-ntp 4x-swap  # run slices in order (each bounded by `timeout`)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+py=${PYTHON:-python3}
+OUT=${OUT:-$PWD/multi_gpu_out}
+LIMIT=${SLICE_LIMIT_S:-570}
+
+# name | GPUs | command (run from the repo root; $OUT expanded at run time) | what it answers
+SLICES=(
+  "2x-refit|2|$py benchmarks/refit.py --preset 3b --out \$OUT/refit_3b_2x.json|export hook colocated ipc-direct/ipc-push and cross-GPU broadcast, re-measured on the final code (issue 12)"
+  "2x-step|2|$py benchmarks/train_step.py --world 2 --out \$OUT/train_step_2x.json|symm-mem staging DDP + FSDP tokens/s vs plain, exposed NCCL % (issue 14)"
+  "2x-swap|2|$py benchmarks/refit_vs_swap.py --preset 3b --world 2 --timeout-s 540 --out \$OUT/refit_vs_swap_3b_2x.json|ours vs swap_model_weights on 2 GPUs (issue 15)"
+  "2x-tests|2|tools/gpu_tests.sh -q -k 'fsdp_symm or testing or copy_batch or weight_export'|every gpus(1)/gpus(2) test"
+  "4x-ntp|4|$py benchmarks/ntp.py --preset 2b --backend nccl --out \$OUT/ntp_2b_4x.json|NTP vs uniform vs drop tokens/s, unfold+fold %, the large-job model checked (issue 13)"
+  "4x-symm|4|$py benchmarks/symm_mem.py --world 4 --parts collectives --out \$OUT/symm_mem_4x.json|symmetric vs plain collectives at 4 ranks (issue 14 bands)"
+  "4x-step-ddp|4|$py benchmarks/train_step.py --world 4 --families ddp --out \$OUT/train_step_ddp_4x.json|DDP staging at 4 ranks (issue 14)"
+  "4x-step-fsdp|4|$py benchmarks/train_step.py --world 4 --families fsdp --symm-mem-bands probe --out \$OUT/train_step_fsdp_4x.json|FSDP staging at 4 ranks with probed bands (issue 14: probe default?)"
+  "4x-swap|4|$py benchmarks/refit_vs_swap.py --preset 3b --world 4 --timeout-s 540 --out \$OUT/refit_vs_swap_3b_4x.json|ours vs swap_model_weights, dense (issue 15 target >= 1.5x)"
+  "4x-swap-moe|4|$py benchmarks/refit_vs_swap.py --preset moe-3b --world 4 --timeout-s 540 --out \$OUT/refit_vs_swap_moe3b_4x.json|ours vs swap_model_weights, MoE EP changes (issue 15)"
+  "4x-reshard|4|$py benchmarks/refit.py --reshard --preset 3b --out \$OUT/refit_reshard_3b_4x.json && $py benchmarks/refit.py --reshard --preset 3b --layout colocated --out \$OUT/refit_reshard_3b_colocated_4x.json|reshard refit cross and colocated re-measured (issue 12)"
+  "4x-tests|4|tools/gpu_tests.sh -q -k 'nonuniform_tp or pretrain_torchrun or reshard or megatron_engine'|gpus(3)/gpus(4) tests: NTP NCCL parity, torchrun script, reshard exec, engine (issues 11, 13, 15)"
+)
+
+field() { echo "$1" | cut -d'|' -f"$2"; }
+
+if [ $# -eq 0 ] || [ "$1" = list ]; then
+  for s in "${SLICES[@]}"; do printf '%-13s %s GPUs  %s\n' "$(field "$s" 1)" "$(field "$s" 2)" "$(field "$s" 4)"; done
+  exit 0
+fi
+
+for name in "$@"; do  # every name checked before anything runs
+  printf '%s\n' "${SLICES[@]}" | cut -d'|' -f1 | grep -qx "$name" \
+    || { echo "error: unknown slice '$name'; '$0 list' shows them." >&2; exit 2; }
+done
+"$py" -c 'import torch' 2>/dev/null || { echo "error: $py cannot import torch; set PYTHON=" >&2; exit 1; }
+if ! "$py" -c 'import megatron.core' >/dev/null 2>&1; then
+  shopt -s nullglob
+  wheels=(.whl/*.whl)
+  [ ${#wheels[@]} -gt 0 ] || { echo "error: megatron-core is not installed and .whl/ has no wheel (see tools/gpu_tests.sh)." >&2; exit 1; }
+  site=/tmp/megatron_ext_site
+  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "${wheels[@]}"
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} OUT
+mkdir -p "$OUT"
+gpus=$("$py" -c 'import torch; print(torch.cuda.device_count())')
+status=0
+for name in "$@"; do
+  for s in "${SLICES[@]}"; do [ "$(field "$s" 1)" = "$name" ] && slice=$s; done
+  need=$(field "$slice" 2)
+  if [ "$gpus" -lt "$need" ]; then
+    echo "== $name: skipped, needs $need GPUs, this machine has $gpus"; status=1; continue
+  fi
+  cmd=$(field "$slice" 3)
+  echo "== $name ($(date -u +%FT%TZ)): $cmd"
+  start=$(date +%s)
+  timeout "$LIMIT" bash -c "$cmd" > "$OUT/$name.log" 2>&1
+  rc=$?
+  echo "== $name: exit $rc in $(( $(date +%s) - start )) s (log $OUT/$name.log)"
+  tail -n 25 "$OUT/$name.log"
+  [ $rc -eq 0 ] || status=1
+done
+exit $status
