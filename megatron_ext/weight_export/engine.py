@@ -5,7 +5,7 @@
     python -m megatron_ext.weight_export.engine --model ./hf_model_dir --refit-store 127.0.0.1:29700 \\
         --refit-rank 2 --refit-world-size 3 [--device cuda:2] [--no-atomic] [--bucket-size-mb 64]
     torchrun --nproc-per-node E -m megatron_ext.weight_export.engine --engine megatron \\
-        --refit-store 127.0.0.1:29700 --refit-rank-offset T [--refit-world-size T+E] [--tp N] \\
+        --refit-store 127.0.0.1:29700 --refit-rank-offset T [--refit-world-size T+E] [--tp N] [--ep N] \\
         [--prompt-tokens 3,17,5 11,2 | --prompts prompts.json] [--generate-tokens 8] [--save-tokens out.json]
 
 ``--engine hf`` (the default) loads ``--model`` with
@@ -33,7 +33,9 @@ is refused on every rank before a byte moves).
 process per engine rank (``torchrun --nproc-per-node E``, or plain ``python`` for
 one rank), engine rank ``r`` is refit rank ``--refit-rank-offset`` (the trainer's
 number of ranks) ``+ r``, and ``--tp`` ranks form each replica (``E / --tp``
-replicas). It builds its ``GPTModel`` from the config the trainer publishes
+replicas). An MoE model's experts are split over ``--ep`` of the engine's
+ranks (a divisor of ``E``; whole experts per EP rank when ``--ep`` > 1, experts
+TP-sharded at ``--ep 1``). It builds its ``GPTModel`` from the config the trainer publishes
 (:func:`~.megatron_engine.megatron_trainer_refit`; ``examples/pretrain_gpt.py
 --refit-engine megatron``), so the model's flags are not repeated here, and takes
 every version in place. After each version it generates ``--generate-tokens``
@@ -41,9 +43,10 @@ greedy tokens for every prompt (token ids) and rank 0 prints ``engine: applied
 version V in X ms; greedy tokens sha256:H [[...], ...]`` (the hash of the tokens
 as JSON; the tokens when there are at most 64), every replica's tokens checked
 equal; ``--save-tokens`` writes ``{"V": tokens}`` as JSON after each version. A
-model the engine cannot build, or a ``--tp`` that is not the trainer's
-``--refit-engine-tp``, stops every rank of both jobs within seconds, naming the
-field or flag. It runs on CUDA GPUs (NCCL); megatron-core's inference calls
+model the engine cannot build, or a ``--tp`` / ``--ep`` that is not the
+trainer's ``--refit-engine-tp`` / engine EP (``megatron_trainer_refit(engine_ep=)``),
+stops every rank of both jobs within seconds, naming the field or flag. It runs
+on CUDA GPUs (NCCL); megatron-core's inference calls
 ``torch.cuda``, so on CPU it runs only under the test-support entry point
 ``python -m megatron_ext.testing.cpu_engine`` (gloo). Exit status: 0 when the
 trainer closed the refit, 1 on an error.
@@ -68,7 +71,7 @@ from .config import P2P_BUCKET_MB, RefitConfig, parse_address
 _DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ENGINES = ("hf", "megatron")
 _HF_ONLY = ("model", "address", "refit_rank", "vocab_padding", "dtype", "sessions", "save")
-_MEGATRON_ONLY = ("refit_rank_offset", "tp", "prompts", "prompt_tokens", "generate_tokens", "save_tokens")
+_MEGATRON_ONLY = ("refit_rank_offset", "tp", "ep", "prompts", "prompt_tokens", "generate_tokens", "save_tokens")
 _SHOWN_TOKENS = 64  # a version's line lists the tokens up to this many (the hash always)
 _PROGRESS = "static requests"  # megatron-core's StaticInferenceEngine progress bar (tqdm description)
 
@@ -101,8 +104,15 @@ def _args(argv, *, megatron_on_cpu: bool = False):
     p.add_argument(
         "--refit-world-size", type=int, help="p2p: trainer ranks + engine ranks (megatron: default T + E, checked)"
     )
-    p.add_argument("--tp", type=int, help="megatron: tensor parallel size of each replica (the trainer's "
-                   "--refit-engine-tp; default 1); it must divide the engine job's processes")  # fmt: skip
+    p.add_argument(
+        "--tp",
+        type=int,
+        help="megatron: tensor parallel size of each replica (the trainer's "
+        "--refit-engine-tp; default 1); it must divide the engine job's processes",
+    )
+    p.add_argument("--ep", type=int, help="megatron: expert parallel size of an MoE model (the trainer's engine EP, "
+                   "megatron_trainer_refit(engine_ep=); default 1): experts split over this many engine ranks, whole "
+                   "when > 1; it must divide the engine job's processes")  # fmt: skip
     prompts = p.add_mutually_exclusive_group()
     prompts.add_argument("--prompts", help="megatron: a JSON file holding a list of prompts, each a list of token ids")
     prompts.add_argument(
@@ -224,6 +234,9 @@ def _check_megatron(p, args, megatron_on_cpu: bool) -> None:
     args.tp = 1 if args.tp is None else args.tp
     if args.tp < 1 or engines % args.tp:
         p.error(f"--tp {args.tp} must be >= 1 and divide the engine job's {engines} process(es) (WORLD_SIZE)")
+    args.ep = 1 if args.ep is None else args.ep
+    if args.ep < 1 or engines % args.ep:
+        p.error(f"--ep {args.ep} must be >= 1 and divide the engine job's {engines} process(es) (WORLD_SIZE)")
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device not in ("cuda", "cpu"):
@@ -366,7 +379,12 @@ def _serve_megatron(args) -> None:
     from megatron.core import parallel_state as ps
 
     from .megatron_engine import MegatronEngine, MegatronEngineRefit, refuse_refit
-    from .megatron_engine_config import build_engine_model, megatron_model_problem, receive_model_config
+    from .megatron_engine_config import (
+        build_engine_model,
+        engine_expert_tp,
+        megatron_model_problem,
+        receive_model_config,
+    )
 
     if args.device == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -381,14 +399,18 @@ def _serve_megatron(args) -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
     if dist.get_world_size() != args.engines:
         raise RuntimeError(f"the engine job has {dist.get_world_size()} ranks, WORLD_SIZE said {args.engines}")
-    ps.initialize_model_parallel(tensor_model_parallel_size=args.tp)
+    etp = engine_expert_tp(args.tp, args.ep)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=args.tp, expert_model_parallel_size=args.ep, expert_tensor_parallel_size=etp
+    )
     rank = dist.get_rank()
     refit_rank, world = args.refit_rank_offset + rank, args.refit_world_size
     cfg, replicas = args.refit, args.engines // args.tp
     if rank == 0:
+        experts = f" (experts: EP{args.ep} x expert TP{etp})" if args.ep > 1 else ""
         print(
-            f"engine: megatron-core engine TP{args.tp} x DP{replicas} on {device.type}: joining the refit group at "
-            f"{args.refit_store} as refit ranks {args.refit_rank_offset}..{world - 1} of {world}",
+            f"engine: megatron-core engine TP{args.tp} x DP{replicas}{experts} on {device.type}: joining the refit "
+            f"group at {args.refit_store} as refit ranks {args.refit_rank_offset}..{world - 1} of {world}",
             flush=True,
         )
     group = cfg.join(refit_rank, world, device=device)
@@ -396,7 +418,7 @@ def _serve_megatron(args) -> None:
         published = receive_model_config(group, args.timeout_s)
         prompts, n = args.prompt_ids, args.generate_tokens
         try:
-            problem = megatron_model_problem(published, args.tp) or _engine_problem(args, published)
+            problem = megatron_model_problem(published, args.tp, args.ep) or _engine_problem(args, published)
             if problem is None:
                 config = published["config"]
                 longest = max((len(q) for q in prompts), default=0)
@@ -411,10 +433,12 @@ def _serve_megatron(args) -> None:
             refuse_refit(group, f"engine refit rank {refit_rank}: {problem}", **cfg.executor_kwargs)
         refit = MegatronEngineRefit(group, engine, **cfg.executor_kwargs)
         if rank == 0:
+            experts = config.get("num_moe_experts")
+            moe = f", {experts} experts top-{config['moe_router_topk']} over EP{args.ep}" if experts else ""
             print(
                 f"engine: built the trainer's GPTModel ({config['num_layers']} layers, hidden {config['hidden_size']}, "
                 f"{config['num_attention_heads']} heads / {config['num_query_groups']} query groups, padded vocabulary "
-                f"{config['padded_vocab_size']}, {config['params_dtype']}); serving every version",
+                f"{config['padded_vocab_size']}, {config['params_dtype']}{moe}); serving every version",
                 flush=True,
             )
         saved: dict[str, list[list[int]]] = {}
@@ -467,12 +491,17 @@ def _quiet(fn, *args):
 def _engine_problem(args, published) -> str | None:
     """What this command's own flags ask that the trainer's model or refit does not allow (None: nothing)."""
     config, layout = published["config"], published.get("engine", {})
-    tp, dp = layout.get("tp"), layout.get("dp")
+    tp, dp, ep = layout.get("tp"), layout.get("dp"), layout.get("ep", 1)  # format 1: no ep (EP 1)
     if (tp, dp) != (args.tp, args.engines // args.tp):
         return (
             f"--tp {args.tp} on {args.engines} process(es) runs TP{args.tp} x DP{args.engines // args.tp}, but the "
             f"trainer refits an engine of TP{tp} x DP{dp} (its --refit-engine-tp / --refit-engine-dp): start the "
             f"engine with --tp {tp}"
+        )
+    if ep != args.ep:
+        return (
+            f"--ep {args.ep}: the trainer refits an engine of EP{ep} (megatron_trainer_refit(engine_ep={ep})): start "
+            f"the engine with --ep {ep}"
         )
     vocab, longest = config["padded_vocab_size"], max((len(q) for q in args.prompt_ids), default=0)
     bad = sorted({t for q in args.prompt_ids for t in q if t >= vocab})

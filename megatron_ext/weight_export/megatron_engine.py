@@ -6,15 +6,16 @@ runs in a job of its own and takes every version the trainer job sends over a
 parameters (Megatron's local tensors at the engine's TP degree: no vLLM names,
 no ``load_weights``)::
 
-    # trainer job, every rank (T ranks, any TP x PP x DP; E = engine_tp * engine_dp engine ranks)
+    # trainer job, every rank (T ranks, any TP x PP x DP (x EP); E = engine_tp * engine_dp engine ranks)
     group = wx.RefitGroup.join(host, port, rank=dist.get_rank(), world_size=T + E, backend="nccl")
-    refit = megatron_trainer_refit(model, group, engine_tp=E_TP, engine_dp=E_DP)
+    refit = megatron_trainer_refit(model, group, engine_tp=E_TP, engine_dp=E_DP, engine_ep=E_EP)
     refit.refit(version)
 
-    # engine job, every rank (initialize_model_parallel(E_TP)); its GPTModel built from the trainer's config
+    # engine job, every rank: initialize_model_parallel(E_TP, expert_model_parallel_size=E_EP,
+    #     expert_tensor_parallel_size=engine_expert_tp(E_TP, E_EP)); its GPTModel built from the trainer's config
     group = wx.RefitGroup.join(host, port, rank=T + dist.get_rank(), world_size=T + E, backend="nccl")
     published = receive_model_config(group)      # what megatron_trainer_refit published (JSON, versioned)
-    problem = megatron_model_problem(published, tp=E_TP)   # None, or the field the engine cannot build
+    problem = megatron_model_problem(published, tp=E_TP, ep=E_EP)   # None, or the field it cannot build
     if problem: refuse_refit(group, problem)     # every rank of both jobs raises at once, quoting it
     model = build_engine_model(published, device=device)   # weights NaN until the first refit
     engine = MegatronEngine(model, max_batch_size=8, max_sequence_length=4096)
@@ -39,6 +40,14 @@ therefore have the trainer's padded vocabulary, dtype and shapes; anything else
 (and any parameter the trainer does not send) is refused on every rank of both
 jobs before a byte moves (:class:`~.reshard.RefitRejected`, reason ``"tensors"``).
 
+MoE models (megatron-core's local layer spec: every layer an MoE layer of
+``SequentialMLP`` experts, softmax top-k routing) refit at any trainer EP to an
+engine EP ``E_EP`` dividing ``engine_tp * engine_dp`` and the number of experts.
+The engine's expert TP is :func:`~.megatron_engine_config.engine_expert_tp`:
+the engine's TP at EP 1 (experts TP-sharded like the dense MLP, megatron-core's
+default), 1 at EP > 1 (whole experts per EP rank); an engine whose Megatron
+groups run another expert TP is refused.
+
 The model config (``receive_model_config``, ``megatron_model_problem``,
 ``build_engine_model``: JSON, versioned) is :mod:`.megatron_engine_config`. The
 command ``python -m megatron_ext.weight_export.engine --engine megatron`` runs
@@ -55,11 +64,11 @@ from collections.abc import Sequence
 import torch
 
 from ..sharding.geometry import Layout
-from ..sharding.megatron import megatron_layout, megatron_layout_from_groups, megatron_tensors
+from ..sharding.megatron import megatron_expert_coords, megatron_layout, megatron_layout_from_groups, megatron_tensors
 from ..sharding.names import unwrap
 from ..sharding.spec import TensorSpec, specs_from_model
 from .gate import RefitGate
-from .megatron_engine_config import megatron_model_config, publish_model_config
+from .megatron_engine_config import engine_expert_tp, megatron_model_config, publish_model_config
 from .refit_group import RefitGroup
 from .remote_refit import EngineRefit, TrainerRefit
 from .reshard import RefitRejected, RefitStats
@@ -100,8 +109,9 @@ def megatron_engine_layout(
     expert-parallel ranks, each expert sharded over ``etp`` expert-TP ranks (default
     ``tp``, Megatron's ``expert_tensor_parallel_size`` default), as
     :func:`~megatron_ext.sharding.megatron.megatron_layout` places them. The trainer
-    passes it as ``dst``; :class:`MegatronEngineRefit` builds the same one (dense
-    models) from the trainer's specs."""
+    passes it as ``dst``; :class:`MegatronEngineRefit` builds the same one from the
+    trainer's specs and its own parallel state (:func:`megatron_trainer_refit` and
+    the engine both take ``etp`` from :func:`~.megatron_engine_config.engine_expert_tp`)."""
     _positive_int("megatron_engine_layout", "tp", tp)
     _positive_int("megatron_engine_layout", "dp", dp)
     _positive_int("megatron_engine_layout", "ep", ep)
@@ -116,21 +126,26 @@ def megatron_engine_layout(
 
 
 def megatron_trainer_refit(
-    model, group: RefitGroup, *, engine_tp: int = 1, engine_dp: int = 1, **executor_kwargs
+    model, group: RefitGroup, *, engine_tp: int = 1, engine_dp: int = 1, engine_ep: int = 1, **executor_kwargs
 ) -> TrainerRefit:
     """Every trainer rank's :class:`~.remote_refit.TrainerRefit` towards a megatron-core engine job
     of ``engine_tp * engine_dp`` ranks (refit ranks ``T..``): the trainer's layout read from its live
     Megatron groups (its ranks are refit ranks ``0..T-1``, its global ranks), both layouts from
-    :func:`megatron_engine_specs` of ``model``'s specs. ``executor_kwargs``: ``bucket_bytes``,
-    ``max_inflight``, ``atomic``, ``check_finite`` (the engine's must be the same).
+    :func:`megatron_engine_specs` of ``model``'s specs. An MoE model's experts are split over
+    ``engine_ep`` engine ranks (it must divide ``engine_tp * engine_dp``; expert TP
+    :func:`~.megatron_engine_config.engine_expert_tp`: whole experts when ``engine_ep > 1``); a dense
+    model ignores it. ``executor_kwargs``: ``bucket_bytes``, ``max_inflight``, ``atomic``,
+    ``check_finite`` (the engine's must be the same).
 
     Refit rank 0 first publishes, through the group's store, what the engine needs to build the
-    same ``GPTModel`` (:func:`~.megatron_engine_config.megatron_model_config`, with ``engine_tp`` x ``engine_dp``), or,
-    when this side cannot build its layouts, why (the engine then stops at once, quoting it)."""
+    same ``GPTModel`` (:func:`~.megatron_engine_config.megatron_model_config`, with the engine's
+    ``{"tp", "dp", "ep", "etp"}``), or, when this side cannot build its layouts, why (the engine
+    then stops at once, quoting it)."""
     import torch.distributed as dist
 
     _positive_int("megatron_trainer_refit", "engine_tp", engine_tp)
     _positive_int("megatron_trainer_refit", "engine_dp", engine_dp)
+    _positive_int("megatron_trainer_refit", "engine_ep", engine_ep)
     if group.rank != dist.get_rank():
         raise ValueError(
             f"megatron_trainer_refit: the trainer's refit ranks are its global ranks, but global rank "
@@ -146,9 +161,16 @@ def megatron_trainer_refit(
                 f"the refit group has {group.world_size} ranks; the trainer's {trainer} + engine_tp={engine_tp} x "
                 f"engine_dp={engine_dp} make {trainer + engine_tp * engine_dp}"
             )
-        dst = megatron_engine_layout(specs, tp=engine_tp, dp=engine_dp, ranks=range(trainer, group.world_size))
+        if (engine_tp * engine_dp) % engine_ep:
+            raise ValueError(
+                f"engine_ep={engine_ep} must divide the engine's engine_tp={engine_tp} x engine_dp={engine_dp} ranks"
+            )
+        etp = engine_expert_tp(engine_tp, engine_ep)
+        dst = megatron_engine_layout(
+            specs, tp=engine_tp, dp=engine_dp, ep=engine_ep, etp=etp, ranks=range(trainer, group.world_size)
+        )
         published = megatron_model_config(model)
-        published["engine"] = {"tp": engine_tp, "dp": engine_dp}
+        published["engine"] = {"tp": engine_tp, "dp": engine_dp, "ep": engine_ep, "etp": etp}
     except Exception as exc:
         publish_model_config(group, error=exc)  # the engine waits for the config first: tell it why nothing comes
         raise
@@ -202,8 +224,11 @@ class MegatronEngine:
     tokens. ``tokenizer``: megatron-core's tokenizer interface (default :class:`TokenIds`:
     prompts are token ids, ``eod`` 0 pads). :meth:`generate` and :meth:`logits` are collective
     over the engine's TP group (every TP rank passes the same prompts); DP replicas run
-    independently. megatron-core's ``StaticInferenceEngine`` marks the process as serving
-    inference (``InferenceMode``) and reseeds torch's global RNG on every ``generate``.
+    independently, except that an MoE model at EP > 1 dispatches tokens over the expert-parallel
+    group, which spans replicas: its replicas must run the same number of forward steps together
+    (e.g. the same prompt lengths and ``num_tokens``). megatron-core's ``StaticInferenceEngine``
+    marks the process as serving inference (``InferenceMode``) and reseeds torch's global RNG on
+    every ``generate``.
     """
 
     def __init__(self, model, *, max_batch_size: int = 8, max_sequence_length: int | None = None, tokenizer=None):
@@ -317,14 +342,15 @@ class MegatronEngineRefit(EngineRefit):
     Joins the trainer's refit (``group``: this rank is refit rank ``T + its engine-job rank``),
     takes the trainer's layout and specs from the trainer, and writes every version into
     ``engine.model``'s parameters in place at the engine's layout
-    (:func:`megatron_engine_layout`: TP from the engine job's parallel state, DP = engine
-    ranks / TP); after each refit the engine's inference state is reset and
+    (:func:`megatron_engine_layout`: TP, EP and expert TP from the engine job's parallel
+    state, DP = engine ranks / TP); after each refit the engine's inference state is reset and
     ``engine.version`` says what it holds. The trainer builds its side with
-    :func:`megatron_trainer_refit`. Refused on every rank before a byte moves (reason
-    ``"tensors"``) when the model is not the trainer's at this layout: another shape (e.g.
-    another padded vocabulary), dtype, a parameter the trainer does not send, TP ranks
-    out of Megatron's order, engine ranks that are not a multiple of the TP size, or a trainer
-    whose layout keeps only the HF vocabulary rows (not built by :func:`megatron_trainer_refit`).
+    :func:`megatron_trainer_refit` (its ``engine_ep`` the engine's EP). Refused on every rank
+    before a byte moves (reason ``"tensors"``) when the model is not the trainer's at this
+    layout: another shape (e.g. another padded vocabulary), dtype, a parameter the trainer does
+    not send, TP or EP ranks out of Megatron's order, engine ranks that are not a multiple of the
+    TP size, an expert TP other than :func:`~.megatron_engine_config.engine_expert_tp`, or a
+    trainer whose layout keeps only the HF vocabulary rows (not built by :func:`megatron_trainer_refit`).
     ``verify``: a :class:`~.gate.RefitGate` built with ``consumer=engine, load=False``.
     """
 
@@ -344,8 +370,13 @@ class MegatronEngineRefit(EngineRefit):
         initialized = ps.model_parallel_is_initialized()
         self.tp = ps.get_tensor_model_parallel_world_size() if initialized else 1
         self._tp_rank = ps.get_tensor_model_parallel_rank() if initialized else 0
+        self.ep = ps.get_expert_model_parallel_world_size() if initialized else 1
+        self.etp = ps.get_expert_tensor_parallel_world_size() if initialized else 1
+        self._expert_coords = (
+            (ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank()) if initialized else (0, 0)
+        )
         self._layout_problem: str | None = None
-        tp, world, rank = self.tp, group.world_size, group.rank
+        tp, ep, etp, world, rank = self.tp, self.ep, self.etp, group.world_size, group.rank
 
         def layout(specs: list[TensorSpec], trainer: Layout) -> Layout:
             cut = next((s for s in specs if s.padded_rows), None)
@@ -357,14 +388,22 @@ class MegatronEngineRefit(EngineRefit):
                     f"padded rows of {cut.name}; megatron-core samples over every padded row: build the trainer's "
                     "side with megatron_trainer_refit (layouts from megatron_engine_specs)"
                 )
-            elif engines < 1 or engines % tp:
+            elif engines < 1 or engines % tp or engines % ep:
                 self._layout_problem = (
                     f"engine refit rank {rank}: the refit group's {world} ranks less the trainer's {first} leave "
                     f"{engines} engine ranks, not a multiple of the engine's TP {tp}"
+                    + (f" and EP {ep}" if ep > 1 else "")
+                )
+            elif etp != engine_expert_tp(tp, ep):
+                self._layout_problem = (
+                    f"engine refit rank {rank}: its Megatron groups run expert TP {etp} at TP {tp} x EP {ep}; the "
+                    f"megatron-core engine runs expert TP {engine_expert_tp(tp, ep)} there (the TP at EP 1, whole "
+                    "experts at EP > 1): initialize_model_parallel(..., expert_tensor_parallel_size="
+                    "engine_expert_tp(tp, ep))"
                 )
             if self._layout_problem is not None:  # refused at the plan check, on every rank of both jobs
                 return trainer  # a stand-in destination this rank holds nothing of
-            return megatron_engine_layout(specs, tp=tp, dp=engines // tp, ranks=range(first, world))
+            return megatron_engine_layout(specs, tp=tp, dp=engines // tp, ep=ep, etp=etp, ranks=range(first, world))
 
         super().__init__(
             group,
@@ -389,6 +428,13 @@ class MegatronEngineRefit(EngineRefit):
                 f"{who} is TP rank {position % self.tp} of the engine's layout but TP rank {self._tp_rank} of its "
                 "Megatron groups: join the refit group as refit rank T + the engine job's rank, with Megatron's "
                 "default rank order (TP ranks consecutive)"
+            )
+        engines = len(self.dst.ranks)
+        coords = megatron_expert_coords(position, tp=self.tp, dp=engines // self.tp, ep=self.ep, etp=self.etp)
+        if coords != self._expert_coords:
+            return (
+                f"{who} is (EP, expert-TP) rank {coords} of the engine's layout but {self._expert_coords} of its "
+                "Megatron groups: initialize_model_parallel with Megatron's default rank order"
             )
         local = self.dst.tensors[self.rank]
         extra = sorted(set(self.tensors) - set(local))

@@ -2,10 +2,13 @@
 TextGenerationController, GPTInferenceWrapper) as the target of the reshard refit, in a job of
 its own: a trainer job (2 ranks) and an engine job (2 ranks) over one RefitGroup, at trainer
 TP2 -> engine TP1 x DP2 and trainer TP1 x DP2 -> engine TP2 (the tiny Llama: GQA, SwiGLU,
-RoPE, padded vocabulary). After each version the engine's greedy tokens equal a plain greedy
-loop over the trainer model's forward, its logits pass the KL gate against the trainer's (also
-as the RefitGate inside the refit: ``refit(verify=gate)`` in the first case, ``serve(verify=gate)``
-in the second), and its parameters gathered to TP1 equal the trainer's bit
+RoPE, padded vocabulary), and for the tiny Qwen3-MoE (4 SequentialMLP experts, top-2, qk-norm)
+trainer TP2 x EP2 -> engine TP1 x DP2 x EP2 (whole experts per engine rank) and trainer
+TP1 x DP2 x EP2 -> engine TP2 x EP1 (every expert TP-sharded over both engine ranks). After each
+version the engine's greedy tokens equal a plain greedy loop over the trainer model's forward,
+its logits pass the KL gate against the trainer's (also as the RefitGate inside the refit:
+``refit(verify=gate)`` in the first case of each kind, ``serve(verify=gate)`` in the second), and
+its parameters gathered to TP1 (MoE: every expert under its global index) equal the trainer's bit
 for bit, padded vocabulary rows included; before the first refit (other weights) they do not.
 The trainer publishes the engine's model config (that of the engine's GPTModel) and layout. An
 engine model with another padded vocabulary is refused on every rank of both jobs, naming the
@@ -18,18 +21,27 @@ import pytest
 import torch
 
 from megatron_ext.testing import tiny_llama
-from megatron_ext.testing.multirank import free_port, run_two_jobs
+from megatron_ext.testing.multirank import free_port, run_on_ranks, run_two_jobs
 
-from ._reference import gather_tp
+from ._reference import gather_tp, moe_full_state
 
 SPEC = tiny_llama.TinyLlamaSpec()  # llama: GQA (4 heads, 2 groups), SwiGLU, RoPE; 128 padded rows for 120 tokens
-ENGINE_SPEC = dataclasses.replace(SPEC, seed=SPEC.seed + 1)  # the engine starts from other weights
+MOE_SPEC = tiny_llama.TinyLlamaSpec(arch="qwen3_moe")  # + qk-norm, 4 experts (ffn 32), top-2 softmax router
 PROMPTS = [[3, 17, 5, 9, 60], [11, 2, 40], [7, 7, 101, 33, 2, 90, 14]]  # different lengths: one static batch
 NEW_TOKENS = 6
 BUCKET = 4096  # small buckets: many rounds
-CASES = ((2, 1), (1, 2))  # (trainer TP, engine TP); each job has 2 ranks, so the TP1 side runs 2 DP replicas
+# (spec, trainer TP, trainer EP, engine TP, engine EP); each job has 2 ranks, so a TP1 side runs 2 DP replicas.
+# Expert TP: the trainer's 1 (tiny_llama); the engine's engine_expert_tp: 1 at EP2 (whole experts), its TP at EP1.
+CASES = ((SPEC, 2, 1, 1, 1), (SPEC, 1, 1, 2, 1), (MOE_SPEC, 2, 2, 1, 2), (MOE_SPEC, 1, 2, 2, 1))
+REFUSALS = 1  # the case after which the refusals run (dense, engine TP2)
 EMBED = "embedding.word_embeddings.weight"
 SHARP = {"init_method_std": 0.1}  # larger weights, peaked logits: a wrong tensor changes the tokens
+
+
+def _dispatcher(spec, backend):
+    """MoE token dispatcher: allgather on gloo (megatron-core's alltoall dispatcher passes its split sizes as
+    tensors, which gloo's all_to_all_single does not take), alltoall on NCCL: both dispatchers the engine builds."""
+    return {"moe_token_dispatcher_type": "alltoall"} if spec.arch == "qwen3_moe" and backend == "nccl" else {}
 
 
 def _device(backend):
@@ -38,6 +50,21 @@ def _device(backend):
 
 def _tokens():
     return tiny_llama.tokens(SPEC, batch=2)
+
+
+def _label(case):
+    spec, tp, ep, engine_tp, engine_ep = CASES[case]
+    return f"{spec.arch} trainer TP{tp} x EP{ep} -> engine TP{engine_tp} x EP{engine_ep}"
+
+
+def _parallel(tp, ep, etp=1):
+    """initialize_model_parallel at TP ``tp``, EP ``ep``, expert TP ``etp``; the model's TransformerConfig overrides."""
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp
+    )
+    return {"expert_tensor_parallel_size": etp} if ep > 1 or etp > 1 else {}
 
 
 def _greedy(model, prompts, n):
@@ -69,7 +96,10 @@ def _from_bytes(raw):
 
 
 def _tp1_state(model):
-    """Every parameter gathered to its TP1 tensor (one plain all_gather each), on CPU."""
+    """Every parameter gathered to its TP1 tensor (one plain all_gather each), on CPU; an MoE model's
+    experts gathered over expert TP and EP, under their global index (_reference.moe_full_state)."""
+    if model.config.num_moe_experts:
+        return moe_full_state(model)
     return {n: gather_tp(n, p).to("cpu", copy=True) for n, p in model.named_parameters()}
 
 
@@ -83,12 +113,17 @@ def _trainer_body(backend, port, n_engine):
     world, rank = dist.get_world_size(), dist.get_rank()
     group = wx.RefitGroup.join("127.0.0.1", port, rank, world + n_engine, backend=backend, timeout_s=60)
     out = {}
-    for case, (tp, engine_tp) in enumerate(CASES):
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp)
-        cfg = tiny_llama.transformer_config(SPEC, tp=tp, **SHARP)
-        model = tiny_llama.build_model(SPEC, cfg, device=_device(backend))
+    for case, (spec, tp, ep, engine_tp, engine_ep) in enumerate(CASES):
+        etp = _parallel(tp, ep)
+        cfg = tiny_llama.transformer_config(spec, tp=tp, ep=ep, **etp, **_dispatcher(spec, backend), **SHARP)
+        model = tiny_llama.build_model(spec, cfg, device=_device(backend))
         refit = megatron_trainer_refit(
-            model, group, engine_tp=engine_tp, engine_dp=n_engine // engine_tp, bucket_bytes=BUCKET
+            model,
+            group,
+            engine_tp=engine_tp,
+            engine_dp=n_engine // engine_tp,
+            engine_ep=engine_ep,
+            bucket_bytes=BUCKET,
         )
         for version in (1, 2):
             if version == 2:
@@ -107,7 +142,7 @@ def _trainer_body(backend, port, n_engine):
                 "acks": refit.engine_versions(),
             }
         refit.close()  # the engine's serve() returns
-        if case == len(CASES) - 1:  # an engine model with another padded vocabulary: refused everywhere
+        if case == REFUSALS:  # an engine model with another padded vocabulary: refused everywhere
             try:
                 megatron_trainer_refit(model, group, engine_tp=engine_tp, engine_dp=1, bucket_bytes=BUCKET)
                 out["refused"] = None
@@ -131,6 +166,7 @@ def _engine_body(backend, port, n_trainer):
     from megatron_ext.testing import cpu_compat
     from megatron_ext.weight_export.megatron_engine import MegatronEngine, MegatronEngineRefit
     from megatron_ext.weight_export.megatron_engine_config import (
+        engine_expert_tp,
         megatron_model_config,
         megatron_model_problem,
         receive_model_config,
@@ -141,10 +177,11 @@ def _engine_body(backend, port, n_trainer):
     rank = n_trainer + dist.get_rank()  # refit rank
     group = wx.RefitGroup.join("127.0.0.1", port, rank, n_trainer + world, backend=backend, timeout_s=60)
     out = {}
-    for case, (_, tp) in enumerate(CASES):
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp)
-        cfg = tiny_llama.transformer_config(ENGINE_SPEC, tp=tp, **SHARP)
-        model = tiny_llama.build_model(ENGINE_SPEC, cfg, device=_device(backend))
+    for case, (spec, _, _, tp, ep) in enumerate(CASES):
+        etp = _parallel(tp, ep, engine_expert_tp(tp, ep))
+        engine_spec = dataclasses.replace(spec, seed=spec.seed + 1)  # the engine starts from other weights
+        cfg = tiny_llama.transformer_config(engine_spec, tp=tp, ep=ep, **etp, **_dispatcher(spec, backend), **SHARP)
+        model = tiny_llama.build_model(engine_spec, cfg, device=_device(backend))
         engine = MegatronEngine(model, max_batch_size=4, max_sequence_length=32)
 
         def observe(engine=engine, model=model):  # every engine rank (collective over the engine's TP)
@@ -158,7 +195,7 @@ def _engine_body(backend, port, n_trainer):
         out[case, None] = observe()  # the engine's own weights, before any refit
         published = receive_model_config(group)  # what megatron_trainer_refit published: this engine's model
         out[case, "published"] = (
-            megatron_model_problem(published, tp),
+            megatron_model_problem(published, tp, ep),
             published.get("engine"),
             published["config"] == megatron_model_config(model)["config"],
         )
@@ -167,7 +204,7 @@ def _engine_body(backend, port, n_trainer):
         gate = wx.RefitGate(
             engine, _tokens(), lambda v, case=case: _from_bytes(group.store.get(_logits_key(case, v))), load=False
         )
-        if case == 0:  # one refit() at a time, then serve() until the trainer's close
+        if case % 2 == 0:  # one refit() at a time, then serve() until the trainer's close
             for _ in (1, 2):
                 stats = refit.refit(verify=gate)  # the announced version
                 out[case, stats.version] = {**observe(), "stats": stats}
@@ -178,8 +215,8 @@ def _engine_body(backend, port, n_trainer):
                 out[case, stats.version] = {**observe(), "stats": stats}
 
             out[case, "served"] = refit.serve(report, verify=gate)
-        if case == len(CASES) - 1:
-            bad_spec = dataclasses.replace(ENGINE_SPEC, vocab_size=256)  # padded to 256 rows, the trainer has 128
+        if case == REFUSALS:
+            bad_spec = dataclasses.replace(engine_spec, vocab_size=256)  # padded to 256 rows, the trainer has 128
             bad = MegatronEngine(tiny_llama.build_model(bad_spec, cfg, device=_device(backend)))
             receive_model_config(group)
             try:
@@ -210,8 +247,14 @@ def test_megatron_engine_refit(backend, monkeypatch):
 
     monkeypatch.setenv("TQDM_DISABLE", "1")  # megatron-core's static engine draws a progress bar per batch
     trainer, engine = _run_both(backend)
-    for case, (tp, engine_tp) in enumerate(CASES):
-        label = f"trainer TP{tp} -> engine TP{engine_tp}"
+    for case, (spec, _, _, engine_tp, engine_ep) in enumerate(CASES):
+        label = _label(case)
+        engine_layout = {
+            "tp": engine_tp,
+            "dp": 2 // engine_tp,
+            "ep": engine_ep,
+            "etp": 1 if engine_ep > 1 else engine_tp,
+        }
         ref = {v: trainer[0][case, v] for v in (1, 2)}
         assert ref[1]["tokens"] != ref[2]["tokens"], label  # the two versions generate differently
         for t in trainer:
@@ -224,7 +267,7 @@ def test_megatron_engine_refit(backend, monkeypatch):
             assert not verify_export(ref[1]["logits"], before["logits"]).ok(max_kl=1e-3), who
             assert res[case, "served"] == 2, who
             # the trainer published this engine's model (the same config as the engine's GPTModel) and layout
-            assert res[case, "published"] == (None, {"tp": engine_tp, "dp": 2 // engine_tp}, True), who
+            assert res[case, "published"] == (None, engine_layout, True), who
             for v in (1, 2):
                 got = res[case, v]
                 stats = got["stats"]
@@ -234,7 +277,7 @@ def test_megatron_engine_refit(backend, monkeypatch):
                 assert got["tokens"] == ref[v]["tokens"], (who, v, got["tokens"], ref[v]["tokens"])
                 # ... its logits pass the KL gate (every padded row compared) ...
                 result = verify_export(ref[v]["logits"], got["logits"])
-                assert got["logits"].shape == (2, SPEC.seq_length, SPEC.vocab_size), who
+                assert got["logits"].shape == (2, spec.seq_length, spec.vocab_size), who
                 assert result.ok(max_kl=1e-3) and result.max_abs_diff < 1e-3, (who, v, result)
                 # ... and its parameters are a copy of the trainer's, padded vocabulary rows included
                 assert sorted(got["state"]) == sorted(ref[v]["state"]), who
@@ -260,3 +303,50 @@ def test_megatron_engine_refit(backend, monkeypatch):
     assert all(t["trainer error"] == error for t in trainer), [t["trainer error"] for t in trainer]
     for res in engine:
         assert res["trainer error"] == f"the trainer could not build its side of the refit: ValueError: {error}"
+
+
+def _alltoall_body(backend, dispatcher):
+    """Two ranks at TP1 x EP2 (expert TP 1): the tiny Qwen3-MoE with ``dispatcher`` as a trainer holds it, the
+    engine's GPTModel built from its published config in the same parallel state, the trainer's weights copied in
+    by name; the engine's greedy tokens and logits against the trainer model's forward."""
+    from megatron_ext.testing import cpu_compat
+    from megatron_ext.weight_export import megatron_logits, verify_export
+    from megatron_ext.weight_export.megatron_engine import MegatronEngine
+    from megatron_ext.weight_export.megatron_engine_config import (
+        build_engine_model,
+        megatron_model_config,
+        megatron_model_problem,
+    )
+
+    cpu_compat.install_inference()  # CPU only (no-op with CUDA)
+    device = _device(backend)
+    overrides = _parallel(1, 2)
+    cfg = tiny_llama.transformer_config(MOE_SPEC, ep=2, moe_token_dispatcher_type=dispatcher, **overrides, **SHARP)
+    trainer = tiny_llama.build_model(MOE_SPEC, cfg, device=device)
+    tokens = _tokens()
+    logits, greedy = megatron_logits(trainer, tokens).cpu(), _greedy(trainer, PROMPTS, NEW_TOKENS)
+    published = megatron_model_config(trainer)
+    model = build_engine_model(published, device=device)
+    with torch.no_grad():
+        for (n, p), (m, q) in zip(model.named_parameters(), trainer.named_parameters(), strict=True):
+            assert n == m and p.shape == q.shape, (n, m)
+            p.copy_(q)
+    engine = MegatronEngine(model, max_batch_size=4, max_sequence_length=32)
+    return {
+        "problem": megatron_model_problem(published, 1, 2),
+        "dispatcher": (published["config"]["moe_token_dispatcher_type"], model.config.moe_token_dispatcher_type),
+        "tokens": engine.generate(PROMPTS, NEW_TOKENS),
+        "greedy": greedy,
+        "gate": verify_export(logits, engine.logits(tokens).cpu()),
+    }
+
+
+@pytest.mark.gpus(2)
+def test_moe_engine_runs_the_trainers_alltoall_dispatcher_at_ep2(monkeypatch):
+    """megatron-core's alltoall token dispatcher (GPU only: on gloo its all_to_all_single gets tensor split sizes)
+    in the engine built from the published config at EP2: the trainer model's greedy tokens and logits."""
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    for r, got in enumerate(run_on_ranks(_alltoall_body, 2, args=("nccl", "alltoall"), backend="nccl", timeout=180)):
+        assert got["problem"] is None and got["dispatcher"] == ("alltoall", "alltoall"), (r, got)
+        assert got["tokens"] == got["greedy"], (r, got["tokens"], got["greedy"])
+        assert got["gate"].ok(max_kl=1e-3) and got["gate"].max_abs_diff < 1e-3, (r, got["gate"])

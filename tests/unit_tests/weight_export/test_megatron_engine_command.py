@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import re
+import subprocess
 import sys
 import time
 
@@ -30,7 +31,7 @@ import torch
 
 from megatron_ext.testing.multirank import free_port, run_on_ranks
 from megatron_ext.weight_export import engine as engine_command
-from megatron_ext.weight_export.megatron_engine_config import megatron_model_problem
+from megatron_ext.weight_export.megatron_engine_config import MODEL_FIELDS, megatron_model_problem
 
 from ..examples.test_pretrain_torchrun import ITERS, MODEL, TRAIN, _env, _script, _start, finish, launch
 
@@ -193,30 +194,166 @@ def test_engine_with_another_tp_than_the_trainers_stops_both_jobs_within_seconds
     assert seconds < 100, f"{seconds:.0f} s: the jobs waited for the refit group's timeout"
 
 
+MOE_VERSIONS = (1, 2)
+
+
+def _moe_trainer(port, n_engine, bucket_bytes):
+    """One rank of a Python trainer job (the example script builds dense models only): the tiny Qwen3-MoE at
+    TP2 x EP2 (expert TP 1), refit to an engine of TP1 x DP2 x EP2 through megatron_trainer_refit(engine_ep=2);
+    the greedy tokens of a plain loop over its forward at each version, computed before the refit sends it."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_ext import weight_export as wx
+    from megatron_ext.testing import tiny_llama
+    from megatron_ext.weight_export.megatron_engine import megatron_trainer_refit
+
+    spec = tiny_llama.TinyLlamaSpec(arch="qwen3_moe")
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=2, expert_model_parallel_size=2, expert_tensor_parallel_size=1
+    )
+    model = tiny_llama.build_model(spec, tiny_llama.transformer_config(spec, tp=2, ep=2, init_method_std=0.1))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = wx.RefitGroup.join("127.0.0.1", port, rank, world + n_engine, backend="gloo", timeout_s=120)
+    out = {}
+    try:
+        refit = megatron_trainer_refit(
+            model, group, engine_tp=1, engine_dp=n_engine, engine_ep=2, bucket_bytes=bucket_bytes
+        )
+        for version in MOE_VERSIONS:
+            if version > 1:  # the next version: the same noise on every rank's whole tensors
+                gen = torch.Generator().manual_seed(version)
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+            out[version] = _greedy(model)
+            refit.refit(version)
+        out["acks"] = refit.engine_versions()
+        refit.close()
+    finally:
+        group.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def moe_run(tmp_path_factory):
+    """The engine command at --tp 1 --ep 2 (2 ranks) and a trainer job of 2 ranks (TP2 x EP2) at once."""
+    from megatron_ext.weight_export import RefitConfig
+
+    tmp = str(tmp_path_factory.mktemp("megatron_engine_moe"))
+    env, port = _env(tmp), free_port()
+    saved = os.path.join(tmp, "tokens.json")
+    prompts = [",".join(map(str, p)) for p in PROMPTS]
+    engine = _engine(2, f"127.0.0.1:{port}", 2, "--tp", "1", "--ep", "2", "--prompt-tokens", *prompts,
+                     "--generate-tokens", str(NEW_TOKENS), "--save-tokens", saved, "--bucket-size-mb", BUCKET,
+                     "--timeout-s", "120", env=env, log=os.path.join(tmp, "engine.log"))  # fmt: skip
+    try:
+        bucket = RefitConfig(transport="p2p", store=f"127.0.0.1:{port}", bucket_size_mb=float(BUCKET)).bucket_bytes
+        trainer = run_on_ranks(
+            _moe_trainer, 2, args=(port, 2, bucket), backend="gloo", timeout=240,
+            env={k: env[k] for k in ("XDG_RUNTIME_DIR", "OMP_NUM_THREADS")},
+        )  # fmt: skip
+    except BaseException:
+        engine.terminate()  # torchrun passes SIGTERM on to its workers (a SIGKILL would orphan them)
+        try:
+            engine.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            engine.kill()
+            engine.wait()
+        raise
+    out = _finish_all({"the engine": engine}, timeout=120)["the engine"]
+    with open(saved) as f:
+        tokens = json.load(f)
+    return {"trainer": trainer, "engine": out, "tokens": tokens}
+
+
+def test_engine_command_serves_an_moe_trainer_at_another_ep_layout(moe_run):
+    """Trainer TP2 x EP2 (expert TP 1) -> the engine command at --tp 1 --ep 2 (TP1 x DP2, 2 whole experts per
+    engine rank): the engine builds the MoE GPTModel from the published config, and its greedy tokens after each
+    version are the trainer model's (a plain greedy loop over its forward, no near-ties)."""
+    trainer, engine, tokens = moe_run["trainer"], moe_run["engine"], moe_run["tokens"]
+    assert "megatron-core engine TP1 x DP2 (experts: EP2 x expert TP1) on cpu" in engine, engine[-3000:]
+    assert "padded vocabulary 128, float32, 4 experts top-2 over EP2); serving every version" in engine, engine[-3000:]
+    assert trainer[0]["acks"] == {2: MOE_VERSIONS[-1], 3: MOE_VERSIONS[-1]}
+    assert sorted(tokens, key=int) == [str(v) for v in MOE_VERSIONS], engine[-3000:]
+    for v in MOE_VERSIONS:
+        ref, margin = trainer[0][v]
+        assert trainer[1][v][0] == ref  # both trainer ranks ran the same model
+        assert margin > 1e-3, (v, margin)  # no near-ties: the argmax is stable under float32 reordering
+        assert tokens[str(v)] == ref, (v, tokens[str(v)], ref)
+    assert tokens["1"] != tokens["2"]  # the second version generates differently
+    assert f"the trainer closed the refit; the model holds version {MOE_VERSIONS[-1]}" in engine, engine[-3000:]
+
+
 def test_models_the_engine_cannot_build_are_refused_naming_the_field(run):
     """megatron_model_problem on the config the trainer publishes (megatron_model_config of the script's model):
     the engine builds it at TP 1 and 2, and refuses, naming the field, what it does not build."""
     published = run["ref"]["config"]
-    assert published["format"] == 1 and published["model"] == "GPTModel"
+    assert published["format"] == 2 and published["model"] == "GPTModel"
     config = published["config"]
     assert (config["num_query_groups"], config["padded_vocab_size"], config["activation_func"]) == (2, 128, "silu")
     assert json.loads(json.dumps(published)) == published  # plain JSON, nothing pickled
     assert megatron_model_problem(published, 1) is None and megatron_model_problem(published, 2) is None
 
-    def problem(tp=1, fmt=None, **fields):
+    def problem(tp=1, fmt=None, ep=1, **fields):
         changed = {**published, "config": {**config, **fields}}
         if fmt is not None:
             changed["format"] = fmt
-        return megatron_model_problem(changed, tp)
+        return megatron_model_problem(changed, tp, ep)
 
-    assert problem(fmt=2) == (
-        "the trainer publishes its model config in format 2; this engine reads format 1: run the same megatron_ext "
+    assert problem(fmt=3) == (
+        "the trainer publishes its model config in format 3; this engine reads format 2: run the same megatron_ext "
         "release in the engine as in the trainer"
     )
-    assert problem(num_moe_experts=8) == (
-        "num_moe_experts=8: the engine builds dense GPT models of megatron-core's local layer spec only "
-        "(num_moe_experts=None)"
+    # format 1 (an older trainer: dense, no MoE fields) is still read
+    old = {k: v for k, v in config.items() if k in MODEL_FIELDS or k in ("multi_latent_attention", "window_size")}
+    assert megatron_model_problem({**published, "format": 1, "config": old}, 1) is None
+    # MoE: what the engine builds (SequentialMLP experts of the local spec, softmax top-k) and what it refuses
+    moe = dict(num_moe_experts=4, moe_ffn_hidden_size=32)
+    assert config["moe_token_dispatcher_type"] == "allgather" and config["moe_grouped_gemm"] is False
+    assert problem(**moe) is None and problem(tp=2, **moe) is None and problem(tp=2, ep=2, **moe) is None
+    assert problem(moe_token_dispatcher_type="flex") is None  # a dense model: the MoE fields are not read
+    assert problem(**moe, moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"], moe_router_dtype="fp32") is None
+    assert problem(**moe, moe_grouped_gemm=True) == (
+        "moe_grouped_gemm=True: the engine builds moe_grouped_gemm = one of [False] (megatron-core's local layer "
+        "spec runs SequentialMLP experts; grouped GEMM experts (TEGroupedMLP) need Transformer Engine)"
     )
+    assert problem(**moe, moe_token_dispatcher_type="flex") == (
+        "moe_token_dispatcher_type='flex': the engine builds moe_token_dispatcher_type = one of ['allgather', "
+        "'alltoall'] (the flex dispatcher needs DeepEP / HybridEP)"
+    )
+    assert problem(**moe, moe_router_score_function="sigmoid").startswith(
+        "moe_router_score_function='sigmoid': the engine builds moe_router_score_function = one of ['softmax']"
+    )
+    assert problem(**moe, moe_router_load_balancing_type="sinkhorn").startswith(
+        "moe_router_load_balancing_type='sinkhorn': the engine builds moe_router_load_balancing_type = one of "
+        "['aux_loss', 'seq_aux_loss', 'global_aux_loss', 'none'] or a list of them (sinkhorn and quantile"
+    )
+    assert problem(**moe, moe_shared_expert_intermediate_size=64) == (
+        "moe_shared_expert_intermediate_size=64: the engine builds GPT models of megatron-core's local layer spec "
+        "without it (moe_shared_expert_intermediate_size=None)"
+    )
+    assert problem(**moe, moe_router_enable_expert_bias=True) == (
+        "moe_router_enable_expert_bias=True: the engine builds GPT models of megatron-core's local layer spec "
+        "without it (moe_router_enable_expert_bias=False; the router's expert_bias is a buffer: the refit sends "
+        "parameters)"
+    )
+    assert problem(**moe, moe_expert_capacity_factor=1.0).startswith("moe_expert_capacity_factor=1.0: the engine")
+    assert problem(num_moe_experts=4, moe_ffn_hidden_size=None) == (
+        "moe_ffn_hidden_size=None: the engine builds moe_ffn_hidden_size = an integer >= 1"
+    )
+    assert (
+        problem(num_moe_experts=0) == "num_moe_experts=0: the engine builds num_moe_experts = null or an integer >= 1"
+    )
+    assert problem(ep=8, **moe) == (
+        "num_moe_experts=4 is not divisible by the engine's EP 8: pick an EP that divides it"
+    )
+    assert problem(**moe, moe_router_topk=5) == "moe_router_topk=5 exceeds num_moe_experts=4"
+    assert problem(tp=2, num_moe_experts=4, moe_ffn_hidden_size=33) == (
+        "moe_ffn_hidden_size=33 is not divisible by the engine's expert TP 2 (its TP at EP 1): pick a TP that "
+        "divides it, or EP > 1 (whole experts)"
+    )
+    assert problem(tp=2, ep=2, num_moe_experts=4, moe_ffn_hidden_size=33) is None  # EP2: whole experts
     assert problem(transformer_impl="transformer_engine") == (
         "transformer_impl='transformer_engine': the engine builds transformer_impl = one of ['local']"
     )
@@ -255,25 +392,27 @@ def _published_model_body(backend):
     cpu_compat.install_inference()  # CPU only (no-op with CUDA)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     ps.initialize_model_parallel(tensor_model_parallel_size=1)
-    spec, tokens = tiny_llama.TinyLlamaSpec(), torch.tensor([PROMPTS[2] + PROMPTS[0]])
+    tokens = torch.tensor([PROMPTS[2] + PROMPTS[0]])
     trainers = {}
-    for dtype in (torch.float32, torch.bfloat16):  # plain forwards first: the engine switches on inference mode
-        half = dtype != torch.float32
+    for arch, dtype in (("llama", torch.float32), ("llama", torch.bfloat16), ("qwen3_moe", torch.float32)):
+        # plain forwards first: the engine switches on inference mode
+        half, spec = dtype != torch.float32, tiny_llama.TinyLlamaSpec(arch=arch)
         cfg = tiny_llama.transformer_config(
             spec, init_method_std=0.1, params_dtype=dtype, pipeline_dtype=dtype, bf16=half
         )
         model = tiny_llama.build_model(spec, cfg, device=device)
         model = Float16Module(cfg, model) if half else model
-        trainers[dtype] = (model, megatron_logits(model, tokens), _greedy(model)[0])
+        trainers[arch, dtype] = (model, megatron_logits(model, tokens), _greedy(model)[0])
     out = {}
-    for dtype, (trainer, logits, greedy) in trainers.items():
+    for key, (trainer, logits, greedy) in trainers.items():
         published = megatron_model_config(trainer)
         assert megatron_model_problem(published, 1) is None, megatron_model_problem(published, 1)
         model = build_engine_model(published, device=device)
         mine, theirs = dict(unwrap(model).named_parameters()), dict(unwrap(trainer).named_parameters())
         kind = lambda t: (t.shape, t.dtype, t.device)  # noqa: E731
-        out[dtype] = {
+        out[key] = {
             "names": sorted(mine) == sorted(theirs),
+            "experts": sum(".local_experts." in n for n in mine),
             "nan": all(p.isnan().all() for p in mine.values()),  # nothing but a refit writes the weights
             "wrapper": type(model).__name__,
             "other": [n for n, p in mine.items() if kind(p) != kind(theirs[n])],
@@ -282,7 +421,7 @@ def _published_model_body(backend):
             for n, p in mine.items():
                 p.copy_(theirs[n])
         engine = MegatronEngine(model, max_batch_size=len(PROMPTS), max_sequence_length=16)
-        out[dtype].update(
+        out[key].update(
             tokens=engine.generate(PROMPTS, NEW_TOKENS),
             greedy=greedy,
             gate=verify_export(logits, engine.logits(tokens)),
@@ -294,10 +433,13 @@ def _published_model_body(backend):
 def test_engine_model_built_from_the_published_config_is_the_trainers(backend, monkeypatch):
     """build_engine_model(megatron_model_config(trainer)) has the trainer's parameters (names, shapes, dtypes),
     NaN until written; with the trainer's weights, its greedy tokens and logits are the trainer model's, in
-    float32 and in bfloat16 (Float16Module, as Megatron-LM trains and serves it)."""
+    float32 and in bfloat16 (Float16Module, as Megatron-LM trains and serves it), and for the tiny Qwen3-MoE
+    (SequentialMLP experts, its router and expert weights included)."""
     monkeypatch.setenv("TQDM_DISABLE", "1")
     out = run_on_ranks(_published_model_body, 1, args=(backend,), backend=backend, timeout=180)[0]
-    for dtype, got in out.items():
+    assert set(out) == {("llama", torch.bfloat16), ("llama", torch.float32), ("qwen3_moe", torch.float32)}
+    assert out["qwen3_moe", torch.float32]["experts"] == 2 * 4 * 2  # layers x experts x (fc1, fc2): all built
+    for (_, dtype), got in out.items():
         assert got["names"] and not got["other"] and got["nan"], (dtype, got)
         assert got["wrapper"] == ("GPTModel" if dtype == torch.float32 else "Float16Module"), (dtype, got["wrapper"])
         assert got["gate"].ok(max_kl=1e-3) and got["gate"].max_abs_diff < 1e-2, (dtype, got["gate"])
@@ -319,6 +461,12 @@ MEGATRON = ["--engine", "megatron", "--refit-store", S]
         (MEGATRON, 1, "--engine megatron needs --refit-rank-offset T >= 1, the trainer's number of ranks"),
         ([*MEGATRON, "--refit-rank-offset", "2", "--tp", "4"], 2,
          "--tp 4 must be >= 1 and divide the engine job's 2 process(es)"),
+        ([*MEGATRON, "--refit-rank-offset", "2", "--ep", "3"], 2,
+         "--ep 3 must be >= 1 and divide the engine job's 2 process(es)"),
+        ([*MEGATRON, "--refit-rank-offset", "2", "--ep", "0"], 2,
+         "--ep 0 must be >= 1 and divide the engine job's 2 process(es)"),
+        (["--model", "m", "--refit-store", S, "--refit-rank", "1", "--refit-world-size", "2", "--ep", "2"], 1,
+         "--ep goes with --engine megatron, not --engine hf"),
         ([*MEGATRON, "--refit-rank-offset", "2", "--refit-world-size", "5"], 2,
          "--refit-world-size 5 is not --refit-rank-offset 2 + the engine job's 2 process(es) = 4"),
         ([*MEGATRON, "--refit-rank-offset", "2", "--prompt-tokens", "3,x"], 1,
@@ -338,6 +486,22 @@ def test_bad_engine_flags_are_refused_at_parse_time(argv, world, message, capsys
         engine_command._args(argv, megatron_on_cpu=True)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_engine_ep_other_than_the_trainers_is_refused_naming_the_flag(monkeypatch):
+    """--ep is checked against the engine layout the trainer publishes (megatron_trainer_refit(engine_ep=)):
+    the command refuses the refit, naming the flag, as it does --tp (that path runs end to end above)."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = engine_command._args([*MEGATRON, "--refit-rank-offset", "2", "--ep", "2"], megatron_on_cpu=True)
+    assert (args.tp, args.ep) == (1, 2)
+    config = {"padded_vocab_size": 128, "max_sequence_length": 64}
+    published = {"config": config, "engine": {"tp": 1, "dp": 2, "ep": 1, "etp": 1}}
+    assert engine_command._engine_problem(args, published) == (
+        "--ep 2: the trainer refits an engine of EP1 (megatron_trainer_refit(engine_ep=1)): start the engine with "
+        "--ep 1"
+    )
+    assert engine_command._engine_problem(args, {**published, "engine": {"tp": 1, "dp": 2, "ep": 2}}) is None
+    assert "--ep 2" in engine_command._engine_problem(args, {**published, "engine": {"tp": 1, "dp": 2}})  # format 1
 
 
 def test_megatron_engine_command_refuses_cpu_outside_the_test_entry_point(capsys, monkeypatch):
