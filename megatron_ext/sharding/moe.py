@@ -82,6 +82,16 @@ def router_issue(config) -> str | None:
         got = getattr(config, field, want)
         if got != want:
             return f"{field}={got!r} is not supported ({why}); set {field}={want!r}"
+    balancing = getattr(config, "moe_router_load_balancing_type", "aux_loss")
+    routed_otherwise = {"sinkhorn", "quantile_balancing"} & set(
+        [balancing] if isinstance(balancing, str) else balancing
+    )
+    if routed_otherwise:
+        return (
+            f"moe_router_load_balancing_type={balancing!r} is not supported (Megatron routes "
+            f"{sorted(routed_otherwise)} otherwise than Qwen3-MoE's softmax top-k at inference); use aux_loss, "
+            "seq_aux_loss, global_aux_loss or none"
+        )
     return None
 
 

@@ -642,5 +642,10 @@ def test_hf_config_for_qwen3_moe_checks_routing_and_maps_dense_layers():
         hf_config_from_megatron(
             dataclasses.replace(cfg, moe_router_topk_scaling_factor=2.0), arch="qwen3_moe", vocab_size=120
         )
+    for balancing in ("sinkhorn", "quantile_balancing"):  # routed otherwise at inference
+        with pytest.raises(ValueError, match="moe_router_load_balancing_type=.*use aux_loss, seq_aux_loss"):
+            hf_config_from_megatron(
+                dataclasses.replace(cfg, moe_router_load_balancing_type=balancing), arch="qwen3_moe", vocab_size=120
+            )
     with pytest.raises(ValueError, match="arch='qwen3_moe'"):
         hf_config_from_megatron(cfg, arch="qwen3", vocab_size=120)
