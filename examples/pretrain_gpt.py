@@ -35,6 +35,10 @@ flag groups switch its capabilities on:
   --refit-rank-offset T --tp N``): the trainer publishes its model config, the engine
   builds the same GPTModel from it and takes Megatron's shards in place.
 
+- ``--num-experts N`` (with Megatron-LM's ``--moe-*`` flags and ``--expert-model-parallel-size``):
+  every layer an MoE layer of megatron-core's SequentialMLP experts, split over EP ranks; the
+  megatron-core engine takes them at ``--refit-engine-ep`` (its command's ``--ep``).
+
 The same command runs on CPU (gloo; a tiny model) and on GPUs (NCCL, one GPU per
 rank). Rank 0 prints a start-up summary of what the plugin enabled; the last rank
 prints one line per ``--log-interval`` iterations (loss, tokens/s, ms/step,
@@ -59,6 +63,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 TRACKER = "latest_checkpointed_iteration.txt"
 REFIT_ENGINES = ("hf", "megatron")
+MOE_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
 
 
 # ----------------------------------------------------------------------------------------- arguments
@@ -98,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
     g.add_argument("--swiglu", action="store_true", help="gated SiLU MLP (Llama)")
+    g.add_argument("--qk-layernorm", action="store_true", help="layer norm on queries and keys (Qwen3, Qwen3-MoE)")
     g.add_argument("--disable-bias-linear", action="store_true", help="no bias in linear layers")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--hidden-dropout", type=float, default=0.1)
@@ -126,6 +132,50 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="draw the full weights on CPU from --seed, so every TP degree holds the same global "
         "model (always on without CUDA; required with --ntp-tp-base)",
+    )
+
+    g = p.add_argument_group(
+        "mixture of experts (Megatron-LM names; every layer an MoE layer of SequentialMLP experts, dropless)"
+    )
+    g.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (None or 0: a dense model)")
+    g.add_argument(
+        "--moe-ffn-hidden-size", type=int, default=None, help="each expert's ffn size (default --ffn-hidden-size)"
+    )
+    g.add_argument("--moe-router-topk", type=int, default=2, help="experts each token is routed to")
+    g.add_argument(
+        "--moe-router-pre-softmax",
+        action="store_true",
+        help="softmax over all experts before the top-k (default: top-k of the logits, softmax over those k)",
+    )
+    g.add_argument(
+        "--moe-router-load-balancing-type",
+        nargs="+",
+        choices=MOE_BALANCING,
+        default="aux_loss",
+        help="aux_loss (GShard / Switch), seq_aux_loss (per sequence), global_aux_loss (over the data-parallel "
+        "ranks), sinkhorn (S-BASE; not refittable) or none; several: one --moe-aux-loss-coeff each",
+    )
+    g.add_argument(
+        "--moe-aux-loss-coeff",
+        type=float,
+        nargs="+",
+        default=0.0,
+        help="scale of the load-balancing loss (1e-2 is a start)",
+    )
+    g.add_argument("--moe-z-loss-coeff", type=float, default=None, help="scale of the router z-loss (1e-3 is a start)")
+    g.add_argument(
+        "--moe-router-dtype", choices=("fp32", "fp64"), default=None, help="routing and expert-output averaging dtype"
+    )
+    g.add_argument(
+        "--moe-token-dispatcher-type",
+        choices=("allgather", "alltoall", "flex"),
+        default="allgather",
+        help="how tokens reach their experts' EP ranks (flex is refused: it needs DeepEP / HybridEP)",
+    )
+    g.add_argument(
+        "--moe-grouped-gemm",
+        action="store_true",
+        help="refused: grouped-GEMM experts (TEGroupedMLP) need Transformer Engine; the local spec runs SequentialMLP",
     )
 
     g = p.add_argument_group("training")
@@ -170,6 +220,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="uniform TP degree; with --ntp-tp-base leave it at 1 or set it to tp_base",
     )
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="only 1 is supported")
+    g.add_argument(
+        "--expert-model-parallel-size",
+        type=int,
+        default=1,
+        help="EP: the experts of each MoE layer split over this many ranks (divides --num-experts and the ranks)",
+    )
+    g.add_argument(
+        "--expert-tensor-parallel-size",
+        type=int,
+        default=None,
+        help="expert TP: each expert's weights split over this many ranks (default --tensor-model-parallel-size)",
+    )
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--ddp-bucket-size", type=int, default=None, help="elements per DDP bucket (Megatron's default)")
@@ -223,6 +285,14 @@ class Plan:
     export: object | None  # RefitConfig (the export hook's)
     cuda: bool
     refit_engine: str = "hf"  # p2p: the engine's kind (--refit-engine)
+    num_experts: int | None = None  # MoE: experts per layer (None: dense)
+    ep: int = 1  # expert-parallel size
+    etp: int = 1  # expert tensor-parallel size
+
+    @property
+    def expert_dp(self) -> int:
+        """Expert data-parallel size: the ranks over which each expert's gradients are reduced."""
+        return self.world_size // (self.ep * self.etp)
 
     @property
     def balanced(self) -> bool:
@@ -284,7 +354,14 @@ def _check(args, world_size: int, cuda: bool, parser) -> Plan:
         "pipeline_model_parallel_size",
         "save_interval",
         "make_vocab_size_divisible_by",
+        "moe_ffn_hidden_size",
+        "moe_router_topk",
+        "expert_model_parallel_size",
+        "expert_tensor_parallel_size",
     )
+    if args.num_experts == 0:  # Megatron-LM: 0 experts is a dense model
+        args.num_experts = None
+    _positive(args, "num_experts")
     if args.pipeline_model_parallel_size != 1:
         raise ValueError(
             f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: this script supports "
@@ -393,6 +470,7 @@ def _check(args, world_size: int, cuda: bool, parser) -> Plan:
         bad = [d for d in degrees if value % d]
         if bad:
             raise ValueError(f"{name} {value} must be divisible by {degrees_text} (not by {bad})")
+    ep, etp = _check_moe(args, world_size, tp, ntp)
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * dp
     per_step = args.micro_batch_size * dp
@@ -422,6 +500,8 @@ def _check(args, world_size: int, cuda: bool, parser) -> Plan:
         )
     if args.refit_engine == "megatron":
         _check_megatron_engine(args, refit, groups, padded)
+    elif args.num_experts is None and refit.engine_ep != RefitConfig.engine_ep:
+        raise ValueError(f"--refit-engine-ep {refit.engine_ep}: the model is dense (no --num-experts); drop it")
     if refit.target is None and not refit.p2p:
         changed = [
             f for f in ("every_n_steps", "bucket_size_mb", "transport") if getattr(refit, f) != getattr(RefitConfig, f)
@@ -444,12 +524,17 @@ def _check(args, world_size: int, cuda: bool, parser) -> Plan:
             "--swiglu": args.swiglu,
             "--disable-bias-linear": args.disable_bias_linear,
         }
+        qwen3_moe = args.num_experts is not None and (refit.target is not None or args.refit_engine == "hf")
+        if qwen3_moe:
+            llama["--qk-layernorm"] = args.qk_layernorm  # Qwen3-MoE normalises queries and keys
         missing = [flag for flag, ok in llama.items() if not ok]
         if missing:
             raise ValueError(
-                f"--refit-{'store' if refit.p2p else 'target'} refits in Hugging Face Llama naming: add "
-                f"{' '.join(missing)} (the model must be Llama-shaped)"
+                f"--refit-{'store' if refit.p2p else 'target'} refits in Hugging Face "
+                f"{'Qwen3-MoE' if qwen3_moe else 'Llama'} naming: add {' '.join(missing)} (the model must be "
+                f"{'Qwen3-MoE' if qwen3_moe else 'Llama'}-shaped)"
             )
+        _check_refit_routing(args, "--refit-" + ("store" if refit.p2p else "target"))
         export = refit
 
     if args.data_path is None:
@@ -465,7 +550,106 @@ def _check(args, world_size: int, cuda: bool, parser) -> Plan:
         export=export,
         cuda=cuda,
         refit_engine=args.refit_engine,
+        num_experts=args.num_experts,
+        ep=ep,
+        etp=etp,
     )
+
+
+# MoE flags other than --num-experts, with their defaults (given without --num-experts: refused).
+MOE_FLAGS = {
+    "moe_ffn_hidden_size": None,
+    "moe_router_topk": 2,
+    "moe_router_pre_softmax": False,
+    "moe_router_load_balancing_type": "aux_loss",
+    "moe_aux_loss_coeff": 0.0,
+    "moe_z_loss_coeff": None,
+    "moe_router_dtype": None,
+    "moe_token_dispatcher_type": "allgather",
+    "moe_grouped_gemm": False,
+    "expert_model_parallel_size": 1,
+    "expert_tensor_parallel_size": None,
+}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _check_moe(args, world_size: int, tp: int, ntp) -> tuple[int, int]:
+    """The MoE flags (Megatron-LM's names and defaults); returns ``(EP, expert TP)``."""
+    if args.num_experts is None:
+        given = [_flag(n) for n, default in MOE_FLAGS.items() if getattr(args, n) not in (default, [default])]
+        if given:
+            raise ValueError(f"{', '.join(given)} given without --num-experts N (the model is dense)")
+        return 1, 1
+    n = args.num_experts
+    if args.moe_grouped_gemm:
+        raise ValueError(
+            "--moe-grouped-gemm: grouped-GEMM experts (TEGroupedMLP) need Transformer Engine; this script builds "
+            "megatron-core's local layer spec, whose experts are SequentialMLP: drop the flag"
+        )
+    if args.moe_token_dispatcher_type == "flex":
+        raise ValueError(
+            "--moe-token-dispatcher-type flex needs DeepEP / HybridEP, which this script does not set up: use "
+            "allgather (the default) or alltoall"
+        )
+    if ntp is not None:
+        raise ValueError(
+            f"--num-experts {n} with --ntp-tp-base: nonuniform TP does not train MoE models (the router's token "
+            "counts and load-balancing statistics are reduced over groups that differ between healthy and degraded "
+            "replicas); drop --ntp-* or --num-experts"
+        )
+    if tp != 1:
+        raise ValueError(
+            f"--num-experts with --tensor-model-parallel-size {tp}: megatron-core trains MoE layers under TP only "
+            "with sequence parallelism, which this script does not offer; use --tensor-model-parallel-size 1 and "
+            "split the experts with --expert-model-parallel-size"
+        )
+    if args.moe_router_topk > n:
+        raise ValueError(f"--moe-router-topk {args.moe_router_topk} must be in 1..--num-experts ({n})")
+    kinds, coeffs = args.moe_router_load_balancing_type, args.moe_aux_loss_coeff
+    kinds = [kinds] if isinstance(kinds, str) else kinds
+    coeffs = [coeffs] if isinstance(coeffs, float) else coeffs
+    if len(kinds) > 1 or len(coeffs) > 1:
+        if len(kinds) != len(coeffs):
+            raise ValueError(
+                f"--moe-router-load-balancing-type {' '.join(kinds)} takes one --moe-aux-loss-coeff each, "
+                f"got {len(coeffs)}: {' '.join(map(str, coeffs))}"
+            )
+    # Megatron-LM's validate_args: one value is a plain value, several a list
+    args.moe_router_load_balancing_type = kinds[0] if len(kinds) == 1 else kinds
+    args.moe_aux_loss_coeff = coeffs[0] if len(coeffs) == 1 else coeffs
+    ep = args.expert_model_parallel_size
+    if args.expert_tensor_parallel_size is None:
+        args.expert_tensor_parallel_size = tp  # Megatron-LM's default
+    etp = args.expert_tensor_parallel_size
+    if world_size % (ep * etp):
+        raise ValueError(
+            f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} = {ep * etp} must divide the "
+            f"number of processes ({world_size} = data-parallel size x --tensor-model-parallel-size {tp}): the "
+            "expert grid is EP x expert TP x expert data-parallel"
+        )
+    if n % ep:
+        raise ValueError(f"--num-experts {n} must be divisible by --expert-model-parallel-size {ep}")
+    if args.moe_ffn_hidden_size is None:
+        args.moe_ffn_hidden_size = args.ffn_hidden_size  # Megatron-LM's default
+    if args.moe_ffn_hidden_size % etp:
+        raise ValueError(
+            f"--moe-ffn-hidden-size {args.moe_ffn_hidden_size} must be divisible by --expert-tensor-parallel-size {etp}"
+        )
+    return ep, etp
+
+
+def _check_refit_routing(args, flag: str) -> None:
+    """An MoE model refits only where the engine routes as Megatron does (softmax top-k)."""
+    kinds = args.moe_router_load_balancing_type
+    if args.num_experts is not None and "sinkhorn" in ([kinds] if isinstance(kinds, str) else kinds):
+        raise ValueError(
+            f"{flag} with --moe-router-load-balancing-type sinkhorn: Megatron routes sinkhorn-balanced experts "
+            "otherwise than an engine's softmax top-k; refit models trained with aux_loss, seq_aux_loss, "
+            "global_aux_loss or none"
+        )
 
 
 def _check_megatron_engine(args, refit, groups: int, padded: int) -> None:
@@ -478,25 +662,40 @@ def _check_megatron_engine(args, refit, groups: int, padded: int) -> None:
             "--refit-store HOST:PORT"
         )
     unread = {
-        "--refit-engine-ep": refit.engine_ep != RefitConfig.engine_ep,
         "--refit-vocab-padding": refit.vocab_padding != RefitConfig.vocab_padding,
         "--refit-quantize": refit.quantize != RefitConfig.quantize,
     }
     given = [flag for flag, changed in unread.items() if changed]
     if given:
         raise ValueError(
-            f"{', '.join(given)}: not read with --refit-engine megatron (the engine builds this model: dense, its "
+            f"{', '.join(given)}: not read with --refit-engine megatron (the engine builds this model: its "
             "padded vocabulary, its dtype); drop them"
         )
-    etp = refit.engine_tp
-    for name, value in (
-        ("--num-attention-heads", args.num_attention_heads),
-        ("--num-query-groups", groups),
-        ("--ffn-hidden-size", args.ffn_hidden_size),
-        ("the padded vocabulary", padded),
-    ):
-        if value % etp:
-            raise ValueError(f"{name} {value} must be divisible by --refit-engine-tp {etp} (the engine's TP)")
+    tp, ep = refit.engine_tp, refit.engine_ep
+    dense = [("--num-attention-heads", args.num_attention_heads), ("--num-query-groups", groups)]
+    if args.num_experts is None:
+        dense.append(("--ffn-hidden-size", args.ffn_hidden_size))  # MoE layers have no dense MLP
+    for name, value in (*dense, ("the padded vocabulary", padded)):
+        if value % tp:
+            raise ValueError(f"{name} {value} must be divisible by --refit-engine-tp {tp} (the engine's TP)")
+    if args.num_experts is None:
+        if ep != RefitConfig.engine_ep:
+            raise ValueError(
+                f"--refit-engine-ep {ep}: the model is dense (no --num-experts), the engine has no experts to split; "
+                "drop it"
+            )
+        return
+    if args.num_experts % ep:
+        raise ValueError(
+            f"--num-experts {args.num_experts} must be divisible by --refit-engine-ep {ep} (the engine's EP)"
+        )
+    etp = tp if ep == 1 else 1  # the engine's expert TP (megatron_engine_config.engine_expert_tp)
+    if args.moe_ffn_hidden_size % etp:
+        raise ValueError(
+            f"--moe-ffn-hidden-size {args.moe_ffn_hidden_size} must be divisible by --refit-engine-tp {tp} (the "
+            "engine shards experts over its TP at --refit-engine-ep 1), or give --refit-engine-ep > 1 (whole experts)"
+        )
+    _check_refit_routing(args, "--refit-engine megatron")
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -547,7 +746,11 @@ def initialize_distributed(args, plan: Plan):
         args.distributed_backend, timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes), **kwargs
     )
     if plan.ntp is None:
-        ps.initialize_model_parallel(tensor_model_parallel_size=plan.tp)
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=plan.tp,
+            expert_model_parallel_size=plan.ep,
+            expert_tensor_parallel_size=plan.etp,
+        )
         return None
     from megatron_ext.nonuniform_tp import initialize_nonuniform_tp_process_groups
 
@@ -562,6 +765,22 @@ def transformer_config(args, plan: Plan, tp: int):
     from megatron_ext.sharding import UNFUSED_LOCAL_SPEC
 
     dtype = torch.bfloat16 if args.bf16 else torch.float32
+    moe = {}
+    if plan.num_experts is not None:
+        moe = dict(
+            num_moe_experts=plan.num_experts,
+            moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+            moe_router_topk=args.moe_router_topk,
+            moe_router_pre_softmax=args.moe_router_pre_softmax,
+            moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+            moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+            moe_z_loss_coeff=args.moe_z_loss_coeff,
+            moe_router_dtype=args.moe_router_dtype,
+            moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+            moe_grouped_gemm=False,
+            expert_model_parallel_size=plan.ep,
+            expert_tensor_parallel_size=plan.etp,
+        )
     return TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -577,12 +796,14 @@ def transformer_config(args, plan: Plan, tp: int):
         gated_linear_unit=args.swiglu,
         activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
         add_bias_linear=not args.disable_bias_linear,
+        qk_layernorm=args.qk_layernorm,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=1,
         use_cpu_initialization=args.use_cpu_initialization,
         bf16=args.bf16,
         params_dtype=dtype,
         pipeline_dtype=dtype,
+        **moe,
         **UNFUSED_LOCAL_SPEC,
     )
 
@@ -596,9 +817,17 @@ def build_model(args, plan: Plan, config, device):
 
     # The same draws on every layout: the weights depend on --seed only (with CPU initialization).
     set_random_seed(args.seed)
+    spec = get_gpt_layer_local_spec(
+        num_experts=plan.num_experts,
+        moe_grouped_gemm=False,
+        qk_layernorm=args.qk_layernorm,
+        normalization=args.normalization,
+    )
+    if plan.num_experts is not None and args.use_cpu_initialization:
+        spec = _global_draw_experts(spec)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization=args.normalization),
+        transformer_layer_spec=spec,
         vocab_size=plan.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(),
@@ -611,6 +840,52 @@ def build_model(args, plan: Plan, config, device):
     if args.bf16:
         model = Float16Module(config, model)
     return model
+
+
+def _global_draw_experts(spec):
+    """``spec`` with its SequentialMLP experts drawn as at EP 1 on every EP rank (CPU initialization).
+
+    On CPU, megatron-core draws each expert's full weights from the one global RNG stream, local expert
+    by local expert: at EP > 1 an EP rank would draw its first local experts' values (the same on every
+    EP rank) and every later weight would shift along the stream. This subclass draws, around its own
+    experts, the experts of the lower and the higher EP ranks and drops them, so each expert holds the
+    values of its global index and the stream goes on as at EP 1: the same global model at every EP and
+    expert-TP degree (each draw is a whole expert, split afterwards), as at every TP degree."""
+    import copy
+    import dataclasses as dc
+
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    class GlobalDrawSequentialMLP(SequentialMLP):
+        def __init__(self, num_local_experts, config, submodules, pg_collection=None, name=None):
+            ep_rank, ep = pg_collection.ep.rank(), pg_collection.ep.size()
+            expert_config = config  # as SequentialMLP builds its experts (MLP reads ffn_hidden_size from it)
+            if config.moe_ffn_hidden_size != config.ffn_hidden_size:
+                expert_config = copy.deepcopy(config)
+                expert_config.ffn_hidden_size = config.moe_ffn_hidden_size
+            self._skip(num_local_experts * ep_rank, expert_config, submodules, pg_collection)  # lower EP ranks'
+            super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection, name=name)
+            self._skip(num_local_experts * (ep - 1 - ep_rank), expert_config, submodules, pg_collection)  # higher
+
+        @staticmethod
+        def _skip(count, config, submodules, pg_collection):
+            for _ in range(count):  # SequentialMLP's own expert, built and dropped: the same draws
+                MLP(
+                    config,
+                    submodules,
+                    ffn_hidden_size=config.moe_ffn_hidden_size,
+                    is_expert=True,
+                    tp_group=pg_collection.expt_tp,
+                )
+
+    mlp = spec.submodules.mlp  # partial(MoELayer, submodules=MoESubmodules(experts=partial(SequentialMLP, ...)))
+    moe = mlp.keywords["submodules"]
+    if moe.experts.func is not SequentialMLP:
+        raise TypeError(f"expected SequentialMLP experts in the local layer spec, got {moe.experts.func}")
+    experts = partial(GlobalDrawSequentialMLP, *moe.experts.args, **moe.experts.keywords)
+    mlp = partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": dc.replace(moe, experts=experts)})
+    return dc.replace(spec, submodules=dc.replace(spec.submodules, mlp=mlp))
 
 
 def wrap_model(args, plan: Plan, config, model):
@@ -723,7 +998,8 @@ def optimizer_metadata(args) -> dict:
 
 def _layout_text(plan: Plan) -> str:
     if plan.ntp is None:
-        return f"uniform TP={plan.tp} x DP={plan.dp}"
+        experts = f" (experts EP={plan.ep} x ETP={plan.etp})" if plan.num_experts is not None else ""
+        return f"uniform TP={plan.tp} x DP={plan.dp}{experts}"
     return (
         f"NTP tp_base={plan.ntp.tp_base} tp_reduced={plan.ntp.tp_reduced} x {plan.dp} replicas "
         f"(failed slots {plan.ntp.non_active_ranks_per_dp})"
@@ -734,7 +1010,7 @@ def _tp_layout(plan: Plan) -> list:
     """What a checkpoint's training state is laid out by: one TP degree (uniform) or the NTP
     layout (its state is the ``tp_reduced`` layout on the core ranks)."""
     if plan.ntp is None:
-        return ["uniform", plan.tp]
+        return ["uniform", plan.tp] + ([plan.ep, plan.etp] if plan.num_experts is not None else [])
     return ["ntp", plan.ntp.tp_base, plan.ntp.tp_reduced, format_failed(plan.ntp.non_active_ranks_per_dp)]
 
 
@@ -900,6 +1176,14 @@ def startup_summary(args, plan: Plan, ddp, ntp_groups, exporter) -> None:
         + f", padded vocab {plan.padded_vocab_size}, "
         f"DDP wrapper {type(ddp).__name__}"
     ]
+    if plan.num_experts is not None:
+        lines.append(
+            f"megatron_ext: MoE: {plan.num_experts} experts of ffn {args.moe_ffn_hidden_size} per layer, top-"
+            f"{args.moe_router_topk} ({'softmax before top-k' if args.moe_router_pre_softmax else 'top-k, softmax'}),"
+            f" load balancing {args.moe_router_load_balancing_type} (coefficient {args.moe_aux_loss_coeff}), "
+            f"dispatcher {args.moe_token_dispatcher_type}; EP={plan.ep} x expert TP={plan.etp} x expert DP="
+            f"{plan.expert_dp}, {plan.num_experts // plan.ep} local experts per rank"
+        )
     if ntp_groups is not None:
         lay = ntp_groups.layout
         degraded = [d for d in range(lay.num_replicas) if lay.is_degraded(d)]
@@ -932,7 +1216,9 @@ def startup_summary(args, plan: Plan, ddp, ntp_groups, exporter) -> None:
         lines.append(
             f"megatron_ext: refit: p2p to the {'megatron-core ' if exporter.engine == 'megatron' else ''}engine at "
             f"{plan.export.store} (refit ranks {min(r.dst.ranks)}.."
-            f"{max(r.dst.ranks)}, engine TP{plan.export.engine_tp} x DP{plan.export.engine_dp}) at start, "
+            f"{max(r.dst.ranks)}, engine TP{plan.export.engine_tp} x DP{plan.export.engine_dp}"
+            + (f" x EP{plan.export.engine_ep}" if plan.num_experts is not None else "")
+            + ") at start, "
             + (f"every {plan.export.every_n_steps} iterations and " if plan.export.every_n_steps else "")
             + f"at the end; {len(r.src.specs)} HF tensors, "
             f"{sum(spec.nbytes for spec in r.src.specs.values()) / 2**20:.2f} MiB"
@@ -971,7 +1257,12 @@ class P2PRefit:
             group = config.join(dist.get_rank(), world)
             try:
                 self.refit = megatron_trainer_refit(
-                    ddp, group, engine_tp=config.engine_tp, engine_dp=config.engine_dp, **config.executor_kwargs
+                    ddp,
+                    group,
+                    engine_tp=config.engine_tp,
+                    engine_dp=config.engine_dp,
+                    engine_ep=config.engine_ep,
+                    **config.executor_kwargs,
                 )
             except BaseException:
                 group.close()
@@ -1007,6 +1298,33 @@ def report_export(exporter, result) -> None:
             f"engine applied {list(result.applied)}",
             flush=True,
         )
+
+
+def moe_losses(num_microbatches: int, num_moe_layers: int) -> dict:
+    """The router losses megatron-core's MoE layers recorded in this iteration (``load_balancing_loss``,
+    ``z_loss``, ...), as Megatron-LM logs them (``MoEMetricsTracker.report``): summed over each one's reduce
+    group, averaged over the data-parallel ranks, the micro-batches and the MoE layers; then cleared. (SUM
+    and a division in place of ``ReduceOp.AVG``, which gloo does not have.) Collective over every rank."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    tracker = get_moe_metrics_tracker()
+    out = {}
+    for name in sorted(tracker.metrics):  # the same names on every rank: every layer is an MoE layer
+        entry = tracker.metrics[name]
+        values = entry.values.detach().float().clone()
+        for group, average in ((entry.reduce_group, False), (entry.avg_group, True)):
+            if group is not None:
+                dist.all_reduce(values, group=group)
+                values /= group.size() if average else 1
+        if entry.needs_dp_avg:
+            dp = ps.get_data_parallel_group()
+            dist.all_reduce(values, group=dp)
+            values /= dp.size()
+        out[name] = (values.sum() / num_moe_layers / num_microbatches).item()
+    tracker.clear()
+    return out
 
 
 # ------------------------------------------------------------------------------------------- train
@@ -1102,7 +1420,7 @@ def train(args, plan: Plan) -> int:
     num_microbatches = plan.shares.num_microbatches()
     is_tp0 = ps.get_tensor_model_parallel_rank() == 0
     tokens_per_iter = gbs * args.seq_length
-    window = dict(loss=0.0, iters=0, seconds=0.0, skipped=0, nan=0)
+    window = dict(loss=0.0, iters=0, seconds=0.0, skipped=0, nan=0, moe={})
     saved_at = None
     ddp.train()
     while iteration < args.train_iters:
@@ -1156,6 +1474,9 @@ def train(args, plan: Plan) -> int:
         else:
             window["loss"] += loss
             window["iters"] += 1
+        if plan.num_experts is not None:
+            for name, value in moe_losses(num_microbatches, args.num_layers).items():
+                window["moe"][name] = window["moe"].get(name, 0.0) + value
         if exporter is not None:
             report_export(exporter, exporter.maybe_export(iteration))
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
@@ -1170,6 +1491,8 @@ def train(args, plan: Plan) -> int:
             )
             if window["iters"]:
                 line += f" lm loss: {window['loss'] / window['iters']:.6E} |"
+            for name, value in sorted(window["moe"].items()):
+                line += f" {name}: {value / n:.6E} |"
             line += f" loss scale: {optimizer.get_loss_scale().item():.1f} |"
             if grad_norm is not None:
                 line += f" grad norm: {grad_norm:.3f} |"
@@ -1183,7 +1506,7 @@ def train(args, plan: Plan) -> int:
                     f" max allocated: {torch.cuda.max_memory_allocated() / 2**30:.2f} |"
                 )
             print_rank_last(line)
-            window = dict(loss=0.0, iters=0, seconds=0.0, skipped=0, nan=0)
+            window = dict(loss=0.0, iters=0, seconds=0.0, skipped=0, nan=0, moe={})
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             save_checkpoint(args, plan, iteration, consumed, ddp, optimizer, scheduler)
             saved_at = iteration

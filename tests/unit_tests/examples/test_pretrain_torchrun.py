@@ -16,6 +16,13 @@ On CPU (gloo) four launches, each checked for several things:
   (once A is done) and D = uniform TP2 x DP1
   (``--symm-mem`` at its default, auto) resuming B's NTP checkpoint (once B is done).
 
+A fifth launch, on its own: E = an MoE model (4 experts of ffn 32, top-2, aux loss 1e-2) at TP1 x DP4 x
+EP2 (2 local experts per rank, expert data-parallel size 2) with Megatron's DDP, refitting
+megatron-core's inference engine (started on its own at --tp 1 --ep 2, 2 ranks) at start, every 3
+iterations and at the end, and saving its last iteration; then R, one rank in this process's
+``run_on_ranks``: the same flags at EP1 (all 4 experts on one rank, 4 micro-batches) trained by the
+script's own ``main``, and greedy tokens of the starting model and of E's checkpoint loaded at EP1.
+
 Loss tolerance. Every layout trains the same global model (CPU initialisation from the
 seed) on the same global batches in fp32; they differ only in the order of floating-point
 reductions (TP partial sums, the gradient all-reduce, the NTP fold). That agrees with a
@@ -25,6 +32,21 @@ with 7 significant digits (``%.6E``), up to 5e-7 relative off per value. So two 
 must agree within RTOL = 1e-5 + 2 x 5e-7. Faults are far outside it: a wrong NTP fold moves
 the loss by 8e-3 and more (that file's bf16 test); resuming with a wrong Adam step count put
 the next loss 5e-3 off here, resuming without the optimizer state 0.6 off.
+
+MoE (E vs R) holds to the same RTOL: the script draws the same global model at every EP degree
+(each expert from its global index, the RNG stream as at EP1), the batches are the same, and
+what differs is again the order of reductions (an expert's output and its gradients reach a token
+through the dispatcher's all-gather / reduce-scatter over the EP group instead of locally, expert
+gradients are summed over the expert data-parallel group instead of the data-parallel one). Two
+things could make MoE layouts differ by more, and neither does here: routing is per token (top-k of
+its own router logits; with these weights no near-tie flips under fp32 reordering, or the losses
+would jump by far more than RTOL) and dropless (the script offers no capacity factor, which would
+drop tokens per EP rank); and ``--moe-router-load-balancing-type aux_loss`` takes each micro-batch's
+own tokens (its reduce group is TP x CP = 1 rank), and E's micro-batches are R's, scaled alike
+(1 micro-batch per rank averaged over DP4 = 4 micro-batches / 4). ``global_aux_loss`` would not do:
+it pools the tokens of the DP ranks' concurrent micro-batches, which R does not have. The logged
+``load_balancing_loss`` (the aux loss itself) is held to the same RTOL. A fault is far outside it:
+drawing the experts per EP rank (megatron-core's SequentialMLP on CPU) puts E's first loss 0.1 off.
 """
 
 import os
@@ -86,6 +108,7 @@ TRAIN = [
     "1234",
 ]
 NTP = ["--ntp-tp-base", "2", "--ntp-failed-slots", "0:1"]
+P2P_MEGATRON = ["--refit-transport", "p2p", "--refit-store", "127.0.0.1:1", "--refit-engine", "megatron"]
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|")
 
 
@@ -403,8 +426,34 @@ def _script():
         (["--save-interval", "2"], 2, "--save-interval needs --save DIR"),
         (["--reshard-refit-every-n-steps", "2"], 2, "give --refit-store HOST:PORT"),
         (["--mock-data", "--data-path", "/data/x"], 2, "--mock-data and --data-path: pick one"),
+        # MoE
+        (["--expert-model-parallel-size", "2"], 2, "--expert-model-parallel-size given without --num-experts N"),
+        (["--num-experts", "4", "--expert-model-parallel-size", "3"], 3,
+         "--num-experts 4 must be divisible by --expert-model-parallel-size 3"),
+        (["--num-experts", "4", "--expert-model-parallel-size", "4"], 2,
+         "--expert-model-parallel-size 4 x --expert-tensor-parallel-size 1 = 4 must divide the number of processes (2"),
+        (["--num-experts", "4", "--moe-router-topk", "5"], 2, "--moe-router-topk 5 must be in 1..--num-experts (4)"),
+        ([*NTP, "--num-experts", "4"], 3, "--num-experts 4 with --ntp-tp-base: nonuniform TP does not train MoE"),
+        (["--num-experts", "4", "--tensor-model-parallel-size", "2"], 2,
+         "megatron-core trains MoE layers under TP only with sequence parallelism"),
+        (["--num-experts", "4", "--moe-token-dispatcher-type", "flex"], 2,
+         "--moe-token-dispatcher-type flex needs DeepEP / HybridEP"),
+        (["--num-experts", "4", "--moe-grouped-gemm"], 2,
+         "--moe-grouped-gemm: grouped-GEMM experts (TEGroupedMLP) need Transformer Engine"),
+        (["--num-experts", "4", "--moe-router-load-balancing-type", "aux_loss", "z_loss"], 2,
+         "argument --moe-router-load-balancing-type: invalid choice: 'z_loss'"),
+        (["--num-experts", "4", "--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss"], 2,
+         "--moe-router-load-balancing-type aux_loss seq_aux_loss takes one --moe-aux-loss-coeff each, got 1"),
+        (["--num-experts", "4", "--weight-export-target", "127.0.0.1:1", "--weight-export-transport", "broadcast"], 2,
+         "refits in Hugging Face Qwen3-MoE naming: add --qk-layernorm (the model must be Qwen3-MoE-shaped)"),
+        ([*P2P_MEGATRON, "--refit-engine-ep", "2", "--refit-engine-dp", "2"], 2,
+         "--refit-engine-ep 2: the model is dense (no --num-experts)"),
+        ([*P2P_MEGATRON, "--num-experts", "4", "--refit-engine-ep", "3", "--refit-engine-dp", "3"], 2,
+         "--num-experts 4 must be divisible by --refit-engine-ep 3 (the engine's EP)"),
+        ([*P2P_MEGATRON, "--num-experts", "4", "--moe-router-load-balancing-type", "sinkhorn"], 2,
+         "--refit-engine megatron with --moe-router-load-balancing-type sinkhorn"),
     ],
-)
+)  # fmt: skip
 def test_bad_flag_combinations_are_refused_at_parse_time(flags, world, message, capsys, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(SystemExit) as exit_info:
@@ -440,6 +489,146 @@ def test_gpt2_shaped_models_are_refused_for_the_weight_export(capsys, monkeypatc
 
 
 # ------------------------------------------------------------------------------------------- GPUs
+# -------------------------------------------------------------------------------------------------- MoE
+MOE = ["--num-experts", "4", "--moe-ffn-hidden-size", "32", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2",
+       "--init-method-std", "0.1"]  # fmt: skip  # larger weights: clear top-k choices and greedy tokens
+PROMPTS = [[3, 17, 5, 9, 60], [11, 2, 40], [7, 7, 101, 33, 2, 90, 14]]
+NEW_TOKENS = 6
+AUX = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| load_balancing_loss: ([0-9.E+-]+) \|")
+
+
+def _greedy(model):
+    """A plain greedy loop over the model's full forward (argmax over Megatron's padded vocabulary, as
+    megatron-core's top_k=1), and the smallest top-1 margin it saw."""
+    import torch
+
+    from megatron_ext.weight_export import megatron_logits
+
+    tokens, margin = [], float("inf")
+    for p in PROMPTS:
+        seq = torch.tensor([p])
+        for _ in range(NEW_TOKENS):
+            top = megatron_logits(model, seq)[0, -1].cpu().topk(2)
+            margin = min(margin, (top.values[0] - top.values[1]).item())
+            seq = torch.cat([seq, top.indices[:1].view(1, 1)], dim=1)
+        tokens.append(seq[0, len(p) :].tolist())
+    return tokens, margin
+
+
+def _moe_reference(flags, checkpoint):
+    """One rank (R): the script's ``main`` at EP1 (its output), then the greedy tokens of the starting
+    model (from the seed) and of ``checkpoint`` (E's, saved at EP2) loaded at EP1 by the script's loader."""
+    import contextlib
+    import datetime
+    import io
+    import types
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_ext.testing.multirank import free_port
+
+    script = _script()
+    dist.destroy_process_group()  # main() starts its own
+    os.environ["MASTER_PORT"] = str(free_port())
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert script.main([*MODEL, *TRAIN, *flags]) == 0
+    os.environ["MASTER_PORT"] = str(free_port())
+    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=2))
+    args, plan = script.parse_args([*MODEL, *TRAIN, *flags, "--load", checkpoint, "--no-load-optim"], world_size=1)
+    ps.destroy_model_parallel()  # main() leaves megatron-core's groups behind
+    ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    model = script.build_model(args, plan, script.transformer_config(args, plan, 1), torch.device("cpu"))
+    start = _greedy(model)
+    iteration, _ = script.load_checkpoint(args, plan, types.SimpleNamespace(module=model), None, None)
+    return {"out": out.getvalue(), "start": start, "final": _greedy(model), "iteration": iteration}
+
+
+@pytest.fixture(scope="module")
+def moe_run(tmp_path_factory):
+    """E (4 ranks, TP1 x DP4 x EP2) refitting the megatron-core engine command (2 ranks, --tp 1 --ep 2),
+    then R (one rank, EP1) in this process's run_on_ranks."""
+    import json
+
+    from megatron_ext.testing.multirank import run_on_ranks
+
+    tmp = str(tmp_path_factory.mktemp("pretrain_moe"))
+    env = _env(tmp)
+    store, ckpt, saved = f"127.0.0.1:{_port()}", os.path.join(tmp, "ckpt"), os.path.join(tmp, "tokens.json")
+    engine = _start(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+         "megatron_ext.testing.cpu_engine", "--engine", "megatron", "--refit-store", store, "--refit-rank-offset", "4",
+         "--tp", "1", "--ep", "2", "--device", "cpu", "--prompt-tokens", *(",".join(map(str, p)) for p in PROMPTS),
+         "--generate-tokens", str(NEW_TOKENS), "--save-tokens", saved, "--timeout-s", "240"],
+        env, os.path.join(tmp, "engine.log"),
+    )  # fmt: skip
+    trainer = launch(
+        4, *MOE, "--expert-model-parallel-size", "2", "--refit-transport", "p2p", "--refit-store", store,
+        "--refit-engine", "megatron", "--refit-engine-dp", "2", "--refit-engine-ep", "2", "--refit-every-n-steps",
+        "3", "--save", ckpt, "--data-cache-path", os.path.join(tmp, "cache_e"), env=env, log=os.path.join(tmp, "E.log"),
+    )  # fmt: skip
+    try:
+        out = {"E": finish(trainer, "E (MoE at EP2, refitting the megatron-core engine)")}
+        out["engine"] = finish(engine, "the megatron-core engine at --ep 2", timeout=60)
+    finally:
+        for p in (trainer, engine):
+            if p.poll() is None:
+                p.terminate()  # torchrun passes SIGTERM on to its workers
+                p.wait()
+    flags = [*MOE, "--data-cache-path", os.path.join(tmp, "cache_r")]
+    keep = {k: env[k] for k in ("XDG_RUNTIME_DIR", "OMP_NUM_THREADS")}
+    out["R"] = run_on_ranks(_moe_reference, 1, args=(flags, ckpt), timeout=240, env=keep)[0]
+    with open(saved) as f:
+        out["tokens"] = json.load(f)
+    return out
+
+
+def test_moe_at_ep2_trains_like_ep1(moe_run):
+    """E (TP1 x DP4 x EP2: 2 experts per rank, each expert's gradients reduced over its expert
+    data-parallel group of 2) against R (the same flags on one rank, EP1): the same losses and
+    load-balancing losses at every iteration (RTOL, module docstring), and the model learns."""
+    e, r = moe_run["E"], moe_run["R"]["out"]
+    want, got = losses(r), losses(e)
+    assert sorted(got) == list(range(1, ITERS + 1)), e[-3000:]
+    assert want[ITERS] < want[1] - 0.3, f"the reference did not learn: {want}"
+    assert_same_losses(got, want, range(1, ITERS + 1), "MoE EP2 vs EP1")
+    aux_e, aux_r = ({int(i): float(v) for i, v in AUX.findall(x)} for x in (e, r))
+    assert min(aux_r.values()) > 0.5, aux_r  # the aux loss is on (top-2 of 4 experts: 1 when balanced)
+    assert_same_losses(aux_e, aux_r, range(1, ITERS + 1), "MoE load_balancing_loss EP2 vs EP1")
+    assert "uniform TP=1 x DP=4 (experts EP=2 x ETP=1)" in e and "DDP wrapper SymmMemDistributedDataParallel" in e
+    assert (
+        "MoE: 4 experts of ffn 32 per layer, top-2 (top-k, softmax), load balancing aux_loss (coefficient 0.01), "
+        "dispatcher allgather; EP=2 x expert TP=1 x expert DP=2, 2 local experts per rank"
+    ) in e, e[-3000:]
+    assert "EP=1 x expert TP=1 x expert DP=1, 4 local experts per rank" in r, r[-3000:]
+
+
+def test_moe_refit_to_the_megatron_engine_at_another_ep(moe_run):
+    """E refits megatron-core's engine (its command at --tp 1 --ep 2: TP1 x DP2, 2 whole experts per engine
+    rank) at start, after iteration 3 and at the end; the engine builds the MoE GPTModel from the config E
+    publishes, and its greedy tokens are those of a plain greedy loop over the starting model (version 0)
+    and over E's last checkpoint, saved at EP2 and loaded at EP1 (version 6)."""
+    e, engine, tokens, ref = moe_run["E"], moe_run["engine"], moe_run["tokens"], moe_run["R"]
+    assert re.search(
+        r"refit: p2p to the megatron-core engine at 127\.0\.0\.1:\d+ \(refit ranks 4\.\.5, engine TP1 x DP2 x EP2\)",
+        e,
+    ), e[-3000:]
+    assert "megatron-core engine TP1 x DP2 (experts: EP2 x expert TP1) on cpu" in engine, engine[-3000:]
+    assert "4 experts top-2 over EP2); serving every version" in engine, engine[-3000:]
+    refits = re.findall(r"refit: version (\d+) \(p2p, [^)]*\); engine ranks hold \{4: (\d+), 5: (\d+)\}", e)
+    assert refits == [(str(v),) * 3 for v in (0, 3, 6)], e[-3000:]
+    assert sorted(tokens, key=int) == ["0", "3", "6"], engine[-3000:]
+    (start, start_margin), (final, final_margin) = ref["start"], ref["final"]
+    assert ref["iteration"] == ITERS
+    assert min(start_margin, final_margin) > 1e-3, (start_margin, final_margin)  # no near-ties
+    assert start != final  # training changed the tokens
+    assert tokens["0"] == start, (tokens["0"], start)
+    assert tokens[str(ITERS)] == final, (tokens[str(ITERS)], final)
+    assert f"the trainer closed the refit; the model holds version {ITERS}" in engine, engine[-3000:]
+
+
 def test_p2p_refit_to_an_engine_started_on_its_own(runs):
     """D (Megatron TP2, resumed at iteration 3) refits each engine rank's own shards, here one TP1 replica
     (python -m megatron_ext.weight_export.engine --refit-store), point to point from the trainer ranks that

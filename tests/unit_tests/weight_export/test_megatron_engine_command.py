@@ -198,7 +198,7 @@ MOE_VERSIONS = (1, 2)
 
 
 def _moe_trainer(port, n_engine, bucket_bytes):
-    """One rank of a Python trainer job (the example script builds dense models only): the tiny Qwen3-MoE at
+    """One rank of a Python trainer job (the example script trains MoE at TP1 only): the tiny Qwen3-MoE at
     TP2 x EP2 (expert TP 1), refit to an engine of TP1 x DP2 x EP2 through megatron_trainer_refit(engine_ep=2);
     the greedy tokens of a plain loop over its forward at each version, computed before the refit sends it."""
     import torch.distributed as dist
