@@ -11,15 +11,7 @@ cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
 "$py" -c 'import torch, sys; sys.exit(torch.cuda.device_count() == 0)' \
     || { echo "error: no CUDA GPU visible to $py; run this on a GPU machine." >&2; exit 1; }
-if ! "$py" -c 'import megatron.core' >/dev/null 2>&1; then
-    shopt -s nullglob
-    wheels=(.whl/*.whl)
-    [ ${#wheels[@]} -gt 0 ] || { echo "error: megatron-core is not installed and .whl/ has no wheel (see the header of $0)." >&2; exit 1; }
-    site=/tmp/megatron_ext_site
-    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "${wheels[@]}"
-    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
-fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+source tools/mcore_path.sh
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 "$py" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count(), "nccl", torch.cuda.nccl.version())'
 exec "$py" -m pytest -m gpus tests/unit_tests -ra "$@"

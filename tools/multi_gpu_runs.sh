@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The measurements that need 2 or 4 GPUs, as named slices of under 10 minutes each, so that a
 # short session on a multi-GPU machine runs them without composing commands. Each slice writes
-# its log and JSON under $OUT (default ./multi_gpu_out) and installs megatron-core from .whl/
-# as tools/gpu_tests.sh does.
+# its log and JSON under $OUT (default ./multi_gpu_out); megatron-core comes from .whl/ where it
+# is not installed (tools/mcore_path.sh, as for tools/gpu_tests.sh).
 #
 #   tools/multi_gpu_runs.sh list            # the slices, their GPUs and what each answers
 #   tools/multi_gpu_runs.sh 4x-ntp 4x-swap  # run slices in order (each bounded by `timeout`)
@@ -40,15 +40,8 @@ for name in "$@"; do  # every name checked before anything runs
     || { echo "error: unknown slice '$name'; '$0 list' shows them." >&2; exit 2; }
 done
 "$py" -c 'import torch' 2>/dev/null || { echo "error: $py cannot import torch; set PYTHON=" >&2; exit 1; }
-if ! "$py" -c 'import megatron.core' >/dev/null 2>&1; then
-  shopt -s nullglob
-  wheels=(.whl/*.whl)
-  [ ${#wheels[@]} -gt 0 ] || { echo "error: megatron-core is not installed and .whl/ has no wheel (see tools/gpu_tests.sh)." >&2; exit 1; }
-  site=/tmp/megatron_ext_site
-  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "${wheels[@]}"
-  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
-fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} OUT
+source tools/mcore_path.sh
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} OUT
 mkdir -p "$OUT"
 gpus=$("$py" -c 'import torch; print(torch.cuda.device_count())')
 status=0
