@@ -35,6 +35,9 @@ path (``StaticInferenceEngine(legacy=True)``, ``TextGenerationController``,
 - ``device="cuda"`` in ``transformer.utils.get_default_causal_mask`` (the local
   ``DotProductAttention`` builds its causal mask there when the inference
   wrapper passes none, i.e. ``attention_backend`` other than ``local``).
+- ``torch.distributed.all_to_all_single`` in ``tensor_parallel.mappings``: the
+  MoE ``alltoall`` token dispatcher passes its split sizes as tensors, which
+  gloo refuses (NCCL takes them); they reach gloo as lists.
 """
 
 from __future__ import annotations
@@ -121,6 +124,30 @@ class _CpuTorch(types.ModuleType):
         return factory
 
 
+class _ListSplitsTorch(types.ModuleType):
+    """Stands in for ``torch`` inside ``tensor_parallel.mappings``: ``torch.distributed.all_to_all_single``
+    gets its split sizes as lists (gloo refuses tensors); everything else is real torch."""
+
+    def __init__(self):
+        super().__init__("torch")
+        self.distributed = types.SimpleNamespace(
+            **{n: getattr(torch.distributed, n) for n in dir(torch.distributed) if not n.startswith("__")}
+        )
+
+        def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, **kwargs):
+            def as_list(s):
+                return s.tolist() if isinstance(s, torch.Tensor) else s
+
+            return torch.distributed.all_to_all_single(
+                output, input, as_list(output_split_sizes), as_list(input_split_sizes), **kwargs
+            )
+
+        self.distributed.all_to_all_single = all_to_all_single
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
 def _patch_torch_cuda():
     # Experimental FSDP enters ``torch.cuda.device(param.device)``; a CPU device
     # selects nothing.
@@ -204,6 +231,9 @@ def install_inference() -> bool:
 
     torch.Tensor.cuda = cuda
     transformer_utils.torch = _CpuTorch()
+    import megatron.core.tensor_parallel.mappings as mappings
+
+    mappings.torch = _ListSplitsTorch()
     _INFERENCE_INSTALLED = True
     return True
 

@@ -12,8 +12,9 @@ HOST:PORT`` for a Hugging Face model; see docs/weight_export.md.
 
 megatron-core's own inference engine as a p2p refit target (docs/weight_export_reshard.md):
 :func:`megatron_trainer_refit` on the trainer's ranks; on the engine's, :func:`receive_model_config`,
-:func:`megatron_model_problem` (or :func:`refuse_refit`), :func:`build_engine_model`, :class:`MegatronEngine`
-and :class:`MegatronEngineRefit`.
+:func:`megatron_model_problem` (or :func:`refuse_refit`), :func:`engine_expert_tp` (an MoE engine's expert TP
+for ``initialize_model_parallel``), :func:`build_engine_model`, :class:`MegatronEngine` and
+:class:`MegatronEngineRefit`.
 """
 
 from .config import TRANSPORTS, RefitConfig, add_refit_args
@@ -60,6 +61,7 @@ from .megatron_engine import (
 )
 from .megatron_engine_config import (
     build_engine_model,
+    engine_expert_tp,
     megatron_model_config,
     megatron_model_problem,
     receive_model_config,
@@ -130,6 +132,7 @@ __all__ = [
     "megatron_trainer_refit",
     "refuse_refit",
     "build_engine_model",
+    "engine_expert_tp",
     "megatron_model_config",
     "megatron_model_problem",
     "receive_model_config",
