@@ -643,12 +643,15 @@ def _check_moe(args, world_size: int, tp: int, ntp) -> tuple[int, int]:
 
 def _check_refit_routing(args, flag: str) -> None:
     """An MoE model refits only where the engine routes as Megatron does (softmax top-k)."""
+    from megatron_ext.sharding.moe import TOPK_BALANCING
+
     kinds = args.moe_router_load_balancing_type
-    if args.num_experts is not None and "sinkhorn" in ([kinds] if isinstance(kinds, str) else kinds):
+    other = [k for k in ([kinds] if isinstance(kinds, str) else kinds) if k not in TOPK_BALANCING]
+    if args.num_experts is not None and other:
         raise ValueError(
-            f"{flag} with --moe-router-load-balancing-type sinkhorn: Megatron routes sinkhorn-balanced experts "
-            "otherwise than an engine's softmax top-k; refit models trained with aux_loss, seq_aux_loss, "
-            "global_aux_loss or none"
+            f"{flag} with --moe-router-load-balancing-type {other[0]}: Megatron routes {other[0]}-balanced experts "
+            f"otherwise than an engine's softmax top-k; refit models trained with {', '.join(TOPK_BALANCING[:-1])} "
+            f"or {TOPK_BALANCING[-1]}"
         )
 
 

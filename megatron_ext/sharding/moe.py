@@ -21,12 +21,17 @@ import re
 import torch
 
 __all__ = [
+    "TOPK_BALANCING",
     "fused_expert_views",
     "grouped_expert_issue",
     "moe_layer_pattern",
     "qwen3_moe_kwargs",
     "router_issue",
 ]
+
+# Load-balancing kinds under which Megatron routes at inference as a plain softmax top-k router (what Qwen3-MoE
+# and megatron-core's engine here run); sinkhorn and quantile balancing route otherwise.
+TOPK_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 
 # Expert weights we recognise but cannot map; each hint says what to do.
 UNSUPPORTED_HINTS = (
@@ -83,14 +88,12 @@ def router_issue(config) -> str | None:
         if got != want:
             return f"{field}={got!r} is not supported ({why}); set {field}={want!r}"
     balancing = getattr(config, "moe_router_load_balancing_type", "aux_loss")
-    routed_otherwise = {"sinkhorn", "quantile_balancing"} & set(
-        [balancing] if isinstance(balancing, str) else balancing
-    )
+    routed_otherwise = set([balancing] if isinstance(balancing, str) else balancing) - set(TOPK_BALANCING)
     if routed_otherwise:
         return (
             f"moe_router_load_balancing_type={balancing!r} is not supported (Megatron routes "
-            f"{sorted(routed_otherwise)} otherwise than Qwen3-MoE's softmax top-k at inference); use aux_loss, "
-            "seq_aux_loss, global_aux_loss or none"
+            f"{sorted(routed_otherwise)} otherwise than Qwen3-MoE's softmax top-k at inference); use "
+            f"{', '.join(TOPK_BALANCING[:-1])} or {TOPK_BALANCING[-1]}"
         )
     return None
 

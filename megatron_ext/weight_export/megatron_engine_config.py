@@ -35,6 +35,7 @@ import math
 import torch
 
 from ..sharding.local_spec import UNFUSED_LOCAL_SPEC
+from ..sharding.moe import TOPK_BALANCING as _ROUTING
 from ..sharding.names import unwrap
 from .refit_group import RefitGroup
 
@@ -96,8 +97,7 @@ MODEL_FIELDS = {
     "rotary_inv_freq": "null or a list of finite numbers",
     "num_moe_experts": "null or an integer >= 1",  # null: dense; else every layer an MoE layer (:data:`MOE_FIELDS`)
 }
-# aux-loss kinds route alike at inference (plain top-k); sinkhorn and quantile balancing route otherwise
-_ROUTING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+# _ROUTING: the balancing kinds that route alike at inference (plain top-k), sharding.moe.TOPK_BALANCING
 _ROUTING_KIND = f"one of {list(_ROUTING)} or a list of them"
 # What the engine builds an MoE layer from (checked when num_moe_experts is set; published for every model).
 MOE_FIELDS = {
