@@ -126,8 +126,8 @@ class WeightExporter:
             else [dist.get_rank() if dist.is_initialized() else 0]
         )
         # experts are gathered in the EP group, with expert TP in the ETP x EP group (its rank order is asked)
-        self._expert_group, self._expert_rank = (m.ep_group, m.ep_rank) if m.etp == 1 else (m.etp_ep_group, None)
-        self._expert_coords = [(r, 0) for r in range(m.ep)] if m.etp == 1 else None
+        self._expert_group = m.ep_group if m.etp == 1 else m.etp_ep_group
+        self._expert_coords = [(r, 0) for r in range(m.ep)] if m.etp == 1 else None  # (ep, etp) of its ranks
         self.gathers_dense = m.dp_rank == 0
         self.gathers_experts = self.has_experts and m.edp_rank == 0
         self.participates = self.gathers_dense or self.gathers_experts
@@ -205,9 +205,9 @@ class WeightExporter:
                 coords = [None] * dist.get_world_size(self._expert_group)
                 dist.all_gather_object(coords, (m.ep_rank, m.etp_rank), group=self._expert_group)
                 self._expert_coords = [tuple(c) for c in coords]
-                self._expert_rank = dist.get_rank(self._expert_group)
+            rank = self._expert_coords.index((m.ep_rank, m.etp_rank))  # this rank's place in the expert group
             ranks = tuple(members("ep", m.pp_rank, **sizes, coords=self._expert_coords))
-            groups["ep"] = GatherGroup(self._expert_group, self._expert_rank, ranks)
+            groups["ep"] = GatherGroup(self._expert_group, rank, ranks)
         self._gatherer = BucketGatherer(self._tensors, groups, device=self.device)
         self._buffers, self._bucket_views, self._staging = [], {}, None
         self._signature = sig
