@@ -22,7 +22,7 @@ the bytes move; an engine rank that calls :meth:`EngineRefit.refit` without a
 version takes the announced one, and one that names a version refuses any other
 (:class:`~.reshard.RefitRejected`, reason ``"version"``, its tensors untouched).
 When the helpers are built, every rank checks that all ranks run the same plan
-and bucket size (fingerprints through the store) and raises
+and bucket size (:mod:`~.agreement`, through the store) and raises
 :class:`~.reshard.RefitRejected` (reason ``"plan"``) on every rank if not; a rank
 whose tensors are not the layout's publishes why, and every rank raises
 ``"tensors"`` with that reason at once (nobody waits for the timeout).
@@ -45,10 +45,10 @@ from ..sharding.geometry import Layout
 from ..sharding.spec import TensorSpec
 from ..sharding.fp8 import fp8_layout
 from ..sharding.megatron import layout_from_recipe
-from .refit_group import NOTE_BYTES, RefitGroup, RefitGroupError
+from .refit_group import RefitGroup, RefitGroupError
 from .fp8 import Fp8Sources, dequantized
 from .gate import RefitGate
-from .reshard import RefitRejected, RefitStats, ReshardExecutor
+from .reshard import RefitStats, ReshardExecutor
 from .reshard_plan import build_reshard_plan
 
 __all__ = ["EngineRefit", "TrainerRefit"]
@@ -103,7 +103,7 @@ class _RemoteRefit:
         self.seq = 0  # refits so far: the same count on every rank
         if self.executor.problem is None:
             self.executor.problem = self._model_problem()
-        self._check_plans()
+        self.executor.agree(what="build its reshard plan")  # every rank runs the same plan, or all raise
 
     def _model_problem(self) -> str | None:
         """Why this rank's model cannot take the layout's tensors (None: it can); quoted on every rank."""
@@ -133,37 +133,6 @@ class _RemoteRefit:
         if src.recipe["kind"] == "fp8-block" and dst.base is None:  # the trainer sends FP8: so does the plan
             dst = fp8_layout(dst, src.recipe["block"])
         return src, dst
-
-    def _check_plans(self) -> None:
-        """Every rank runs the same plan and bucket size, with the layout's tensors; if not, every rank
-        raises (nobody waits on a peer that will never send). A rank whose tensors are wrong publishes
-        its problem before it arrives, so that its peers quote it."""
-        g, tag = self.group, self.tag
-        g.store.set(f"{tag}/plan/{self.rank}", str(self.executor.wire_id))
-        if self.executor.problem is not None:
-            g.store.set(f"{tag}/bad/{self.rank}", self.executor.problem.encode()[:NOTE_BYTES].decode(errors="ignore"))
-            g.store.add(f"{tag}/bad", 1)
-        g.arrive("plan", what="build its reshard plan")
-        if g.store.add(f"{tag}/bad", 0):  # set before every rank arrived: every rank sees the same
-            bad = [
-                (r, g.store.get(f"{tag}/bad/{r}").decode(errors="replace"))
-                for r in range(g.world_size)
-                if g.store.check([f"{tag}/bad/{r}"])
-            ]
-            raise self.executor.tensors_rejected(bad)
-        ref = int(g.store.get(f"{tag}/plan/{self.announcer}"))
-        if ref != self.executor.wire_id:
-            g.store.set(f"{tag}/odd/{self.rank}", "1")
-            g.store.add(f"{tag}/odd", 1)
-        g.arrive("plan-check", what="check the reshard plans")
-        if g.store.add(f"{tag}/odd", 0):
-            odd = [r for r in range(g.world_size) if g.store.check([f"{tag}/odd/{r}"])]
-            raise RefitRejected(
-                f"refit rank {self.rank}: refit ranks {odd} run another reshard plan or bucket size than refit rank "
-                f"{self.announcer} (the trainer): build the same trainer and engine layouts (specs, TP/PP/DP/EP, "
-                "ranks, vocab padding) and the same bucket_bytes on both sides",
-                reason="plan",
-            )
 
     @property
     def version(self) -> int | None:

@@ -25,9 +25,10 @@ whose tensors are not the layout's does not raise when its executor is built: it
 reports this at the first refit's agreement, so that every rank refuses at once
 (``reason="tensors"``) instead of waiting on it.
 
-Staging buffers are allocated on the first refit and reused, and every copy
-(pack, unpack, local) is built once then as views, issued as batched copies
-(:class:`~megatron_ext.copies.CopyBatch`). An optional
+This module is the round loop. The staging buffers and copies are
+:mod:`.staging`'s (allocated on the first refit and reused; every copy built
+once as views, issued as batched copies), the bucket headers :mod:`.wire`'s and
+the first refit's agreement :mod:`.agreement`'s. An optional
 :class:`RefitGate` runs the engine's logits against the trainer's after the
 refit and records the KL in :class:`RefitStats`.
 """
@@ -45,11 +46,23 @@ import torch
 
 from .errors import RefitRejected
 from ..sharding.megatron import megatron_tensors
-from ..copies import CopyBatch, finite_flags
+from ..copies import finite_flags
+from . import agreement
 from .peers import as_peers
+from .staging import Staging, buffer_sizes
 from .reshard_plan import ReshardPlan, Run, Transfer, fanout_plans, run_view
 from .gate import RefitGate
-from .wire import BAD_TENSORS, HEADER_BYTES, NO_STAGING, NO_VERSION, PAYLOAD_OFFSET, bucket_nbytes, bucketize, wire_id
+from .wire import (
+    BAD_TENSORS,
+    HEADER_BYTES,
+    NO_STAGING,
+    PAYLOAD_OFFSET,
+    bucket_nbytes,
+    bucketize,
+    header_refusals,
+    header_rows,
+    wire_id,
+)
 
 __all__ = [
     "FanoutRefit",
@@ -114,19 +127,6 @@ def _held(version: int, source_version) -> Callable[[str], int | None]:
     if isinstance(source_version, dict):
         return lambda name: source_version.get(name, version)
     return lambda name: version if source_version is None else source_version
-
-
-def _same_shape(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two run views of one box in the same shape, still views (never a copy: the copies are
-    built once and must see later in-place updates). A strided run is ``(rows, length)``; a
-    contiguous one ``(1, n)`` takes the other's shape."""
-    if a.shape == b.shape:
-        return a, b
-    if a.shape[0] == 1:
-        return a.view(b.shape), b
-    if b.shape[0] == 1:
-        return a, b.view(a.shape)
-    raise ValueError(f"runs of one box with shapes {tuple(a.shape)} and {tuple(b.shape)}")
 
 
 class ReshardExecutor:
@@ -199,7 +199,8 @@ class ReshardExecutor:
         self.tensors, self.atomic, self.max_inflight = tensors, atomic, max_inflight
         self.bucket_bytes = bucket_bytes
         self.refresh = refresh
-        self.problem: str | None = self._check_tensors()  # why this rank cannot take part (None: it can)
+        # why this rank cannot take part (None: it can)
+        self.problem: str | None = agreement.tensor_problem(plan, rank, tensors, self._who)
         out, inc = defaultdict(list), defaultdict(list)
         self.local: list[Transfer] = []
         for t in plan.transfers:
@@ -224,119 +225,42 @@ class ReshardExecutor:
         self._send_sources = {
             (p, k): sorted({t.src_run.local for t, _ in b}) for p, bs in self.send.items() for k, b in enumerate(bs)
         }
-        self._header_index = {key: i for i, key in enumerate(self._send_sources)}
-        self._bufs: dict[tuple[str, int, int], torch.Tensor] | None = None  # (send|recv, peer, slot) -> buffer
+        self.staging: Staging | None = None  # buffers and copies, from the first refit on
         self.version: int | None = None  # the version this rank's destination tensors hold (None: none accepted)
 
     @property
     def _who(self) -> str:
         return f"{self.peers.word} {self.rank}"
 
-    def _check_tensors(self) -> str | None:
-        """What is wrong with this rank's tensors for the plan (the first problem), or None."""
-        for layout in (self.plan.src, self.plan.dst):
-            for name, lt in layout.tensors.get(self.rank, {}).items():
-                t = self.tensors.get(name)
-                if t is None:
-                    return (
-                        f"{self._who}: the plan needs local tensor {name!r} ({layout.description}); "
-                        "pass it in `tensors`"
-                        + (" (a nonuniform-TP trainer: ntp_megatron_tensors(ddp))" if layout is self.plan.src else "")
-                    )
-                if tuple(t.shape[1:]) != lt.shape[1:] or t.shape[0] < lt.shape[0] or t.dtype != lt.dtype:
-                    return (
-                        f"{self._who}: {name} is {tuple(t.shape)} {t.dtype}, the layout keeps {lt.shape} "
-                        f"{lt.dtype}; build the layout from this model's config (a nonuniform-TP trainer: "
-                        "pass ntp_megatron_tensors(ddp), not the training shadow)"
-                    )
-                if not t.is_contiguous():
-                    return f"{self._who}: {name} must be contiguous"
-        return None
-
-    def tensors_rejected(self, bad: list[tuple[int, str]]) -> RefitRejected:
-        """The error every rank raises when ranks ``bad`` (``(rank, problem)``) cannot take part: a rank in
-        ``bad`` gives its own problem, the others name the ranks and quote the first problems."""
-        if self.problem is not None:
-            return RefitRejected(
-                f"{self.problem}. Every rank of the refit refused it; nothing was sent", reason="tensors"
-            )
-        return RefitRejected(
-            f"{self._who}: {self.peers.word}s {[r for r, _ in bad]} cannot take part in the refit, nothing "
-            "was sent: " + " | ".join(n for _, n in bad[:2]),
-            reason="tensors",
-        )
-
     # ------------------------------------------------------------------ staging
-    def _key(self, kind: str, peer: int, k: int) -> tuple[str, int, int]:
-        """The staging buffer of round ``k`` with ``peer``: atomic receivers keep every round."""
-        return kind, peer, k if (kind == "recv" and self.atomic) else k % self.max_inflight
-
-    def _staging_sizes(self) -> dict[tuple[str, int, int], int]:
-        """Bytes of each staging buffer, by ``(send|recv, peer, slot)``."""
-        sizes: dict[tuple[str, int, int], int] = {}
-        for kind, table in (("send", self.send), ("recv", self.recv)):
-            for peer, buckets in table.items():
-                for k, bucket in enumerate(buckets):
-                    key = self._key(kind, peer, k)
-                    sizes[key] = max(sizes.get(key, 0), bucket_nbytes(bucket))
-        return sizes
-
     def _allocate(self) -> None:
-        """Every staging buffer, sized once: one per (send|recv, peer, slot)."""
-        self._bufs = {
-            key: torch.empty(n, dtype=torch.uint8, device=self.device) for key, n in self._staging_sizes().items()
-        }
-        self._build_copies()
-
-    def _view(self, run: Run) -> torch.Tensor:
-        return run_view(self.tensors[run.local], run)
-
-    def _build_copies(self) -> None:
-        """Every copy of a refit as ``(dst, src)`` views, built once: buffers and tensors are
-        fixed, so a refit issues batched copies without rebuilding hundreds of views."""
-        self._header_rows = torch.zeros((len(self._send_sources), 4), dtype=torch.int64, device=self.device)
-        pack: dict[int, list] = defaultdict(list)  # round -> every peer's header and pieces
-        for peer, buckets in self.send.items():
-            for k, bucket in enumerate(buckets):
-                buf = self._bufs[self._key("send", peer, k)]
-                pack[k].append((buf[:HEADER_BYTES].view(torch.int64), self._header_rows[self._header_index[(peer, k)]]))
-                for t, off in bucket:
-                    src = self._view(t.src_run)
-                    pack[k].append((buf[off : off + t.nbytes].view(src.dtype).view(src.shape), src))
-        self._pack = {k: CopyBatch(pairs) for k, pairs in pack.items()}
-        # Streaming receivers reuse a buffer max_inflight rounds later, so each unpack also keeps the
-        # bucket's header in a row of its own, to be checked after the last round.
-        keys = [(peer, k) for peer, buckets in self.recv.items() for k in range(len(buckets))]
-        self._seen_rows = torch.zeros((len(keys), 4), dtype=torch.int64, device=self.device)
-        self._seen = {key: self._seen_rows[i] for i, key in enumerate(keys)}
-        unpack: dict[int, list] = defaultdict(list)  # round -> every peer's pieces
-        for peer, buckets in self.recv.items():
-            for k, bucket in enumerate(buckets):
-                buf = self._bufs[self._key("recv", peer, k)]
-                if not self.atomic:
-                    unpack[k].append((self._seen[(peer, k)], buf[:HEADER_BYTES].view(torch.int64)))
-                for t, off in bucket:
-                    dst = self._view(t.dst_run)
-                    unpack[k].append((dst, buf[off : off + t.nbytes].view(dst.dtype).view(dst.shape)))
-        local = [_same_shape(self._view(t.dst_run), self._view(t.src_run)) for t in self.local]
-        self._local_copies = CopyBatch(local)
-        # the rows of each source tensor served that the layout keeps (padded vocabulary rows excluded);
-        # FP8 values are checked through their float32 block scales (a NaN or Inf makes its block's scale one)
+        """The staging buffers and copies (:class:`~.staging.Staging`), and what the NaN/Inf check reads:
+        the rows of each source tensor served that the layout keeps (padded vocabulary rows excluded);
+        FP8 values are checked through their float32 block scales (a NaN or Inf makes its block's scale one)."""
+        self.staging = Staging(
+            self.send,
+            self.recv,
+            self.local,
+            self._view,
+            list(self._send_sources),
+            atomic=self.atomic,
+            max_inflight=self.max_inflight,
+            device=self.device,
+        )
         served = {t.src_run.local for t in self._sourced}
         self._finite_views = {
             n: self.tensors[n][: lt.shape[0]]
             for n, lt in self.plan.src.tensors.get(self.rank, {}).items()
             if n in served and self.tensors[n].is_floating_point() and self.tensors[n].dtype.itemsize > 1
         }
-        if self.atomic:  # the whole version at once, after the last round's headers are checked
-            self._apply = CopyBatch([pair for k in sorted(unpack) for pair in unpack[k]] + local)
-        else:
-            self._unpack = {k: CopyBatch(pairs) for k, pairs in unpack.items()}
+
+    def _view(self, run: Run) -> torch.Tensor:
+        return run_view(self.tensors[run.local], run)
 
     @property
     def staging_bytes(self) -> int:
         """Bytes of staging memory this rank holds (0 before the first refit)."""
-        return sum(b.numel() for b in (self._bufs or {}).values())
+        return 0 if self.staging is None else self.staging.nbytes
 
     # -------------------------------------------------------------------- refit
     def refit(
@@ -360,7 +284,7 @@ class ReshardExecutor:
         holds no complete version (:attr:`version` None) from its first write
         until the refit completes, so a refit that dies midway leaves it None.
         """
-        if self._bufs is None:
+        if self.staging is None:
             self._prepare()
         start = time.perf_counter()
         if self.refresh is not None:
@@ -380,7 +304,7 @@ class ReshardExecutor:
             while inflight:
                 self._complete(inflight.popleft(), version, refused, unchecked)
             if unchecked and not refused:
-                self._check_headers(unchecked, version, refused)
+                refused.extend(header_refusals(unchecked, version, self.wire_id))
         except BaseException:
             for _, reqs, _ in inflight:  # let posted transfers finish or fail before the buffers are reused
                 for req in reqs:
@@ -408,7 +332,7 @@ class ReshardExecutor:
             self.version = None  # writing: no complete version until the copies below are done
             # atomic: every bucket of this version is here and checked, apply it (local copies too) in one go;
             # streaming with no round received: the local copies are all there is
-            (self._apply if self.atomic else self._local_copies).run()
+            (self.staging.apply if self.atomic else self.staging.local).run()
         self.version = version
         stats.seconds = time.perf_counter() - start  # the move and apply; the gate's forward passes not included
         if sent or received or self.local_bytes:
@@ -438,73 +362,43 @@ class ReshardExecutor:
         return stats
 
     def _prepare(self) -> None:
-        """First refit: staging buffers and copies, then one collective over the group that compares
-        every rank's plan and bucket size (buckets cut another way would not match on the wire) and
-        reports a rank out of memory to all, so that nobody waits on a peer that will not send. It
-        also creates the NCCL communicator, which PyTorch wants before the first batch of P2P ops.
-        A rank whose tensors are not the layout's (:attr:`problem`) allocates nothing and takes part
-        with a status code and its problem, which every rank then raises."""
+        """First refit: staging buffers and copies, then the agreement (:meth:`agree`), which also
+        reports a rank out of memory to all, so that nobody waits on a peer that will not send; then
+        the NCCL communicator, which PyTorch wants before the first batch of P2P ops. A rank whose
+        tensors are not the layout's (:attr:`problem`) allocates nothing and reports its problem."""
         failed = None
         if self.problem is None:
             try:
                 self._allocate()
             except torch.OutOfMemoryError as exc:
-                self._bufs = None
-                failed = exc
-        code = BAD_TENSORS if self.problem is not None else NO_STAGING if failed else self.wire_id
-        got = self.peers.gather_notes(code, self.problem or "", self.device, what="reach the refit")
-        self.peers.start()  # every rank arrived
-        ids = dict(zip(self.peers.ranks(len(got)), (v for v, _ in got)))  # rank -> its code
-        try:
-            bad = [(r, note) for r, (v, note) in zip(ids, got) if v == BAD_TENSORS]
-            if bad:
-                raise self.tensors_rejected(bad)
-            self._check_staging(ids, failed)
-            self._check_same_plan(ids)
-        except RefitRejected:
-            self._bufs = None  # the next refit allocates and checks again
-            raise
-
-    def _check_staging(self, ids: dict[int, int], failed: BaseException | None) -> None:
-        """Every rank raises :class:`RefitRejected` (``"staging"``) if a rank could not
-        allocate its staging buffers; that rank's message says how to need less."""
-        if failed is not None:
-            need = sum(self._staging_sizes().values())
-            received = self.received_bytes
-            raise RefitRejected(
-                f"rank {self.rank}: out of device memory for {need / 2**30:.2f} GiB of reshard staging buffers "
-                + (
-                    f"(atomic=True stages the whole version this rank receives, {received / 2**30:.2f} GiB; "
-                    "atomic=False stages max_inflight buckets per peer instead)"
-                    if self.atomic and received
-                    else f"(max_inflight={self.max_inflight} buckets of up to "
-                    f"{self.bucket_bytes / 2**20:g} MiB per peer)"
+                self.staging = None
+                need = buffer_sizes(self.send, self.recv, atomic=self.atomic, max_inflight=self.max_inflight)
+                failed = agreement.out_of_memory(
+                    exc,
+                    self._who,
+                    need=sum(need.values()),
+                    received=self.received_bytes,
+                    atomic=self.atomic,
+                    max_inflight=self.max_inflight,
+                    bucket_bytes=self.bucket_bytes,
                 )
-                + "; lower bucket_bytes or max_inflight, or free memory before the refit. Nothing was sent.",
-                reason="staging",
-            ) from failed
-        if NO_STAGING in ids.values():
-            raise RefitRejected(
-                f"rank {self.rank}: ranks {[r for r, v in ids.items() if v == NO_STAGING]} "
-                "ran out of memory for their staging buffers (their errors say how much); nothing "
-                "was sent",
-                reason="staging",
-            )
+        try:
+            self.agree(own=failed)
+        except RefitRejected:
+            self.staging = None  # the next refit allocates and agrees again
+            raise
+        self.peers.start()  # every rank arrived
 
-    def _check_same_plan(self, ids: dict[int, int]) -> None:
-        """Every rank raises :class:`RefitRejected` (``"plan"``) if any rank of the group runs
-        another plan or bucket size, naming the ranks that differ from the most common one."""
-        values = list(ids.values())
-        if len(set(values)) == 1:
-            return
-        common = max(set(values), key=lambda v: (values.count(v), -values.index(v)))
-        raise RefitRejected(
-            f"rank {self.rank}: ranks {[r for r, v in ids.items() if v != common]} run another reshard plan or "
-            f"bucket_bytes than ranks {[r for r, v in ids.items() if v == common]}; nothing was sent. Build "
-            "the same layouts (specs, TP/PP/DP/EP, ranks, vocab padding) and the same bucket_bytes "
-            "on every rank",
-            reason="plan",
-        )
+    def agree(self, *, what: str = "reach the refit", own: RefitRejected | None = None) -> None:
+        """One exchange over the group (:mod:`.agreement`): every rank raises :class:`RefitRejected`
+        alike if any rank's tensors are not the layout's (``"tensors"``), could not allocate its
+        staging (``"staging"``; ``own``: this rank's error) or runs another plan, bucket size or
+        checks (``"plan"``). The first refit runs it; a refit across jobs also runs it when it is
+        built (``what`` says what the ranks wait to do, in a timeout's message)."""
+        code = BAD_TENSORS if self.problem is not None else NO_STAGING if own is not None else self.wire_id
+        got = self.peers.gather_notes(code, self.problem or "", self.device, what=what)
+        ranks = self.peers.ranks(len(got))
+        agreement.settle(got, ranks, who=self._who, word=self.peers.word, problem=self.problem, own=own)
 
     def _check_finite(self, version: int, source_version, start: float) -> None:
         """Every rank raises :class:`RefitRejected` (``"nonfinite"``) before a byte moves if any source
@@ -556,23 +450,18 @@ class ReshardExecutor:
 
     def _set_headers(self, version: int, source_version) -> None:
         """This refit's header rows, one per send bucket (``self._send_sources`` order), in one copy."""
-        if not self._send_sources:
-            return
-        holds, rows = _held(version, source_version), []
-        for (_peer, k), locals_ in self._send_sources.items():
-            vs = {holds(n) for n in locals_}
-            v = version if vs == {version} else next(iter(vs - {version}))
-            rows.append([NO_VERSION if v is None else v, self.wire_id, self.rank, k])
-        self._header_rows.copy_(torch.tensor(rows, dtype=torch.int64))
+        if self._send_sources:
+            rows = header_rows(self._send_sources, _held(version, source_version), version, self.wire_id, self.rank)
+            self.staging.header_rows.copy_(torch.tensor(rows, dtype=torch.int64))
 
     def _post(self, k: int):
         ops, arrived = [], []
-        if k in self._pack:
-            self._pack[k].run()  # every peer's header and pieces of this round: batched copies
+        if k in self.staging.pack:
+            self.staging.pack[k].run()  # every peer's header and pieces of this round: batched copies
         for kind, table in (("send", self.send), ("recv", self.recv)):
             for peer, buckets in table.items():
                 if k < len(buckets):
-                    n, buf = bucket_nbytes(buckets[k]), self._bufs[self._key(kind, peer, k)]
+                    n, buf = bucket_nbytes(buckets[k]), self.staging.buf(kind, peer, k)
                     ops.append((kind, buf[:n], peer))
                     if kind == "recv":
                         arrived.append((peer, buf))
@@ -594,26 +483,15 @@ class ReshardExecutor:
             # Streaming: the first round that arrives carries a bucket of every source (round 0),
             # so its headers are checked before anything is written; later rounds are written as
             # they arrive and checked at the end (a bad one then leaves the tensors mixed: version None).
-            self._check_headers(headers, version, refused)
+            refused.extend(header_refusals(headers, version, self.wire_id))
             if refused:
                 return
             self.version = None  # from the first write until the refit completes: no complete version
-            self._local_copies.run()
+            self.staging.local.run()
         else:
-            unchecked.extend((k, peer, self._seen[(peer, k)]) for peer, _ in arrived)
-        self._unpack[k].run()
+            unchecked.extend((k, peer, self.staging.seen[(peer, k)]) for peer, _ in arrived)
+        self.staging.unpack[k].run()
         self._wrote = True
-
-    def _check_headers(self, headers: list, version: int, refused: list[str]) -> None:
-        """Append to ``refused`` every source whose header (``(k, peer, header)`` entries)
-        says it serves another version or plan; one device-to-host read for all of them."""
-        got = torch.stack([h for _, _, h in headers]).tolist()
-        for (k, peer, _), (v, wire, sender, index) in zip(headers, got):
-            if v != version:
-                held = "no valid version" if v == NO_VERSION else f"version {v}"
-                refused.append(f"version: rank {peer} serves {held}")
-            elif (wire, sender, index) != (self.wire_id, peer, k):
-                refused.append(f"plan: rank {peer} runs another plan or bucket size (bucket {k})")
 
 
 class FanoutRefit:

@@ -2,18 +2,22 @@
 
 Each bucket a rank sends a peer starts with a :data:`HEADER_BYTES` header (int64
 x 4: version, wire id, sender rank, bucket index) that the receiver checks
-before it keeps the bucket, so a stale or foreign source is refused by name.
-The wire id is the plan's fingerprint with the bucket size and check flags
-(:func:`wire_id`); at the first refit every rank also reports its wire id or a
-refusal code (:data:`NO_STAGING`, :data:`BAD_TENSORS`) so that all ranks agree
-before a byte moves. :func:`bucketize` lays a peer's transfers out behind the
-header, cutting transfers larger than a bucket into rows.
+before it keeps the bucket, so a stale or foreign source is refused by name
+(:func:`header_rows` writes them, :func:`header_refusals` reads them). The wire
+id is the plan's fingerprint with the bucket size and check flags
+(:func:`wire_id`); before the first refit every rank also reports its wire id
+or a refusal code (:data:`NO_STAGING`, :data:`BAD_TENSORS`; :mod:`.agreement`)
+so that all ranks agree before a byte moves. :func:`bucketize` lays a peer's
+transfers out behind the header, cutting transfers larger than a bucket into rows.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+from collections.abc import Callable
+
+import torch
 
 from .reshard_plan import Run, Transfer
 
@@ -27,6 +31,8 @@ __all__ = [
     "align",
     "bucket_nbytes",
     "bucketize",
+    "header_refusals",
+    "header_rows",
     "wire_id",
 ]
 
@@ -99,3 +105,30 @@ def bucketize(transfers: list[Transfer], bucket_bytes: int) -> list[list[tuple[T
 def bucket_nbytes(bucket: list[tuple[Transfer, int]]) -> int:
     t, off = bucket[-1]
     return off + t.nbytes
+
+
+def header_rows(
+    buckets: dict[tuple[int, int], list[str]], holds: Callable[[str], int | None], version: int, wire: int, rank: int
+) -> list[list[int]]:
+    """The header of each send bucket (``(peer, k)`` -> the local tensors it carries): the version its
+    tensors hold (``holds``; one that holds another version, or none, marks the whole bucket), the wire
+    id, the sender and the bucket index."""
+    rows = []
+    for (_peer, k), names in buckets.items():
+        held = {holds(n) for n in names}
+        v = version if held == {version} else next(iter(held - {version}))
+        rows.append([NO_VERSION if v is None else v, wire, rank, k])
+    return rows
+
+
+def header_refusals(headers: list[tuple[int, int, torch.Tensor]], version: int, wire: int) -> list[str]:
+    """Why a receiver refuses the buckets whose headers (``(k, peer, header)``) say another version or
+    plan (empty: none); one device-to-host read for all of them."""
+    refused = []
+    got = torch.stack([h for _, _, h in headers]).tolist()
+    for (k, peer, _), (v, wire_got, sender, index) in zip(headers, got):
+        if v != version:
+            refused.append(f"version: rank {peer} serves {'no valid version' if v == NO_VERSION else f'version {v}'}")
+        elif (wire_got, sender, index) != (wire, peer, k):
+            refused.append(f"plan: rank {peer} runs another plan or bucket size (bucket {k})")
+    return refused
