@@ -11,9 +11,9 @@ will use them:
   the same bands (staging decisions must match: symmetric allocation is
   collective).
 - :func:`load_bands` keeps them in a JSON file keyed by what makes bands differ
-  (GPU, ranks, NCCL, torch, NCCL algorithm variables): the group's first rank
-  reads it and tells the others; on a miss every rank probes and the first rank
-  merges the new entry into the file.
+  (GPU, its interconnect, ranks, NCCL, torch, NCCL algorithm variables): the
+  group's first rank reads it and tells the others; on a miss every rank probes
+  and the first rank merges the new entry into the file.
 - :func:`resolve_config` is what staging calls: the config with the probed bands
   in every band field the user did not set, once per group of ranks per process.
 
@@ -406,17 +406,75 @@ def default_cache_path() -> str:
 
 def cache_key(ranks: int, device) -> str:
     """The cache key of bands for ``ranks`` ranks on one host, this rank's
-    ``device``: GPU name, ranks, NCCL and torch versions, the probe's version and
-    the NCCL variables of :data:`KEY_ENV` that are set."""
+    ``device``: GPU name, its interconnect (:func:`_interconnect`; CUDA only),
+    ranks, NCCL and torch versions, the probe's version and the NCCL variables
+    of :data:`KEY_ENV` that are set. :func:`load_bands` uses the key of the
+    group's first rank only, so the ranks need not agree on it."""
     device = torch.device(device)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     try:
         nccl = ".".join(map(str, torch.cuda.nccl.version()))
     except Exception:  # noqa: BLE001 - a build without NCCL
         nccl = "none"
-    parts = [gpu, f"{ranks} ranks on one host", f"NCCL {nccl}", f"torch {torch.__version__}", f"probe {PROBE_VERSION}"]
+    parts = [gpu, *(_interconnect(device) if device.type == "cuda" else [])]
+    parts += [f"{ranks} ranks on one host", f"NCCL {nccl}", f"torch {torch.__version__}", f"probe {PROBE_VERSION}"]
     parts += [f"{name}={os.environ[name]}" for name in KEY_ENV if name in os.environ]
     return " | ".join(parts)
+
+
+def _interconnect(device: torch.device) -> list[str]:
+    """How this host's GPUs are linked, for :func:`cache_key`: peer access among
+    the visible GPUs (``P2P all``, ``P2P none``, ``P2P k/m pairs`` of the m
+    ordered pairs, ``P2P n/a`` with one GPU) and, when ``pynvml`` can tell, the
+    active NVLink links of ``device`` (``NVLink k``). A part that cannot be
+    found out is left out."""
+    parts = []
+    try:
+        n = torch.cuda.device_count()
+        pairs = [(a, b) for a in range(n) for b in range(n) if a != b]
+        peer = sum(bool(torch.cuda.can_device_access_peer(a, b)) for a, b in pairs)
+        if not pairs:
+            parts.append("P2P n/a")
+        elif peer in (0, len(pairs)):
+            parts.append("P2P all" if peer else "P2P none")
+        else:
+            parts.append(f"P2P {peer}/{len(pairs)} pairs")
+    except Exception:  # noqa: BLE001 - no CUDA runtime to ask
+        pass
+    links = _nvlink_links(device)
+    if links is not None:
+        parts.append(f"NVLink {links}")
+    return parts
+
+
+def _nvlink_links(device: torch.device) -> int | None:
+    """Active NVLink links of ``device`` by NVML, or ``None`` when ``pynvml`` is
+    missing or NVML cannot tell (never raises)."""
+    try:
+        import pynvml
+    except Exception:  # noqa: BLE001 - ImportError or a broken install
+        return None
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - no driver, no NVML
+        return None
+    try:
+        props = torch.cuda.get_device_properties(device)
+        # By PCI address: NVML numbers all GPUs, CUDA only the visible ones.
+        bus_id = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+        handle = pynvml.nvmlDeviceGetHandleByPciBusId(bus_id)
+        links = 0
+        for link in range(pynvml.NVML_NVLINK_MAX_LINKS):
+            try:
+                links += pynvml.nvmlDeviceGetNvLinkState(handle, link) == pynvml.NVML_FEATURE_ENABLED
+            except Exception:  # noqa: BLE001 - no such link, or no NVLink at all
+                pass
+        return links
+    except Exception:  # noqa: BLE001
+        return None
+    finally:
+        with contextlib.suppress(Exception):
+            pynvml.nvmlShutdown()
 
 
 def _band(value, what: str):

@@ -300,6 +300,61 @@ def test_band_cache_reads_writes_and_merges(tmp_path):
     assert not [p for p in os.listdir(tmp_path / "sub") if p.startswith(".symm_mem_bands.")], "temp files left"
 
 
+def test_cache_key_tells_interconnects_apart(monkeypatch):
+    # Same GPU model, versions and variables; hosts that differ only in how the
+    # GPUs are linked get different keys, the same host the same key.
+    import sys
+    import types
+
+    import torch
+
+    from megatron_ext.fsdp_symm import probe
+
+    for name in probe.KEY_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 28, 9))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # not installed
+    tail = f"2 ranks on one host | NCCL 2.28.9 | torch {torch.__version__} | probe {probe.PROBE_VERSION}"
+    assert probe.cache_key(2, "cpu") == f"cpu | {tail}"  # CPU: no interconnect part
+
+    def key(gpus, peer):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+        monkeypatch.setattr(torch.cuda, "can_device_access_peer", peer)
+        return probe.cache_key(2, torch.device("cuda", 0))
+
+    nvlink, pcie = (lambda a, b: True), (lambda a, b: False)
+    paired = lambda a, b: a // 2 == b // 2  # noqa: E731 - peers 0<->1 and 2<->3 only
+    keys = [key(4, nvlink), key(4, pcie), key(4, paired), key(1, nvlink)]
+    assert keys == [f"NVIDIA H200 | {p2p} | {tail}" for p2p in ("P2P all", "P2P none", "P2P 4/12 pairs", "P2P n/a")]
+    assert key(4, nvlink) == keys[0] and key(4, pcie) == keys[1]
+
+    # With pynvml: the active NVLink links of this rank's GPU; any NVML failure leaves them out.
+    monkeypatch.setattr(
+        torch.cuda,
+        "get_device_properties",
+        lambda device: types.SimpleNamespace(pci_domain_id=0, pci_bus_id=0x1B, pci_device_id=0),
+    )
+    nvml = types.SimpleNamespace(
+        NVML_NVLINK_MAX_LINKS=18,
+        NVML_FEATURE_ENABLED=1,
+        nvmlInit=lambda: None,
+        nvmlShutdown=lambda: None,
+        nvmlDeviceGetHandleByPciBusId=lambda bus_id: {"00000000:1b:00.0": "gpu0"}[bus_id],
+        nvmlDeviceGetNvLinkState=lambda handle, link: int(link < 18),
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    assert key(4, nvlink) == f"NVIDIA H200 | P2P all | NVLink 18 | {tail}"
+
+    def fail(*args):
+        raise RuntimeError("NVML error")
+
+    monkeypatch.setattr(nvml, "nvmlDeviceGetNvLinkState", fail)  # e.g. no NVLink on this GPU
+    assert key(4, pcie) == f"NVIDIA H200 | P2P none | NVLink 0 | {tail}"
+    monkeypatch.setattr(nvml, "nvmlInit", fail)
+    assert key(4, nvlink) == keys[0]
+
+
 @pytest.mark.parametrize("text,why", [("{not json", "JSONDecodeError"), ('{"entries": []}', "format-1")])
 def test_unreadable_band_cache_is_a_problem_not_a_crash(tmp_path, text, why):
     from megatron_ext.fsdp_symm.probe import read_cache, write_entry
