@@ -22,7 +22,10 @@ than a small collective's kernel, so back-to-back calls timed with CUDA events
 measure the host. Each timed run therefore queues a GPU sleep first and the
 calls behind it: while the GPU sleeps the host queues every call, then the GPU
 runs them back to back. A run whose sleep ended before the host had queued
-everything is repeated with a longer sleep. The per-call time of a run is the
+everything, on any rank, is repeated with a longer sleep on every rank (the
+ranks agree after each run, so they issue the same collectives: a rank that
+repeated a run alone would pair its calls with a peer's next ones, plain with
+symmetric buffers, and hang). The per-call time of a run is the
 smallest over the ranks (the rank that reached the first call last never waited
 for a peer); a point's time is the median of its runs, plain and symmetric runs
 interleaved.
@@ -183,11 +186,20 @@ def _calls_per_run(nbytes: int) -> int:
     return int(min(32, max(4, round(500.0 / est_us))))
 
 
+def _any_late(late: bool, group, device) -> bool:
+    """Whether the host of any rank of ``group`` was late for a run (one small all-reduce;
+    every rank gets the same answer, so every rank repeats the run or none does)."""
+    flag = torch.tensor([1.0 if late else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
+
+
 class _Timer:
     """Runs of back-to-back calls behind a GPU sleep long enough for the host to
-    queue them all (see the module docstring)."""
+    queue them all (see the module docstring), over the ranks of ``group``."""
 
-    def __init__(self):
+    def __init__(self, group, device):
+        self.group, self.device = group, device
         if not hasattr(torch.cuda, "_sleep"):  # the same torch on every rank: all raise
             raise BandProbeError(f"torch {torch.__version__} has no torch.cuda._sleep to time collectives behind")
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -212,29 +224,39 @@ class _Timer:
             host_us = (time.perf_counter() - t0) * 1e6 / n
             e.record()
             self.host_us_per_call = max(1.5 * host_us, 0.9 * self.host_us_per_call)
-            if not s.query():  # the GPU still slept when the last call was queued
+            # late: the GPU no longer slept when the last call was queued (descheduled, say)
+            if not _any_late(s.query(), self.group, self.device):
                 return s, e, False
-            # The host was late (descheduled, say): this run again, sleeping longer.
+            # Some rank's host was late: the run again on every rank, sleeping longer.
             sleep_us = 2 * max(sleep_us, n * host_us + 100.0)
         return s, e, True
 
 
 def _symmetric_kernels(calls) -> list[bool | None]:
     """Whether each call of ``calls`` ran an NCCL symmetric kernel (``ncclSymk*``),
-    from one profiler session; ``None`` each where the kernels cannot be told apart."""
+    from one profiler session; ``None`` each where the kernels cannot be told apart.
+    Every call runs whether or not the profiler starts, so that every rank issues
+    the same collectives."""
+    torch.cuda.synchronize()
     try:
         from torch.profiler import ProfilerActivity, profile
 
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for fn in calls:
-                fn()
-            torch.cuda.synchronize()
+        prof = profile(activities=[ProfilerActivity.CUDA])
+        prof.start()
+    except Exception:  # noqa: BLE001 - a profiler already running, no CUPTI: unknown
+        prof = None
+    for fn in calls:
+        fn()
+    torch.cuda.synchronize()
+    if prof is None:
+        return [None] * len(calls)
+    try:
+        prof.stop()
         events = sorted(
             (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "nccl" in e.name.lower()),
             key=lambda e: e.time_range.start,
         )
-    except Exception:  # noqa: BLE001 - a profiler already running, no CUPTI: unknown
+    except Exception:  # noqa: BLE001 - the profiler could not collect: unknown
         return [None] * len(calls)
     if len(events) != len(calls):
         return [None] * len(calls)
@@ -342,7 +364,7 @@ def _measure(group, ws, sizes, reps, sym, plain, check_kernels):
                 fn()
                 fn()
     torch.cuda.synchronize()
-    timer = _Timer()
+    timer = _Timer(group, sym[0].device)
     variants = ("plain", "symmetric")
     # Per point, reduced with MIN over the ranks: reps plain times, reps symmetric
     # times, then 1/0 flags: queued ahead of the GPU in every run; the symmetric

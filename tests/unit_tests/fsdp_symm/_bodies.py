@@ -531,6 +531,9 @@ def band_cache_and_resolve(path):
         with open(path) as f:
             out["file_after_corrupt"] = json.load(f)
 
+        # A timed run is repeated on every rank when any rank's host was late (rank 0 here), on none otherwise.
+        out["late"] = (probe_mod._any_late(dist.get_rank() == 0, world, cpu), probe_mod._any_late(False, world, cpu))
+
         # gloo: the real capability probe says unavailable, so nothing is probed.
         cfg = SymmMemConfig(bands="probe", probe_cache=path)
         before = len(calls)

@@ -413,6 +413,8 @@ def test_band_cache_over_ranks_and_resolve_config(tmp_path):
         else:
             assert warned == []
         assert list(r["file_after_corrupt"]["entries"]) == [key]
+        # Every rank repeats a run that any rank was late for (else ranks issue different collectives).
+        assert r["late"] == (True, False)
         # gloo: unchanged, not probed.
         assert r["gloo_resolve"] == (True, 0)
         # Available (stand-in): probed bands where the user set none, loaded once for three calls.
