@@ -50,6 +50,7 @@ drawing the experts per EP rank (megatron-core's SequentialMLP on CPU) puts E's 
 """
 
 import os
+import random
 import re
 import socket
 import subprocess
@@ -113,9 +114,23 @@ LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|")
 
 
 def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range: the jobs here start long after their ports are
+    picked, and a port from that range (bind to 0) can meanwhile become the local end of any outgoing
+    connection (gloo, torchrun), which made a store's bind fail with EADDRINUSE."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(200):
+        port = random.randrange(10000, max(low, 10001))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in 10000..{low - 1}")
 
 
 def _env(tmp) -> dict:
