@@ -235,7 +235,7 @@ def start_naive_receiver(spec, device, mode, key):
 
 
 # ------------------------------------------------------------------ trainer
-def _trainer(spec, scenarios, bucket_mb, iters, timeout_s):
+def _trainer(spec, scenarios, bucket_mb, iters, timeout_s, check_finite=True):
     import datetime
 
     import torch.distributed as dist
@@ -272,6 +272,7 @@ def _trainer(spec, scenarios, bucket_mb, iters, timeout_s):
                     vocab_size=spec.hf_vocab_size,
                     timeout_s=timeout_s,
                     quantize=sc.get("quantize", "none"),
+                    check_finite=check_finite,
                 ),
             )
             first = exporter.export()
@@ -339,6 +340,11 @@ def main(argv=None) -> int:
         action="store_true",
         help="add rows of the same transports with --refit-quantize fp8-block (the bf16 engine loads dequantized)",
     )
+    parser.add_argument(
+        "--no-check-finite",
+        action="store_true",
+        help="ours without the NaN/Inf check before each version is published (shows the check's cost)",
+    )
     parser.add_argument("--out", default="refit.json")
     args = parser.parse_args(argv)
 
@@ -354,7 +360,8 @@ def main(argv=None) -> int:
 
     print(
         f"refit benchmark: preset {args.preset}, device {'cuda' if gpu else 'cpu'} ({gpus} GPUs), "
-        f"bucket {args.bucket_size_mb} MiB, {args.iters} timed refits each",
+        f"bucket {args.bucket_size_mb} MiB, {args.iters} timed refits each"
+        + (", NaN/Inf check off" if args.no_check_finite else ""),
         flush=True,
     )
     limits = {"copy_gbps": copy_bandwidth(colocated, limit_bytes)}
@@ -414,7 +421,7 @@ def main(argv=None) -> int:
         rows = run_on_ranks(
             _trainer,
             1,
-            args=(spec, scenarios, args.bucket_size_mb, args.iters, args.timeout_s),
+            args=(spec, scenarios, args.bucket_size_mb, args.iters, args.timeout_s, not args.no_check_finite),
             backend=backend,
             timeout=max(600, args.timeout_s * 2),
             watch=lambda: next(filter(None, (r.failure() for r in receivers)), None),
@@ -508,6 +515,7 @@ def main(argv=None) -> int:
         spec=dataclasses.asdict(spec),
         bucket_size_mb=args.bucket_size_mb,
         iters=args.iters,
+        check_finite=not args.no_check_finite,
         limits=limits,
         rows=rows,
         targets=[dict(target=w, met=ok, value=v) for w, ok, v in targets],

@@ -14,7 +14,7 @@ LIMIT=${SLICE_LIMIT_S:-570}
 
 # name | GPUs | command (run from the repo root; $OUT expanded at run time) | what it answers
 SLICES=(
-  "2x-refit|2|$py benchmarks/refit.py --preset 3b --out \$OUT/refit_3b_2x.json|export hook colocated ipc-direct/ipc-push and cross-GPU broadcast, re-measured on the final code (issue 12)"
+  "2x-refit|2|$py benchmarks/refit.py --preset 3b --out \$OUT/refit_3b_2x.json && $py benchmarks/refit.py --preset 3b --no-naive --no-check-finite --out \$OUT/refit_3b_2x_nocheck.json|export hook colocated ipc-direct/ipc-push and cross-GPU broadcast, re-measured on the final code, with and without the NaN/Inf check (issue 12)"
   "2x-step|2|$py benchmarks/train_step.py --world 2 --out \$OUT/train_step_2x.json|symm-mem staging DDP + FSDP tokens/s vs plain, exposed NCCL % (issue 14)"
   "2x-swap|2|$py benchmarks/refit_vs_swap.py --preset 3b --world 2 --timeout-s 540 --out \$OUT/refit_vs_swap_3b_2x.json|ours vs swap_model_weights on 2 GPUs (issue 15)"
   "2x-tests|2|tools/gpu_tests.sh -q -k 'fsdp_symm or testing or copy_batch or weight_export'|every gpus(1)/gpus(2) test"

@@ -292,7 +292,7 @@ def main(argv=None, *, megatron_on_cpu: bool = False) -> int:
     except ImportError:
         print("engine: error: transformers is not installed; pip install 'megatron_ext[hf]'", file=sys.stderr)
         return 1
-    from .receiver import HFModelConsumer
+    from .receiver import HFModelConsumer, WeightReceiver
     from .transport import serve
 
     device = torch.device(args.device)
@@ -302,6 +302,9 @@ def main(argv=None, *, megatron_on_cpu: bool = False) -> int:
     model = transformers.AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=_DTYPES[args.dtype]).to(device)
     model.eval()
     consumer = HFModelConsumer(model)
+    # One receiver for every session: a new trainer starts from what the model holds
+    # (a version, or none after an interrupted in-place refit), not from "initial weights".
+    receiver = WeightReceiver(consumer, atomic=args.atomic, device=device)
     session = 0
     try:
         if args.refit_store:
@@ -310,13 +313,12 @@ def main(argv=None, *, megatron_on_cpu: bool = False) -> int:
         while args.sessions == 0 or session < args.sessions:
             session += 1
             print(f"engine: serving {args.model} at {args.address} on {device} (session {session})", flush=True)
-            receiver = serve(
+            serve(
                 consumer,
                 args.address,
-                device=device,
                 timeout_s=args.timeout_s,
-                atomic=args.atomic,
                 on_version=lambda v: print(f"engine: applied version {v}", flush=True),
+                receiver=receiver,
             )
             state = (
                 f"version {receiver.applied_version}"

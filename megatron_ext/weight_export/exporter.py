@@ -61,23 +61,49 @@ class ExportResult:
 
 class _FiniteCheck:
     """Per-tensor "all finite" flags of one export, computed with one fused max-abs
-    reduction per dtype and batch of tensors, kept on the device and read once."""
+    reduction per dtype and batch of tensors, kept on the device and read once.
 
-    def __init__(self):
+    On CUDA the reductions run on a side stream, after what the current stream has queued
+    (the bucket's gather), so they overlap the bucket's send and the next gather instead of
+    delaying them; :meth:`before_write` keeps a buffer from being refilled while its check
+    still reads it."""
+
+    def __init__(self, device: torch.device):
         self.names: list[str] = []
         self.flags: list[torch.Tensor] = []
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._read: dict[int, torch.cuda.Event] = {}  # buffer slot -> its check is queued up to here
 
-    def add(self, named) -> None:
+    def add(self, named, slot: int | None = None) -> None:
+        """Check ``named`` (name, tensor) pairs; ``slot``: the export buffer they are views of."""
         named = list(named)
         names, tensors = [n for n, _ in named], [t for _, t in named]
-        for idx, flags in finite_flags(tensors):
+        if self.stream is None:
+            self._add(names, finite_flags(tensors))
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        with torch.cuda.stream(self.stream):
+            self._add(names, finite_flags(tensors))
+            if slot is not None:
+                self._read[slot] = self.stream.record_event()
+
+    def _add(self, names: list[str], flags) -> None:
+        for idx, f in flags:
             self.names += [names[i] for i in idx]
-            self.flags.append(flags)
+            self.flags.append(f)
+
+    def before_write(self, slot: int) -> None:
+        """The current stream waits until the check of what export buffer ``slot`` holds has read it."""
+        done = self._read.pop(slot, None)
+        if done is not None:
+            torch.cuda.current_stream(self.stream.device).wait_event(done)
 
     def bad(self) -> list[str]:
         """The tensors with a NaN or Inf (one device-to-host read)."""
         if not self.flags:
             return []
+        if self.stream is not None:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
         ok = torch.cat([f.to(self.flags[0].device) for f in self.flags]).tolist()
         return [n for n, good in zip(self.names, ok) if not good]
 
@@ -150,6 +176,7 @@ class WeightExporter:
         self._staging: torch.Tensor | None = None  # FP8: the leader gathers quantized weights here
         self._gatherer = None
         self._direct_for = None
+        self._direct_checked: list[tuple[str, torch.Tensor]] = []  # ipc-direct: (HF names, trainer tensor)
         self._auto_bucket_bytes: int | None = None
         self.plans_built = 0
         self.version = 0
@@ -269,11 +296,19 @@ class WeightExporter:
         sender = self.sender if self.is_export_rank else None
         if getattr(sender, "direct", False):  # the engine copies from the trainer's tensors itself
             if sender._info is None or self._direct_for != self._signature:
-                sender.prepare([t for b in plan.buckets for t in b.transfers], self._tensors)
+                transfers = [t for b in plan.buckets for t in b.transfers]
+                sender.prepare(transfers, self._tensors)
                 self._direct_for = self._signature
+                hf: dict[str, list[str]] = {}
+                for t in transfers:
+                    names = hf.setdefault(t.src_run.local, [])
+                    if t.name not in names:
+                        names.append(t.name)
+                # each trainer tensor under the HF names it feeds, as the bucket transports report them
+                self._direct_checked = [(", ".join(hf[n]), self._tensors[n]) for n in hf]
             if self.config.check_finite:  # before the engine copies anything
-                check = _FiniteCheck()
-                check.add(self._tensors.items())
+                check = _FiniteCheck(self.device)
+                check.add(self._direct_checked)
                 self._refuse_nonfinite(check)
             sender.start(plan, [], self.version)
         else:
@@ -308,7 +343,7 @@ class WeightExporter:
         if sender is not None:
             sender.start(plan, self._buffers, self.version)
         pending = [None, None]
-        check = _FiniteCheck() if self.config.check_finite and self.is_export_rank else None
+        check = _FiniteCheck(self.device) if self.config.check_finite and self.is_export_rank else None
         try:
             self._stream_buckets(plan, sender, pending, check)
             if check is not None:
@@ -392,6 +427,8 @@ class WeightExporter:
             out = None
             if self.is_leader:
                 _wait(pending, slot)
+                if check is not None:
+                    check.before_write(slot)
                 out = self._buffers[slot] if self._buffers else None
             if mine:
                 dests, quantize = (sender.views, []) if push else self._views(bucket, out)
@@ -403,7 +440,10 @@ class WeightExporter:
                 if push:
                     copy_all([(sender.views[name], t) for name, t in unpack(bucket, out)])
             if check is not None:
-                check.add(((t.name, sender.views[t.name]) for t in bucket.tensors) if push else unpack(bucket, out))
+                if push:  # the engine's own tensors, written once per version
+                    check.add((t.name, sender.views[t.name]) for t in bucket.tensors)
+                else:
+                    check.add(unpack(bucket, out), slot)
             if push:
                 continue
             if self.is_export_rank:

@@ -205,12 +205,13 @@ class WeightReceiver:
             loadable.append((n, t))
         return loadable
 
-    def load_direct(self, pairs, loads) -> None:
-        """Apply a whole version from mapped trainer storage (``ipc-direct``)."""
+    def load_direct(self, copies, loads) -> None:
+        """Apply a whole version from mapped trainer storage (``ipc-direct``): ``copies`` and
+        ``loads`` as :func:`~.transport.direct_copies` returns them."""
         if self._version is None:
             raise RuntimeError("direct load outside a version")
         self._mixed = True
-        copy_all(list(pairs))
+        copies.run()
         if loads:
             metas = {t.name: t for t in self.plan.tensors()}
             self.consumer.load_weights((n, _assemble(metas[n], pieces)) for n, pieces in loads)

@@ -39,6 +39,7 @@ import secrets
 
 import torch
 
+from ..copies import CopyBatch
 from .errors import ReceiverError
 from . import control
 from .control import ControlError
@@ -482,9 +483,9 @@ def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def direct_copies(bases, entries, consumer):
-    """The receiver's ``(destination box, source view)`` pairs for a direct plan, or, for
-    consumers without ``target(name)``, ``(name, [(box slices, source view)])`` per tensor
-    (assembled whole before ``load_weights``)."""
+    """The receiver's copies for a direct plan, built once per plan: a :class:`~..copies.CopyBatch`
+    of ``(destination box, source view)`` pairs, and, for consumers without ``target(name)``,
+    ``(name, [(box slices, source view)])`` per tensor (assembled whole before ``load_weights``)."""
     target = getattr(consumer, "target", None)
     pairs, loads = [], {}
     for name, ranges, index, dtype, shape, stride, offset in entries:
@@ -494,7 +495,7 @@ def direct_copies(bases, entries, consumer):
             pairs.append((target(name)[box], src))
         else:
             loads.setdefault(name, []).append((box, src))
-    return pairs, list(loads.items())
+    return CopyBatch(pairs), list(loads.items())
 
 
 def serve(
@@ -506,6 +507,7 @@ def serve(
     authkey: bytes | None = None,
     on_version=None,
     atomic: bool = True,
+    receiver: WeightReceiver | None = None,
 ) -> WeightReceiver:
     """Engine-side loop: accept one trainer at ``address`` and apply its exports
     to ``consumer`` until the trainer closes (or goes away). Returns the receiver:
@@ -521,8 +523,18 @@ def serve(
     arrive (no staging memory) and, after an interruption, reports no complete
     version (``applied_version`` None) and refuses the verifier's forward passes
     until the next complete version. ``ipc-direct`` and ``ipc-push`` always
-    write in place."""
-    receiver = WeightReceiver(consumer, atomic=atomic, device=device)
+    write in place.
+
+    ``receiver``: the one an earlier call returned, to serve the next trainer
+    session from what the consumer holds (its version, or that an interrupted
+    in-place version left it with none); a fresh one would take the consumer's
+    weights for complete. ``consumer``, ``device`` and ``atomic`` are then the
+    receiver's."""
+    if receiver is None:
+        receiver = WeightReceiver(consumer, atomic=atomic, device=device)
+    elif receiver.consumer is not consumer:
+        raise ValueError("serve(receiver=...) must be the receiver of the same consumer")
+    consumer, device = receiver.consumer, receiver.device
     device = torch.device(device)
     with control.Listener(address, key=authkey) as listener:
         try:

@@ -141,16 +141,21 @@ def test_streaming_engine_reports_no_complete_version_and_a_stopped_engine_fails
 ):
     port = _port()
     address = f"127.0.0.1:{port}"
-    engine = _engine(model_dir, address, env, "--no-atomic")
+    engine = _engine(model_dir, address, env, "--no-atomic", "--sessions", "2")
     try:
         killed, first, _ = _trainer(
             address, tmp_path / "t1.pt", env, "--kill-in-version", "2", "--kill-after-buckets", "3"
         )
         assert killed.returncode == -signal.SIGKILL and first["applied"] == [(1,)], killed.stderr[-3000:]
+        # The next trainer (another model: its plan is refused, nothing written) does not make the
+        # engine forget that it holds no complete version.
+        other, second, _ = _trainer(address, tmp_path / "t2.pt", env, "--spec", '{"ffn_hidden_size": 128}')
+        assert other.returncode == 3 and second["error_type"] == "PlanMismatch", second["error"]
         out, _ = engine.communicate(timeout=120)
     finally:
         engine.kill()
     assert engine.returncode == 0 and "session 1 ended; the model holds no complete version" in out, out
+    assert "session 2 ended; the model holds no complete version" in out, out
     # An engine stopped (SIGSTOP) before the handshake: the trainer's wait is bounded by its timeout.
     port = _port()
     address = f"127.0.0.1:{port}"
@@ -172,11 +177,14 @@ def test_streaming_engine_reports_no_complete_version_and_a_stopped_engine_fails
 @pytest.mark.parametrize("transport", ["ipc", "ipc-direct", "ipc-push"])
 def test_same_gpu_engine_as_its_own_process(tmp_path, env, model_dir, transport):
     """CUDA IPC between two independent processes on one GPU: the handles travel as JSON
-    fields of the control channel. Session 1 refits twice and runs the verifier; session 2's
-    trainer is SIGKILLed inside version 2 (``ipc``: after one bucket; the in-place transports
-    send no buckets: after all bytes, before the commit). ``ipc`` stages (the engine keeps
-    version 1 bit for bit); ``ipc-direct`` and ``ipc-push`` write in place (the engine says it
-    holds no complete version)."""
+    fields of the control channel. Session 1 refits twice and runs the verifier. Session 2's
+    first version has a NaN in the embedding: refused by name on the GPU (``ipc``: checked on a
+    side stream while buckets travel); ``ipc`` and ``ipc-direct`` (checked before the engine
+    copies) keep version 2, ``ipc-push`` wrote it in place first (no complete version).
+    Session 3's trainer is SIGKILLed inside version 2 (``ipc``: after one bucket; the in-place
+    transports send no buckets: after all bytes, before the commit). ``ipc`` stages (the engine
+    keeps version 1 bit for bit); ``ipc-direct`` and ``ipc-push`` write in place (the engine
+    says it holds no complete version)."""
     port = _port()
     address = f"127.0.0.1:{port}"
     saved = tmp_path / "after"
@@ -194,7 +202,7 @@ def test_same_gpu_engine_as_its_own_process(tmp_path, env, model_dir, transport)
             "--timeout-s",
             "90",
             "--sessions",
-            "2",
+            "3",
             "--save",
             str(saved),
         ],
@@ -213,10 +221,16 @@ def test_same_gpu_engine_as_its_own_process(tmp_path, env, model_dir, transport)
         # Same fp32 weights and the same tokens on one GPU; the engine (HF) and Megatron differ
         # only in kernel choice and reduction order: fp32 logits agree to ~1e-5, KL ~1e-10.
         assert first["kl"] is not None and first["kl"] < 1e-6, first["kl"]
+        nan, second, _ = _trainer(
+            address, tmp_path / "t2.pt", env, "--device", "cuda", "--transport", transport, "--nan-in-version", "1"
+        )
+        assert nan.returncode == 3 and second["error_type"] == "NonFiniteWeights", second["error"]
+        assert "NaN/Inf in 1 tensor(s): model.embed_tokens.weight" in second["error"], second["error"]
+        assert second["applied"] == []
         after = "1" if transport == "ipc" else "0"
-        killed, second, _ = _trainer(
+        killed, third, _ = _trainer(
             address,
-            tmp_path / "t2.pt",
+            tmp_path / "t3.pt",
             env,
             "--device",
             "cuda",
@@ -228,17 +242,21 @@ def test_same_gpu_engine_as_its_own_process(tmp_path, env, model_dir, transport)
             after,
         )
         assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-        assert second["applied"] == [(1,)]
+        assert third["applied"] == [(1,)]
         out, _ = engine.communicate(timeout=120)
     finally:
         engine.kill()
     assert engine.returncode == 0, out
     assert "session 1 ended; the model holds version 2" in out, out
-    if transport == "ipc":
-        assert "session 2 ended; the model holds version 1" in out, out
-        _assert_holds(_saved_state(saved), second["sent"][1])
-    else:
+    if transport == "ipc-push":  # the NaN version was written in place before the check refused it
         assert "session 2 ended; the model holds no complete version" in out, out
+    else:
+        assert "session 2 ended; the model holds version 2" in out, out
+    if transport == "ipc":
+        assert "session 3 ended; the model holds version 1" in out, out
+        _assert_holds(_saved_state(saved), third["sent"][1])
+    else:
+        assert "session 3 ended; the model holds no complete version" in out, out
 
 
 def _knock_then_cue(port, engine, knocked, cue):
