@@ -66,6 +66,7 @@ import sys
 
 import torch
 
+from . import versions
 from .config import P2P_BUCKET_MB, RefitConfig, parse_address
 
 _DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -320,13 +321,8 @@ def main(argv=None, *, megatron_on_cpu: bool = False) -> int:
                 on_version=lambda v: print(f"engine: applied version {v}", flush=True),
                 receiver=receiver,
             )
-            state = (
-                f"version {receiver.applied_version}"
-                if receiver.applied_version is not None
-                else "its initial weights"
-                if receiver.holds_complete_version
-                else "no complete version"
-            )
+            fresh = receiver.applied_version is None and receiver.holds_complete_version
+            state = "its initial weights" if fresh else versions.describe(receiver.applied_version)
             print(f"engine: session {session} ended; the model holds {state}", flush=True)
     except Exception as exc:  # noqa: BLE001 - a command reports and exits
         print(f"engine: error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
@@ -370,7 +366,7 @@ def _serve_p2p(args, consumer, device) -> None:
         held = refit.serve(report, timeout_s=args.timeout_s)
     finally:
         group.close()
-    state = f"version {held}" if held is not None else "no complete version"
+    state = versions.describe(held)
     print(f"engine: the trainer closed the refit; the model holds {state}", flush=True)
 
 
@@ -473,7 +469,7 @@ def _serve_megatron(args) -> None:
     finally:
         group.close()
     if rank == 0:
-        state = f"version {held}" if held is not None else "no complete version"
+        state = versions.describe(held)
         print(f"engine: the trainer closed the refit; the model holds {state}", flush=True)
 
 

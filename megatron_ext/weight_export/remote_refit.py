@@ -50,10 +50,9 @@ from .fp8 import Fp8Sources, dequantized
 from .gate import RefitGate
 from .reshard import RefitStats, ReshardExecutor
 from .reshard_plan import build_reshard_plan
+from . import versions
 
 __all__ = ["EngineRefit", "TrainerRefit"]
-
-_CLOSE = "close"
 
 
 class _RemoteRefit:
@@ -217,7 +216,7 @@ class TrainerRefit(_RemoteRefit):
         ``source_version``: as :meth:`~.reshard.ReshardExecutor.refit` (the version the bytes really hold)."""
         if not isinstance(version, int) or version < 0:
             raise ValueError(f"version must be an int >= 0, got {version!r}")
-        self._announce(str(version))
+        self._announce(versions.announcement(version))
         seq, self.seq = self.seq, self.seq + 1
         self._last = seq
         return self.executor.refit(version, source_version=source_version)
@@ -232,13 +231,13 @@ class TrainerRefit(_RemoteRefit):
         ranks = list(self.dst.ranks)
         keys = [f"{self.tag}/ack/{seq}/{r}" for r in ranks]
         self.group.wait_keys(keys, ranks, what=f"acknowledge refit {seq}", timeout_s=timeout_s)
-        return {r: _version(v) for r, v in zip(ranks, self.group.store.multi_get(keys))}
+        return {r: versions.acked(v) for r, v in zip(ranks, self.group.store.multi_get(keys))}
 
     def close(self, timeout_s: float | None = None) -> None:
         """Tell the engine that no more versions come (its :meth:`EngineRefit.serve` returns) and wait, up
         to ``timeout_s``, until every engine rank has seen it (refit rank 0 hosts the store: it must outlive
         the engine's last read)."""
-        self._announce(_CLOSE)
+        self._announce(versions.announcement(None))
         seq, self.seq = self.seq, self.seq + 1
         ranks = list(self.dst.ranks)
         self.group.wait_keys(
@@ -326,8 +325,7 @@ class EngineRefit(_RemoteRefit):
         """Wait for the trainer's next announcement: a version, or None when the trainer closed."""
         key = f"{self.tag}/v/{self.seq}"
         self.group.wait_keys([key], [self.announcer], what=f"announce refit {self.seq}", timeout_s=timeout_s)
-        value = self.group.store.get(key).decode()
-        return None if value == _CLOSE else int(value)
+        return versions.announced(self.group.store.get(key))
 
     def refit(
         self, version: int | None = None, *, timeout_s: float | None = None, verify: RefitGate | None = None
@@ -387,14 +385,9 @@ class EngineRefit(_RemoteRefit):
 
     def _ack(self, seq: int) -> None:
         store = self.group.store
-        store.set(f"{self.tag}/ack/{seq}/{self.rank}", str(-1 if self.version is None else self.version))
+        store.set(f"{self.tag}/ack/{seq}/{self.rank}", versions.ack(self.version))
         # Keep the previous refit's ack: a trainer rank may still read it (engine_versions) while the
         # first trainer rank already announced the next version (e.g. close()). Two refits back, every
         # trainer rank has moved on: the next refit needs all of them.
         if seq >= 2:
             store.delete_key(f"{self.tag}/ack/{seq - 2}/{self.rank}")
-
-
-def _version(raw: bytes) -> int | None:
-    v = int(raw)
-    return None if v < 0 else v

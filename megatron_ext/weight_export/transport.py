@@ -5,8 +5,8 @@ Senders (trainer side) share one protocol::
     sender.allocate(nbytes, device)      # the export buffers (IPC shares them)
     sender.start(plan, buffers, version) # plan sent and checked once per layout
     handle = sender.send(bucket, buf)    # handle.wait(): buf may be reused
-    sender.finish(version) -> [applied version reported by each receiver]
-    sender.abort(version)                # the version will not complete
+    sender.finish(version) -> [the version each receiver holds after it]
+    sender.abort(version)                # the version will not complete (same answer)
 
 - :class:`InProcessSender`: a :class:`WeightReceiver` in the same process.
 - :class:`BroadcastSender`: one ``broadcast`` per bucket over a process group
@@ -23,8 +23,9 @@ Senders (trainer side) share one protocol::
   trainer's gather writes into them.
 
 The control connection (:mod:`.control`: authenticated JSON frames, never
-pickles) carries the plan, version begin/end/abort, per-bucket IPC notices,
-acknowledgements and the verifier's tokens and logits; tensors never travel on
+pickles) carries the plan, version begin/end/abort (each answered with the
+version the engine holds, :mod:`.versions`), per-bucket IPC notices and the
+verifier's tokens and logits; tensors never travel on
 it. A receiver that dies closes it, so the trainer fails at once with
 :class:`ReceiverError`; one that hangs fails it after ``timeout_s``.
 :func:`serve` is the matching engine-side loop; by default it stages a whole
@@ -41,7 +42,7 @@ import torch
 
 from ..copies import CopyBatch
 from .errors import ReceiverError
-from . import control
+from . import control, versions
 from .control import ControlError
 from .plan import BucketMeta, ExportPlan, PlanMismatch
 from .receiver import WeightReceiver
@@ -167,7 +168,9 @@ class _RemoteSender:
 
     def finish(self, version: int) -> list[int]:
         self._send_all("end", f"finishing version {version}", version=version)
-        return [self._expect(i, "applied", f"applying version {version}")["version"] for i in range(len(self.chans))]
+        return [
+            self._expect(i, versions.HOLDS, f"applying version {version}")["version"] for i in range(len(self.chans))
+        ]
 
     def abort(self, version: int) -> list[int | None]:
         """Tell every receiver that ``version`` will not complete; returns the version each
@@ -179,8 +182,8 @@ class _RemoteSender:
             try:
                 ch.send("abort", version=version)
                 held.append(
-                    self._expect(i, "aborted", f"aborting version {version}", min(self.timeout_s, _ABORT_WAIT_S))[
-                        "holds"
+                    self._expect(i, versions.HOLDS, f"aborting version {version}", min(self.timeout_s, _ABORT_WAIT_S))[
+                        "version"
                     ]
                 )
             except (ControlError, PlanMismatch):
@@ -561,7 +564,7 @@ def serve(
                         "weight receiver at %s: the trainer went away during a version (%s); the engine holds %s",
                         address,
                         exc,
-                        f"version {held}" if held is not None else "no complete version",
+                        versions.describe(held),
                     )
                 break
             except PlanMismatch as exc:
@@ -618,9 +621,9 @@ class _Serving:
         elif msg.kind == "end":
             if self.push:
                 r.pushed()
-            ch.send("applied", version=r.finish(msg["version"]))
+            ch.send(versions.HOLDS, version=r.finish(msg["version"]))
         elif msg.kind == "abort":
-            ch.send("aborted", holds=r.abort())
+            ch.send(versions.HOLDS, version=r.abort())
         elif msg.kind == "forward":
             if not r.holds_complete_version:
                 ch.send(

@@ -276,3 +276,14 @@ def test_every_configurable_transport_has_a_sender_factory():
     from megatron_ext.weight_export.transport import SENDERS
 
     assert set(SENDERS) == set(HOOK_TRANSPORTS) and set(TRANSPORTS) - set(SENDERS) == {"p2p"}  # p2p: the reshard
+
+
+def test_version_announcements_and_acks_round_trip_and_none_means_no_complete_version():
+    from megatron_ext.weight_export import versions
+
+    for v in (0, 1, 12345):
+        assert versions.announced(versions.announcement(v).encode()) == v
+        assert versions.acked(versions.ack(v).encode()) == v
+    assert versions.announced(versions.announcement(None)) is None  # the trainer closed
+    assert versions.acked(versions.ack(None)) is None  # no complete version
+    assert versions.describe(None) == "no complete version" and versions.describe(3) == "version 3"
