@@ -470,7 +470,7 @@ def _check(args, world_size: int, cuda: bool, parser) -> Plan:
         bad = [d for d in degrees if value % d]
         if bad:
             raise ValueError(f"{name} {value} must be divisible by {degrees_text} (not by {bad})")
-    ep, etp = _check_moe(args, world_size, tp, ntp)
+    ep, etp = _check_moe(args, world_size, tp, ntp, parser)
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * dp
     per_step = args.micro_batch_size * dp
@@ -500,8 +500,11 @@ def _check(args, world_size: int, cuda: bool, parser) -> Plan:
         )
     if args.refit_engine == "megatron":
         _check_megatron_engine(args, refit, groups, padded)
-    elif args.num_experts is None and refit.engine_ep != RefitConfig.engine_ep:
-        raise ValueError(f"--refit-engine-ep {refit.engine_ep}: the model is dense (no --num-experts); drop it")
+    if args.num_experts is None and refit.engine_ep != RefitConfig.engine_ep:
+        raise ValueError(
+            f"--refit-engine-ep {refit.engine_ep}: the model is dense (no --num-experts), the engine has no experts "
+            "to split; drop it"
+        )
     if refit.target is None and not refit.p2p:
         changed = [
             f for f in ("every_n_steps", "bucket_size_mb", "transport") if getattr(refit, f) != getattr(RefitConfig, f)
@@ -556,30 +559,31 @@ def _check(args, world_size: int, cuda: bool, parser) -> Plan:
     )
 
 
-# MoE flags other than --num-experts, with their defaults (given without --num-experts: refused).
-MOE_FLAGS = {
-    "moe_ffn_hidden_size": None,
-    "moe_router_topk": 2,
-    "moe_router_pre_softmax": False,
-    "moe_router_load_balancing_type": "aux_loss",
-    "moe_aux_loss_coeff": 0.0,
-    "moe_z_loss_coeff": None,
-    "moe_router_dtype": None,
-    "moe_token_dispatcher_type": "allgather",
-    "moe_grouped_gemm": False,
-    "expert_model_parallel_size": 1,
-    "expert_tensor_parallel_size": None,
-}
+# MoE flags other than --num-experts (given without --num-experts, i.e. not at the parser's default: refused).
+MOE_FLAGS = (
+    "moe_ffn_hidden_size",
+    "moe_router_topk",
+    "moe_router_pre_softmax",
+    "moe_router_load_balancing_type",
+    "moe_aux_loss_coeff",
+    "moe_z_loss_coeff",
+    "moe_router_dtype",
+    "moe_token_dispatcher_type",
+    "moe_grouped_gemm",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+)
 
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _check_moe(args, world_size: int, tp: int, ntp) -> tuple[int, int]:
+def _check_moe(args, world_size: int, tp: int, ntp, parser) -> tuple[int, int]:
     """The MoE flags (Megatron-LM's names and defaults); returns ``(EP, expert TP)``."""
     if args.num_experts is None:
-        given = [_flag(n) for n, default in MOE_FLAGS.items() if getattr(args, n) not in (default, [default])]
+        defaults = {n: parser.get_default(n) for n in MOE_FLAGS}
+        given = [_flag(n) for n, d in defaults.items() if getattr(args, n) not in (d, [d])]
         if given:
             raise ValueError(f"{', '.join(given)} given without --num-experts N (the model is dense)")
         return 1, 1
@@ -657,7 +661,7 @@ def _check_refit_routing(args, flag: str) -> None:
 
 def _check_megatron_engine(args, refit, groups: int, padded: int) -> None:
     """--refit-engine megatron: a p2p refit to an engine that builds this model at --refit-engine-tp."""
-    from megatron_ext.weight_export import RefitConfig
+    from megatron_ext.weight_export import RefitConfig, engine_expert_tp
 
     if not refit.p2p or refit.store is None:
         raise ValueError(
@@ -682,17 +686,12 @@ def _check_megatron_engine(args, refit, groups: int, padded: int) -> None:
         if value % tp:
             raise ValueError(f"{name} {value} must be divisible by --refit-engine-tp {tp} (the engine's TP)")
     if args.num_experts is None:
-        if ep != RefitConfig.engine_ep:
-            raise ValueError(
-                f"--refit-engine-ep {ep}: the model is dense (no --num-experts), the engine has no experts to split; "
-                "drop it"
-            )
-        return
+        return  # a dense model's --refit-engine-ep: _check
     if args.num_experts % ep:
         raise ValueError(
             f"--num-experts {args.num_experts} must be divisible by --refit-engine-ep {ep} (the engine's EP)"
         )
-    etp = tp if ep == 1 else 1  # the engine's expert TP (megatron_engine_config.engine_expert_tp)
+    etp = engine_expert_tp(tp, ep)
     if args.moe_ffn_hidden_size % etp:
         raise ValueError(
             f"--moe-ffn-hidden-size {args.moe_ffn_hidden_size} must be divisible by --refit-engine-tp {tp} (the "
@@ -1423,7 +1422,11 @@ def train(args, plan: Plan) -> int:
     num_microbatches = plan.shares.num_microbatches()
     is_tp0 = ps.get_tensor_model_parallel_rank() == 0
     tokens_per_iter = gbs * args.seq_length
-    window = dict(loss=0.0, iters=0, seconds=0.0, skipped=0, nan=0, moe={})
+
+    def new_window():  # what is summed between two log lines
+        return dict(loss=0.0, iters=0, seconds=0.0, skipped=0, nan=0, moe={})
+
+    window = new_window()
     saved_at = None
     ddp.train()
     while iteration < args.train_iters:
@@ -1509,7 +1512,7 @@ def train(args, plan: Plan) -> int:
                     f" max allocated: {torch.cuda.max_memory_allocated() / 2**30:.2f} |"
                 )
             print_rank_last(line)
-            window = dict(loss=0.0, iters=0, seconds=0.0, skipped=0, nan=0, moe={})
+            window = new_window()
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             save_checkpoint(args, plan, iteration, consumed, ddp, optimizer, scheduler)
             saved_at = iteration
