@@ -22,6 +22,7 @@ import datetime
 import io
 import multiprocessing
 import os
+import random
 import socket
 import tempfile
 import threading
@@ -44,11 +45,28 @@ class RankFailure(RuntimeError):
     """A multi-rank job failed: raised in the launching process."""
 
 
+_PORTS = random.SystemRandom()  # not the seeded module RNG: processes seeded alike would pick alike
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that is free right now, below the kernel's ephemeral range: a port
+    picked now may be bound much later (a job started after others), and one from that range (bind
+    to 0) can meanwhile become the local end of any outgoing connection (gloo, torchrun), making
+    that bind fail with EADDRINUSE."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(200):
+        port = _PORTS.randrange(10000, max(low, 10001))
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in 10000..{low - 1}")
 
 
 def _write_result(path: str, payload: dict) -> None:

@@ -50,13 +50,13 @@ drawing the experts per EP rank (megatron-core's SequentialMLP on CPU) puts E's 
 """
 
 import os
-import random
 import re
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from megatron_ext.testing.multirank import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 SCRIPT = os.path.join(ROOT, "examples", "pretrain_gpt.py")
@@ -111,26 +111,6 @@ TRAIN = [
 NTP = ["--ntp-tp-base", "2", "--ntp-failed-slots", "0:1"]
 P2P_MEGATRON = ["--refit-transport", "p2p", "--refit-store", "127.0.0.1:1", "--refit-engine", "megatron"]
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|")
-
-
-def _port() -> int:
-    """A free port below the kernel's ephemeral range: the jobs here start long after their ports are
-    picked, and a port from that range (bind to 0) can meanwhile become the local end of any outgoing
-    connection (gloo, torchrun), which made a store's bind fail with EADDRINUSE."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    for _ in range(200):
-        port = random.randrange(10000, max(low, 10001))
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in 10000..{low - 1}")
 
 
 def _env(tmp) -> dict:
@@ -248,12 +228,12 @@ def runs(tmp_path_factory):
         env=env,
         log=log("B"),
     )
-    port = _port()
+    port = free_port()
     address = f"127.0.0.1:{port}"
     hf = hf_model_dir(os.path.join(tmp, "hf"))
     engine = engine_command(hf, address, "cpu", env, log("engine"))
     # D's p2p engine: refit rank 2 of 3 (D's two ranks first), at the store D's rank 0 hosts.
-    store = f"127.0.0.1:{_port()}"
+    store = f"127.0.0.1:{free_port()}"
     engine_p2p = engine_command(
         hf, store, "cpu", env, log("engine_p2p"), "--refit-rank", "2", "--refit-world-size", "3"
     )
@@ -542,8 +522,6 @@ def _moe_reference(flags, checkpoint):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from megatron_ext.testing.multirank import free_port
-
     script = _script()
     dist.destroy_process_group()  # main() starts its own
     os.environ["MASTER_PORT"] = str(free_port())
@@ -571,7 +549,7 @@ def moe_run(tmp_path_factory):
 
     tmp = str(tmp_path_factory.mktemp("pretrain_moe"))
     env = _env(tmp)
-    store, ckpt, saved = f"127.0.0.1:{_port()}", os.path.join(tmp, "ckpt"), os.path.join(tmp, "tokens.json")
+    store, ckpt, saved = f"127.0.0.1:{free_port()}", os.path.join(tmp, "ckpt"), os.path.join(tmp, "tokens.json")
     engine = _start(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
          "megatron_ext.testing.cpu_engine", "--engine", "megatron", "--refit-store", store, "--refit-rank-offset", "4",
@@ -665,7 +643,7 @@ def test_p2p_refit_to_an_engine_started_on_its_own(runs):
 def _export_run(tmp_path, env, engine_device, nproc, transport, *flags):
     """A GPU job exporting every 3 iterations to an engine started on its own on ``engine_device``:
     the engine applies versions 0, 3 and 6 and ends holding 6. Returns the job's output."""
-    port = _port()
+    port = free_port()
     engine = engine_command(
         hf_model_dir(str(tmp_path / "hf")), f"127.0.0.1:{port}", engine_device, env, str(tmp_path / "engine.log")
     )

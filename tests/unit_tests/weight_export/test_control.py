@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from megatron_ext.testing.multirank import free_port
 from megatron_ext.weight_export import control
 from megatron_ext.weight_export.control import KEY_ENV, ControlError
 from megatron_ext.weight_export.plan import BucketMeta, ExportPlan, PlanMismatch, TensorMeta
@@ -21,12 +22,6 @@ def key_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     monkeypatch.delenv(KEY_ENV, raising=False)
     return tmp_path
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize(
@@ -110,7 +105,7 @@ def _strangers(address, port, results):
 
 
 def test_listener_survives_strangers_and_serves_its_trainer(key_dir):
-    port = _port()
+    port = free_port()
     address = f"127.0.0.1:{port}"
     results = {}
     with control.Listener(address) as listener:
@@ -137,7 +132,7 @@ def test_listener_survives_strangers_and_serves_its_trainer(key_dir):
 
 def test_every_wait_is_bounded_and_names_the_peer(key_dir):
     control.resolve_key("127.0.0.1:1", create=True)  # as an engine on this host would
-    port = _port()
+    port = free_port()
     start = time.monotonic()
     with pytest.raises(ControlError, match=f"nothing is listening at 127.0.0.1:{port} after 1s.*is the engine running"):
         control.connect(f"127.0.0.1:{port}", timeout_s=1)
@@ -245,7 +240,7 @@ def test_listener_binds_only_the_interface_it_is_given(key_dir):
     others = _other_addresses()
     if not others:
         pytest.skip("this machine has no non-loopback IPv4 address to probe")
-    port = _port()
+    port = free_port()
     with control.Listener(f"127.0.0.1:{port}"):
         for addr in others:
             with pytest.raises(OSError):

@@ -17,14 +17,9 @@ import pytest
 import torch
 
 from megatron_ext.testing import tiny_llama
+from megatron_ext.testing.multirank import free_port
 
 SPEC = tiny_llama.TinyLlamaSpec()  # the export trainer's default model
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -103,7 +98,7 @@ def _assert_holds(state, sent):
 
 
 def test_engine_keeps_its_complete_version_through_strangers_a_killed_trainer_and_nan(tmp_path, env, model_dir):
-    port = _port()
+    port = free_port()
     address = f"127.0.0.1:{port}"
     saved = tmp_path / "after"
     engine = _engine(model_dir, address, env, "--sessions", "2", "--save", str(saved))
@@ -139,7 +134,7 @@ def test_engine_keeps_its_complete_version_through_strangers_a_killed_trainer_an
 def test_streaming_engine_reports_no_complete_version_and_a_stopped_engine_fails_the_trainer_in_time(
     tmp_path, env, model_dir
 ):
-    port = _port()
+    port = free_port()
     address = f"127.0.0.1:{port}"
     engine = _engine(model_dir, address, env, "--no-atomic", "--sessions", "2")
     try:
@@ -157,7 +152,7 @@ def test_streaming_engine_reports_no_complete_version_and_a_stopped_engine_fails
     assert engine.returncode == 0 and "session 1 ended; the model holds no complete version" in out, out
     assert "session 2 ended; the model holds no complete version" in out, out
     # An engine stopped (SIGSTOP) before the handshake: the trainer's wait is bounded by its timeout.
-    port = _port()
+    port = free_port()
     address = f"127.0.0.1:{port}"
     engine = _engine(model_dir, address, env)
     try:
@@ -185,7 +180,7 @@ def test_same_gpu_engine_as_its_own_process(tmp_path, env, model_dir, transport)
     transports send no buckets: after all bytes, before the commit). ``ipc`` stages (the engine
     keeps version 1 bit for bit); ``ipc-direct`` and ``ipc-push`` write in place (the engine
     says it holds no complete version)."""
-    port = _port()
+    port = free_port()
     address = f"127.0.0.1:{port}"
     saved = tmp_path / "after"
     engine = subprocess.Popen(
@@ -286,7 +281,7 @@ def test_p2p_engine_keeps_its_version_when_the_trainer_is_killed_mid_refit(tmp_p
     The engine fails at once, naming the dead peer, and its model holds version 1 bit for bit: it loads
     a version only when all of it arrived (a streaming engine's staging tensors are mixed, its model
     is not)."""
-    store = f"127.0.0.1:{_port()}"
+    store = f"127.0.0.1:{free_port()}"
     saved = tmp_path / "after"
     p2p = ["--refit-store", store, "--refit-rank", "1", "--refit-world-size", "2", "--bucket-size-mb", "0.004"]
     engine = subprocess.Popen(
