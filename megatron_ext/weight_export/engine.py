@@ -303,14 +303,14 @@ def main(argv=None, *, megatron_on_cpu: bool = False) -> int:
     model = transformers.AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=_DTYPES[args.dtype]).to(device)
     model.eval()
     consumer = HFModelConsumer(model)
-    # One receiver for every session: a new trainer starts from what the model holds
-    # (a version, or none after an interrupted in-place refit), not from "initial weights".
-    receiver = WeightReceiver(consumer, atomic=args.atomic, device=device)
     session = 0
     try:
         if args.refit_store:
             _serve_p2p(args, consumer, device)
             return 0
+        # One receiver for every session: a new trainer starts from what the model holds
+        # (a version, or none after an interrupted in-place refit), not from "initial weights".
+        receiver = WeightReceiver(consumer, atomic=args.atomic, device=device)
         while args.sessions == 0 or session < args.sessions:
             session += 1
             print(f"engine: serving {args.model} at {args.address} on {device} (session {session})", flush=True)

@@ -12,6 +12,8 @@ announcement key per refit, an ack key per engine rank); both encode them here.
 
 from __future__ import annotations
 
+from .wire import NO_VERSION
+
 __all__ = ["CLOSE", "HOLDS", "ack", "acked", "announced", "announcement", "describe"]
 
 CLOSE = "close"  # announced instead of a version: no more versions come
@@ -30,13 +32,14 @@ def announced(raw: bytes | str) -> int | None:
 
 
 def ack(held: int | None) -> str:
-    """An engine's answer: the version it holds (None: no complete version)."""
-    return "-1" if held is None else str(int(held))
+    """An engine's answer: the version it holds (None: no complete version, written as the bucket
+    headers' :data:`~.wire.NO_VERSION`)."""
+    return str(NO_VERSION if held is None else int(held))
 
 
 def acked(raw: bytes | str) -> int | None:
     v = int(raw)
-    return None if v < 0 else v
+    return None if v == NO_VERSION else v
 
 
 def describe(held: int | None) -> str:
