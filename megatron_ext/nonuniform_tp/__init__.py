@@ -1,5 +1,8 @@
 """Nonuniform tensor parallelism (NTP): data-parallel replicas that lost GPUs
 keep training at a reduced TP degree while healthy replicas keep ``tp_base``.
+Each degraded replica is a satellite of one healthy partner replica, which adds
+its gradients and sends it the updated parameters; the other healthy replicas
+run Megatron's DDP unchanged.
 
 Usage (every rank)::
 
@@ -22,7 +25,7 @@ the shares by measured throughput (then ``ddp.set_batch_shares(new)``, ``sampler
 
 Distributed checkpoints (megatron-core ``dist_checkpointing``, any TP layout resumes them)::
 
-    model_sd = model_sharded_state_dict(ddp)            # None on a healthy replica's spare rank
+    model_sd = model_sharded_state_dict(ddp)            # None on a degraded replica (healthy ones: uniform tp_base)
 
 See docs/nonuniform_tp.md.
 """
@@ -55,13 +58,17 @@ def __getattr__(name):
     # The DDP subclass imports megatron-core's DDP; load it on first use.
     if name in (
         "NonuniformTPDistributedDataParallel",
-        "NonuniformTPBucketGroup",
+        "PartnerBucketGroup",
         "DDPMemoryReport",
         "ddp_memory_report",
     ):
         from . import ddp
 
         return getattr(ddp, name)
+    if name == "finalize_model_grads":
+        from .finalize import finalize_model_grads
+
+        return finalize_model_grads
     if name in ("ntp_to_uniform", "uniform_to_ntp", "merge_tp_shards", "split_tp_full", "model_sharded_state_dict"):
         from . import checkpoint
 
@@ -76,9 +83,9 @@ __all__ = [
     "MeasuredBalance",
     "NTPLayout",
     "NTPProcessGroups",
-    "NonuniformTPBucketGroup",
     "NonuniformTPConfig",
     "NonuniformTPDistributedDataParallel",
+    "PartnerBucketGroup",
     "RankRole",
     "add_nonuniform_tp_args",
     "balanced_batch_shares",
@@ -86,6 +93,7 @@ __all__ = [
     "ddp_memory_report",
     "destroy_nonuniform_tp_process_groups",
     "equal_batch_shares",
+    "finalize_model_grads",
     "format_failed_slots",
     "get_ntp_process_groups",
     "initialize_nonuniform_tp_process_groups",

@@ -1,10 +1,8 @@
 """Convert model state between TP layouts: NTP (degraded replicas at
 ``tp_reduced``) <-> uniform (``tp_base``), through the full (TP=1) tensors.
 
-An NTP job's training state is the ``tp_reduced`` layout: a degraded replica's
-ranks hold it, and so do the training shadows of healthy replicas' core ranks
-(``NonuniformTPDistributedDataParallel.state_dict()``). To resume at full TP
-once the GPU is back, merge the ``tp_reduced`` shards and split them at
+A degraded replica's ranks hold the model in the ``tp_reduced`` layout. To turn
+such shards into the ``tp_base`` layout, merge them and split them at
 ``tp_base`` (:func:`ntp_to_uniform`); to go the other way, use
 :func:`uniform_to_ntp`.
 
@@ -22,11 +20,8 @@ every split shard gets a copy of it. The shard specs come from a live model
 (:func:`shard_specs`).
 
 For megatron-core's distributed checkpointing (``dist_checkpointing.save`` /
-``load``), :func:`model_sharded_state_dict` describes a rank's model entry in
-one layout whatever the rank's replica: a healthy replica's core rank
-describes its training shadow exactly as a degraded replica's rank of the same
-TP rank describes its model, so any TP layout, NTP or uniform, resumes the
-checkpoint (torch_dist reshards on load).
+``load``), :func:`model_sharded_state_dict` is a rank's model entry: the healthy
+replicas' own (a uniform ``tp_base`` checkpoint), nothing on degraded replicas.
 """
 
 from __future__ import annotations
@@ -357,7 +352,7 @@ def _split(full, specs, tp, tp_arg: str) -> list[dict[str, Any]]:
 def ntp_to_uniform(
     reduced_shards: TPShards, specs: Mapping[str, ShardSpec], tp_base: int, *, tp_reduced: int | None = None
 ) -> list[dict[str, Any]]:
-    """``tp_reduced`` shards (one degraded replica, or healthy core shadows) ->
+    """``tp_reduced`` shards (one degraded replica's) ->
     ``tp_base`` shards, ready for a uniform-TP resume. ``reduced_shards`` as in
     :func:`merge_tp_shards`; ``tp_reduced``, if given, must equal their number."""
     _check_degree(tp_base, "tp_base")
@@ -367,8 +362,8 @@ def ntp_to_uniform(
 def uniform_to_ntp(
     base_shards: TPShards, specs: Mapping[str, ShardSpec], tp_reduced: int, *, tp_base: int | None = None
 ) -> list[dict[str, Any]]:
-    """``tp_base`` shards -> ``tp_reduced`` shards (for a degraded replica or the
-    healthy core ranks' shadows). ``base_shards`` as in :func:`merge_tp_shards`;
+    """``tp_base`` shards -> ``tp_reduced`` shards (for a degraded replica).
+    ``base_shards`` as in :func:`merge_tp_shards`;
     ``tp_base``, if given, must equal their number."""
     _check_degree(tp_reduced, "tp_reduced")
     return _split(_merge(base_shards, specs, tp_base, "base_shards", "tp_base"), specs, tp_reduced, "tp_reduced")
@@ -400,89 +395,23 @@ def gather_full_state(
 # ---- megatron-core distributed checkpointing ---------------------------------------------------
 def model_sharded_state_dict(ddp) -> dict | None:
     """This rank's ``"model"`` entry of a megatron-core distributed checkpoint
-    (``dist_checkpointing.save`` / ``load``), in the layout every TP layout resumes.
+    (``dist_checkpointing.save`` / ``load``).
 
     ``ddp``: Megatron's ``DistributedDataParallel`` (or a subclass) of a uniform
     job, or a :class:`~megatron_ext.nonuniform_tp.NonuniformTPDistributedDataParallel`.
 
-    - Uniform jobs, NTP jobs without failures and degraded replicas: the
-      model's own ``ddp.module.sharded_state_dict()``.
-    - A healthy replica's core rank (TP rank ``i < tp_reduced``): its training
-      shadow (what the optimizer steps) described as the ``ShardedTensor`` s a
-      degraded replica's TP rank ``i`` gives for its model: the same keys and
-      global shapes, offset ``i`` of ``tp_reduced`` fragments along each tensor's
-      TP dim (the gated ``linear_fc1`` through Megatron's SwiGLU factory), the
-      replica ids of the ``tp_base`` model. So the job's checkpoint is one
-      ``tp_reduced`` layout, and torch_dist reshards it on load to any degree.
-    - A healthy replica's spare rank: ``None``. It holds no training state of
-      its own (no training shadow); leave the ``"model"`` and ``"optimizer"``
-      entries out of its state dict, but call ``dist_checkpointing.save`` /
-      ``load`` on it too (they are collective).
+    - Uniform jobs and the healthy replicas of an NTP job (bystanders and partners):
+      the model's own ``ddp.module.sharded_state_dict()``. The healthy replicas are a
+      uniform ``tp_base`` job, so an NTP job's checkpoint is a uniform ``tp_base``
+      checkpoint, and a uniform job resumes it with no conversion (and the reverse).
+    - A degraded replica: ``None``. It holds a copy of its partner's weights and no
+      optimizer state; leave the ``"model"`` and ``"optimizer"`` entries out of its
+      state dict, but call ``dist_checkpointing.save`` / ``load`` on it too (they are
+      collective). Its ``state_dict()`` / ``sharded_state_dict()`` refuse.
 
-    The optimizer's entry comes from the result as usual:
-    ``optimizer.sharded_state_dict(model_sd)`` (the shadow parameters are the
-    optimizer's parameters on healthy replicas). After ``dist_checkpointing.load``
-    copy the loaded tensors into ``model_sd``'s ``data`` where the load did not
-    write in place, then call ``ddp.sync_compute_params()`` so that healthy
-    replicas' ``tp_base`` compute parameters (spare ranks' included) take the
-    loaded shadow.
-
-    Raises NotImplementedError on a healthy core rank whose model's sharded
-    state dict has a tensor that is not a parameter, or a factory other than
-    the gated ``linear_fc1``'s.
+    After a load call ``ddp.sync_compute_params()`` on every rank, so that each degraded
+    replica takes its partner's loaded weights.
     """
-    if not getattr(ddp, "is_ntp_healthy_rank", False):
-        return ddp.module.sharded_state_dict()
-    groups = ddp._ntp_groups
-    if groups.role.spare:
+    if getattr(ddp, "ntp_role", None) == "degraded":
         return None
-    return _healthy_core_sharded_state_dict(ddp, groups.config.tp_reduced, groups.role.tp_rank)
-
-
-def _healthy_core_sharded_state_dict(ddp, tp_reduced: int, tp_rank: int) -> dict:
-    """A healthy replica's core rank: the shadow described as degraded rank ``tp_rank`` describes its model."""
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
-    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
-
-    compute = ddp.compute_module
-    shadows = dict(ddp.module.named_parameters())
-    names = {id(p): n for n, p in compute.named_parameters()}
-    specs = shard_specs(compute, compute.config.gated_linear_unit)
-    r = tp_reduced
-    out = {}
-    for key, sh in compute.sharded_state_dict().items():
-        if isinstance(sh, ShardedObject):
-            out[key] = sh
-            continue
-        name = names.get(id(sh.data))
-        if name is None:
-            raise NotImplementedError(
-                f"{key}: a checkpoint tensor that is not a parameter; the NTP checkpoint "
-                "layout covers parameters (and _extra_state) only"
-            )
-        shadow, spec = shadows[name], specs[name]
-        if isinstance(sh, ShardedTensorFactory):
-            built = sh.build()
-            first = next(iter(built.values())) if isinstance(built, dict) else built[0]
-            n = first.prepend_axis_num
-            offsets = tuple((i, first.global_offset[i], first.axis_fragmentations[i]) for i in range(n))
-            if spec.dim != 0 or spec.chunks != 2:
-                raise NotImplementedError(f"{key}: only the gated linear_fc1 factory is supported under NTP")
-            original = ShardedTensor.from_rank_offsets(
-                sh.key, shadow, *offsets, (n, tp_rank, r), replica_id=sh.replica_id, prepend_axis_num=n
-            )
-            out[key] = apply_swiglu_sharded_factory(original, offsets)
-        elif spec.dim is None:
-            out[key] = dataclasses.replace(sh, data=shadow)
-        else:
-            ax = sh.prepend_axis_num + spec.dim
-            offset, frags = list(sh.global_offset), list(sh.axis_fragmentations)
-            offset[ax], frags[ax] = tp_rank * shadow.shape[spec.dim], r
-            out[key] = dataclasses.replace(
-                sh,
-                data=shadow,
-                local_shape=tuple(shadow.shape),
-                global_offset=tuple(offset),
-                axis_fragmentations=tuple(frags),
-            )
-    return out
+    return ddp.module.sharded_state_dict()

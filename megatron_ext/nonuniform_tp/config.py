@@ -52,6 +52,9 @@ class NonuniformTPConfig:
             measured throughputs (:class:`~megatron_ext.nonuniform_tp.balance.MeasuredBalance`).
         balance_measure_steps: with ``balance="measured"``, how many steps are
             timed before the shares change (an int >= 1).
+        transfer_chunk_mb: the largest unit (MiB of the partner's gradient shard) in which a
+            degraded replica's gradients go to its partner and the parameters come back; the
+            transfers' staging on each rank is about this size (> 0).
     """
 
     tp_base: int
@@ -65,6 +68,7 @@ class NonuniformTPConfig:
     vocab_size: int | None = None
     balance: str = "none"
     balance_measure_steps: int = 5
+    transfer_chunk_mb: float = 64.0
 
     def __post_init__(self):
         if not isinstance(self.tp_base, int) or self.tp_base < 1:
@@ -85,6 +89,12 @@ class NonuniformTPConfig:
             raise ValueError(
                 "NonuniformTPConfig.balance_measure_steps (--ntp-balance-measure-steps) must be an int >= 1 (the "
                 f"steps timed before --ntp-balance measured sets the shares), got {steps!r}"
+            )
+        chunk = self.transfer_chunk_mb
+        if isinstance(chunk, bool) or not isinstance(chunk, (int, float)) or not 0 < chunk < float("inf"):
+            raise ValueError(
+                "NonuniformTPConfig.transfer_chunk_mb (--ntp-transfer-chunk-mb) must be a number > 0 (MiB of the "
+                f"partner's gradient shard per transfer unit), got {chunk!r}"
             )
         if self.data_parallel_size is not None and self.data_parallel_size < 1:
             raise ValueError(
@@ -169,6 +179,12 @@ class NonuniformTPConfig:
                 "the router's per-expert token counts and its load-balancing statistics are reduced over groups "
                 "that differ between healthy and degraded replicas, so they would diverge; train this model "
                 "without --ntp-tp-base"
+            )
+        if getattr(transformer_config, "fp16", False) and self.tp_spares:
+            raise ValueError(
+                "nonuniform TP does not train with fp16 (TransformerConfig.fp16=True, --fp16): a degraded replica's "
+                "gradients join its partner's, and a dynamic loss scale would differ between them; use bf16 "
+                "(--bf16) or fp32"
             )
         dataclasses.replace(
             self,
@@ -274,6 +290,7 @@ class NonuniformTPConfig:
         launch_mode = getattr(args, "ntp_launch_mode", "packed")
         balance = getattr(args, "ntp_balance", "none")
         measure_steps = getattr(args, "ntp_balance_measure_steps", None)
+        chunk = getattr(args, "ntp_transfer_chunk_mb", None)
         if tp_base is None:
             given = [
                 f"{flag} {value!r}"
@@ -284,6 +301,7 @@ class NonuniformTPConfig:
                     ("--ntp-launch-mode", launch_mode, "packed"),
                     ("--ntp-balance", balance, "none"),
                     ("--ntp-balance-measure-steps", measure_steps, None),
+                    ("--ntp-transfer-chunk-mb", chunk, None),
                 )
                 if value != unset
             ]
@@ -309,6 +327,8 @@ class NonuniformTPConfig:
         if spares is None:
             spares, failed = compute_uniform_tp_spares_with_parity(failed, tp_base)
         extra = {} if measure_steps is None else {"balance_measure_steps": measure_steps}
+        if chunk is not None:
+            extra["transfer_chunk_mb"] = chunk
         config = cls(
             tp_base=tp_base,
             tp_spares=spares,
@@ -384,7 +404,12 @@ def parse_failed_slots(
     replica index ``>= data_parallel_size``.
     """
     out: dict[int, tuple[int, ...]] = {}
-    for part in filter(None, (p.strip() for p in text.split(";"))):
+    parts = [p.strip() for p in text.split(";")] if text.strip() else []
+    if "" in parts:
+        raise ValueError(
+            f"--ntp-failed-slots: empty entry in {text!r} (';' twice, or at an end); expected {FAILED_SLOTS_FORM}"
+        )
+    for part in parts:
         replica, sep, slots = part.partition(":")
         try:
             if not sep:
@@ -501,5 +526,13 @@ def add_nonuniform_tp_args(parser: argparse.ArgumentParser) -> argparse.Argument
         metavar="N",
         help="With --ntp-balance measured: steps timed (per replica, the median) before the shares "
         "change (default 5, >= 1).",
+    )
+    group.add_argument(
+        "--ntp-transfer-chunk-mb",
+        type=float,
+        default=None,
+        metavar="MB",
+        help="Largest unit (MiB of the partner's gradient shard) in which a degraded replica's gradients "
+        "go to its healthy partner and the parameters come back (default 64, > 0).",
     )
     return parser

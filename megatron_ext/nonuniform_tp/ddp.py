@@ -1,38 +1,35 @@
 """``NonuniformTPDistributedDataParallel``: Megatron's DDP for NTP jobs.
 
-Degraded replicas (TP degree ``tp_reduced``) run plain Megatron DDP over the
-NTP data-parallel groups: their rank ``i`` holds slice ``S_i`` of every
-TP-sharded tensor, and that is the layout in which gradients are reduced and
-the optimizer runs on every replica.
+Healthy replicas are a uniform ``tp_base`` job: Megatron's own DDP, grad
+buffers, buckets and optimizer, DP groups over the healthy replicas only.
 
-A healthy replica computes at ``tp_base``. Each of its core ranks also owns a
-*training shadow* of the model in the ``tp_reduced`` layout: on core rank
-``i`` (TP rank ``< tp_reduced``) it holds ``S_i`` -- the same tensors, sizes
-and order as degraded rank ``i`` -- and Megatron's grad buffer, bucket groups
-and optimizer (plain or distributed) are built over it, so the data-parallel
-collectives line up element for element with the degraded replicas. Per
-bucket group, just before its data-parallel collective, the compute
-gradients are folded into the shadow with one all-to-all inside the TP group
-(spare ranks send their slices to core ranks). After the optimizer step the
-updated shadow parameters are unfolded back into the ``tp_base`` compute
-parameters (one all-to-all per dtype), before the next forward.
+A degraded replica (TP ``tp_reduced``) is a *satellite* of one healthy
+*partner* replica (:mod:`.layout`). It runs forward and backward on its
+``tp_reduced`` shards, holds their gradients and no optimizer state (its
+``module`` as the optimizer sees it is empty). Per partner bucket group, as
+soon as the satellite's gradients of that group are ready, they are resharded
+to ``tp_base`` and *added* into the partner's bucket, inside the partner's
+``start_grad_sync`` just before its DP collective (one all-to-all over the pair
+of replicas per transfer unit). After the optimizer step, before the next
+forward (or in ``zero_grad_buffer``), the partner sends the updated parameters
+back, resharded to ``tp_reduced``. The exchanges run in units of at most
+``NonuniformTPConfig.transfer_chunk_mb`` of the partner's shard, one flat
+workspace per dtype shared by all of them (:class:`.reshard.Scratch`).
 
-Spare ranks hold no shadow: their DDP is Megatron's over an empty module (only
-zero-gradient copies of the parameters ``finalize_model_grads`` all-reduces over
-the TP group, such as q/k layer norms, so that they join that all-reduce), and
-the optimizer built over it owns no parameters but still takes part in the
-grad-norm and other gradient-statistics all-reduces of the core ranks. They send
-their gradient pieces to the core ranks in each bucket group's fold (the core
-ranks' bucket groups, broadcast from TP rank 0 at construction, tell them when)
-and receive the updated parameters in the unfold.
+Healthy replicas that are nobody's partner (*bystanders*) run exactly the code
+of Megatron's DDP: the only difference is the gradient weight of each replica
+(``1 / replicas``, or its batch share) in place of ``1 / dp_size``.
 
-Balanced batch shares (:mod:`.balance`): with ``batch_shares``, each bucket
-scales its gradients by the replica's share of the global batch before the
-data-parallel collective, in place of Megatron's ``1 / data_parallel_size``.
+Gradient weights: replica ``d`` weighs ``w_d`` (``1 / replicas``, or its share of
+the global batch with :class:`.balance.BatchShares`). A healthy bucket is scaled by
+its replica's ``w`` before the DP sum; the satellite's gradient arrives scaled by
+``w_sat / w_partner``, so the sum is the exact weighted mean.
 
-Memory: :meth:`NonuniformTPDistributedDataParallel.memory_report` (and
-:func:`ddp_memory_report` for Megatron's own DDP) counts the bytes a rank holds
-for parameters, gradients, the shadow and the optimizer, from the tensors.
+Overlap (``overlap_grad_reduce``): the partner dispatches each bucket group from
+its backward hooks, in the order Megatron does. That order is recorded in the
+first step (which dispatches in ``finish_grad_sync``, in bucket-group order on
+both sides) and sent to the satellite, which from the second step on transfers
+each group when its own gradients are ready, in that order.
 """
 
 from __future__ import annotations
@@ -40,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 
 import torch
 import torch.distributed as dist
@@ -52,22 +50,7 @@ from .balance import BatchShares
 from .config import NonuniformTPConfig
 from .process_groups import NTPProcessGroups, get_ntp_process_groups
 
-__all__ = ["DDPMemoryReport", "NonuniformTPBucketGroup", "NonuniformTPDistributedDataParallel", "ddp_memory_report"]
-
-
-@dataclasses.dataclass
-class _HealthyState:
-    """A healthy replica's compute parameters, their shadows and the unfold plan."""
-
-    compute: list  # [(name, tp_base parameter)]
-    shadows: list  # [tp_reduced shadow parameter, or None where a spare holds none], same order
-    tp_rank: int
-    tp_group: object
-    unfold: list  # reshard.Piece, shadow (core ranks) -> compute (all ranks)
-    schedule: _FoldSchedule  # when each bucket group's fold runs (the same on every rank of the TP group)
-    scratch: object  # reshard.Scratch: the flat buffers every fold and unfold shares
-    stale: bool = False  # shadow updated since the last unfold
-    unfolds: list | None = None  # reshard.Exchange per dtype, built at the first unfold
+__all__ = ["DDPMemoryReport", "NonuniformTPDistributedDataParallel", "PartnerBucketGroup", "ddp_memory_report"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,38 +59,27 @@ class DDPMemoryReport:
     of the tensors themselves, on any device; not allocator statistics).
 
     ``role``: ``"uniform"`` (Megatron's DDP, or NTP without a degraded replica),
-    ``"degraded"``, ``"healthy core"`` or ``"healthy spare"``.
+    ``"bystander"`` (a healthy replica that is nobody's partner), ``"partner"`` or
+    ``"degraded"``.
 
-    - ``params``: the parameters ``forward`` runs (``tp_base`` layout on healthy
-      replicas); Megatron's whole param buffer where the distributed optimizer
-      allocated one (bucket padding included).
-    - ``grads``: the ``main_grad`` tensors backward accumulates into: Megatron's
-      grad buffer (padding included), or on healthy replicas the ``tp_base``
-      compute gradients.
-    - ``shadow_params``, ``shadow_grads``: healthy replicas only (else 0): the
-      ``tp_reduced`` training shadow and its grad buffer, the one the
-      data-parallel collective reduces. Core rank ``i`` holds what degraded rank
-      ``i`` holds; a spare holds none (0), except zero-gradient copies of the
-      parameters ``finalize_model_grads`` all-reduces over the TP group (q/k layer
-      norms with ``qk_layernorm``).
-    - ``optimizer_main_params``: the optimizer's own copies of the parameters
-      (fp32 main params of a bf16/fp16 model; 0 when it steps the model's
-      tensors in place), and ``optimizer_state``: its state tensors (Adam's
-      moments and step counts). ``None`` when no optimizer was given.
+    - ``params``: the parameters ``forward`` runs; Megatron's whole param buffer where the
+      distributed optimizer allocated one (bucket padding included).
+    - ``grads``: the gradients backward accumulates into: Megatron's grad buffer (padding
+      included), or on a degraded rank its ``main_grad`` tensors.
+    - ``staging``: the flat buffers of the gradient and parameter transfers between a
+      degraded replica and its partner (0 elsewhere).
+    - ``optimizer_main_params``: the optimizer's own copies of the parameters (fp32 main
+      params of a bf16/fp16 model; 0 when it steps the model's tensors in place), and
+      ``optimizer_state``: its state tensors (Adam's moments and step counts). ``None`` when
+      no optimizer was given.
     """
 
     role: str
     params: int
     grads: int
-    shadow_params: int = 0
-    shadow_grads: int = 0
+    staging: int = 0
     optimizer_main_params: int | None = None
     optimizer_state: int | None = None
-
-    @property
-    def shadow(self) -> int:
-        """NTP's extra training state on this rank: shadow parameters and gradients."""
-        return self.shadow_params + self.shadow_grads
 
     @property
     def optimizer(self) -> int:
@@ -115,10 +87,10 @@ class DDPMemoryReport:
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.shadow + self.optimizer
+        return self.params + self.grads + self.staging + self.optimizer
 
     def as_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "shadow": self.shadow, "optimizer": self.optimizer, "total": self.total}
+        return {**dataclasses.asdict(self), "optimizer": self.optimizer, "total": self.total}
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -158,119 +130,119 @@ def ddp_memory_report(ddp, optimizer=None) -> DDPMemoryReport:
     or :class:`NonuniformTPDistributedDataParallel` (``optimizer``: the Megatron optimizer
     built over it, for the optimizer's share). Local: no communication."""
     buffers = list(ddp.buffers) + list(ddp.expert_parallel_buffers)
-    grad_buffers = sum(_nbytes(b.grad_data) for b in buffers)
-    ntp = getattr(ddp, "_ntp", None)
-    if ntp is None:
-        groups = getattr(ddp, "_ntp_groups", None)
-        degraded = groups is not None and groups.ntp_active and groups.role.degraded
-        params = list(ddp.module.parameters())
-        report = DDPMemoryReport("degraded" if degraded else "uniform", _param_bytes(params, buffers), grad_buffers)
-        model_tensors = params + [b.param_data for b in buffers if b.param_data is not None]
+    groups = getattr(ddp, "_ntp_groups", None)
+    role = "uniform" if groups is None else groups.role.kind
+    pair = getattr(ddp, "_pair", None)
+    staging = 0 if pair is None else pair.scratch.nbytes
+    if role == "degraded":
+        params = list(ddp.compute_module.parameters())
+        grads = sum(_nbytes(p.main_grad) for p in pair.params)
     else:
-        compute = list(ddp.compute_module.parameters())
-        shadows = list(ddp.module.parameters())
-        spare = ddp._ntp_groups.role.spare
-        report = DDPMemoryReport(
-            "healthy spare" if spare else "healthy core",
-            _param_bytes(compute, []),
-            sum(_nbytes(p.main_grad) for _, p in ntp.compute),
-            _param_bytes(shadows, buffers),
-            grad_buffers,
-        )
-        model_tensors = compute + shadows + [b.param_data for b in buffers if b.param_data is not None]
+        params = list(ddp.module.parameters())
+        grads = sum(_nbytes(b.grad_data) for b in buffers)
+    report = DDPMemoryReport(role, _param_bytes(params, buffers), grads, staging)
     if optimizer is not None:
+        model_tensors = params + [b.param_data for b in buffers if b.param_data is not None]
         main, state = _optimizer_bytes(optimizer, model_tensors)
         report = dataclasses.replace(report, optimizer_main_params=main, optimizer_state=state)
     return report
 
 
-class NonuniformTPBucketGroup(_ParamAndGradBucketGroup):
-    """A bucket group of a healthy replica's shadow buffer: folds the compute
-    gradients of its parameters into the shadow right before the collective."""
+class PartnerBucketGroup(_ParamAndGradBucketGroup):
+    """A partner replica's bucket group: adds its satellite's gradients of the group into the
+    bucket right before Megatron scales and reduces it, and records (in the first step) the
+    order in which the backward hooks complete the groups."""
 
-    ntp_fold = None  # set by NonuniformTPDistributedDataParallel
+    ntp_pair = None  # the _PairState, set by NonuniformTPDistributedDataParallel
+    ntp_index = 0  # this group's index in ddp.bucket_groups
+    ntp_seq = -1  # position of this group's last grad-ready report in the first step
+
+    def register_grad_ready(self, param, force_all_reduce=False):
+        if self.is_last_microbatch and self.is_first_batch:
+            self.ntp_seq = next(self.ntp_pair.counter)
+        super().register_grad_ready(param, force_all_reduce=force_all_reduce)
 
     def start_grad_sync(self, force_all_reduce: bool | None = False):
         if self.is_first_batch and self.grad_reduce_handle is not None:
             return
-        self.ntp_fold()
+        self.ntp_pair.transfer_gradients(self.ntp_index)
         super().start_grad_sync(force_all_reduce=force_all_reduce)
 
 
-def _shadow_module(named_shapes) -> torch.nn.Module:
-    """An ``nn.Module`` tree with the given parameter names (dotted paths)."""
-    root = torch.nn.Module()
-    for name, param in named_shapes:
-        *path, leaf = name.split(".")
-        mod = root
-        for part in path:
-            if not hasattr(mod, part):
-                mod.add_module(part, torch.nn.Module())
-            mod = getattr(mod, part)
-        mod.register_parameter(leaf, param)
-    return root
+@dataclasses.dataclass
+class _PairState:
+    """One side of a degraded replica and its partner: the transfer units and their exchanges."""
 
+    partner: bool  # True on the partner's ranks, False on the satellite's
+    params: list  # this side's trainable parameters, in named_parameters order (the same on both sides)
+    units: list  # per bucket group of the partner: lists of parameter indices
+    grads: list  # per group: [reshard.Exchange per unit] (satellite -> partner, added)
+    weights: list  # per group: [reshard.Exchange per unit] (partner -> satellite, copied)
+    scratch: reshard.Scratch
+    group: object  # the pair's process group
+    root: int  # global rank of the partner's TP rank 0
+    overlap: bool
+    scale: float = 1.0  # the satellite's gradient weight over the partner's
+    order: list | None = None  # the partner's dispatch order of its groups (from the first step)
+    done: list = dataclasses.field(default_factory=list)  # per group: transferred this step
+    stale: bool = False  # an optimizer step happened since the last parameter transfer
+    syncs: int = 0  # grad syncs so far
+    counter: object = dataclasses.field(default_factory=itertools.count)
+    # satellite: when each group is ready (Megatron's rule: golden grad-ready counts of the first step)
+    group_of: list = dataclasses.field(default_factory=list)
+    last_microbatch: bool = True
+    golden: list | None = None
+    counts: list = dataclasses.field(default_factory=list)
+    next_pos: int = 0
 
-def _reduced_over_tp_by_finalize(config, name: str, param) -> bool:
-    """Whether Megatron's ``finalize_model_grads`` all-reduces this parameter's gradient
-    over the TP group (``_allreduce_non_tensor_model_parallel_grads``, megatron-core 0.19:
-    the sums of :func:`reshard.tp_summed_grad`, and the averages of parameters marked
-    ``average_gradients_across_tp_domain``). A spare keeps a shadow of these only, with a
-    zero gradient, so that it joins that all-reduce of its TP group's core ranks."""
-    return reshard.tp_summed_grad(config, name, param) or bool(
-        getattr(param, "average_gradients_across_tp_domain", False)
-    )
+    def __post_init__(self):
+        self.done = [False] * len(self.units)
+        self.counts = [{} for _ in self.units]
 
+    def dispatch_order(self) -> list[int]:
+        return self.order if self.order is not None else list(range(len(self.units)))
 
-class _FoldSchedule:
-    """When the fold of each of the core ranks' shadow bucket groups runs, the same on
-    every rank of a healthy TP group (core ranks and spares).
+    def transfer_gradients(self, k: int) -> None:
+        """Group ``k``'s gradient units (once per step). On the partner it runs where Megatron's
+        bucket group starts its collective; the satellite runs them in the partner's order."""
+        if self.done[k]:
+            return
+        if self.partner and self.order is not None:
+            expected = self.order[self.next_pos] if self.next_pos < len(self.order) else None
+            if expected != k:
+                raise RuntimeError(
+                    f"nonuniform TP: partner bucket group {k} started its gradient sync where group {expected} was "
+                    f"expected (the order recorded in the first step: {self.order}); the backward pass of this "
+                    "step reached the bucket groups in another order, so the satellite would send another group"
+                )
+        for exchange in self.grads[k]:
+            exchange.run(scale=1.0 if self.partner else self.scale)
+        self.done[k] = True
+        self.next_pos += 1
 
-    A fold is one all-to-all in the TP group, so every rank must issue them in the same
-    order. Core ranks own the shadow's bucket groups; spares own none and fold by
-    ``group_of`` (each compute parameter's bucket-group index, from TP rank 0). A group
-    folds where Megatron's bucket group starts its collective: with ``overlap_grad_reduce``,
-    from the backward hook of the last micro-batch once each of its parameters was reported
-    as often as in the first batch (Megatron's golden counts; never in the first batch);
-    else, and for the groups still pending, in ``start_grad_sync`` / ``finish_grad_sync``,
-    in bucket-group order. A group folds once per step (until :meth:`reset`)."""
-
-    def __init__(self, group_of: list[int], make_fold, overlap: bool):
-        self.group_of = group_of
-        self.members = [[] for _ in range(max(group_of, default=-1) + 1)]
-        for i, k in enumerate(group_of):
-            self.members[k].append(i)
-        self.folds = [make_fold(m) for m in self.members]
-        self.overlap = overlap
-        self.last_microbatch = True
-        self.golden = [None] * len(self.folds)
-        self.counts = [{} for _ in self.folds]
-        self.done = [False] * len(self.folds)
-
-    def fold(self, k: int) -> None:
-        if not self.done[k]:
-            self.folds[k]()
-            self.done[k] = True
-
-    def fold_pending(self) -> None:
-        for k in range(len(self.folds)):
-            self.fold(k)
-
+    # ---- satellite scheduling ----
     def grad_ready(self, index: int) -> None:
         if not (self.overlap and self.last_microbatch):
             return
         k = self.group_of[index]
         counts = self.counts[k]
         counts[index] = counts.get(index, 0) + 1
-        if self.golden[k] is not None and counts == self.golden[k]:
-            self.fold(k)
+        if self.golden is None or self.order is None:
+            return  # the first step transfers in finish_grad_sync, in group order
+        order = self.order
+        while self.next_pos < len(order) and self.counts[order[self.next_pos]] == self.golden[order[self.next_pos]]:
+            self.transfer_gradients(order[self.next_pos])
+
+    def flush(self) -> None:
+        for k in self.dispatch_order():
+            self.transfer_gradients(k)
 
     def reset(self) -> None:
-        for k, counts in enumerate(self.counts):
-            if self.golden[k] is None and counts:
-                self.golden[k] = counts
-        self.counts = [{} for _ in self.folds]
-        self.done = [False] * len(self.folds)
+        if self.golden is None and any(self.counts):
+            self.golden = self.counts
+        self.counts = [{} for _ in self.units]
+        self.done = [False] * len(self.units)
+        self.next_pos = 0
         self.last_microbatch = True
 
 
@@ -293,18 +265,22 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
     Same arguments plus ``ntp_config`` (and optionally the ``ntp_groups`` returned
     by :func:`initialize_nonuniform_tp_process_groups`; default: the installed
     ones). ``symm_mem_config`` (a :class:`megatron_ext.fsdp_symm.SymmMemConfig`)
-    stages the bucket buffers in NCCL symmetric memory per its policy; on gloo or
-    unsupported setups they stay plain with one warning. On degraded replicas and in jobs without failures it is exactly
-    Megatron's DDP. On healthy replicas ``self.module`` is the training shadow
-    (``tp_reduced`` layout; what the optimizer and ``state_dict`` see; on spare
-    ranks an empty module, see the module docstring) and :attr:`compute_module`
-    is the ``tp_base`` model that ``forward`` runs.
+    stages the healthy replicas' bucket buffers in NCCL symmetric memory per its
+    policy; on gloo or unsupported setups they stay plain with one warning.
 
-    ``batch_shares`` (a :class:`~megatron_ext.nonuniform_tp.balance.BatchShares`,
-    from ``ntp_config.batch_shares(global_batch_size, micro_batch_size)``) makes
-    the gradient the exact global-batch mean when replicas process unequal
-    shares; it is required when ``ntp_config.balance`` is not ``"none"``. See
-    :meth:`set_batch_shares`.
+    On healthy replicas and in uniform jobs it is Megatron's DDP (partners add their
+    satellite's gradients and send it the parameters, see the module docstring). On a
+    degraded replica ``self.module`` is an empty module (the optimizer built over it owns
+    nothing) and :attr:`compute_module` is the ``tp_reduced`` model that ``forward`` runs.
+
+    ``batch_shares`` (a :class:`~megatron_ext.nonuniform_tp.balance.BatchShares`, from
+    ``ntp_config.batch_shares(global_batch_size, micro_batch_size)``) makes the gradient the
+    exact global-batch mean when replicas process unequal shares; it is required when
+    ``ntp_config.balance`` is not ``"none"``. See :meth:`set_batch_shares`.
+
+    With ``calculate_per_token_loss`` set ``config.finalize_model_grads_func`` to
+    :func:`megatron_ext.nonuniform_tp.finalize_model_grads` (it adds a satellite's token
+    count to its partner's before Megatron's).
     """
 
     def __init__(
@@ -334,13 +310,14 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
         self.symm_mem_config = symm_mem_config
         self.symm_mem_decisions = []
         if symm_mem_config is not None:
-            # Stage the buckets' grad/param buffers (the shadow's on healthy ranks)
-            # in NCCL symmetric memory where the policy says so.
+            # Stage the buckets' grad/param buffers in NCCL symmetric memory where the policy says so.
             from megatron_ext.fsdp_symm.ddp import stage_ddp_buffers
 
             self.symm_mem_decisions = stage_ddp_buffers(self, symm_mem_config)
         if batch_shares is not None:
             self.set_batch_shares(batch_shares)
+        elif self._ntp_groups.ntp_active:
+            self._set_weights([1.0 / self._ntp_groups.layout.num_replicas] * self._ntp_groups.layout.num_replicas)
 
     def _init_ntp(
         self, config, ddp_config, module, disable_bucketing, pg_collection, full_param_layout, ntp_config, ntp_groups
@@ -359,127 +336,151 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
             )
         ntp_config.check_model(config, module=module)
         self._ntp_groups = groups
+        self._pair = None
+        self._tokens_shared = False
         if getattr(config, "sequence_parallel", False) or config.pipeline_model_parallel_size != 1:
             raise ValueError(
                 "nonuniform TP supports sequence_parallel=False and "
                 "pipeline_model_parallel_size=1 only; turn them off in the model config"
             )
         role = groups.role
-        healthy = groups.ntp_active and not role.degraded
-        if not healthy:
-            super().__init__(config, ddp_config, module, disable_bucketing, pg_collection, full_param_layout)
-            self._ntp = None
-            return
-        if ddp_config.overlap_param_gather:
+        kind = role.kind
+        if kind in ("partner", "degraded") and ddp_config.overlap_param_gather:
             raise NotImplementedError(
-                "nonuniform TP: overlap_param_gather=True is not supported on "
-                "healthy replicas yet; set overlap_param_gather=False"
+                "nonuniform TP: overlap_param_gather=True is not supported yet in a job with a degraded replica "
+                "(its partner sends the parameters after they are gathered); set overlap_param_gather=False"
             )
-
-        b, r = ntp_config.tp_base, ntp_config.tp_reduced
-        compute = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        pieces, shadows = [], []
-        for idx, (name, p) in enumerate(compute):
-            spec = reshard.shard_spec(name, p, config.gated_linear_unit)
-            shape = list(p.shape)
-            if spec.dim is not None:
-                shape[spec.dim] = shape[spec.dim] * b // r
-            size = p.shape[spec.dim] if spec.dim is not None else 0
-            # Gradients Megatron sums over TP (qk_layernorm): the spares' partial sums fold in too.
-            summed = reshard.tp_summed_grad(config, name, p)
-            pieces.append(reshard.reshard_pieces(idx, spec, size, b, r, name=name, summed=summed))
-            if role.spare and not _reduced_over_tp_by_finalize(config, name, p):
-                shadows.append(None)  # a spare trains nothing: it only sends its gradient pieces to core ranks
-                continue
-            shadow = torch.nn.Parameter(torch.zeros(shape, dtype=p.dtype, device=p.device))
-            for attr in _COPIED_ATTRS:
-                if hasattr(p, attr):
-                    setattr(shadow, attr, getattr(p, attr))
-            shadows.append(shadow)
-        tp_rank, tp_group = role.tp_rank, groups.tp_group
-        fold_all = [pc for per in pieces for pc in per]
-        params_fold = [pc for pc in fold_all if not pc.add]  # parameters are whole on every rank, never summed
-        reshard.exchange(
-            params_fold, tp_rank, tp_group, src=lambda i: compute[i][1].data, dst=lambda i: shadows[i].data
-        )
-
-        super().__init__(
-            config,
-            ddp_config,
-            _shadow_module((n, s) for (n, _), s in zip(compute, shadows) if s is not None),
-            disable_bucketing,
-            pg_collection,
-            full_param_layout,
-        )
-
-        # Compute-side gradient accumulation (what the layers and the hooks add into).
+        if kind != "degraded":
+            super().__init__(config, ddp_config, module, disable_bucketing, pg_collection, full_param_layout)
+            if kind == "partner":
+                self._init_pair(config, ddp_config, [p for _, p in self._trainable(module)], ntp_config, partner=True)
+            return
+        # A degraded replica: Megatron's DDP over an empty module (no buffers, and the optimizer built
+        # over it owns nothing); the model itself forward runs, with its own gradient accumulation.
+        super().__init__(config, ddp_config, torch.nn.Module(), disable_bucketing, pg_collection, full_param_layout)
+        self.__dict__["_compute_module"] = module  # not a registered submodule
+        params = [p for _, p in self._trainable(module)]
         grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else None
-        for _, p in compute:
+        for p in params:
             p.main_grad = torch.zeros_like(p, dtype=grad_dtype or p.dtype)
             p.grad_added_to_main_grad = False
-        scratch = reshard.Scratch()  # the folds' and unfolds' flat buffers, one per dtype
-        schedule = _FoldSchedule(
-            self._bucket_group_of(compute, shadows, role.spare, tp_group),
-            lambda idxs: self._make_fold(
-                [pc for i in idxs for pc in pieces[i]], compute, shadows, tp_rank, tp_group, scratch
-            ),
-            ddp_config.overlap_grad_reduce,
-        )
-        if not role.spare:  # a spare's own bucket groups (if any) hold only zero gradients: no fold
-            for k, bucket_group in enumerate(self.bucket_groups):
-                bucket_group.__class__ = NonuniformTPBucketGroup
-                bucket_group.ntp_fold = functools.partial(schedule.fold, k)
-
-        self._ntp = _HealthyState(
-            compute=compute,
-            shadows=shadows,
-            tp_rank=tp_rank,
-            tp_group=tp_group,
-            unfold=reshard.reverse(fold_all, b, r),
-            schedule=schedule,
-            scratch=scratch,
-        )
-        self.__dict__["_compute_module"] = module  # not a registered submodule
-        self._compute_hooks = []
-        for idx, ((_, p), s) in enumerate(zip(compute, shadows)):
+        self._init_pair(config, ddp_config, params, ntp_config, partner=False)
+        self._grad_hooks = []
+        for index, p in enumerate(params):
             acc = p.expand_as(p).grad_fn.next_functions[0][0]
-            acc.register_hook(self._make_compute_hook(idx, p, None if role.spare else s))
-            self._compute_hooks.append(acc)
+            acc.register_hook(self._make_grad_hook(index, p))
+            self._grad_hooks.append(acc)
 
-    def _bucket_group_of(self, compute, shadows, spare: bool, tp_group) -> list[int]:
-        """Each compute parameter's bucket group among the core ranks' shadow bucket groups
-        (``self.bucket_groups`` order), the same list on every rank of the healthy TP group:
-        TP rank 0 (a core rank) broadcasts its own; spares have no such bucket groups."""
-        if not compute:
-            return []
-        mine = torch.full((len(compute),), -1, dtype=torch.int64, device=compute[0][1].device)
-        if not spare:
-            index_of = {id(s): i for i, s in enumerate(shadows)}
+    @staticmethod
+    def _trainable(module):
+        return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+
+    def _init_pair(self, config, ddp_config, params, ntp_config, partner: bool) -> None:
+        groups = self._ntp_groups
+        layout, role = groups.layout, groups.role
+        degraded = role.replica if not partner else role.partner
+        healthy = role.partner if not partner else role.replica
+        group = groups.pair_group
+        base_ranks = [dist.get_group_rank(group, g) for g in layout.tp_group_ranks(healthy)]
+        reduced_ranks = [dist.get_group_rank(group, g) for g in layout.tp_group_ranks(degraded)]
+        root = layout.tp_group_ranks(healthy)[0]
+        device = params[0].device if params else torch.device("cpu")
+        # The partner's bucket groups and transfer units, sent to the satellite (the same on every partner rank).
+        plan = torch.full((2, len(params)), -1, dtype=torch.int64, device=device)
+        if partner:
+            index_of = {id(p): i for i, p in enumerate(params)}
+            limit = int(ntp_config.transfer_chunk_mb * 2**20)
             for k, bucket_group in enumerate(self.bucket_groups):
-                for s in bucket_group.params:
-                    mine[index_of[id(s)]] = k
-        group_of = mine.clone()
-        dist.broadcast(group_of, src=dist.get_global_rank(tp_group, 0), group=tp_group)
-        if (not spare and not torch.equal(group_of, mine)) or bool((group_of < 0).any()):
+                unit, size = 0, 0
+                for p in sorted(bucket_group.params, key=lambda q: index_of[id(q)]):
+                    nbytes = p.main_grad.numel() * p.main_grad.element_size()
+                    if size and size + nbytes > limit:
+                        unit, size = unit + 1, 0
+                    plan[0, index_of[id(p)]], plan[1, index_of[id(p)]] = k, unit
+                    size += nbytes
+        mine = plan.clone()
+        dist.broadcast(plan, src=root, group=group)
+        if (partner and not torch.equal(plan, mine)) or bool((plan < 0).any()):
             raise RuntimeError(
-                "nonuniform TP: the core ranks of a healthy TP group built different shadow bucket groups "
-                f"({mine.tolist()} here, {group_of.tolist()} on TP rank 0); every rank needs the same "
-                "DistributedDataParallelConfig and model"
+                "nonuniform TP: the ranks of a partner replica built different bucket groups, or a trainable "
+                f"parameter is in none ({mine.tolist()} here, {plan.tolist()} on its TP rank 0); every rank needs "
+                "the same DistributedDataParallelConfig and model"
             )
-        return group_of.tolist()
+        group_of, unit_of = plan.tolist()
+        n_groups = max(group_of, default=-1) + 1
+        units = [[] for _ in range(n_groups)]
+        for i, (k, u) in enumerate(zip(group_of, unit_of)):
+            while len(units[k]) <= u:
+                units[k].append([])
+            units[k][u].append(i)
+        b = layout.tp_base
+        names = [n for n, _ in self._trainable(self.compute_module)]
+        me = dist.get_group_rank(group, dist.get_rank())
+        scratch = reshard.Scratch()
+
+        def pieces(idx, gradient):
+            out = []
+            for i in idx:
+                p = params[i]
+                spec = reshard.shard_spec(names[i], p, config.gated_linear_unit)
+                size = 0  # along the split dim, of a tp_base shard
+                if spec.dim is not None:
+                    size = p.shape[spec.dim] if partner else p.shape[spec.dim] * role.tp_size // b
+                summed = reshard.tp_summed_grad(config, names[i], p)
+                out += reshard.pair_pieces(
+                    i, spec, size, base_ranks, reduced_ranks, gradient=gradient, summed=summed, name=names[i]
+                )
+            return out
+
+        grad_of = lambda i: params[i].main_grad  # noqa: E731
+        data_of = lambda i: params[i].data  # noqa: E731
+        self._pair = _PairState(
+            partner=partner,
+            params=params,
+            units=units,
+            grads=[
+                [reshard.Exchange(pieces(u, True), me, group, grad_of, grad_of, scratch) for u in per]
+                for per in units
+            ],
+            weights=[
+                [reshard.Exchange(pieces(u, False), me, group, data_of, data_of, scratch) for u in per]
+                for per in units
+            ],
+            scratch=scratch,
+            group=group,
+            root=root,
+            overlap=ddp_config.overlap_grad_reduce,
+            group_of=group_of,
+        )
+        if partner:
+            for k, bucket_group in enumerate(self.bucket_groups):
+                bucket_group.__class__ = PartnerBucketGroup
+                bucket_group.ntp_pair, bucket_group.ntp_index = self._pair, k
+        self.sync_compute_params()  # the satellite starts from its partner's weights
+
+    def _make_grad_hook(self, index, param):
+        def hook(*unused):
+            if param.grad is not None and not param.grad_added_to_main_grad:
+                param.main_grad.add_(param.grad.data)
+            param.grad = None
+            if self.ddp_config.overlap_grad_reduce:
+                self._pair.grad_ready(index)  # may transfer this parameter's bucket group (and later ready ones)
+
+        return hook
 
     # ---- batch shares ---------------------------------------------------------------
     def set_batch_shares(self, shares: BatchShares) -> None:
-        """Weight this replica's gradient by its share of every global batch.
+        """Weight every replica's gradient by its share of every global batch.
 
         Megatron scales each bucket by ``1 / data_parallel_size`` before the
         data-parallel sum (all-reduce, or reduce-scatter with the distributed
         optimizer). Here the factor is ``shares.gradient_weight(replica)`` =
         ``num_microbatches(replica) / total_microbatches`` (times the group size
-        where the collective averages), so that the sum is the mean over every
+        where the collective averages), and a satellite's gradient arrives scaled by
+        its weight over its partner's, so that the sum is the mean over every
         micro-batch of the global batch when each replica's loss is divided by its
         own ``num_microbatches`` (Megatron's forward-backward function does that).
-        With ``calculate_per_token_loss`` the factor stays 1: the collective sums
+        With ``calculate_per_token_loss`` the factors stay 1: the collective sums
         per-token losses and ``finalize_model_grads`` divides by the global token
         count, which is exact for any shares.
 
@@ -487,7 +488,7 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
         rank with the shares the sampler and ``num_microbatches`` use."""
         if not isinstance(shares, BatchShares):
             raise TypeError(f"batch_shares must be a BatchShares (ntp_config.batch_shares(...)), got {shares!r}")
-        layout, replica = self._ntp_groups.layout, self._ntp_groups.role.replica
+        layout = self._ntp_groups.layout
         if shares.num_replicas != layout.num_replicas:
             raise ValueError(
                 f"batch_shares are for {shares.num_replicas} replicas but the job has "
@@ -499,9 +500,17 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
                 "supported; use one distributed-optimizer instance or --ntp-balance none"
             )
         self.batch_shares = shares
+        self._set_weights([shares.gradient_weight(d) for d in range(layout.num_replicas)])
+
+    def _set_weights(self, weights: list[float]) -> None:
         if self.config.calculate_per_token_loss:
             return
-        weight = shares.gradient_weight(replica)
+        role = self._ntp_groups.role
+        if self._pair is not None:
+            satellite = role.replica if role.degraded else role.partner
+            healthy = role.partner if role.degraded else role.replica
+            self._pair.scale = weights[satellite] / weights[healthy]
+        weight = weights[role.replica]
         for bucket_group in self.bucket_groups + self.expert_parallel_bucket_groups:
             factor = weight
             if bucket_group.ddp_config.average_in_collective:
@@ -514,98 +523,69 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
             for bucket in bucket_group.buckets:
                 bucket.gradient_scaling_factor = factor
 
-    # ---- healthy-replica machinery -------------------------------------------------
+    # ---- the pair of replicas -------------------------------------------------------
     @property
     def compute_module(self) -> torch.nn.Module:
-        """The module ``forward`` runs (``tp_base`` layout on healthy replicas)."""
+        """The module ``forward`` runs (the ``tp_reduced`` model on a degraded replica)."""
         return self.__dict__.get("_compute_module", self.module)
 
     @property
-    def is_ntp_healthy_rank(self) -> bool:
-        return self._ntp is not None
+    def ntp_role(self) -> str:
+        """``"uniform"``, ``"bystander"``, ``"partner"`` or ``"degraded"``."""
+        return self._ntp_groups.role.kind
 
     def memory_report(self, optimizer=None) -> DDPMemoryReport:
-        """This rank's bytes for parameters, gradients, the training shadow and
-        (given the Megatron optimizer) the optimizer: :class:`DDPMemoryReport`.
-        Local, no communication; sizes do not change during training except the
-        optimizer state, which torch's Adam allocates at the first step."""
+        """This rank's bytes for parameters, gradients, transfer staging and (given the
+        Megatron optimizer) the optimizer: :class:`DDPMemoryReport`. Local, no
+        communication; sizes do not change during training except the optimizer state,
+        which torch's Adam allocates at the first step."""
         return ddp_memory_report(self, optimizer)
-
-    @staticmethod
-    def _make_fold(pieces, compute, shadows, tp_rank, tp_group, scratch):
-        return reshard.Exchange(
-            pieces,
-            tp_rank,
-            tp_group,
-            src=lambda i: compute[i][1].main_grad,
-            dst=lambda i: shadows[i].main_grad,
-            scratch=scratch,
-        ).run
-
-    def _make_compute_hook(self, index, param, shadow):
-        def hook(*unused):
-            if param.grad is not None and not param.grad_added_to_main_grad:
-                param.main_grad.add_(param.grad.data)
-            param.grad = None
-            if self.ddp_config.overlap_grad_reduce:
-                self._ntp.schedule.grad_ready(index)  # may fold this parameter's bucket group
-                if shadow is not None:  # core ranks: Megatron's bucket group then starts its collective
-                    self.param_to_bucket_group[shadow].register_grad_ready(shadow, self.force_all_reduce)
-
-        return hook
 
     @torch.no_grad()
     def sync_compute_params(self) -> None:
-        """Copy the (optimizer-updated) shadow into the ``tp_base`` compute
-        parameters. Runs automatically before the first forward after a grad
-        sync; call it yourself after loading a checkpoint into the shadow."""
-        if self._ntp is None:
+        """The partner's parameters into its satellite's (resharded to ``tp_reduced``). Runs
+        by itself before the first forward after a step; call it yourself, on every rank of
+        the pair, after loading a checkpoint into the healthy replicas. A no-op elsewhere."""
+        pair = self._pair
+        if pair is None:
             return
-        ntp = self._ntp
-        if ntp.unfolds is None:  # one exchange per dtype, built at the first unfold, run every step
-            by_dtype = {}
-            for pc in ntp.unfold:
-                by_dtype.setdefault(ntp.compute[pc.index][1].dtype, []).append(pc)  # a shadow has its param's dtype
-            ntp.unfolds = [
-                reshard.Exchange(
-                    by_dtype[dtype],
-                    ntp.tp_rank,
-                    ntp.tp_group,
-                    # only core ranks send; on a spare (no shadow) src gives the dtype and device at most
-                    src=lambda i: (ntp.compute[i][1] if ntp.shadows[i] is None else ntp.shadows[i]).data,
-                    dst=lambda i: ntp.compute[i][1].data,
-                    scratch=ntp.scratch,
-                )
-                for dtype in sorted(by_dtype, key=str)
-            ]
-        for unfold in ntp.unfolds:
-            unfold.run()
-        ntp.stale = False
-
-    def fold_gradients(self) -> None:
-        """Fold this step's pending gradients into the shadow now (healthy replicas; a
-        no-op on degraded ones). ``start_grad_sync`` / ``finish_grad_sync`` run the same
-        folds first, so calling this before them only moves the folds' time out of the
-        DP collective's, e.g. to time them apart. Collective over the TP group: call it on
-        every rank of the replica."""
-        if self._ntp is not None:
-            self._ntp.schedule.fold_pending()
+        for per in pair.weights:
+            for exchange in per:
+                exchange.run()
+        pair.stale = False
 
     def refresh_compute_params(self) -> None:
-        """Bring the compute parameters up to date with the optimizer's last step
-        (a no-op unless the shadow changed since the last unfold). Collective
-        over the TP group; call it on every rank before reading
-        :attr:`compute_module`'s weights outside forward, e.g. to export them."""
-        if self._ntp is not None and self._ntp.stale:
-            self.sync_compute_params()
+        """Bring a degraded replica's parameters up to date with its partner's last step (a
+        no-op unless a step happened since the last transfer). Collective over the pair: call
+        it on every rank before reading :attr:`compute_module`'s weights outside forward, e.g.
+        to export them."""
+        pair = self._pair
+        if pair is None or not pair.stale:
+            return
+        if pair.overlap and pair.order is None:
+            # after the first step: the partner's bucket groups dispatch in this order from now on
+            order = list(range(len(pair.units)))
+            if pair.partner:
+                order.sort(key=lambda k: self.bucket_groups[k].ntp_seq)
+            order = torch.tensor(order, dtype=torch.int64, device=_device_of(pair))
+            dist.broadcast(order, src=pair.root, group=pair.group)
+            pair.order = order.tolist()
+        self.sync_compute_params()
+
+    def transfer_gradients(self) -> None:
+        """A degraded replica: send this step's pending gradient units to the partner now
+        (``finish_grad_sync`` does it otherwise); a partner: add them into its buckets without
+        starting the DP collectives is not possible, so this is a no-op there. Lets a benchmark
+        time the satellite's transfers apart."""
+        if self._pair is not None and not self._pair.partner:
+            self._pair.flush()
 
     # ---- DDP interface -------------------------------------------------------------
     def __getattr__(self, name):
         # Megatron reads model attributes through the DDP wrapper (utils.get_attr_wrapped_model
         # follows ``.module``: model_type, set_input_tensor, decoder, post_process, ... in the
-        # forward-backward functions). On a healthy replica ``.module`` is the shadow, so what the
-        # wrapper itself lacks comes from the compute model, the one forward runs.
-        # The compute model may itself be wrapped (Float16Module with --bf16): follow its ``.module``s.
+        # forward-backward functions). On a degraded replica ``.module`` is empty, so what the
+        # wrapper itself lacks comes from the model forward runs (through Float16Module's ``.module``s).
         try:
             return super().__getattr__(name)
         except AttributeError:
@@ -621,47 +601,80 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
                         raise
 
     def forward(self, *inputs, **kwargs):
-        if self._ntp is None:
-            return super().forward(*inputs, **kwargs)
         self.refresh_compute_params()
+        if "_compute_module" not in self.__dict__:
+            return super().forward(*inputs, **kwargs)
         return self._compute_module(*inputs, **kwargs)
 
     def train(self, mode: bool = True):
         super().train(mode)
-        if self._ntp is not None:
+        if "_compute_module" in self.__dict__:
             self._compute_module.train(mode)
         return self
+
+    def _refuse_degraded_state(self, what: str):
+        raise RuntimeError(
+            f"{what} of a degraded replica: it holds a copy of its partner's weights at TP "
+            f"{self._ntp_groups.layout.tp_reduced} and no optimizer state; the healthy replicas hold the job's "
+            "state in the uniform tp_base layout. Save from them (model_sharded_state_dict(ddp) returns None here: "
+            "leave 'model' and 'optimizer' out on this rank, but call dist_checkpointing.save/load on it too)"
+        )
+
+    def state_dict(self, *args, **kwargs):
+        if "_compute_module" in self.__dict__:
+            self._refuse_degraded_state("state_dict()")
+        return super().state_dict(*args, **kwargs)
+
+    def sharded_state_dict(self, *args, **kwargs):
+        if "_compute_module" in self.__dict__:
+            self._refuse_degraded_state("sharded_state_dict()")
+        return super().sharded_state_dict(*args, **kwargs)
 
     @contextlib.contextmanager
     def no_sync(self):
         with super().no_sync():
-            if self._ntp is None:
+            if self._pair is None or self._pair.partner:
                 yield
                 return
-            self._ntp.schedule.last_microbatch = False
+            self._pair.last_microbatch = False
             try:
                 yield
             finally:
-                self._ntp.schedule.last_microbatch = True
+                self._pair.last_microbatch = True
 
     def start_grad_sync(self, *unused):
-        if self._ntp is not None:
-            self._ntp.schedule.fold_pending()
+        if self._pair is not None and not self._pair.partner:
+            self._pair.flush()
         super().start_grad_sync(*unused)
 
     def finish_grad_sync(self, force_all_reduce: bool | None = False):
-        if self._ntp is not None:
-            self._ntp.schedule.fold_pending()  # in bucket-group order on every rank, spares included
+        pair = self._pair
+        if pair is not None and self.config.calculate_per_token_loss and not self._tokens_shared:
+            raise RuntimeError(
+                "nonuniform TP with calculate_per_token_loss: a degraded replica's token count must reach its "
+                "partner's before Megatron divides by the global count; set config.finalize_model_grads_func = "
+                "megatron_ext.nonuniform_tp.finalize_model_grads (it wraps Megatron's)"
+            )
+        self._tokens_shared = False
+        if pair is not None and not pair.partner:
+            pair.flush()  # in the partner's order, the groups not sent yet
         super().finish_grad_sync(force_all_reduce=force_all_reduce)
-        if self._ntp is not None:
-            self._ntp.stale = True
+        if pair is not None:
+            pair.syncs += 1
+            pair.stale = True
 
     def zero_grad_buffer(self):
         super().zero_grad_buffer()
-        if self._ntp is None:
+        pair = self._pair
+        if pair is None:
             return
-        self._ntp.schedule.reset()
+        pair.reset()
         self.refresh_compute_params()
-        torch._foreach_zero_([p.main_grad for _, p in self._ntp.compute])  # one launch per dtype, not per param
-        for _, p in self._ntp.compute:
-            p.grad_added_to_main_grad = False
+        if not pair.partner:
+            torch._foreach_zero_([p.main_grad for p in pair.params])  # one launch per dtype, not per param
+            for p in pair.params:
+                p.grad_added_to_main_grad = False
+
+
+def _device_of(pair: _PairState) -> torch.device:
+    return pair.params[0].device if pair.params else torch.device("cpu")

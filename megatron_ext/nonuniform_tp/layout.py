@@ -1,14 +1,20 @@
-"""Rank layout of an NTP job: which global ranks form which TP and DP groups.
+"""Rank layout of an NTP job: which global ranks form which TP, DP and partner groups.
 
 Replica ``d`` has TP slots ``0..tp_base-1``. A degraded replica's active slots,
 in slot order, are its TP ranks ``0..tp_reduced-1``; a healthy replica's slot
-is its TP rank. TP rank ``i < tp_reduced`` is a *core* rank, the others (only
-in healthy replicas) are *spares*.
+is its TP rank.
 
-Data-parallel groups: for each core TP rank ``i``, one group of the TP-rank-``i``
-process of every replica (the gradients it reduces are laid out as a degraded
-replica's rank ``i`` holds them). For each spare TP rank ``j``, one group of
-the healthy replicas' rank ``j`` (it never carries training state).
+Healthy replicas form a uniform ``tp_base`` job among themselves: the DP group
+of TP rank ``j`` holds rank ``j`` of every healthy replica. Each degraded
+replica is a *satellite* of one healthy *partner* replica (the ``k``-th
+degraded replica, in index order, of the ``k``-th healthy one): its gradients
+go to the partner's ranks before the partner's DP collective, and the updated
+parameters come back from them. A degraded replica takes part in no DP
+collective; its DP group is the rank alone. The healthy replicas that are
+nobody's partner are *bystanders*: a uniform job's ranks.
+
+When every replica is degraded (or none is), the job is uniform: all replicas
+at one degree, DP groups over all of them.
 
 Global ranks: ``packed`` numbers the active slots replica by replica, skipping
 the failed ones (world = healthy GPUs); ``simulate`` gives slot ``s`` of replica
@@ -24,7 +30,9 @@ __all__ = ["NTPLayout", "RankRole"]
 
 @dataclasses.dataclass(frozen=True)
 class RankRole:
-    """Where one global rank sits in the NTP layout."""
+    """Where one global rank sits in the NTP layout. ``partner``: on a degraded
+    replica the healthy replica it is the satellite of; on a healthy replica the
+    degraded replica it is the partner of; ``None`` on bystanders and in uniform jobs."""
 
     replica: int
     slot: int
@@ -32,11 +40,14 @@ class RankRole:
     tp_size: int
     degraded: bool
     tp_size_reduced: int
+    partner: int | None = None
 
     @property
-    def spare(self) -> bool:
-        """A healthy replica's TP rank with no counterpart in degraded replicas."""
-        return not self.degraded and self.tp_rank >= self.tp_size_reduced
+    def kind(self) -> str:
+        """``"uniform"`` (no replica runs at another degree), ``"bystander"``, ``"partner"`` or ``"degraded"``."""
+        if self.degraded:
+            return "degraded" if self.partner is not None else "uniform"
+        return "partner" if self.partner is not None else ("bystander" if self.tp_size != self.tp_size_reduced else "uniform")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +92,14 @@ class NTPLayout:
                 f"NonuniformTPConfig.non_active_ranks_per_dp names replica(s) {bad} but the job has "
                 f"{replicas} replicas (allowed: 0..{replicas - 1})"
             )
+        healthy = replicas - len(failed)
+        if failed and 0 < healthy < len(failed):
+            raise ValueError(
+                f"--ntp-failed-slots lists {len(failed)} degraded replica(s) but the job has only {healthy} "
+                f"healthy one(s): every degraded replica needs its own healthy partner. List every replica in "
+                f"--ntp-failed-slots to run all {replicas} at TP {config.tp_reduced} (a uniform job), or drop "
+                "the degraded replicas from the job"
+            )
         rank_of, nxt = [], 0
         for d in range(replicas):
             row = []
@@ -95,10 +114,38 @@ class NTPLayout:
             rank_of.append(tuple(row))
         return cls(b, config.tp_reduced, replicas, config.launch_mode, tuple(rank_of), dict(failed))
 
-    # ---- groups -------------------------------------------------------------
+    # ---- replicas -----------------------------------------------------------
     def is_degraded(self, replica: int) -> bool:
         return replica in self.failed
 
+    @property
+    def degraded_replicas(self) -> list[int]:
+        return sorted(self.failed)
+
+    @property
+    def healthy_replicas(self) -> list[int]:
+        return [d for d in range(self.num_replicas) if d not in self.failed]
+
+    @property
+    def nonuniform(self) -> bool:
+        """True when replicas run at two TP degrees (else the job is uniform)."""
+        return self.tp_reduced != self.tp_base and bool(self.failed) and bool(self.healthy_replicas)
+
+    @property
+    def partners(self) -> dict[int, int]:
+        """Degraded replica -> its healthy partner (the k-th degraded with the k-th healthy)."""
+        if not self.nonuniform:
+            return {}
+        return dict(zip(self.degraded_replicas, self.healthy_replicas))
+
+    def partner_of(self, replica: int) -> int | None:
+        """The other side of ``replica``'s pair, or None (bystander, uniform job)."""
+        pairs = self.partners
+        if replica in pairs:
+            return pairs[replica]
+        return next((d for d, p in pairs.items() if p == replica), None)
+
+    # ---- groups -------------------------------------------------------------
     def active_slots(self, replica: int) -> list[int]:
         return [s for s in range(self.tp_base) if s not in self.failed.get(replica, ())]
 
@@ -106,19 +153,34 @@ class NTPLayout:
         """Global ranks of a replica's TP group, in TP-rank order."""
         return [self.rank_of[replica][s] for s in self.active_slots(replica)]
 
-    def dp_group_ranks(self, tp_rank: int) -> list[int]:
-        """Global ranks of the DP group of TP rank ``tp_rank`` (core or spare)."""
-        if tp_rank < self.tp_reduced:
-            return [self.tp_group_ranks(d)[tp_rank] for d in range(self.num_replicas)]
-        return [self.tp_group_ranks(d)[tp_rank] for d in range(self.num_replicas) if not self.is_degraded(d)]
-
     def all_tp_groups(self) -> list[list[int]]:
         return [self.tp_group_ranks(d) for d in range(self.num_replicas)]
 
     def all_dp_groups(self) -> list[list[int]]:
-        """Core groups first, then spare groups (empty ones skipped)."""
-        groups = [self.dp_group_ranks(i) for i in range(self.tp_base)]
-        return [g for g in groups if g]
+        """Every rank's DP group, each once: in a nonuniform job the healthy replicas' rank ``j``
+        for each TP rank ``j``, then every degraded rank alone; in a uniform job rank ``i`` of
+        every replica."""
+        if not self.nonuniform:
+            tp = len(self.tp_group_ranks(0))
+            return [[self.tp_group_ranks(d)[i] for d in range(self.num_replicas)] for i in range(tp)]
+        groups = [[self.tp_group_ranks(d)[j] for d in self.healthy_replicas] for j in range(self.tp_base)]
+        return groups + [[r] for d in self.degraded_replicas for r in self.tp_group_ranks(d)]
+
+    def pair_group_ranks(self, degraded: int) -> list[int]:
+        """The ranks of one degraded replica and its partner (the gradient and parameter transfers)."""
+        return sorted(self.tp_group_ranks(self.partners[degraded]) + self.tp_group_ranks(degraded))
+
+    def all_pair_groups(self) -> list[list[int]]:
+        return [self.pair_group_ranks(d) for d in self.degraded_replicas]
+
+    def optimizer_groups(self) -> list[list[int]]:
+        """The ranks whose optimizers reduce gradient statistics together (the distributed
+        optimizer's instance): all healthy ranks; each degraded replica alone (its optimizer
+        owns nothing). In a uniform job: all ranks."""
+        if not self.nonuniform:
+            return [self.active_ranks]
+        healthy = sorted(r for d in self.healthy_replicas for r in self.tp_group_ranks(d))
+        return [healthy] + [self.tp_group_ranks(d) for d in self.degraded_replicas]
 
     @property
     def world_size(self) -> int:
@@ -141,5 +203,6 @@ class NTPLayout:
                     tp_size=len(ranks),
                     degraded=self.is_degraded(d),
                     tp_size_reduced=self.tp_reduced,
+                    partner=self.partner_of(d),
                 )
         return None

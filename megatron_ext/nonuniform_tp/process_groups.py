@@ -39,7 +39,8 @@ class NTPProcessGroups:
     tp_group: dist.ProcessGroup | None
     dp_group: dist.ProcessGroup | None
     dp_group_gloo: dist.ProcessGroup | None
-    active_group: dist.ProcessGroup | None
+    optimizer_group: dist.ProcessGroup | None  # healthy ranks together; a degraded replica alone
+    pair_group: dist.ProcessGroup | None = None  # a degraded replica and its partner; None elsewhere
 
     @property
     def is_active(self) -> bool:
@@ -48,9 +49,7 @@ class NTPProcessGroups:
     @property
     def ntp_active(self) -> bool:
         """True when replicas run at different TP degrees (else NTP is a no-op)."""
-        return self.config.tp_spares > 0 and any(
-            not self.layout.is_degraded(d) for d in range(self.layout.num_replicas)
-        )
+        return self.layout.nonuniform
 
     def pg_collection(self):
         """A megatron ``ProcessGroupCollection`` with the NTP groups."""
@@ -122,13 +121,16 @@ def initialize_nonuniform_tp_process_groups(config: NonuniformTPConfig) -> NTPPr
     layout = dataclasses.replace(config, launch_mode="packed").layout(world)
     role = layout.role(me)
 
+    # Every rank creates every group, in the same order.
     tp_group = _new_groups(layout.all_tp_groups())
     dp_lists = layout.all_dp_groups()
     dp_group = _new_groups(dp_lists)
     dp_group_gloo = _new_groups(dp_lists, backend="gloo")
-    active_group = _new_groups([layout.active_ranks])
+    pair_group = _new_groups(layout.all_pair_groups())
+    optimizer_lists = layout.optimizer_groups()
+    optimizer_group = _new_groups(optimizer_lists)
 
-    _STATE = NTPProcessGroups(config, layout, role, tp_group, dp_group, dp_group_gloo, active_group)
+    _STATE = NTPProcessGroups(config, layout, role, tp_group, dp_group, dp_group_gloo, optimizer_group, pair_group)
     if role is None:
         return _STATE
 
@@ -174,7 +176,7 @@ def initialize_nonuniform_tp_process_groups(config: NonuniformTPConfig) -> NTPPr
         "_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP",
         "_INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP",
     ):
-        setattr(ps, name, active_group)
+        setattr(ps, name, optimizer_group)
     # Data loaders ask get_data_parallel_rank()/world_size() which share of the
     # global batch to read: on every rank (spares included) that is its replica.
     ps._MPU_DATA_PARALLEL_RANK = role.replica

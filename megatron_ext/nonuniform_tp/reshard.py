@@ -1,5 +1,6 @@
 """Move TP shards between the healthy layout (``tp_base`` ranks) and the
-degraded layout (``tp_reduced`` ranks) inside one healthy replica's TP group.
+degraded layout (``tp_reduced`` ranks): a degraded replica's gradients into its
+healthy partner's, the partner's parameters back (:func:`pair_pieces`).
 
 How a parameter is sharded is :func:`megatron_ext.sharding.shard_spec`'s
 description, shared with the checkpoint converters and the refit. Megatron's
@@ -12,15 +13,16 @@ degree ``t`` of rank ``k`` is therefore, per chunk, the contiguous global range
 ``[k*n/t, (k+1)*n/t)``; resharding is range intersection.
 
 Tensors that are not TP-sharded (norms, row-parallel biases, position
-embeddings) are replicated in a TP group: core rank ``i`` keeps its own copy
-and spare rank ``j`` receives it from core rank ``j % tp_reduced``.
+embeddings) are replicated in a TP group: degraded rank ``i`` takes partner
+rank ``i``'s copy, and partner rank ``j`` adds degraded rank ``j % tp_reduced``'s
+gradient.
 
 Some replicated parameters get a *partial* gradient on each TP rank, which
 Megatron's ``finalize_model_grads`` sums over the TP group after the
 data-parallel collective (:func:`tp_summed_grad`: the q/k layer norms with
-``qk_layernorm``, each rank's gradient covering its own heads). Their fold adds
-spare ``j``'s gradient into core rank ``j % tp_reduced``'s, so that the sum
-over the core ranks is the sum over all ``tp_base`` ranks.
+``qk_layernorm``, each rank's gradient covering its own heads). Degraded rank
+``i``'s partial goes to partner rank ``i`` only, so that the partner's TP sum
+holds every rank's part once.
 """
 
 from __future__ import annotations
@@ -34,7 +36,17 @@ import torch.distributed as dist
 from ..copies import CopyBatch
 from ..sharding.megatron import ShardSpec, shard_spec
 
-__all__ = ["Exchange", "Piece", "Scratch", "ShardSpec", "exchange", "reshard_pieces", "shard_spec", "tp_summed_grad"]
+__all__ = [
+    "Exchange",
+    "Piece",
+    "Scratch",
+    "ShardSpec",
+    "exchange",
+    "pair_pieces",
+    "reshard_pieces",
+    "shard_spec",
+    "tp_summed_grad",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +132,52 @@ def reshard_pieces(
                         )
                     )
     return pieces
+
+
+def pair_pieces(
+    index: int,
+    spec: ShardSpec,
+    local_size_at_base: int,
+    base_ranks: Sequence[int],
+    reduced_ranks: Sequence[int],
+    *,
+    gradient: bool,
+    summed: bool = False,
+    name: str | None = None,
+) -> list[Piece]:
+    """The pieces of one parameter between a healthy partner (``base_ranks[j]``: the group rank
+    of its TP rank ``j``) and its degraded satellite (``reduced_ranks[i]``).
+
+    ``gradient=False``: the partner's parameter into the satellite's (copies; replicated tensors
+    from partner rank ``i`` to degraded rank ``i``). ``gradient=True``: the satellite's gradient
+    *added* into the partner's; a replicated gradient of degraded rank ``j % tp_reduced`` into
+    partner rank ``j``, or with ``summed`` (:func:`tp_summed_grad`, a partial sum per TP rank)
+    degraded rank ``i``'s into partner rank ``i`` only."""
+    b, r = len(base_ranks), len(reduced_ranks)
+    if spec.dim is None:
+        if not gradient:
+            return [Piece(index, base_ranks[i], reduced_ranks[i], None) for i in range(r)]
+        if summed:
+            return [Piece(index, reduced_ranks[i], base_ranks[i], None, add=True) for i in range(r)]
+        return [Piece(index, reduced_ranks[j % r], base_ranks[j], None, add=True) for j in range(b)]
+    out = []
+    for p in reshard_pieces(index, spec, local_size_at_base, b, r, name=name):
+        if gradient:
+            out.append(
+                Piece(
+                    index,
+                    reduced_ranks[p.dst],
+                    base_ranks[p.src],
+                    p.dim,
+                    src_off=p.dst_off,
+                    dst_off=p.src_off,
+                    length=p.length,
+                    add=True,
+                )
+            )
+        else:
+            out.append(dataclasses.replace(p, src=base_ranks[p.src], dst=reduced_ranks[p.dst]))
+    return out
 
 
 def reverse(pieces: Sequence[Piece], tp_base: int, tp_reduced: int) -> list[Piece]:
@@ -229,12 +287,16 @@ class Exchange:
         self.adds = [(t, part) for (t, add), part in zip(received, parts) if add]
 
     @torch.no_grad()
-    def run(self) -> None:
+    def run(self, scale: float = 1.0) -> None:
+        """One exchange; ``scale``: this rank's outgoing pieces are multiplied by it on the way
+        (in the flat send buffer; the source tensors are left as they are)."""
         if self._pointers() != self.ptrs or (self.size > 1 and self.scratch.moved(self.flat_in.dtype, self.flat_ptr)):
             self._build()
         self.local.run()
         if self.size > 1:
             self.pack.run()
+            if scale != 1.0 and self.flat_in.numel():
+                self.flat_in.mul_(scale)
             dist.all_to_all_single(self.flat_out, self.flat_in, self.out_splits, self.in_splits, group=self.group)
             self.unpack.run()
         _add_all(self.own_adds)
@@ -252,8 +314,9 @@ def _slices(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _add_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    for dst, src in pairs:
-        dst.add_(src)
+    if pairs:  # one multi-tensor launch per dtype, not one per piece
+        dsts, srcs = zip(*pairs)
+        torch._foreach_add_(list(dsts), list(srcs))
 
 
 def exchange(

@@ -28,6 +28,7 @@ def train(
     microbatches=1,
     bf16=False,
     symm_mem=None,
+    collectives=False,
 ):
     """Train the tiny GPT for ``steps`` Megatron-optimizer steps.
 
@@ -37,7 +38,8 @@ def train(
     gradient accumulation under ``no_sync``; ``symm_mem``: SymmMemConfig kwargs
     for symmetric-memory staging of the NTP buckets), and the full (TP=1) weights at
     init and after training (TP rank 0 of each replica only), or ``None`` on a
-    rank that left (simulate mode).
+    rank that left (simulate mode). ``collectives``: also every collective this rank
+    issued from the DDP's construction to the end of training (``CollectiveLog``).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -66,6 +68,11 @@ def train(
 
         model = Float16Module(cfg, model)
     init = gather_full_state(model, tp_group, spec.gated_linear_unit)
+    log = None
+    if collectives:
+        from megatron_ext.testing.collectives import CollectiveLog
+
+        log = CollectiveLog().__enter__()
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=grad_reduce_in_fp32,
         overlap_grad_reduce=overlap,
@@ -109,14 +116,19 @@ def train(
                 micro_loss = tiny_gpt.forward_loss(ddp, tokens[part], labels[part]) / microbatches
                 micro_loss.backward()
             loss = loss + micro_loss.detach()
-        # With overlap, bucket groups whose grads are complete are already in flight.
+        # With overlap, bucket groups whose grads are complete are already in flight (and a
+        # degraded replica's gradients already with its partner).
         in_flight = sum(bg.grad_reduce_handle is not None for bg in ddp.bucket_groups)
+        pair = getattr(ddp, "_pair", None)
+        sent = None if pair is None or pair.partner else sum(pair.done)
         finalize_model_grads([ddp])
         ok, _, _ = opt.step()
         assert ok, f"optimizer step {step} was skipped"
         losses.append(loss.item())
         times.append(time.perf_counter() - t0)
-    ddp.zero_grad_buffer()  # healthy NTP replicas refresh their compute weights here
+    ddp.zero_grad_buffer()  # degraded NTP replicas take their partner's last weights here
+    if log is not None:
+        log.__exit__(None, None, None)
     compute = getattr(ddp, "compute_module", ddp.module)
     final = gather_full_state(compute, tp_group, spec.gated_linear_unit)
     sharded = model_sharded_state_dict(ddp)
@@ -127,9 +139,14 @@ def train(
         replica=replica,
         tp_rank=tp_rank,
         tp_size=tp_size,
+        tp_size_base=ntp_cfg.tp_base if ntp_cfg is not None else tp_size,
         degraded=degraded,
         bucket_groups=len(ddp.bucket_groups),
         in_flight_after_backward=in_flight,
+        sent_after_backward=sent,
+        transfer_groups=None if pair is None else len(pair.units),
+        transfer_units=None if pair is None else sum(len(u) for u in pair.units),
+        collectives=None if log is None else log.calls,
         symm_decisions=[d for _, d in getattr(ddp, "symm_mem_decisions", [])],
         losses=losses,
         times=times,
@@ -137,6 +154,7 @@ def train(
         final=final if keep else None,
         train_state=cpu(ddp.module),
         compute_state=cpu(compute),
+        role=getattr(ddp, "ntp_role", "uniform"),
         specs=shard_specs(compute, spec.gated_linear_unit),
         sharded=None if sharded is None else describe_sharded(sharded),
         memory=ddp_memory_report(ddp, opt),

@@ -1,11 +1,13 @@
 """NTP jobs train exactly like uniform TP: per-step loss of the global batch
 equal to a single-rank (TP=1) baseline within 1e-5 over 10 Megatron-optimizer
-steps, the same global model at init in every replica, degraded and healthy
-replicas holding the same weights after training, checkpoints converting
-between the NTP and the uniform layout (and described for dist-checkpointing
-as one ``tp_reduced`` layout), and exact per-rank memory reports. (The single-rank baseline equals
-uniform TP=2 x DP=2: tests/unit_tests/testing/test_megatron_training.py.)"""
+steps, the same global model at init in every replica, a degraded replica holding
+exactly its partner's weights after training, the healthy replicas' checkpoint
+being Megatron's own uniform one, a bystander replica issuing exactly a uniform
+job's collectives and holding its tensors, and exact per-rank memory reports.
+(The single-rank baseline equals uniform TP=2 x DP=2:
+tests/unit_tests/testing/test_megatron_training.py.)"""
 
+import dataclasses
 import math
 
 import pytest
@@ -44,15 +46,16 @@ def _baseline(spec, backend):
 
 
 def _check_overlap(out):
-    """Overlapped runs dispatch the fold + DP collective of each bucket group
-    from the backward hooks, before finish_grad_sync. Spares own no bucket group
-    (no shadow); they fold with the core ranks of their TP group (a collective)."""
+    """Overlapped runs: every healthy rank dispatches its bucket groups' DP collectives from
+    the backward hooks, before finish_grad_sync (a partner adds its satellite's gradients of
+    each group first); a degraded rank owns no bucket group and has sent every gradient
+    unit of the last step to its partner from its own backward hooks."""
     ranks = [o for o in out if o is not None]
-    spares = [o for o in ranks if o["memory"].role == "healthy spare"]
-    assert spares, "the job has no spare rank"
+    assert any(o["role"] == "degraded" for o in ranks), "the job has no degraded replica"
     for o in ranks:
-        if o in spares:
+        if o["role"] == "degraded":
             assert o["bucket_groups"] == o["in_flight_after_backward"] == 0, o
+            assert o["sent_after_backward"] == o["transfer_groups"] > 1, o
             continue
         assert o["bucket_groups"] > 1, o["bucket_groups"]
         assert o["in_flight_after_backward"] == o["bucket_groups"], o
@@ -73,69 +76,69 @@ def _check_parity(out, ref, replicas, rtol=RTOL, weight_atol=WEIGHT_ATOL):
         got = sum(f[step] for f in first) / replicas
         assert abs(got - want) <= rtol * abs(want), f"step {step}: NTP {got} vs uniform {want}"
     heads = [o for o in ranks if o["final"] is not None]
-    degraded = next(o for o in heads if o["degraded"])
-    healthy = next(o for o in heads if not o["degraded"])
-    assert degraded["tp_size"] < healthy["tp_size"]
+    degraded = [o for o in heads if o["degraded"]]
+    healthy = [o for o in heads if not o["degraded"]]
+    assert degraded[0]["tp_size"] < healthy[0]["tp_size"]
     for name, want in ref["init"].items():
         for o in heads:  # the same global model at init, only laid out differently
             assert torch.equal(o["init"][name], want), name
-        assert torch.allclose(degraded["final"][name], healthy["final"][name], rtol=0, atol=1e-6), name
-        assert not torch.equal(degraded["final"][name], want) or name.endswith("bias")
-        err = (degraded["final"][name] - ref["final"][name]).abs().max().item()
+        for o in degraded + healthy[1:]:  # a satellite holds its partner's weights, healthy replicas agree
+            assert torch.equal(o["final"][name], healthy[0]["final"][name]), name
+        assert not torch.equal(healthy[0]["final"][name], want) or name.endswith("bias")
+        err = (healthy[0]["final"][name] - ref["final"][name]).abs().max().item()
         assert err <= weight_atol, f"{name}: {err}"
 
 
 def _check_sharded_state_dicts(out):
-    """``model_sharded_state_dict`` (what dist-checkpointing saves and loads): a healthy core
-    rank describes its training shadow as Megatron describes the degraded replica's model at
-    the same TP rank (keys, global shapes, offsets and fragmentations, values), so the job's
-    checkpoint is one ``tp_reduced`` layout; spare ranks describe nothing."""
+    """``model_sharded_state_dict`` (what dist-checkpointing saves and loads): the healthy
+    replicas' own Megatron description of their ``tp_base`` model (a uniform checkpoint, every
+    healthy replica alike), nothing on degraded ranks."""
     ranks = [o for o in out if o is not None]
-    degraded = {o["tp_rank"]: o for o in ranks if o["degraded"]}
-    healthy = [o for o in ranks if not o["degraded"]]
-    assert any(o["tp_rank"] >= len(degraded) for o in healthy), "the job has no spare rank"
-    for o in healthy:
-        if o["tp_rank"] >= len(degraded):
+    healthy = {}
+    for o in ranks:
+        if o["degraded"]:
             assert o["sharded"] is None, o["tp_rank"]
             continue
-        got, want = o["sharded"], degraded[o["tp_rank"]]["sharded"]
-        assert got.keys() == want.keys()
-        for key, parts in want.items():
-            assert len(got[key]) == len(parts), key
+        got = healthy.setdefault(o["tp_rank"], o["sharded"])
+        assert got.keys() == o["sharded"].keys()
+        for key, parts in o["sharded"].items():
             for g, w in zip(got[key], parts):
                 assert g[:-1] == w[:-1], (key, g[:-1], w[:-1])
                 if torch.is_tensor(w[-1]):
-                    assert torch.allclose(g[-1], w[-1], rtol=0, atol=1e-6), key
+                    assert torch.equal(g[-1], w[-1]), key
+    assert healthy, "no healthy rank"
 
 
 def _nbytes(state):
     return sum(t.numel() * t.element_size() for t in state.values())
 
 
-def _check_memory_reports(out, tp_reduced):
+def _check_memory_reports(out, chunk_bytes=64 * 2**20):
     """``ddp_memory_report`` / ``memory_report`` count exactly the tensors each rank holds
     (fp32 model and gradients, plain Adam, no distributed optimizer: no bucket padding).
-    Every healthy core rank's shadow is the size of a degraded rank's model (Megatron's TP=tp_reduced
-    shards); Adam keeps two fp32 moments and an fp32 step per parameter of the layout it steps
-    (``tp_reduced`` everywhere). Spares hold no shadow and no optimizer state: only their
-    compute parameters and gradients (and nothing in their training state)."""
+    Healthy ranks hold a uniform ``tp_base`` rank's parameters, gradients and Adam state (two
+    fp32 moments and an fp32 step per parameter); a partner holds the transfers' staging on top,
+    at most one transfer unit (``chunk_bytes``, or one parameter where a parameter is larger) of
+    gradients or parameters. A degraded rank holds its ``tp_reduced`` parameters and gradients,
+    its staging, and no optimizer state."""
     ranks = [o for o in out if o is not None]
-    degraded = {o["tp_rank"]: o for o in ranks if o["degraded"]}
-    assert len(degraded) == tp_reduced
     for o in ranks:
-        m, i = o["memory"], o["tp_rank"]
-        reduced = degraded[i % tp_reduced]["train_state"]  # Megatron's model at TP=tp_reduced
-        role = "degraded" if o["degraded"] else "healthy spare" if i >= tp_reduced else "healthy core"
-        trained = {} if role == "healthy spare" else reduced  # what this rank's optimizer steps
-        shadow = 0 if o["degraded"] else _nbytes(trained)
-        assert m.role == role, (i, m)
-        assert m.params == m.grads == _nbytes(o["compute_state"]), (role, m)
-        assert m.shadow_params == m.shadow_grads == shadow, (role, m)
-        assert m.optimizer_main_params == 0, (role, m)
-        assert m.optimizer_state == 2 * _nbytes(trained) + 4 * len(trained), (role, m)
-        assert m.total == m.params + m.grads + 2 * shadow + m.optimizer_state
-        if role == "healthy spare":
-            assert o["train_state"] == {} and m.total == 2 * _nbytes(o["compute_state"]), m
+        m, state = o["memory"], o["compute_state"]
+        assert m.role == o["role"], (m, o["role"])
+        assert m.params == m.grads == _nbytes(state), (m.role, m)
+        assert m.optimizer_main_params == 0, m
+        largest = max(t.numel() * t.element_size() for t in state.values())
+        if m.role == "degraded":
+            assert m.optimizer_state == 0, m
+            # it sends each unit of gradients (its tp_reduced shard of it) and receives each of parameters
+            assert 0 < m.staging <= (chunk_bytes + largest) * -(-o["tp_size_base"] // o["tp_size"]), m
+        else:
+            assert m.optimizer_state == 2 * _nbytes(state) + 4 * len(state), m
+            if m.role == "partner":
+                assert 0 < m.staging <= chunk_bytes + largest, m
+            else:
+                assert m.staging == 0, m
+        assert m.total == m.params + m.grads + m.staging + m.optimizer_state
 
 
 @pytest.mark.parametrize("backend", _backends(3))
@@ -218,19 +221,19 @@ def test_simulated_tp2_distributed_optimizer_overlap_glu_gqa(backend):
     assert out[0] is None, "the process of the failed slot must leave"
     _check_overlap(out)
     _check_parity(out, _baseline(SPEC_GLU_GQA, backend), replicas=2)
-    _check_sharded_state_dicts(out)  # the gated fc1's SwiGLU factory included
-    # Distributed optimizer: the healthy core rank's shadow buffers are the degraded rank's (same
-    # DP group, same bucket padding); the two DP peers' optimizer shards hold Adam's two fp32 moments
-    # of every shadow element once, plus an fp32 step per parameter piece (1 or 2 per parameter).
-    # The spare holds no shadow, no param buffer and no optimizer state: its compute model only.
-    by_role = {o["memory"].role: o for o in out if o is not None}
-    core, deg, spare = (by_role[r]["memory"] for r in ("healthy core", "degraded", "healthy spare"))
-    reduced = by_role["degraded"]["train_state"]
-    assert (core.shadow_params, core.shadow_grads) == (deg.params, deg.grads), (core, deg)
-    moments, n = 2 * _nbytes(reduced), len(reduced)
-    assert moments + 4 * n <= core.optimizer_state + deg.optimizer_state <= moments + 8 * n, (core, deg)
-    assert spare.shadow == spare.optimizer == 0, spare
-    assert spare.total == spare.params + spare.grads == 2 * _nbytes(by_role["healthy spare"]["compute_state"]), spare
+    _check_sharded_state_dicts(out)
+    # Distributed optimizer over the one healthy replica (DP=1): each partner rank holds Adam's two
+    # fp32 moments of its whole tp_base shard and an fp32 step per parameter, as a uniform TP=2 rank
+    # with DP=1 would; the degraded rank holds no optimizer state.
+    by_role = {}
+    for o in out[1:]:
+        by_role.setdefault(o["role"], []).append(o)
+    assert sorted(by_role) == ["degraded", "partner"]
+    (deg,) = by_role["degraded"]
+    assert deg["memory"].optimizer == 0 and deg["memory"].params == _nbytes(deg["compute_state"]), deg["memory"]
+    for o in by_role["partner"]:
+        state = o["compute_state"]
+        assert o["memory"].optimizer_state == 2 * _nbytes(state) + 4 * len(state), o["memory"]
 
 
 @pytest.mark.parametrize("backend", _backends(6))
@@ -242,30 +245,24 @@ def test_packed_tp4_two_spares_overlap_and_checkpoint_conversion(backend):
     _check_parity(out, _baseline(SPEC, backend), replicas=2)
     _check_overlap(out)
     _check_sharded_state_dicts(out)
-    _check_memory_reports(out, tp_reduced=2)
+    _check_memory_reports(out)
 
     degraded = sorted((o for o in out if o["degraded"]), key=lambda o: o["tp_rank"])
     healthy = sorted((o for o in out if not o["degraded"]), key=lambda o: o["tp_rank"])
     assert [o["tp_size"] for o in degraded + healthy] == [2, 2, 4, 4, 4, 4]
     specs = healthy[0]["specs"]
-    # Healthy core ranks' training state is the degraded layout, tensor for tensor.
-    for d, h in zip(degraded, healthy[:2]):
-        assert d["train_state"].keys() == h["train_state"].keys()
-        for name, t in d["train_state"].items():
-            assert torch.allclose(h["train_state"][name], t, rtol=0, atol=1e-6), name
-    # NTP (TP=2 shards) -> uniform TP=4: what the healthy replica computes with.
-    uniform = ntp_to_uniform([d["train_state"] for d in degraded], specs, tp_base=4)
+    # The degraded replica's TP=2 shards -> uniform TP=4: exactly what the healthy replica holds.
+    uniform = ntp_to_uniform([d["compute_state"] for d in degraded], specs, tp_base=4)
     sharded = [n for n, s in specs.items() if s.dim is not None]
     assert any(specs[n].chunks == 1 for n in sharded) and sharded
     for rank, h in enumerate(healthy):
         for name, t in h["compute_state"].items():
-            assert uniform[rank][name].shape == t.shape, name
-            assert torch.allclose(uniform[rank][name], t, rtol=0, atol=1e-6), name
-    # ... and back: uniform TP=4 -> the NTP TP=2 shards.
+            assert torch.equal(uniform[rank][name], t), name
+    # ... and back: uniform TP=4 -> the degraded replica's TP=2 shards.
     back = uniform_to_ntp([h["compute_state"] for h in healthy], specs, tp_reduced=2)
     for rank, d in enumerate(degraded):
-        for name, t in d["train_state"].items():
-            assert torch.allclose(back[rank][name], t, rtol=0, atol=1e-6), name
+        for name, t in d["compute_state"].items():
+            assert torch.equal(back[rank][name], t), name
 
 
 SPEC_TP43 = tiny_gpt.TinyGPTSpec(hidden_size=96, num_attention_heads=12, ffn_hidden_size=192, vocab_size=192)
@@ -306,7 +303,7 @@ def test_packed_tp2_with_symmetric_memory_staging(backend):
     out = run_on_ranks(train, 3, args=(ntp, STEPS), kwargs=dict(symm_mem=dict(mode="on")), timeout=300, backend=backend)
     _check_parity(out, _baseline(SPEC, backend), replicas=2)
     for o in out:
-        if o["memory"].role == "healthy spare":  # no shadow: no bucket to stage
+        if o["role"] == "degraded":  # no bucket of its own to stage
             assert not o["symm_decisions"], o["symm_decisions"]
             continue
         assert o["symm_decisions"], "no bucket was considered for staging"
@@ -315,3 +312,48 @@ def test_packed_tp2_with_symmetric_memory_staging(backend):
                 assert not d.symmetric and "nccl" in d.reason.lower(), d
             else:
                 assert d.symmetric or "coalesces" in d.reason, d
+
+
+def _by_tp_rank(out, role):
+    return {o["tp_rank"]: o for o in out if o is not None and o["role"] == role}
+
+
+def test_bystander_is_a_uniform_rank_and_two_degraded_replicas_train_like_uniform():
+    """Three replicas at tp_base=2 (replica 0 lost a GPU: degraded; replica 1 its partner;
+    replica 2 a bystander), overlapped reduction in small transfer units, and a uniform TP=2 x DP=2
+    job of the healthy replicas alone. The bystander's ranks issue exactly the uniform ranks'
+    collectives (op, group size, bytes; world-wide ones named as such) and hold exactly their
+    tensors; the NTP job trains like a single rank. Then two degraded replicas with two partners
+    (distributed optimizer, no overlap): parity again."""
+    batch = 6
+    ntp = dict(tp_base=2, tp_spares=1, non_active_ranks_per_dp={0: (1,)}, transfer_chunk_mb=0.01)
+    kw = dict(overlap=True, global_batch=batch, collectives=True)
+    out = run_on_ranks(train, 5, args=(ntp, STEPS), kwargs=kw, timeout=300, backend="gloo")
+    # the uniform job's replicas get as many samples each as the NTP job's (its TP all-reduces of
+    # activations then match too)
+    uniform = run_on_ranks(
+        train, 4, args=(None, STEPS), kwargs=dict(kw, tp=2, global_batch=batch * 2 // 3), timeout=300, backend="gloo"
+    )
+    (ref,) = run_on_ranks(train, 1, args=(None, STEPS), kwargs=dict(global_batch=batch), timeout=240, backend="gloo")
+    assert sorted(o["role"] for o in out) == ["bystander", "bystander", "degraded", "partner", "partner"]
+    _check_parity(out, ref, replicas=3)
+    _check_overlap(out)
+    _check_memory_reports(out, chunk_bytes=int(0.01 * 2**20))
+    assert max(o["transfer_units"] for o in out if o["role"] != "bystander") > max(
+        o["transfer_groups"] for o in out if o["role"] != "bystander"
+    ), "the small transfer chunk should split bucket groups into several units"
+    bystanders, uniform = _by_tp_rank(out, "bystander"), {o["tp_rank"]: o for o in uniform if o["replica"] == 1}
+    for j, o in bystanders.items():
+        u = uniform[j]
+        assert o["collectives"] == u["collectives"], (j, o["collectives"], u["collectives"])
+        assert dataclasses.replace(o["memory"], role="uniform") == u["memory"], (o["memory"], u["memory"])
+    partners = _by_tp_rank(out, "partner")
+    assert len(partners[0]["collectives"]) > len(bystanders[0]["collectives"])  # the transfers
+
+    ntp2 = dict(tp_base=2, tp_spares=1, non_active_ranks_per_dp={0: (1,), 2: (0,)})
+    out2 = run_on_ranks(
+        train, 6, args=(ntp2, STEPS), kwargs=dict(distributed_optimizer=True), timeout=300, backend="gloo"
+    )
+    assert sorted(o["role"] for o in out2) == ["degraded", "degraded"] + ["partner"] * 4
+    _check_parity(out2, _baseline(SPEC, "gloo"), replicas=4)
+    _check_sharded_state_dicts(out2)
