@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import collections
 import copy
-import dataclasses
 import io
 import logging
 import re

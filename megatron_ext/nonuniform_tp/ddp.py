@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import itertools
 
 import torch
@@ -246,19 +245,6 @@ class _PairState:
         self.last_microbatch = True
 
 
-_COPIED_ATTRS = (
-    "tensor_model_parallel",
-    "partition_dim",
-    "partition_stride",
-    "allreduce",
-    "sequence_parallel",
-    "shared",
-    "shared_embedding",
-    "is_embedding_or_output_parameter",
-    "average_gradients_across_tp_domain",
-)
-
-
 class NonuniformTPDistributedDataParallel(DistributedDataParallel):
     """Drop-in replacement for megatron-core's ``DistributedDataParallel``.
 
@@ -439,12 +425,10 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
             params=params,
             units=units,
             grads=[
-                [reshard.Exchange(pieces(u, True), me, group, grad_of, grad_of, scratch) for u in per]
-                for per in units
+                [reshard.Exchange(pieces(u, True), me, group, grad_of, grad_of, scratch) for u in per] for per in units
             ],
             weights=[
-                [reshard.Exchange(pieces(u, False), me, group, data_of, data_of, scratch) for u in per]
-                for per in units
+                [reshard.Exchange(pieces(u, False), me, group, data_of, data_of, scratch) for u in per] for per in units
             ],
             scratch=scratch,
             group=group,

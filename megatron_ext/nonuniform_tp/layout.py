@@ -47,7 +47,9 @@ class RankRole:
         """``"uniform"`` (no replica runs at another degree), ``"bystander"``, ``"partner"`` or ``"degraded"``."""
         if self.degraded:
             return "degraded" if self.partner is not None else "uniform"
-        return "partner" if self.partner is not None else ("bystander" if self.tp_size != self.tp_size_reduced else "uniform")
+        if self.partner is not None:
+            return "partner"
+        return "bystander" if self.tp_size != self.tp_size_reduced else "uniform"
 
 
 @dataclasses.dataclass(frozen=True)

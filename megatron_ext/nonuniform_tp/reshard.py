@@ -41,7 +41,6 @@ __all__ = [
     "Piece",
     "Scratch",
     "ShardSpec",
-    "exchange",
     "pair_pieces",
     "reshard_pieces",
     "shard_spec",
@@ -92,18 +91,13 @@ def reshard_pieces(
     tp_base: int,
     tp_reduced: int,
     name: str | None = None,
-    summed: bool = False,
 ) -> list[Piece]:
-    """Pieces that move one parameter from the ``tp_base`` layout (src = healthy
-    TP rank) to the ``tp_reduced`` layout (dst = core TP rank). ``local_size_at_base``
-    is the size along ``spec.dim`` of a ``tp_base`` shard (ignored when replicated).
-    ``summed`` (replicated only, :func:`tp_summed_grad`): the tensor is a partial
-    sum per TP rank, so spare ``j``'s is also added into core ``j % tp_reduced``'s."""
+    """Pieces that move one parameter from the ``tp_base`` layout (src = TP rank at
+    ``tp_base``) to the ``tp_reduced`` layout (dst = TP rank at ``tp_reduced``).
+    ``local_size_at_base`` is the size along ``spec.dim`` of a ``tp_base`` shard (ignored
+    when replicated: TP rank ``i`` of either degree keeps its own copy)."""
     if spec.dim is None:
-        pieces = [Piece(index, i, i, None) for i in range(tp_reduced)]
-        if summed:
-            pieces += [Piece(index, j, j % tp_reduced, None, add=True) for j in range(tp_reduced, tp_base)]
-        return pieces
+        return [Piece(index, i, i, None) for i in range(tp_reduced)]
     per_chunk_b = local_size_at_base // spec.chunks
     n = per_chunk_b * tp_base
     if n % tp_reduced:
@@ -177,18 +171,6 @@ def pair_pieces(
             )
         else:
             out.append(dataclasses.replace(p, src=base_ranks[p.src], dst=reduced_ranks[p.dst]))
-    return out
-
-
-def reverse(pieces: Sequence[Piece], tp_base: int, tp_reduced: int) -> list[Piece]:
-    """The pieces of the opposite move (``tp_reduced`` core ranks -> ``tp_base`` ranks)."""
-    out = []
-    for p in pieces:
-        if p.dim is None:
-            if p.src == p.dst and not p.add:  # replicated: every rank j takes core j % tp_reduced's copy
-                out.extend(Piece(p.index, p.src, j, None) for j in range(tp_base) if j % tp_reduced == p.src)
-        else:
-            out.append(Piece(p.index, p.dst, p.src, p.dim, src_off=p.dst_off, dst_off=p.src_off, length=p.length))
     return out
 
 
@@ -317,14 +299,3 @@ def _add_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     if pairs:  # one multi-tensor launch per dtype, not one per piece
         dsts, srcs = zip(*pairs)
         torch._foreach_add_(list(dsts), list(srcs))
-
-
-def exchange(
-    pieces: Sequence[Piece],
-    me: int,
-    group: dist.ProcessGroup | None,
-    src: Callable[[int], torch.Tensor],
-    dst: Callable[[int], torch.Tensor],
-) -> None:
-    """:class:`Exchange` once (e.g. the first fold of the parameters at construction)."""
-    Exchange(pieces, me, group, src, dst).run()

@@ -86,17 +86,36 @@ def test_packed_and_simulated_layouts():
     lay = cfg.layout(3)
     # replica 0 lost slot 0: its survivor (slot 1) is global rank 0 and TP rank 0
     assert lay.all_tp_groups() == [[0], [1, 2]]
-    assert lay.all_dp_groups() == [[0, 1], [2]]  # core group, then the spare group
+    # the healthy replica's DP groups (one per TP rank), then the degraded rank alone
+    assert lay.all_dp_groups() == [[1], [2], [0]]
     assert lay.role(0).degraded and lay.role(0).slot == 1 and lay.role(0).tp_rank == 0
-    assert lay.role(2).spare and not lay.role(1).spare
+    assert [lay.role(r).kind for r in range(3)] == ["degraded", "partner", "partner"]
+    assert lay.partners == {0: 1} and lay.all_pair_groups() == [[0, 1, 2]]
+    assert lay.optimizer_groups() == [[1, 2], [0]]
 
     sim = NonuniformTPConfig(
         tp_base=4, tp_spares=2, non_active_ranks_per_dp={1: (0, 3)}, launch_mode="simulate"
     ).layout(12)
     assert sim.all_tp_groups() == [[0, 1, 2, 3], [5, 6], [8, 9, 10, 11]]
-    assert sim.all_dp_groups() == [[0, 5, 8], [1, 6, 9], [2, 10], [3, 11]]
+    assert sim.all_dp_groups() == [[0, 8], [1, 9], [2, 10], [3, 11], [5], [6]]
     assert sim.role(4) is None and sim.role(7) is None
     assert sim.active_ranks == [0, 1, 2, 3, 5, 6, 8, 9, 10, 11]
+    # replica 1 is replica 0's satellite; replica 2 is a bystander
+    assert sim.partners == {1: 0} and sim.all_pair_groups() == [[0, 1, 2, 3, 5, 6]]
+    assert [sim.role(r).kind for r in (0, 5, 8)] == ["partner", "degraded", "bystander"]
+
+    # two degraded replicas get distinct partners, in index order
+    two = NonuniformTPConfig(tp_base=2, tp_spares=1, non_active_ranks_per_dp={0: (1,), 2: (0,)}).layout(6)
+    assert two.partners == {0: 1, 2: 3}
+    # every replica degraded: a uniform job at tp_reduced (no partners, DP over all replicas)
+    every = NonuniformTPConfig(tp_base=2, tp_spares=1, non_active_ranks_per_dp={0: (1,), 1: (1,)}).layout(2)
+    assert not every.nonuniform and every.all_dp_groups() == [[0, 1]] and every.role(0).kind == "uniform"
+
+
+def test_more_degraded_than_healthy_replicas_is_refused_naming_the_flag():
+    cfg = NonuniformTPConfig(tp_base=2, tp_spares=1, non_active_ranks_per_dp={0: (1,), 1: (0,)})
+    with pytest.raises(ValueError, match=r"--ntp-failed-slots lists 2 degraded replica\(s\) but the job has only 1"):
+        cfg.layout(4)  # 3 replicas, 2 of them degraded
 
 
 def test_flags_round_trip():
@@ -134,21 +153,27 @@ def test_reshard_plan_moves_base_shards_into_reduced_shards(b, r, chunks, dim):
         p.view(got[p.dst], "dst").copy_(p.view(base[p.src], "src"))
     for g, w in zip(got, want):
         assert torch.equal(g, w)
-    back = [torch.full_like(x, float("nan")) for x in base]
-    for p in reshard.reverse(pieces, b, r):
-        p.view(back[p.dst], "dst").copy_(p.view(want[p.src], "src"))
+    # a partner (group ranks 0..b-1) and its satellite (b..b+r-1): gradients go the other way, added
+    grads = reshard.pair_pieces(0, spec, base[0].shape[dim], range(b), range(b, b + r), gradient=True)
+    back = [torch.zeros_like(x) for x in base]
+    for p in grads:
+        assert p.add and p.src >= b > p.dst
+        p.view(back[p.dst], "dst").add_(p.view(want[p.src - b], "src"))
     for g, w in zip(back, base):
         assert torch.equal(g, w)
 
 
-def test_replicated_params_come_from_core_ranks():
-    pieces = reshard.reshard_pieces(7, reshard.ShardSpec(None), 0, 4, 3)
-    assert [(p.src, p.dst) for p in pieces] == [(0, 0), (1, 1), (2, 2)]
-    assert sorted((p.src, p.dst) for p in reshard.reverse(pieces, 4, 3)) == [(0, 0), (0, 3), (1, 1), (2, 2)]
-    # a partial sum per TP rank (qk_layernorm gradients): spares add theirs into core j % tp_reduced
-    summed = reshard.reshard_pieces(7, reshard.ShardSpec(None), 0, 4, 2, summed=True)
-    assert [(p.src, p.dst, p.add) for p in summed] == [(0, 0, False), (1, 1, False), (2, 0, True), (3, 1, True)]
-    assert reshard.reverse(summed, 4, 2) == reshard.reverse(summed[:2], 4, 2)  # parameters unfold from core copies
+def test_replicated_tensors_between_a_partner_and_its_satellite():
+    base, sat = [0, 1, 2, 3], [4, 5, 6]  # tp_base=4 partner, tp_reduced=3 satellite (group ranks)
+    params = reshard.pair_pieces(7, reshard.ShardSpec(None), 0, base, sat, gradient=False)
+    assert [(p.src, p.dst, p.add) for p in params] == [(0, 4, False), (1, 5, False), (2, 6, False)]
+    # every partner rank adds one satellite rank's (whole) gradient: j takes j % tp_reduced's
+    grads = reshard.pair_pieces(7, reshard.ShardSpec(None), 0, base, sat, gradient=True)
+    assert [(p.src, p.dst, p.add) for p in grads] == [(4, 0, True), (5, 1, True), (6, 2, True), (4, 3, True)]
+    # a partial sum per TP rank (qk_layernorm gradients): satellite rank i's part into partner rank i only,
+    # so that the partner's TP sum holds every part once
+    summed = reshard.pair_pieces(7, reshard.ShardSpec(None), 0, base, sat, gradient=True, summed=True)
+    assert [(p.src, p.dst, p.add) for p in summed] == [(4, 0, True), (5, 1, True), (6, 2, True)]
 
 
 def test_tp_summed_grads_follow_finalize_model_grads_and_tp_averaged_ones_are_refused():
@@ -187,6 +212,8 @@ FORM = "'REPLICA:SLOT[,SLOT...]' entries separated by ';'"
     [
         ("0:", {}, ["--ntp-failed-slots: replica 0 lists no slot in '0:'", FORM]),
         ("0:1,1", {}, ["--ntp-failed-slots: slot 1 listed twice for replica 0", "list each failed TP slot once"]),
+        ("0:1;;", {}, ["--ntp-failed-slots: empty entry in '0:1;;'", "REPLICA:SLOT"]),
+        (";0:1", {}, ["--ntp-failed-slots: empty entry in ';0:1'"]),
         ("1:2,2", dict(tp_base=4), ["--ntp-failed-slots: slot 2 listed twice for replica 1"]),
         ("-1:1", {}, ["--ntp-failed-slots: replica index -1 in '-1:1' is out of range; allowed: REPLICA >= 0"]),
         ("0:-2", {}, ["--ntp-failed-slots: slot -2 of replica 0 is out of range; allowed: SLOT >= 0"]),

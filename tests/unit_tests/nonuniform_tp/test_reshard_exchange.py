@@ -1,6 +1,7 @@
-"""The fold/unfold all-to-all inside a healthy TP group moves exact tensors
-(row- and column-sharded, gated fc1, replicated; a replicated tensor that is a
-partial sum per TP rank folds to the sum), on gloo and on NCCL."""
+"""The transfers between a degraded replica and its healthy partner move exact tensors
+(row- and column-sharded, gated fc1, replicated; a replicated gradient that is a partial
+sum per TP rank reaches the partner's TP sum once), on gloo and on NCCL: gradients are
+added into the partner's (scaled by the satellite's weight), parameters copied back."""
 
 import pytest
 import torch
@@ -14,8 +15,8 @@ from megatron_ext.testing.multirank import run_on_ranks
 SPECS = [reshard.ShardSpec(0), reshard.ShardSpec(1), reshard.ShardSpec(0, 2), reshard.ShardSpec(None)]
 
 
-def _full():
-    g = torch.Generator().manual_seed(0)
+def _full(seed):
+    g = torch.Generator().manual_seed(seed)
     return {
         "0": torch.randn(24, 4, generator=g),
         "1": torch.randn(4, 24, generator=g),
@@ -24,77 +25,78 @@ def _full():
     }
 
 
-def _partial(rank):
-    return torch.arange(6.0) * 10 ** (rank + 1) + rank
-
-
-def _exchange_body(tp_base, tp_reduced):
+def _pair_body(tp_base, tp_reduced, scale):
+    """Group ranks 0..tp_base-1: the partner's TP ranks; the next tp_reduced: the satellite's.
+    Returns (gradients after the transfer, parameters after the transfer) of this rank, per step."""
     me, dev = dist.get_rank(), tiny_gpt.rank_device()
     specs = {str(i): s for i, s in enumerate(SPECS)}
-    base = [{k: v.to(dev) for k, v in shard.items()} for shard in split_tp_full(_full(), specs, tp_base)]
-    want = split_tp_full(_full(), specs, tp_reduced)
-    mine = [base[me][str(i)] for i in range(len(SPECS))]
-    shadow = [torch.full_like(want[me % tp_reduced][str(i)], float("nan"), device=dev) for i in range(len(SPECS))]
-    pieces = [
-        pc
-        for i, s in enumerate(SPECS)
-        for pc in reshard.reshard_pieces(i, s, mine[i].shape[s.dim] if s.dim is not None else 0, tp_base, tp_reduced)
-    ]
-    # a partial sum per TP rank (a q/k layer norm's gradient): rank k holds _partial(k)
-    mine.append(_partial(me).to(dev))
-    shadow.append(torch.full_like(mine[-1], float("nan")))
-    pieces += reshard.reshard_pieces(len(SPECS), reshard.ShardSpec(None), 0, tp_base, tp_reduced, summed=True)
-    reshard.exchange(pieces, me, None, src=lambda i: mine[i], dst=lambda i: shadow[i])
-    folded = [t.cpu().clone() for t in shadow] if me < tp_reduced else None
-    back = [torch.zeros_like(t) for t in mine]
-    # spares' shadows are not valid sources; unfold reads core ranks' shadows only
-    reshard.exchange(
-        reshard.reverse(pieces, tp_base, tp_reduced), me, None, src=lambda i: shadow[i], dst=lambda i: back[i]
-    )
-    back_once, mine_once = [t.clone() for t in back], [t.clone() for t in mine]
-    # built once, run every step (NTP's unfold): new values in place, then a reallocated source
+    partner = me < tp_base
+    base_ranks, reduced_ranks = list(range(tp_base)), list(range(tp_base, tp_base + tp_reduced))
+    k = me if partner else me - tp_base
+    degree = tp_base if partner else tp_reduced
+    pieces_g, pieces_p = [], []
+    base0 = split_tp_full(_full(0), specs, tp_base)[0]
+    for i, s in enumerate(SPECS + [reshard.ShardSpec(None)]):
+        size = base0[str(i)].shape[s.dim] if s.dim is not None else 0
+        summed = i == len(SPECS)  # a partial sum per TP rank (a q/k layer norm's gradient)
+        pieces_g += reshard.pair_pieces(i, s, size, base_ranks, reduced_ranks, gradient=True, summed=summed)
+        pieces_p += reshard.pair_pieces(i, s, size, base_ranks, reduced_ranks, gradient=False)
     scratch = reshard.Scratch()
-    unfold = reshard.Exchange(
-        reshard.reverse(pieces, tp_base, tp_reduced), me, None, src=lambda i: shadow[i], dst=lambda i: back[i],
-        scratch=scratch,
-    )  # fmt: skip
-    fold = reshard.Exchange(pieces, me, None, src=lambda i: mine[i], dst=lambda i: shadow[i], scratch=scratch)
-    runs = []
-    for step in range(3):
-        for t in back:
-            t.fill_(float("nan"))
-        if step == 2:
-            mine[0] = mine[0] * 1.0  # a new tensor: the fold must rebuild, not read the old storage
-        for t in mine:
-            t.mul_(-2.0)  # the next step's values
-        if me < tp_reduced:
-            for t in shadow:
-                t.fill_(float("nan"))
-        fold.run()
-        unfold.run()
-        runs.append(([t.cpu().clone() for t in mine], [t.cpu().clone() for t in back]))
-    return folded, [t.cpu() for t in back_once], [t.cpu() for t in mine_once], want, runs
+    grads = [t.to(dev) for t in split_tp_full(_full(1 + (not partner)), specs, degree)[k].values()]
+    grads.append((torch.arange(6.0) * 10 ** (me + 1) + me).to(dev))
+    params = [t.to(dev) for t in split_tp_full(_full(3) if partner else _full(4), specs, degree)[k].values()]
+    params.append(torch.full((6,), float(me), device=dev))
+    grad_x = reshard.Exchange(pieces_g, me, None, lambda i: grads[i], lambda i: grads[i], scratch)
+    param_x = reshard.Exchange(pieces_p, me, None, lambda i: params[i], lambda i: params[i], scratch)
+    out = []
+    for step in range(2):
+        if step == 1:
+            grads[0] = grads[0] * 1.0  # a reallocated tensor: the exchange must rebuild, not use the old storage
+            for t in params:
+                t.mul_(-2.0)
+        before = [t.cpu().clone() for t in grads]
+        grad_x.run(scale=scale)
+        param_x.run()
+        out.append((before, [t.cpu().clone() for t in grads], [t.cpu().clone() for t in params]))
+    return out
 
 
-@pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.gpus(2))])
-def test_fold_and_unfold_move_exact_shards(backend):
-    out = run_on_ranks(_exchange_body, 2, args=(2, 1), backend=backend, timeout=180)
-    folded, _, _, want, _ = out[0]
-    assert out[1][0] is None
-    for i in range(len(SPECS)):
-        assert torch.equal(folded[i], want[0][str(i)]), i
-    assert torch.equal(folded[-1], _partial(0) + _partial(1))  # the core rank holds the TP sum
-    for _, back, mine, _, _ in out:
-        for b, m in zip(back[:-1], mine):
-            assert torch.equal(b, m)
-        assert torch.equal(back[-1], _partial(0) + _partial(1))  # unfolds what the core holds
-    for step in range(3):  # the cached exchanges: every step's values, also after a source was reallocated
-        mine_all = [out[r][4][step][0] for r in range(2)]
-        for r in range(2):
-            back = out[r][4][step][1]
+@pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.gpus(3))])
+def test_gradients_add_into_the_partner_and_parameters_come_back(backend):
+    b, r, scale = 2, 1, 0.5
+    out = run_on_ranks(_pair_body, b + r, args=(b, r, scale), backend=backend, timeout=180)
+    specs = {str(i): s for i, s in enumerate(SPECS)}
+    for step in range(2):
+        sat_before = out[b][step][0]  # the satellite's gradients (TP=1: the whole tensors)
+        sat_full = {str(i): sat_before[i] for i in range(len(SPECS))}
+        want = split_tp_full(sat_full, specs, b)
+        for j in range(b):
+            before, after, params = out[j][step]
             for i in range(len(SPECS)):
-                assert torch.equal(back[i], mine_all[r][i]), (step, r, i)
-            assert torch.equal(back[-1], mine_all[0][-1] + mine_all[1][-1]), step
+                assert torch.allclose(after[i], before[i] + scale * want[j][str(i)], rtol=0, atol=1e-6), (step, j, i)
+            # the partial sum: satellite rank i's part reaches partner rank i only (i < r)
+            extra = scale * sat_before[-1] if j < r else 0
+            assert torch.allclose(after[-1], before[-1] + extra, rtol=0, atol=1e-6), (step, j)
+        # the satellite's own gradients are left as they were
+        assert all(torch.equal(a, c) for a, c in zip(out[b][step][1], sat_before))
+        # parameters: the satellite holds exactly the partner's, at its degree
+        partner_full = {
+            str(i): torch.cat([out[j][step][2][i] for j in range(b)], specs[str(i)].dim)
+            if specs[str(i)].dim is not None and specs[str(i)].chunks == 1
+            else None
+            for i in range(len(SPECS))
+        }
+        for i in range(len(SPECS)):
+            spec = specs[str(i)]
+            if spec.dim is None:
+                assert torch.equal(out[b][step][2][i], out[0][step][2][i]), (step, i)
+            elif spec.chunks == 1:
+                assert torch.equal(out[b][step][2][i], partner_full[str(i)]), (step, i)
+            else:  # gated fc1: [gate; up] per rank
+                gates = [out[j][step][2][i].chunk(2, 0) for j in range(b)]
+                whole = torch.cat([torch.cat([g[0] for g in gates]), torch.cat([g[1] for g in gates])])
+                assert torch.equal(out[b][step][2][i], whole), (step, i)
+        assert torch.equal(out[b][step][2][-1], out[0][step][2][-1])
 
 
 def test_ddp_without_ntp_groups_says_what_to_call():
