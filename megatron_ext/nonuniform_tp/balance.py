@@ -500,12 +500,7 @@ class MeasuredBalance:
         import torch
         import torch.distributed as dist
 
-        group = self.group
-        if group is None:
-            from .process_groups import get_ntp_process_groups
-
-            groups = get_ntp_process_groups()
-            group = groups.active_group if groups is not None else None
+        group = self.group  # None: the default group, in an NTP job every active rank (simulate mode rebuilds it)
         device = torch.device("cpu")
         if dist.get_backend(group) == "nccl":
             device = torch.device("cuda", torch.cuda.current_device())
@@ -543,7 +538,8 @@ def reduce_loss_over_replicas(local_mean_loss, shares: BatchShares, group=None):
     """The mean loss of the global batch on every rank, from this replica's mean
     over its own micro-batches (what Megatron's loss function reports, averaged
     over the micro-batches of one step). Collective over all active ranks of an
-    NTP job (``group``: default the NTP group of all active ranks): each rank adds
+    NTP job (``group``: default the default group, which in an NTP job holds exactly the
+    active ranks: simulate mode rebuilds it without the leavers): each rank adds
     ``gradient_weight * loss / tp_size``, so every replica counts once.
 
     ``local_mean_loss`` is a tensor on this rank's device; the result is a new
@@ -553,11 +549,6 @@ def reduce_loss_over_replicas(local_mean_loss, shares: BatchShares, group=None):
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from .process_groups import get_ntp_process_groups
-
-    groups = get_ntp_process_groups()
-    if group is None and groups is not None:
-        group = groups.active_group
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     value = local_mean_loss.detach().to(torch.float64) * (shares.gradient_weight() / tp_size)
     dist.all_reduce(value, group=group)

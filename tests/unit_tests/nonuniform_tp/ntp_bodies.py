@@ -259,7 +259,6 @@ def train_with_schedule(
     full weights at init and after training (TP rank 0 only)."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -267,6 +266,7 @@ def train_with_schedule(
         BalancedPretrainingSampler,
         NonuniformTPDistributedDataParallel,
         equal_batch_shares,
+        finalize_model_grads,  # Megatron's, with a satellite's token count joining its partner's
         reduce_loss_over_replicas,
     )
     from megatron_ext.nonuniform_tp.checkpoint import gather_full_state
