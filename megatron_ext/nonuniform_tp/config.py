@@ -165,14 +165,14 @@ class NonuniformTPConfig:
 
     def check_model(self, transformer_config, vocab_size: int | None = None, module=None) -> None:
         """Check a megatron ``TransformerConfig`` (and vocab) against both degrees, and
-        ``module``'s parameters (when given) against what NTP can fold.
+        ``module``'s parameters (when given) against what a degraded replica can hand its partner.
 
         Refused: parameters whose gradients Megatron's ``finalize_model_grads`` averages
         over the TP group (``average_gradients_across_tp_domain``: DSA indexers, HF
-        wrappers). A healthy replica's TP group holds ``tp_base`` ranks, its spares
-        without a gradient, so the average would differ from a degraded replica's.
-        (Gradients it *sums* over TP, the q/k layer norms with ``qk_layernorm``, fold
-        exactly.)"""
+        wrappers): a degraded replica's ``tp_reduced`` per-rank gradients would join the
+        partner's average over ``tp_base`` ranks, weighted wrongly. (Gradients it *sums*
+        over TP, the q/k layer norms with ``qk_layernorm``, join exactly: degraded rank
+        ``i``'s part goes to partner rank ``i``.) fp16 (a dynamic loss scale per replica)."""
         if getattr(transformer_config, "num_moe_experts", None):
             raise ValueError(
                 f"nonuniform TP does not train MoE models (num_moe_experts={transformer_config.num_moe_experts}): "
@@ -204,8 +204,9 @@ class NonuniformTPConfig:
             raise ValueError(
                 f"nonuniform TP cannot train parameters whose gradients finalize_model_grads averages over the "
                 f"TP group (average_gradients_across_tp_domain=True): {averaged[:3]}"
-                f"{f' and {len(averaged) - 3} more' if len(averaged) > 3 else ''}; a healthy replica's spare TP "
-                "ranks hold none of their gradient, so its average differs from a degraded replica's. Freeze them "
+                f"{f' and {len(averaged) - 3} more' if len(averaged) > 3 else ''}; a degraded replica's tp_reduced "
+                "per-rank gradients would join its partner's average over tp_base ranks with the wrong weight. Freeze "
+                "them "
                 "(requires_grad=False) or train this model without --ntp-tp-base"
             )
 

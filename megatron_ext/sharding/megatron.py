@@ -3,7 +3,7 @@
 - :class:`ShardSpec` / :func:`shard_spec`: how one Megatron parameter splits over
   tensor parallelism, read from the parameter itself (``partition_dim``; a gated
   ``linear_fc1`` is two chunks, ``[gate_r; up_r]`` per rank). NTP's per-step
-  fold/unfold (:mod:`megatron_ext.nonuniform_tp.reshard`), its checkpoint
+  transfers between partner replicas (:mod:`megatron_ext.nonuniform_tp.reshard`), its checkpoint
   converters and the export hook's sources use it.
 - :func:`megatron_layout`: where each HF tensor lives in a Megatron job
   (TP x PP x DP, EP and expert TP for experts; rank order ``tp-dp-pp``, experts
@@ -166,10 +166,10 @@ def ntp_megatron_layout(specs: list[TensorSpec], ntp_layout) -> Layout:
     (``tp_base`` when healthy, ``tp_reduced`` when degraded) on its active ranks.
 
     ``ntp_layout`` is the job's ``NTPLayout`` (``NTPLayout.from_config(ntp_config,
-    world_size)`` or ``get_ntp_process_groups().layout``). On a healthy replica the
-    local tensors are the ``tp_base`` *compute* parameters
-    (``NonuniformTPDistributedDataParallel.compute_module``), not the training
-    shadow that ``ddp.module`` holds: give the executor
+    world_size)`` or ``get_ntp_process_groups().layout``). On a degraded replica the
+    local tensors are its ``tp_reduced`` parameters
+    (``NonuniformTPDistributedDataParallel.compute_module``; ``ddp.module`` is empty
+    there), which take their partner's weights only after a step: give the executor
     :func:`~.reshard.ntp_megatron_tensors` and ``refresh=ddp.refresh_compute_params``."""
     groups = [list(ntp_layout.tp_group_ranks(d)) for d in range(ntp_layout.num_replicas)]
     return _replicas_layout(
@@ -214,8 +214,8 @@ def megatron_tensors(model) -> dict[str, torch.Tensor]:
     """A Megatron model's parameters under global names (pipeline-stage layer offsets applied).
 
     For a nonuniform-TP DDP use :func:`~megatron_ext.weight_export.ntp_megatron_tensors`: this returns its
-    compute parameters as they are, stale on a healthy replica after an
-    optimizer step."""
+    compute parameters as they are, stale on a degraded replica after an
+    optimizer step (until it takes its partner's)."""
     model = unwrap(model)
     prefixes = global_layer_names(model)
     return {global_name(name, prefixes): p.detach() for name, p in model.named_parameters()}

@@ -74,8 +74,8 @@ def engine_name(hf_name: str, kind: str) -> str:
 
 def unwrap(model):
     """The GPTModel inside DDP / Float16Module wrappers. For the nonuniform-TP
-    DDP that is the module forward runs (``compute_module``: the ``tp_base``
-    layout on healthy replicas), not the training shadow."""
+    DDP that is the module forward runs (``compute_module``: on a degraded
+    replica ``ddp.module`` is empty)."""
     while True:
         if hasattr(model, "compute_module"):
             model = model.compute_module

@@ -37,7 +37,7 @@ def tensor_problem(plan: ReshardPlan, rank: int, tensors: dict[str, torch.Tensor
                 return (
                     f"{who}: {name} is {tuple(t.shape)} {t.dtype}, the layout keeps {lt.shape} "
                     f"{lt.dtype}; build the layout from this model's config (a nonuniform-TP trainer: "
-                    "pass ntp_megatron_tensors(ddp), not the training shadow)"
+                    "pass ntp_megatron_tensors(ddp), not ddp.module, which is empty on a degraded replica)"
                 )
             if not t.is_contiguous():
                 return f"{who}: {name} must be contiguous"

@@ -138,7 +138,7 @@ class WeightExporter:
                 "drive it with ReshardExecutor or TrainerRefit (docs/weight_export_reshard.md); WeightExporter "
                 f"sends whole tensors over {HOOK_TRANSPORTS}"
             )
-        # NTP DDP: healthy replicas refresh their compute weights after a step.
+        # NTP DDP: a degraded replica takes its partner's weights after a step (collective over the pair).
         self._refresh = getattr(model, "refresh_compute_params", None)
         self.model = unwrap(model)
         self.config = config or RefitConfig()

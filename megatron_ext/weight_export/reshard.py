@@ -83,18 +83,16 @@ def ntp_megatron_tensors(ddp) -> dict[str, torch.Tensor]:
     ``NonuniformTPDistributedDataParallel``.
 
     The NTP layout holds each replica at the TP degree it computes at. On a
-    healthy replica (``tp_base``) those are the compute parameters
-    (``ddp.compute_module``), not ``ddp.module`` / ``ddp.named_parameters()``:
-    that is the training shadow in the ``tp_reduced`` layout (empty on spare
-    ranks), which the optimizer steps. The compute parameters catch up with the
-    optimizer only when the shadow is unfolded into them, so this first calls
-    ``ddp.refresh_compute_params()`` (a no-op unless a step happened since the
-    last unfold; collective over the healthy TP group, so call it on every
-    trainer rank). On degraded replicas the parameters are the model's own and
-    the refresh does nothing.
+    degraded replica (``tp_reduced``) those are the parameters of
+    ``ddp.compute_module`` (``ddp.module`` is empty there: the optimizer steps
+    its healthy partner's). They catch up with the optimizer only when the
+    partner sends them, so this first calls ``ddp.refresh_compute_params()`` (a
+    no-op unless a step happened since the last transfer; collective over the
+    degraded replica and its partner, so call it on every trainer rank). On
+    healthy replicas the parameters are the ones the optimizer steps.
 
-    Unfolds write in place, so the tensors stay valid across steps, but they are
-    stale again after the next optimizer step: build the executor with
+    Transfers write in place, so the tensors stay valid across steps, but a degraded
+    replica's are stale again after the next optimizer step: build the executor with
     ``refresh=ddp.refresh_compute_params`` so that every refit serves the last step.
     """
     refresh = getattr(ddp, "refresh_compute_params", None)
@@ -140,8 +138,8 @@ class ReshardExecutor:
     ``refresh``: called at the start of every :meth:`refit`, before anything
     is packed (and counted in its seconds), to bring the source tensors up to
     date: ``ddp.refresh_compute_params`` on the ranks of a nonuniform-TP trainer
-    (with :func:`ntp_megatron_tensors`). It is collective over the trainer's TP
-    group, so give it on every trainer rank.
+    (with :func:`ntp_megatron_tensors`). It is collective over each degraded replica
+    and its partner, so give it on every trainer rank.
 
     ``group``: a ``torch.distributed`` group (None: the default world), whose
     global ranks are the plan's ranks; or a :class:`~.refit_group.RefitGroup`

@@ -177,8 +177,8 @@ def test_replicated_tensors_between_a_partner_and_its_satellite():
 
 
 def test_tp_summed_grads_follow_finalize_model_grads_and_tp_averaged_ones_are_refused():
-    """The parameters whose gradient finalize_model_grads sums over TP (the fold adds the spares'
-    partial sums for them); those it averages over TP cannot be folded and are refused."""
+    """The parameters whose gradient finalize_model_grads sums over TP (a degraded replica's
+    partial sums join its partner's once); those it averages over TP are refused, and so is fp16."""
     from types import SimpleNamespace
 
     qk, plain = SimpleNamespace(qk_layernorm=True), SimpleNamespace(qk_layernorm=False)
@@ -197,11 +197,13 @@ def test_tp_summed_grads_follow_finalize_model_grads_and_tp_averaged_ones_are_re
     with pytest.raises(ValueError, match=r"average_gradients_across_tp_domain=True\): \['1\.weight'\].*Freeze them"):
         ntp.check_model(tc, module=model)
     ntp.check_model(tc)  # the config alone is fine
-    NonuniformTPConfig(tp_base=2).check_model(tc, module=model)  # no spare, nothing to fold
+    NonuniformTPConfig(tp_base=2).check_model(tc, module=model)  # no failure: a uniform job
     model[1].weight.requires_grad_(False)
     ntp.check_model(tc, module=model)
     with pytest.raises(ValueError, match=r"nonuniform TP does not train MoE models \(num_moe_experts=4\)"):
         ntp.check_model(SimpleNamespace(**vars(tc), num_moe_experts=4))
+    with pytest.raises(ValueError, match=r"does not train with fp16 \(TransformerConfig.fp16=True, --fp16\).*use bf16"):
+        ntp.check_model(SimpleNamespace(**vars(tc), fp16=True))
 
 
 FORM = "'REPLICA:SLOT[,SLOT...]' entries separated by ';'"

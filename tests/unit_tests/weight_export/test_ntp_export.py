@@ -1,7 +1,8 @@
-"""Export from a nonuniform-TP job: the exporting replica is healthy (TP=2,
-weights refreshed from the optimizer's training shadow), the other replica is
-degraded (TP=1). Right after an optimizer step, the weights the HF receiver
-gets equal the degraded replica's full model, and logits match."""
+"""Export from a nonuniform-TP job: the exporting replica is healthy (TP=2, the
+degraded replica's partner), the other replica is degraded (TP=1; it takes its
+partner's weights when the exporter refreshes it). Right after an optimizer step,
+the weights the HF receiver gets equal the degraded replica's full model, and
+logits match."""
 
 import torch
 
@@ -37,8 +38,8 @@ def _ntp_trainer(steps):
     for step in range(steps):
         tokens, labels = tiny_gpt.global_batch(SPEC, step, 4)
         tiny_gpt.train_step(ddp, opt, tokens[mine], labels[mine])
-    # No forward or zero_grad_buffer since the last step: the healthy replica's
-    # compute weights are stale until the exporter refreshes them.
+    # No forward or zero_grad_buffer since the last step: the degraded replica's
+    # weights are stale until the exporter refreshes them (its partner sends them).
     receiver = wx.WeightReceiver(wx.HFModelConsumer(tiny_llama.build_hf(SPEC)))
     exporter = wx.WeightExporter(
         ddp,

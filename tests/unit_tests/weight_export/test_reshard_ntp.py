@@ -3,13 +3,14 @@ replica 0 at TP2, rank 2 = replica 1 degraded to TP1) that trains with
 ``NonuniformTPDistributedDataParallel`` and Megatron's optimizer, to engine
 layouts colocated on the same ranks (TP1 x DP3 and TP2 on ranks 1, 2).
 
-Right after an optimizer step the healthy replica's compute weights are stale
-(the optimizer steps its training shadow); ``ntp_megatron_tensors`` and the
-executor's ``refresh`` serve the stepped weights. Every engine tensor equals,
-exactly, a hand conversion of the degraded replica's own TP1 parameters (the
-trained model, independent of the layout code), at two versions with one plan;
-the plan serves from healthy and degraded ranks; without ``refresh`` the
-healthy ranks would serve the previous step; the training shadow is refused."""
+Right after an optimizer step the degraded replica's weights are stale (the
+optimizer steps its healthy partner's; the partner sends them before the next
+forward); ``ntp_megatron_tensors`` and the executor's ``refresh`` serve the stepped
+weights. Every engine tensor equals, exactly, a hand conversion of the degraded
+replica's own TP1 parameters once refreshed (the trained model, independent of the
+layout code), at two versions with one plan; the plan serves from healthy and
+degraded ranks; without ``refresh`` the degraded rank would serve the previous step;
+``ddp.module`` (empty on the degraded rank) is refused."""
 
 import pytest
 import torch
@@ -70,18 +71,18 @@ def _body(backend):
     def snap(tensors):
         return {n: t.cpu().clone() for n, t in tensors.items()}
 
-    out = dict(healthy=ddp.is_ntp_healthy_rank, degraded=job.degraded, reference={0: reference()})
+    out = dict(healthy=ddp.ntp_role != "degraded", degraded=job.degraded, reference={0: reference()})
     for i in range(2):
         step(i)
-    # no forward since the step: healthy compute weights still hold step 0's values
+    # no forward since the step: the degraded replica's weights still hold step 0's values
     stale = snap(wx.megatron_tensors(ddp))
     specs = wx.specs_from_model(ddp, vocab_size=SPEC.hf_vocab_size)
     src = wx.ntp_megatron_layout(specs, get_ntp_process_groups().layout)
-    tensors = wx.ntp_megatron_tensors(ddp)  # refreshes the compute weights (collective in the TP group)
+    tensors = wx.ntp_megatron_tensors(ddp)  # takes the partner's weights (collective over the pair)
     out["refreshed"] = sorted(n for n in tensors if not torch.equal(stale[n], tensors[n].cpu()))
     out["specs"] = specs == wx.specs_from_config(cfg, vocab_size=SPEC.hf_vocab_size, padded_vocab_size=SPEC.vocab_size)
     out["reference"][1] = reference()
-    shadow = {n: p.detach() for n, p in ddp.module.named_parameters()}  # what the optimizer steps
+    shadow = {n: p.detach() for n, p in ddp.module.named_parameters()}  # empty on the degraded rank
     executors, engines = {}, {}
     for case, kw in ENGINES.items():
         plan = wx.build_reshard_plan(src, wx.inference_layout(specs, **kw))
@@ -93,20 +94,20 @@ def _body(backend):
         )
         out[case, 1] = dict(stats=executors[case].refit(1), engine=snap(engines[case]))
         if case == "tp1dp3":
-            try:  # the shadow is not the layout's tensors on a healthy rank: every rank refuses the refit
+            try:  # ddp.module lacks the degraded rank's tensors: every rank refuses the refit
                 wx.ReshardExecutor(plan, rank, {**shadow, **engines[case]}).refit(1)
                 out["shadow_error"] = None
             except wx.RefitRejected as err:
                 out["shadow_error"] = (err.reason, str(err))
-    # one more step, same plans and executors: without refresh the healthy ranks would serve the last version
+    # one more step, same plans and executors: without refresh the degraded rank would serve the last version
     step(2)
-    out["reference"][2] = reference()
     plan = executors["tp1dp3"].plan
     no_refresh = {n: torch.full_like(t, float("nan")) for n, t in engines["tp1dp3"].items()}
     wx.ReshardExecutor(plan, rank, {**tensors, **no_refresh}, bucket_bytes=BUCKET).refit(2)
     out["no_refresh"] = snap(no_refresh)
     for case, ex in executors.items():
         out[case, 2] = dict(stats=ex.refit(2), engine=snap(engines[case]))
+    out["reference"][2] = reference()  # refreshed by the refits
     return out
 
 
@@ -140,16 +141,16 @@ def test_ntp_trainer_refit_exact(backend):
     cfg = tiny_llama.transformer_config(SPEC)
     specs = specs_from_config(cfg, vocab_size=SPEC.hf_vocab_size, padded_vocab_size=SPEC.vocab_size)
     src = ntp_megatron_layout(specs, NTPLayout.from_config(NonuniformTPConfig(**NTP), 3))
-    # the refresh changed every healthy compute tensor (the optimizer stepped the shadow); degraded: nothing to do
+    # the refresh changed every tensor of the degraded rank (its partner's step); healthy: nothing to do
+    assert results[DEGRADED]["refreshed"] == sorted(src.tensors[DEGRADED])
     for r in HEALTHY:
-        assert results[r]["refreshed"] == sorted(src.tensors[r]), r
-    assert results[DEGRADED]["refreshed"] == []
-    # the training shadow (TP1 shapes on a TP2 core rank, nothing on the spare) is refused, naming the way out
+        assert results[r]["refreshed"] == [], r
+    # ddp.module of the degraded rank is empty: refused on every rank, naming the way out
     for r in range(3):
         reason, msg = results[r]["shadow_error"]
         assert reason == "tensors" and "ntp_megatron_tensors" in msg, msg
-        # a degraded replica's module is the model itself: it has no problem of its own and names the others
-        assert msg.startswith(f"rank {r}: " + ("ranks [0, 1] cannot take part" if r == DEGRADED else "")), msg
+        # the healthy ranks' modules are their tensors: no problem of their own, they name the degraded rank
+        assert msg.startswith(f"rank {r}: " + ("" if r == DEGRADED else "ranks [2] cannot take part")), msg
     for case, kw in ENGINES.items():
         plan = build_reshard_plan(src, inference_layout(specs, **kw))
         dst = plan.dst
@@ -161,15 +162,15 @@ def test_ntp_trainer_refit_exact(backend):
                 res = results[r][case, v]
                 _check(res["engine"], refs[v], dst, r, f"{case} v{v}")
                 assert res["stats"].received_bytes >= plan.received_bytes().get(r, 0)
-            # bytes a healthy rank served are the stepped weights, not the previous version's
+            # bytes any rank served are the stepped weights, not the previous version's
             for t in plan.transfers:
-                if t.src in HEALTHY and t.src != t.dst:
+                if t.src != t.dst:
                     got = _engine_part(results[t.dst][case, v]["engine"], t)
                     assert torch.equal(got, _cut(refs[v], t.name, t.box))
                     assert not torch.equal(got, _cut(refs[v - 1], t.name, t.box)), (case, v, t.name, t.box)
-    # without refresh, the healthy ranks serve (and copy locally) step 1's weights; the degraded rank step 2's
+    # without refresh, the degraded rank serves (and copies locally) step 1's weights; the healthy ranks step 2's
     plan = build_reshard_plan(src, inference_layout(specs, **ENGINES["tp1dp3"]))
     for t in plan.transfers:
         got = _engine_part(results[t.dst]["no_refresh"], t)
-        want = refs[1] if t.src in HEALTHY else refs[2]
+        want = refs[1] if t.src == DEGRADED else refs[2]
         assert torch.equal(got, _cut(want, t.name, t.box)), (t.src, t.dst, t.name)
