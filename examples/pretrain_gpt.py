@@ -15,9 +15,12 @@ flag groups switch its capabilities on:
 - ``--ntp-tp-base N --ntp-failed-slots R:S``: nonuniform tensor parallelism
   (launch the healthy GPUs only; ``--ntp-balance tp`` gives each replica a share
   of every global batch by its TP degree, ``--ntp-balance measured`` by its throughput
-  measured over the first ``--ntp-balance-measure-steps`` iterations); checkpoints are written in the layout that
-  any TP degree resumes from (an NTP job resumes a uniform one's, and back;
-  with --use-distributed-optimizer only at the layout that saved them).
+  measured over the first ``--ntp-balance-measure-steps`` iterations). Each degraded replica trains as the
+  satellite of a healthy partner replica (its gradients join the partner's buckets, the updated weights come
+  back, in units of ``--ntp-transfer-chunk-mb``); the healthy replicas are a uniform ``tp_base`` job, and an NTP
+  job's checkpoint is theirs: a uniform ``tp_base`` checkpoint. A uniform job resumes it and an NTP job resumes
+  a uniform one's, with no conversion (any TP degree; with --use-distributed-optimizer at the TP degree that
+  saved it, ``tp_base`` for an NTP job).
 - ``--symm-mem {auto,on,off}``: the DDP buckets staged in NCCL symmetric memory
   (default auto; gloo/CPU falls back to plain buffers and says so).
 - ``--refit-target HOST:PORT --refit-transport broadcast`` (aliases
@@ -245,6 +248,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-interval", type=int, default=None, help="save every N iterations (and at the end)")
     g.add_argument("--load", default=None, help="directory to resume from (its latest checkpoint)")
     g.add_argument("--no-load-optim", action="store_true", help="load the model only")
+    g.add_argument(
+        "--log-checkpoint-digest",
+        action="store_true",
+        help="print SHA-256 digests of the model and of the optimizer state as checkpointed, after each save and "
+        "load: equal digests are bit-identical state (comparable between jobs of one TP degree, an NTP job's "
+        "tp_base included, and with --use-distributed-optimizer one data-parallel size; copies every tensor to "
+        "the CPU)",
+    )
 
     g = p.add_argument_group("data")
     g.add_argument("--mock-data", action="store_true", help="MockGPTDataset (the default; accepted for Megatron-LM)")
@@ -1009,17 +1020,130 @@ def _layout_text(plan: Plan) -> str:
 
 
 def _tp_layout(plan: Plan) -> list:
-    """What a checkpoint's training state is laid out by: one TP degree (uniform) or the NTP
-    layout (its state is the ``tp_reduced`` layout on the core ranks)."""
-    if plan.ntp is None:
-        return ["uniform", plan.tp] + ([plan.ep, plan.etp] if plan.num_experts is not None else [])
-    return ["ntp", plan.ntp.tp_base, plan.ntp.tp_reduced, format_failed(plan.ntp.non_active_ranks_per_dp)]
+    """The layout of the ranks that write a checkpoint's training state: one TP degree (and EP x expert
+    TP). An NTP job's state is its healthy replicas', a uniform ``tp_base`` job's (degraded replicas write
+    none), so an NTP job and a uniform ``tp_base`` job have the same."""
+    tp = plan.tp if plan.ntp is None else plan.ntp.tp_base
+    return ["uniform", tp] + ([plan.ep, plan.etp] if plan.num_experts is not None else [])
 
 
-def format_failed(slots) -> str:
-    from megatron_ext.nonuniform_tp import format_failed_slots
+def _share_common_state(state: dict) -> None:
+    """Under NTP, give a degraded replica's ranks the non-sharded entries of the healthy ranks' ``model`` and
+    ``optimizer`` (collective over all ranks; a no-op without a degraded replica).
 
-    return format_failed_slots(slots)
+    dist_checkpointing writes the non-sharded part of a state dict (the optimizer's ``param_groups`` and
+    Adam's step count) from global rank 0 only, and expects it alike on every rank. A degraded replica
+    describes no model or optimizer (``model_sharded_state_dict`` returns None there), and a packed launch
+    numbers replica 0 first: with replica 0 degraded, the checkpoint would lack them, and a uniform job
+    resuming it fails in ``optimizer.load_state_dict`` ("Could not find parameter group ...")."""
+    import torch.distributed as dist
+    from megatron.core.dist_checkpointing.utils import extract_nonpersistent, extract_sharded_base
+
+    from megatron_ext.nonuniform_tp import get_ntp_process_groups
+
+    groups = get_ntp_process_groups()
+    if groups is None or not groups.layout.nonuniform:
+        return
+    src = groups.layout.tp_group_ranks(groups.layout.healthy_replicas[0])[0]
+    common = [None]
+    if dist.get_rank() == src:
+        common[0] = {k: extract_sharded_base(extract_nonpersistent(state[k])[1])[1] for k in ("model", "optimizer")}
+    dist.broadcast_object_list(common, src=src)
+    if groups.role.degraded:
+        state.update(common[0])
+
+
+def _canonical(x, out: list) -> None:
+    """Bytes that stand for ``x`` (nested dicts and lists, tensors by dtype, shape and bits), into ``out``."""
+    import torch
+
+    if torch.is_tensor(x):
+        t = x.detach().cpu().contiguous()
+        out.append(f"tensor {t.dtype} {tuple(t.shape)}".encode())
+        out.append(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    elif isinstance(x, dict):
+        out.append(b"{")
+        for k, v in x.items():
+            out.append(repr(k).encode())
+            _canonical(v, out)
+        out.append(b"}")
+    elif isinstance(x, (list, tuple)):
+        out.append(b"[")
+        for v in x:
+            _canonical(v, out)
+        out.append(b"]")
+    else:
+        out.append(repr(x).encode())
+
+
+def _sha(x) -> str:
+    import hashlib
+
+    parts = []
+    _canonical(x, parts)
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()
+
+
+def state_digests(args, ddp, optimizer) -> dict:
+    """``{"model": hex, "optimizer": hex}``: SHA-256 digests (16 hex digits) of what this job's checkpoint
+    holds, from the live state: every main-replica shard of the sharded state dicts (key, offset, bits) and
+    their non-sharded entries. Collective over all ranks (a degraded NTP replica adds nothing)."""
+    import hashlib
+
+    import torch.distributed as dist
+    from megatron.core.dist_checkpointing.mapping import (
+        LocalNonpersistentObject,
+        ShardedObject,
+        ShardedTensor,
+        apply_factories,
+        is_main_replica,
+    )
+
+    from megatron_ext.nonuniform_tp import model_sharded_state_dict
+
+    mine = {"model": [], "optimizer": [], "model common": None, "optimizer common": None}
+    model_sd = model_sharded_state_dict(ddp)
+    if model_sd is not None:
+        state = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, metadata=optimizer_metadata(args))}
+        apply_factories(state)
+        common = {"model": [], "optimizer": []}
+
+        def walk(x, part, path):
+            if isinstance(x, dict):
+                pad = x.get("padding")
+                if isinstance(pad, LocalNonpersistentObject) and pad.unwrap() is True:
+                    return  # the distributed optimizer's bucket padding (uninitialised memory)
+                for k, v in x.items():
+                    walk(v, part, (*path, k))
+            elif isinstance(x, list):
+                for i, v in enumerate(x):
+                    walk(v, part, (*path, i))
+            elif isinstance(x, (ShardedTensor, ShardedObject)):
+                if is_main_replica(x.replica_id):
+                    offset = tuple(x.global_offset)
+                    flat = getattr(x, "flattened_range", None)
+                    mine[part].append((x.key, offset, None if flat is None else (flat.start, flat.stop), _sha(x.data)))
+            elif not isinstance(x, LocalNonpersistentObject):
+                common[part].append((path, _sha(x)))
+
+        for part in ("model", "optimizer"):
+            walk(state[part], part, ())
+            mine[f"{part} common"] = common[part]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    out = {}
+    for part in ("model", "optimizer"):
+        shards = sorted(s for e in everyone for s in e[part])
+        common = next((e[f"{part} common"] for e in everyone if e[f"{part} common"] is not None), None)
+        out[part] = hashlib.sha256(repr((shards, common)).encode()).hexdigest()[:16]
+    return out
+
+
+def _digest_text(args, ddp, optimizer) -> str:
+    if not args.log_checkpoint_digest:
+        return ""
+    d = state_digests(args, ddp, optimizer)
+    return f"; digests: model {d['model']}, optimizer {d['optimizer']}"
 
 
 def save_checkpoint(args, plan: Plan, iteration: int, consumed: int, ddp, optimizer, scheduler):
@@ -1039,10 +1163,12 @@ def save_checkpoint(args, plan: Plan, iteration: int, consumed: int, ddp, optimi
         "distributed_optimizer": args.use_distributed_optimizer,
         "padded_vocab_size": plan.padded_vocab_size,
     }
-    model_sd = model_sharded_state_dict(ddp)  # None on an NTP spare rank (it holds no training state)
+    # None on a degraded NTP replica: its partner's ranks hold its weights and the optimizer state
+    model_sd = model_sharded_state_dict(ddp)
     if model_sd is not None:
         state["model"] = model_sd
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, metadata=optimizer_metadata(args))
+    _share_common_state(state)
     path = os.path.join(args.save, f"iter_{iteration:07d}")
     if dist.get_rank() == 0:
         os.makedirs(path, exist_ok=True)
@@ -1053,9 +1179,10 @@ def save_checkpoint(args, plan: Plan, iteration: int, consumed: int, ddp, optimi
         with open(os.path.join(args.save, TRACKER), "w") as f:
             f.write(str(iteration))
     dist.barrier()
+    seconds = time.perf_counter() - start
     print_rank_0(
-        f"saved checkpoint at iteration {iteration:7d} to {args.save} ({_layout_text(plan)}) in "
-        f"{time.perf_counter() - start:.2f} s"
+        f"saved checkpoint at iteration {iteration:7d} to {args.save} ({_layout_text(plan)}) in {seconds:.2f} s"
+        + _digest_text(args, ddp, optimizer)
     )
 
 
@@ -1112,9 +1239,10 @@ def load_checkpoint(args, plan: Plan, ddp, optimizer, scheduler) -> tuple[int, i
     if args.use_distributed_optimizer and not args.no_load_optim and common.get("tp_layout") != _tp_layout(plan):
         raise RuntimeError(
             f"--load {args.load}: the distributed optimizer's state was saved by {common.get('layout')} and resumes "
-            f"only at that TP layout (megatron-core 0.19.2's TP-reshardable optimizer formats do not work without "
-            f"Apex / Transformer Engine); this job is {_layout_text(plan)}. Resume with that layout, or the model "
-            "only with --no-load-optim (a fresh optimizer state), or save without --use-distributed-optimizer"
+            f"only at its TP degree (megatron-core 0.19.2's TP-reshardable optimizer formats do not work without "
+            f"Apex / Transformer Engine); this job is {_layout_text(plan)}. Resume at that TP degree (an NTP job's "
+            "is its --ntp-tp-base), or the model only with --no-load-optim (a fresh optimizer state), or save "
+            "without --use-distributed-optimizer"
         )
     if args.use_distributed_optimizer and not args.no_load_optim:
         # megatron-core 0.19's distributed optimizer over torch's Adam (no Apex / Transformer Engine)
@@ -1144,12 +1272,12 @@ def load_checkpoint(args, plan: Plan, ddp, optimizer, scheduler) -> tuple[int, i
             if args.use_distributed_optimizer:
                 _restore_adam_steps(optimizer)
     if hasattr(ddp, "sync_compute_params"):
-        ddp.sync_compute_params()  # NTP healthy replicas: shadow -> tp_base compute weights (spares too)
+        ddp.sync_compute_params()  # NTP: each degraded replica takes its partner's loaded weights
     if not args.no_load_optim:
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
     print_rank_0(
         f"loaded checkpoint from {args.load} at iteration {iteration} (saved as {loaded.get('layout')}; "
-        f"resumed as {_layout_text(plan)})"
+        f"resumed as {_layout_text(plan)})" + _digest_text(args, ddp, optimizer)
     )
     return iteration, int(loaded["consumed_train_samples"])
 
@@ -1192,9 +1320,16 @@ def startup_summary(args, plan: Plan, ddp, ntp_groups, exporter) -> None:
         shares = f", --ntp-balance {plan.ntp.balance}: {plan.shares.describe()}" if plan.balanced else ""
         if plan.ntp.balance == "measured":
             shares += f" until {plan.ntp.balance_measure_steps} iteration(s) are timed"
+        pairs = ", ".join(f"{d} -> {p}" for d, p in lay.partners.items())
         lines.append(
             f"megatron_ext: nonuniform TP: on, tp_base={lay.tp_base}, replica(s) {degraded} at "
-            f"TP={lay.tp_reduced}, TP groups {lay.all_tp_groups()}, launch {plan.ntp.launch_mode}{shares}"
+            f"TP={lay.tp_reduced}, TP groups {lay.all_tp_groups()}, launch {plan.ntp.launch_mode}"
+            + (
+                f", degraded -> partner replica {pairs} (transfers in units of <= {plan.ntp.transfer_chunk_mb:g} MiB)"
+                if pairs
+                else ""
+            )
+            + shares
         )
     else:
         lines.append("megatron_ext: nonuniform TP: off")
@@ -1380,6 +1515,10 @@ def train(args, plan: Plan) -> int:
     )
     # What Megatron-LM's setup_model_and_optimizer hands the schedule.
     config.grad_scale_func = optimizer.scale_loss
+    if plan.ntp is not None:
+        # Megatron's, after adding a degraded replica's token count to its partner's (needed with
+        # calculate_per_token_loss, which the NTP DDP checks; a plain pass-through otherwise)
+        from megatron_ext.nonuniform_tp import finalize_model_grads
     config.finalize_model_grads_func = finalize_model_grads
     balance = None
     if plan.ntp is not None and plan.ntp.balance == "measured":

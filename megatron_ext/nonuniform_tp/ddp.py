@@ -556,6 +556,13 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
             pair.order = order.tolist()
         self.sync_compute_params()
 
+    def broadcast_params(self):
+        """Megatron's (healthy replicas: from DP rank 0 over the healthy DP group), then every
+        degraded replica takes its partner's parameters (training scripts call this on every rank
+        after building the model)."""
+        super().broadcast_params()
+        self.sync_compute_params()
+
     def transfer_gradients(self) -> None:
         """A degraded replica: send this step's pending gradient units to the partner now
         (``finish_grad_sync`` does it otherwise); a partner: add them into its buckets without

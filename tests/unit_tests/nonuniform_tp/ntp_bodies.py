@@ -383,3 +383,29 @@ def train_with_schedule(
         init=init if keep else None,
         final=final if keep else None,
     )
+
+
+def per_token_loss_without_the_wrapper(ntp_kwargs):
+    """One step with ``calculate_per_token_loss`` through Megatron's own ``finalize_model_grads``
+    (not ``megatron_ext.nonuniform_tp.finalize_model_grads``): returns what this rank's sync raised."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    from megatron_ext.nonuniform_tp import NonuniformTPDistributedDataParallel
+    from megatron_ext.testing.ntp_job import init_job
+
+    job = init_job(ntp_kwargs)
+    spec = tiny_gpt.TinyGPTSpec()
+    cfg = tiny_gpt.transformer_config(spec, tp=ps.get_tensor_model_parallel_world_size(), calculate_per_token_loss=True)
+    model = tiny_gpt.build_model(spec, cfg)
+    ddp = NonuniformTPDistributedDataParallel(
+        cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model, ntp_config=job.ntp_config
+    )
+    tokens, labels = tiny_gpt.global_batch(spec, step=0, num_samples=2)
+    tiny_gpt.forward_loss(ddp, tokens[job.replica : job.replica + 1], labels[job.replica : job.replica + 1]).backward()
+    try:
+        finalize_model_grads([ddp], torch.tensor(16))
+    except RuntimeError as err:
+        return ddp.ntp_role, str(err)
+    return ddp.ntp_role, None

@@ -357,3 +357,17 @@ def test_bystander_is_a_uniform_rank_and_two_degraded_replicas_train_like_unifor
     assert sorted(o["role"] for o in out2) == ["degraded", "degraded"] + ["partner"] * 4
     _check_parity(out2, _baseline(SPEC, "gloo"), replicas=4)
     _check_sharded_state_dicts(out2)
+
+
+def test_per_token_loss_needs_the_ntp_finalize_function():
+    """With calculate_per_token_loss a satellite's token count must join its partner's before
+    Megatron divides by the global count: Megatron's own finalize_model_grads is refused on
+    every rank of the pair (before any transfer or collective, so nothing hangs), naming the
+    function to use."""
+    from .ntp_bodies import per_token_loss_without_the_wrapper
+
+    ntp = dict(tp_base=2, tp_spares=1, non_active_ranks_per_dp={0: (1,)})
+    out = run_on_ranks(per_token_loss_without_the_wrapper, 3, args=(ntp,), timeout=120, backend="gloo")
+    assert sorted(role for role, _ in out) == ["degraded", "partner", "partner"]
+    for _, message in out:
+        assert message and "megatron_ext.nonuniform_tp.finalize_model_grads" in message, message
