@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 from collections.abc import Mapping
 
 __all__ = [
@@ -19,6 +20,8 @@ __all__ = [
     "format_failed_slots",
     "parse_failed_slots",
 ]
+
+logger = logging.getLogger(__name__)
 
 LAUNCH_MODES = ("packed", "simulate")
 BALANCE_MODES = ("none", "tp", "measured")
@@ -326,7 +329,15 @@ class NonuniformTPConfig:
                 f"--ntp-balance {balance}): drop it or pass --ntp-balance measured"
             )
         if spares is None:
-            spares, failed = compute_uniform_tp_spares_with_parity(failed, tp_base)
+            # the largest reduced degree the model (Megatron's flags, where the parser has them) splits at
+            gqa = getattr(args, "group_query_attention", False)
+            sizes = {
+                "num_attention_heads": getattr(args, "num_attention_heads", None),
+                "num_query_groups": getattr(args, "num_query_groups", None) if gqa else None,
+                "ffn_hidden_size": getattr(args, "ffn_hidden_size", None),
+            }
+            sizes = {k: v for k, v in sizes.items() if isinstance(v, int) and v > 0}
+            spares, failed = compute_uniform_tp_spares_with_parity(failed, tp_base, divides=sizes)
         extra = {} if measure_steps is None else {"balance_measure_steps": measure_steps}
         if chunk is not None:
             extra["transfer_chunk_mb"] = chunk
@@ -353,14 +364,18 @@ class NonuniformTPConfig:
 
 
 def compute_uniform_tp_spares_with_parity(
-    faulty_gpu_map: Mapping[int, "list[int] | tuple[int, ...]"], tp_base: int
+    faulty_gpu_map: Mapping[int, "list[int] | tuple[int, ...]"],
+    tp_base: int,
+    divides: Mapping[str, int | None] | None = None,
 ) -> tuple[int, dict[int, tuple[int, ...]]]:
     """Spares and per-replica non-active slots so every degraded replica runs
     at the same reduced TP degree.
 
-    ``tp_spares`` is the largest failure count over replicas; a replica with
-    fewer failures also deactivates its highest healthy slots. Returns
-    ``(tp_spares, non_active_ranks_per_dp)``.
+    ``tp_spares`` is the largest failure count over replicas, raised until
+    ``tp_base - tp_spares`` divides every size in ``divides`` (e.g. ``{"num_attention_heads":
+    32, "num_query_groups": 8, "ffn_hidden_size": 14336}``; ``None`` values are skipped): the
+    largest reduced degree the model splits at (1 always does). A replica with fewer failures
+    also deactivates its highest healthy slots. Returns ``(tp_spares, non_active_ranks_per_dp)``.
     """
     if not isinstance(tp_base, int) or tp_base < 1:
         raise ValueError(f"tp_base must be an int >= 1, got {tp_base!r}")
@@ -379,6 +394,20 @@ def compute_uniform_tp_spares_with_parity(
         raise ValueError(
             f"a replica lost {spares} of {tp_base} GPUs: at least one GPU per replica must survive "
             "(drop that replica from the job instead)"
+        )
+    sizes = [v for v in (divides or {}).values() if v is not None]
+    lost = spares
+    while any(v % (tp_base - spares) for v in sizes):
+        spares += 1
+    if spares > lost:
+        logger.info(
+            "nonuniform TP: a replica lost %d of %d GPUs; degraded replicas run at TP %d, the largest degree below "
+            "%d that divides %s",
+            lost,
+            tp_base,
+            tp_base - spares,
+            tp_base - lost + 1,
+            ", ".join(f"{k}={v}" for k, v in divides.items() if v is not None),
         )
     out = {}
     for replica, slots in sorted(faulty.items()):

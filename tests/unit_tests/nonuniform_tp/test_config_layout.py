@@ -22,6 +22,15 @@ def test_spare_parity_takes_the_worst_replica_and_pads_the_others():
     # replica 0 lost slot 3 and also gives up its highest healthy slot, 7
     assert slots == {0: (3, 7), 2: (1, 5)}
     assert compute_uniform_tp_spares_with_parity({}, 4) == (0, {})
+    # 32 heads: a replica that lost one GPU of 8 runs at TP 4 (7, 6 and 5 do not split 32 heads)
+    assert compute_uniform_tp_spares_with_parity({1: [2]}, 8, divides={"num_attention_heads": 32}) == (
+        4,
+        {1: (2, 5, 6, 7)},
+    )
+    # 12 heads, tp_base 4: 3 splits them; ffn 192 too
+    assert compute_uniform_tp_spares_with_parity(
+        {0: [0]}, 4, divides={"num_attention_heads": 12, "ffn_hidden_size": 192, "num_query_groups": None}
+    ) == (1, {0: (0,)})
     with pytest.raises(ValueError, match="at least one GPU"):
         compute_uniform_tp_spares_with_parity({0: [0, 1]}, 2)
     with pytest.raises(ValueError, match=r"allowed: 0\.\.1"):
@@ -116,6 +125,21 @@ def test_more_degraded_than_healthy_replicas_is_refused_naming_the_flag():
     cfg = NonuniformTPConfig(tp_base=2, tp_spares=1, non_active_ranks_per_dp={0: (1,), 1: (0,)})
     with pytest.raises(ValueError, match=r"--ntp-failed-slots lists 2 degraded replica\(s\) but the job has only 1"):
         cfg.layout(4)  # 3 replicas, 2 of them degraded
+
+
+def test_flags_pick_the_largest_degree_the_model_splits_at():
+    """Megatron's --num-attention-heads 32 with --ntp-tp-base 8 and one lost GPU: TP 7 does not split
+    32 heads, so the degraded replica runs at 4 (was refused, and the user had to find --ntp-spares 4)."""
+    parser = add_nonuniform_tp_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--ntp-tp-base", "8", "--ntp-failed-slots", "1:2"])
+    args.num_attention_heads, args.ffn_hidden_size = 32, 14336
+    args.group_query_attention, args.num_query_groups = True, 8
+    cfg = NonuniformTPConfig.from_args(args)
+    assert (cfg.tp_reduced, cfg.non_active_ranks_per_dp) == (4, {1: (2, 5, 6, 7)})
+    args.num_attention_heads = 56  # 7 splits 56 heads, 8 query groups do not: 4 again
+    assert NonuniformTPConfig.from_args(args).tp_reduced == 4
+    args.num_query_groups, args.ffn_hidden_size = 7, 7 * 2048
+    assert NonuniformTPConfig.from_args(args).tp_reduced == 7
 
 
 def test_flags_round_trip():
