@@ -24,6 +24,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 LAUNCH_MODES = ("packed", "simulate")
+POLICIES = ("auto", "degrade", "drop")
 BALANCE_MODES = ("none", "tp", "measured")
 
 
@@ -58,6 +59,11 @@ class NonuniformTPConfig:
         transfer_chunk_mb: the largest unit (MiB of the partner's gradient shard) in which a
             degraded replica's gradients go to its partner and the parameters come back; the
             transfers' staging on each rank is about this size (> 0).
+        policy: what the replicas that lost GPUs do (:mod:`.policy`): ``"degrade"``: train at
+            ``tp_reduced``, each the satellite of a healthy partner; ``"drop"``: leave the job (their
+            processes get an inactive state, the healthy replicas share the global batch);
+            ``"auto"``: the faster of the two by the cost model, where ``from_args`` knows the global
+            batch (else degrade).
     """
 
     tp_base: int
@@ -72,6 +78,7 @@ class NonuniformTPConfig:
     balance: str = "none"
     balance_measure_steps: int = 5
     transfer_chunk_mb: float = 64.0
+    policy: str = "auto"
 
     def __post_init__(self):
         if not isinstance(self.tp_base, int) or self.tp_base < 1:
@@ -83,6 +90,8 @@ class NonuniformTPConfig:
             )
         if self.launch_mode not in LAUNCH_MODES:
             raise ValueError(f"NonuniformTPConfig.launch_mode must be one of {LAUNCH_MODES}, got {self.launch_mode!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"NonuniformTPConfig.policy (--ntp-policy) must be one of {POLICIES}, got {self.policy!r}")
         if self.balance not in BALANCE_MODES:
             raise ValueError(
                 f"NonuniformTPConfig.balance (--ntp-balance) must be one of {BALANCE_MODES}, got {self.balance!r}"
@@ -213,8 +222,20 @@ class NonuniformTPConfig:
                 "(requires_grad=False) or train this model without --ntp-tp-base"
             )
 
+    @property
+    def drops(self) -> bool:
+        """Whether the replicas that lost GPUs leave the job (``policy="drop"``)."""
+        return self.policy == "drop" and bool(self.non_active_ranks_per_dp)
+
+    def kept_replicas(self, launched: int) -> int:
+        """The replicas that train, of ``launched``: all, or the healthy ones when the others drop."""
+        return launched - len(self.non_active_ranks_per_dp) if self.drops else launched
+
     def replica_tp_degrees(self, num_replicas: int) -> list[int]:
-        """TP degree of every replica: ``tp_reduced`` for the listed ones, else ``tp_base``."""
+        """TP degree of every replica that trains: ``tp_reduced`` for the listed ones, else ``tp_base``
+        (all ``tp_base`` when the listed ones drop)."""
+        if self.drops:
+            return [self.tp_base] * num_replicas
         return [self.tp_reduced if d in self.non_active_ranks_per_dp else self.tp_base for d in range(num_replicas)]
 
     def batch_shares(self, global_batch_size: int, micro_batch_size: int, num_replicas: int | None = None):
@@ -227,8 +248,8 @@ class NonuniformTPConfig:
         sizes work, when the global batch cannot be split that way."""
         from . import balance as balance_mod
 
-        if num_replicas is None:
-            num_replicas = self.data_parallel_size
+        if num_replicas is None and self.data_parallel_size is not None:
+            num_replicas = self.kept_replicas(self.data_parallel_size)
         if num_replicas is None:
             from .process_groups import get_ntp_process_groups
 
@@ -247,19 +268,19 @@ class NonuniformTPConfig:
     def _batch_shares(self, global_batch_size, micro_batch_size, num_replicas):
         from . import balance as balance_mod
 
-        if self.data_parallel_size is not None and num_replicas != self.data_parallel_size:
+        if self.data_parallel_size is not None and num_replicas != self.kept_replicas(self.data_parallel_size):
             raise ValueError(
                 f"num_replicas={num_replicas} differs from NonuniformTPConfig.data_parallel_size="
-                f"{self.data_parallel_size}"
+                f"{self.data_parallel_size}" + (" less the dropped replicas" if self.drops else "")
             )
-        bad = [d for d in self.non_active_ranks_per_dp if d >= num_replicas]
+        bad = [] if self.drops else [d for d in self.non_active_ranks_per_dp if d >= num_replicas]
         if bad:
             raise ValueError(
                 f"NonuniformTPConfig.non_active_ranks_per_dp names replica(s) {bad} but the job has "
                 f"{num_replicas} replicas"
             )
         try:
-            if self.balance == "none":
+            if self.balance == "none" or self.drops:  # dropped: the healthy replicas alone, alike
                 return balance_mod.equal_batch_shares(num_replicas, global_batch_size, micro_batch_size)
             # measured: the shares by TP degree until the throughputs are measured (the best split even
             # where it is no faster than equal shares: the measured one replaces it)
@@ -295,6 +316,7 @@ class NonuniformTPConfig:
         balance = getattr(args, "ntp_balance", "none")
         measure_steps = getattr(args, "ntp_balance_measure_steps", None)
         chunk = getattr(args, "ntp_transfer_chunk_mb", None)
+        policy = getattr(args, "ntp_policy", "auto")
         if tp_base is None:
             given = [
                 f"{flag} {value!r}"
@@ -306,6 +328,7 @@ class NonuniformTPConfig:
                     ("--ntp-balance", balance, "none"),
                     ("--ntp-balance-measure-steps", measure_steps, None),
                     ("--ntp-transfer-chunk-mb", chunk, None),
+                    ("--ntp-policy", policy, "auto"),
                 )
                 if value != unset
             ]
@@ -348,18 +371,22 @@ class NonuniformTPConfig:
             data_parallel_size=data_parallel_size,
             launch_mode=launch_mode,
             balance=balance,
+            policy=policy,
             **extra,
         )
-        # Megatron's --global-batch-size / --micro-batch-size (and its world size): refuse a global batch
-        # that the replicas cannot share as --ntp-balance asks, before anything is built.
+        # Megatron's --global-batch-size / --micro-batch-size (and its world size): the policy's prediction,
+        # and a global batch that the replicas cannot share as --ntp-balance asks refused before anything is built.
         sizes = [getattr(args, name, None) for name in ("global_batch_size", "micro_batch_size")]
         world_size = getattr(args, "world_size", None)
-        if config.balance != "none" and all(isinstance(v, int) for v in sizes):
-            replicas = data_parallel_size
-            if replicas is None and isinstance(world_size, int):
-                replicas = config.layout(world_size).num_replicas
-            if replicas is not None:
-                config._batch_shares(*sizes, replicas)
+        replicas = data_parallel_size
+        if replicas is None and isinstance(world_size, int):
+            replicas = config.layout(world_size).num_replicas
+        if config.policy == "auto" and replicas is not None:
+            from .policy import decide
+
+            config = dataclasses.replace(config, policy=decide(config, replicas, *sizes).choice)
+        if config.balance != "none" and all(isinstance(v, int) for v in sizes) and replicas is not None:
+            config._batch_shares(*sizes, config.kept_replicas(replicas))
         return config
 
 
@@ -564,5 +591,15 @@ def add_nonuniform_tp_args(parser: argparse.ArgumentParser) -> argparse.Argument
         metavar="MB",
         help="Largest unit (MiB of the partner's gradient shard) in which a degraded replica's gradients "
         "go to its healthy partner and the parameters come back (default 64, > 0).",
+    )
+    group.add_argument(
+        "--ntp-policy",
+        choices=POLICIES,
+        default="auto",
+        help="What the replicas that lost GPUs do: degrade: train at the reduced TP degree, each the "
+        "satellite of a healthy partner; drop: leave the job (the healthy replicas share the global batch); "
+        "auto (default): the faster of the two as the cost model predicts it from the failure map, "
+        "--ntp-balance and Megatron's --global-batch-size / --micro-batch-size (one INFO line with both "
+        "predictions).",
     )
     return parser

@@ -61,6 +61,7 @@ import math
 from collections.abc import Sequence
 
 __all__ = [
+    "DEFAULT_MAX_SHRINK",
     "MODES",
     "PLACEMENTS",
     "Plan",
@@ -337,7 +338,7 @@ def plan_step(
     with no healthy replica).
 
     ``shares``: the micro-batches of every replica the plan keeps, in replica order, instead of the
-    mode's own (to predict a run with given shares). ``keep``: with ``"ntp balanced"``, the number of
+    mode's own (to predict a run with given shares). ``keep``: with the NTP modes, the number of
     degraded replicas kept as satellites (the first ones; the others are dropped; default all).
     ``tp_reduced``: the degraded replicas' degree (default :func:`reduced_degree`). ``max_shrink``:
     the largest fraction of the global batch ``"ntp shrink"`` may leave out. With no degraded replica
@@ -388,7 +389,7 @@ def plan_step(
     if not kept:
         return _finish(costs, mode, "drop", tp, r, members, microbatches, fluid, shares, 0, dropped)
     if mode == "ntp shrink":
-        return _shrink(costs, tp, r, members, failed, microbatches, fluid, max_shrink, dropped)
+        return _shrink(costs, tp, r, members, microbatches, fluid, max_shrink, dropped)
     balanced = mode == "ntp balanced"
     return _finish(costs, mode, "ntp", tp, r, members, microbatches, fluid, shares, keep_n, dropped, 1.0, balanced)
 
@@ -412,7 +413,7 @@ def _finish(costs, mode, choice, tp, r, members, total, fluid, shares, kept, dro
     return _make_plan(costs, mode, choice, tp, r, members, shares, total, total, kept, dropped, layout)
 
 
-def _shrink(costs, tp, r, members, failed, total, fluid, max_shrink, dropped):
+def _shrink(costs, tp, r, members, total, fluid, max_shrink, dropped):
     """Every replica keeps its per-step work: the uniform job's share of the live replicas (the dead
     replicas' shares spread over them), a satellite what it computes in a healthy replica's compute
     time; the batch shrinks by the shortfall, at most ``max_shrink`` of it."""
@@ -508,20 +509,24 @@ def large_job_table(
     microbatches: int,
     *,
     max_shrink: float = DEFAULT_MAX_SHRINK,
+    sizes: Sequence[int] = (),
 ) -> list[dict]:
     """One row per k = 1..``max_failed`` failed GPUs and placement (:data:`PLACEMENTS`) of a ``dp x tp``
     job with global batches of ``microbatches`` micro-batches: the ideal ``(N-k)/N``, every mode's
     retained throughput with integer shares (None where it cannot run), the policy's choice, policy and
-    drop with fluid shares and the granularity terms (fluid minus integer), shrink's batch fraction."""
+    drop with fluid shares and the granularity terms (fluid minus integer), shrink's batch fraction.
+    ``sizes``: what must split at the reduced degree (:func:`reduced_degree`; default: nothing, so
+    ``r = tp - loss``)."""
     rows = []
     for k in range(1, max_failed + 1):
         for placement in PLACEMENTS:
             failed = place_failures(dp, tp, k, placement)
             _, degraded = _classify(tp, failed)
-            policy = best_plan(costs, tp, failed, microbatches)
-            shrink = plan_step(costs, tp, failed, microbatches, "ntp shrink", max_shrink=max_shrink)
-            balanced = plan_step(costs, tp, failed, microbatches, "ntp balanced")
-            drop = plan_step(costs, tp, failed, microbatches, "drop")
+            r = reduced_degree(tp, failed, sizes)
+            policy = best_plan(costs, tp, failed, microbatches, tp_reduced=r)
+            shrink = plan_step(costs, tp, failed, microbatches, "ntp shrink", max_shrink=max_shrink, tp_reduced=r)
+            balanced = plan_step(costs, tp, failed, microbatches, "ntp balanced", tp_reduced=r)
+            drop = plan_step(costs, tp, failed, microbatches, "drop", tp_reduced=r)
             row = dict(
                 dp=dp,
                 tp=tp,
@@ -529,7 +534,7 @@ def large_job_table(
                 placement=placement,
                 degraded_replicas=len(degraded),
                 dead_replicas=sum(f == tp for f in failed),
-                tp_reduced=reduced_degree(tp, failed),
+                tp_reduced=r,
                 ideal=(dp * tp - k) / (dp * tp),
                 choice=policy.describe(),
                 choice_kind=policy.choice,
@@ -537,10 +542,10 @@ def large_job_table(
                 slowest_drop=None if drop is None else _slowest(costs, drop),
             )
             for mode in MODES:
-                row[mode] = predict_retained(costs, tp, failed, microbatches, mode, max_shrink=max_shrink)
+                row[mode] = predict_retained(costs, tp, failed, microbatches, mode, max_shrink=max_shrink, tp_reduced=r)
             row["shrink_batch"] = None if shrink is None else shrink.batch_fraction
             for mode in ("ntp policy", "drop"):
-                row[mode + " fluid"] = predict_retained(costs, tp, failed, microbatches, mode, fluid=True)
+                row[mode + " fluid"] = predict_retained(costs, tp, failed, microbatches, mode, fluid=True, tp_reduced=r)
             row["granularity_ntp"] = row["ntp policy fluid"] - row["ntp policy"]
             row["granularity_drop"] = row["drop fluid"] - row["drop"]
             rows.append(row)
@@ -578,13 +583,10 @@ def verdict(rows: list[dict]) -> list[str]:
         if r["ntp balanced"] is None:
             ntp = "NTP refused (more degraded replicas than healthy)"
         else:
-            ntp = (
-                f"balanced NTP {r['ntp balanced']:.2%} (its slowest replica {r['slowest_ntp']:g} healthy micro-batch "
-                f"times)"
-            )
+            ntp = f"balanced NTP {r['ntp balanced']:.2%} (slowest replica {r['slowest_ntp']:g} micro-batch times)"
         shrink = "" if r["ntp shrink"] is None else f"; shrink {r['ntp shrink']:.2%} (batch {r['shrink_batch']:.2%})"
         lines.append(
-            f"  {label(r)}: drops: {ntp} vs drop {r['drop']:.2%} ({r['slowest_drop']:g}): integer shares; fluid: NTP "
-            f"{r['ntp policy fluid']:.2%}, drop {r['drop fluid']:.2%}{shrink}"
+            f"  {label(r)}: drops: {ntp} vs drop {r['drop']:.2%} ({r['slowest_drop']:g}): integer shares; fluid "
+            f"NTP {r['ntp policy fluid']:.2%} vs drop {r['drop fluid']:.2%}{shrink}"
         )
     return lines

@@ -564,11 +564,11 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
         self.sync_compute_params()
 
     def transfer_gradients(self) -> None:
-        """A degraded replica: send this step's pending gradient units to the partner now
-        (``finish_grad_sync`` does it otherwise); a partner: add them into its buckets without
-        starting the DP collectives is not possible, so this is a no-op there. Lets a benchmark
-        time the satellite's transfers apart."""
-        if self._pair is not None and not self._pair.partner:
+        """This step's pending gradient transfers of the pair, now, in the partner's order: a
+        degraded replica sends, its partner adds them into its buckets (whose collectives then
+        find them done). A no-op elsewhere. Collective over the pair: call it on every rank of
+        both replicas, e.g. to time the transfers apart from the DP collective."""
+        if self._pair is not None:
             self._pair.flush()
 
     # ---- DDP interface -------------------------------------------------------------

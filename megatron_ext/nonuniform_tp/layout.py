@@ -62,6 +62,8 @@ class NTPLayout:
     # in packed mode. In simulate mode failed slots keep a (non-active) rank.
     rank_of: tuple[tuple[int | None, ...], ...]
     failed: dict
+    # replicas that leave the job (policy "drop"): their ranks are not active
+    dropped: tuple[int, ...] = ()
 
     @classmethod
     def from_config(cls, config, world_size: int) -> "NTPLayout":
@@ -95,7 +97,12 @@ class NTPLayout:
                 f"{replicas} replicas (allowed: 0..{replicas - 1})"
             )
         healthy = replicas - len(failed)
-        if failed and 0 < healthy < len(failed):
+        if config.drops and not healthy:
+            raise ValueError(
+                f"--ntp-policy drop: every one of the {replicas} replicas lost GPUs, so none would be left; "
+                "use --ntp-policy degrade (every replica at the reduced degree, a uniform job)"
+            )
+        if failed and not config.drops and 0 < healthy < len(failed):
             raise ValueError(
                 f"--ntp-failed-slots lists {len(failed)} degraded replica(s) but the job has only {healthy} "
                 f"healthy one(s): every degraded replica needs its own healthy partner. List every replica in "
@@ -114,7 +121,27 @@ class NTPLayout:
                     row.append(nxt)
                     nxt += 1
             rank_of.append(tuple(row))
-        return cls(b, config.tp_reduced, replicas, config.launch_mode, tuple(rank_of), dict(failed))
+        dropped = tuple(sorted(failed)) if config.drops else ()
+        return cls(b, config.tp_reduced, replicas, config.launch_mode, tuple(rank_of), dict(failed), dropped)
+
+    def after_leaving(self) -> "NTPLayout":
+        """The layout the active ranks train in once the others left (the failed slots' processes
+        in simulate mode, the dropped replicas'): ranks renumbered in order (packed), dropped
+        replicas gone and the others renumbered."""
+        order = {g: i for i, g in enumerate(self.active_ranks)}
+        keep = [d for d in range(self.num_replicas) if d not in self.dropped]
+        rank_of = tuple(
+            tuple(order[r] if s in self.active_slots(d) else None for s, r in enumerate(self.rank_of[d])) for d in keep
+        )
+        failed = {i: self.failed[d] for i, d in enumerate(keep) if d in self.failed}
+        reduced = self.tp_reduced if failed else self.tp_base  # nothing degraded is left: a uniform job
+        return NTPLayout(self.tp_base, reduced, len(keep), "packed", rank_of, failed)
+
+    @property
+    def leaving(self) -> list[int]:
+        """Ranks that have a process but no place in training (simulate mode's failed slots, dropped replicas)."""
+        launched = [r for row in self.rank_of for r in row if r is not None]
+        return sorted(set(launched) - set(self.active_ranks))
 
     # ---- replicas -----------------------------------------------------------
     def is_degraded(self, replica: int) -> bool:
@@ -190,11 +217,13 @@ class NTPLayout:
 
     @property
     def active_ranks(self) -> list[int]:
-        return sorted(r for g in self.all_tp_groups() for r in g)
+        return sorted(r for d in range(self.num_replicas) if d not in self.dropped for r in self.tp_group_ranks(d))
 
     def role(self, rank: int) -> RankRole | None:
-        """This rank's place, or ``None`` for a non-active rank (simulate mode)."""
+        """This rank's place, or ``None`` for a non-active rank (simulate mode, dropped replicas)."""
         for d in range(self.num_replicas):
+            if d in self.dropped:
+                continue
             ranks = self.tp_group_ranks(d)
             if rank in ranks:
                 slot = self.active_slots(d)[ranks.index(rank)]

@@ -78,11 +78,12 @@ def initialize_nonuniform_tp_process_groups(config: NonuniformTPConfig) -> NTPPr
     """Create the NTP groups and install them into ``megatron.core.parallel_state``.
 
     Call on every rank after ``parallel_state.initialize_model_parallel()``
-    (TP=PP=CP=EP=1). In ``simulate`` mode every slot has a process: the
-    processes of failed slots leave the default process group, which is rebuilt
-    over the active ranks (renumbered as in the packed layout, Megatron's groups
-    re-initialised); they get a state with ``is_active == False`` and must skip
-    training -- nothing here exits the process.
+    (TP=PP=CP=EP=1). In ``simulate`` mode every slot has a process, and with
+    ``policy="drop"`` the degraded replicas' processes take no part: those
+    processes leave the default process group, which is rebuilt over the active
+    ranks (renumbered as in the packed layout, Megatron's groups re-initialised);
+    they get a state with ``is_active == False`` and must skip training --
+    nothing here exits the process.
     """
     global _STATE
     from megatron.core import parallel_state as ps
@@ -102,23 +103,15 @@ def initialize_nonuniform_tp_process_groups(config: NonuniformTPConfig) -> NTPPr
             "initialize_model_parallel() must be called with tensor_model_parallel_size=1; the NTP "
             f"TP groups (tp_base={config.tp_base}) are created by initialize_nonuniform_tp_process_groups"
         )
-    if config.launch_mode == "simulate":
-        if not _rejoin_active_ranks(config):
-            _STATE = NTPProcessGroups(
-                config,
-                config.layout(
-                    config.data_parallel_size * config.tp_base if config.data_parallel_size else _left_world_size
-                ),
-                None,
-                None,
-                None,
-                None,
-                None,
-            )
+    launched = config.layout(dist.get_world_size())
+    if launched.leaving:  # simulate mode's failed slots, the replicas --ntp-policy drop drops
+        if not _rejoin_active_ranks(launched.active_ranks):
+            _STATE = NTPProcessGroups(config, launched, None, None, None, None, None)
             return _STATE
         ps.initialize_model_parallel()
     world, me = dist.get_world_size(), dist.get_rank()
-    layout = dataclasses.replace(config, launch_mode="packed").layout(world)
+    layout = launched.after_leaving()
+    assert layout.world_size == world, (layout, world)
     role = layout.role(me)
 
     # Every rank creates every group, in the same order.
@@ -184,24 +177,17 @@ def initialize_nonuniform_tp_process_groups(config: NonuniformTPConfig) -> NTPPr
     return _STATE
 
 
-_left_world_size = 0
-
-
-def _rejoin_active_ranks(config: NonuniformTPConfig) -> bool:
-    """Simulate mode: the processes of failed slots leave and the others form a
-    new default process group numbered as the packed layout (so every
-    world-wide collective Megatron issues later sees only active ranks).
-    Returns whether this rank is active."""
-    global _left_world_size
+def _rejoin_active_ranks(active: list[int]) -> bool:
+    """The processes not in ``active`` leave and the others form a new default process group,
+    numbered in the order of ``active`` (so every world-wide collective Megatron issues later sees
+    only active ranks). Returns whether this rank is active."""
     import os
     import socket
 
     import torch
     from megatron.core import parallel_state as ps
 
-    world, me = dist.get_world_size(), dist.get_rank()
-    layout = config.layout(world)
-    active = layout.active_ranks
+    me = dist.get_rank()
     backend = dist.get_backend()
     # The first active rank hosts the new rendezvous store on a free port.
     info = [None]
@@ -214,7 +200,6 @@ def _rejoin_active_ranks(config: NonuniformTPConfig) -> bool:
     ps.destroy_model_parallel()
     dist.destroy_process_group()
     if me not in active:
-        _left_world_size = world
         return False
     if me != active[0]:
         store = dist.TCPStore(host, port, len(active), is_master=False)

@@ -2,6 +2,8 @@
 layout and the reshard plan."""
 
 import argparse
+import dataclasses
+import logging
 
 import pytest
 import torch
@@ -119,6 +121,49 @@ def test_packed_and_simulated_layouts():
     # every replica degraded: a uniform job at tp_reduced (no partners, DP over all replicas)
     every = NonuniformTPConfig(tp_base=2, tp_spares=1, non_active_ranks_per_dp={0: (1,), 1: (1,)}).layout(2)
     assert not every.nonuniform and every.all_dp_groups() == [[0, 1]] and every.role(0).kind == "uniform"
+
+
+def test_drop_policy_leaves_the_degraded_replicas_out():
+    cfg = NonuniformTPConfig(tp_base=2, tp_spares=1, non_active_ranks_per_dp={1: (0,)}, policy="drop")
+    launched = cfg.layout(5)  # packed: replica 0 ranks 0-1, replica 1 (degraded) rank 2, replica 2 ranks 3-4
+    assert launched.leaving == [2] and launched.role(2) is None and launched.active_ranks == [0, 1, 3, 4]
+    after = launched.after_leaving()
+    assert after.num_replicas == 2 and after.all_tp_groups() == [[0, 1], [2, 3]] and not after.nonuniform
+    assert after.all_dp_groups() == [[0, 2], [1, 3]] and {after.role(r).kind for r in range(4)} == {"uniform"}
+    assert cfg.kept_replicas(3) == 2 and cfg.replica_tp_degrees(2) == [2, 2]
+    # the shares are the healthy replicas' alone (equal: they run alike)
+    assert cfg.batch_shares(8, 1, num_replicas=2).microbatches == (4, 4)
+    # simulate mode: the failed slot and the dropped replica's other slot leave
+    sim = dataclasses.replace(cfg, launch_mode="simulate").layout(6)
+    assert sim.leaving == [2, 3] and sim.after_leaving().all_tp_groups() == [[0, 1], [2, 3]]
+    with pytest.raises(ValueError, match="--ntp-policy drop: every one of the 2 replicas lost GPUs"):
+        NonuniformTPConfig(tp_base=2, tp_spares=1, non_active_ranks_per_dp={0: (0,), 1: (0,)}, policy="drop").layout(2)
+    with pytest.raises(ValueError, match=r"policy \(--ntp-policy\) must be one of \('auto', 'degrade', 'drop'\)"):
+        NonuniformTPConfig(tp_base=2, policy="never")
+
+
+def test_auto_policy_predicts_both_and_takes_the_faster(caplog):
+    """--ntp-policy auto with Megatron's batch flags: one INFO line with both predictions. With equal
+    shares the degraded replica (TP 1 of 2) is the straggler: 2 micro-batches each take it as long as 4
+    on a healthy replica, and the pair's transfers come on top, so dropping it (the healthy replica
+    takes all 4) is faster. With balanced shares (1:3) the degraded replica adds throughput: degrade."""
+    parser = add_nonuniform_tp_args(argparse.ArgumentParser())
+    flags = ["--ntp-tp-base", "2", "--ntp-failed-slots", "0:1"]
+    args = parser.parse_args(flags)
+    args.global_batch_size, args.micro_batch_size, args.world_size = 4, 1, 3
+    with caplog.at_level(logging.INFO, logger="megatron_ext.nonuniform_tp.policy"):
+        assert NonuniformTPConfig.from_args(args).policy == "drop"
+    (line,) = [r.getMessage() for r in caplog.records if "--ntp-policy auto" in r.getMessage()]
+    assert "degrade to TP 1 (ntp unbalanced)" in line and line.endswith(": drop"), line
+    args = parser.parse_args(flags + ["--ntp-balance", "tp"])
+    args.global_batch_size, args.micro_batch_size, args.world_size = 64, 1, 3
+    assert NonuniformTPConfig.from_args(args).policy == "degrade"
+    args = parser.parse_args(flags + ["--ntp-policy", "degrade"])  # told: no prediction
+    args.global_batch_size, args.micro_batch_size, args.world_size = 4, 1, 3
+    assert NonuniformTPConfig.from_args(args).policy == "degrade"
+    # built in code without the global batch: degrade
+    assert NonuniformTPConfig(tp_base=2, tp_spares=1, non_active_ranks_per_dp={0: (1,)}).policy == "auto"
+    assert not NonuniformTPConfig(tp_base=2, tp_spares=1, non_active_ranks_per_dp={0: (1,)}).drops
 
 
 def test_more_degraded_than_healthy_replicas_is_refused_naming_the_flag():

@@ -371,3 +371,18 @@ def test_per_token_loss_needs_the_ntp_finalize_function():
     assert sorted(role for role, _ in out) == ["degraded", "partner", "partner"]
     for _, message in out:
         assert message and "megatron_ext.nonuniform_tp.finalize_model_grads" in message, message
+
+
+def test_drop_policy_trains_the_healthy_replicas_alone():
+    """--ntp-policy drop, packed: replica 0 lost a GPU, its surviving process leaves (an inactive
+    state, no training) and the healthy replica trains the whole global batch with Megatron's own DDP:
+    the single-rank baseline's losses."""
+    ntp = dict(tp_base=2, tp_spares=1, non_active_ranks_per_dp={0: (1,)}, policy="drop")
+    out = run_on_ranks(train, 3, args=(ntp, STEPS), timeout=300, backend="gloo")
+    assert out[0] is None, "the dropped replica's process must leave"
+    ref = _baseline(SPEC, "gloo")
+    for o in out[1:]:
+        assert (o["role"], o["replica"], o["tp_size"]) == ("uniform", 0, 2), o
+        assert o["memory"].staging == 0 and o["transfer_groups"] is None
+        for got, want in zip(o["losses"], ref["losses"]):
+            assert abs(got - want) <= RTOL * abs(want), (o["losses"], ref["losses"])

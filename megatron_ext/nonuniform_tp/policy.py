@@ -1,0 +1,66 @@
+"""``--ntp-policy auto|degrade|drop``: whether the replicas that lost GPUs train at the
+reduced degree (as satellites of healthy partners) or leave the job.
+
+``auto`` predicts the step of both with :mod:`.cost_model` and takes the faster: NTP's
+shares (balanced with ``--ntp-balance tp|measured``, else equal) and their micro-batch
+granularity against the healthy replicas sharing the same global batch alone. The costs
+are relative to one healthy micro-batch; a pair's transfers are taken as
+:data:`TRANSFER_FRACTION` of a uniform step (the measured order of magnitude: moving one
+shard of gradients and one of parameters per step cost 1.84% of a step of a 2.0B GPT at
+TP2 on 4xH200). Without the global batch (a config built in code, not from Megatron's
+flags), ``auto`` degrades: with real-valued shares NTP never loses to dropping.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from . import cost_model
+
+__all__ = ["POLICIES", "PolicyDecision", "TRANSFER_FRACTION", "decide"]
+
+logger = logging.getLogger(__name__)
+
+POLICIES = ("auto", "degrade", "drop")
+TRANSFER_FRACTION = 0.0184
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyDecision:
+    """``choice``: ``"degrade"`` or ``"drop"``; the predicted throughputs of both relative to
+    the uniform job (None where not predicted); ``line``: what ``auto`` logs."""
+
+    choice: str
+    degrade: float | None = None
+    drop: float | None = None
+    line: str = ""
+
+
+def decide(config, num_replicas: int, global_batch_size: int | None, micro_batch_size: int | None) -> PolicyDecision:
+    """What ``config.policy`` does for a job of ``num_replicas`` replicas (logs one INFO line for
+    ``auto`` when it predicts)."""
+    failed = config.non_active_ranks_per_dp
+    if not failed or config.policy != "auto":
+        return PolicyDecision("drop" if config.policy == "drop" and failed else "degrade")
+    if not global_batch_size or not micro_batch_size or global_batch_size % micro_batch_size:
+        return PolicyDecision("degrade", line="no global batch to predict with: degrade")
+    total = global_batch_size // micro_batch_size
+    lost = [len(failed.get(d, ())) for d in range(num_replicas)]
+    costs = cost_model.StepCosts(
+        microbatch_s=1.0,
+        grad_transfer_s=TRANSFER_FRACTION / 2 * total / num_replicas,
+        param_transfer_s=TRANSFER_FRACTION / 2 * total / num_replicas,
+    )
+    mode = "ntp unbalanced" if config.balance == "none" else "ntp balanced"
+    ntp = cost_model.predict_retained(costs, config.tp_base, lost, total, mode, tp_reduced=config.tp_reduced)
+    drop = cost_model.predict_retained(costs, config.tp_base, lost, total, "drop", tp_reduced=config.tp_reduced)
+    choice = "drop" if drop is not None and (ntp is None or drop > ntp) else "degrade"
+    line = (
+        f"nonuniform TP (--ntp-policy auto): {len(failed)} degraded replica(s) of {num_replicas}; predicted "
+        f"throughput of the uniform job's: degrade to TP {config.tp_reduced} ({mode}) "
+        f"{'n/a' if ntp is None else f'{ntp:.1%}'}, drop {'n/a' if drop is None else f'{drop:.1%}'} "
+        f"({total} micro-batches of {micro_batch_size} per global batch): {choice}"
+    )
+    logger.info("%s", line)
+    return PolicyDecision(choice, ntp, drop, line)
