@@ -28,7 +28,7 @@ resharded to the reduced degree; partner and degraded ranks, nothing elsewhere),
 (``zero_grad_buffer`` and the optimizer's ``zero_grad``), ``compute`` (the forward-backward function),
 ``wait`` (a barrier over the job: the wait for the slowest replica), ``grad_transfer`` (the degraded
 replica's gradients into its partner's buckets, both sides starting together: ``ddp.transfer_gradients()``
-on the degraded ranks and the same all-to-alls on the partner's, which ``finish_grad_sync`` finds done),
+on the pair's ranks, which ``finish_grad_sync`` then finds done),
 ``collective`` (``finalize_model_grads``: the DP collective over the healthy replicas), ``optimizer``
 and ``step``. Per job: the step of the slowest rank (median over steps of the per-step maximum), tokens/s
 of the whole job (``global_batch * seq / step``), the fraction of uniform tokens/s and of the ideal
@@ -51,8 +51,9 @@ fractions. Then, for every ``--model-jobs`` entry (default DP=64 x TP=8 and the 
 16 x 32 and 8 x 64, GB200 NVL72-class), k = 1..``--model-failed`` failed GPUs spread one per replica
 or packed into as few replicas as possible: retained throughput vs uniform of the policy (the best of
 dropping, keeping satellites, every replica at TP r), balanced and unbalanced NTP, drop, every replica
-at TP r, with integer shares (``--model-microbatches`` per replica of ``--model-micro-batch`` samples;
-default this run's samples per replica, one per micro-batch) and fluid ones, the granularity term
+at TP r (r = TP minus the GPUs lost, lowered until it divides every ``--model-divides`` size), with
+integer shares (``--model-microbatches`` per replica of ``--model-micro-batch`` samples; default this
+run's samples per replica, one per micro-batch) and fluid ones, the granularity term
 (fluid minus integer) of the policy and of drop, and the shrinking-batch option (every replica keeps
 its per-step work, the global batch shrinks by the satellites' shortfall, at most
 ``--model-max-shrink``). Last, this run's values and the model's against the issue's targets.
@@ -123,15 +124,12 @@ def _barrier(device) -> None:
     sync(device)
 
 
-def _grad_transfer(ddp, role: str) -> None:
+def _grad_transfer(ddp) -> None:
     """This step's gradient transfer of a degraded replica and its partner, on its own (both sides call
-    it at once): ``transfer_gradients()`` on the degraded ranks; on the partner's the same all-to-alls,
-    which its ``start_grad_sync`` otherwise runs right before its DP collective and then finds done.
-    Nothing elsewhere."""
-    if role == "degraded":
-        ddp.transfer_gradients()
-    elif role == "partner":
-        ddp._pair.flush()  # the partner's side of those all-to-alls (its public transfer_gradients is a no-op)
+    it at once; the partner's ``start_grad_sync`` then finds it done); nothing elsewhere."""
+    fn = getattr(ddp, "transfer_gradients", None)
+    if fn is not None:
+        fn()
 
 
 def _bench_rank(job, ntp_kwargs, tp, spec, dtype, phases, steps, warmup):
@@ -223,7 +221,7 @@ def _bench_rank(job, ntp_kwargs, tp, spec, dtype, phases, steps, warmup):
             t.append(_clock(dev))
             _barrier(dev)
             t.append(_clock(dev))
-            _grad_transfer(ddp, role)
+            _grad_transfer(ddp)
             t.append(_clock(dev))
             finalize_model_grads([ddp])
             t.append(_clock(dev))
@@ -487,12 +485,13 @@ def model_section(summary: dict, args) -> dict:
     tables = []
     for dp, job_tp in args.model_jobs:
         rows = cost_model.large_job_table(
-            large, dp, job_tp, args.model_failed, units * dp, max_shrink=args.model_max_shrink
+            large, dp, job_tp, args.model_failed, units * dp, max_shrink=args.model_max_shrink, sizes=args.model_divides
         )
         print(
             f"\nlarge job: DP={dp} x TP={job_tp} ({dp * job_tp} GPUs), {units} micro-batches of "
-            f"{args.model_micro_batch} sample(s) per replica ({units * dp} per global batch); retained tokens/s vs "
-            "uniform, integer shares unless 'fluid'"
+            f"{args.model_micro_batch} sample(s) per replica ({units * dp} per global batch)"
+            + (f"; r divides {', '.join(map(str, args.model_divides))}" if args.model_divides else "")
+            + "; retained tokens/s vs uniform, integer shares unless 'fluid'"
         )
         print(
             f"{'k':>2} | {'placement':9} | {'D':>2} | {'r':>3} | {'ideal':>7} | {'policy':>7} | {'NTP bal':>7} | "
@@ -525,7 +524,7 @@ def model_section(summary: dict, args) -> dict:
         "a healthy one's speed; a partner and its satellite pay the transfers (tp/r times the measured per-shard "
         "time, not hidden), bystanders nothing; the DP collective is a ring over the healthy replicas at TP=tp "
         "(all at r: over every replica, tp/r longer, optimizer too); the links are this run's; the model must "
-        "split at TP=r (heads, query groups, ffn, vocab divisible by r: reduced_degree(tp, failed, sizes))."
+        "split at TP=r (heads, query groups, ffn, vocab divisible by r: --model-divides lowers r until they are)."
     )
     return dict(
         costs=record,
@@ -536,6 +535,7 @@ def model_section(summary: dict, args) -> dict:
                 microbatches_per_replica=units,
                 micro_batch=args.model_micro_batch,
                 max_shrink=args.model_max_shrink,
+                divides=list(args.model_divides),
                 degraded_efficiency=1.0,
             )
             for t in tables
@@ -611,6 +611,14 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _sizes(text: str) -> tuple[int, ...]:
+    """``--model-divides``: ints >= 1 separated by ','."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts or not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise argparse.ArgumentTypeError(f"expected ints >= 1 separated by ',' (e.g. 64,8,28672), got {text!r}")
+    return tuple(int(p) for p in parts)
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -655,6 +663,13 @@ def parse_args(argv=None):
         type=_fraction,
         default=cost_model.DEFAULT_MAX_SHRINK,
         help="cost model: the largest fraction of the global batch the shrinking-batch option may leave out",
+    )
+    parser.add_argument(
+        "--model-divides",
+        type=_sizes,
+        default=(),
+        help="cost model: sizes the reduced TP degree must divide, ints separated by ',' (e.g. the attention "
+        "heads, query groups, ffn width of the large job's model; default none: r = TP - GPUs lost)",
     )
     parser.add_argument("--out", default="benchmarks/results/ntp.json")
     args = parser.parse_args(argv)

@@ -10,7 +10,9 @@ by side:
 - uniform: the baseline job, TP x DP on all GPUs;
 - ntp: a GPU of replica 0 "fails" (``--failed-slots``), the job relaunches on
   the surviving GPUs only (packed layout) and replica 0 trains at reduced TP
-  with ``NonuniformTPDistributedDataParallel``; same global batch, same curve;
+  with ``NonuniformTPDistributedDataParallel``, the satellite of a healthy
+  partner replica (no optimizer state of its own); same global batch, same
+  curve; each rank's role and bytes at the end;
 - weight export: a Llama-shaped model trains on the same ranks, then its
   weights stream to a Hugging Face LlamaForCausalLM in another process
   (``megatron_ext.weight_export``); prints refit time, bytes, GB/s and the
@@ -33,7 +35,7 @@ import time
 
 import torch
 
-from demo_nonuniform_tp import run_ntp_phase
+from demo_nonuniform_tp import ntp_config_kwargs, run_ntp_phase
 from demo_fsdp_symm import run_symm_demo
 from demo_weight_export import run_weight_export_demo
 from demo_weight_export_reshard import run_reshard_demo
@@ -136,6 +138,11 @@ def main(argv=None) -> int:
         world_size=args.world_size, tp=args.tp, steps=args.steps, global_batch=args.global_batch, backend=backend
     )
     spec = tiny_gpt.TinyGPTSpec()
+    if args.failed_slots:
+        try:  # before any phase runs: a bad --failed-slots would fail only in the NTP phase's ranks
+            ntp_config_kwargs(cfg.tp, cfg.world_size, args.failed_slots, spec)
+        except ValueError as exc:
+            parser.error(f"--failed-slots {args.failed_slots!r}: {exc}")
 
     print(
         f"megatron_ext demo: tiny GPT ({spec.num_layers} layers, hidden {spec.hidden_size}), "

@@ -1027,32 +1027,6 @@ def _tp_layout(plan: Plan) -> list:
     return ["uniform", tp] + ([plan.ep, plan.etp] if plan.num_experts is not None else [])
 
 
-def _share_common_state(state: dict) -> None:
-    """Under NTP, give a degraded replica's ranks the non-sharded entries of the healthy ranks' ``model`` and
-    ``optimizer`` (collective over all ranks; a no-op without a degraded replica).
-
-    dist_checkpointing writes the non-sharded part of a state dict (the optimizer's ``param_groups`` and
-    Adam's step count) from global rank 0 only, and expects it alike on every rank. A degraded replica
-    describes no model or optimizer (``model_sharded_state_dict`` returns None there), and a packed launch
-    numbers replica 0 first: with replica 0 degraded, the checkpoint would lack them, and a uniform job
-    resuming it fails in ``optimizer.load_state_dict`` ("Could not find parameter group ...")."""
-    import torch.distributed as dist
-    from megatron.core.dist_checkpointing.utils import extract_nonpersistent, extract_sharded_base
-
-    from megatron_ext.nonuniform_tp import get_ntp_process_groups
-
-    groups = get_ntp_process_groups()
-    if groups is None or not groups.layout.nonuniform:
-        return
-    src = groups.layout.tp_group_ranks(groups.layout.healthy_replicas[0])[0]
-    common = [None]
-    if dist.get_rank() == src:
-        common[0] = {k: extract_sharded_base(extract_nonpersistent(state[k])[1])[1] for k in ("model", "optimizer")}
-    dist.broadcast_object_list(common, src=src)
-    if groups.role.degraded:
-        state.update(common[0])
-
-
 def _canonical(x, out: list) -> None:
     """Bytes that stand for ``x`` (nested dicts and lists, tensors by dtype, shape and bits), into ``out``."""
     import torch
@@ -1084,10 +1058,11 @@ def _sha(x) -> str:
     return hashlib.sha256(b"\0".join(parts)).hexdigest()
 
 
-def state_digests(args, ddp, optimizer) -> dict:
+def state_digests(args, ddp, optimizer=None) -> dict:
     """``{"model": hex, "optimizer": hex}``: SHA-256 digests (16 hex digits) of what this job's checkpoint
     holds, from the live state: every main-replica shard of the sharded state dicts (key, offset, bits) and
-    their non-sharded entries. Collective over all ranks (a degraded NTP replica adds nothing)."""
+    their non-sharded entries (``optimizer``: None leaves it out). Collective over all ranks (a degraded NTP
+    replica adds nothing)."""
     import hashlib
 
     import torch.distributed as dist
@@ -1104,7 +1079,9 @@ def state_digests(args, ddp, optimizer) -> dict:
     mine = {"model": [], "optimizer": [], "model common": None, "optimizer common": None}
     model_sd = model_sharded_state_dict(ddp)
     if model_sd is not None:
-        state = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, metadata=optimizer_metadata(args))}
+        state = {"model": model_sd, "optimizer": {}}
+        if optimizer is not None:
+            state["optimizer"] = optimizer.sharded_state_dict(model_sd, metadata=optimizer_metadata(args))
         apply_factories(state)
         common = {"model": [], "optimizer": []}
 
@@ -1132,7 +1109,7 @@ def state_digests(args, ddp, optimizer) -> dict:
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     out = {}
-    for part in ("model", "optimizer"):
+    for part in ("model", "optimizer") if optimizer is not None else ("model",):
         shards = sorted(s for e in everyone for s in e[part])
         common = next((e[f"{part} common"] for e in everyone if e[f"{part} common"] is not None), None)
         out[part] = hashlib.sha256(repr((shards, common)).encode()).hexdigest()[:16]
@@ -1140,17 +1117,18 @@ def state_digests(args, ddp, optimizer) -> dict:
 
 
 def _digest_text(args, ddp, optimizer) -> str:
+    """The digests for the save and load lines (with --log-checkpoint-digest)."""
     if not args.log_checkpoint_digest:
         return ""
     d = state_digests(args, ddp, optimizer)
-    return f"; digests: model {d['model']}, optimizer {d['optimizer']}"
+    return f"; digests: model {d['model']}, optimizer {d.get('optimizer', '(not loaded)')}"
 
 
 def save_checkpoint(args, plan: Plan, iteration: int, consumed: int, ddp, optimizer, scheduler):
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    from megatron_ext.nonuniform_tp import model_sharded_state_dict
+    from megatron_ext.nonuniform_tp import model_sharded_state_dict, share_common_state
 
     start = time.perf_counter()
     state = {
@@ -1168,7 +1146,7 @@ def save_checkpoint(args, plan: Plan, iteration: int, consumed: int, ddp, optimi
     if model_sd is not None:
         state["model"] = model_sd
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, metadata=optimizer_metadata(args))
-    _share_common_state(state)
+    share_common_state(state)  # NTP: global rank 0 may be degraded; it writes the non-sharded entries
     path = os.path.join(args.save, f"iter_{iteration:07d}")
     if dist.get_rank() == 0:
         os.makedirs(path, exist_ok=True)
@@ -1277,7 +1255,7 @@ def load_checkpoint(args, plan: Plan, ddp, optimizer, scheduler) -> tuple[int, i
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
     print_rank_0(
         f"loaded checkpoint from {args.load} at iteration {iteration} (saved as {loaded.get('layout')}; "
-        f"resumed as {_layout_text(plan)})" + _digest_text(args, ddp, optimizer)
+        f"resumed as {_layout_text(plan)})" + _digest_text(args, ddp, None if args.no_load_optim else optimizer)
     )
     return iteration, int(loaded["consumed_train_samples"])
 

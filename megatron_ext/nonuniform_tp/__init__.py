@@ -69,7 +69,14 @@ def __getattr__(name):
         from .finalize import finalize_model_grads
 
         return finalize_model_grads
-    if name in ("ntp_to_uniform", "uniform_to_ntp", "merge_tp_shards", "split_tp_full", "model_sharded_state_dict"):
+    if name in (
+        "ntp_to_uniform",
+        "uniform_to_ntp",
+        "merge_tp_shards",
+        "split_tp_full",
+        "model_sharded_state_dict",
+        "share_common_state",
+    ):
         from . import checkpoint
 
         return getattr(checkpoint, name)
@@ -102,6 +109,7 @@ __all__ = [
     "ntp_to_uniform",
     "parse_failed_slots",
     "reduce_loss_over_replicas",
+    "share_common_state",
     "split_tp_full",
     "uniform_to_ntp",
 ]

@@ -49,6 +49,7 @@ __all__ = [
     "merge_tp_shards",
     "model_sharded_state_dict",
     "ntp_to_uniform",
+    "share_common_state",
     "shard_specs",
     "split_tp_full",
     "uniform_to_ntp",
@@ -408,9 +409,38 @@ def model_sharded_state_dict(ddp) -> dict | None:
       state dict, but call ``dist_checkpointing.save`` / ``load`` on it too (they are
       collective). Its ``state_dict()`` / ``sharded_state_dict()`` refuse.
 
-    After a load call ``ddp.sync_compute_params()`` on every rank, so that each degraded
-    replica takes its partner's loaded weights.
+    Before the save call :func:`share_common_state` on every rank (global rank 0, which writes the
+    non-sharded entries, may be degraded). After a load call ``ddp.sync_compute_params()`` on every
+    rank, so that each degraded replica takes its partner's loaded weights.
     """
     if getattr(ddp, "ntp_role", None) == "degraded":
         return None
     return ddp.module.sharded_state_dict()
+
+
+def share_common_state(state: dict, keys: Sequence[str] = ("model", "optimizer")) -> None:
+    """Give a degraded rank's checkpoint ``state`` the non-sharded entries of the healthy ranks'
+    ``state[key]`` (collective over all ranks: call it on every rank right before
+    ``dist_checkpointing.save``; a no-op without a degraded replica).
+
+    ``dist_checkpointing.save`` writes the non-sharded part of a state dict (the optimizer's
+    ``param_groups``, Adam's step count) from global rank 0 only. A degraded replica describes no
+    model or optimizer (:func:`model_sharded_state_dict` is None there), and a packed launch numbers
+    replica 0's ranks first: with replica 0 degraded the checkpoint would lack them, and a job
+    resuming it would fail in ``optimizer.load_state_dict``. The first healthy rank's non-sharded
+    entries are broadcast and set on the degraded ranks (as ``save``'s own extraction leaves them)."""
+    from megatron.core.dist_checkpointing.utils import extract_nonpersistent, extract_sharded_base
+
+    from .process_groups import get_ntp_process_groups
+
+    groups = get_ntp_process_groups()
+    if groups is None or not groups.layout.nonuniform:
+        return
+    src = groups.layout.tp_group_ranks(groups.layout.healthy_replicas[0])[0]
+    common = [None]
+    if dist.get_rank() == src:
+        parts = {k: extract_sharded_base(extract_nonpersistent(state[k])[1])[1] for k in keys if k in state}
+        common[0] = {k: v for k, v in parts.items() if v}
+    dist.broadcast_object_list(common, src=src)
+    if groups.role.degraded:
+        state.update(common[0])

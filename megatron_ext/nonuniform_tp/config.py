@@ -381,12 +381,16 @@ class NonuniformTPConfig:
         replicas = data_parallel_size
         if replicas is None and isinstance(world_size, int):
             replicas = config.layout(world_size).num_replicas
+        known = all(isinstance(v, int) for v in sizes) and replicas is not None
+        if known and config.balance != "none" and config.policy != "drop":
+            # the shares --ntp-balance asks for, where the degraded replicas train
+            dataclasses.replace(config, policy="degrade")._batch_shares(*sizes, replicas)
         if config.policy == "auto" and replicas is not None:
             from .policy import decide
 
             config = dataclasses.replace(config, policy=decide(config, replicas, *sizes).choice)
-        if config.balance != "none" and all(isinstance(v, int) for v in sizes) and replicas is not None:
-            config._batch_shares(*sizes, config.kept_replicas(replicas))
+        if known and config.drops:
+            config._batch_shares(*sizes, config.kept_replicas(replicas))  # the healthy replicas' equal split
         return config
 
 

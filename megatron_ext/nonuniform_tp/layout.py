@@ -200,7 +200,7 @@ class NTPLayout:
         return sorted(self.tp_group_ranks(self.partners[degraded]) + self.tp_group_ranks(degraded))
 
     def all_pair_groups(self) -> list[list[int]]:
-        return [self.pair_group_ranks(d) for d in self.degraded_replicas]
+        return [self.pair_group_ranks(d) for d in self.partners]
 
     def optimizer_groups(self) -> list[list[int]]:
         """The ranks whose optimizers reduce gradient statistics together (the distributed

@@ -3,7 +3,8 @@ reduced degree (as satellites of healthy partners) or leave the job.
 
 ``auto`` predicts the step of both with :mod:`.cost_model` and takes the faster: NTP's
 shares (balanced with ``--ntp-balance tp|measured``, else equal) and their micro-batch
-granularity against the healthy replicas sharing the same global batch alone. The costs
+granularity against the healthy replicas sharing the same global batch alone (equally: a
+global batch that does not split so is not dropped). The costs
 are relative to one healthy micro-batch; a pair's transfers are taken as
 :data:`TRANSFER_FRACTION` of a uniform step (the measured order of magnitude: moving one
 shard of gradients and one of parameters per step cost 1.84% of a step of a 2.0B GPT at
@@ -55,6 +56,9 @@ def decide(config, num_replicas: int, global_batch_size: int | None, micro_batch
     mode = "ntp unbalanced" if config.balance == "none" else "ntp balanced"
     ntp = cost_model.predict_retained(costs, config.tp_base, lost, total, mode, tp_reduced=config.tp_reduced)
     drop = cost_model.predict_retained(costs, config.tp_base, lost, total, "drop", tp_reduced=config.tp_reduced)
+    healthy = num_replicas - len(failed)
+    if total % healthy:  # a dropped job splits the global batch equally over the healthy replicas
+        drop = None
     choice = "drop" if drop is not None and (ntp is None or drop > ntp) else "degrade"
     line = (
         f"nonuniform TP (--ntp-policy auto): {len(failed)} degraded replica(s) of {num_replicas}; predicted "

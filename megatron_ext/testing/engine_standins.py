@@ -24,11 +24,22 @@ and function of the real engine it mirrors. What differs, on purpose:
   trainer): the trainer's ``call(method, *args, **kwargs)`` reaches every engine
   rank at once, as ``collective_rpc`` and SGLang's tokenizer manager do, and its
   arguments must be JSON (as over HTTP).
+- a test job's one world holds the trainer and the engine ranks, which real
+  engines' worlds never do: the SGLang stand-in's group is created as the
+  trainer's is (not split from the default group's NCCL communicator, see
+  :func:`~megatron_ext.weight_export.adapters.sglang.unbound_default_group`),
+  and the vLLM stand-in's groups (torch process groups, which tear their
+  communicator down when dropped, unlike PyNccl's) are kept until every rank
+  calls :func:`release_groups` at the end of the job: NCCL cannot tear down one
+  end of a group while another end is up. :func:`nccl_teardown_rule` gives gloo
+  jobs that rule for the trainer-engine groups, so CPU tests show a one-sided
+  teardown too.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime
 import io
 import math
@@ -41,6 +52,7 @@ import torch.distributed as dist
 
 from megatron_ext.weight_export import control
 from megatron_ext.weight_export.adapters.base import PyNcclGroup, TorchGroup
+from megatron_ext.weight_export.adapters.sglang import unbound_default_group
 
 __all__ = [
     "CudaIpcStandin",
@@ -54,7 +66,9 @@ __all__ = [
     "VllmNcclWorkerStandin",
     "VllmWorkerExtensionStandin",
     "init_custom_process_group",
+    "nccl_teardown_rule",
     "packed_chunk_sizes",
+    "release_groups",
     "unpack_chunk",
     "vllm_trainer_group",
 ]
@@ -107,11 +121,68 @@ class StatelessGroup:
             self.pg = dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
         else:
             self.pg = dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
-        self.rank = rank
+        self.rank, self.port = rank, port
+        _LIVE.append(self)  # never torn down by being dropped: see release_groups
 
     def broadcast(self, tensor: torch.Tensor, src: int, stream=None) -> None:
         # CPU: done; CUDA: the current stream waits for it (PyNccl enqueues on the current stream)
         self.pg.broadcast(tensor, src).wait()
+
+
+# This process's ends of every StatelessGroup (the trainer's and the engines'), kept until release_groups().
+_LIVE: list[StatelessGroup] = []
+
+
+def release_groups() -> int:
+    """Shut down this process's ends of every :class:`StatelessGroup`; returns how many. Every rank of
+    a test job calls it once the trainer closed its adapters and the engines stopped serving.
+
+    vLLM's PyNccl communicator is never destroyed; a torch ``ProcessGroupNCCL`` aborts its
+    communicator when dropped, and NCCL's teardown of one end (every graceful destroy, and an abort
+    where cuMem host memory is unavailable) waits in its proxy thread until the peer ranks close
+    their connections to it, i.e. tear down their ends too. So the stand-in groups stay up until
+    every rank calls this, and every rank shuts its ends down in the same order (by port), so that
+    no two ranks wait on each other's different groups."""
+    groups = sorted(_LIVE, key=lambda g: g.port)
+    _LIVE.clear()
+    for group in groups:
+        shutdown = getattr(group.pg, "shutdown", None) or getattr(group.pg, "_shutdown", None)
+        if shutdown is not None:
+            shutdown()
+    return len(groups)
+
+
+@contextlib.contextmanager
+def nccl_teardown_rule(limit_s: float = 30.0, prefix: str = "weight_update"):
+    """Within: ``dist.destroy_process_group(group)`` of a group named ``prefix...`` (the trainer-engine
+    groups) returns only once every rank of the group has begun destroying its end, as on NCCL
+    (whose proxy thread serves the peers' connections until they tear down their ends); gloo's
+    teardown is local, so without this a CPU job cannot show an end torn down alone. Such an end
+    raises RuntimeError after ``limit_s`` (on NCCL it waits forever)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    real = dist.destroy_process_group
+
+    def destroy_process_group(group=None):
+        name = getattr(group, "group_name", "") if group is not None else ""
+        if name.startswith(prefix) and group in c10d._world.pg_map:
+            store = c10d._world.pg_map[group][1]
+            store.add("nccl_teardown_rule/down", 1)
+            deadline = time.monotonic() + limit_s
+            while store.add("nccl_teardown_rule/down", 0) < group.size():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"this end of group {name} was torn down alone for {limit_s:g}s (on NCCL that blocks until "
+                        "every other end is torn down too)"
+                    )
+                time.sleep(0.01)
+        real(group)
+
+    dist.destroy_process_group = destroy_process_group
+    try:
+        yield
+    finally:
+        dist.destroy_process_group = real
 
 
 def vllm_trainer_group(master_address: str, master_port: int, world_size: int, device, timeout_s: float):
@@ -473,9 +544,11 @@ def init_custom_process_group(*, backend, init_method, world_size, rank, group_n
     store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     store = c10d.PrefixStore(group_name, store)
-    pg, _ = c10d._new_process_group_helper(
-        world_size, rank, [], c10d.Backend(backend), store, group_name=group_name, timeout=timeout
-    )
+    # Not split from the test world's default group, which holds the trainer too (an engine's does not).
+    with unbound_default_group():
+        pg, _ = c10d._new_process_group_helper(
+            world_size, rank, [], c10d.Backend(backend), store, group_name=group_name, timeout=timeout
+        )
     c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
 
@@ -568,13 +641,16 @@ class SglangEngineStandin:
     ``success=False``), ``update_weights_from_tensor`` (``serialized_named_tensors[tp_rank]``
     deserialized; flattened buckets through ``_update_weights_from_flattened_bucket``), and the
     tokenizer manager's weight version (set when an update with ``weight_version`` succeeded, or by
-    ``update_weight_version``; ``get_weight_version``). The request fields are those of ``io_struct.py``'s
-    ``InitWeightsUpdateGroupReqInput`` / ``UpdateWeightsFromDistributedReqInput`` /
-    ``UpdateWeightsFromTensorReqInput``."""
+    ``update_weight_version``; ``get_weight_version``), and ``destroy_weights_update_group`` (the
+    group popped and ``destroy_process_group``; an unknown name answers ``success=False``). The
+    request fields are those of ``io_struct.py``'s ``InitWeightsUpdateGroupReqInput`` /
+    ``UpdateWeightsFromDistributedReqInput`` / ``UpdateWeightsFromTensorReqInput`` /
+    ``DestroyWeightsUpdateGroupReqInput``."""
 
     def __init__(self, model: StandinModel, *, tp_rank: int, multi_dtypes: bool = True):
         self.model, self.tp_rank, self.multi_dtypes = model, tp_rank, multi_dtypes
         self.groups: dict[str, object] = {}
+        self.destroyed: list[str] = []  # groups destroyed by destroy_weights_update_group
         self.weight_version: str | None = None
         self.cache_flushes = 0
         self.requests = 0
@@ -597,6 +673,16 @@ class SglangEngineStandin:
             return {"success": True, "message": "Succeeded to initialize custom process group."}
         except Exception as e:  # noqa: BLE001 - answered like the engine
             return {"success": False, "message": f"Failed to initialize custom process group: {e}."}
+
+    def destroy_weights_update_group(self, group_name) -> dict:
+        try:
+            if group_name not in self.groups:
+                return {"success": False, "message": "The group to be destroyed does not exist."}
+            dist.destroy_process_group(self.groups.pop(group_name))
+            self.destroyed.append(group_name)
+            return {"success": True, "message": "Succeeded to destroy custom process group."}
+        except Exception as e:  # noqa: BLE001 - answered like the engine
+            return {"success": False, "message": f"Failed to destroy custom process group: {e}."}
 
     def update_weights_from_distributed(
         self,

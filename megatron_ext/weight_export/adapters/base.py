@@ -29,14 +29,26 @@ After a failed call or broadcast the group's collectives are out of step: the
 adapter refuses further versions (:class:`ReceiverError` saying to rebuild it
 and re-initialise the engine's group). Adapters without a group (vLLM's ``ipc``
 backend) refuse them too: the engine may hold a partly written version.
+
+**Closing never tears down the trainer's end of an NCCL group alone.** NCCL's
+teardown of one end (``ncclCommDestroy``, and ``ncclCommAbort`` where cuMem host
+memory is unavailable, e.g. in containers) joins its proxy thread, which serves
+the peer ranks' connections until they close them, i.e. until the engine tears
+down its end too: destroying ours alone blocks until the engine process exits
+(gloo's teardown is local, so only NCCL shows it). ``close()`` therefore either
+forgets the group (the default; vLLM's trainer-side ``PyNcclCommunicator`` is
+never destroyed either) or, where the engine has a call for it (SGLang's
+``destroy_weights_update_group``), destroys both ends together
+(:meth:`EngineSender._release_with`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import ipaddress
+import logging
 import socket
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -64,6 +76,8 @@ __all__ = [
     "tcp_url",
     "threshold_chunks",
 ]
+
+log = logging.getLogger(__name__)
 
 EngineCall = Callable[..., Any]
 _POLL_MAX_S = 0.01  # longest sleep between two looks at a broadcast and its engine call
@@ -202,21 +216,25 @@ class Packer:
 
 # ---------------------------------------------------------------------------------------- groups
 class TorchGroup:
-    """A ``torch.distributed`` process group (or backend) the trainer joined as rank 0."""
+    """A ``torch.distributed`` process group (or backend) the trainer joined as rank 0. ``close()``
+    forgets it; ``destroy()`` destroys this process's end (a registered group: ``destroy_process_group``),
+    which on NCCL returns only once the engine's end is being destroyed too (see the module docstring)."""
 
-    def __init__(self, pg, *, destroy: bool = False):
-        self.pg, self._destroy = pg, destroy
+    def __init__(self, pg):
+        self.pg = pg
 
     def broadcast(self, tensor: torch.Tensor):
         work = self.pg.broadcast(tensor, 0)
         return work.is_completed, work.wait
 
-    def close(self) -> None:
-        if self._destroy:
-            import torch.distributed as dist
+    def destroy(self) -> None:
+        import torch.distributed as dist
 
-            with contextlib.suppress(Exception):  # best effort at teardown
-                dist.destroy_process_group(self.pg)
+        pg, self.pg = self.pg, None
+        if pg is not None:
+            dist.destroy_process_group(pg)
+
+    def close(self) -> None:
         self.pg = None
 
 
@@ -343,6 +361,7 @@ class EngineSender:
         self.plan: ExportPlan | None = None
         self.connected = False
         self.broken: str | None = None
+        self.release_error: str | None = None  # why close() could not release the group with the engine
         self._pending: list[_Pending] = []
 
     # ----------------------------------------------------------------- sender protocol
@@ -393,12 +412,53 @@ class EngineSender:
         return [None]
 
     def close(self) -> None:
-        self.calls.close()
-        if self.group is not None:
-            self.group.close()
-            self.group = None
+        """Let go of the group (:meth:`_release_group`, which may need an engine call), then of the call thread."""
+        group, self.group = self.group, None
+        try:
+            if group is not None:
+                self._release_group(group)
+        finally:
+            self.calls.close()
 
     # ----------------------------------------------------------------- helpers
+    def _release_group(self, group) -> None:
+        """At ``close()``: forget the group, leaving its ends up until the processes exit (tearing down
+        ours alone would block on NCCL until the engine's end goes; see the module docstring)."""
+        group.close()
+
+    def _release_with(self, group, method: str, **kwargs) -> None:
+        """Destroy both ends of ``group`` together: the engine's through its call ``method`` (submitted
+        first), this process's end meanwhile on a helper thread (on NCCL each end's teardown returns only
+        once the other end is being torn down too). Each wait is bounded by ``timeout_s``. ``close()``
+        does not raise: a failure is logged and kept in :attr:`release_error`; this process's end is then
+        left to the helper thread, which finishes once the engine's end goes (e.g. the engine exits)."""
+        fut = self.calls.submit(method, **kwargs)
+        done, failed = threading.Event(), []
+
+        def destroy():
+            try:
+                group.destroy()
+            except BaseException as exc:  # noqa: BLE001 - reported by the waiting thread
+                failed.append(exc)
+            finally:
+                done.set()
+
+        # A daemon thread, not a pool's: a teardown the engine never matches must not hold up the process's exit.
+        threading.Thread(target=destroy, name="group-release", daemon=True).start()
+        problem = None
+        try:
+            self.calls.wait(fut)
+        except ReceiverError as exc:
+            problem = f"{exc}; this process's end of the group is left to a background thread"
+        if problem is None:
+            if not done.wait(self.timeout_s):
+                problem = f"this process's end of the group was not destroyed within {self.timeout_s:g}s"
+            elif failed:
+                problem = f"destroying this process's end of the group failed: {type(failed[0]).__name__}: {failed[0]}"
+        self.release_error = problem
+        if problem is not None:
+            log.warning("%s: releasing the weight update group at close: %s", self.what, problem)
+
     def _check_usable(self) -> None:
         if self.broken:
             raise ReceiverError(

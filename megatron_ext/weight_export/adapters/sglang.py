@@ -11,6 +11,7 @@ Two protocols, each a sender of :class:`~..exporter.WeightExporter`
     update_weights_from_distributed(names, dtypes, shapes, group_name, flush_cache,
                                     load_format="flattened_bucket")                 # per bucket
     update_weight_version(new_version, abort_all_requests=False)                     # per version
+    destroy_weights_update_group(group_name)                                         # at close()
 
 Each TP rank of the engine joins ``init_custom_process_group(backend,
 init_method="tcp://master_address:master_port", world_size, rank=rank_offset +
@@ -27,6 +28,14 @@ accepted the version (its NaN/Inf check runs after the last bucket):
 with ``publish_version="last_request"`` (SGLang versions without that call), as
 ``weight_version`` of the last request, sent only after every earlier one
 succeeded.
+
+``close()`` destroys the group's two ends together: the engine's with
+``destroy_weights_update_group(group_name)`` while the trainer destroys its own
+(on NCCL, tearing down one end alone blocks until the other end goes: see
+:mod:`.base`); ``release_group=False`` (SGLang versions without that call)
+leaves both ends up instead. The trainer's end is a fresh communicator over the
+group's TCP store, never split from the trainer's default group (see
+:func:`unbound_default_group`).
 
 :class:`SglangTensorSender` — ``update_weights_from_tensor`` with
 ``load_format="flattened_bucket"``: no group; each bucket is one flattened
@@ -54,6 +63,7 @@ json=kwargs, timeout=...).json()`` (SGLang answers ``{"success": ..., "message":
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime
 import io
 import types
@@ -76,11 +86,42 @@ from .base import (
     tcp_url,
 )
 
-__all__ = ["PUBLISH_VERSION", "SglangDistributedSender", "SglangTensorSender", "join_sglang_group", "serialize"]
+__all__ = [
+    "PUBLISH_VERSION",
+    "SglangDistributedSender",
+    "SglangTensorSender",
+    "join_sglang_group",
+    "serialize",
+    "unbound_default_group",
+]
 
 # How the version is published: an update_weight_version call at the end, the last request's
 # weight_version field, or not at all.
 PUBLISH_VERSION = ("update_weight_version", "last_request", "none")
+
+
+@contextlib.contextmanager
+def unbound_default_group():
+    """While a group outside the default group is created: the default group looks bound to no device.
+
+    torch (>= 2.3) builds a new NCCL group's communicator by ``ncclCommSplit`` of the default group's
+    whenever the default group is bound to a device (``init_process_group(device_id=...)``, as
+    Megatron's and our launchers do). That split is collective over the whole default group, whose
+    other ranks never join a group of the trainer's rank 0 and the engine's ranks: rank 0 would
+    block in it at the group's first broadcast. Unbound, the communicator is created from the
+    group's own store instead. (torch's helper reads ``bound_device_id`` only while it runs.)"""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    default = c10d._get_default_group() if dist.is_initialized() else None
+    bound = None if default is None else default.bound_device_id
+    if bound is not None:
+        default.bound_device_id = None
+    try:
+        yield
+    finally:
+        if bound is not None:
+            default.bound_device_id = bound
 
 
 def join_sglang_group(
@@ -89,7 +130,8 @@ def join_sglang_group(
     """The trainer's end (rank 0) of SGLang's ``init_custom_process_group``: a torch rendezvous at
     ``tcp://master_address:master_port`` (rank 0 hosts the TCP store), the store prefixed with
     ``group_name``, a process group of ``backend`` named ``group_name`` whose group ranks are also
-    the ranks ``broadcast`` takes. Collective with the engine's ranks ``1..world_size-1``."""
+    the ranks ``broadcast`` takes, its communicator not split from the default group's
+    (:func:`unbound_default_group`). Collective with the engine's ranks ``1..world_size-1``."""
     from torch.distributed import distributed_c10d as c10d
     from torch.distributed.rendezvous import rendezvous
 
@@ -97,9 +139,10 @@ def join_sglang_group(
     store, rank, world = next(rendezvous(tcp_url(master_address, master_port), 0, world_size, timeout=timeout))
     store.set_timeout(timeout)
     store = c10d.PrefixStore(group_name, store)
-    pg, _ = c10d._new_process_group_helper(
-        world, rank, [], c10d.Backend(backend), store, group_name=group_name, timeout=timeout
-    )
+    with unbound_default_group():
+        pg, _ = c10d._new_process_group_helper(
+            world, rank, [], c10d.Backend(backend), store, group_name=group_name, timeout=timeout
+        )
     c10d._world.pg_group_ranks[pg] = {i: i for i in range(world)}
     return pg
 
@@ -200,7 +243,9 @@ class SglangDistributedSender(_SglangSender):
     ``abort_all_requests=True``). ``publish_version``: see the module docstring. ``check_version``:
     ask ``get_weight_version`` at the end and require the version just sent. ``engine_ranks``,
     ``group_by_dtype``, ``update_kwargs``, ``timeout_s``, ``check_version`` and ``publish_version``
-    are :class:`SglangTensorSender`'s too."""
+    are :class:`SglangTensorSender`'s too. ``release_group``: ``close()`` destroys the group's two
+    ends together (``destroy_weights_update_group``); False (SGLang versions without that call):
+    both ends stay up until the processes exit (NCCL cannot tear down one end alone)."""
 
     def __init__(
         self,
@@ -211,15 +256,19 @@ class SglangDistributedSender(_SglangSender):
         group_name: str = "weight_update_group",
         backend: str = "nccl",
         flattened: bool = True,
+        release_group: bool = True,
         **kwargs,
     ):
         super().__init__(call, **kwargs)
         self._set_master(master_address, master_port)
         if not isinstance(group_name, str) or not group_name:
             raise ValueError(f"group_name must be a non-empty string, got {group_name!r}")
+        if not isinstance(release_group, bool):
+            raise ValueError(f"release_group must be True or False, got {release_group!r}")
         self.group_name = group_name
         self.backend = check_choice("backend", backend, ("nccl", "gloo"))
         self.flattened = bool(flattened)
+        self.release_group = release_group
         self.world_size = 1 + self.engine_ranks
 
     def _connect(self) -> None:
@@ -238,7 +287,13 @@ class SglangDistributedSender(_SglangSender):
                 self.master_address, self.master_port, self.world_size, self.group_name, self.backend, self.timeout_s
             ),
         )
-        self.group = TorchGroup(pg, destroy=True)
+        self.group = TorchGroup(pg)
+
+    def _release_group(self, group: TorchGroup) -> None:
+        if self.release_group:
+            self._release_with(group, "destroy_weights_update_group", group_name=self.group_name)
+        else:
+            group.close()
 
     def _send(self, bucket: BucketMeta, buf: torch.Tensor, slot: int) -> _Pending:
         works, futures, at = [], [], 0

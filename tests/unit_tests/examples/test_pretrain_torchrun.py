@@ -5,16 +5,23 @@ command (``python -m megatron_ext.weight_export.engine``).
 
 On CPU (gloo) four launches, each checked for several things:
 
-- side by side: A = uniform TP1 x DP2 with Megatron's own DDP (``--symm-mem off``),
-  exporting its starting weights and then every 2 iterations to a separately started engine,
-  saving at iteration 3;
-  B = NTP ``--ntp-tp-base 2 --ntp-failed-slots 0:1`` on the 3 healthy ranks with
-  ``--symm-mem on``, saving at iteration 3;
-- then C = NTP with measured batch shares (``--ntp-balance measured
+- side by side: A = uniform TP2 x DP1 with Megatron's own DDP (``--symm-mem off``) and
+  distributed optimizer, exporting its starting weights and then every 2 iterations to a
+  separately started engine, saving at iteration 3;
+  B = NTP ``--ntp-tp-base 2 --ntp-failed-slots 0:1`` on the 3 healthy ranks (replica 0 at TP1,
+  the satellite of replica 1 at TP2) with ``--symm-mem on``, Megatron's plain optimizer and
+  small transfer units (``--ntp-transfer-chunk-mb 0.05``: several per bucket), saving at
+  iteration 3;
+- then C = NTP with the distributed optimizer and measured batch shares (``--ntp-balance measured
   --ntp-balance-measure-steps 1``: by TP degree, 1 and 3 of the 4 micro-batches, for its first
   iteration, then by the replicas' measured throughputs) resuming A's uniform checkpoint
   (once A is done) and D = uniform TP2 x DP1
   (``--symm-mem`` at its default, auto) resuming B's NTP checkpoint (once B is done).
+
+Every launch prints SHA-256 digests of the model and the optimizer state after each save and
+load (``--log-checkpoint-digest``): an NTP job's checkpoint is its healthy replicas' uniform
+``tp_base`` one, so a uniform TP2 job loads B's (plain optimizer) and an NTP job loads A's
+(distributed optimizer) bit for bit, model and optimizer state alike.
 
 A fifth launch, on its own: E = an MoE model (4 experts of ffn 32, top-2, aux loss 1e-2) at TP1 x DP4 x
 EP2 (2 local experts per rank, expert data-parallel size 2) with Megatron's DDP, refitting
@@ -25,13 +32,14 @@ script's own ``main``, and greedy tokens of the starting model and of E's checkp
 
 Loss tolerance. Every layout trains the same global model (CPU initialisation from the
 seed) on the same global batches in fp32; they differ only in the order of floating-point
-reductions (TP partial sums, the gradient all-reduce, the NTP fold). That agrees with a
-single-rank run within 1e-5 relative per step over 10 steps
-(tests/unit_tests/nonuniform_tp/test_ntp_training.py, RTOL); the script prints the loss
-with 7 significant digits (``%.6E``), up to 5e-7 relative off per value. So two layouts
-must agree within RTOL = 1e-5 + 2 x 5e-7. Faults are far outside it: a wrong NTP fold moves
-the loss by 8e-3 and more (that file's bf16 test); resuming with a wrong Adam step count put
-the next loss 5e-3 off here, resuming without the optimizer state 0.6 off.
+reductions (TP partial sums, the gradient all-reduce, a degraded replica's gradients resharded
+and added into its partner's buckets). That agrees with a single-rank run within 1e-5 relative
+per step over 10 steps (tests/unit_tests/nonuniform_tp/test_ntp_training.py, RTOL); the script
+prints the loss with 7 significant digits (``%.6E``), up to 5e-7 relative off per value. So two
+layouts must agree within RTOL = 1e-5 + 2 x 5e-7. Faults are far outside it: B with the degraded
+replica's gradients left out of its partner's buckets put the second loss 9e-3 off; resuming with
+a wrong Adam step count put the next loss 5e-3 off here, resuming without the optimizer state 0.6
+off.
 
 MoE (E vs R) holds to the same RTOL: the script draws the same global model at every EP degree
 (each expert from its global index, the RNG stream as at EP1), the batches are the same, and
@@ -109,8 +117,14 @@ TRAIN = [
     "1234",
 ]
 NTP = ["--ntp-tp-base", "2", "--ntp-failed-slots", "0:1"]
+DIGEST = ["--log-checkpoint-digest"]
 P2P_MEGATRON = ["--refit-transport", "p2p", "--refit-store", "127.0.0.1:1", "--refit-engine", "megatron"]
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|")
+DIGESTS = re.compile(
+    r"^(saved|loaded) checkpoint (?:at|from) .*?iteration\s+(\d+) .*; digests: model ([0-9a-f]{16}), "
+    r"optimizer ([0-9a-f]{16})$",
+    re.M,
+)
 
 
 def _env(tmp) -> dict:
@@ -173,6 +187,11 @@ def losses(out: str) -> dict[int, float]:
     return {int(i): float(v) for i, v in LOSS.findall(out)}
 
 
+def digests(out: str) -> dict[tuple[str, int], tuple[str, str]]:
+    """``{("saved" | "loaded", iteration): (model digest, optimizer digest)}`` (--log-checkpoint-digest)."""
+    return {(kind, int(it)): (model, opt) for kind, it, model, opt in DIGESTS.findall(out)}
+
+
 def assert_same_losses(got: dict, want: dict, iterations, what: str) -> None:
     for it in iterations:
         assert it in got and it in want, f"{what}: iteration {it} missing: {got} vs {want}"
@@ -217,6 +236,9 @@ def runs(tmp_path_factory):
     b = launch(
         3,
         *NTP,
+        *DIGEST,
+        "--ntp-transfer-chunk-mb",
+        "0.05",
         "--symm-mem",
         "on",
         "--save",
@@ -248,6 +270,10 @@ def runs(tmp_path_factory):
     try:
         a = launch(
             2,
+            *DIGEST,
+            "--tensor-model-parallel-size",
+            "2",
+            "--use-distributed-optimizer",
             "--symm-mem",
             "off",
             "--save",
@@ -272,6 +298,8 @@ def runs(tmp_path_factory):
         c = launch(
             3,
             *NTP,
+            *DIGEST,
+            "--use-distributed-optimizer",
             "--ntp-balance",
             "measured",
             "--ntp-balance-measure-steps",
@@ -288,6 +316,7 @@ def runs(tmp_path_factory):
         resume_from(ck_ntp)
         d = launch(
             2,
+            *DIGEST,
             "--tensor-model-parallel-size",
             "2",
             "--load",
@@ -315,12 +344,15 @@ def runs(tmp_path_factory):
 
 
 def test_ntp_with_a_failed_slot_trains_like_uniform_tp(runs):
-    """B (NTP: replica 0 at TP1 after losing slot 1, replica 1 at TP2) vs A (uniform TP1 x DP2)."""
+    """B (NTP: replica 0 at TP1 after losing slot 1, the satellite of replica 1 at TP2) vs A (uniform TP2)."""
     a, b = losses(runs["A"]), losses(runs["B"])
     assert sorted(a) == list(range(1, ITERS + 1)), runs["A"][-3000:]
     assert a[ITERS] < a[1] - 0.3, f"the baseline did not learn: {a}"
     assert_same_losses(b, a, range(1, ITERS + 1), "NTP vs uniform")
-    assert "nonuniform TP: on, tp_base=2, replica(s) [0] at TP=1, TP groups [[0], [1, 2]], launch packed" in runs["B"]
+    assert (
+        "nonuniform TP: on, tp_base=2, replica(s) [0] at TP=1, TP groups [[0], [1, 2]], launch packed, degraded -> "
+        "partner replica 0 -> 1 (transfers in units of <= 0.05 MiB)"
+    ) in runs["B"]
     assert "DDP wrapper NonuniformTPDistributedDataParallel" in runs["B"]
     assert "nonuniform TP: off" in runs["A"] and "DDP wrapper DistributedDataParallel" in runs["A"]
     line = next(ln for ln in runs["B"].splitlines() if re.search(r"iteration\s+6/", ln))
@@ -370,7 +402,7 @@ def test_checkpoints_resume_across_layouts(runs):
     assert sorted(c) == sorted(d) == [4, 5, 6], (c, d)
     assert_same_losses(c, a, range(4, ITERS + 1), "NTP resumed from uniform")
     assert_same_losses(d, b, range(4, ITERS + 1), "uniform TP2 resumed from NTP")
-    assert "saved as uniform TP=1 x DP=2; resumed as NTP tp_base=2" in runs["C"]
+    assert "saved as uniform TP=2 x DP=1; resumed as NTP tp_base=2" in runs["C"]
     assert (
         "--ntp-balance measured: batch shares: [1, 3] micro-batches of 2 per replica (global batch 8) for "
         "throughputs [1, 2]; predicted step at 88.9% of the balanced ideal until 1 iteration(s) are timed"
@@ -383,6 +415,22 @@ def test_checkpoints_resume_across_layouts(runs):
     assert "saved as NTP tp_base=2 tp_reduced=1 x 2 replicas" in runs["D"]
     assert "resumed as uniform TP=2 x DP=1" in runs["D"]
     assert "consumed samples:           32" in runs["C"]  # the data goes on from the checkpoint's position
+
+
+def test_checkpoints_load_bit_identically_between_ntp_and_uniform_tp_base(runs):
+    """An NTP job's checkpoint is its healthy replicas' uniform tp_base checkpoint: D (uniform TP2) holds
+    after its load exactly what B (NTP, plain optimizer) saved, and C (NTP) exactly what A (uniform TP2,
+    distributed optimizer) saved: the same SHA-256 digests of every model and optimizer shard (Adam's moments,
+    the distributed optimizer's flat buckets, the step count and param groups). The distributed optimizer's
+    state resumes across the two, its TP degree (dp_reshardable format) being the same. Digests change with
+    training (iteration 3 vs 6), so equal ones are not a digest that sees nothing."""
+    a, b, c, d = (digests(runs[k]) for k in "ABCD")
+    for saved, what in ((a, "A"), (b, "B")):
+        assert set(saved) == {("saved", 3), ("saved", ITERS)}, (what, saved)
+        assert saved["saved", 3][0] != saved["saved", ITERS][0], (what, saved)
+        assert saved["saved", 3][1] != saved["saved", ITERS][1], (what, saved)
+    assert d == {("loaded", 3): b["saved", 3]}, ("uniform TP2 loading NTP", d, b)
+    assert c == {("loaded", 3): a["saved", 3]}, ("NTP loading uniform TP2", c, a)
 
 
 # ------------------------------------------------------------------------ flags refused at parse time
@@ -415,6 +463,10 @@ def _script():
         (["--tensor-model-parallel-size", "8"], 8, "--num-attention-heads 4 must be divisible by"),
         (NTP, 4, "launch_mode='packed': world size 4 + 1 failed GPU(s) is not a multiple of tp_base=2"),
         (["--ntp-failed-slots", "0:1"], 3, "given without --ntp-tp-base"),
+        (["--ntp-transfer-chunk-mb", "8"], 2, "--ntp-transfer-chunk-mb 8.0 given without --ntp-tp-base"),
+        ([*NTP, "--ntp-transfer-chunk-mb", "0"], 3, "--ntp-transfer-chunk-mb) must be a number > 0"),
+        (["--ntp-tp-base", "2", "--ntp-failed-slots", "0:1;1:1"], 4,
+         "--ntp-failed-slots lists 2 degraded replica(s) but the job has only 1 healthy one(s)"),
         (["--weight-export-target", "127.0.0.1:1"], 2, "--refit-target needs --refit-transport broadcast"),
         (["--weight-export-every-n-steps", "2"], 2, "--refit-every-n-steps given without --refit-target"),
         (["--symm-mem", "sometimes"], 2, "argument --symm-mem: invalid choice: 'sometimes'"),
@@ -677,7 +729,7 @@ def _export_run(tmp_path, env, engine_device, nproc, transport, *flags):
 def test_gpu_ntp_symm_export_and_resume(tmp_path):
     """The same commands on NCCL: uniform TP1 x DP2 exporting to an engine on the 4th GPU; NTP on 3 GPUs
     with symmetric memory on (its buckets staged in NCCL symmetric memory), loss parity with the uniform
-    run; a uniform TP2 job resuming the NTP checkpoint; and an NTP job with --bf16, the distributed
+    run; a uniform TP2 job resuming the NTP checkpoint bit for bit; and an NTP job with --bf16, the distributed
     optimizer and overlapped gradient reduction resuming its own checkpoint exactly."""
     env = _env(str(tmp_path))
     log = lambda name: str(tmp_path / f"{name}.log")  # noqa: E731
@@ -686,7 +738,7 @@ def test_gpu_ntp_symm_export_and_resume(tmp_path):
     out_a = _export_run(tmp_path, env, "cuda:3", 2, "broadcast", *gpu, "--symm-mem", "off")
     assert "mem (GiB) allocated:" in out_a
     out_b = finish(
-        launch(3, *gpu, *NTP, "--symm-mem", "on", "--save", ck, "--save-interval", "3", env=env, log=log("B")),
+        launch(3, *gpu, *NTP, *DIGEST, "--symm-mem", "on", "--save", ck, "--save-interval", "3", env=env, log=log("B")),
         "NTP on 3 GPUs",
     )
     a, b = losses(out_a), losses(out_b)
@@ -695,11 +747,21 @@ def test_gpu_ntp_symm_export_and_resume(tmp_path):
     with open(os.path.join(ck, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write("3")
     out_d = finish(
-        launch(2, *gpu, "--tensor-model-parallel-size", "2", "--load", ck, env=env, log=log("D")),
+        launch(2, *gpu, *DIGEST, "--tensor-model-parallel-size", "2", "--load", ck, env=env, log=log("D")),
         "uniform TP2 on 2 GPUs resuming the NTP checkpoint",
     )
     assert_same_losses(losses(out_d), b, range(4, ITERS + 1), "uniform TP2 resumed from NTP on NCCL")
-    bf16 = [*gpu, *NTP, "--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", "4096"]
+    assert digests(out_d) == {("loaded", 3): digests(out_b)["saved", 3]}, (out_d[-3000:], out_b[-3000:])
+    bf16 = [
+        *gpu,
+        *NTP,
+        *DIGEST,
+        "--bf16",
+        "--use-distributed-optimizer",
+        "--overlap-grad-reduce",
+        "--ddp-bucket-size",
+        "4096",
+    ]
     out_f = finish(
         launch(3, *bf16, "--save", ck_bf16, "--save-interval", "3", env=env, log=log("F")),
         "NTP bf16 + distributed optimizer on 3 GPUs",
@@ -708,6 +770,7 @@ def test_gpu_ntp_symm_export_and_resume(tmp_path):
         f.write("3")
     out_g = finish(launch(3, *bf16, "--load", ck_bf16, env=env, log=log("G")), "the same job resuming")
     assert_same_losses(losses(out_g), losses(out_f), range(4, ITERS + 1), "NTP bf16 + distributed optimizer resumed")
+    assert digests(out_g) == {("loaded", 3): digests(out_f)["saved", 3]}, (out_g[-3000:], out_f[-3000:])
 
 
 @pytest.mark.gpus(1)

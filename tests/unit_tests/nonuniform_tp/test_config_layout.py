@@ -121,6 +121,7 @@ def test_packed_and_simulated_layouts():
     # every replica degraded: a uniform job at tp_reduced (no partners, DP over all replicas)
     every = NonuniformTPConfig(tp_base=2, tp_spares=1, non_active_ranks_per_dp={0: (1,), 1: (1,)}).layout(2)
     assert not every.nonuniform and every.all_dp_groups() == [[0, 1]] and every.role(0).kind == "uniform"
+    assert every.all_pair_groups() == [] and every.optimizer_groups() == [[0, 1]]
 
 
 def test_drop_policy_leaves_the_degraded_replicas_out():

@@ -1,17 +1,24 @@
 """benchmarks/ntp.py: its four jobs run end to end on 4 gloo ranks and write every table to the JSON;
-the large-job model against values derived by hand; the flags it refuses.
+the cost model (megatron_ext.nonuniform_tp.cost_model) against values derived by hand; the flags the
+benchmark refuses.
 
-Model notation in the comments: c = one micro-batch's fwd+bwd on a healthy replica, a replica at TP=r
-needs tp/r * c per micro-batch, the step is the slowest replica's compute (+ unfold + fold on healthy
-NTP replicas) + DP collective + the rest (both x tp/r under NTP)."""
+Model notation in the comments: c = one micro-batch's fwd+bwd on a healthy replica; a replica at TP=r
+needs tp/r * c per micro-batch; a partner and its satellite each pay the pair's transfers o per step,
+bystanders nothing; the step is the slowest replica's compute (+ o) + the DP collective over the
+healthy replicas + the optimizer + the rest."""
 
 import json
+import pathlib
+import subprocess
+import sys
 
 import pytest
 
 from benchmarks import ntp as bench  # spawned ranks unpickle its functions by this module name
+from megatron_ext.nonuniform_tp import cost_model as cm
 
-MODEL_ONLY = bench.StepCosts(microbatch_s=1.0)  # compute only: perfect scaling, no overheads
+MODEL_ONLY = cm.StepCosts(microbatch_s=1.0)  # compute only: perfect scaling, no overheads
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
 # ---- the benchmark end to end ------------------------------------------------------------------
@@ -32,146 +39,298 @@ def test_benchmark_runs_all_four_jobs_on_four_gloo_ranks(tmp_path):
         assert j["tokens_per_s"] == pytest.approx(6 * 16 / j["step"])
         assert j["vs_uniform"] == pytest.approx(j["tokens_per_s"] / uniform)
     assert jobs["drop"]["vs_ideal"] == pytest.approx(jobs["drop"]["tokens_per_s"] / (3 / 4 * uniform))
+    # the 4-rank layout: replica 0 (TP=1) is the satellite of replica 1 (TP=2), no bystander
     balanced = jobs["ntp balanced"]["kinds"]
-    assert (balanced["healthy"]["ranks"], balanced["healthy"]["microbatches"]) == (2, 4)
+    assert set(balanced) == {"partner", "degraded"}
+    assert (balanced["partner"]["ranks"], balanced["partner"]["microbatches"]) == (2, 4)
     assert (balanced["degraded"]["ranks"], balanced["degraded"]["microbatches"]) == (1, 2)
-    assert jobs["ntp balanced"]["healthy_overhead_pct"] > 0 and jobs["uniform"]["healthy_overhead_pct"] is None
+    for kind in ("partner", "degraded"):  # the pair's gradient all-to-alls ran in their own phase
+        assert balanced[kind]["grad_transfer"] > 0 and balanced[kind]["transfers"] > 0
+    assert jobs["ntp balanced"]["partner_overhead_pct"] > 0
+    assert jobs["ntp balanced"]["bystander_overhead_pct"] is None  # no bystander in this layout
+    assert jobs["uniform"]["partner_overhead_pct"] is None and set(jobs["uniform"]["kinds"]) == {"all"}
 
     ranks = result["per_rank"]
     assert [len(ranks[job]) for job in ("uniform", "ntp", "drop")] == [4, 3, 2]  # slot 1 left the NTP job
-    assert sorted((r["replica"], r["degraded"], r["healthy_ntp"]) for r in ranks["ntp"]) == [
-        (0, True, False),
-        (1, False, True),
-        (1, False, True),
+    assert sorted((r["replica"], r["degraded"], r["role"]) for r in ranks["ntp"]) == [
+        (0, True, "degraded"),
+        (1, False, "partner"),
+        (1, False, "partner"),
     ]
     for r in ranks["ntp"]:
         assert list(r["phases"]) == ["ntp unbalanced", "ntp balanced"]
         assert all(len(v) == 2 for phase in r["phases"].values() for v in phase["times"].values())
-    assert set(result["memory"]) == {
-        "uniform DDP, all ranks",
-        "NTP healthy core",
-        "NTP healthy spare",
-        "NTP degraded replica",
-    }
+
+    memory = result["memory"]
+    assert set(memory) == {"uniform job, all ranks", "NTP partner", "NTP degraded"}
+    uni, partner, degraded = memory["uniform job, all ranks"], memory["NTP partner"], memory["NTP degraded"]
+    assert uni["staging"] == 0 and partner["staging"] > 0 and degraded["staging"] > 0
+    # a partner holds a uniform rank's model memory (same TP shard, same optimizer) plus the transfer staging
+    for field in ("params", "grads", "optimizer"):
+        assert partner[field] == uni[field], field
+    assert partner["total"] == uni["total"] + partner["staging"]
+    # the degraded rank (TP=1) holds the whole model and its gradients, and no optimizer state
+    assert degraded["optimizer"] == 0 and degraded["params"] > uni["params"]
 
     model = result["model"]
     assert [c["job"] for c in model["check"]] == ["ntp balanced", "ntp unbalanced", "drop"]
     assert model["costs"]["microbatches_per_replica"] == 3
-    rows = model["large_job"]["rows"]
-    assert [(r["k"], r["placement"]) for r in rows] == [(k, p) for k in (1, 2, 3) for p in ("spread", "packed")]
-    assert (model["large_job"]["dp"], model["large_job"]["tp"]) == (64, 8)
-    assert model["large_job"]["verdict"][0].startswith("balanced NTP beats dropping")
-    assert len(result["targets"]) == 3
+    assert model["costs"]["grad_transfer_s"] > 0 and model["costs"]["param_transfer_s"] > 0
+    tables = model["large_jobs"]
+    assert [(t["dp"], t["tp"]) for t in tables] == [(64, 8), (16, 32), (8, 64)]
+    for t in tables:
+        assert t["microbatches_per_replica"] == 3  # this run's samples per replica, one per micro-batch
+        assert [(r["k"], r["placement"]) for r in t["rows"]] == [(k, p) for k in (1, 2, 3) for p in cm.PLACEMENTS]
+        assert all(r["ntp policy"] >= r["drop"] for r in t["rows"])
+        assert t["verdict"][0].startswith("NTP policy >= drop in 6 of 6 rows")
+    assert len(result["targets"]) == 5
     assert result["provenance"]["command"].startswith("python benchmarks/ntp.py --backend gloo")
 
 
-# ---- the large-job model -----------------------------------------------------------------------
+# ---- the cost model: the plans -----------------------------------------------------------------
+def test_cost_model_imports_no_torch():
+    # the package's __init__ imports modules that use torch; the module itself must not: load it alone
+    code = (
+        "import importlib.util, sys; "
+        "spec = importlib.util.spec_from_file_location('cost_model', 'megatron_ext/nonuniform_tp/cost_model.py'); "
+        "m = sys.modules['cost_model'] = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
+        "assert 'torch' not in sys.modules, 'torch imported'; print(m.best_plan.__name__)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "best_plan"
+
+
 def test_no_failed_gpu_retains_the_whole_throughput():
-    costs = bench.StepCosts(microbatch_s=1.0, sync_s=0.3, other_s=0.2, ntp_overhead_s=0.4)
-    for mode in bench.MODES:
-        assert bench.predict_retained(costs, 4, 8, (0, 0, 0, 0), 32, mode) == 1.0
+    costs = cm.StepCosts(microbatch_s=1.0, sync_s=0.3, other_s=0.2, grad_transfer_s=0.4, param_transfer_s=0.1)
+    for mode in cm.MODES:
+        assert cm.predict_retained(costs, 8, (0, 0, 0, 0), 32, mode) == 1.0
 
 
 def test_balanced_ntp_with_perfect_scaling_retains_the_surviving_gpus():
-    # DP=2 x TP=8, one GPU lost: shares 7:8 of 30 micro-batches = 14 and 16; the TP=7 replica needs
-    # 14 * 8/7 = 16 c, the healthy one 16 c; uniform 15 c: 15/16 = (16 - 1) / 16 GPUs.
-    assert bench.predict_retained(MODEL_ONLY, 2, 8, (1, 0), 30, "ntp balanced") == pytest.approx(15 / 16)
+    # DP=2 x TP=8, one GPU lost: shares 14 and 16 of 30; the TP=7 replica needs 14 * 8/7 = 16 c, its
+    # partner 16 c; uniform 15 c: 15/16 = (16 - 1) / 16 GPUs.
+    assert cm.predict_retained(MODEL_ONLY, 8, (1, 0), 30, "ntp balanced") == pytest.approx(15 / 16)
     # DP=4 x TP=2, one replica at TP=1: 28 micro-batches split 4, 8, 8, 8 -> 8 c (4 * 2 c for TP=1); uniform 7 c
-    assert bench.predict_retained(MODEL_ONLY, 4, 2, (1, 0, 0, 0), 28, "ntp balanced") == pytest.approx(7 / 8)
-    # two replicas at TP=1: 24 split 4, 4, 8, 8 -> 8 c; uniform 6 c: 6/8 GPUs
-    assert bench.predict_retained(MODEL_ONLY, 4, 2, (1, 1, 0, 0), 24, "ntp balanced") == pytest.approx(6 / 8)
+    assert cm.predict_retained(MODEL_ONLY, 2, (1, 0, 0, 0), 28, "ntp balanced") == pytest.approx(7 / 8)
+    # two replicas at TP=1 (two partners): 24 split 4, 4, 8, 8 -> 8 c; uniform 6 c: 6/8 GPUs
+    assert cm.predict_retained(MODEL_ONLY, 2, (1, 1, 0, 0), 24, "ntp balanced") == pytest.approx(6 / 8)
     # with equal shares the TP=1 replica needs 7 * 2 c: every replica waits for it
-    assert bench.predict_retained(MODEL_ONLY, 4, 2, (1, 0, 0, 0), 28, "ntp unbalanced") == pytest.approx(1 / 2)
+    assert cm.predict_retained(MODEL_ONLY, 2, (1, 0, 0, 0), 28, "ntp unbalanced") == pytest.approx(1 / 2)
 
 
 def test_dropping_k_replicas_retains_the_others():
     # 12 micro-batches: 3 per replica of 4; 4 per replica of 3 -> 3/4; 6 per replica of 2 -> 1/2
-    assert bench.predict_retained(MODEL_ONLY, 4, 2, (1, 0, 0, 0), 12, "drop") == pytest.approx(3 / 4)
-    assert bench.predict_retained(MODEL_ONLY, 4, 2, (1, 1, 0, 0), 12, "drop") == pytest.approx(2 / 4)
+    assert cm.predict_retained(MODEL_ONLY, 2, (1, 0, 0, 0), 12, "drop") == pytest.approx(3 / 4)
+    assert cm.predict_retained(MODEL_ONLY, 2, (1, 1, 0, 0), 12, "drop") == pytest.approx(2 / 4)
+    # every replica degraded: dropping them leaves nothing
+    assert cm.predict_retained(MODEL_ONLY, 2, (1, 1), 12, "drop") == 0.0
 
 
-def test_micro_batch_granularity_costs_balanced_shares_a_computable_amount():
+def test_partner_and_satellite_take_smaller_shares_to_absorb_their_transfers():
+    # DP=4 x TP=2, replica 0 at TP=1 (t = 2 c), transfers 0.5 c per healthy shard -> o = 0.5 * 2/1 = 1 c on
+    # the satellite and on its partner (replica 1). 26 micro-batches: at a level of 8 c the satellite fits
+    # 3 (3 * 2 + 1 = 7), the partner 7 (7 + 1), each bystander 8: 3 + 7 + 8 + 8 = 26 exactly.
+    costs = cm.StepCosts(microbatch_s=1.0, grad_transfer_s=0.3, param_transfer_s=0.2)
+    plan = cm.plan_step(costs, 2, (1, 0, 0, 0), 26, "ntp balanced")
+    assert plan.roles == ("satellite", "partner", "bystander", "bystander")
+    assert plan.shares == (3, 7, 8, 8) and plan.busy_s == pytest.approx((7, 8, 8, 8))
+    # uniform: 26 over 4 -> 7 c; shares by TP degree alone (4, 8, 7, 7) would leave the pair at 9 c
+    assert cm.predict_retained(costs, 2, (1, 0, 0, 0), 26, "ntp balanced") == pytest.approx(7 / 8)
+    assert cm.predict_retained(costs, 2, (1, 0, 0, 0), 26, "ntp balanced", shares=(4, 8, 7, 7)) == pytest.approx(7 / 9)
+    # fluid shares: every replica finishes at one level T: (T-1)/2 + (T-1) + 2T = 26 -> T = 27.5/3.5
+    fluid = cm.plan_step(costs, 2, (1, 0, 0, 0), 26, "ntp balanced", fluid=True)
+    level = 27.5 / 3.5
+    assert fluid.busy_s == pytest.approx((level,) * 4)
+    assert fluid.shares == pytest.approx(((level - 1) / 2, level - 1, level, level))
+
+
+def test_bystanders_cost_nothing():
+    # DP=4 x TP=2, replica 0 at TP=1, heavy transfers (o = 2 c), shares that leave the bystanders the slowest:
+    # their busy time is their share alone, the DP collective runs over the 3 healthy replicas (ring 4/3
+    # of the 2-replica time measured) at TP=2 (no tp/r factor), the optimizer at TP=2.
+    costs = cm.StepCosts(microbatch_s=1.0, sync_s=1.0, optimizer_s=0.5, other_s=0.25, grad_transfer_s=1.0)
+    plan = cm.plan_step(costs, 2, (1, 0, 0, 0), 28, "ntp unbalanced", shares=(2, 6, 10, 10))
+    assert plan.busy_s == pytest.approx((2 * 2 + 2, 6 + 2, 10, 10))
+    assert plan.dp_replicas == 3
+    assert plan.step_s == pytest.approx(10 + 4 / 3 + 0.5 + 0.25)
+    # the same bystanders' time in a job without a degraded replica (uniform job, 10 micro-batches each)
+    bystanders_only = cm.plan_step(costs, 2, (0, 0, 0), 30, "ntp balanced")
+    assert bystanders_only.busy_s == (10, 10, 10) and bystanders_only.roles == ("replica",) * 3
+    # more bystanders never add transfers: every row of a larger job pays the pair's o on two replicas only
+    large = cm.plan_step(costs, 2, (1,) + (0,) * 15, 160, "ntp balanced")
+    paying = [b - m * costs.microbatch_at(2, t) for b, m, t in zip(large.busy_s, large.shares, large.degrees)]
+    assert paying == pytest.approx([2.0, 2.0] + [0.0] * 14)
+
+
+def test_micro_batch_granularity_costs_ntp_and_drop_alike():
     # DP=2 x TP=2, 4 micro-batches, replica 0 at TP=1: the best integer split is 1:3 -> max(1 * 2 c, 3 c)
     # = 3 c against 2 c uniform: 2/3, not the 3/4 of the GPUs; fluid shares 4/3 : 8/3 reach 3/4.
-    assert bench.predict_retained(MODEL_ONLY, 2, 2, (1, 0), 4, "ntp balanced") == pytest.approx(2 / 3)
-    assert bench.predict_retained(MODEL_ONLY, 2, 2, (1, 0), 4, "ntp balanced", fluid=True) == pytest.approx(3 / 4)
+    assert cm.predict_retained(MODEL_ONLY, 2, (1, 0), 4, "ntp balanced") == pytest.approx(2 / 3)
+    assert cm.predict_retained(MODEL_ONLY, 2, (1, 0), 4, "ntp balanced", fluid=True) == pytest.approx(3 / 4)
     # DP=64 x TP=8, 16 micro-batches per replica (1024), one GPU lost: the TP=7 replica takes at most 14
     # (15 * 8/7 > 17), so 1010 go to 63 healthy replicas, some get 17 -> 16/17. Dropping it: 1024 over 63,
-    # some get 17 -> 16/17 as well: at this granularity both keep one extra micro-batch on a replica.
-    failed = bench.place_failures(64, 8, 1, "spread")
-    assert bench.predict_retained(MODEL_ONLY, 64, 8, failed, 1024, "ntp balanced") == pytest.approx(16 / 17)
-    assert bench.predict_retained(MODEL_ONLY, 64, 8, failed, 1024, "drop") == pytest.approx(16 / 17)
+    # some get 17 -> 16/17 as well: the policy drops it (a tie goes to drop). Fluid: NTP keeps 511/512 of
+    # the GPUs' throughput, drop 63/64.
+    failed = cm.place_failures(64, 8, 1, "spread")
+    for mode in ("ntp balanced", "drop", "ntp policy"):
+        assert cm.predict_retained(MODEL_ONLY, 8, failed, 1024, mode) == pytest.approx(16 / 17)
+    assert cm.best_plan(MODEL_ONLY, 8, failed, 1024).choice == "drop"
+    assert cm.predict_retained(MODEL_ONLY, 8, failed, 1024, fluid=True) == pytest.approx(511 / 512)
+    assert cm.predict_retained(MODEL_ONLY, 8, failed, 1024, "drop", fluid=True) == pytest.approx(63 / 64)
 
 
-def test_ntp_overheads_and_the_reduced_layout_lengthen_the_step():
-    costs = bench.StepCosts(microbatch_s=1.0, sync_s=1.0, sync_replicas=2, other_s=0.5, ntp_overhead_s=0.5)
-    # uniform: 3 c + 1 + 0.5 = 4.5. Balanced NTP (2:4): TP=1 replica 2 * 2 = 4, healthy 4 + 0.5 unfold/fold;
-    # collective and rest over the TP=1 layout: (1 + 0.5) * 2 = 3 -> 7.5: 4.5 / 7.5 = 0.6.
-    assert bench.predict_retained(costs, 2, 2, (1, 0), 6, "ntp balanced") == pytest.approx(0.6)
-    # drop: one replica, 6 c, no DP collective (ring factor 2(n-1)/n = 0 at n = 1), rest 0.5 -> 4.5 / 6.5
-    assert bench.predict_retained(costs, 2, 2, (1, 0), 6, "drop") == pytest.approx(4.5 / 6.5)
-    # the collective scales as a ring all-reduce: measured 1.0 at DP=4 (factor 3/2), DP=3 (factor 4/3):
-    # uniform 3 + 1 = 4, drop 4 + 8/9 -> 9/11
-    ring = bench.StepCosts(microbatch_s=1.0, sync_s=1.0, sync_replicas=4)
-    assert bench.predict_retained(ring, 4, 2, (1, 0, 0, 0), 12, "drop") == pytest.approx(9 / 11)
+def test_shrinking_batch_keeps_every_replica_s_work():
+    # DP=4 x TP=8, 24 micro-batches per replica, replica 0 at TP=7: the healthy replicas keep 24, the
+    # satellite does the 21 that fit in 24 c (21 * 8/7 = 24): 93 of 96 per step in the uniform step time.
+    plan = cm.plan_step(MODEL_ONLY, 8, (1, 0, 0, 0), 96, "ntp shrink")
+    assert plan.shares == (21, 24, 24, 24) and plan.batch_fraction == pytest.approx(93 / 96)
+    assert cm.predict_retained(MODEL_ONLY, 8, (1, 0, 0, 0), 96, "ntp shrink") == pytest.approx(93 / 96)
+    # bounded: at most 2% of 96 = 1.92 left out -> the satellite takes 23 (23 * 8/7 c), the step grows
+    bounded = cm.plan_step(MODEL_ONLY, 8, (1, 0, 0, 0), 96, "ntp shrink", max_shrink=0.02)
+    assert bounded.shares == (23, 24, 24, 24)
+    assert bounded.throughput / cm.uniform_plan(MODEL_ONLY, 4, 8, 96).throughput == pytest.approx(
+        (95 / 96) * 24 / (23 * 8 / 7)
+    )
+    # nothing may be left out: every satellite takes its whole share
+    assert cm.plan_step(MODEL_ONLY, 8, (1, 0, 0, 0), 96, "ntp shrink", max_shrink=0.0).shares == (24,) * 4
 
 
-def test_degraded_efficiency_scales_the_degraded_compute():
-    # equal shares of 6: the TP=1 replica needs 3 * 2 c / 1.25 = 4.8 c against 3 c
-    costs = bench.StepCosts(microbatch_s=1.0, degraded_efficiency=1.25)
-    assert bench.predict_retained(costs, 2, 2, (1, 0), 6, "ntp unbalanced") == pytest.approx(3 / 4.8)
+def test_more_degraded_than_healthy_replicas_run_every_replica_at_the_reduced_degree():
+    # DP=8 x TP=64, 5 GPUs lost one per replica: 5 degraded replicas, 3 healthy: the layout refuses NTP
+    # (every satellite needs its own partner); the policy runs all 8 replicas at TP=63 (6 micro-batches each
+    # in 6 * 64/63 c; uniform 6 c): 63/64. Dropping the 5 leaves 3 replicas: 16 each -> 6/16.
+    failed = cm.place_failures(8, 64, 5, "spread")
+    assert cm.plan_step(MODEL_ONLY, 64, failed, 48, "ntp balanced") is None
+    plan = cm.best_plan(MODEL_ONLY, 64, failed, 48)
+    assert plan.choice == "all at r" and plan.tp_reduced == 63 and plan.describe() == "every replica at TP 63"
+    assert cm.predict_retained(MODEL_ONLY, 64, failed, 48) == pytest.approx(63 / 64)
+    assert cm.predict_retained(MODEL_ONLY, 64, failed, 48, "drop") == pytest.approx(6 / 16)
+    # with 3 healthy partners the policy may also keep 3 satellites and drop 2 (not better here)
+    keep3 = cm.plan_step(MODEL_ONLY, 64, failed, 48, "ntp balanced", keep=3)
+    assert (keep3.kept, keep3.dropped, keep3.roles.count("partner")) == (3, 2, 3)
 
 
 def test_spare_parity_and_replicas_that_lost_every_gpu():
     # TP=4: replicas lose 2 and 1 GPUs; both run at TP=2 (parity). 12 micro-batches split 2, 2, 4, 4 ->
     # 2 * 4/2 = 4 c everywhere; uniform 3 c: 3/4, below the 13/16 of the GPUs.
-    assert bench.predict_retained(MODEL_ONLY, 4, 4, (2, 1, 0, 0), 12, "ntp balanced") == pytest.approx(3 / 4)
-    # TP=2, both GPUs of replica 0 lost: it is gone under NTP too; 12 over 3 replicas -> 3/4 for every mode
-    failed = bench.place_failures(4, 2, 2, "packed")
+    assert cm.reduced_degree(4, (2, 1, 0, 0)) == 2
+    assert cm.predict_retained(MODEL_ONLY, 4, (2, 1, 0, 0), 12, "ntp balanced") == pytest.approx(3 / 4)
+    # TP=2, both GPUs of replica 0 lost: it is gone in every plan; 12 over 3 replicas -> 3/4 for every mode
+    failed = cm.place_failures(4, 2, 2, "packed")
     assert failed == (2, 0, 0, 0)
-    for mode in bench.MODES:
-        assert bench.predict_retained(MODEL_ONLY, 4, 2, failed, 12, mode) == pytest.approx(3 / 4)
+    for mode in cm.MODES:
+        assert cm.predict_retained(MODEL_ONLY, 2, failed, 12, mode) == pytest.approx(3 / 4)
+
+
+def test_reduced_degree_splits_the_model():
+    assert cm.reduced_degree(8, (1, 0)) == 7 and cm.reduced_degree(8, (0, 0)) is None
+    assert cm.reduced_degree(8, (1, 0), sizes=(32,)) == 4  # 32 heads split at 4, not 7, 6, 5
+    assert cm.reduced_degree(64, (1, 0), sizes=(128, 8192)) == 32
+
+
+def test_large_job_rows_run_at_the_degree_the_model_splits_at():
+    # 128 heads: a TP=64 replica that lost one GPU runs at 32 (63..33 do not divide 128), 2 c per micro-batch.
+    # Compute only, 8 micro-batches per replica (64): as a satellite it takes 4, the 7 healthy replicas 60
+    # (some 9): 9 c (8/9); dropping it: 64 over 7 -> 10 c (8/10); every replica at TP 32: 8 * 2 c (1/2).
+    rows = cm.large_job_table(MODEL_ONLY, 8, 64, 1, 64, sizes=(128,))
+    assert [r["tp_reduced"] for r in rows] == [32, 32]
+    assert rows[0]["ntp policy"] == pytest.approx(8 / 9) and rows[0]["choice"] == "keep 1 degraded replica(s) at TP 32"
+    assert rows[0]["drop"] == pytest.approx(8 / 10) and rows[0]["all at r"] == pytest.approx(1 / 2)
 
 
 def test_place_failures():
-    assert bench.place_failures(4, 2, 3, "spread") == (1, 1, 1, 0)
-    assert bench.place_failures(4, 8, 5, "spread") == (2, 1, 1, 1)
-    assert bench.place_failures(4, 8, 10, "packed") == (8, 2, 0, 0)
+    assert cm.place_failures(4, 2, 3, "spread") == (1, 1, 1, 0)
+    assert cm.place_failures(4, 8, 5, "spread") == (2, 1, 1, 1)
+    assert cm.place_failures(4, 8, 10, "packed") == (8, 2, 0, 0)
     with pytest.raises(ValueError, match="placement must be one of"):
-        bench.place_failures(4, 8, 1, "random")
+        cm.place_failures(4, 8, 1, "random")
     with pytest.raises(ValueError, match="0..dp\\*tp = 32"):
-        bench.place_failures(4, 8, 33, "spread")
+        cm.place_failures(4, 8, 33, "spread")
 
 
-def test_verdict_names_the_rows_where_balanced_ntp_does_not_win_and_why():
+# ---- the cost model: the tables ----------------------------------------------------------------
+@pytest.mark.parametrize(
+    "costs",
+    [
+        MODEL_ONLY,
+        cm.StepCosts(microbatch_s=1.0, sync_s=2.0, optimizer_s=0.5, other_s=0.3, grad_transfer_s=0.2),
+        # transfers longer than a step's compute, a slow degraded replica: keeping it never pays
+        cm.StepCosts(microbatch_s=1.0, grad_transfer_s=20.0, param_transfer_s=20.0, degraded_efficiency=0.5),
+    ],
+)
+def test_ntp_policy_is_never_below_drop_in_any_row(costs):
+    for dp, tp in bench._model_jobs(bench.MODEL_JOBS):
+        rows = cm.large_job_table(costs, dp, tp, 8, 24 * dp)
+        assert len(rows) == 16
+        for row in rows:
+            assert row["ntp policy"] >= row["drop"], row
+            assert row["ntp policy fluid"] >= row["drop fluid"], row
+            assert row["granularity_ntp"] == pytest.approx(row["ntp policy fluid"] - row["ntp policy"])
+        assert cm.verdict(rows)[0].startswith("NTP policy >= drop in 16 of 16 rows (same global batch)")
+    if costs.grad_transfer_s >= 20:
+        failed = cm.place_failures(64, 8, 1, "spread")
+        assert cm.best_plan(costs, 8, failed, 24 * 64).choice == "drop"
+
+
+def test_scale_up_rows_and_the_issue_s_targets_with_compute_only():
+    # DP=64 x TP=8 and scale-up domains of 32 and 64 GPUs per replica (512 GPUs each), 24 samples per replica
+    assert bench._model_jobs(bench.MODEL_JOBS) == [(64, 8), (16, 32), (8, 64)]
+    for dp, tp in ((64, 8), (16, 32), (8, 64)):
+        rows = cm.large_job_table(MODEL_ONLY, dp, tp, 8, 24 * dp)
+        k1 = rows[0]
+        assert (k1["k"], k1["placement"], k1["tp_reduced"]) == (1, "spread", tp - 1)
+        for row in rows:  # fluid shares: within 1% of the ideal
+            assert row["ntp policy fluid"] >= row["ideal"] - 0.01, row
+    # TP 8 -> 7, k=1: fluid 511/512 >= 98.5%; integer shares tie with drop at 24/25 (one more sample on a
+    # healthy replica: granularity costs up to 1/24); shrinking the batch avoids it: 1533/1536
+    k1 = cm.large_job_table(MODEL_ONLY, 64, 8, 1, 24 * 64)[0]
+    assert k1["ntp policy fluid"] == pytest.approx(511 / 512)
+    assert k1["ntp policy"] == pytest.approx(24 / 25) and k1["drop"] == pytest.approx(24 / 25)
+    assert k1["granularity_drop"] == pytest.approx(63 / 64 - 24 / 25)
+    assert k1["ntp shrink"] == pytest.approx(1533 / 1536) and k1["shrink_batch"] == pytest.approx(1533 / 1536)
+
+
+def test_verdict_says_what_the_policy_does_and_why_it_drops():
     # DP=4 x TP=2, 24 micro-batches, compute only. k=1: NTP 3, 7, 7, 7 -> 7 c (6/7), drop 8 each (6/8).
     # k=2 spread: NTP 4, 4, 8, 8 (6/8), drop 12 each (1/2). k=2 packed: replica 0 is gone: equal.
-    rows = bench.large_job_table(MODEL_ONLY, 4, 2, 2, 24)
+    rows = cm.large_job_table(MODEL_ONLY, 4, 2, 2, 24)
     assert [(r["k"], r["placement"]) for r in rows] == [(1, "spread"), (1, "packed"), (2, "spread"), (2, "packed")]
-    assert [r["ntp balanced"] for r in rows] == pytest.approx([6 / 7, 6 / 7, 6 / 8, 6 / 8])
+    assert [r["ntp policy"] for r in rows] == pytest.approx([6 / 7, 6 / 7, 6 / 8, 6 / 8])
     assert [r["drop"] for r in rows] == pytest.approx([6 / 8, 6 / 8, 6 / 12, 6 / 8])
-    lines = bench.verdict(MODEL_ONLY, 4, 2, 24, rows)
-    assert lines[0] == "balanced NTP beats dropping in 3 of 4 rows; not in:"
-    assert lines[1:] == ["  k=2 packed: equal (75.00%): the failures take out whole replicas, NTP has none to keep"]
-    # DP=64 x TP=8, 16 per replica: k=1 ties (one extra micro-batch either way, see above); the line says so
-    rows = bench.large_job_table(MODEL_ONLY, 64, 8, 1, 1024)
-    (spread, *_) = bench.verdict(MODEL_ONLY, 64, 8, 1024, rows)[1:]
-    assert spread.startswith("  k=1 spread: balanced NTP 94.12% <= drop 94.12%")
-    assert "computes 17 healthy micro-batch times under NTP (17 micro-batches at TP=8) and 17 under drop" in spread
-    # every row won (k=1 only, DP=4 x TP=2): one line says so
-    rows = bench.large_job_table(MODEL_ONLY, 4, 2, 1, 24)
-    assert bench.verdict(MODEL_ONLY, 4, 2, 24, rows) == [
-        "balanced NTP beats dropping the affected replicas in every row (2)"
-    ]
+    lines = cm.verdict(rows)
+    assert lines[0].startswith(
+        "NTP policy >= drop in 4 of 4 rows (same global batch): it keeps degraded replicas in 3, runs every "
+        "replica at TP r in 0, drops them in 1; above drop in 3 rows"
+    )
+    assert lines[1:] == ["  4x2 k=2 packed: the failures take out whole replicas: nothing to keep (75.00%)"]
+    # DP=64 x TP=8, 16 per replica: k=1 ties (one extra micro-batch either way): the line says why
+    rows = cm.large_job_table(MODEL_ONLY, 64, 8, 1, 1024)
+    spread = cm.verdict(rows)[1]
+    assert spread.startswith(
+        "  64x8 k=1 spread: drops: balanced NTP 94.12% (slowest replica 17 micro-batch times) vs drop 94.12% (17): "
+        "integer shares; fluid NTP 99.80% vs drop 98.44%"
+    )
 
 
-def test_step_costs_are_validated():
+def test_cost_model_inputs_are_validated():
     with pytest.raises(ValueError, match="microbatch_s must be a finite number > 0"):
-        bench.StepCosts(microbatch_s=0.0)
+        cm.StepCosts(microbatch_s=0.0)
+    with pytest.raises(ValueError, match="grad_transfer_s must be a finite number >= 0"):
+        cm.StepCosts(microbatch_s=1.0, grad_transfer_s=-1.0)
     with pytest.raises(ValueError, match="sync_replicas must be an int >= 2"):
-        bench.StepCosts(microbatch_s=1.0, sync_replicas=1)
+        cm.StepCosts(microbatch_s=1.0, sync_replicas=1)
     with pytest.raises(ValueError, match="each replica needs at least one"):
-        bench.predict_retained(MODEL_ONLY, 4, 2, (1, 0, 0, 0), 3, "ntp balanced")
+        cm.predict_retained(MODEL_ONLY, 2, (1, 0, 0, 0), 3, "ntp balanced")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        cm.predict_retained(MODEL_ONLY, 2, (1, 0), 4, "fold")
+    with pytest.raises(ValueError, match="shares must list 2 numbers >= 0"):
+        cm.predict_retained(MODEL_ONLY, 2, (1, 0), 4, "ntp balanced", shares=(1, 2))
+    with pytest.raises(ValueError, match="keep must be an int in 0..1"):
+        cm.plan_step(MODEL_ONLY, 2, (1, 0), 4, "ntp balanced", keep=2)
+    with pytest.raises(ValueError, match="'ntp policy' chooses its shares"):
+        cm.plan_step(MODEL_ONLY, 2, (1, 0), 4, "ntp policy", keep=1)
+    with pytest.raises(ValueError, match="failed must list"):
+        cm.plan_step(MODEL_ONLY, 2, (3, 0), 4, "drop")
 
 
 # ---- flags -------------------------------------------------------------------------------------
@@ -183,6 +342,11 @@ def test_step_costs_are_validated():
         (["--heads", "6", "--hidden", "48", "--tp-base", "4", "--spares", "1"], "--heads 6 must be divisible"),
         (["--replicas", "1"], "--replicas must be >= 2"),
         (["--global-batch", "4"], "--global-batch 4 / --micro-batch 2: NonuniformTPConfig.balance='tp'"),
+        (["--model-jobs", "64x8,16"], "argument --model-jobs: expected DPxTP entries"),
+        (["--model-max-shrink", "1.5"], "argument --model-max-shrink: expected a number in [0, 1)"),
+        (["--model-jobs", "2x2", "--model-failed", "5"], "--model-failed 5 is more than the 4 GPUs"),
+        (["--model-micro-batch", "4"], "--model-micro-batch 4 must divide this run's samples per replica"),
+        (["--model-divides", "64,x"], "argument --model-divides: expected ints >= 1"),
     ],
 )
 def test_bad_flags_are_refused_at_parse_time(argv, message, capsys):

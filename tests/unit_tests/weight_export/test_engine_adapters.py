@@ -13,8 +13,16 @@ vLLM stand-in's group is torch NCCL behind the adapter's PyNccl wrapper, SGLang'
 over a Megatron world bound to its device; on 1 GPU (colocated) SGLang's tensor route and vLLM's
 ipc backend share the export buffers through CUDA IPC with an engine process on the same GPU.
 Each case exports two versions and compares the engine's tensors with the trainer's HF
-tensors, written out by hand (tests/unit_tests/weight_export/_reference.py)."""
+tensors, written out by hand (tests/unit_tests/weight_export/_reference.py). Closing an adapter
+releases its group as NCCL requires (never one end alone): SGLang's with the engine
+(destroy_weights_update_group), the vLLM stand-ins' at the end of the job on every rank
+(engine_standins.release_groups); the in-process tests below check that order against a group
+with NCCL's teardown rule."""
 
+import contextlib
+import faulthandler
+import sys
+import threading
 import time
 
 import pytest
@@ -35,6 +43,8 @@ from ._reference import reference_for, snapshot
 SPEC = tiny_llama.TinyLlamaSpec(arch="qwen3", num_layers=2)
 KEY = b"engine-adapter-standin-test"
 FAULT_TIMEOUT_S = 6.0
+JOB_TIMEOUT_S = 300
+TEARDOWN_LIMIT_S = 20.0  # gloo jobs: how long an end torn down alone waits (es.nccl_teardown_rule; NCCL: forever)
 
 # case -> (adapter, adapter kwargs, stand-in, stand-in kwargs, how the front end merges the ranks' answers)
 CASES = {
@@ -176,7 +186,9 @@ def _engine(rank, address, cases, device, backend):
             requests=getattr(e, "requests", None),
             cache_flushes=getattr(e, "cache_flushes", None),
             received=list(getattr(e, "received", [])),
+            destroyed=list(getattr(e, "destroyed", [])),
         )
+    es.release_groups()  # with the trainer's ends (see engine_standins)
     return out
 
 
@@ -228,6 +240,7 @@ def _export_case(model, client, case, spec, backend):
     cfg = wx.RefitConfig(bucket_size_mb=0.03, vocab_size=SPEC.hf_vocab_size, timeout_s=60)
     exporter = wx.WeightExporter(model, cfg, sender=adapter)
     start = time.monotonic()
+    result = {}  # close() (in finally) adds how the group was released
     poisoned = case == "fault-sglang-nan"
     if poisoned:
         norm = model.decoder.final_layernorm.weight
@@ -244,24 +257,27 @@ def _export_case(model, client, case, spec, backend):
                 p.mul_(-0.5).add_(0.125)
         start = time.monotonic()
         second = exporter.export(version=2)
-        return dict(
+        result.update(
             applied=(first.applied, second.applied),
             expected=snapshot(reference_for(SPEC, model)),
             buckets=len(exporter.plan.buckets),
             copied=adapter.packer.copies,
             engine=_in_trainer_engine(standin),
         )
+        return result
     except Exception as exc:  # noqa: BLE001 - the fault cases report what the trainer saw
-        out = dict(error=f"{type(exc).__name__}: {exc}", elapsed=time.monotonic() - start, expected=first_expected)
+        result.update(error=f"{type(exc).__name__}: {exc}", elapsed=time.monotonic() - start, expected=first_expected)
         try:
             exporter.export(version=3)
-            out["again"] = "exported"
+            result["again"] = "exported"
         except Exception as again:  # noqa: BLE001
-            out["again"] = f"{type(again).__name__}: {again}"
-        out["engine"] = _in_trainer_engine(standin)
-        return out
+            result["again"] = f"{type(again).__name__}: {again}"
+        result["engine"] = _in_trainer_engine(standin)
+        return result
     finally:
+        closing = time.monotonic()
         exporter.close()
+        result.update(release_error=adapter.release_error, close_s=time.monotonic() - closing)
         if poisoned:
             with torch.no_grad():
                 norm.copy_(saved)
@@ -276,9 +292,22 @@ def _trainer(addresses, cases, device, backend):
         return {case: _export_case(model, client, case, spec, backend) for case, spec in cases.items()}
     finally:
         client.close()
+        es.release_groups()  # with the engine ranks' ends (see engine_standins)
 
 
 def _job(backend):
+    # A rank still running shortly before the job's limit prints where each of its threads is.
+    faulthandler.dump_traceback_later(JOB_TIMEOUT_S - 30, exit=False, file=sys.stderr)
+    # gloo: tearing down one end of a trainer-engine group waits for its other ends, as on NCCL
+    rule = es.nccl_teardown_rule(TEARDOWN_LIMIT_S) if backend != "nccl" else contextlib.nullcontext()
+    try:
+        with rule:
+            return _job_body(backend)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def _job_body(backend):
     from megatron.core import parallel_state as ps
 
     ps.initialize_model_parallel()
@@ -303,7 +332,7 @@ def _job(backend):
 def job(request):
     world = 3 if request.param == "gloo" else 2  # NCCL: one GPU per rank
     backend = "nccl" if request.param == "nccl" else "gloo"
-    return run_on_ranks(_job, world, args=(request.param,), backend=backend, timeout=300)
+    return run_on_ranks(_job, world, args=(request.param,), backend=backend, timeout=JOB_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -324,6 +353,11 @@ def test_adapter_delivers_exact_tensors_and_version_to_the_standin(job, case):
     if kind == "sglang":
         # one request per bucket (per dtype group: one dtype here), the cache flushed once per version
         assert engines[0]["requests"] == 2 * trainer["buckets"] and engines[0]["cache_flushes"] == 2
+    # close() released the group: SGLang's two ends together, the others' left to release_groups
+    assert trainer["release_error"] is None, trainer["release_error"]
+    assert trainer["close_s"] < TEARDOWN_LIMIT_S / 2, f"close() waited {trainer['close_s']:.1f}s for the engine's end"
+    group = [f"weight_update_{case}"] if adapter == "sglang-distributed" else []
+    assert all(engine["destroyed"] == group for engine in engines), [e["destroyed"] for e in engines]
     if case == "vllm-packed-init-info-small-chunks":
         chunks = engines[0]["chunks"]
         assert len(chunks) > 2 * trainer["buckets"], "3000-byte chunks cut buckets into several broadcasts"
@@ -364,6 +398,9 @@ def test_sglang_shape_mismatch_is_refused_with_the_engines_message(job):
     assert "Attempted to load weight (torch.Size([64])) into parameter (torch.Size([72]))" in trainer["error"]
     assert "model.norm.weight" in trainer["error"], "the failing bucket's tensors are named"
     assert all(r["fault-sglang-shape"]["version"] is None for r in job[1:])
+    # the adapter refuses further versions, but its group still goes down with the engine's end
+    assert trainer["release_error"] is None, trainer["release_error"]
+    assert all(r["fault-sglang-shape"]["destroyed"] == ["weight_update_fault-sglang-shape"] for r in job[1:])
 
 
 def test_version_refused_by_the_hooks_nan_check_is_not_published(job):
@@ -644,3 +681,130 @@ def test_adapter_arguments_are_checked_by_name():
         make_adapter("sglang-tensor", lambda *a, **k: None, update_kwargs={"load_format": "direct"})
     with pytest.raises(ValueError, match="unknown engine adapter 'trtllm'; choose one of"):
         make_adapter("trtllm", lambda *a, **k: None)
+    with pytest.raises(ValueError, match=r"release_group must be True or False, got 'yes'"):
+        make_adapter("sglang-distributed", lambda *a, **k: None, master_address="127.0.0.1", release_group="yes")
+
+
+# ------------------------------------------------------------------- releasing a group at close()
+class _NcclTeardown:
+    """The two ends (trainer, engine) of one group with NCCL's teardown rule: destroying an end
+    returns only once the other end is being destroyed too (NCCL's proxy thread serves the peer's
+    connection until the peer tears its end down; gloo's teardown is local, so the CPU jobs cannot
+    show it). Here a lone end gives up after ``limit_s`` instead of waiting forever."""
+
+    def __init__(self, limit_s: float):
+        self.limit_s = limit_s
+        self.down = {"trainer": threading.Event(), "engine": threading.Event()}
+        self.events: list[str] = []
+        self.lone: list[str] = []  # ends that were destroyed alone
+
+    def end(self, name: str):
+        other = "engine" if name == "trainer" else "trainer"
+        group = self
+
+        class End:
+            def destroy(self):
+                group.events.append(f"{name} destroys")
+                group.down[name].set()
+                if not group.down[other].wait(group.limit_s):
+                    group.lone.append(name)
+                    raise TimeoutError(f"the {name}'s end was destroyed alone (NCCL: blocks until the {other}'s goes)")
+
+            def close(self):
+                group.events.append(f"{name} forgets")
+
+        return End()
+
+
+def _sglang_sender(group, answer, limit_s, **kw):
+    """An SGLang adapter already joined to ``group``'s trainer end; its engine destroys the engine end
+    when asked (``answer``: its reply to destroy_weights_update_group, None: it destroys its end)."""
+    calls, engine_end = [], group.end("engine")
+
+    def call(method, **kwargs):
+        calls.append((method, kwargs))
+        if method == "destroy_weights_update_group":
+            if answer is not None:
+                return answer
+            engine_end.destroy()
+            return {"success": True, "message": "Succeeded to destroy custom process group."}
+        return {"success": True, "message": ""}
+
+    adapter = make_adapter(
+        "sglang-distributed", call, master_address="127.0.0.1", group_name="g", timeout_s=limit_s, **kw
+    )
+    adapter.group, adapter.connected = group.end("trainer"), True
+    return adapter, calls
+
+
+def _close_within(adapter, limit_s: float) -> float:
+    start = time.monotonic()
+    closer = threading.Thread(target=adapter.close, daemon=True)
+    closer.start()
+    closer.join(limit_s)
+    assert not closer.is_alive(), f"close() still blocked after {limit_s:g}s"
+    return time.monotonic() - start
+
+
+def test_sglang_close_destroys_both_ends_of_the_group_together():
+    """The NCCL job hung in exporter.close(): the trainer destroyed its end of the engine's group
+    alone (and the vLLM stand-in's trainer group aborted when dropped), which on NCCL blocks until
+    the engine's end goes, while the engine waited for the trainer's next call. close() now asks
+    the engine to destroy its end while the trainer destroys its own."""
+    group = _NcclTeardown(limit_s=10.0)
+    adapter, calls = _sglang_sender(group, None, 10.0)
+    took = _close_within(adapter, 15.0)
+    assert calls == [("destroy_weights_update_group", {"group_name": "g"})]
+    assert sorted(group.events) == ["engine destroys", "trainer destroys"] and group.lone == []
+    assert adapter.release_error is None and adapter.group is None
+    assert took < 5.0, took
+
+
+def test_sglang_close_does_not_hang_when_the_engine_refuses_to_destroy_its_end():
+    group = _NcclTeardown(limit_s=4.0)
+    refusal = {"success": False, "message": "The group to be destroyed does not exist."}
+    adapter, calls = _sglang_sender(group, refusal, 4.0)
+    took = _close_within(adapter, 3.0)  # answered at once: close() does not wait for its own end
+    assert took < 2.0, took
+    assert "refused destroy_weights_update_group: The group to be destroyed does not exist" in adapter.release_error
+    assert "left to a background thread" in adapter.release_error
+
+
+def test_sglang_close_without_release_group_leaves_both_ends_up():
+    group = _NcclTeardown(limit_s=2.0)
+    adapter, calls = _sglang_sender(group, None, 2.0, release_group=False)
+    _close_within(adapter, 2.0)
+    assert calls == [] and group.events == ["trainer forgets"] and adapter.release_error is None
+
+
+def test_sglang_group_is_not_split_from_a_device_bound_default_group(monkeypatch):
+    """With the default group bound to a device (init_process_group(device_id=...)), torch builds a
+    new NCCL group by splitting the default group's communicator: collective over the default group,
+    whose other ranks never join a trainer-engine group, so rank 0 would block in it. The trainer's
+    end (and the stand-in engine's) is created while the default group looks unbound, then the
+    binding is restored."""
+    from torch.distributed import distributed_c10d as c10d
+
+    from megatron_ext.weight_export.adapters.sglang import join_sglang_group
+
+    seen, real = [], c10d._new_process_group_helper
+
+    def spy(*args, **kwargs):
+        if dist.is_initialized():
+            seen.append(c10d._get_default_group().bound_device_id)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(c10d, "_new_process_group_helper", spy)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        default = c10d._get_default_group()
+        default.bound_device_id = torch.device("cuda", 0)  # as a launcher passing device_id sets it (no CUDA needed)
+        assert c10d._get_split_source(default) is not None, "torch would split from the default group"
+        pg = join_sglang_group("127.0.0.1", free_port(), 1, "weight_update_split_check", "gloo", 10.0)
+        assert seen == [None], seen
+        assert default.bound_device_id == torch.device("cuda", 0)
+        t = torch.ones(3)
+        pg.broadcast(t, 0).wait()
+        dist.destroy_process_group(pg)
+    finally:
+        dist.destroy_process_group()
