@@ -55,6 +55,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import logging
 import math
 import os
 import random
@@ -325,6 +326,9 @@ def parse_args(argv=None, world_size: int | None = None, cuda: bool | None = Non
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    # the plugin's INFO lines (the --ntp-policy decision, batch shares) from global rank 0
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("megatron_ext").setLevel(logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING)
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
     cuda = torch.cuda.is_available() if cuda is None else cuda
     try:
@@ -437,6 +441,7 @@ def _check(args, world_size: int, cuda: bool, parser) -> Plan:
         raise ValueError("--mock-data and --data-path: pick one (mock data is the default without --data-path)")
 
     symm = SymmMemConfig.from_args(args)
+    args.world_size = world_size  # --ntp-policy auto predicts from it and the batch sizes
     ntp = NonuniformTPConfig.from_args(args)
     tp = args.tensor_model_parallel_size
     if ntp is not None:
@@ -461,7 +466,7 @@ def _check(args, world_size: int, cuda: bool, parser) -> Plan:
             ffn_hidden_size=args.ffn_hidden_size,
             vocab_size=padded,
         )
-        dp = ntp.layout(world_size).num_replicas
+        dp = ntp.kept_replicas(ntp.layout(world_size).num_replicas)  # --ntp-policy drop: the healthy ones
         degrees_text = f"TP degrees {degrees}"
     else:
         if world_size % tp:
@@ -1292,7 +1297,14 @@ def startup_summary(args, plan: Plan, ddp, ntp_groups, exporter) -> None:
             f"dispatcher {args.moe_token_dispatcher_type}; EP={plan.ep} x expert TP={plan.etp} x expert DP="
             f"{plan.expert_dp}, {plan.num_experts // plan.ep} local experts per rank"
         )
-    if ntp_groups is not None:
+    if ntp_groups is not None and plan.ntp.drops:
+        lay = ntp_groups.layout
+        lines.append(
+            f"megatron_ext: nonuniform TP: replica(s) {sorted(plan.ntp.non_active_ranks_per_dp)} dropped "
+            f"(--ntp-policy), the healthy replicas train as a uniform job: TP={lay.tp_base} x DP={lay.num_replicas}, "
+            f"TP groups {lay.all_tp_groups()}"
+        )
+    elif ntp_groups is not None:
         lay = ntp_groups.layout
         degraded = [d for d in range(lay.num_replicas) if lay.is_degraded(d)]
         shares = f", --ntp-balance {plan.ntp.balance}: {plan.shares.describe()}" if plan.balanced else ""
@@ -1454,7 +1466,10 @@ def train(args, plan: Plan) -> int:
 
     ntp_groups = initialize_distributed(args, plan)
     if ntp_groups is not None and not ntp_groups.is_active:
-        print(f"rank {os.environ.get('RANK')}: its NTP slot is out (launch_mode=simulate); leaving", flush=True)
+        why = (
+            "its replica is dropped (--ntp-policy)" if plan.ntp.drops else "its NTP slot is out (launch_mode=simulate)"
+        )
+        print(f"rank {os.environ.get('RANK')}: {why}; leaving", flush=True)
         return 0
     device = torch.device("cuda", torch.cuda.current_device()) if plan.cuda else torch.device("cpu")
     tp = ps.get_tensor_model_parallel_world_size()

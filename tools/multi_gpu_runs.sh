@@ -18,7 +18,7 @@ SLICES=(
   "2x-step|2|$py benchmarks/train_step.py --world 2 --out \$OUT/train_step_2x.json|symm-mem staging DDP + FSDP tokens/s vs plain, exposed NCCL % (issue 14)"
   "2x-swap|2|$py benchmarks/refit_vs_swap.py --preset 3b --world 2 --timeout-s 540 --out \$OUT/refit_vs_swap_3b_2x.json|ours vs swap_model_weights on 2 GPUs (issue 15)"
   "2x-tests|2|tools/gpu_tests.sh -q -k 'fsdp_symm or testing or copy_batch or weight_export'|every gpus(1)/gpus(2) test"
-  "4x-ntp|4|$py benchmarks/ntp.py --preset 2b --backend nccl --out \$OUT/ntp_2b_4x.json|NTP vs uniform vs drop tokens/s, unfold+fold %, the large-job model checked (issue 13)"
+  "4x-ntp|4|$py benchmarks/ntp.py --preset 2b --backend nccl --out \$OUT/ntp_2b_4x.json|NTP (partner design) vs uniform vs drop tokens/s, the partner's transfers %, memory per role, the cost model checked (issue 27)"
   "4x-symm|4|$py benchmarks/symm_mem.py --world 4 --parts collectives --out \$OUT/symm_mem_4x.json|symmetric vs plain collectives at 4 ranks (issue 14 bands)"
   "4x-step-ddp|4|$py benchmarks/train_step.py --world 4 --families ddp --out \$OUT/train_step_ddp_4x.json|DDP staging at 4 ranks (issue 14)"
   "4x-step-fsdp|4|$py benchmarks/train_step.py --world 4 --families fsdp --symm-mem-bands probe --out \$OUT/train_step_fsdp_4x.json|FSDP staging at 4 ranks with probed bands (issue 14: probe default?)"

@@ -185,7 +185,6 @@ class _PairState:
     order: list | None = None  # the partner's dispatch order of its groups (from the first step)
     done: list = dataclasses.field(default_factory=list)  # per group: transferred this step
     stale: bool = False  # an optimizer step happened since the last parameter transfer
-    syncs: int = 0  # grad syncs so far
     counter: object = dataclasses.field(default_factory=itertools.count)
     # satellite: when each group is ready (Megatron's rule: golden grad-ready counts of the first step)
     group_of: list = dataclasses.field(default_factory=list)
@@ -651,7 +650,6 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
             pair.flush()  # in the partner's order, the groups not sent yet
         super().finish_grad_sync(force_all_reduce=force_all_reduce)
         if pair is not None:
-            pair.syncs += 1
             pair.stale = True
 
     def zero_grad_buffer(self):

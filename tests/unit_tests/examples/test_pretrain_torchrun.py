@@ -116,7 +116,10 @@ TRAIN = [
     "--seed",
     "1234",
 ]
-NTP = ["--ntp-tp-base", "2", "--ntp-failed-slots", "0:1"]
+NTP = ["--ntp-tp-base", "2", "--ntp-failed-slots", "0:1", "--ntp-policy", "degrade"]
+# --ntp-policy auto (the default) with equal shares: the degraded replica would be every step's straggler
+# (2 micro-batches at TP1 take as long as the healthy replica's 4), so the cost model drops it
+NTP_AUTO = ["--ntp-tp-base", "2", "--ntp-failed-slots", "0:1"]
 DIGEST = ["--log-checkpoint-digest"]
 P2P_MEGATRON = ["--refit-transport", "p2p", "--refit-store", "127.0.0.1:1", "--refit-engine", "megatron"]
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|")
@@ -331,9 +334,12 @@ def runs(tmp_path_factory):
             log=log("D"),
         )
         procs.append(d)
+        e = launch(3, *NTP_AUTO, "--data-cache-path", cache_a, env=env, log=log("E"))
+        procs.append(e)
         out["engine"] = finish(engine, "the engine", timeout=60)
         out["C"] = finish(c, "C (NTP resuming the uniform checkpoint)")
         out["D"] = finish(d, "D (uniform TP2 resuming the NTP checkpoint)")
+        out["E"] = finish(e, "E (NTP flags, --ntp-policy auto: drops the degraded replica)")
         out["engine_p2p"] = finish(engine_p2p, "the p2p engine", timeout=60)
     finally:
         for p in procs:
@@ -341,6 +347,21 @@ def runs(tmp_path_factory):
                 p.kill()
                 p.wait()
     return out
+
+
+def test_auto_policy_drops_a_straggler_replica_and_trains_like_uniform_tp(runs):
+    """E: A's flags plus --ntp-tp-base 2 --ntp-failed-slots 0:1 on 3 ranks and equal shares; --ntp-policy auto
+    predicts dropping replica 0 faster (one INFO line with both predictions), its process leaves, and the healthy
+    replica trains as A does (uniform TP2)."""
+    a, e = losses(runs["A"]), losses(runs["E"])
+    assert "--ntp-policy auto" in runs["E"] and re.search(r"drop [0-9.]+%.*: drop$", runs["E"], re.M), runs["E"][-3000:]
+    assert "rank 0: its replica is dropped (--ntp-policy); leaving" in runs["E"]
+    assert (
+        "nonuniform TP: replica(s) [0] dropped (--ntp-policy), the healthy replicas train as a uniform job: "
+        "TP=2 x DP=1, TP groups [[0, 1]]"
+    ) in runs["E"]
+    assert "DDP wrapper NonuniformTPDistributedDataParallel" in runs["E"]
+    assert_same_losses(e, a, range(1, ITERS + 1), "dropped vs uniform")
 
 
 def test_ntp_with_a_failed_slot_trains_like_uniform_tp(runs):

@@ -132,6 +132,12 @@ def train(
     compute = getattr(ddp, "compute_module", ddp.module)
     final = gather_full_state(compute, tp_group, spec.gated_linear_unit)
     sharded = model_sharded_state_dict(ddp)
+    refusal = None
+    if getattr(ddp, "ntp_role", None) == "degraded":  # saving from a degraded replica alone is refused
+        try:
+            ddp.state_dict()
+        except RuntimeError as err:
+            refusal = str(err)
     dist.barrier(group=tp_group)
     keep = tp_rank == 0
     cpu = lambda m: {n: p.detach().cpu().clone() for n, p in m.named_parameters()}  # noqa: E731
@@ -157,6 +163,7 @@ def train(
         role=getattr(ddp, "ntp_role", "uniform"),
         specs=shard_specs(compute, spec.gated_linear_unit),
         sharded=None if sharded is None else describe_sharded(sharded),
+        state_dict_refusal=refusal,
         memory=ddp_memory_report(ddp, opt),
     )
 

@@ -92,12 +92,15 @@ def _check_parity(out, ref, replicas, rtol=RTOL, weight_atol=WEIGHT_ATOL):
 def _check_sharded_state_dicts(out):
     """``model_sharded_state_dict`` (what dist-checkpointing saves and loads): the healthy
     replicas' own Megatron description of their ``tp_base`` model (a uniform checkpoint, every
-    healthy replica alike), nothing on degraded ranks."""
+    healthy replica alike), nothing on degraded ranks, whose ``state_dict()`` refuses, naming who to
+    save from."""
     ranks = [o for o in out if o is not None]
     healthy = {}
     for o in ranks:
         if o["degraded"]:
             assert o["sharded"] is None, o["tp_rank"]
+            assert "state_dict() of a degraded replica" in o["state_dict_refusal"], o["state_dict_refusal"]
+            assert "Save from them" in o["state_dict_refusal"]
             continue
         got = healthy.setdefault(o["tp_rank"], o["sharded"])
         assert got.keys() == o["sharded"].keys()
