@@ -57,14 +57,22 @@ def decide(config, num_replicas: int, global_batch_size: int | None, micro_batch
     ntp = cost_model.predict_retained(costs, config.tp_base, lost, total, mode, tp_reduced=config.tp_reduced)
     drop = cost_model.predict_retained(costs, config.tp_base, lost, total, "drop", tp_reduced=config.tp_reduced)
     healthy = num_replicas - len(failed)
+    drop_text = "n/a" if drop is None else f"{drop:.1%}"
     if total % healthy:  # a dropped job splits the global batch equally over the healthy replicas
-        drop = None
+        drop, drop_text = None, f"n/a ({total} micro-batches do not split over {healthy} replicas)"
     choice = "drop" if drop is not None and (ntp is None or drop > ntp) else "degrade"
+    hint = ""
+    if config.balance == "none":  # what balanced shares would give: equal ones leave the straggler in
+        balanced = cost_model.predict_retained(
+            costs, config.tp_base, lost, total, "ntp balanced", tp_reduced=config.tp_reduced
+        )
+        if balanced is not None and ntp is not None and balanced > max(ntp, drop or 0.0):
+            hint = f"; with --ntp-balance tp: degrade {balanced:.1%}"
     line = (
         f"nonuniform TP (--ntp-policy auto): {len(failed)} degraded replica(s) of {num_replicas}; predicted "
         f"throughput of the uniform job's: degrade to TP {config.tp_reduced} ({mode}) "
-        f"{'n/a' if ntp is None else f'{ntp:.1%}'}, drop {'n/a' if drop is None else f'{drop:.1%}'} "
-        f"({total} micro-batches of {micro_batch_size} per global batch): {choice}"
+        f"{'n/a' if ntp is None else f'{ntp:.1%}'}, drop {drop_text} "
+        f"({total} micro-batches of {micro_batch_size} per global batch){hint}: {choice}"
     )
     logger.info("%s", line)
     return PolicyDecision(choice, ntp, drop, line)
