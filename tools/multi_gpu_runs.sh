@@ -17,7 +17,11 @@ SLICES=(
   "2x-refit|2|$py benchmarks/refit.py --preset 3b --out \$OUT/refit_3b_2x.json && $py benchmarks/refit.py --preset 3b --no-naive --no-check-finite --out \$OUT/refit_3b_2x_nocheck.json|export hook colocated ipc-direct/ipc-push and cross-GPU broadcast, re-measured on the final code, with and without the NaN/Inf check (issue 12)"
   "2x-step|2|$py benchmarks/train_step.py --world 2 --out \$OUT/train_step_2x.json|symm-mem staging DDP + FSDP tokens/s vs plain, exposed NCCL % (issue 14)"
   "2x-swap|2|$py benchmarks/refit_vs_swap.py --preset 3b --world 2 --timeout-s 540 --out \$OUT/refit_vs_swap_3b_2x.json|ours vs swap_model_weights on 2 GPUs (issue 15)"
-  "2x-tests|2|tools/gpu_tests.sh -q -k 'fsdp_symm or testing or copy_batch or weight_export'|every gpus(1)/gpus(2) test"
+  "2x-tests-symm|2|tools/gpu_tests.sh -v -k 'fsdp_symm'|gpus(1)/gpus(2) tests, part 1: symmetric memory (DDP, FSDP, policy, train_step benchmark)"
+  "2x-tests-training|2|tools/gpu_tests.sh -v -k 'testing or copy_batch or pretrain_torchrun'|gpus(1)/gpus(2) tests, part 2: Megatron training on NCCL, CopyBatch, the training script on 1 GPU"
+  "2x-tests-adapters|2|tools/gpu_tests.sh -v -k 'test_engine_adapters'|gpus(1)/gpus(2) tests, part 3: vLLM/SGLang adapters over NCCL and same-GPU (about 1 min on 2xH200)"
+  "2x-tests-export|2|tools/gpu_tests.sh -v -k 'test_transports or test_export_multirank or test_fp8_export or test_fp8_refit'|gpus(1)/gpus(2) tests, part 4: export transports, FP8 kernels (about 4 min on 2xH200)"
+  "2x-tests-refit|2|tools/gpu_tests.sh -v -k 'refit_processes or megatron_engine or moe_export or reshard_exec or reshard_refit or reshard_remote or refit_reshard_benchmark'|gpus(1)/gpus(2) tests, part 5: refit processes, engines, reshard (about 5 min on 2xH200)"
   "4x-ntp|4|$py benchmarks/ntp.py --preset 2b --backend nccl --out \$OUT/ntp_2b_4x.json|NTP (partner design) vs uniform vs drop tokens/s, the partner's transfers %, memory per role, the cost model checked (issue 27)"
   "4x-symm|4|$py benchmarks/symm_mem.py --world 4 --parts collectives --out \$OUT/symm_mem_4x.json|symmetric vs plain collectives at 4 ranks (issue 14 bands)"
   "4x-step-ddp|4|$py benchmarks/train_step.py --world 4 --families ddp --out \$OUT/train_step_ddp_4x.json|DDP staging at 4 ranks (issue 14)"
@@ -31,7 +35,7 @@ SLICES=(
 field() { echo "$1" | cut -d'|' -f"$2"; }
 
 if [ $# -eq 0 ] || [ "$1" = list ]; then
-  for s in "${SLICES[@]}"; do printf '%-13s %s GPUs  %s\n' "$(field "$s" 1)" "$(field "$s" 2)" "$(field "$s" 4)"; done
+  for s in "${SLICES[@]}"; do printf '%-18s %s GPUs  %s\n' "$(field "$s" 1)" "$(field "$s" 2)" "$(field "$s" 4)"; done
   exit 0
 fi
 
