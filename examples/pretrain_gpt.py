@@ -1553,6 +1553,11 @@ def train(args, plan: Plan) -> int:
     # This replica's micro-batches per global batch (unequal under --ntp-balance).
     num_microbatches = plan.shares.num_microbatches()
     is_tp0 = ps.get_tensor_model_parallel_rank() == 0
+    # The grad norm to log: a degraded NTP replica's optimizer owns nothing (its norm is 0), so every rank logs
+    # the one the first healthy rank's optimizer computed (it rides on the loss all-reduce below).
+    norm_rank = 0
+    if ntp_groups is not None and ntp_groups.layout.nonuniform:
+        norm_rank = ntp_groups.layout.tp_group_ranks(ntp_groups.layout.healthy_replicas[0])[0]
     tokens_per_iter = gbs * args.seq_length
 
     def new_window():  # what is summed between two log lines
@@ -1597,11 +1602,14 @@ def train(args, plan: Plan) -> int:
                 )
         # The global batch's loss: token-weighted over every replica. One rank per replica
         # (TP rank 0) contributes, so the same sum comes out of any TP layout, NTP included.
-        total = torch.zeros(2, dtype=torch.float64, device=device)
+        total = torch.zeros(3, dtype=torch.float64, device=device)
         if is_tp0:
             for x in losses:
-                total += x["lm loss"].to(torch.float64)
+                total[:2] += x["lm loss"].to(torch.float64)
+        if dist.get_rank() == norm_rank and grad_norm is not None:
+            total[2] = float(grad_norm)
         dist.all_reduce(total)
+        grad_norm = None if grad_norm is None else total[2].item()
         if plan.cuda:
             torch.cuda.synchronize()
         window["seconds"] += time.perf_counter() - start

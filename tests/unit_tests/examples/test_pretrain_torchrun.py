@@ -120,6 +120,9 @@ NTP = ["--ntp-tp-base", "2", "--ntp-failed-slots", "0:1", "--ntp-policy", "degra
 # --ntp-policy auto (the default) with equal shares: the degraded replica would be every step's straggler
 # (2 micro-batches at TP1 take as long as the healthy replica's 4), so the cost model drops it
 NTP_AUTO = ["--ntp-tp-base", "2", "--ntp-failed-slots", "0:1"]
+# replica 1 degraded: the last rank, which prints the log lines, is a degraded one
+NTP_LAST = ["--ntp-tp-base", "2", "--ntp-failed-slots", "1:1", "--ntp-policy", "degrade"]
+GRAD_NORM = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| grad norm: ([0-9.]+) \|")
 DIGEST = ["--log-checkpoint-digest"]
 P2P_MEGATRON = ["--refit-transport", "p2p", "--refit-store", "127.0.0.1:1", "--refit-engine", "megatron"]
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|")
@@ -300,7 +303,7 @@ def runs(tmp_path_factory):
         resume_from(ck_uniform)
         c = launch(
             3,
-            *NTP,
+            *NTP_LAST,
             *DIGEST,
             "--use-distributed-optimizer",
             "--ntp-balance",
@@ -414,20 +417,27 @@ def test_weight_export_to_an_engine_started_on_its_own(runs):
 
 
 def test_checkpoints_resume_across_layouts(runs):
-    """C: an NTP job resumes the uniform job's iteration-3 checkpoint, its replicas taking unequal shares
-    of each global batch (--ntp-balance measured: by TP degree for iteration 4, then by the throughputs
-    measured in it, whatever they are on this machine); D: a uniform TP2 job resumes the NTP job's. Both go on
-    exactly as the uninterrupted runs did (model, optimizer state, learning-rate schedule and data
-    position restored; the shares change who computes which sample, not the global batch)."""
+    """C: an NTP job (replica 1 degraded) resumes the uniform job's iteration-3 checkpoint, its
+    replicas taking unequal shares of each global batch (--ntp-balance measured: by TP degree for
+    iteration 4, then by the throughputs measured in it, whatever they are on this machine); D: a
+    uniform TP2 job resumes the NTP job's. Both go on exactly as the uninterrupted runs did (model,
+    optimizer state, learning-rate schedule and data position restored; the shares change who
+    computes which sample, not the global batch)."""
     a, b, c, d = (losses(runs[k]) for k in "ABCD")
     assert sorted(c) == sorted(d) == [4, 5, 6], (c, d)
     assert_same_losses(c, a, range(4, ITERS + 1), "NTP resumed from uniform")
     assert_same_losses(d, b, range(4, ITERS + 1), "uniform TP2 resumed from NTP")
     assert "saved as uniform TP=2 x DP=1; resumed as NTP tp_base=2" in runs["C"]
     assert (
-        "--ntp-balance measured: batch shares: [1, 3] micro-batches of 2 per replica (global batch 8) for "
-        "throughputs [1, 2]; predicted step at 88.9% of the balanced ideal until 1 iteration(s) are timed"
+        "--ntp-balance measured: batch shares: [3, 1] micro-batches of 2 per replica (global batch 8) for "
+        "throughputs [2, 1]; predicted step at 88.9% of the balanced ideal until 1 iteration(s) are timed"
     ) in runs["C"]
+    # C's log lines come from its last rank, a degraded replica's, whose optimizer owns nothing: the grad norm
+    # it prints is the healthy replicas' (0.000 before the script took it from the first healthy rank)
+    norms = {k: {int(i): float(v) for i, v in GRAD_NORM.findall(runs[k])} for k in "AC"}
+    assert sorted(norms["C"]) == [4, 5, 6], runs["C"][-3000:]
+    for it, got in norms["C"].items():  # printed with 3 decimals
+        assert got > 0 and abs(got - norms["A"][it]) <= 1e-3 + RTOL * norms["A"][it], (it, norms)
     assert re.search(
         r"--ntp-balance measured after iteration 4: median compute ms per replica \[\d+\.\d, \d+\.\d\]; "
         r"(now|kept) batch shares: \[[1-3], [1-3]\] micro-batches of 2 per replica \(global batch 8\)",
