@@ -13,6 +13,9 @@ import dataclasses
 import logging
 from collections.abc import Mapping
 
+from .cost_model import reduced_degree
+from .policy import POLICIES, decide
+
 __all__ = [
     "NonuniformTPConfig",
     "add_nonuniform_tp_args",
@@ -24,7 +27,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 LAUNCH_MODES = ("packed", "simulate")
-POLICIES = ("auto", "degrade", "drop")
 BALANCE_MODES = ("none", "tp", "measured")
 
 
@@ -386,8 +388,6 @@ class NonuniformTPConfig:
             # the shares --ntp-balance asks for, where the degraded replicas train
             dataclasses.replace(config, policy="degrade")._batch_shares(*sizes, replicas)
         if config.policy == "auto" and replicas is not None:
-            from .policy import decide
-
             config = dataclasses.replace(config, policy=decide(config, replicas, *sizes).choice)
         if known and config.drops:
             config._batch_shares(*sizes, config.kept_replicas(replicas))  # the healthy replicas' equal split
@@ -428,8 +428,7 @@ def compute_uniform_tp_spares_with_parity(
         )
     sizes = [v for v in (divides or {}).values() if v is not None]
     lost = spares
-    while any(v % (tp_base - spares) for v in sizes):
-        spares += 1
+    spares = tp_base - reduced_degree(tp_base, [len(s) for s in faulty.values()], sizes)
     if spares > lost:
         logger.info(
             "nonuniform TP: a replica lost %d of %d GPUs; degraded replicas run at TP %d, the largest degree below "
