@@ -338,18 +338,19 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
         if kind != "degraded":
             super().__init__(config, ddp_config, module, disable_bucketing, pg_collection, full_param_layout)
             if kind == "partner":
-                self._init_pair(config, ddp_config, [p for _, p in self._trainable(module)], ntp_config, partner=True)
+                self._init_pair(config, ddp_config, self._trainable(module), ntp_config, partner=True)
             return
         # A degraded replica: Megatron's DDP over an empty module (no buffers, and the optimizer built
         # over it owns nothing); the model itself forward runs, with its own gradient accumulation.
         super().__init__(config, ddp_config, torch.nn.Module(), disable_bucketing, pg_collection, full_param_layout)
         self.__dict__["_compute_module"] = module  # not a registered submodule
-        params = [p for _, p in self._trainable(module)]
+        named = self._trainable(module)
+        params = [p for _, p in named]
         grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else None
         for p in params:
             p.main_grad = torch.zeros_like(p, dtype=grad_dtype or p.dtype)
             p.grad_added_to_main_grad = False
-        self._init_pair(config, ddp_config, params, ntp_config, partner=False)
+        self._init_pair(config, ddp_config, named, ntp_config, partner=False)
         self._grad_hooks = []
         for index, p in enumerate(params):
             acc = p.expand_as(p).grad_fn.next_functions[0][0]
@@ -360,7 +361,8 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
     def _trainable(module):
         return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
 
-    def _init_pair(self, config, ddp_config, params, ntp_config, partner: bool) -> None:
+    def _init_pair(self, config, ddp_config, named, ntp_config, partner: bool) -> None:
+        names, params = [n for n, _ in named], [p for _, p in named]
         groups = self._ntp_groups
         layout, role = groups.layout, groups.role
         degraded = role.replica if not partner else role.partner
@@ -399,7 +401,6 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
                 units[k].append([])
             units[k][u].append(i)
         b = layout.tp_base
-        names = [n for n, _ in self._trainable(self.compute_module)]
         me = dist.get_group_rank(group, dist.get_rank())
         scratch = reshard.Scratch()
 
