@@ -28,7 +28,7 @@ setup(
         # build; a half-installed TE breaks `import megatron.core`.
         "te": ["transformer_engine[pytorch]"],
         "hf": ["transformers", "safetensors"],
-        "test": ["pytest", "transformers", "safetensors"],
+        "test": ["pytest", "pytest-markdown-docs", "transformers", "safetensors"],
     },
     classifiers=[
         "Programming Language :: Python :: 3.12",
