@@ -137,4 +137,5 @@ def call():
 
 @pytest.fixture
 def checkpoint_dir(tmp_path):
-    return str(tmp_path / "checkpoint")
+    """An empty directory (megatron-core's dist_checkpointing.save wants one that exists)."""
+    return str(tmp_path)
