@@ -20,9 +20,10 @@ import torch
 
 from megatron_ext.testing import cpu_compat, tiny_llama
 
-# head dim 128, one query group, FFN 256: every TP1 shard is whole 128x128 blocks.
+# Head dim 128, FFN 256: every TP1 shard covers whole 128x128 blocks (FP8 refit); two query
+# groups, so layouts at TP 2 exist too.
 SPEC = tiny_llama.TinyLlamaSpec(
-    hidden_size=256, num_attention_heads=2, num_query_groups=1, ffn_hidden_size=256, seq_length=8
+    hidden_size=512, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=256, seq_length=8
 )
 
 
