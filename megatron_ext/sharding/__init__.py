@@ -23,12 +23,11 @@ from .megatron import (
     layout_from_recipe,
     megatron_expert_coords,
     megatron_layout,
-    megatron_layout_from_groups,
     megatron_tensors,
     ntp_megatron_layout,
     shard_spec,
 )
-from .mesh import MegatronMesh
+from .mesh import MegatronMesh, megatron_layout_from_groups
 from .spec import TensorSpec, UnsupportedParameter, gpt_specs, specs_from_config, specs_from_model
 
 __all__ = [

@@ -30,7 +30,6 @@ __all__ = [
     "layout_from_recipe",
     "megatron_expert_coords",
     "megatron_layout",
-    "megatron_layout_from_groups",
     "megatron_tensors",
     "ntp_megatron_layout",
     "shard_spec",
@@ -124,16 +123,6 @@ def megatron_layout(
         # the recipe: this function's arguments
         dict(kind="megatron", tp=tp, pp=pp, dp=dp, ep=ep, etp=etp, ranks=list(ranks), layer_stage=list(layer_stage)),
     )
-
-
-def megatron_layout_from_groups(specs: list[TensorSpec], *, ranks: Sequence[int] | None = None) -> Layout:
-    """The trainer's layout read from this process's live Megatron groups: TP, PP, DP, EP and
-    expert-TP sizes (:meth:`~.mesh.MegatronMesh.layout`, which says what it checks), so nobody
-    types the trainer's topology by hand. ``ranks``: the job's ranks in the group that moves
-    the bytes (default: its global ranks ``0..world-1``)."""
-    from .mesh import MegatronMesh
-
-    return MegatronMesh.current().layout(specs, ranks=ranks)
 
 
 def layout_from_recipe(specs: list[TensorSpec], recipe: dict) -> Layout:

@@ -12,9 +12,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from .geometry import Layout
+from .megatron import megatron_layout
 from .spec import TensorSpec
 
-__all__ = ["MegatronMesh"]
+__all__ = ["MegatronMesh", "megatron_layout_from_groups"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,8 +78,6 @@ class MegatronMesh:
         parallelism > 1 or another ``order`` is not described)."""
         import torch.distributed as dist
 
-        from .megatron import megatron_layout
-
         if self.tp_group is None:
             raise ValueError("the trainer's layout needs parallel_state.initialize_model_parallel() first")
         if self.cp != 1:
@@ -99,3 +98,11 @@ class MegatronMesh:
                 )
         ranks = range(world) if ranks is None else ranks
         return megatron_layout(specs, tp=tp, pp=pp, dp=dp, ep=self.ep, etp=self.etp, ranks=ranks)
+
+
+def megatron_layout_from_groups(specs: list[TensorSpec], *, ranks: Sequence[int] | None = None) -> Layout:
+    """The trainer's layout read from this process's live Megatron groups: TP, PP, DP, EP and
+    expert-TP sizes (:meth:`MegatronMesh.layout`, which says what it checks), so nobody
+    types the trainer's topology by hand. ``ranks``: the job's ranks in the group that moves
+    the bytes (default: its global ranks ``0..world-1``)."""
+    return MegatronMesh.current().layout(specs, ranks=ranks)

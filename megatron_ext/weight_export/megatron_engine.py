@@ -64,7 +64,8 @@ from collections.abc import Sequence
 import torch
 
 from ..sharding.geometry import Layout
-from ..sharding.megatron import megatron_expert_coords, megatron_layout, megatron_layout_from_groups, megatron_tensors
+from ..sharding.megatron import megatron_expert_coords, megatron_layout, megatron_tensors
+from ..sharding.mesh import megatron_layout_from_groups
 from ..sharding.names import unwrap
 from ..sharding.spec import TensorSpec, specs_from_model
 from .gate import RefitGate
