@@ -17,10 +17,10 @@ explicitly.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch.distributed as dist
 
-from .config import NonuniformTPConfig
 from .layout import NTPLayout, RankRole
 
 __all__ = ["NTPProcessGroups", "get_ntp_process_groups", "initialize_nonuniform_tp_process_groups"]
@@ -33,7 +33,7 @@ class NTPProcessGroups:
     """This rank's NTP groups. ``role is None`` on a non-active rank (simulate mode):
     it must not train; it only takes part in ``destroy_process_group``."""
 
-    config: NonuniformTPConfig
+    config: Any  # the NonuniformTPConfig they were built from (not imported: config.py reads these groups)
     layout: NTPLayout
     role: RankRole | None
     tp_group: dist.ProcessGroup | None
@@ -74,8 +74,9 @@ def _new_groups(ranks_list, backend=None):
     return mine
 
 
-def initialize_nonuniform_tp_process_groups(config: NonuniformTPConfig) -> NTPProcessGroups:
-    """Create the NTP groups and install them into ``megatron.core.parallel_state``.
+def initialize_nonuniform_tp_process_groups(config) -> NTPProcessGroups:
+    """Create the NTP groups of ``config`` (a :class:`~.config.NonuniformTPConfig`) and install them into
+    ``megatron.core.parallel_state``.
 
     Call on every rank after ``parallel_state.initialize_model_parallel()``
     (TP=PP=CP=EP=1). In ``simulate`` mode every slot has a process, and with
