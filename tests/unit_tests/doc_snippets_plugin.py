@@ -16,7 +16,6 @@ import os
 import warnings
 
 import pytest
-import torch
 
 from megatron_ext.testing import cpu_compat, tiny_llama
 
