@@ -89,7 +89,20 @@ from megatron_ext.testing.multirank import run_on_ranks  # noqa: E402
 # no optimizer state; plus activations (micro-batch 2 x 2048 tokens, unfused attention: about 20 GB at
 # TP=1): within an H200's 141 GB (and an 80 GB H100's).
 PRESETS = {
-    "tiny": dict(hidden=256, layers=2, heads=8, vocab=1024, seq=64, micro_batch=2, global_batch=12, steps=10, warmup=3),
+    # tiny: the transfer unit is the same fraction of the model as the 64 MiB default is of 2b's (2.1e6 / 2.03e9
+    # parameters x 64 MiB = 0.066 MiB), so the staging row reads as it would at scale.
+    "tiny": dict(
+        hidden=256,
+        layers=2,
+        heads=8,
+        vocab=1024,
+        seq=64,
+        micro_batch=2,
+        global_batch=12,
+        steps=10,
+        warmup=3,
+        transfer_chunk_mb=0.0625,
+    ),
     "2b": dict(
         hidden=4096,
         layers=8,
@@ -100,6 +113,7 @@ PRESETS = {
         global_batch=48,
         steps=10,
         warmup=3,
+        transfer_chunk_mb=64.0,
     ),
 }
 STEP_KEYS = ("param_transfer", "zero", "compute", "wait", "grad_transfer", "collective", "optimizer", "step")
@@ -543,7 +557,7 @@ def model_section(summary: dict, args) -> dict:
     )
 
 
-def targets(summary: dict, model: dict, args) -> list[str]:
+def targets(summary: dict, model: dict, memory: dict, args) -> list[str]:
     """The issue's targets, each with the value this run and the model reached."""
     bal = summary["ntp balanced"]
     overhead = [summary[j]["partner_overhead_pct"] for j in ("ntp unbalanced", "ntp balanced")]
@@ -560,6 +574,7 @@ def targets(summary: dict, model: dict, args) -> list[str]:
         "uniform); target >= 95%",
         f"this run: partner's extra time (transfers, no waiting) {max(overhead):.2f}% of the step at most; "
         "target <= 3%",
+        *memory_targets(memory, args),
         "model: NTP (policy) >= drop in every row with the same global batch ("
         + ("all " + str(len(rows)) + " rows" if not below else "not in " + ", ".join(below))
         + ")",
@@ -576,6 +591,29 @@ def targets(summary: dict, model: dict, args) -> list[str]:
         )
     else:
         lines.append("model: no TP=8 job in --model-jobs: the k=1 TP 8->7 target is not evaluated")
+    return lines
+
+
+def memory_targets(memory: dict, args) -> list[str]:
+    """Each NTP rank kind's bytes against a uniform rank's (exact tensor bytes): healthy ranks, the partner with
+    its staging, <= 1.02x; the degraded rank too where tp_base / r = 2 with fp32 weights (its TP-r parameters
+    and gradients are then a uniform rank's parameters, gradients and Adam state over again)."""
+    base = memory["uniform job, all ranks"]["total"]
+    ratio = {k: memory[k]["total"] / base for k in ("NTP bystander", "NTP partner", "NTP degraded") if k in memory}
+    healthy = ", ".join(f"{k[4:]} {v:.3f}x" for k, v in ratio.items() if k != "NTP degraded")
+    lines = [f"memory: healthy ranks vs a uniform rank: {healthy}; target <= 1.02x"]
+    reduced = args.tp_base - args.spares
+    if "NTP degraded" in ratio:
+        if args.tp_base == 2 * reduced and args.dtype == "fp32":
+            lines.append(
+                f"memory: degraded rank (TP {args.tp_base}->{reduced}, fp32) {ratio['NTP degraded']:.3f}x; "
+                "target <= 1.02x"
+            )
+        else:
+            lines.append(
+                f"memory: degraded rank (TP {args.tp_base}->{reduced}, {args.dtype}) {ratio['NTP degraded']:.3f}x; "
+                "the 1.02x target applies to tp_base/r = 2 with fp32 weights"
+            )
     return lines
 
 
@@ -637,6 +675,12 @@ def parse_args(argv=None):
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps before each job's timed steps")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default=None, help="default: bf16 on nccl, else fp32")
     parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
+    parser.add_argument(
+        "--transfer-chunk-mb",
+        type=float,
+        default=None,
+        help="the NTP job's --ntp-transfer-chunk-mb (default: the preset's, 64 for 2b; tiny scales it with the model)",
+    )
     parser.add_argument(
         "--model-jobs",
         type=_model_jobs,
@@ -741,6 +785,7 @@ def _check(parser, args) -> None:
             non_active_ranks_per_dp=failed,
             launch_mode="simulate",
             balance="tp",
+            transfer_chunk_mb=args.transfer_chunk_mb,
         )
         args.balanced_shares = NonuniformTPConfig(**args.ntp_kwargs).batch_shares(gb, mb, args.replicas)
     except ValueError as exc:
@@ -805,7 +850,7 @@ def main(argv=None) -> int:
     print_tables(summary, args)
     memory = memory_table(runs["uniform"], runs["ntp"])
     model = model_section(summary, args)
-    goals = targets(summary, model, args)
+    goals = targets(summary, model, memory, args)
     print("\ntargets (the issue's):\n" + "\n".join(f"  {line}" for line in goals))
 
     result = dict(

@@ -13,8 +13,10 @@ to ``tp_base`` and *added* into the partner's bucket, inside the partner's
 of replicas per transfer unit). After the optimizer step, before the next
 forward (or in ``zero_grad_buffer``), the partner sends the updated parameters
 back, resharded to ``tp_reduced``. The exchanges run in units of at most
-``NonuniformTPConfig.transfer_chunk_mb`` of the partner's shard, one flat
-workspace per dtype shared by all of them (:class:`.reshard.Scratch`).
+``NonuniformTPConfig.transfer_chunk_mb`` (MiB of fp32 gradient: everything one
+exchange moves over the pair; a larger tensor is cut into slices), one flat
+workspace per dtype shared by all of them (:class:`.reshard.Scratch`), so a
+rank's staging is at most that size per dtype.
 
 Healthy replicas that are nobody's partner (*bystanders*) run exactly the code
 of Megatron's DDP: the only difference is the gradient weight of each replica
@@ -174,7 +176,7 @@ class _PairState:
 
     partner: bool  # True on the partner's ranks, False on the satellite's
     params: list  # this side's trainable parameters, in named_parameters order (the same on both sides)
-    units: list  # per bucket group of the partner: lists of parameter indices
+    units: list  # per bucket group of the partner: the gradient units (lists of reshard.Piece)
     grads: list  # per group: [reshard.Exchange per unit] (satellite -> partner, added)
     weights: list  # per group: [reshard.Exchange per unit] (partner -> satellite, copied)
     scratch: reshard.Scratch
@@ -372,37 +374,32 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
         reduced_ranks = [dist.get_group_rank(group, g) for g in layout.tp_group_ranks(degraded)]
         root = layout.tp_group_ranks(healthy)[0]
         device = params[0].device if params else torch.device("cpu")
-        # The partner's bucket groups and transfer units, sent to the satellite (the same on every partner rank).
-        plan = torch.full((2, len(params)), -1, dtype=torch.int64, device=device)
+        # The partner's bucket group of every parameter and its unit size, sent to the satellite (the same
+        # on every partner rank); both sides then cut the same pieces into the same units.
+        plan = torch.full((len(params) + 1,), -1, dtype=torch.int64, device=device)
         if partner:
             index_of = {id(p): i for i, p in enumerate(params)}
-            limit = int(ntp_config.transfer_chunk_mb * 2**20)
             for k, bucket_group in enumerate(self.bucket_groups):
-                unit, size = 0, 0
-                for p in sorted(bucket_group.params, key=lambda q: index_of[id(q)]):
-                    nbytes = p.main_grad.numel() * p.main_grad.element_size()
-                    if size and size + nbytes > limit:
-                        unit, size = unit + 1, 0
-                    plan[0, index_of[id(p)]], plan[1, index_of[id(p)]] = k, unit
-                    size += nbytes
+                for p in bucket_group.params:
+                    plan[index_of[id(p)]] = k
+            # elements of a unit: transfer_chunk_mb of fp32 gradients
+            plan[-1] = max(1, int(ntp_config.transfer_chunk_mb * 2**20) // 4)
         mine = plan.clone()
         dist.broadcast(plan, src=root, group=group)
         if (partner and not torch.equal(plan, mine)) or bool((plan < 0).any()):
             raise RuntimeError(
-                "nonuniform TP: the ranks of a partner replica built different bucket groups, or a trainable "
-                f"parameter is in none ({mine.tolist()} here, {plan.tolist()} on its TP rank 0); every rank needs "
-                "the same DistributedDataParallelConfig and model"
+                "nonuniform TP: the ranks of a partner replica built different bucket groups or transfer units, or "
+                f"a trainable parameter is in none ({mine.tolist()} here, {plan.tolist()} on its TP rank 0); every "
+                "rank needs the same DistributedDataParallelConfig, --ntp-transfer-chunk-mb and model"
             )
-        group_of, unit_of = plan.tolist()
-        n_groups = max(group_of, default=-1) + 1
-        units = [[] for _ in range(n_groups)]
-        for i, (k, u) in enumerate(zip(group_of, unit_of)):
-            while len(units[k]) <= u:
-                units[k].append([])
-            units[k][u].append(i)
+        *group_of, max_elems = plan.tolist()
+        members = [[] for _ in range(max(group_of, default=-1) + 1)]
+        for i, k in enumerate(group_of):
+            members[k].append(i)
         b = layout.tp_base
         me = dist.get_group_rank(group, dist.get_rank())
         scratch = reshard.Scratch()
+        shapes = [tuple(p.shape) for p in params]
 
         def pieces(idx, gradient):
             out = []
@@ -418,18 +415,16 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
                 )
             return out
 
+        grad_units = [reshard.pack_units(pieces(m, True), shapes, max_elems) for m in members]
+        weight_units = [reshard.pack_units(pieces(m, False), shapes, max_elems) for m in members]
         grad_of = lambda i: params[i].main_grad  # noqa: E731
         data_of = lambda i: params[i].data  # noqa: E731
         self._pair = _PairState(
             partner=partner,
             params=params,
-            units=units,
-            grads=[
-                [reshard.Exchange(pieces(u, True), me, group, grad_of, grad_of, scratch) for u in per] for per in units
-            ],
-            weights=[
-                [reshard.Exchange(pieces(u, False), me, group, data_of, data_of, scratch) for u in per] for per in units
-            ],
+            units=grad_units,
+            grads=[[reshard.Exchange(u, me, group, grad_of, grad_of, scratch) for u in per] for per in grad_units],
+            weights=[[reshard.Exchange(u, me, group, data_of, data_of, scratch) for u in per] for per in weight_units],
             scratch=scratch,
             group=group,
             root=root,

@@ -41,6 +41,7 @@ __all__ = [
     "Piece",
     "Scratch",
     "ShardSpec",
+    "pack_units",
     "pair_pieces",
     "reshard_pieces",
     "shard_spec",
@@ -172,6 +173,54 @@ def pair_pieces(
         else:
             out.append(dataclasses.replace(p, src=base_ranks[p.src], dst=reduced_ranks[p.dst]))
     return out
+
+
+def _split(p: Piece, shape: Sequence[int], max_elems: int) -> list[Piece]:
+    """``p`` cut along its dim (a replicated tensor along dim 0) into consecutive pieces of at most
+    ``max_elems`` elements, or of one slice where a slice alone is larger. ``shape``: the parameter's
+    shape on this side; the two sides agree on every dim but the split one, so they cut alike."""
+    dim = p.dim if p.dim is not None else (0 if len(shape) else None)
+    if dim is None:
+        return [p]
+    rest = 1
+    for d, n in enumerate(shape):
+        if d != dim:
+            rest *= n
+    length = p.length if p.dim is not None else shape[0]
+    if length * rest <= max_elems:
+        return [p]
+    step = max(1, max_elems // max(rest, 1))
+    return [
+        dataclasses.replace(p, dim=dim, src_off=p.src_off + o, dst_off=p.dst_off + o, length=min(step, length - o))
+        for o in range(0, length, step)
+    ]
+
+
+def _numel(p: Piece, shape: Sequence[int]) -> int:
+    n = 1
+    for d, size in enumerate(shape):
+        n *= p.length if d == p.dim else size
+    return n
+
+
+def pack_units(pieces: Sequence[Piece], shapes: Sequence[Sequence[int]], max_elems: int) -> list[list[Piece]]:
+    """``pieces`` (in order) cut and packed into units of at most ``max_elems`` elements in all, so
+    that one :class:`Exchange` of a unit stages at most that many elements on any rank (a rank
+    sends and receives a subset of the unit). ``shapes[index]``: parameter ``index``'s shape on
+    this side. Deterministic: both sides of a pair, given the same pieces, get the same units."""
+    if max_elems < 1:
+        raise ValueError(f"max_elems must be >= 1, got {max_elems}")
+    units: list[list[Piece]] = []
+    size = 0
+    for piece in pieces:
+        for q in _split(piece, shapes[piece.index], max_elems):
+            n = _numel(q, shapes[q.index])
+            if not units or (units[-1] and size + n > max_elems):
+                units.append([])
+                size = 0
+            units[-1].append(q)
+            size += n
+    return units
 
 
 class Scratch:

@@ -69,6 +69,8 @@ def test_benchmark_runs_all_four_jobs_on_four_gloo_ranks(tmp_path):
     for field in ("params", "grads", "optimizer"):
         assert partner[field] == uni[field], field
     assert partner["total"] == uni["total"] + partner["staging"]
+    # the tiny preset's transfer unit (0.0625 MiB of fp32 gradient) bounds the staging: one flat fp32 buffer
+    assert partner["staging"] <= 2**16 and degraded["staging"] <= 2**16
     # the degraded rank (TP=1) holds the whole model and its gradients, and no optimizer state
     assert degraded["optimizer"] == 0 and degraded["params"] > uni["params"]
 
@@ -83,7 +85,13 @@ def test_benchmark_runs_all_four_jobs_on_four_gloo_ranks(tmp_path):
         assert [(r["k"], r["placement"]) for r in t["rows"]] == [(k, p) for k in (1, 2, 3) for p in cm.PLACEMENTS]
         assert all(r["ntp policy"] >= r["drop"] for r in t["rows"])
         assert t["verdict"][0].startswith("NTP policy >= drop in 6 of 6 rows")
-    assert len(result["targets"]) == 5
+    assert len(result["targets"]) == 7
+    mem = [t for t in result["targets"] if t.startswith("memory:")]
+    assert (
+        mem[0]
+        == f"memory: healthy ranks vs a uniform rank: partner {partner['total'] / uni['total']:.3f}x; target <= 1.02x"
+    )
+    assert mem[1].startswith(f"memory: degraded rank (TP 2->1, fp32) {degraded['total'] / uni['total']:.3f}x; target")
     assert result["provenance"]["command"].startswith("python benchmarks/ntp.py --backend gloo")
 
 

@@ -25,9 +25,22 @@ def _full(seed):
     }
 
 
+UNIT_ELEMS = 10  # smaller than every sharded tensor: pack_units cuts them into slices of 2 rows/columns
+
+
 def _pair_body(tp_base, tp_reduced, scale):
+    """The exchanges once in one unit each way, once cut into units of UNIT_ELEMS (one Exchange per
+    unit, run in order); per mode what _pair_run returns, and the largest unit."""
+    out = {}
+    for max_elems in (None, UNIT_ELEMS):
+        out[max_elems] = _pair_run(tp_base, tp_reduced, scale, max_elems)
+    return out
+
+
+def _pair_run(tp_base, tp_reduced, scale, max_elems):
     """Group ranks 0..tp_base-1: the partner's TP ranks; the next tp_reduced: the satellite's.
-    Returns (gradients after the transfer, parameters after the transfer) of this rank, per step."""
+    Returns (gradients after the transfer, parameters after the transfer) of this rank, per step,
+    and the element count of the largest unit."""
     me, dev = dist.get_rank(), tiny_gpt.rank_device()
     specs = {str(i): s for i, s in enumerate(SPECS)}
     partner = me < tp_base
@@ -46,8 +59,16 @@ def _pair_body(tp_base, tp_reduced, scale):
     grads.append((torch.arange(6.0) * 10 ** (me + 1) + me).to(dev))
     params = [t.to(dev) for t in split_tp_full(_full(3) if partner else _full(4), specs, degree)[k].values()]
     params.append(torch.full((6,), float(me), device=dev))
-    grad_x = reshard.Exchange(pieces_g, me, None, lambda i: grads[i], lambda i: grads[i], scratch)
-    param_x = reshard.Exchange(pieces_p, me, None, lambda i: params[i], lambda i: params[i], scratch)
+    largest = 0
+    if max_elems is None:
+        units_g, units_p = [pieces_g], [pieces_p]
+    else:
+        shapes = [tuple(t.shape) for t in params]
+        units_g = reshard.pack_units(pieces_g, shapes, max_elems)
+        units_p = reshard.pack_units(pieces_p, shapes, max_elems)
+        largest = max(sum(_numel(q, shapes) for q in u) for u in units_g + units_p)
+    grad_x = [reshard.Exchange(u, me, None, lambda i: grads[i], lambda i: grads[i], scratch) for u in units_g]
+    param_x = [reshard.Exchange(u, me, None, lambda i: params[i], lambda i: params[i], scratch) for u in units_p]
     out = []
     for step in range(2):
         if step == 1:
@@ -55,16 +76,37 @@ def _pair_body(tp_base, tp_reduced, scale):
             for t in params:
                 t.mul_(-2.0)
         before = [t.cpu().clone() for t in grads]
-        grad_x.run(scale=scale)
-        param_x.run()
+        for x in grad_x:
+            x.run(scale=scale)
+        for x in param_x:
+            x.run()
         out.append((before, [t.cpu().clone() for t in grads], [t.cpu().clone() for t in params]))
-    return out
+    return out, largest, len(units_g), scratch.nbytes
+
+
+def _numel(piece, shapes):
+    shape = list(shapes[piece.index])
+    if piece.dim is not None:
+        shape[piece.dim] = piece.length
+    return torch.Size(shape).numel()
 
 
 @pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.gpus(3))])
 def test_gradients_add_into_the_partner_and_parameters_come_back(backend):
     b, r, scale = 2, 1, 0.5
-    out = run_on_ranks(_pair_body, b + r, args=(b, r, scale), backend=backend, timeout=180)
+    runs = run_on_ranks(_pair_body, b + r, args=(b, r, scale), backend=backend, timeout=180)
+    for max_elems in (None, UNIT_ELEMS):
+        out = [run[max_elems][0] for run in runs]
+        _check_pair(out, b, r, scale)
+    _, largest, n_units, staging = runs[b][UNIT_ELEMS]  # the satellite: it sends every gradient piece
+    # cut into units of at most UNIT_ELEMS elements (no tensor slice here is larger), and many of them;
+    # a rank's flat buffers hold at most one unit
+    assert 0 < largest <= UNIT_ELEMS and n_units > len(SPECS) + 1
+    assert staging <= UNIT_ELEMS * 4
+    assert runs[b][None][3] > UNIT_ELEMS * 4  # in one unit the staging is every piece the satellite sends
+
+
+def _check_pair(out, b, r, scale):
     specs = {str(i): s for i, s in enumerate(SPECS)}
     for step in range(2):
         sat_before = out[b][step][0]  # the satellite's gradients (TP=1: the whole tensors)
