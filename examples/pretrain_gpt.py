@@ -1492,7 +1492,7 @@ def train(args, plan: Plan) -> int:
         ),
         [ddp],
     )
-    gbs = args.global_batch_size
+    gbs = plan.shares.global_batch_size  # --global-batch-size, or less under --ntp-balance shrink
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=args.lr_warmup_init,
@@ -1635,6 +1635,9 @@ def train(args, plan: Plan) -> int:
                 f" throughput (tokens/s): {tokens_per_iter * 1e3 / ms:.0f} | learning rate: {lr:.6E} |"
                 f" global batch size: {gbs:5d} |"
             )
+            if gbs != args.global_batch_size:  # --ntp-balance shrink: what the degraded replicas left out
+                shrunk = 1 - gbs / args.global_batch_size
+                line += f" (--global-batch-size {args.global_batch_size}, shrunk by {shrunk:.1%}) |"
             if window["iters"]:
                 line += f" lm loss: {window['loss'] / window['iters']:.6E} |"
             for name, value in sorted(window["moe"].items()):

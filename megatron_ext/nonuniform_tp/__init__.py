@@ -37,6 +37,7 @@ from .balance import (
     balanced_batch_shares,
     equal_batch_shares,
     reduce_loss_over_replicas,
+    shrunk_batch_shares,
 )
 from .config import (
     NonuniformTPConfig,
@@ -76,6 +77,7 @@ def __getattr__(name):
         "split_tp_full",
         "model_sharded_state_dict",
         "share_common_state",
+        "shard_specs",
     ):
         from . import checkpoint
 
@@ -110,6 +112,8 @@ __all__ = [
     "parse_failed_slots",
     "reduce_loss_over_replicas",
     "share_common_state",
+    "shard_specs",
+    "shrunk_batch_shares",
     "split_tp_full",
     "uniform_to_ntp",
 ]

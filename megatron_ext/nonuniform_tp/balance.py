@@ -41,6 +41,7 @@ __all__ = [
     "balanced_batch_shares",
     "equal_batch_shares",
     "reduce_loss_over_replicas",
+    "shrunk_batch_shares",
 ]
 
 logger = logging.getLogger(__name__)
@@ -241,6 +242,35 @@ def balanced_batch_shares(
         unbalanced = Fraction(total, replicas) / min(rates)
         if slowest >= unbalanced:
             raise ValueError(_no_gain_message(rates, counts, total, global_batch_size, micro_batch_size, what))
+    return BatchShares(micro_batch_size, tuple(counts), tuple(float(t) for t in rates))
+
+
+def shrunk_batch_shares(
+    throughputs: Sequence[float], global_batch_size: int, micro_batch_size: int, max_shrink: float
+) -> BatchShares:
+    """Shares that keep every replica's per-step work (``--ntp-balance shrink``): the fastest
+    replicas their equal share ``m = global_batch_size / (micro_batch_size * replicas)``, each
+    slower one what it computes in the same time, ``max(1, floor(m * t_d / t_max))``. The global
+    batch shrinks by the slower replicas' shortfall, at most ``max_shrink`` of it: beyond that
+    they get micro-batches back one at a time (to the one that finishes its next soonest), and
+    the step grows instead. The step then takes a healthy replica's uniform step wherever the
+    bound allows, with no straggler and no granularity loss; the gradient is the exact mean
+    over the samples processed (:meth:`BatchShares.gradient_weight`), and
+    ``shares.global_batch_size`` is the smaller batch the sampler and the learning-rate
+    schedule count."""
+    rates = [Fraction(t) for t in throughputs]
+    if not rates or any(t <= 0 for t in rates):
+        raise ValueError(f"throughputs must be one number > 0 per replica, got {list(throughputs)}")
+    if isinstance(max_shrink, bool) or not isinstance(max_shrink, (int, float)) or not 0 <= max_shrink < 1:
+        raise ValueError(f"max_shrink must be a number in [0, 1) (a fraction of the global batch), got {max_shrink!r}")
+    base = equal_batch_shares(len(rates), global_batch_size, micro_batch_size).microbatches[0]
+    top = max(rates)
+    counts = [base if t == top else max(1, math.floor(base * t / top)) for t in rates]
+    total = base * len(rates)
+    allowed = math.floor(Fraction(max_shrink) * total)
+    while total - sum(counts) > allowed:
+        d = min((d for d, t in enumerate(rates) if t != top), key=lambda d: ((counts[d] + 1) / rates[d], d))
+        counts[d] += 1
     return BatchShares(micro_batch_size, tuple(counts), tuple(float(t) for t in rates))
 
 

@@ -27,7 +27,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 LAUNCH_MODES = ("packed", "simulate")
-BALANCE_MODES = ("none", "tp", "measured")
+BALANCE_MODES = ("none", "tp", "measured", "shrink")
 
 
 @dataclasses.dataclass
@@ -56,16 +56,22 @@ class NonuniformTPConfig:
             share. ``"measured"``: the ``"tp"`` shares for the first
             ``balance_measure_steps`` steps, then shares by the replicas'
             measured throughputs (:class:`~megatron_ext.nonuniform_tp.balance.MeasuredBalance`).
+            ``"shrink"``: every replica keeps its per-step work and the global batch shrinks by the
+            degraded replicas' shortfall, at most ``max_shrink`` of it
+            (:func:`~megatron_ext.nonuniform_tp.balance.shrunk_batch_shares`).
         balance_measure_steps: with ``balance="measured"``, how many steps are
             timed before the shares change (an int >= 1).
-        transfer_chunk_mb: the largest unit (MiB of the partner's gradient shard) in which a
-            degraded replica's gradients go to its partner and the parameters come back; the
-            transfers' staging on each rank is about this size (> 0).
+        transfer_chunk_mb: the largest unit (MiB of fp32 gradient, all that one exchange moves
+            over the pair; larger tensors are cut) in which a degraded replica's gradients go to its
+            partner and the parameters come back; the transfers' staging on each rank is at most
+            this size per dtype (> 0).
         policy: what the replicas that lost GPUs do (:mod:`.policy`): ``"degrade"``: train at
             ``tp_reduced``, each the satellite of a healthy partner; ``"drop"``: leave the job (their
             processes get an inactive state, the healthy replicas share the global batch);
             ``"auto"``: the faster of the two by the cost model, where ``from_args`` knows the global
             batch (else degrade).
+        max_shrink: with ``balance="shrink"``, the largest fraction of the global batch left out
+            per step (in [0, 1), default 0.05).
     """
 
     tp_base: int
@@ -81,6 +87,7 @@ class NonuniformTPConfig:
     balance_measure_steps: int = 5
     transfer_chunk_mb: float = 64.0
     policy: str = "auto"
+    max_shrink: float = 0.05
 
     def __post_init__(self):
         if not isinstance(self.tp_base, int) or self.tp_base < 1:
@@ -104,11 +111,17 @@ class NonuniformTPConfig:
                 "NonuniformTPConfig.balance_measure_steps (--ntp-balance-measure-steps) must be an int >= 1 (the "
                 f"steps timed before --ntp-balance measured sets the shares), got {steps!r}"
             )
+        shrink = self.max_shrink
+        if isinstance(shrink, bool) or not isinstance(shrink, (int, float)) or not 0 <= shrink < 1:
+            raise ValueError(
+                "NonuniformTPConfig.max_shrink (--ntp-max-shrink) must be a number in [0, 1) (the largest fraction "
+                f"of the global batch --ntp-balance shrink may leave out), got {shrink!r}"
+            )
         chunk = self.transfer_chunk_mb
         if isinstance(chunk, bool) or not isinstance(chunk, (int, float)) or not 0 < chunk < float("inf"):
             raise ValueError(
-                "NonuniformTPConfig.transfer_chunk_mb (--ntp-transfer-chunk-mb) must be a number > 0 (MiB of the "
-                f"partner's gradient shard per transfer unit), got {chunk!r}"
+                "NonuniformTPConfig.transfer_chunk_mb (--ntp-transfer-chunk-mb) must be a number > 0 (MiB of fp32 "
+                f"gradient per transfer unit), got {chunk!r}"
             )
         if self.data_parallel_size is not None and self.data_parallel_size < 1:
             raise ValueError(
@@ -284,6 +297,10 @@ class NonuniformTPConfig:
         try:
             if self.balance == "none" or self.drops:  # dropped: the healthy replicas alone, alike
                 return balance_mod.equal_batch_shares(num_replicas, global_batch_size, micro_batch_size)
+            if self.balance == "shrink":
+                return balance_mod.shrunk_batch_shares(
+                    self.replica_tp_degrees(num_replicas), global_batch_size, micro_batch_size, self.max_shrink
+                )
             # measured: the shares by TP degree until the throughputs are measured (the best split even
             # where it is no faster than equal shares: the measured one replaces it)
             return balance_mod.balanced_batch_shares(
@@ -319,6 +336,7 @@ class NonuniformTPConfig:
         measure_steps = getattr(args, "ntp_balance_measure_steps", None)
         chunk = getattr(args, "ntp_transfer_chunk_mb", None)
         policy = getattr(args, "ntp_policy", "auto")
+        max_shrink = getattr(args, "ntp_max_shrink", None)
         if tp_base is None:
             given = [
                 f"{flag} {value!r}"
@@ -331,6 +349,7 @@ class NonuniformTPConfig:
                     ("--ntp-balance-measure-steps", measure_steps, None),
                     ("--ntp-transfer-chunk-mb", chunk, None),
                     ("--ntp-policy", policy, "auto"),
+                    ("--ntp-max-shrink", max_shrink, None),
                 )
                 if value != unset
             ]
@@ -353,6 +372,11 @@ class NonuniformTPConfig:
                 f"--ntp-balance-measure-steps {measure_steps} is read only with --ntp-balance measured (got "
                 f"--ntp-balance {balance}): drop it or pass --ntp-balance measured"
             )
+        if max_shrink is not None and balance != "shrink":
+            raise ValueError(
+                f"--ntp-max-shrink {max_shrink} is read only with --ntp-balance shrink (got --ntp-balance "
+                f"{balance}): drop it or pass --ntp-balance shrink"
+            )
         if spares is None:
             # the largest reduced degree the model (Megatron's flags, where the parser has them) splits at
             gqa = getattr(args, "group_query_attention", False)
@@ -366,6 +390,8 @@ class NonuniformTPConfig:
         extra = {} if measure_steps is None else {"balance_measure_steps": measure_steps}
         if chunk is not None:
             extra["transfer_chunk_mb"] = chunk
+        if max_shrink is not None:
+            extra["max_shrink"] = max_shrink
         config = cls(
             tp_base=tp_base,
             tp_spares=spares,
@@ -577,7 +603,9 @@ def add_nonuniform_tp_args(parser: argparse.ArgumentParser) -> argparse.Argument
         help="Share of each global batch per replica: none: equal (Megatron's); tp: micro-batches "
         "in proportion to each replica's TP degree (a degraded replica is no straggler); "
         "measured: tp for the first --ntp-balance-measure-steps steps, then in proportion to each "
-        "replica's measured throughput. Needs --ntp-tp-base.",
+        "replica's measured throughput; shrink: every replica keeps its per-step work (healthy replicas "
+        "their equal share, a degraded one what it computes in that time) and the global batch shrinks by "
+        "the shortfall, at most --ntp-max-shrink of it. Needs --ntp-tp-base.",
     )
     group.add_argument(
         "--ntp-balance-measure-steps",
@@ -588,12 +616,21 @@ def add_nonuniform_tp_args(parser: argparse.ArgumentParser) -> argparse.Argument
         "change (default 5, >= 1).",
     )
     group.add_argument(
+        "--ntp-max-shrink",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="With --ntp-balance shrink: the largest fraction of the global batch left out per step "
+        "(default 0.05, in [0, 1)); beyond it the degraded replicas take more and the step grows.",
+    )
+    group.add_argument(
         "--ntp-transfer-chunk-mb",
         type=float,
         default=None,
         metavar="MB",
-        help="Largest unit (MiB of the partner's gradient shard) in which a degraded replica's gradients "
-        "go to its healthy partner and the parameters come back (default 64, > 0).",
+        help="Largest unit (MiB of fp32 gradient per exchange; larger tensors are cut) in which a degraded "
+        "replica's gradients go to its healthy partner and the parameters come back: each rank's transfer "
+        "staging is at most this per dtype (default 64, > 0).",
     )
     group.add_argument(
         "--ntp-policy",

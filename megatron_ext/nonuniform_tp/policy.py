@@ -2,7 +2,8 @@
 reduced degree (as satellites of healthy partners) or leave the job.
 
 ``auto`` predicts the step of both with :mod:`.cost_model` and takes the faster: NTP's
-shares (balanced with ``--ntp-balance tp|measured``, else equal) and their micro-batch
+shares (balanced with ``--ntp-balance tp|measured``, the shrinking batch with ``shrink``, else
+equal) and their micro-batch
 granularity against the healthy replicas sharing the same global batch alone (equally: a
 global batch that does not split so is not dropped). The costs
 are relative to one healthy micro-batch; a pair's transfers are taken as
@@ -53,8 +54,10 @@ def decide(config, num_replicas: int, global_batch_size: int | None, micro_batch
         grad_transfer_s=TRANSFER_FRACTION / 2 * total / num_replicas,
         param_transfer_s=TRANSFER_FRACTION / 2 * total / num_replicas,
     )
-    mode = "ntp unbalanced" if config.balance == "none" else "ntp balanced"
-    ntp = cost_model.predict_retained(costs, config.tp_base, lost, total, mode, tp_reduced=config.tp_reduced)
+    mode = {"none": "ntp unbalanced", "shrink": "ntp shrink"}.get(config.balance, "ntp balanced")
+    ntp = cost_model.predict_retained(
+        costs, config.tp_base, lost, total, mode, max_shrink=config.max_shrink, tp_reduced=config.tp_reduced
+    )
     drop = cost_model.predict_retained(costs, config.tp_base, lost, total, "drop", tp_reduced=config.tp_reduced)
     healthy = num_replicas - len(failed)
     drop_text = "n/a" if drop is None else f"{drop:.1%}"

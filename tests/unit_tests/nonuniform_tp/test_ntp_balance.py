@@ -9,6 +9,7 @@ import itertools
 import pytest
 import torch
 
+from megatron_ext.nonuniform_tp.balance import shrunk_batch_shares
 from megatron_ext.nonuniform_tp import (
     BalancedPretrainingSampler,
     BatchShares,
@@ -115,7 +116,9 @@ def test_balance_flag_and_config_validation():
     assert parser.parse_args(["--ntp-tp-base", "2"]).ntp_balance == "none"
     with pytest.raises(SystemExit):
         parser.parse_args(["--ntp-tp-base", "2", "--ntp-balance", "fast"])
-    with pytest.raises(ValueError, match=r"balance \(--ntp-balance\) must be one of \('none', 'tp', 'measured'\)"):
+    with pytest.raises(
+        ValueError, match=r"balance \(--ntp-balance\) must be one of \('none', 'tp', 'measured', 'shrink'\)"
+    ):
         NonuniformTPConfig(tp_base=2, balance="fast")
     measured = ["--ntp-tp-base", "2", "--ntp-failed-slots", "0:1", "--ntp-balance", "measured"]
     cfg = NonuniformTPConfig.from_args(parser.parse_args(measured))
@@ -152,6 +155,52 @@ def test_balance_flag_and_config_validation():
     assert NonuniformTPConfig.from_args(args).batch_shares(6, 2, num_replicas=2).microbatches == (1, 2)
     with pytest.raises(ValueError, match="the number of replicas is unknown"):
         NonuniformTPConfig.from_args(args).batch_shares(6, 2)
+
+
+def test_shrink_keeps_every_replicas_work_and_bounds_the_batch_it_leaves_out():
+    """--ntp-balance shrink: healthy replicas keep their equal share, a degraded one what it computes in
+    that time (floor(m * r / tp)), so the step is a uniform step; the global batch shrinks by at most
+    --ntp-max-shrink of it, beyond which the degraded replicas get micro-batches back (the step grows)."""
+    # DP=4 x TP=8, one replica at TP 7: 24 micro-batches each; 21 fit in the step (3 of 96 = 3.1% left out)
+    shares = shrunk_batch_shares([7, 8, 8, 8], 96, 1, 0.05)
+    assert shares.microbatches == (21, 24, 24, 24) and shares.global_batch_size == 93
+    assert shares.gradient_weight(0) == pytest.approx(21 / 93)
+    assert max(m / t for m, t in zip(shares.microbatches, (7, 8, 8, 8))) == 3  # = 24 / 8: no straggler
+    # TP 2 -> 1 with 6 micro-batches each: 3 fit; a bound of 20% of 12 leaves out 2, 0 leaves out none
+    assert shrunk_batch_shares([1, 2], 12, 1, 0.5).microbatches == (3, 6)
+    assert shrunk_batch_shares([1, 2], 12, 1, 0.2).microbatches == (4, 6)
+    assert shrunk_batch_shares([1, 2], 12, 1, 0.0).microbatches == (6, 6)
+    assert shrunk_batch_shares([2, 2], 8, 2, 0.05).microbatches == (2, 2)  # no degraded replica: Megatron's
+    assert shrunk_batch_shares([1, 8], 2, 1, 0.5).microbatches == (1, 1)  # at least one micro-batch
+    with pytest.raises(ValueError, match="max_shrink must be a number in \\[0, 1\\)"):
+        shrunk_batch_shares([1, 2], 12, 1, 1.0)
+    with pytest.raises(ValueError, match="not a multiple of micro_batch_size \\* data-parallel replicas"):
+        shrunk_batch_shares([1, 2], 9, 1, 0.1)  # the healthy replicas' equal share must exist
+
+    parser = add_nonuniform_tp_args(argparse.ArgumentParser())
+    flags = ["--ntp-tp-base", "2", "--ntp-failed-slots", "0:1", "--ntp-balance", "shrink", "--ntp-policy", "degrade"]
+    cfg = NonuniformTPConfig.from_args(parser.parse_args(flags))
+    assert (cfg.balance, cfg.max_shrink) == ("shrink", 0.05)
+    cfg = NonuniformTPConfig.from_args(parser.parse_args(flags + ["--ntp-max-shrink", "0.25"]))
+    assert cfg.max_shrink == 0.25 and cfg.batch_shares(12, 1, num_replicas=2).microbatches == (3, 6)
+    for bad in (-0.1, 1.0, True, "0.1"):
+        with pytest.raises(ValueError, match=r"max_shrink \(--ntp-max-shrink\) must be a number in \[0, 1\)"):
+            NonuniformTPConfig(tp_base=2, balance="shrink", max_shrink=bad)
+    with pytest.raises(ValueError, match="--ntp-max-shrink 0.1 is read only with --ntp-balance shrink"):
+        NonuniformTPConfig.from_args(parser.parse_args(["--ntp-tp-base", "2", "--ntp-max-shrink", "0.1"]))
+    with pytest.raises(ValueError, match="--ntp-max-shrink 0.1 given without --ntp-tp-base"):
+        NonuniformTPConfig.from_args(parser.parse_args(["--ntp-max-shrink", "0.1"]))
+    # --ntp-policy auto predicts the shrinking batch: one lost GPU of 8 in one replica of 4 keeps nearly
+    # all of the throughput, more than dropping the replica (3 replicas take 96 micro-batches)
+    args = parser.parse_args(["--ntp-tp-base", "8", "--ntp-failed-slots", "0:7", "--ntp-balance", "shrink"])
+    args.global_batch_size, args.micro_batch_size, args.world_size = 96, 1, 31
+    decision = NonuniformTPConfig.from_args(args)
+    assert decision.policy == "degrade" and decision.batch_shares(96, 1, num_replicas=4).microbatches == (
+        21,
+        24,
+        24,
+        24,
+    )
 
 
 def test_ddp_requires_shares_when_balancing():
