@@ -190,6 +190,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="default micro-batch-size x data-parallel size (one micro-batch per rank)",
     )
+    g.add_argument(
+        "--calculate-per-token-loss",
+        action="store_true",
+        help="the loss of a step is the mean over its tokens (Megatron-LM's flag): needed by --ntp-share-unit "
+        "sample, where a replica's last micro-batch may be partial",
+    )
     g.add_argument("--train-iters", type=int, required=True)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--bf16", action="store_true", help="bf16 model, fp32 main params and grads reduced in fp32")
@@ -815,6 +821,7 @@ def transformer_config(args, plan: Plan, tp: int):
         activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
         add_bias_linear=not args.disable_bias_linear,
         qk_layernorm=args.qk_layernorm,
+        calculate_per_token_loss=args.calculate_per_token_loss,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=1,
         use_cpu_initialization=args.use_cpu_initialization,

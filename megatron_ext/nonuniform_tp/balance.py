@@ -46,6 +46,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+SHARE_UNITS = ("microbatch", "sample")
+
 
 def _this_replica() -> int:
     # Under NTP, get_data_parallel_rank() is the replica index on every rank
@@ -60,20 +62,25 @@ class BatchShares:
     """The split of one global batch over the data-parallel replicas.
 
     Args:
-        micro_batch_size: samples per micro-batch (the same on every replica).
+        micro_batch_size: samples per (full) micro-batch.
         microbatches: micro-batches of every global batch per replica, indexed
             by replica (``parallel_state.get_data_parallel_rank()``); each >= 1.
         throughputs: relative throughput per replica the shares were computed
             from (for :meth:`describe` and :attr:`efficiency`); ``None`` if unknown.
+        samples: shares in samples (``--ntp-share-unit sample``, :meth:`in_samples`):
+            replica ``d`` processes ``samples[d]`` samples in ``microbatches[d] =
+            ceil(samples[d] / micro_batch_size)`` micro-batches, the last one partial
+            where it does not divide. ``None``: ``microbatches[d] * micro_batch_size``.
 
-    Replica ``d`` processes ``microbatches[d] * micro_batch_size`` samples of
-    every global batch of ``global_batch_size = sum(microbatches) * micro_batch_size``.
-    The ``replica`` argument of the methods defaults to this rank's replica.
+    Replica ``d`` processes ``num_samples(d)`` samples of every global batch of
+    ``global_batch_size`` = their sum. The ``replica`` argument of the methods
+    defaults to this rank's replica.
     """
 
     micro_batch_size: int
     microbatches: tuple[int, ...]
     throughputs: tuple[float, ...] | None = None
+    samples: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if not isinstance(self.micro_batch_size, int) or self.micro_batch_size < 1:
@@ -85,6 +92,18 @@ class BatchShares:
                 f"one micro-batch), got {self.microbatches!r}"
             )
         object.__setattr__(self, "microbatches", counts)
+        if self.samples is not None:
+            samples = tuple(self.samples)
+            if len(samples) != len(counts) or any(
+                not isinstance(n, int) or isinstance(n, bool) or n < 1 or m != -(-n // self.micro_batch_size)
+                for n, m in zip(samples, counts)
+            ):
+                raise ValueError(
+                    f"BatchShares.samples must list an int >= 1 per replica with microbatches[d] = "
+                    f"ceil(samples[d] / micro_batch_size={self.micro_batch_size}), got samples={self.samples!r} "
+                    f"for microbatches={counts!r}; build them with BatchShares.in_samples"
+                )
+            object.__setattr__(self, "samples", samples)
         if self.throughputs is not None:
             rates = tuple(float(t) for t in self.throughputs)
             if len(rates) != len(counts) or any(not t > 0 or math.isinf(t) for t in rates):
@@ -94,9 +113,32 @@ class BatchShares:
                 )
             object.__setattr__(self, "throughputs", rates)
 
+    @classmethod
+    def in_samples(
+        cls, micro_batch_size: int, samples: Sequence[int], throughputs: Sequence[float] | None = None
+    ) -> "BatchShares":
+        """Shares of ``samples[d]`` samples per replica, in micro-batches of ``micro_batch_size``
+        (the last one partial where it does not divide)."""
+        if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
+            raise ValueError(f"BatchShares.micro_batch_size must be an int >= 1, got {micro_batch_size!r}")
+        counts = tuple(-(-n // micro_batch_size) if isinstance(n, int) and n > 0 else 0 for n in samples)
+        return cls(micro_batch_size, counts, None if throughputs is None else tuple(throughputs), tuple(samples))
+
     @property
     def num_replicas(self) -> int:
         return len(self.microbatches)
+
+    @property
+    def sample_counts(self) -> tuple[int, ...]:
+        """Samples of every global batch per replica."""
+        if self.samples is not None:
+            return self.samples
+        return tuple(m * self.micro_batch_size for m in self.microbatches)
+
+    @property
+    def partial(self) -> bool:
+        """Whether some replica's last micro-batch is smaller than ``micro_batch_size``."""
+        return any(n % self.micro_batch_size for n in self.sample_counts)
 
     @property
     def total_microbatches(self) -> int:
@@ -105,7 +147,7 @@ class BatchShares:
 
     @property
     def global_batch_size(self) -> int:
-        return self.total_microbatches * self.micro_batch_size
+        return sum(self.sample_counts)
 
     def _replica(self, replica: int | None) -> int:
         replica = _this_replica() if replica is None else replica
@@ -122,18 +164,29 @@ class BatchShares:
 
     def num_samples(self, replica: int | None = None) -> int:
         """Samples of every global batch that ``replica`` processes."""
-        return self.num_microbatches(replica) * self.micro_batch_size
+        return self.sample_counts[self._replica(replica)]
+
+    def micro_batch_sizes(self, replica: int | None = None) -> list[int]:
+        """The size of each of ``replica``'s micro-batches, in order (all ``micro_batch_size``
+        but a partial last one)."""
+        n = self.num_samples(replica)
+        full, rest = divmod(n, self.micro_batch_size)
+        return [self.micro_batch_size] * full + ([rest] if rest else [])
 
     def gradient_weight(self, replica: int | None = None) -> float:
         """Weight of ``replica``'s gradient in the global mean:
-        ``num_microbatches(replica) / total_microbatches``.
+        ``num_samples(replica) / global_batch_size``.
 
         Megatron's forward-backward function divides each micro-batch loss by
         the replica's own ``num_microbatches``, so a replica's gradient is the
         mean over its micro-batches; weighting it by its share of the global
-        batch gives the mean over all micro-batches of the global batch, as
-        Megatron's ``1 / data_parallel_size`` does for equal shares."""
-        return self.num_microbatches(replica) / self.total_microbatches
+        batch gives the mean over all samples of the global batch, as
+        Megatron's ``1 / data_parallel_size`` does for equal shares -- exactly
+        where every micro-batch is full. With a partial micro-batch the mean
+        over micro-batches weighs its samples more, so such shares need
+        ``calculate_per_token_loss`` (the DDP refuses them otherwise), where the
+        weights are 1 and ``finalize_model_grads`` divides by the global token count."""
+        return self.num_samples(replica) / self.global_batch_size
 
     def micro_batch_offsets(self, replica: int | None = None) -> list[int]:
         """Offsets (within a global batch) of the first sample of each of
@@ -143,13 +196,14 @@ class BatchShares:
         some left, so with equal shares replica ``d`` gets exactly what
         Megatron's ``MegatronPretrainingSampler`` gives data-parallel rank ``d``."""
         replica = self._replica(replica)
+        sizes = [self.micro_batch_sizes(d) for d in range(self.num_replicas)]
         offsets, pos = [], 0
         for k in range(max(self.microbatches)):
-            for d, m in enumerate(self.microbatches):
-                if k < m:
+            for d, mine in enumerate(sizes):
+                if k < len(mine):
                     if d == replica:
                         offsets.append(pos)
-                    pos += self.micro_batch_size
+                    pos += mine[k]
         return offsets
 
     @property
@@ -159,8 +213,9 @@ class BatchShares:
         throughput ``t_d``; the ideal is ``total_microbatches / sum(t_d)``."""
         if self.throughputs is None:
             return None
-        slowest = max(m / t for m, t in zip(self.microbatches, self.throughputs))
-        return self.total_microbatches / sum(self.throughputs) / slowest
+        counts = self.sample_counts
+        slowest = max(n / t for n, t in zip(counts, self.throughputs))
+        return sum(counts) / sum(self.throughputs) / slowest
 
     def describe(self) -> str:
         """One line for a start-up log."""
@@ -168,6 +223,11 @@ class BatchShares:
             f"batch shares: {list(self.microbatches)} micro-batches of {self.micro_batch_size} per replica "
             f"(global batch {self.global_batch_size})"
         )
+        if self.samples is not None:
+            text = (
+                f"batch shares: {list(self.samples)} samples per replica in {list(self.microbatches)} micro-batches "
+                f"of up to {self.micro_batch_size} (global batch {self.global_batch_size})"
+            )
         if self.throughputs is not None:
             rates = [int(t) if t == int(t) else round(t, 3) for t in self.throughputs]
             text += f" for throughputs {rates}; predicted step at {self.efficiency:.1%} of the balanced ideal"
@@ -196,9 +256,15 @@ def balanced_batch_shares(
     *,
     what: str = "throughputs",
     require_gain: bool = True,
+    unit: str = "microbatch",
 ) -> BatchShares:
     """Micro-batch counts proportional to ``throughputs`` (one positive number per
     replica, e.g. its TP degree or its measured micro-batches per second).
+
+    ``unit="sample"`` (``--ntp-share-unit sample``): the same in samples, so the split is
+    not rounded to whole micro-batches (:meth:`BatchShares.in_samples`; a replica's last
+    micro-batch may be partial, and ``global_batch_size`` need not be a multiple of
+    ``micro_batch_size``).
 
     The counts minimise the predicted step time ``max_d(m_d / throughputs[d])``
     subject to ``sum(m_d) = global_batch_size / micro_batch_size`` and
@@ -217,6 +283,24 @@ def balanced_batch_shares(
         raise ValueError(f"{what} must be one number > 0 per replica, got {list(throughputs)}")
     replicas = len(rates)
     _check_sizes(global_batch_size, micro_batch_size, replicas)
+    if unit not in SHARE_UNITS:
+        raise ValueError(f"unit must be one of {SHARE_UNITS}, got {unit!r}")
+    if unit == "sample":
+        if global_batch_size < replicas:
+            raise ValueError(
+                f"global_batch_size={global_batch_size} samples are fewer than the {replicas} data-parallel replicas "
+                f"(each needs at least one): use global_batch_size >= {replicas}"
+            )
+        counts = _proportional(rates, global_batch_size)
+        if require_gain and len(set(rates)) > 1:
+            slowest = max(n / t for n, t in zip(counts, rates))
+            if slowest >= Fraction(global_batch_size, replicas) / min(rates):
+                raise ValueError(
+                    f"global_batch_size={global_batch_size} samples are too few to split in proportion to the "
+                    f"replicas' {what} {[float(t) for t in rates]}: the best split {counts} is no faster than equal "
+                    "shares. Use a larger global_batch_size, or equal shares (--ntp-balance none)."
+                )
+        return BatchShares.in_samples(micro_batch_size, counts, tuple(float(t) for t in rates))
     if global_batch_size % micro_batch_size:
         raise ValueError(
             f"global_batch_size={global_batch_size} is not a multiple of micro_batch_size={micro_batch_size}: "
@@ -229,14 +313,7 @@ def balanced_batch_shares(
             f"fewer than the {replicas} data-parallel replicas (each needs at least one): use global_batch_size "
             f">= {replicas * micro_batch_size} or a smaller micro_batch_size"
         )
-    counts = [1] * replicas
-    # Finish time of each replica's next micro-batch; ties go to the lower replica index.
-    heap = [(Fraction(2) / t, d) for d, t in enumerate(rates)]
-    heapq.heapify(heap)
-    for _ in range(total - replicas):
-        _, d = heapq.heappop(heap)
-        counts[d] += 1
-        heapq.heappush(heap, ((counts[d] + 1) / rates[d], d))
+    counts = _proportional(rates, total)
     if require_gain and len(set(rates)) > 1:
         slowest = max(m / t for m, t in zip(counts, rates))
         unbalanced = Fraction(total, replicas) / min(rates)
@@ -246,7 +323,12 @@ def balanced_batch_shares(
 
 
 def shrunk_batch_shares(
-    throughputs: Sequence[float], global_batch_size: int, micro_batch_size: int, max_shrink: float
+    throughputs: Sequence[float],
+    global_batch_size: int,
+    micro_batch_size: int,
+    max_shrink: float,
+    *,
+    unit: str = "microbatch",
 ) -> BatchShares:
     """Shares that keep every replica's per-step work (``--ntp-balance shrink``): the fastest
     replicas their equal share ``m = global_batch_size / (micro_batch_size * replicas)``, each
@@ -257,13 +339,27 @@ def shrunk_batch_shares(
     bound allows, with no straggler and no granularity loss; the gradient is the exact mean
     over the samples processed (:meth:`BatchShares.gradient_weight`), and
     ``shares.global_batch_size`` is the smaller batch the sampler and the learning-rate
-    schedule count."""
+    schedule count. ``unit="sample"``: the same in samples (the equal share
+    ``global_batch_size / replicas`` samples; a degraded replica's last micro-batch may be
+    partial)."""
+    if unit not in SHARE_UNITS:
+        raise ValueError(f"unit must be one of {SHARE_UNITS}, got {unit!r}")
     rates = [Fraction(t) for t in throughputs]
     if not rates or any(t <= 0 for t in rates):
         raise ValueError(f"throughputs must be one number > 0 per replica, got {list(throughputs)}")
     if isinstance(max_shrink, bool) or not isinstance(max_shrink, (int, float)) or not 0 <= max_shrink < 1:
         raise ValueError(f"max_shrink must be a number in [0, 1) (a fraction of the global batch), got {max_shrink!r}")
-    base = equal_batch_shares(len(rates), global_batch_size, micro_batch_size).microbatches[0]
+    if unit == "sample":
+        _check_sizes(global_batch_size, micro_batch_size, len(rates))
+        if global_batch_size % len(rates):
+            raise ValueError(
+                f"global_batch_size={global_batch_size} is not a multiple of the {len(rates)} data-parallel "
+                f"replicas, so the healthy ones cannot keep equal shares: use a multiple of {len(rates)} (e.g. "
+                f"{_multiples(len(rates), global_batch_size)})"
+            )
+        base = global_batch_size // len(rates)
+    else:
+        base = equal_batch_shares(len(rates), global_batch_size, micro_batch_size).microbatches[0]
     top = max(rates)
     counts = [base if t == top else max(1, math.floor(base * t / top)) for t in rates]
     total = base * len(rates)
@@ -271,7 +367,22 @@ def shrunk_batch_shares(
     while total - sum(counts) > allowed:
         d = min((d for d, t in enumerate(rates) if t != top), key=lambda d: ((counts[d] + 1) / rates[d], d))
         counts[d] += 1
+    if unit == "sample":
+        return BatchShares.in_samples(micro_batch_size, counts, tuple(float(t) for t in rates))
     return BatchShares(micro_batch_size, tuple(counts), tuple(float(t) for t in rates))
+
+
+def _proportional(rates: list[Fraction], total: int) -> list[int]:
+    """``total`` units over the replicas, at least one each, minimising ``max(n_d / rates[d])``:
+    each further unit goes to the replica that would finish it first (ties: the lower index)."""
+    counts = [1] * len(rates)
+    heap = [(Fraction(2) / t, d) for d, t in enumerate(rates)]
+    heapq.heapify(heap)
+    for _ in range(total - len(rates)):
+        _, d = heapq.heappop(heap)
+        counts[d] += 1
+        heapq.heappush(heap, ((counts[d] + 1) / rates[d], d))
+    return counts
 
 
 def _check_sizes(global_batch_size, micro_batch_size, replicas):
@@ -313,7 +424,7 @@ class BalancedPretrainingSampler:
     """Megatron's ``MegatronPretrainingSampler`` for (possibly unequal) batch shares.
 
     A ``batch_sampler`` for ``torch.utils.data.DataLoader``: iterating it yields
-    this replica's micro-batches (lists of ``shares.micro_batch_size`` sample
+    this replica's micro-batches (lists of ``shares.micro_batch_sizes()`` sample
     indices), ``shares.num_microbatches(replica)`` per global batch. Global
     batch ``k`` covers samples ``consumed_samples + k * G ... + G - 1``
     (``G = shares.global_batch_size``); over all replicas each of them is
@@ -352,6 +463,7 @@ class BalancedPretrainingSampler:
         self.data_parallel_rank = shares._replica(data_parallel_rank)
         self.micro_batch_size = shares.micro_batch_size
         self._offsets = shares.micro_batch_offsets(self.data_parallel_rank)
+        self._sizes = shares.micro_batch_sizes(self.data_parallel_rank)
 
     def switch(self, shares: BatchShares, consumed_samples: int) -> "BalancedPretrainingSampler":
         """The sampler that goes on from ``consumed_samples`` (the samples the training has
@@ -379,8 +491,8 @@ class BalancedPretrainingSampler:
     def __iter__(self) -> Iterator[list[int]]:
         size = self.shares.global_batch_size
         for start in range(self.consumed_samples, self.total_samples - size + 1, size):
-            for offset in self._offsets:
-                yield list(range(start + offset, start + offset + self.micro_batch_size))
+            for offset, n in zip(self._offsets, self._sizes):
+                yield list(range(start + offset, start + offset + n))
 
 
 def _synchronized_clock() -> float:
@@ -405,7 +517,7 @@ class MeasuredBalance:
     steps :meth:`step_finished` agrees on one time per replica with an all-reduce over
     all active ranks (collective: call it on every rank after every step), and from
     then on :attr:`shares` are ``balanced_batch_shares(throughputs, ...)`` with
-    ``throughputs[d] = num_microbatches(d) / seconds[d]`` (micro-batches per second
+    ``throughputs[d] = num_samples(d) / seconds[d]`` (samples per second
     under the warm-up shares).
 
     ``seconds[d]`` is the median of the per-step times of each of replica ``d``'s
@@ -545,13 +657,14 @@ class MeasuredBalance:
                 "every rank)"
             )
         old = self.shares
-        rates = [m / s for m, s in zip(old.microbatches, self.seconds)]
+        rates = [n / s for n, s in zip(old.sample_counts, self.seconds)]
         self.shares = balanced_batch_shares(
             rates,
             old.global_batch_size,
             old.micro_batch_size,
             what="measured throughputs (--ntp-balance measured)",
             require_gain=False,
+            unit="microbatch" if old.samples is None else "sample",
         )
         logger.info(
             "nonuniform TP (--ntp-balance measured): median compute seconds per replica %s over %d steps under "
@@ -561,7 +674,7 @@ class MeasuredBalance:
             list(old.microbatches),
             self.shares.describe(),
         )
-        return self.shares if self.shares.microbatches != old.microbatches else None
+        return self.shares if self.shares.sample_counts != old.sample_counts else None
 
 
 def reduce_loss_over_replicas(local_mean_loss, shares: BatchShares, group=None):

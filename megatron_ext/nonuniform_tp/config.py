@@ -13,6 +13,7 @@ import dataclasses
 import logging
 from collections.abc import Mapping
 
+from .balance import SHARE_UNITS
 from .cost_model import reduced_degree
 from .policy import POLICIES, decide
 
@@ -72,6 +73,9 @@ class NonuniformTPConfig:
             batch (else degrade).
         max_shrink: with ``balance="shrink"``, the largest fraction of the global batch left out
             per step (in [0, 1), default 0.05).
+        share_unit: what the unequal shares of ``balance`` count: ``"microbatch"`` (whole
+            micro-batches, default) or ``"sample"`` (samples; a replica's last micro-batch may be
+            partial, which needs Megatron's ``calculate_per_token_loss``).
     """
 
     tp_base: int
@@ -88,6 +92,7 @@ class NonuniformTPConfig:
     transfer_chunk_mb: float = 64.0
     policy: str = "auto"
     max_shrink: float = 0.05
+    share_unit: str = "microbatch"
 
     def __post_init__(self):
         if not isinstance(self.tp_base, int) or self.tp_base < 1:
@@ -110,6 +115,11 @@ class NonuniformTPConfig:
             raise ValueError(
                 "NonuniformTPConfig.balance_measure_steps (--ntp-balance-measure-steps) must be an int >= 1 (the "
                 f"steps timed before --ntp-balance measured sets the shares), got {steps!r}"
+            )
+        if self.share_unit not in SHARE_UNITS:
+            raise ValueError(
+                f"NonuniformTPConfig.share_unit (--ntp-share-unit) must be one of {SHARE_UNITS}, got "
+                f"{self.share_unit!r}"
             )
         shrink = self.max_shrink
         if isinstance(shrink, bool) or not isinstance(shrink, (int, float)) or not 0 <= shrink < 1:
@@ -299,7 +309,11 @@ class NonuniformTPConfig:
                 return balance_mod.equal_batch_shares(num_replicas, global_batch_size, micro_batch_size)
             if self.balance == "shrink":
                 return balance_mod.shrunk_batch_shares(
-                    self.replica_tp_degrees(num_replicas), global_batch_size, micro_batch_size, self.max_shrink
+                    self.replica_tp_degrees(num_replicas),
+                    global_batch_size,
+                    micro_batch_size,
+                    self.max_shrink,
+                    unit=self.share_unit,
                 )
             # measured: the shares by TP degree until the throughputs are measured (the best split even
             # where it is no faster than equal shares: the measured one replaces it)
@@ -309,6 +323,7 @@ class NonuniformTPConfig:
                 micro_batch_size,
                 what="TP degrees",
                 require_gain=self.balance == "tp",
+                unit=self.share_unit,
             )
         except ValueError as exc:
             raise ValueError(
@@ -337,6 +352,7 @@ class NonuniformTPConfig:
         chunk = getattr(args, "ntp_transfer_chunk_mb", None)
         policy = getattr(args, "ntp_policy", "auto")
         max_shrink = getattr(args, "ntp_max_shrink", None)
+        share_unit = getattr(args, "ntp_share_unit", "microbatch")
         if tp_base is None:
             given = [
                 f"{flag} {value!r}"
@@ -350,6 +366,7 @@ class NonuniformTPConfig:
                     ("--ntp-transfer-chunk-mb", chunk, None),
                     ("--ntp-policy", policy, "auto"),
                     ("--ntp-max-shrink", max_shrink, None),
+                    ("--ntp-share-unit", share_unit, "microbatch"),
                 )
                 if value != unset
             ]
@@ -377,6 +394,18 @@ class NonuniformTPConfig:
                 f"--ntp-max-shrink {max_shrink} is read only with --ntp-balance shrink (got --ntp-balance "
                 f"{balance}): drop it or pass --ntp-balance shrink"
             )
+        if share_unit != "microbatch" and balance == "none":
+            raise ValueError(
+                f"--ntp-share-unit {share_unit} is read only with --ntp-balance tp, measured or shrink (got "
+                "--ntp-balance none: equal shares are whole micro-batches): drop it or pass one of those"
+            )
+        if share_unit == "sample" and getattr(args, "calculate_per_token_loss", None) is False:
+            raise ValueError(
+                "--ntp-share-unit sample needs --calculate-per-token-loss: a replica's last micro-batch may be "
+                "partial, and Megatron's forward-backward function divides every micro-batch's loss by the number "
+                "of micro-batches, which weighs a partial one's samples more; pass --calculate-per-token-loss or "
+                "--ntp-share-unit microbatch"
+            )
         if spares is None:
             # the largest reduced degree the model (Megatron's flags, where the parser has them) splits at
             gqa = getattr(args, "group_query_attention", False)
@@ -392,6 +421,8 @@ class NonuniformTPConfig:
             extra["transfer_chunk_mb"] = chunk
         if max_shrink is not None:
             extra["max_shrink"] = max_shrink
+        if share_unit != "microbatch":
+            extra["share_unit"] = share_unit
         config = cls(
             tp_base=tp_base,
             tp_spares=spares,
@@ -622,6 +653,14 @@ def add_nonuniform_tp_args(parser: argparse.ArgumentParser) -> argparse.Argument
         metavar="FRACTION",
         help="With --ntp-balance shrink: the largest fraction of the global batch left out per step "
         "(default 0.05, in [0, 1)); beyond it the degraded replicas take more and the step grows.",
+    )
+    group.add_argument(
+        "--ntp-share-unit",
+        choices=SHARE_UNITS,
+        default="microbatch",
+        help="What the unequal shares of --ntp-balance tp|measured|shrink count: microbatch (whole "
+        "micro-batches, default) or sample (samples: finer, a replica's last micro-batch may be partial; "
+        "needs --calculate-per-token-loss).",
     )
     group.add_argument(
         "--ntp-transfer-chunk-mb",

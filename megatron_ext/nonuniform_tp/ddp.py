@@ -454,19 +454,29 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
         Megatron scales each bucket by ``1 / data_parallel_size`` before the
         data-parallel sum (all-reduce, or reduce-scatter with the distributed
         optimizer). Here the factor is ``shares.gradient_weight(replica)`` =
-        ``num_microbatches(replica) / total_microbatches`` (times the group size
-        where the collective averages), and a satellite's gradient arrives scaled by
-        its weight over its partner's, so that the sum is the mean over every
-        micro-batch of the global batch when each replica's loss is divided by its
-        own ``num_microbatches`` (Megatron's forward-backward function does that).
-        With ``calculate_per_token_loss`` the factors stay 1: the collective sums
-        per-token losses and ``finalize_model_grads`` divides by the global token
-        count, which is exact for any shares.
+        ``num_samples(replica) / global_batch_size`` (times the group size where the
+        collective averages), and a satellite's gradient arrives scaled by its weight
+        over its partner's, so that the sum is the mean over every sample of the
+        global batch when each replica's loss is divided by its own
+        ``num_microbatches`` (Megatron's forward-backward function does that) and
+        every micro-batch is full. With ``calculate_per_token_loss`` the factors stay
+        1: the collective sums per-token losses and ``finalize_model_grads`` divides by
+        the global token count, which is exact for any shares -- and the only exact
+        way for shares in samples with a partial micro-batch, which are refused
+        without it.
 
         Takes effect at the next gradient sync; call it between steps on every
         rank with the shares the sampler and ``num_microbatches`` use."""
         if not isinstance(shares, BatchShares):
             raise TypeError(f"batch_shares must be a BatchShares (ntp_config.batch_shares(...)), got {shares!r}")
+        if shares.partial and not self.config.calculate_per_token_loss:
+            raise ValueError(
+                f"batch_shares {list(shares.sample_counts)} samples in micro-batches of {shares.micro_batch_size} "
+                "leave a partial micro-batch, which needs calculate_per_token_loss=True (--calculate-per-token-loss): "
+                "Megatron's forward-backward function divides every micro-batch's loss by the number of "
+                "micro-batches, which weighs a partial one's samples more; turn it on, or use shares in whole "
+                "micro-batches (--ntp-share-unit microbatch)"
+            )
         layout = self._ntp_groups.layout
         if shares.num_replicas != layout.num_replicas:
             raise ValueError(

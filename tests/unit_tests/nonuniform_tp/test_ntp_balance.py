@@ -5,6 +5,7 @@ matching a uniform / single-rank baseline (in the same job: qk_layernorm parity)
 
 import argparse
 import itertools
+import types
 
 import pytest
 import torch
@@ -203,6 +204,37 @@ def test_shrink_keeps_every_replicas_work_and_bounds_the_batch_it_leaves_out():
     )
 
 
+def test_shares_in_samples_split_finer_and_need_per_token_loss():
+    """--ntp-share-unit sample: shares in samples, a replica's last micro-batch partial where its share
+    does not divide; the sampler still yields every sample of each global batch exactly once."""
+    shares = balanced_batch_shares([1, 2], 6, 3, unit="sample")
+    assert (shares.samples, shares.microbatches, shares.global_batch_size) == ((2, 4), (1, 2), 6)
+    assert shares.partial and shares.micro_batch_sizes(0) == [2] and shares.micro_batch_sizes(1) == [3, 1]
+    assert shares.gradient_weight(0) == pytest.approx(2 / 6)
+    yielded = [list(BalancedPretrainingSampler(12, 0, shares, data_parallel_rank=d)) for d in (0, 1)]
+    assert yielded == [[[0, 1], [6, 7]], [[2, 3, 4], [5], [8, 9, 10], [11]]]
+    # TP 8 -> 7 in micro-batches of 4: samples 21:24:24:24 of 93 (whole micro-batches: 20:24:24:24 of 92)
+    assert balanced_batch_shares([7, 8, 8, 8], 93, 4, unit="sample").samples == (21, 24, 24, 24)
+    assert shrunk_batch_shares([7, 8, 8, 8], 96, 4, 0.05, unit="sample").samples == (21, 24, 24, 24)
+    assert shrunk_batch_shares([7, 8, 8, 8], 96, 4, 0.05).microbatches == (5, 6, 6, 6)
+    with pytest.raises(ValueError, match="microbatches\\[d\\] = ceil\\(samples\\[d\\] / micro_batch_size=2\\)"):
+        BatchShares(2, (1, 1), samples=(3, 1))
+    with pytest.raises(ValueError, match="unit must be one of \\('microbatch', 'sample'\\)"):
+        balanced_batch_shares([1, 2], 6, 3, unit="token")
+
+    parser = add_nonuniform_tp_args(argparse.ArgumentParser())
+    parser.add_argument("--calculate-per-token-loss", action="store_true")  # Megatron-LM's flag
+    flags = ["--ntp-tp-base", "2", "--ntp-failed-slots", "0:1", "--ntp-balance", "tp", "--ntp-share-unit", "sample"]
+    cfg = NonuniformTPConfig.from_args(parser.parse_args([*flags, "--calculate-per-token-loss"]))
+    assert cfg.share_unit == "sample" and cfg.batch_shares(6, 3, num_replicas=2).samples == (2, 4)
+    with pytest.raises(ValueError, match="--ntp-share-unit sample needs --calculate-per-token-loss"):
+        NonuniformTPConfig.from_args(parser.parse_args(flags))
+    with pytest.raises(ValueError, match="--ntp-share-unit sample is read only with --ntp-balance tp"):
+        NonuniformTPConfig.from_args(parser.parse_args(["--ntp-tp-base", "2", "--ntp-share-unit", "sample"]))
+    with pytest.raises(ValueError, match=r"share_unit \(--ntp-share-unit\) must be one of \('microbatch', 'sample'\)"):
+        NonuniformTPConfig(tp_base=2, balance="tp", share_unit="samples")
+
+
 def test_ddp_requires_shares_when_balancing():
     from megatron_ext.nonuniform_tp import NonuniformTPDistributedDataParallel
 
@@ -213,6 +245,11 @@ def test_ddp_requires_shares_when_balancing():
         r"micro_batch_size\)",
     ):
         NonuniformTPDistributedDataParallel(None, None, None, ntp_config=cfg)
+    # shares in samples with a partial micro-batch: refused without calculate_per_token_loss, before the layout
+    partial = BatchShares.in_samples(3, (2, 4))
+    ddp = types.SimpleNamespace(config=types.SimpleNamespace(calculate_per_token_loss=False))
+    with pytest.raises(ValueError, match=r"leave a partial micro-batch, which needs calculate_per_token_loss=True"):
+        NonuniformTPDistributedDataParallel.set_batch_shares(ddp, partial)
 
 
 # ---- sampler ------------------------------------------------------------------------
@@ -223,6 +260,8 @@ def test_ddp_requires_shares_when_balancing():
         BatchShares(2, (1, 2)),
         BatchShares(3, (4, 3, 4)),
         BatchShares(2, (2, 2, 2)),
+        BatchShares.in_samples(3, (2, 4)),
+        BatchShares.in_samples(2, (3, 1, 5)),
     ],
     ids=str,
 )
@@ -235,7 +274,7 @@ def test_sampler_uses_every_sample_of_each_global_batch_once(shares):
     yielded = [list(s) for s in samplers]
     for d, micro in enumerate(yielded):
         assert len(micro) == len(samplers[d]) == batches * shares.num_microbatches(d)
-        assert all(len(m) == shares.micro_batch_size for m in micro)
+        assert [len(m) for m in micro] == shares.micro_batch_sizes(d) * batches
     for k in range(batches):
         start = consumed + k * size
         used = []
@@ -334,6 +373,10 @@ def test_sampler_refuses_a_resume_inside_a_global_batch():
 # ---- training -----------------------------------------------------------------------
 NTP_BALANCED = dict(tp_base=2, tp_spares=1, non_active_ranks_per_dp={0: (1,)}, balance="tp")
 PER_TOKEN = dict(per_token_loss=True, distributed_optimizer=True, global_batch=6, micro_batch_size=2)
+# --ntp-share-unit sample: the 6 samples split 2:4 by TP degree in micro-batches of up to 3, so both replicas
+# end on a partial micro-batch (replica 0: [2], replica 1: [3, 1]); exact with calculate_per_token_loss.
+NTP_SAMPLES = dict(NTP_BALANCED, share_unit="sample")
+PER_TOKEN_SAMPLES = dict(PER_TOKEN, micro_batch_size=3)
 # qk_layernorm: each TP rank's gradient of the (replicated) q/k layer norms covers its own heads only, and
 # finalize_model_grads sums it over the TP group; equal shares (3:3 for NTP, 2:2:2 for uniform TP=1 x DP=3).
 NTP_EQUAL = dict(tp_base=2, tp_spares=1, non_active_ranks_per_dp={0: (1,)})
@@ -394,7 +437,9 @@ def test_balanced_shares_train_like_uniform(backend):
       bucketed reduction. Against the single-rank baseline (one micro-batch of 4).
     - calculate_per_token_loss with a loss mask (unequal token counts), global batch
       6 of micro-batches of 2: shares 1:2, distributed optimizer. Against uniform
-      TP=1 x DP=3 (Megatron's DDP, equal shares) on the same 3 processes.
+      TP=1 x DP=3 (Megatron's DDP, equal shares) on the same 3 processes. Then the
+      same in samples (--ntp-share-unit sample) in micro-batches of up to 3: 2:4
+      samples, a partial last micro-batch on both replicas.
     - qk_layernorm=True (--ntp-balance none, global batch 6 of micro-batches of 1,
       distributed optimizer, overlapped reduction): the healthy replica's spare TP
       rank holds part of the q/k layer norms' gradient (its heads'); against uniform
@@ -409,12 +454,13 @@ def test_balanced_shares_train_like_uniform(backend):
         (NTP_BALANCED, STEPS, dict(distributed_optimizer=True, overlap=True)),
         (NTP_BALANCED, STEPS, PER_TOKEN),
         (None, STEPS, PER_TOKEN),
+        (NTP_SAMPLES, STEPS, PER_TOKEN_SAMPLES),
         (NTP_EQUAL, STEPS, QK_LAYERNORM),
         (None, STEPS, QK_LAYERNORM),
         (NTP_MEASURED, STEPS, dict(measured=MEASURED)),
     ]
     per_rank = run_on_ranks(train_cases, 3, args=(cases,), timeout=300, backend=backend)
-    plain, distopt, per_token, uniform, qk_ntp, qk_uniform, measured = zip(*per_rank)
+    plain, distopt, per_token, uniform, samples, qk_ntp, qk_uniform, measured = zip(*per_rank)
     ref = _baseline(SPEC, backend)
 
     # measured: every rank agrees on the replicas' median seconds and on the shares they give
@@ -450,19 +496,23 @@ def test_balanced_shares_train_like_uniform(backend):
 
     _check_shares_used(per_token, [1, 2], 6)
     _check_shares_used(uniform, [1, 1, 1], 6)
-    ntp_heads, uniform_heads = _replica_heads(per_token), _replica_heads(uniform)
-    counts = {n for h in ntp_heads for _, n in h["reports"][0]}
-    assert len(counts) > 1, "the loss mask must give micro-batches different token counts"
-    for step in range(STEPS):
-
-        def token_mean(heads):
-            rows = [r for h in heads for r in h["reports"][step]]
-            return sum(s for s, _ in rows) / sum(n for _, n in rows)
-
-        got, want = token_mean(ntp_heads), token_mean(uniform_heads)
-        assert abs(got - want) <= RTOL * abs(want), f"step {step}: per-token NTP {got} vs uniform {want}"
+    _check_shares_used(samples, [1, 2], 6)
+    assert [len(micro) for h in _replica_heads(samples) for micro in h["indices"][0]] == [2, 3, 1]
+    uniform_heads = _replica_heads(uniform)
     uniform_head = next(o for o in uniform if o["final"] is not None)
-    _check_weights(per_token, uniform_head["init"], uniform_head["final"])
+    for results in (per_token, samples):
+        ntp_heads = _replica_heads(results)
+        counts = {n for h in ntp_heads for _, n in h["reports"][0]}
+        assert len(counts) > 1, "the loss mask must give micro-batches different token counts"
+        for step in range(STEPS):
+
+            def token_mean(heads):
+                rows = [r for h in heads for r in h["reports"][step]]
+                return sum(s for s, _ in rows) / sum(n for _, n in rows)
+
+            got, want = token_mean(ntp_heads), token_mean(uniform_heads)
+            assert abs(got - want) <= RTOL * abs(want), f"step {step}: per-token NTP {got} vs uniform {want}"
+        _check_weights(results, uniform_head["init"], uniform_head["final"])
 
     _check_shares_used(qk_ntp, [3, 3], 6)
     _check_shares_used(qk_uniform, [2, 2, 2], 6)
