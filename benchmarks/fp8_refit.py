@@ -42,8 +42,8 @@ from benchmarks.common import PRESETS, provenance  # noqa: E402
 from megatron_ext.sharding import fp8_layout, gpt_specs, megatron_layout  # noqa: E402
 from megatron_ext.sharding.fp8 import is_quantized  # noqa: E402
 from megatron_ext.weight_export import ReshardExecutor, build_reshard_plan, inference_layout  # noqa: E402
-from megatron_ext.weight_export import fp8  # noqa: E402
-from megatron_ext.weight_export.fp8 import Fp8Sources  # noqa: E402
+from megatron_ext.weight_export.plan import fp8  # noqa: E402
+from megatron_ext.weight_export.plan.fp8 import Fp8Sources  # noqa: E402
 
 
 def _specs(preset: str):

@@ -96,7 +96,7 @@ def _naive_plan(model, spec) -> list:
     """``(tensor meta, its transfers)`` of every HF tensor at TP=1, planned once per model (outside the
     timed refits: the naive baseline times the per-tensor copies and messages, not planning)."""
     from megatron_ext.sharding import specs_from_model
-    from megatron_ext.weight_export.plan import build_plan
+    from megatron_ext.weight_export.plan.export_plan import build_plan
 
     if id(model) not in _NAIVE_PLANS:
         plan = build_plan(specs_from_model(model, vocab_size=spec.hf_vocab_size), 1 << 30)
@@ -111,7 +111,7 @@ def _naive_plan(model, spec) -> list:
 def _naive_tensors(model, spec):
     """Per HF tensor: materialise it as a new contiguous tensor from its pieces."""
     from megatron_ext.sharding import megatron_tensors
-    from megatron_ext.weight_export.reshard_plan import run_view
+    from megatron_ext.weight_export.plan.reshard_plan import run_view
 
     tensors = megatron_tensors(model)
     device = next(iter(tensors.values())).device
@@ -184,7 +184,7 @@ def naive_receiver(spec, address, device, mode, key):
 
     from megatron_ext.weight_export import HFModelConsumer
     from megatron_ext.weight_export.config import parse_address
-    from megatron_ext.weight_export.refit_group import make_group
+    from megatron_ext.weight_export.control.refit_group import make_group
 
     device = torch.device(device)
     if device.type == "cuda":
@@ -242,7 +242,7 @@ def _trainer(spec, scenarios, bucket_mb, iters, timeout_s, check_finite=True):
     from megatron.core import parallel_state as ps
 
     from megatron_ext import weight_export as wx
-    from megatron_ext.weight_export.refit_group import make_group
+    from megatron_ext.weight_export.control.refit_group import make_group
 
     ps.initialize_model_parallel()
     gpu = dist.get_backend() == "nccl"

@@ -18,7 +18,7 @@ trainer shard and needs the rest. Rows:
   ``--limit-gib`` payload): every trainer rank sends to one engine rank at
   once (cross), or every rank sends to the next and receives from the previous
   at once (colocated);
-- reshard: :class:`~megatron_ext.weight_export.reshard.ReshardExecutor`, each
+- reshard: :class:`~megatron_ext.weight_export.exec.reshard.ReshardExecutor`, each
   engine rank receives only its shards, straight from the owning trainer ranks
   (one row per ``--sweep`` setting: bucket size, rounds in flight, atomic or
   streaming);
@@ -80,9 +80,9 @@ def _rank(spec, iters, limit_bytes, bucket_bytes, settings, layout="cross"):
 
     from megatron_ext import weight_export as wx
     from megatron_ext.sharding import megatron_layout, specs_from_config
-    from megatron_ext.weight_export.layout import inference_layout
-    from megatron_ext.weight_export.reshard import ReshardExecutor, megatron_tensors
-    from megatron_ext.weight_export.reshard_plan import build_reshard_plan
+    from megatron_ext.weight_export.plan.layout import inference_layout
+    from megatron_ext.weight_export.exec.reshard import ReshardExecutor, megatron_tensors
+    from megatron_ext.weight_export.plan.reshard_plan import build_reshard_plan
     from benchmarks.common import megatron_config as _mconfig
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -229,7 +229,7 @@ def _settings(sweep: str | None, bucket_mb: float, max_inflight: int, streaming:
 def main(argv=None) -> int:
     from benchmarks.common import PRESETS, spec_for
 
-    from megatron_ext.weight_export import simulate
+    from megatron_ext.weight_export.plan import simulate
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="3b")

@@ -20,7 +20,7 @@ engine a second ``GPTModel`` at layout B, both in one ``torch.distributed`` job
 (:func:`~megatron_ext.testing.multirank.run_on_ranks`). A layout is ``co:A:B`` (colocated: both
 models on ranks ``0..|A|-1``) or ``nc:A:B`` (trainer on ranks ``0..|A|-1``, engine on the next
 ``|B|``); a side is ``tp<N>[pp<N>][ep<N>][dp<N>]``, ``tp * pp * dp`` ranks (the engine has PP 1, as
-megatron-core's inference engine does in ``megatron_ext.weight_export.megatron_engine``). Ranks
+megatron-core's inference engine does in ``megatron_ext.weight_export.engines.megatron``). Ranks
 outside a layout idle (they still take part in every collective, as both methods require).
 
 Experts (MoE presets only; ``ep`` > 1 with a dense ``--preset`` is refused): each expert is whole on
@@ -65,8 +65,8 @@ Rows per layout (``--methods``):
   when their packages import, ``gloo`` only when named; ``gloo`` with ``--device cpu`` where the CUDA
   driver is installed: its staging buffers are pinned host memory). Its plan cache is cleared
   before the first refit.
-- ``ours:stream`` / ``ours:atomic``: :class:`~megatron_ext.weight_export.reshard.ReshardExecutor`
-  over :class:`~megatron_ext.weight_export.peers.DistPeers` (the job's world), from
+- ``ours:stream`` / ``ours:atomic``: :class:`~megatron_ext.weight_export.exec.reshard.ReshardExecutor`
+  over :class:`~megatron_ext.weight_export.control.peers.DistPeers` (the job's world), from
   ``megatron_layout`` of the trainer to ``megatron_engine_layout`` of the engine (the Megatron ->
   Megatron layouts of ``megatron_engine.py``: padded vocabulary rows copied too), streaming
   ``--stream-bucket-mb`` / atomic ``--atomic-bucket-mb`` buckets, ``--max-inflight`` rounds. The
@@ -494,9 +494,9 @@ def _rank(preset: str, cases: list[Case], methods: list[str], opts: dict, rank_s
 
     from benchmarks.common import megatron_config, spec_for
     from megatron_ext.sharding import megatron_layout, specs_from_config
-    from megatron_ext.weight_export.megatron_engine import megatron_engine_layout, megatron_engine_specs
-    from megatron_ext.weight_export.reshard import megatron_tensors
-    from megatron_ext.weight_export.reshard_plan import build_reshard_plan
+    from megatron_ext.weight_export.megatron_refit import megatron_engine_layout, megatron_engine_specs
+    from megatron_ext.weight_export.exec.reshard import megatron_tensors
+    from megatron_ext.weight_export.plan.reshard_plan import build_reshard_plan
 
     rank = dist.get_rank()
     gpu = dist.get_backend() == "nccl"
@@ -565,9 +565,9 @@ def _method(method, trainer, engine, src, dst, tensors, rank, versions, opts, de
     ``iters`` timed refits, then the exact check of both models."""
     from megatron.core.resharding.refit import clear_all_caches, prepare_swap_model_weights, swap_model_weights
 
-    from megatron_ext.weight_export.peers import DistPeers
-    from megatron_ext.weight_export.reshard import ReshardExecutor
-    from megatron_ext.weight_export.reshard_plan import build_reshard_plan
+    from megatron_ext.weight_export.control.peers import DistPeers
+    from megatron_ext.weight_export.exec.reshard import ReshardExecutor
+    from megatron_ext.weight_export.plan.reshard_plan import build_reshard_plan
 
     gpu = device.type == "cuda"
     kind, what = method.split(":")

@@ -1385,7 +1385,7 @@ class P2PRefit:
 
         self.config, self.engine, self.is_export_rank = config, engine, dist.get_rank() == 0
         if engine == "megatron":
-            from megatron_ext.weight_export.megatron_engine import megatron_trainer_refit
+            from megatron_ext.weight_export.megatron_refit import megatron_trainer_refit
 
             world = dist.get_world_size() + config.engine_tp * config.engine_dp
             group = config.join(dist.get_rank(), world)

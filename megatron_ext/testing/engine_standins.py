@@ -1,7 +1,7 @@
 """STAND-INS for the engine side of vLLM's and SGLang's weight-update protocols. TEST SUPPORT ONLY.
 
 Neither engine can be installed on our machines, so the adapters of
-:mod:`megatron_ext.weight_export.adapters` are tested against these classes,
+:mod:`megatron_ext.weight_export.engines.adapters` are tested against these classes,
 which implement the engine side of each protocol the way the engines' sources
 do (read from their repositories, written here independently): how the engine
 joins the trainer's group (rendezvous, rank offsets), what each call accepts
@@ -27,7 +27,7 @@ and function of the real engine it mirrors. What differs, on purpose:
 - a test job's one world holds the trainer and the engine ranks, which real
   engines' worlds never do: the SGLang stand-in's group is created as the
   trainer's is (not split from the default group's NCCL communicator, see
-  :func:`~megatron_ext.weight_export.adapters.sglang.unbound_default_group`),
+  :func:`~megatron_ext.weight_export.engines.adapters.sglang.unbound_default_group`),
   and the vLLM stand-in's groups (torch process groups, which tear their
   communicator down when dropped, unlike PyNccl's) are kept until every rank
   calls :func:`release_groups` at the end of the job: NCCL cannot tear down one
@@ -50,9 +50,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_ext.weight_export import control
-from megatron_ext.weight_export.adapters.base import PyNcclGroup, TorchGroup
-from megatron_ext.weight_export.adapters.sglang import unbound_default_group
+from megatron_ext.weight_export.control import channel as control
+from megatron_ext.weight_export.engines.adapters.base import PyNcclGroup, TorchGroup
+from megatron_ext.weight_export.engines.adapters.sglang import unbound_default_group
 
 __all__ = [
     "CudaIpcStandin",
@@ -188,7 +188,7 @@ def nccl_teardown_rule(limit_s: float = 30.0, prefix: str = "weight_update"):
 def vllm_trainer_group(master_address: str, master_port: int, world_size: int, device, timeout_s: float):
     """The adapters' ``group=`` against the vLLM stand-ins: the trainer's end (rank 0) of
     :class:`StatelessGroup`, wrapped as the adapter wraps vLLM's communicator (on CUDA:
-    :class:`~megatron_ext.weight_export.adapters.base.PyNcclGroup`). The real default is
+    :class:`~megatron_ext.weight_export.engines.adapters.base.PyNcclGroup`). The real default is
     ``vllm_nccl_group`` (vLLM's own classes)."""
     group = StatelessGroup(master_address, master_port, 0, world_size, timeout_s, device)
     out = PyNcclGroup(group) if device is not None and torch.device(device).type == "cuda" else TorchGroup(group.pg)

@@ -17,17 +17,6 @@ for ``initialize_model_parallel``), :func:`build_engine_model`, :class:`Megatron
 :class:`MegatronEngineRefit`.
 """
 
-from .config import TRANSPORTS, RefitConfig, add_refit_args
-from .errors import (
-    ControlError,
-    NonFiniteWeights,
-    PlanMismatch,
-    ReceiverError,
-    RefitError,
-    RefitGroupError,
-    RefitRejected,
-)
-from .exporter import ExportResult, WeightExporter
 from ..sharding import (
     Box,
     Layout,
@@ -41,31 +30,43 @@ from ..sharding import (
     specs_from_config,
     specs_from_model,
 )
-from .layout import inference_layout
-from .reshard import FanoutRefit, RefitStats, ReshardExecutor, megatron_tensors, ntp_megatron_tensors
-from .refit_group import RefitGroup
-from .remote_refit import EngineRefit, TrainerRefit
-from .reshard_plan import ReshardPlan, Transfer, build_reshard_plan, check_reshard_plan, fanout_plans
-from .plan import BucketMeta, ExportPlan, TensorMeta, build_plan, check_plan, unpack
-from .receiver import HFModelConsumer, LoadWeightsConsumer, WeightReceiver
-from .transport import BroadcastSender, InProcessSender, IpcDirectSender, IpcPushSender, IpcSender, serve
-from .gate import RefitGate, VerifyResult, megatron_logits, verify_export
-from .fp8 import Fp8Sources
-from .megatron_engine import (
-    MegatronEngine,
-    MegatronEngineRefit,
-    megatron_engine_layout,
-    megatron_engine_specs,
-    megatron_trainer_refit,
-    refuse_refit,
-)
-from .megatron_engine_config import (
+from .config import TRANSPORTS, RefitConfig, add_refit_args
+from .control.refit_group import RefitGroup
+from .engines.gate import RefitGate, VerifyResult, megatron_logits, verify_export
+from .engines.megatron import MegatronEngine
+from .engines.megatron_config import (
     build_engine_model,
     engine_expert_tp,
     megatron_model_config,
     megatron_model_problem,
     receive_model_config,
 )
+from .engines.receiver import HFModelConsumer, LoadWeightsConsumer, WeightReceiver
+from .exec.reshard import FanoutRefit, ReshardExecutor, megatron_tensors, ntp_megatron_tensors
+from .exporter import ExportResult, WeightExporter
+from .megatron_refit import (
+    MegatronEngineRefit,
+    megatron_engine_layout,
+    megatron_engine_specs,
+    megatron_trainer_refit,
+    refuse_refit,
+)
+from .plan.errors import (
+    ControlError,
+    NonFiniteWeights,
+    PlanMismatch,
+    ReceiverError,
+    RefitError,
+    RefitGroupError,
+    RefitRejected,
+    RefitStats,
+)
+from .plan.export_plan import BucketMeta, ExportPlan, TensorMeta, build_plan, check_plan, unpack
+from .plan.fp8 import Fp8Sources
+from .plan.layout import inference_layout
+from .plan.reshard_plan import ReshardPlan, Transfer, build_reshard_plan, check_reshard_plan, fanout_plans
+from .refit import EngineRefit, TrainerRefit
+from .transports import BroadcastSender, InProcessSender, IpcDirectSender, IpcPushSender, IpcSender, serve
 
 __all__ = [
     "RefitError",

@@ -6,11 +6,11 @@ check). ``transport`` picks the destination's form:
 
 - ``inprocess``, ``broadcast``, ``ipc``, ``ipc-push``, ``ipc-direct``: the
   export hook (:class:`~.exporter.WeightExporter`): every engine receives whole
-  Hugging Face tensors at ``target`` (engines run :func:`~.transport.serve`).
+  Hugging Face tensors at ``target`` (engines run :func:`~.transports.serve.serve`).
 - ``p2p``: the reshard refit: point-to-point from the owning trainer ranks to
   each engine rank's own shards of an ``engine_tp`` x ``engine_dp`` (``engine_ep``)
   layout, inside this job or, with ``store``, across jobs
-  (:class:`~.reshard.ReshardExecutor`, :class:`~.remote_refit.TrainerRefit`).
+  (:class:`~.exec.reshard.ReshardExecutor`, :class:`~.refit.TrainerRefit`).
 
 Fields that only one form reads are refused with the other, so a flag is never
 silently ignored. The flags of earlier releases keep working as aliases:
@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+
+from .control.channel import PORTS, _host_port, parse_address
 
 __all__ = ["TRANSPORTS", "RefitConfig", "add_refit_args", "parse_address"]
 
@@ -42,27 +44,9 @@ P2P_BUCKET_MB = 64  # the p2p refit's default staging bucket per peer
 # 1e-9 MiB, int(bucket_size_mb * 2**20) is 0). And a bucket under a page saves no
 # memory: the ipc transports share their buffers as CUDA allocations of whole segments.
 MIN_BUCKET_BYTES = 4096
-PORTS = (1, 65535)
 # Fields read by one form only (default values are what the other form gets).
 P2P_ONLY = ("store", "engine_tp", "engine_dp", "engine_ep", "vocab_padding", "max_inflight", "atomic")
 HOOK_ONLY = ("target", "vocab_size")
-
-
-def _host_port(addr: str) -> tuple[str, int] | None:
-    """``"host:port"`` as ``(host, port)``; None if it is not of that form or the port is not in
-    ``PORTS`` (1..65535). The one parser of engine targets, refit stores and listen addresses."""
-    host, _, port = addr.strip().rpartition(":")
-    if not (host and port.isascii() and port.isdigit() and PORTS[0] <= int(port) <= PORTS[1]):
-        return None
-    return host, int(port)
-
-
-def parse_address(addr: str, what: str = "the address") -> tuple[str, int]:
-    """``"host:port"`` as ``(host, port)``; ValueError naming ``what`` otherwise."""
-    parsed = _host_port(addr) if isinstance(addr, str) else None
-    if parsed is None:
-        raise ValueError(f"{what} must be 'host:port' with a port in {PORTS[0]}..{PORTS[1]}, got {addr!r}")
-    return parsed
 
 
 def _finite_number(value) -> bool:
@@ -75,7 +59,7 @@ class RefitConfig:
 
     Destination: ``transport``; ``target``, the engines' endpoints
     ``"host:port[,host:port...]"`` (hook transports other than ``inprocess``);
-    ``store``, ``"host:port"`` of the :class:`~.refit_group.RefitGroup` when a p2p
+    ``store``, ``"host:port"`` of the :class:`~.control.refit_group.RefitGroup` when a p2p
     engine is a separate job (None: its ranks are in this job); the p2p engine's
     layout ``engine_tp`` x ``engine_dp`` ranks, experts split over ``engine_ep`` of
     them (1: TP-sharded), vocabulary padded to ``vocab_padding`` rows;
@@ -212,8 +196,8 @@ class RefitConfig:
         return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
     def engine_layout(self, specs, ranks=None):
-        """The p2p engine's :func:`~.layout.inference_layout` on ``ranks`` (default ``0..tp*dp-1``)."""
-        from .layout import inference_layout
+        """The p2p engine's :func:`~.plan.layout.inference_layout` on ``ranks`` (default ``0..tp*dp-1``)."""
+        from .plan.layout import inference_layout
 
         return inference_layout(
             specs,
@@ -231,11 +215,11 @@ class RefitConfig:
         return fp8_layout(layout) if self.quantize == "fp8-block" else layout
 
     def join(self, rank: int, world_size: int, *, device=None):
-        """Join the :class:`~.refit_group.RefitGroup` at ``store`` as refit rank ``rank`` of
+        """Join the :class:`~.control.refit_group.RefitGroup` at ``store`` as refit rank ``rank`` of
         ``world_size`` (trainer ranks first, then the engine's), with this config's backend and timeout."""
         import torch
 
-        from .refit_group import RefitGroup
+        from .control.refit_group import RefitGroup
 
         if self.store_address is None:
             raise ValueError(

@@ -9,7 +9,7 @@
         [--prompt-tokens 3,17,5 11,2 | --prompts prompts.json] [--generate-tokens 8] [--save-tokens out.json]
 
 ``--engine hf`` (the default) loads ``--model`` with
-``transformers.AutoModelForCausalLM.from_pretrained`` and runs :func:`~.transport.serve`
+``transformers.AutoModelForCausalLM.from_pretrained`` and runs :func:`~.transports.serve.serve`
 at ``--address`` for each trainer session (``--sessions``: how many trainers to
 serve one after another, 0 = until killed). Point the trainer's ``--refit-target``
 at the same address (same host: loopback needs no key; otherwise set
@@ -29,14 +29,14 @@ straight from the trainer ranks that own them, until the trainer closes.
 is refused on every rank before a byte moves).
 
 ``--engine megatron`` serves megatron-core's static inference engine
-(:mod:`.megatron_engine`) over the p2p refit: the command is the engine job, one
+(:mod:`.megatron_refit`) over the p2p refit: the command is the engine job, one
 process per engine rank (``torchrun --nproc-per-node E``, or plain ``python`` for
 one rank), engine rank ``r`` is refit rank ``--refit-rank-offset`` (the trainer's
 number of ranks) ``+ r``, and ``--tp`` ranks form each replica (``E / --tp``
 replicas). An MoE model's experts are split over ``--ep`` of the engine's
 ranks (a divisor of ``E``; whole experts per EP rank when ``--ep`` > 1, experts
 TP-sharded at ``--ep 1``). It builds its ``GPTModel`` from the config the trainer publishes
-(:func:`~.megatron_engine.megatron_trainer_refit`; ``examples/pretrain_gpt.py
+(:func:`~.megatron_refit.megatron_trainer_refit`; ``examples/pretrain_gpt.py
 --refit-engine megatron``), so the model's flags are not repeated here, and takes
 every version in place. After each version it generates ``--generate-tokens``
 greedy tokens for every prompt (token ids) and rank 0 prints ``engine: applied
@@ -66,8 +66,8 @@ import sys
 
 import torch
 
-from . import versions
 from .config import P2P_BUCKET_MB, RefitConfig, parse_address
+from .control import versions
 
 _DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ENGINES = ("hf", "megatron")
@@ -293,8 +293,8 @@ def main(argv=None, *, megatron_on_cpu: bool = False) -> int:
     except ImportError:
         print("engine: error: transformers is not installed; pip install 'megatron_ext[hf]'", file=sys.stderr)
         return 1
-    from .receiver import HFModelConsumer, WeightReceiver
-    from .transport import serve
+    from .engines.receiver import HFModelConsumer, WeightReceiver
+    from .transports.serve import serve
 
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -336,8 +336,8 @@ def main(argv=None, *, megatron_on_cpu: bool = False) -> int:
 
 def _serve_p2p(args, consumer, device) -> None:
     """One engine rank of the p2p refit: every announced version, until the trainer closes."""
-    from .layout import inference_layout
-    from .remote_refit import EngineRefit
+    from .plan.layout import inference_layout
+    from .refit import EngineRefit
 
     world = args.refit_world_size
 
@@ -376,13 +376,14 @@ def _serve_megatron(args) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from .megatron_engine import MegatronEngine, MegatronEngineRefit, refuse_refit
-    from .megatron_engine_config import (
+    from .engines.megatron import MegatronEngine
+    from .engines.megatron_config import (
         build_engine_model,
         engine_expert_tp,
         megatron_model_problem,
         receive_model_config,
     )
+    from .megatron_refit import MegatronEngineRefit, refuse_refit
 
     if args.device == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))

@@ -30,13 +30,13 @@ from ..sharding.megatron import megatron_tensors
 from ..sharding.mesh import MegatronMesh
 from ..sharding.names import global_layer_names, unwrap
 from ..sharding.spec import specs_from_model
-from .config import HOOK_TRANSPORTS, MAX_BUCKET_MB, MIN_BUCKET_MB, RefitConfig
 from ..copies import copy_all, finite_flags
-from .errors import NonFiniteWeights, PlanMismatch
-from .gather import BucketGatherer, GatherGroup
-from .fp8 import quantize_blocks
-from .plan import ExportPlan, build_plan, members, unpack
-from .transport import InProcessSender, make_sender
+from .config import HOOK_TRANSPORTS, MAX_BUCKET_MB, MIN_BUCKET_MB, RefitConfig
+from .exec.gather import BucketGatherer, GatherGroup
+from .plan.errors import NonFiniteWeights, PlanMismatch
+from .plan.export_plan import ExportPlan, build_plan, members, unpack
+from .plan.fp8 import quantize_blocks
+from .transports import InProcessSender, make_sender
 
 __all__ = ["ExportResult", "NonFiniteWeights", "WeightExporter"]
 
@@ -405,7 +405,7 @@ class WeightExporter:
     def verify(self, tokens: torch.Tensor):
         """Run ``tokens`` through the Megatron model (every rank of the replica) and
         the first receiver; on the export rank return :class:`VerifyResult`."""
-        from .gate import megatron_logits, verify_export
+        from .engines.gate import megatron_logits, verify_export
 
         reference = megatron_logits(self.model, tokens)
         if not self.is_export_rank:

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from megatron_ext.testing.multirank import free_port
-from megatron_ext.weight_export import control
-from megatron_ext.weight_export.control import KEY_ENV, ControlError
-from megatron_ext.weight_export.plan import BucketMeta, ExportPlan, PlanMismatch, TensorMeta
+from megatron_ext.weight_export.control import channel as control
+from megatron_ext.weight_export.control.channel import KEY_ENV, ControlError
+from megatron_ext.weight_export.plan.export_plan import BucketMeta, ExportPlan, PlanMismatch, TensorMeta
 
 
 @pytest.fixture
@@ -151,7 +151,7 @@ def test_every_wait_is_bounded_and_names_the_peer(key_dir):
 
 def _knock(address, port, results):
     """Strangers at the refit store: a health check, HTTP, a wrong frame, garbage, a wrong key, a silent peer."""
-    from megatron_ext.weight_export.store import ControlStore
+    from megatron_ext.weight_export.control.store import ControlStore
 
     for payload in (b"", b"GET / HTTP/1.0\r\n\r\n", b"\x00\x00\x00\x05{bad}", os.urandom(64)):
         with socket.create_connection(("127.0.0.1", port)) as s:
@@ -181,7 +181,7 @@ def test_refit_store_speaks_the_control_protocol_and_survives_strangers(key_dir)
     channel: a gloo group rendezvouses through it while strangers knock; they are dropped, the group is not."""
     import torch.distributed as dist
 
-    from megatron_ext.weight_export.store import ControlStore, host_store
+    from megatron_ext.weight_export.control.store import ControlStore, host_store
 
     key = b"k" * 32
     host = host_store("127.0.0.1", 0, key, timeout_s=10)
@@ -268,13 +268,13 @@ def test_every_refit_error_is_one_family_and_keeps_its_builtin_base():
 
 def test_every_configurable_transport_has_a_sender_factory():
     from megatron_ext.weight_export.config import HOOK_TRANSPORTS, TRANSPORTS
-    from megatron_ext.weight_export.transport import SENDERS
+    from megatron_ext.weight_export.transports import SENDERS
 
     assert set(SENDERS) == set(HOOK_TRANSPORTS) and set(TRANSPORTS) - set(SENDERS) == {"p2p"}  # p2p: the reshard
 
 
 def test_version_announcements_and_acks_round_trip_and_none_means_no_complete_version():
-    from megatron_ext.weight_export import versions
+    from megatron_ext.weight_export.control import versions
 
     for v in (0, 1, 12345):
         assert versions.announced(versions.announcement(v).encode()) == v

@@ -32,11 +32,11 @@ import torch.distributed as dist
 from megatron_ext.testing import engine_standins as es
 from megatron_ext.testing import tiny_llama
 from megatron_ext.testing.multirank import free_port, run_on_ranks
-from megatron_ext.weight_export.adapters import make_adapter
-from megatron_ext.weight_export.adapters.base import Packer, aligned_requests, region, threshold_chunks
-from megatron_ext.weight_export.adapters.vllm import VllmIpcSender
-from megatron_ext.weight_export.plan import BucketMeta, TensorMeta
-from megatron_ext.weight_export.wire import align
+from megatron_ext.weight_export.engines.adapters import make_adapter
+from megatron_ext.weight_export.engines.adapters.base import Packer, aligned_requests, region, threshold_chunks
+from megatron_ext.weight_export.engines.adapters.vllm import VllmIpcSender
+from megatron_ext.weight_export.plan.export_plan import BucketMeta, TensorMeta
+from megatron_ext.weight_export.plan.wire import align
 
 from ._reference import reference_for, snapshot
 
@@ -785,7 +785,7 @@ def test_sglang_group_is_not_split_from_a_device_bound_default_group(monkeypatch
     binding is restored."""
     from torch.distributed import distributed_c10d as c10d
 
-    from megatron_ext.weight_export.adapters.sglang import join_sglang_group
+    from megatron_ext.weight_export.engines.adapters.sglang import join_sglang_group
 
     seen, real = [], c10d._new_process_group_helper
 

@@ -81,7 +81,7 @@ def _trainer(target):
     from megatron.core import parallel_state as ps
 
     from megatron_ext import weight_export as wx
-    from megatron_ext.weight_export.fp8 import quantize_blocks
+    from megatron_ext.weight_export.plan.fp8 import quantize_blocks
 
     ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
     model = tiny_llama.build_model(SPEC, tiny_llama.transformer_config(SPEC, tp=2, pp=2))
@@ -193,7 +193,7 @@ def _moe_export():
 
 
 def test_fp8_export_sends_the_fp8_checkpoint_and_engines_load_it():
-    from megatron_ext.weight_export.fp8 import dequantize_blocks, quantize_blocks
+    from megatron_ext.weight_export.plan.fp8 import dequantize_blocks, quantize_blocks
 
     with start_hf_receiver(tiny_llama.build_hf, (SPEC,)) as receiver:
         out = run_on_ranks(
@@ -239,7 +239,7 @@ def test_fp8_export_sends_the_fp8_checkpoint_and_engines_load_it():
 
 def _check_moe(out):
     """The MoE export (see the module doc), read on the export rank."""
-    from megatron_ext.weight_export.fp8 import dequantize_blocks, quantize_blocks
+    from megatron_ext.weight_export.plan.fp8 import dequantize_blocks, quantize_blocks
 
     export = next(o["moe"] for o in out if o["moe"]["is_export_rank"])
     assert [o["moe"]["is_export_rank"] for o in out].count(True) == 1
@@ -291,7 +291,7 @@ def _gpu_trainer(target):
             p.mul_(1.5).add_(0.01)
     second = exporter.export(version=2)
     verify = exporter.verify(tiny_llama.tokens(SPEC).to(device))
-    from megatron_ext.weight_export.fp8 import dequantize_blocks, quantize_blocks
+    from megatron_ext.weight_export.plan.fp8 import dequantize_blocks, quantize_blocks
 
     reference = gathered_hf_state(SPEC, model)  # on the CPU
     # the Triton kernel's FP8 checkpoint of the whole tensors, dequantized on the GPU as the receiver does

@@ -19,8 +19,8 @@ import torch
 from megatron_ext.sharding import fp8_layout, gpt_specs, megatron_layout
 from megatron_ext.sharding.fp8 import scale_shape
 from megatron_ext.weight_export import RefitRejected, ReshardExecutor, build_reshard_plan, inference_layout
-from megatron_ext.weight_export.fp8 import FP8_MAX, Fp8Sources, dequantize_blocks, dequantized, quantize_blocks
-from megatron_ext.weight_export.reshard_plan import check_reshard_plan
+from megatron_ext.weight_export.plan.fp8 import FP8_MAX, Fp8Sources, dequantize_blocks, dequantized, quantize_blocks
+from megatron_ext.weight_export.plan.reshard_plan import check_reshard_plan
 
 from .test_reshard_plan import _apply, _engine_locals, _hf_weights, _mcore_expert_coords, _megatron_locals
 
@@ -216,7 +216,7 @@ def test_cuda_kernel_gives_the_same_bits_as_the_pytorch_path():
     """On CUDA the quantizer is one Triton kernel; it must store exactly what the PyTorch ops compute (the
     same max, the same correctly rounded division, the same saturating e4m3 conversion), partial blocks,
     zero blocks, NaN and Inf included."""
-    from megatron_ext.weight_export import fp8
+    from megatron_ext.weight_export.plan import fp8
 
     assert fp8._triton_kernel() is not None, "Triton is not usable on this GPU machine"
     g = torch.Generator().manual_seed(1)
@@ -276,7 +276,7 @@ def test_cuda_dequantize_kernel_gives_the_same_bits_as_the_pytorch_path():
     """On CUDA the dequantizer is one Triton kernel per call (named ``dequantize`` in the profiler); it must
     store exactly what the PyTorch ops compute (e4m3 widened to float32, one float32 product, one rounding
     to the output dtype), on the GPU and on the CPU, into a new tensor or a strided ``out``."""
-    from megatron_ext.weight_export import fp8
+    from megatron_ext.weight_export.plan import fp8
 
     assert fp8._dequantize_kernel() is not None, "Triton is not usable on this GPU machine"
     g = torch.Generator().manual_seed(4)
@@ -321,7 +321,7 @@ def test_cuda_kernels_address_tensors_of_more_than_2_31_elements():
     element 2^31, where a 32-bit ``row * cols`` wraps. That block row (quantized and dequantized through
     the whole tensor) must equal the same rows done on their own by the PyTorch path, and the rows before
     it must be untouched by it."""
-    from megatron_ext.weight_export import fp8
+    from megatron_ext.weight_export.plan import fp8
 
     assert fp8._triton_kernel() is not None and fp8._dequantize_kernel() is not None
     rows, cols = 129 * 128, 1 << 17  # rows * cols = 2^31 + 2^24

@@ -128,7 +128,7 @@ def _direct(model, spec, cfg, exporter):
     """ipc-direct's view descriptions applied without IPC: into an HF model via
     ``target`` and through a bare ``load_weights`` consumer."""
     from megatron_ext import weight_export as wx
-    from megatron_ext.weight_export.transport import direct_copies, direct_entries
+    from megatron_ext.weight_export.transports.ipc_direct import direct_copies, direct_entries
 
     transfers = [t for b in exporter.plan.buckets for t in b.transfers]
     bases, entries = direct_entries(transfers, wx.megatron_tensors(model))

@@ -108,7 +108,7 @@ def _trainer_body(backend, port, n_engine):
     from megatron.core import parallel_state as ps
 
     from megatron_ext import weight_export as wx
-    from megatron_ext.weight_export.megatron_engine import megatron_trainer_refit
+    from megatron_ext.weight_export.megatron_refit import megatron_trainer_refit
 
     world, rank = dist.get_world_size(), dist.get_rank()
     group = wx.RefitGroup.join("127.0.0.1", port, rank, world + n_engine, backend=backend, timeout_s=60)
@@ -164,8 +164,9 @@ def _engine_body(backend, port, n_trainer):
 
     from megatron_ext import weight_export as wx
     from megatron_ext.testing import cpu_compat
-    from megatron_ext.weight_export.megatron_engine import MegatronEngine, MegatronEngineRefit
-    from megatron_ext.weight_export.megatron_engine_config import (
+    from megatron_ext.weight_export.engines.megatron import MegatronEngine
+    from megatron_ext.weight_export.megatron_refit import MegatronEngineRefit
+    from megatron_ext.weight_export.engines.megatron_config import (
         engine_expert_tp,
         megatron_model_config,
         megatron_model_problem,
@@ -311,8 +312,8 @@ def _alltoall_body(backend, dispatcher):
     by name; the engine's greedy tokens and logits against the trainer model's forward."""
     from megatron_ext.testing import cpu_compat
     from megatron_ext.weight_export import megatron_logits, verify_export
-    from megatron_ext.weight_export.megatron_engine import MegatronEngine
-    from megatron_ext.weight_export.megatron_engine_config import (
+    from megatron_ext.weight_export.engines.megatron import MegatronEngine
+    from megatron_ext.weight_export.engines.megatron_config import (
         build_engine_model,
         megatron_model_config,
         megatron_model_problem,

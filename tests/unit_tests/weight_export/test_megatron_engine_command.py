@@ -31,7 +31,7 @@ import torch
 
 from megatron_ext.testing.multirank import free_port, run_on_ranks
 from megatron_ext.weight_export import engine as engine_command
-from megatron_ext.weight_export.megatron_engine_config import MODEL_FIELDS, megatron_model_problem
+from megatron_ext.weight_export.engines.megatron_config import MODEL_FIELDS, megatron_model_problem
 
 from ..examples.test_pretrain_torchrun import ITERS, MODEL, TRAIN, _env, _script, _start, finish, launch
 
@@ -95,7 +95,7 @@ def _reference(flags):
 
     from megatron.core import parallel_state as ps
 
-    from megatron_ext.weight_export.megatron_engine_config import megatron_model_config
+    from megatron_ext.weight_export.engines.megatron_config import megatron_model_config
 
     script = _script()
     args, plan = script.parse_args([*MODEL, *TRAIN, *flags], world_size=1, cuda=False)
@@ -206,7 +206,7 @@ def _moe_trainer(port, n_engine, bucket_bytes):
 
     from megatron_ext import weight_export as wx
     from megatron_ext.testing import tiny_llama
-    from megatron_ext.weight_export.megatron_engine import megatron_trainer_refit
+    from megatron_ext.weight_export.megatron_refit import megatron_trainer_refit
 
     spec = tiny_llama.TinyLlamaSpec(arch="qwen3_moe")
     ps.initialize_model_parallel(
@@ -382,8 +382,8 @@ def _published_model_body(backend):
     from megatron_ext.sharding.names import unwrap
     from megatron_ext.testing import cpu_compat, tiny_llama
     from megatron_ext.weight_export import megatron_logits, verify_export
-    from megatron_ext.weight_export.megatron_engine import MegatronEngine
-    from megatron_ext.weight_export.megatron_engine_config import (
+    from megatron_ext.weight_export.engines.megatron import MegatronEngine
+    from megatron_ext.weight_export.engines.megatron_config import (
         build_engine_model,
         megatron_model_config,
         megatron_model_problem,

@@ -49,7 +49,7 @@ def _plan_summary(plan):
     """Who sends what, read from the plan's transfers: an expert's source ranks as
     (EP rank, expert-TP rank) (the export layout's rank ``j`` of a stage is
     ``divmod(j, etp)`` for the experts' gatherers), and the dim its slices split."""
-    from megatron_ext.weight_export.plan import stage_ranks
+    from megatron_ext.weight_export.plan.export_plan import stage_ranks
 
     per_stage = stage_ranks(plan.tp_size, plan.ep_size, plan.etp_size)
     holders = {}
@@ -77,7 +77,7 @@ def _single_rank():
     from megatron.core import parallel_state as ps
 
     from megatron_ext import weight_export as wx
-    from megatron_ext.weight_export.transport import direct_copies, direct_entries
+    from megatron_ext.weight_export.transports.ipc_direct import direct_copies, direct_entries
 
     ps.initialize_model_parallel()
     cfg = tiny_llama.transformer_config(SPEC)
@@ -367,7 +367,7 @@ def _reshard_layout_check(model, *, tp, pp, ep, etp):
     from megatron.core import parallel_state as ps
 
     from megatron_ext.sharding import megatron_expert_coords, megatron_layout, specs_from_model
-    from megatron_ext.weight_export.reshard import megatron_tensors
+    from megatron_ext.weight_export.exec.reshard import megatron_tensors
 
     rank, world = dist.get_rank(), dist.get_world_size()
     layout = megatron_layout(
@@ -391,9 +391,9 @@ def _colocated_refit(model, *, tp, ep, etp):
     """A ReshardExecutor refit from this job's trainer layout to each engine of
     ``ENGINES`` on the same ranks (NaN before); returns this rank's engine tensors and stats."""
     from megatron_ext.sharding import megatron_layout, specs_from_model
-    from megatron_ext.weight_export.layout import inference_layout
-    from megatron_ext.weight_export.reshard import ReshardExecutor, megatron_tensors
-    from megatron_ext.weight_export.reshard_plan import build_reshard_plan
+    from megatron_ext.weight_export.plan.layout import inference_layout
+    from megatron_ext.weight_export.exec.reshard import ReshardExecutor, megatron_tensors
+    from megatron_ext.weight_export.plan.reshard_plan import build_reshard_plan
 
     rank, world = dist.get_rank(), dist.get_world_size()
     specs = specs_from_model(model, vocab_size=SPEC.hf_vocab_size)
@@ -542,7 +542,7 @@ def _check_colocated_refit(out, case, *, tp, ep, etp):
     """Every engine rank's tensors after the refit equal the HF reference of the
     trainer's parameters (gathered independently), with no NaN left."""
     from megatron_ext.sharding import specs_from_config
-    from megatron_ext.weight_export.layout import inference_layout
+    from megatron_ext.weight_export.plan.layout import inference_layout
 
     cfg = tiny_llama.transformer_config(SPEC, tp=tp, ep=ep, expert_tensor_parallel_size=etp)
     specs = specs_from_config(cfg, vocab_size=SPEC.hf_vocab_size, padded_vocab_size=SPEC.vocab_size)
@@ -587,8 +587,8 @@ def test_expert_buckets_alternate_ep_ranks_and_expert_tp_slices_reassemble(etp):
     ranks (fc1 rows as [gate_r; up_r], fc2 columns); and hand-made Megatron shards
     placed by the plan's transfers give back the whole HF experts."""
     from megatron_ext.sharding import megatron_layout
-    from megatron_ext.weight_export.plan import build_plan, members, stage_ranks
-    from megatron_ext.weight_export.reshard_plan import run_view
+    from megatron_ext.weight_export.plan.export_plan import build_plan, members, stage_ranks
+    from megatron_ext.weight_export.plan.reshard_plan import run_view
 
     specs = _moe_specs()
     plan = build_plan(specs, 2 * 16 * 16 * 4, tp=2, ep=2, etp=etp)  # two fp32 expert tensors per bucket

@@ -17,8 +17,8 @@ from megatron_ext.weight_export import (
     gpt_specs,
     inference_layout,
     megatron_layout,
-    wire,
 )
+from megatron_ext.weight_export.plan import wire
 
 from ._reference import SPECS  # a small dense model's gpt_specs arguments
 

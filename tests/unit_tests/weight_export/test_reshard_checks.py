@@ -147,10 +147,10 @@ def test_refit_logs_one_progress_line(caplog):
     plan = _plan()
     trainer, engine = _tensors(plan)
     ex = ReshardExecutor(plan, 0, {**trainer, **engine}, bucket_bytes=BUCKET, atomic=False)
-    with caplog.at_level(logging.INFO, logger="megatron_ext.weight_export.reshard"):
+    with caplog.at_level(logging.INFO, logger="megatron_ext.weight_export.exec.reshard"):
         ex.refit(1)
         ex.refit(2)
-    lines = [r.getMessage() for r in caplog.records if r.name == "megatron_ext.weight_export.reshard"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "megatron_ext.weight_export.exec.reshard"]
     assert len(lines) == 2 and all(r.levelno == logging.INFO for r in caplog.records), lines
     mb = ex.local_bytes / 1e6
     assert lines[1].startswith(f"reshard refit: rank 0 version 2: sent 0.00 MB, received 0.00 MB, local {mb:.2f} MB"), (

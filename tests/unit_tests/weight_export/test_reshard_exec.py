@@ -34,7 +34,7 @@ def _specs(cfg):
 
 def _layouts(cfg, case):
     from megatron_ext.sharding import megatron_layout
-    from megatron_ext.weight_export.layout import inference_layout
+    from megatron_ext.weight_export.plan.layout import inference_layout
 
     mk, ek = CASES[case]
     specs = _specs(cfg)
@@ -46,9 +46,9 @@ def _body(backend):
 
     from megatron_ext import weight_export as wx
     from megatron_ext.sharding import megatron_layout
-    from megatron_ext.weight_export.layout import inference_layout
-    from megatron_ext.weight_export.reshard import FanoutRefit, ReshardExecutor, megatron_tensors
-    from megatron_ext.weight_export.reshard_plan import build_reshard_plan
+    from megatron_ext.weight_export.plan.layout import inference_layout
+    from megatron_ext.weight_export.exec.reshard import FanoutRefit, ReshardExecutor, megatron_tensors
+    from megatron_ext.weight_export.plan.reshard_plan import build_reshard_plan
 
     rank, device, cfg, model = tp_job(SPEC, backend, tp=2)
     # the reference: the model's HF tensors gathered by hand; and the export hook's (gathered to rank 0)
@@ -165,9 +165,9 @@ def _hook_mismatches(hook, ref, label) -> list[str]:
 
 @pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.gpus(4))])
 def test_reshard_refit_exact(backend):
-    from megatron_ext.weight_export.layout import inference_layout
-    from megatron_ext.weight_export.wire import ALIGN, PAYLOAD_OFFSET
-    from megatron_ext.weight_export.reshard_plan import build_reshard_plan
+    from megatron_ext.weight_export.plan.layout import inference_layout
+    from megatron_ext.weight_export.plan.wire import ALIGN, PAYLOAD_OFFSET
+    from megatron_ext.weight_export.plan.reshard_plan import build_reshard_plan
 
     results = run_on_ranks(_body, 4, args=(backend,), backend=backend, timeout=240)
     ref = results[0]["independent"]

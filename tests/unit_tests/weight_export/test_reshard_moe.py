@@ -30,7 +30,7 @@ def _config():
 
 def _layouts(case, grouped_gemm=False):
     from megatron_ext.sharding import megatron_layout, specs_from_config
-    from megatron_ext.weight_export.layout import inference_layout
+    from megatron_ext.weight_export.plan.layout import inference_layout
 
     specs = specs_from_config(
         _config(), vocab_size=SPEC.hf_vocab_size, padded_vocab_size=SPEC.vocab_size, grouped_gemm=grouped_gemm
@@ -45,8 +45,8 @@ def _body():
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megatron_ext.weight_export.reshard import ReshardExecutor, megatron_tensors
-    from megatron_ext.weight_export.reshard_plan import build_reshard_plan
+    from megatron_ext.weight_export.exec.reshard import ReshardExecutor, megatron_tensors
+    from megatron_ext.weight_export.plan.reshard_plan import build_reshard_plan
 
     ps.initialize_model_parallel(expert_model_parallel_size=2)
     rank = dist.get_rank()

@@ -124,7 +124,7 @@ def _check(engine, ref, dst, r, label):
 
 def _engine_part(engine, t):
     """The part of the engine tensors that transfer ``t`` wrote, shaped as its HF box."""
-    from megatron_ext.weight_export.reshard_plan import run_view
+    from megatron_ext.weight_export.plan.reshard_plan import run_view
 
     return run_view(engine[t.dst_run.local].contiguous(), t.dst_run).reshape(t.box.shape)
 

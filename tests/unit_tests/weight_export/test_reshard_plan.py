@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from megatron_ext.sharding import Box, gpt_specs, megatron_layout
-from megatron_ext.weight_export.layout import inference_layout
-from megatron_ext.weight_export.reshard_plan import build_reshard_plan, check_reshard_plan, run_view
+from megatron_ext.weight_export.plan.layout import inference_layout
+from megatron_ext.weight_export.plan.reshard_plan import build_reshard_plan, check_reshard_plan, run_view
 
 from ._reference import megatron_shard
 
@@ -288,7 +288,7 @@ def test_mismatched_layouts_name_the_tensor():
 
 
 def test_fanout_waves_double_and_serve_from_updated_replicas():
-    from megatron_ext.weight_export.reshard_plan import fanout_plans
+    from megatron_ext.weight_export.plan.reshard_plan import fanout_plans
 
     specs = gpt_specs(**DENSE)
     src = megatron_layout(specs, tp=2)
@@ -528,7 +528,7 @@ def test_grouped_gemm_expert_names(engine):
     model's parameters: the trainer layout's local tensors are exactly the
     parameters of each EP rank, and a plan moves their bytes exactly."""
     from megatron_ext.sharding import specs_from_model
-    from megatron_ext.weight_export.reshard import megatron_tensors
+    from megatron_ext.weight_export.exec.reshard import megatron_tensors
 
     models = [_grouped_moe_like_gpt(r) for r in range(2)]
     specs = specs_from_model(models[0], vocab_size=64)

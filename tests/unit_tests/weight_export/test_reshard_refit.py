@@ -26,7 +26,7 @@ FC2 = "decoder.layers.1.mlp.linear_fc2.weight"  # a trainer tensor (down_proj, T
 
 def _layouts(cfg):
     from megatron_ext.sharding import megatron_layout, specs_from_config
-    from megatron_ext.weight_export.layout import inference_layout
+    from megatron_ext.weight_export.plan.layout import inference_layout
 
     specs = specs_from_config(cfg, vocab_size=SPEC.hf_vocab_size, padded_vocab_size=SPEC.vocab_size)
     return megatron_layout(specs, tp=2, ranks=[0, 1]), inference_layout(specs, tp=1, dp=2, ranks=[2, 3])
@@ -34,7 +34,7 @@ def _layouts(cfg):
 
 def _body(backend):
     from megatron_ext import weight_export as wx
-    from megatron_ext.weight_export.reshard_plan import ReshardPlan, build_reshard_plan
+    from megatron_ext.weight_export.plan.reshard_plan import ReshardPlan, build_reshard_plan
 
     rank, device, cfg, model = tp_job(SPEC, backend, tp=2)
     exporter, got = hook_reference(model, SPEC.hf_vocab_size)
@@ -204,8 +204,8 @@ def _check(engine, ref, dst, r, label, scale=1.0):
 
 @pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.gpus(4))])
 def test_reshard_refit_versions_pipelining_and_gate(backend):
-    from megatron_ext.weight_export.wire import ALIGN, PAYLOAD_OFFSET
-    from megatron_ext.weight_export.reshard_plan import build_reshard_plan
+    from megatron_ext.weight_export.plan.wire import ALIGN, PAYLOAD_OFFSET
+    from megatron_ext.weight_export.plan.reshard_plan import build_reshard_plan
 
     results = run_on_ranks(_body, 4, args=(backend,), backend=backend, timeout=300)
     ref = results[0]["reference"]

@@ -40,7 +40,7 @@ def _specs(n_trainer):
 def _layouts(specs, n_trainer, n_engine):
     """Trainer TP=T at refit ranks 0..T-1; engine A: TP=E (in place), engine B: TP1 x DP=E (load_weights)."""
     from megatron_ext.sharding import megatron_layout
-    from megatron_ext.weight_export.layout import inference_layout
+    from megatron_ext.weight_export.plan.layout import inference_layout
 
     engine = range(n_trainer, n_trainer + n_engine)
     return (
@@ -231,7 +231,7 @@ def test_remote_refit_exact(backend, n_trainer, n_engine):
 
 def _tiny_layouts():
     from megatron_ext.sharding import gpt_specs, megatron_layout
-    from megatron_ext.weight_export.layout import inference_layout
+    from megatron_ext.weight_export.plan.layout import inference_layout
 
     specs = gpt_specs(
         num_layers=1,
@@ -325,7 +325,7 @@ KILL_TIMEOUT_S = 30
 
 def _kill_layouts():
     from megatron_ext.sharding import gpt_specs, megatron_layout
-    from megatron_ext.weight_export.layout import inference_layout
+    from megatron_ext.weight_export.plan.layout import inference_layout
 
     specs = gpt_specs(
         num_layers=2,
@@ -364,7 +364,7 @@ def _trainer_rank(port, rank, *, before_v2=lambda: None):
 def _trainer_ranks_that_die(port, ranks):
     """Trainer ``ranks`` (threads of this process) serve version 1, then the process exits after KILL_AFTER
     rounds of version 2."""
-    from megatron_ext.weight_export.refit_group import RefitGroup
+    from megatron_ext.weight_export.control.refit_group import RefitGroup
 
     post, posted = RefitGroup.post, {}
 

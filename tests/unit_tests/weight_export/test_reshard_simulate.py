@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from megatron_ext.sharding import TensorSpec, gpt_specs, megatron_layout
-from megatron_ext.weight_export.layout import inference_layout
-from megatron_ext.weight_export.reshard_plan import build_reshard_plan
-from megatron_ext.weight_export.simulate import Links, main, predict, sample_layers
+from megatron_ext.weight_export.plan.layout import inference_layout
+from megatron_ext.weight_export.plan.reshard_plan import build_reshard_plan
+from megatron_ext.weight_export.plan.simulate import Links, main, predict, sample_layers
 
 W = [TensorSpec("w", (4, 8), torch.float32, 0, "w", "w")]  # 128 bytes, TP-sharded on rows
 

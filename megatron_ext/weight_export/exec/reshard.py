@@ -1,0 +1,514 @@
+"""Executes a :class:`~..plan.reshard_plan.ReshardPlan` with batched point-to-point transfers.
+
+Every rank of the plan (trainer and engine ranks in one process group) builds a
+:class:`ReshardExecutor` once and calls :meth:`~ReshardExecutor.refit` for each
+weight version. Transfers between one pair of ranks are packed, in plan order,
+into buckets of at most ``bucket_bytes`` (a transfer larger than a bucket is
+cut into rows); round ``k`` moves the ``k``-th bucket of every pair at once (one
+``batch_isend_irecv``). Up to ``max_inflight`` rounds are in flight: round
+``k + 1`` is posted before round ``k`` is waited on and unpacked.
+
+Every bucket starts with a 32-byte header (the sender's version, the plan's
+fingerprint, the sender's rank, the bucket index). A receiver refuses the
+version (:class:`RefitRejected`) if any source serves another version or
+another plan. With ``atomic=True`` (default) it writes only after every bucket
+has arrived and every header passed, so its tensors keep the previous version;
+streaming (``atomic=False``) checks round 0 (a bucket of every source) before
+the first write and later rounds at the end; from its first write until it
+completes, the rank holds no complete version (:attr:`~ReshardExecutor.version`
+is None).
+
+Before a byte moves, every refit checks, with one fused reduction, that the
+tensors each source serves are finite, and one all-reduce tells every rank: a
+version with a NaN or Inf is refused everywhere (``reason="nonfinite"``). A rank
+whose tensors are not the layout's does not raise when its executor is built: it
+reports this at the first refit's agreement, so that every rank refuses at once
+(``reason="tensors"``) instead of waiting on it.
+
+This module is the round loop. The staging buffers and copies are
+:mod:`.staging`'s (allocated on the first refit and reused; every copy built
+once as views, issued as batched copies), the bucket headers :mod:`..plan.wire`'s and
+the first refit's agreement :mod:`.agreement`'s. An optional
+:class:`RefitGate` runs the engine's logits against the trainer's after the
+refit and records the KL in :class:`RefitStats`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections import defaultdict, deque
+from collections.abc import Callable
+
+import torch
+
+from ...copies import finite_flags
+from ...sharding.megatron import megatron_tensors
+from ..control.peers import as_peers
+from ..engines.gate import RefitGate
+from ..plan.errors import RefitRejected, RefitStats
+from ..plan.reshard_plan import ReshardPlan, Run, Transfer, fanout_plans, run_view
+from ..plan.wire import (
+    BAD_TENSORS,
+    HEADER_BYTES,
+    NO_STAGING,
+    PAYLOAD_OFFSET,
+    bucket_nbytes,
+    bucketize,
+    header_refusals,
+    header_rows,
+    wire_id,
+)
+from .agreement import out_of_memory, settle, tensor_problem
+from .staging import Staging, buffer_sizes
+
+__all__ = [
+    "FanoutRefit",
+    "HEADER_BYTES",
+    "RefitGate",
+    "RefitRejected",
+    "RefitStats",
+    "ReshardExecutor",
+    "megatron_tensors",
+    "ntp_megatron_tensors",
+]
+
+log = logging.getLogger(__name__)
+
+
+def ntp_megatron_tensors(ddp) -> dict[str, torch.Tensor]:
+    """This rank's local tensors for :func:`~megatron_ext.sharding.ntp_megatron_layout`, from a
+    ``NonuniformTPDistributedDataParallel``.
+
+    The NTP layout holds each replica at the TP degree it computes at. On a
+    degraded replica (``tp_reduced``) those are the parameters of
+    ``ddp.compute_module`` (``ddp.module`` is empty there: the optimizer steps
+    its healthy partner's). They catch up with the optimizer only when the
+    partner sends them, so this first calls ``ddp.refresh_compute_params()`` (a
+    no-op unless a step happened since the last transfer; collective over the
+    degraded replica and its partner, so call it on every trainer rank). On
+    healthy replicas the parameters are the ones the optimizer steps.
+
+    Transfers write in place, so the tensors stay valid across steps, but a degraded
+    replica's are stale again after the next optimizer step: build the executor with
+    ``refresh=ddp.refresh_compute_params`` so that every refit serves the last step.
+    """
+    refresh = getattr(ddp, "refresh_compute_params", None)
+    if refresh is not None:
+        refresh()
+    return megatron_tensors(ddp)
+
+
+def _held(version: int, source_version) -> Callable[[str], int | None]:
+    """The version each local tensor holds, from :meth:`ReshardExecutor.refit`'s ``source_version``."""
+    if isinstance(source_version, dict):
+        return lambda name: source_version.get(name, version)
+    return lambda name: version if source_version is None else source_version
+
+
+class ReshardExecutor:
+    """This rank's part of a reshard plan: what it sends, receives and copies locally.
+
+    ``tensors`` maps this rank's local tensor names (the plan's layout names) to
+    its tensors: the trainer's parameters (:func:`megatron_tensors`) on source
+    ranks, the engine's tensors on destination ranks. A tensor may have more
+    rows than the layout keeps (Megatron's padded vocabulary).
+
+    ``refresh``: called at the start of every :meth:`refit`, before anything
+    is packed (and counted in its seconds), to bring the source tensors up to
+    date: ``ddp.refresh_compute_params`` on the ranks of a nonuniform-TP trainer
+    (with :func:`ntp_megatron_tensors`). It is collective over each degraded replica
+    and its partner, so give it on every trainer rank.
+
+    ``group``: a ``torch.distributed`` group (None: the default world), whose
+    global ranks are the plan's ranks; or a :class:`~..control.refit_group.RefitGroup`
+    spanning a trainer job and an engine job, whose refit ranks are (any
+    :class:`~..control.peers.Peers`: the executor moves bytes only through it).
+
+    ``max_inflight`` rounds are posted before the oldest is waited on. Staging
+    memory (:attr:`staging_bytes`): ``max_inflight`` send buckets per peer, plus
+    on receivers the whole version with ``atomic=True`` (nothing is written
+    until every bucket arrived and passed its header check) or
+    ``max_inflight`` buckets per peer with ``atomic=False`` (each round is
+    written as it arrives; the headers of round 0, which carries a bucket of
+    every source, are still checked before the first write, later rounds' at
+    the end: a source stale only in a later bucket leaves the tensors mixed
+    and :attr:`version` None).
+
+    The executor keeps views of ``tensors`` from the first refit on: update
+    them in place; replacing a tensor object needs a new executor.
+
+    Tensors that are not the layout's (a missing name, another shape or dtype,
+    not contiguous) do not raise here: :attr:`problem` says what is wrong, and
+    the first :meth:`refit` raises :class:`RefitRejected` (``"tensors"``) on
+    every rank of the group, with this message on this rank and quoted on the
+    others, so that no peer waits on a rank that cannot send.
+
+    Every refit checks the tensors this rank serves for the version (the rows
+    of its source tensors that the layout keeps) for NaN / Inf with one fused
+    reduction per dtype, before anything is packed; one all-reduce over the
+    group then tells every rank. A non-finite version is refused on every rank
+    (``"nonfinite"``) before a byte moves. That costs one read of the served
+    tensors, one small all-reduce and one device-to-host read per refit;
+    ``check_finite=False`` skips it (every rank must agree: it is part of the
+    first refit's plan check).
+    """
+
+    def __init__(
+        self,
+        plan: ReshardPlan,
+        rank: int,
+        tensors: dict[str, torch.Tensor],
+        *,
+        group=None,
+        bucket_bytes: int = 64 << 20,
+        atomic: bool = True,
+        max_inflight: int = 2,
+        refresh: Callable[[], None] | None = None,
+        check_finite: bool = True,
+    ):
+        if bucket_bytes <= PAYLOAD_OFFSET:
+            raise ValueError(f"bucket_bytes must be > {PAYLOAD_OFFSET} (the aligned bucket header), got {bucket_bytes}")
+        if max_inflight < 1:
+            raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
+        self.plan, self.rank, self.group = plan, rank, group
+        self.peers = as_peers(group)
+        self.tensors, self.atomic, self.max_inflight = tensors, atomic, max_inflight
+        self.bucket_bytes = bucket_bytes
+        self.refresh = refresh
+        # why this rank cannot take part (None: it can)
+        self.problem: str | None = tensor_problem(plan, rank, tensors, self._who)
+        out, inc = defaultdict(list), defaultdict(list)
+        self.local: list[Transfer] = []
+        for t in plan.transfers:
+            if t.src == rank and t.dst == rank:
+                self.local.append(t)
+            elif t.src == rank:
+                out[t.dst].append(t)
+            elif t.dst == rank:
+                inc[t.src].append(t)
+        self.local_bytes = sum(t.nbytes for t in self.local)
+        self.send = {p: bucketize(ts, bucket_bytes) for p, ts in sorted(out.items())}
+        self.recv = {p: bucketize(ts, bucket_bytes) for p, ts in sorted(inc.items())}
+        self.rounds = max([len(b) for b in (*self.send.values(), *self.recv.values())], default=0)
+        self.sent_bytes, self.received_bytes = (
+            sum(bucket_nbytes(b) for bs in table.values() for b in bs) for table in (self.send, self.recv)
+        )  # per refit, on the wire
+        self.device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
+        self._sourced = [t for t in plan.transfers if t.src == rank]  # what this rank serves, in plan order
+        # what every header of this plan carries: the plan and the bucket size both sides cut it with
+        self.check_finite = check_finite
+        self.wire_id = wire_id(plan.fingerprint, bucket_bytes, check_finite)
+        self._send_sources = {
+            (p, k): sorted({t.src_run.local for t, _ in b}) for p, bs in self.send.items() for k, b in enumerate(bs)
+        }
+        self.staging: Staging | None = None  # buffers and copies, from the first refit on
+        self.version: int | None = None  # the version this rank's destination tensors hold (None: none accepted)
+
+    @property
+    def _who(self) -> str:
+        return f"{self.peers.word} {self.rank}"
+
+    # ------------------------------------------------------------------ staging
+    def _allocate(self) -> None:
+        """The staging buffers and copies (:class:`~.staging.Staging`), and what the NaN/Inf check reads:
+        the rows of each source tensor served that the layout keeps (padded vocabulary rows excluded);
+        FP8 values are checked through their float32 block scales (a NaN or Inf makes its block's scale one)."""
+        self.staging = Staging(
+            self.send,
+            self.recv,
+            self.local,
+            self._view,
+            list(self._send_sources),
+            atomic=self.atomic,
+            max_inflight=self.max_inflight,
+            device=self.device,
+        )
+        served = {t.src_run.local for t in self._sourced}
+        self._finite_views = {
+            n: self.tensors[n][: lt.shape[0]]
+            for n, lt in self.plan.src.tensors.get(self.rank, {}).items()
+            if n in served and self.tensors[n].is_floating_point() and self.tensors[n].dtype.itemsize > 1
+        }
+
+    def _view(self, run: Run) -> torch.Tensor:
+        return run_view(self.tensors[run.local], run)
+
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes of staging memory this rank holds (0 before the first refit)."""
+        return 0 if self.staging is None else self.staging.nbytes
+
+    # -------------------------------------------------------------------- refit
+    def refit(
+        self,
+        version: int,
+        *,
+        source_version: int | dict[str, int | None] | None = None,
+        verify: RefitGate | None = None,
+    ) -> RefitStats:
+        """Move this rank's share of one weight version; every rank of ``group`` calls it.
+
+        ``source_version``: the version of the bytes this rank sends (default
+        ``version``; a dict maps local tensor names to the version they hold,
+        e.g. an engine replica serving a fan-out wave; None: no valid version).
+        Raises :class:`RefitRejected` on a receiver that a source serves another
+        version (after draining every round, so all ranks stay in step) or whose
+        ``verify`` gate fails; on every rank, before a byte moves, if a source
+        serves a NaN or Inf for this version; on the first refit, on every rank if
+        any rank runs another plan or bucket size, cannot allocate its staging
+        buffers or has tensors that are not the layout's. A streaming receiver
+        holds no complete version (:attr:`version` None) from its first write
+        until the refit completes, so a refit that dies midway leaves it None.
+        """
+        if self.staging is None:
+            self._prepare()
+        start = time.perf_counter()
+        if self.refresh is not None:
+            self.refresh()
+        if self.check_finite:
+            self._check_finite(version, source_version, start)
+        self._set_headers(version, source_version)
+        self._wrote = False
+        refused: list[str] = []
+        unchecked: list = []  # rounds whose headers are checked together later (see _complete)
+        inflight: deque = deque()
+        try:
+            for k in range(self.rounds):
+                if len(inflight) == self.max_inflight:
+                    self._complete(inflight.popleft(), version, refused, unchecked)
+                inflight.append(self._post(k))
+            while inflight:
+                self._complete(inflight.popleft(), version, refused, unchecked)
+            if unchecked and not refused:
+                refused.extend(header_refusals(unchecked, version, self.wire_id))
+        except BaseException:
+            for _, reqs, _ in inflight:  # let posted transfers finish or fail before the buffers are reused
+                for req in reqs:
+                    with contextlib.suppress(Exception):  # the first error is the one raised
+                        req.wait()
+            raise
+        sent, received = self.sent_bytes, self.received_bytes
+        stats = RefitStats(
+            version, 0.0, sent, received, self.local_bytes, self.rounds, self.max_inflight, self.staging_bytes
+        )
+        if refused:
+            stats.seconds = time.perf_counter() - start
+            reason = "version" if any(m.startswith("version") for m in refused) else "plan"
+            held = (
+                "holds no complete version (the rounds written before the check are mixed)"
+                if self._wrote
+                else f"kept version {self.version}"
+            )  # streaming: version became None at the first write
+            raise RefitRejected(
+                f"rank {self.rank} refused version {version} and {held}: " + "; ".join(refused[:4]),
+                reason=reason,
+                stats=stats,
+            )
+        if self.atomic or not self._wrote:
+            self.version = None  # writing: no complete version until the copies below are done
+            # atomic: every bucket of this version is here and checked, apply it (local copies too) in one go;
+            # streaming with no round received: the local copies are all there is
+            (self.staging.apply if self.atomic else self.staging.local).run()
+        self.version = version
+        stats.seconds = time.perf_counter() - start  # the move and apply; the gate's forward passes not included
+        if sent or received or self.local_bytes:
+            moved = sent + received + self.local_bytes
+            log.info(
+                "reshard refit: %s version %d: sent %.2f MB, received %.2f MB, local %.2f MB in %.1f ms "
+                "(%.2f GB/s), %d rounds",
+                self._who,
+                version,
+                sent / 1e6,
+                received / 1e6,
+                self.local_bytes / 1e6,
+                stats.seconds * 1e3,
+                moved / max(stats.seconds, 1e-9) / 1e9,
+                self.rounds,
+            )
+        if verify is not None and self.rank in self.plan.dst.ranks:
+            result = verify(self.plan.dst, self.rank, self.tensors, version)
+            stats.kl, stats.max_logit_diff, stats.gate_ok = result.kl, result.max_abs_diff, verify.passes(result)
+            if not stats.gate_ok and verify.on_fail == "raise":
+                self.version = None
+                raise RefitRejected(
+                    f"rank {self.rank}: version {version} failed the refit gate: {verify.why(result)}",
+                    reason="gate",
+                    stats=stats,
+                )
+        return stats
+
+    def _prepare(self) -> None:
+        """First refit: staging buffers and copies, then the agreement (:meth:`agree`), which also
+        reports a rank out of memory to all, so that nobody waits on a peer that will not send; then
+        the NCCL communicator, which PyTorch wants before the first batch of P2P ops. A rank whose
+        tensors are not the layout's (:attr:`problem`) allocates nothing and reports its problem."""
+        failed = None
+        if self.problem is None:
+            try:
+                self._allocate()
+            except torch.OutOfMemoryError as exc:
+                self.staging = None
+                need = buffer_sizes(self.send, self.recv, atomic=self.atomic, max_inflight=self.max_inflight)
+                failed = out_of_memory(
+                    exc,
+                    self._who,
+                    need=sum(need.values()),
+                    received=self.received_bytes,
+                    atomic=self.atomic,
+                    max_inflight=self.max_inflight,
+                    bucket_bytes=self.bucket_bytes,
+                )
+        try:
+            self.agree(own=failed)
+        except RefitRejected:
+            self.staging = None  # the next refit allocates and agrees again
+            raise
+        self.peers.start()  # every rank arrived
+
+    def agree(self, *, what: str = "reach the refit", own: RefitRejected | None = None) -> None:
+        """One exchange over the group (:mod:`.agreement`): every rank raises :class:`RefitRejected`
+        alike if any rank's tensors are not the layout's (``"tensors"``), could not allocate its
+        staging (``"staging"``; ``own``: this rank's error) or runs another plan, bucket size or
+        checks (``"plan"``). The first refit runs it; a refit across jobs also runs it when it is
+        built (``what`` says what the ranks wait to do, in a timeout's message)."""
+        code = BAD_TENSORS if self.problem is not None else NO_STAGING if own is not None else self.wire_id
+        got = self.peers.gather_notes(code, self.problem or "", self.device, what=what)
+        ranks = self.peers.ranks(len(got))
+        settle(got, ranks, who=self._who, word=self.peers.word, problem=self.problem, own=own)
+
+    def _check_finite(self, version: int, source_version, start: float) -> None:
+        """Every rank raises :class:`RefitRejected` (``"nonfinite"``) before a byte moves if any source
+        serves a NaN or Inf for ``version``. Fast path: one max-abs reduction per dtype over the rows of
+        this rank's source tensors that the layout keeps (NaN and Inf survive a max), kept on the device,
+        and one all-reduce of the flag over the group: one device-to-host read. Slow path, only when
+        some rank is flagged: each flagged rank looks, in plan order, for the first transfer it really
+        sends or copies with a non-finite value, and every rank learns the HF names (one gather)."""
+        # a tensor that holds another version is refused by its receivers for that, and is not checked
+        serving = [n for n in self._finite_views if _held(version, source_version)(n) == version]
+        flag = torch.zeros(1, dtype=torch.int64, device=self.device)
+        for _, flags in finite_flags([self._finite_views[n] for n in serving]):
+            flag |= (~flags).any().to(torch.int64)
+        if not self.peers.sum(flag):
+            return
+        note = self._first_nonfinite(set(serving)) if flag.item() else ""
+        got = self.peers.gather_notes(0, note, self.device, what=f"check version {version} for NaN/Inf")
+        bad = [(r, n) for r, (_, n) in zip(self.peers.ranks(len(got)), got) if n]
+        if not bad:
+            return  # the NaN / Inf lie in rows that no rank sends (another replica serves them)
+        stats = RefitStats(
+            version, time.perf_counter() - start, 0, 0, 0, self.rounds, self.max_inflight, self.staging_bytes
+        )
+        if note:
+            raise RefitRejected(
+                f"{self._who}: version {version} has a NaN or Inf in {note}; refused on every rank "
+                "before a byte moved (the engines keep the version they hold). Fix the training "
+                "step (loss scale, learning rate, data) and refit again",
+                reason="nonfinite",
+                stats=stats,
+            )
+        held = f"; this rank keeps version {self.version}" if self.rank in self.plan.dst.ranks else ""
+        raise RefitRejected(
+            f"{self._who}: refused version {version} before a byte moved: "
+            + "; ".join(f"{self.peers.word} {r} serves a NaN or Inf in {n}" for r, n in bad[:4])
+            + held,
+            reason="nonfinite",
+            stats=stats,
+        )
+
+    def _first_nonfinite(self, serving: set[str]) -> str:
+        """The HF name of the first tensor this rank sends or copies for the version with a NaN or Inf
+        (exact runs, plan order), or ""."""
+        for t in self._sourced:
+            if t.src_run.local in serving and not bool(torch.isfinite(self._view(t.src_run)).all()):
+                box = ", ".join(f"{a}:{b}" for a, b in t.box.ranges)
+                return f"{t.name}[{box}] (this rank's {t.src_run.local})"
+        return ""
+
+    def _set_headers(self, version: int, source_version) -> None:
+        """This refit's header rows, one per send bucket (``self._send_sources`` order), in one copy."""
+        if self._send_sources:
+            rows = header_rows(self._send_sources, _held(version, source_version), version, self.wire_id, self.rank)
+            self.staging.header_rows.copy_(torch.tensor(rows, dtype=torch.int64))
+
+    def _post(self, k: int):
+        ops, arrived = [], []
+        if k in self.staging.pack:
+            self.staging.pack[k].run()  # every peer's header and pieces of this round: batched copies
+        for kind, table in (("send", self.send), ("recv", self.recv)):
+            for peer, buckets in table.items():
+                if k < len(buckets):
+                    n, buf = bucket_nbytes(buckets[k]), self.staging.buf(kind, peer, k)
+                    ops.append((kind, buf[:n], peer))
+                    if kind == "recv":
+                        arrived.append((peer, buf))
+        return k, self.peers.post(ops) if ops else [], arrived
+
+    def _complete(self, posted, version: int, refused: list[str], unchecked: list) -> None:
+        k, reqs, arrived = posted
+        for req in reqs:
+            req.wait()
+        if not arrived or refused:
+            return  # after a refusal: drain the remaining rounds, write nothing more
+        headers = [(k, peer, buf[:HEADER_BYTES].view(torch.int64)) for peer, buf in arrived]
+        if self.atomic:
+            # Nothing is written before the last round, so the headers are checked then, all at
+            # once (each bucket keeps its own buffer): reading them here would stall the host on every round.
+            unchecked.extend(headers)
+            return
+        if not self._wrote:
+            # Streaming: the first round that arrives carries a bucket of every source (round 0),
+            # so its headers are checked before anything is written; later rounds are written as
+            # they arrive and checked at the end (a bad one then leaves the tensors mixed: version None).
+            refused.extend(header_refusals(headers, version, self.wire_id))
+            if refused:
+                return
+            self.version = None  # from the first write until the refit completes: no complete version
+            self.staging.local.run()
+        else:
+            unchecked.extend((k, peer, self.staging.seen[(peer, k)]) for peer, _ in arrived)
+        self.staging.unpack[k].run()
+        self._wrote = True
+
+
+class FanoutRefit:
+    """Updates engine replicas in waves (:func:`~..plan.reshard_plan.fanout_plans`):
+    replicas updated in one wave serve the next. Every rank of the job calls
+    :meth:`refit` and runs every wave, even after a refusal, so no rank waits
+    on another forever. A replica serves the version it holds (the bucket
+    headers say which), so a replica that was refused or failed its gate
+    causes its own receivers to refuse rather than spread a wrong version;
+    :meth:`refit` raises :class:`RefitRejected` at the end on such ranks.
+    The other keyword arguments (``group``, ``bucket_bytes``, ``atomic``,
+    ``max_inflight``, ``refresh``, ``check_finite``) are given to every wave's
+    :class:`ReshardExecutor`."""
+
+    def __init__(
+        self, src, dst, replicas: list[list[int]], rank: int, tensors: dict[str, torch.Tensor], *, first_wave=1, **kw
+    ):
+        self.plans = fanout_plans(src, dst, replicas, first_wave=first_wave)
+        self.rank = rank
+        self._engine_locals = tuple(dst.tensors.get(rank, {}))
+        self.waves = [ReshardExecutor(p, rank, tensors, **kw) for p in self.plans]
+        self.version: int | None = None
+
+    def refit(self, version: int, *, verify: RefitGate | None = None) -> list[RefitStats]:
+        stats, error = [], None
+        for ex in self.waves:
+            held = {n: self.version for n in self._engine_locals}  # trainer tensors hold `version`
+            try:
+                s = ex.refit(version, source_version=held, verify=verify)
+            except RefitRejected as e:
+                error = error or e
+                s = e.stats
+                if self.rank in ex.plan.dst.ranks and e.reason == "gate":
+                    self.version = None
+            else:
+                if self.rank in ex.plan.dst.ranks:
+                    self.version = version
+            stats.append(s)
+        if error is not None:
+            error.wave_stats = stats
+            raise error
+        return stats

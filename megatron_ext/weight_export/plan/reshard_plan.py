@@ -1,0 +1,236 @@
+"""A transfer plan from one :class:`~megatron_ext.sharding.Layout` to another, computed once.
+
+For every destination rank and every segment it keeps (an HF tensor's box in
+one of its local tensors), the plan names the source rank and the exact element
+ranges on both sides (:class:`Run`: ``count`` runs of ``length`` elements,
+``stride`` apart, starting at ``offset`` of the local tensor's flat storage).
+Fused tensors (QKV, gate/up) need no gathering: their segments are planned
+like any other. Where several source ranks hold the same bytes (data-parallel
+replicas, expert-DP), the destination is served by the least-loaded of them, so
+the work is split by destination and no rank becomes a funnel; a destination
+that already holds the bytes (colocated layouts) copies locally.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+from collections import defaultdict
+
+from ...sharding.geometry import Box, Layout, LocalTensor, Segment
+
+__all__ = [
+    "ReshardPlan",
+    "Run",
+    "Transfer",
+    "build_reshard_plan",
+    "check_reshard_plan",
+    "fanout_plans",
+    "merge_layouts",
+    "run_view",
+    "sub_layout",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """Elements ``offset + i*stride + [0, length)`` for ``i < count`` of local tensor ``local``."""
+
+    local: str
+    offset: int
+    length: int
+    stride: int
+    count: int
+
+    @property
+    def numel(self) -> int:
+        return self.length * self.count
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """Box ``box`` of HF tensor ``name``: from ``src`` (``src_run``) to ``dst`` (``dst_run``)."""
+
+    name: str
+    box: Box
+    src: int
+    dst: int
+    src_run: Run
+    dst_run: Run
+    itemsize: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.box.numel * self.itemsize
+
+
+def run_view(tensor, run: Run):
+    """The ``(count, length)`` view of ``run`` in contiguous ``tensor`` (no copy)."""
+    flat = tensor.view(-1)
+    return flat.as_strided((run.count, run.length), (run.stride, 1), flat.storage_offset() + run.offset)
+
+
+def _run(lt: LocalTensor, seg: Segment, box: Box) -> Run:
+    """Where ``box`` (inside ``seg.box``) sits in ``lt``'s flat storage."""
+    row = seg.row + box.ranges[0][0] - seg.box.ranges[0][0]
+    nrows = box.shape[0]
+    if len(lt.shape) == 1:
+        return Run(lt.name, row, nrows, nrows, 1)
+    if len(lt.shape) != 2:
+        raise ValueError(f"{lt.name}: only 1-D and 2-D tensors are planned, got shape {lt.shape}")
+    width = lt.shape[1]
+    col = box.ranges[1][0] - seg.box.ranges[1][0]
+    ncols = box.shape[1]
+    if ncols == width:
+        return Run(lt.name, row * width, nrows * width, nrows * width, 1)
+    return Run(lt.name, row * width + col, ncols, width, nrows)
+
+
+@dataclasses.dataclass
+class ReshardPlan:
+    """Every transfer from ``src`` to ``dst`` layout; reused across refits."""
+
+    src: Layout
+    dst: Layout
+    transfers: list[Transfer]
+
+    def sent_bytes(self) -> dict[int, int]:
+        out: dict[int, int] = defaultdict(int)
+        for t in self.transfers:
+            if t.src != t.dst:
+                out[t.src] += t.nbytes
+        return dict(out)
+
+    def received_bytes(self) -> dict[int, int]:
+        out: dict[int, int] = defaultdict(int)
+        for t in self.transfers:
+            if t.src != t.dst:
+                out[t.dst] += t.nbytes
+        return dict(out)
+
+    @property
+    def fingerprint(self) -> str:
+        h = hashlib.sha256()
+        for t in self.transfers:
+            h.update(f"{t.name}:{t.box.ranges}:{t.src}:{t.dst};".encode())
+        return h.hexdigest()[:16]
+
+
+def _cells(box: Box, parts: list[Box]) -> list[Box]:
+    """``box`` cut at every boundary of ``parts`` (so each cell lies inside or outside each part)."""
+    cuts = []
+    for dim, (a, b) in enumerate(box.ranges):
+        points = sorted({a, b, *(p.ranges[dim][i] for p in parts for i in (0, 1))})
+        cuts.append([(x, y) for x, y in zip(points, points[1:]) if a <= x < y <= b])
+    return [Box(ranges) for ranges in itertools.product(*cuts)]
+
+
+def build_reshard_plan(src: Layout, dst: Layout) -> ReshardPlan:
+    """Plan every byte every ``dst`` rank keeps, from the ``src`` ranks that hold it.
+
+    Raises ``ValueError`` naming the first HF tensor of ``dst`` that no source
+    holds (e.g. the two layouts were built from different models).
+    """
+    pieces: dict[str, list[tuple[Box, list[tuple[int, LocalTensor, Segment]]]]] = {}
+    for name in dst.specs:
+        groups: dict[Box, list] = {}
+        for rank, local, seg in src.holdings(name):
+            groups.setdefault(seg.box, []).append((rank, src.tensors[rank][local], seg))
+        pieces[name] = list(groups.items())
+    load: dict[int, int] = defaultdict(int)
+    transfers = []
+    for di, d in enumerate(dst.ranks):
+        for lt, seg in dst.segments(d):
+            spec = dst.specs[seg.name]
+            found = [
+                (inter, holders)
+                for box, holders in pieces.get(seg.name, [])
+                if (inter := box.intersect(seg.box)) is not None
+            ]
+            for cell in _cells(seg.box, [inter for inter, _ in found]):
+                holders = [h for inter, hs in found if inter.contains(cell) for h in hs]
+                if not holders:
+                    raise ValueError(
+                        f"destination rank {d} keeps {seg.name} {cell.ranges} but no rank of the "
+                        f"source layout ({src.description}) holds it; build both layouts from "
+                        "the same model specs"
+                    )
+                local = [h for h in holders if h[0] == d]
+                if local:
+                    choice = local[0]
+                else:  # least loaded; ties rotate with the destination
+                    n = len(holders)
+                    _, choice = min(enumerate(holders), key=lambda ih: (load[ih[1][0]], (ih[0] - di) % n))
+                    load[choice[0]] += cell.numel * spec.dtype.itemsize
+                r, slt, sseg = choice
+                transfers.append(
+                    Transfer(seg.name, cell, r, d, _run(slt, sseg, cell), _run(lt, seg, cell), spec.dtype.itemsize)
+                )
+    return ReshardPlan(src, dst, transfers)
+
+
+def check_reshard_plan(plan: ReshardPlan) -> None:
+    """Raise ``AssertionError`` unless every element every destination keeps
+    arrives exactly once, from a rank that holds it, and nothing else arrives."""
+    by_seg: dict[tuple[int, str, str], list[Transfer]] = defaultdict(list)
+    for t in plan.transfers:
+        by_seg[(t.dst, t.dst_run.local, t.name)].append(t)
+        src_ok = any(seg.box.contains(t.box) for r, _, seg in plan.src.holdings(t.name) if r == t.src)
+        assert src_ok, f"source rank {t.src} does not hold {t.name} {t.box.ranges}"
+    matched = 0
+    for d in plan.dst.ranks:
+        for lt, seg in plan.dst.segments(d):
+            ts = [t for t in by_seg.get((d, lt.name, seg.name), []) if seg.box.contains(t.box)]
+            matched += len(ts)
+            assert sum(t.box.numel for t in ts) == seg.box.numel, (
+                f"rank {d} {seg.name}: {sum(t.box.numel for t in ts)} of {seg.box.numel} elements planned"
+            )
+            for i, a in enumerate(ts):
+                for b in ts[i + 1 :]:
+                    assert a.box.intersect(b.box) is None, f"rank {d} {seg.name}: {a.box} and {b.box} overlap"
+    assert matched == len(plan.transfers), (
+        f"{len(plan.transfers) - matched} transfers deliver bytes no destination segment keeps"
+    )
+
+
+def sub_layout(layout: Layout, ranks) -> Layout:
+    """``layout`` restricted to ``ranks`` (e.g. one engine replica)."""
+    ranks = tuple(r for r in layout.ranks if r in set(ranks))
+    return Layout(ranks, {r: layout.tensors[r] for r in ranks}, layout.specs, f"{layout.description} ranks {ranks}")
+
+
+def merge_layouts(*layouts: Layout) -> Layout:
+    """One source layout from several (trainer ranks and engine replicas that
+    already hold the version); a rank in two of them keeps both sets of tensors."""
+    ranks, tensors = [], {}
+    for lay in layouts:
+        for r in lay.ranks:
+            if r not in tensors:
+                ranks.append(r)
+                tensors[r] = {}
+            clash = set(tensors[r]) & set(lay.tensors[r])
+            if clash:
+                raise ValueError(f"rank {r} has local tensor {sorted(clash)[0]!r} in two layouts")
+            tensors[r] = {**tensors[r], **lay.tensors[r]}
+    return Layout(tuple(ranks), tensors, layouts[0].specs, " + ".join(lay.description for lay in layouts))
+
+
+def fanout_plans(src: Layout, dst: Layout, replicas: list[list[int]], *, first_wave: int = 1) -> list[ReshardPlan]:
+    """Waves of plans that update ``replicas`` (lists of ``dst`` ranks):
+    wave 0 updates ``first_wave`` replicas from ``src``; every later wave
+    updates as many replicas as are already updated, from ``src`` and those
+    replicas, so the number of sources doubles and the trainers' links stop
+    being the limit. Run the waves in order; a replica serves only after it
+    applied the version (see :class:`~..exec.reshard.FanoutRefit`)."""
+    if first_wave < 1:
+        raise ValueError(f"first_wave must be >= 1, got {first_wave}")
+    plans, done, todo = [], [], list(replicas)
+    size = first_wave
+    while todo:
+        wave, todo = todo[:size], todo[size:]
+        sources = merge_layouts(src, *(sub_layout(dst, r) for r in done)) if done else src
+        plans.append(build_reshard_plan(sources, sub_layout(dst, [r for rep in wave for r in rep])))
+        done += wave
+        size = len(done)
+    return plans
