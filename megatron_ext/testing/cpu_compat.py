@@ -43,6 +43,7 @@ path (``StaticInferenceEngine(legacy=True)``, ``TextGenerationController``,
 from __future__ import annotations
 
 import contextlib
+import logging
 import types
 
 import torch
@@ -198,6 +199,24 @@ def _patch_megatron():
         module.torch = cpu_torch
 
 
+class _SameGeneratorFilter(logging.Filter):
+    """Drops megatron-core's "CPU RNG state changed within GPU RNG context": here the CUDA RNG
+    *is* the CPU default generator (:func:`_patch_torch_cuda`), so every dropout inside the
+    model-parallel RNG tracker's fork moves the CPU state by design, and the warning would
+    repeat for every layer of every micro-batch."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "CPU RNG state changed within GPU RNG context"
+
+
+def _quiet_rng_warning():
+    for name in (
+        "megatron.core.tensor_parallel.random",
+        "megatron.core.distributed.fsdp.src.megatron_fsdp.utils",
+    ):
+        logging.getLogger(name).addFilter(_SameGeneratorFilter())
+
+
 def install() -> bool:
     """Install the CPU shims once in this process. Returns False (and does
     nothing) when CUDA is available, so GPU runs use real Megatron paths."""
@@ -209,6 +228,7 @@ def install() -> bool:
     _patch_torch_cuda()
     _patch_tensor_type()
     _patch_megatron()
+    _quiet_rng_warning()
     _INSTALLED = True
     return True
 
