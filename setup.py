@@ -28,7 +28,8 @@ setup(
         # build; a half-installed TE breaks `import megatron.core`.
         "te": ["transformer_engine[pytorch]"],
         "hf": ["transformers", "safetensors"],
-        "test": ["pytest", "pytest-markdown-docs", "transformers", "safetensors"],
+        # import-linter: `lint-imports` checks the import layering contracts of .importlinter (make test).
+        "test": ["pytest", "pytest-markdown-docs", "transformers", "safetensors", "import-linter>=2.17"],
     },
     classifiers=[
         "Programming Language :: Python :: 3.12",
