@@ -1,7 +1,8 @@
 """End-to-end training-step benchmark of NCCL symmetric-memory staging: ms/step and tokens/s of a Megatron
 GPTModel trained with data parallelism over ``--world`` GPUs, Megatron DDP and experimental FSDP.
 
-    NCCL_NVLS_ENABLE=0 python benchmarks/train_step.py --world 4 --out train_step_4xH200.json
+    NCCL_NVLS_ENABLE=0 python benchmarks/train_step.py --world 4 --variants plain,auto,on \
+        --param-gather sync,overlap --symm-mem-bands probe --out train_step_4x.json
     NCCL_NVLS_ENABLE=0 python benchmarks/train_step.py --world 2 --symm-mem-bands probe --distopt on,off
 
 The model: megatron-core's ``GPTModel`` on the local layer spec without Transformer Engine
@@ -16,21 +17,30 @@ tokens (no data loading in the step). One step is one global batch of ``--global
 Variants (``--variants``, each against the ``plain`` of its family and setting):
 
 - Megatron DDP (``--families ddp``): ``plain`` = megatron-core's ``DistributedDataParallel``; ``auto`` / ``on`` =
-  ``SymmMemDistributedDataParallel`` with ``SymmMemConfig(mode=auto|on)`` (auto's bands from
-  ``--symm-mem-bands``). ``overlap_grad_reduce=True``; one setting per combination of ``--distopt`` (distributed
-  optimizer on/off), ``--grad-reduce`` (gradients accumulated and reduced in fp32 or bf16) and ``--bucket-mib``
-  (bucket size in MiB of gradients, or ``megatron``: megatron-core's default of max(40M, 1M x DP) elements);
+  ``SymmMemDistributedDataParallel`` with ``SymmMemConfig(mode=auto|on)``; ``bands`` = auto deciding per buffer by
+  its size band alone (``decide_by="bands"``, the previous auto; not run unless named in ``--variants``); the bands
+  from ``--symm-mem-bands``. ``overlap_grad_reduce=True``; one setting per combination of ``--distopt``
+  (distributed optimizer on/off), ``--param-gather`` (the distributed optimizer's parameter all-gather: ``sync``
+  after the optimizer step, or ``overlap``: megatron-core's ``overlap_param_gather``, dispatched bucket by bucket
+  behind the next forward), ``--grad-reduce`` (gradients accumulated and reduced in fp32 or bf16) and
+  ``--bucket-mib`` (bucket size in MiB of gradients, or ``megatron``: megatron-core's default of max(40M, 1M x DP)
+  elements);
   ``get_megatron_optimizer`` (Adam, bf16 with fp32 main parameters, gradient clipping 1.0: megatron-core's
   defaults).
 - Experimental FSDP (``--families fsdp``; megatron-core's ``megatron_fsdp.experimental``): ``plain`` = upstream
-  ``fully_shard``; ``upstream-symm`` = upstream ``fully_shard(use_symm_mem=True)``; ``auto`` / ``on`` = our
-  ``megatron_ext.fsdp_symm.fully_shard`` with ``SymmMemConfig(mode=auto|on)``. Applied bottom-up as
+  ``fully_shard``; ``upstream-symm`` = upstream ``fully_shard(use_symm_mem=True)``; ``auto`` / ``on`` / ``bands``
+  = our ``megatron_ext.fsdp_symm.fully_shard`` with the configs above. Applied bottom-up as
   upstream expects (a module's parameters belong to the innermost sharded module): every transformer layer,
   the embedding, the output layer, then the GPTModel itself (the root, owning the final norm, whose forward
   and backward hooks order the prefetches of all of them). Flat placements (plain FSDP over all ranks),
   ``MixedPrecisionPolicy(main_params_dtype=float32)``: bf16 compute weights and gradients (all-gathers and
   reduce-scatters in bf16), fp32 main weights; ``torch.optim.AdamW`` with ``fully_shard_optimizer``. Every
   micro-batch's backward reduce-scatters (upstream's plain-FSDP semantics).
+
+``auto`` decides by the training step (docs/fsdp_symm.md, "auto decided by the step"): its job first trains
+through the A/B (``SymmMemConfig``'s ``ab_*`` schedule, about 60 steps; a cache entry skips it: ``--symm-mem-cache``
+defaults to a fresh file per run, so every run decides again), then times the arm it kept like every other
+variant; the row's ``ab`` says what the A/B timed and chose.
 
 Each variant runs in its own job (``run_on_ranks``, NCCL, ``--world`` fresh processes): every variant starts
 from the same state (fresh CUDA caching allocator and NCCL communicators, no symmetric windows or pool
@@ -50,7 +60,11 @@ time, and the exposed communication: the time in which the GPU ran an NCCL kerne
 rank). Exposed communication is what staging can shorten directly; NCCL kernel time hidden behind compute
 only matters through contention, which this does not measure, and a kernel's time includes waiting for a
 slower peer. The summary says per staged variant whether it met the targets (>= 3% more tokens/s than
-plain; never more than 1% slower), and otherwise how much of the step is exposed communication.
+plain; never more than 1% slower), and otherwise how much of the step is exposed communication; then per family
+and setting ``auto`` vs ``on`` vs plain and one verdict line per target of the issue: ``auto >= max(on, plain) -
+1%``; FSDP ``auto >= +12%`` (set for 4 ranks and the 1b preset); DDP ``auto >= +3%``, or where it falls short the
+communication the staging could shorten (the exposed share of the rank that waits least) and where that is
+explained (docs/fsdp_symm.md).
 
 Prints a table, writes JSON (``--out``: provenance, the shape and batch, every variant with its per-rank
 profile and memory, the bands auto used). Needs ``--world`` CUDA GPUs.
@@ -77,14 +91,17 @@ from megatron_ext.testing import tiny_gpt, tiny_llama  # noqa: E402
 
 MIB = 1 << 20
 FAMILIES = ("ddp", "fsdp")
-VARIANT_NAMES = ("plain", "upstream-symm", "auto", "on")
-FAMILY_VARIANTS = {"ddp": ("plain", "auto", "on"), "fsdp": ("plain", "upstream-symm", "auto", "on")}
+VARIANT_NAMES = ("plain", "upstream-symm", "bands", "auto", "on")
+DEFAULT_VARIANTS = ("plain", "upstream-symm", "auto", "on")
+FAMILY_VARIANTS = {"ddp": ("plain", "bands", "auto", "on"), "fsdp": ("plain", "upstream-symm", "bands", "auto", "on")}
 LABELS = {
     ("ddp", "plain"): "Megatron DDP",
+    ("ddp", "bands"): "ours (bands)",
     ("ddp", "auto"): "ours (auto)",
     ("ddp", "on"): "ours (on)",
     ("fsdp", "plain"): "upstream plain",
     ("fsdp", "upstream-symm"): "upstream use_symm_mem",
+    ("fsdp", "bands"): "ours (bands)",
     ("fsdp", "auto"): "ours (auto)",
     ("fsdp", "on"): "ours (on)",
 }
@@ -92,17 +109,26 @@ FSDP_SETTING = "per-layer units, bf16 grads"  # see the module docstring
 DEFAULT_SEQ = {"tiny": 128}  # other presets: 2048
 GAIN_TARGET_PCT = 3.0  # the issue's target: >= 3% more tokens/s than plain where communication is exposed
 LOSS_LIMIT_PCT = 1.0  # ... and never more than 1% slower
+# Issue 31's targets: auto >= max(on, plain) - 1%; FSDP auto >= +12% at 4 ranks on the 1b preset; DDP auto >= +3%
+# or the explanation (docs/fsdp_symm.md, "DDP: why the staging does not move the step").
+AUTO_TOLERANCE_PCT = 1.0
+FSDP_AUTO_TARGET = dict(pct=12.0, world=4, preset="1b")
+DDP_AUTO_TARGET_PCT = 3.0
+DDP_EXPLANATION = "docs/fsdp_symm.md#ddp-why-the-staging-does-not-move-the-step"
+AB_MAX_STEPS = 500  # the auto job's A/B must decide within this many steps
 JOB_TIMEOUT_S = 300
 _PROFILE_KEYS = ("nccl_kernels", "symk_kernels", "nccl_kernel_us", "nccl_busy_us", "exposed_nccl_us", "gpu_busy_us")
 
 
 # ------------------------------------------------------------------------------------------ one rank
-def _symm_config(variant: str, bands: str):
-    """Our variants' SymmMemConfig; None for upstream's."""
+def _symm_config(variant: str, bands: str, cache: str | None = None):
+    """Our variants' SymmMemConfig; None for upstream's. ``cache``: the band and step-A/B cache file."""
     from megatron_ext.fsdp_symm import SymmMemConfig
 
     if variant == "auto":
-        return SymmMemConfig(mode="auto", bands=bands, report=False)
+        return SymmMemConfig(mode="auto", bands=bands, report=False, probe_cache=cache)
+    if variant == "bands":
+        return SymmMemConfig(mode="auto", decide_by="bands", bands=bands, report=False, probe_cache=cache)
     if variant == "on":
         return SymmMemConfig(mode="on", report=False)
     return None
@@ -129,7 +155,7 @@ def _decision_rows(pairs) -> list[dict]:
     ]
 
 
-def _build_ddp(module, cfg, item, bands, device):
+def _build_ddp(module, cfg, item, bands, device, cache=None):
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -144,9 +170,10 @@ def _build_ddp(module, cfg, item, bands, device):
         grad_reduce_in_fp32=fp32,
         use_distributed_optimizer=setting["distopt"],
         overlap_grad_reduce=True,
+        overlap_param_gather=setting["distopt"] and setting.get("param_gather", "sync") == "overlap",
         bucket_size=None if bucket is None else max(1, int(bucket * MIB) // (4 if fp32 else 2)),
     )
-    symm = _symm_config(variant, bands)
+    symm = _symm_config(variant, bands, cache)
     bands_used = _bands_used(symm, ps.get_data_parallel_group(), device)
     if symm is None:
         ddp = DistributedDataParallel(config=cfg, ddp_config=ddp_config, module=module)
@@ -171,22 +198,25 @@ def _build_ddp(module, cfg, item, bands, device):
         opt.zero_grad()
 
     buckets = [b for buffer in ddp.buffers for b in buffer.buckets]
-    decisions = getattr(ddp, "symm_mem_decisions", None)
-    if decisions is None:  # plain: every bucket's grad reduce, and its param all-gather with the distopt
-        staged = dict(symmetric=0, total=len(buckets) * (2 if setting["distopt"] else 1), one_side=False)
-    else:
-        staged = dict(symmetric=sum(d.symmetric for _, d in decisions), total=len(decisions), one_side=False)
-    info = dict(
-        staged=staged,
-        decisions=_decision_rows(decisions or []),
-        bands=bands_used,
-        bucket_mib=[b.grad_data.numel() * b.grad_data.element_size() / MIB for b in buckets],
-    )
+
+    def info():  # after the steps: the A/B's choice is staged by then
+        decisions = getattr(ddp, "symm_mem_decisions", None)
+        if decisions is None:  # plain: every bucket's grad reduce, and its param all-gather with the distopt
+            staged = dict(symmetric=0, total=len(buckets) * (2 if setting["distopt"] else 1), one_side=False)
+        else:
+            staged = dict(symmetric=sum(d.symmetric for _, d in decisions), total=len(decisions), one_side=False)
+        return dict(
+            staged=staged,
+            decisions=_decision_rows(decisions or []),
+            bands=bands_used,
+            bucket_mib=[b.grad_data.numel() * b.grad_data.element_size() / MIB for b in buckets],
+        )
+
     release = (lambda: release_symmetric_memory(ddp)) if symm is not None else (lambda: 0)
     return ddp, opt, zero, info, release
 
 
-def _build_fsdp(module, cfg, item, bands, device):
+def _build_fsdp(module, cfg, item, bands, device, cache=None):
     import torch.distributed as dist
     from megatron.core.distributed.fsdp.src.megatron_fsdp import MixedPrecisionPolicy
     from megatron.core.distributed.fsdp.src.megatron_fsdp.experimental import (
@@ -204,7 +234,7 @@ def _build_fsdp(module, cfg, item, bands, device):
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     placements = Placements(dp_axes=[0], parameter=[Flat()], gradient=[Flat()], optimizer=[Flat()])
     mp = MixedPrecisionPolicy(main_params_dtype=torch.float32)
-    symm = _symm_config(variant, bands)
+    symm = _symm_config(variant, bands, cache)
     upstream_symm = variant == "upstream-symm"
     bands_used = _bands_used(symm, mesh.get_group(0), device)
     # Bottom-up: each module owns the parameters no sharded descendant owns; the root last.
@@ -222,25 +252,29 @@ def _build_fsdp(module, cfg, item, bands, device):
         opt.zero_grad(set_to_none=True)
 
     groups = [g for m in module.modules() if isinstance(m, FsdpModule) for g in m.parameter_groups]
-    pairs = [
-        (f"{name or 'root'}/group{i} {d.collective}", d)
-        for name, m in module.named_modules()
-        if hasattr(m, "symm_decisions")
-        for i, (_, ag, rs) in enumerate(m.symm_decisions())
-        for d in (ag, rs)
-    ]
-    staged = dict(
-        symmetric=sum(d.symmetric for _, d in pairs),
-        total=sum(1 + g.requires_grad for g in groups),
-        one_side=upstream_symm,
-    )
-    info = dict(staged=staged, decisions=_decision_rows(pairs), bands=bands_used, units=len(groups))
+
+    def info():  # after the steps: the A/B's choice is staged by then
+        pairs = [
+            (f"{name or 'root'}/group{i} {d.collective}", d)
+            for name, m in module.named_modules()
+            if hasattr(m, "symm_decisions")
+            for i, (_, ag, rs) in enumerate(m.symm_decisions())
+            for d in (ag, rs)
+        ]
+        staged = dict(
+            symmetric=sum(d.symmetric for _, d in pairs),
+            total=sum(1 + g.requires_grad for g in groups),
+            one_side=upstream_symm,
+        )
+        return dict(staged=staged, decisions=_decision_rows(pairs), bands=bands_used, units=len(groups))
+
     release = (lambda: release_symmetric_memory(module)) if symm is not None else (lambda: 0)
     return module, opt, zero, info, release
 
 
-def variant_rank(item: dict, shape: dict, batch: dict, timing: dict, bands: str) -> dict:
-    """One rank of one variant's job: build, train ``timing`` steps, profile one; this rank's numbers."""
+def variant_rank(item: dict, shape: dict, batch: dict, timing: dict, bands: str, cache: str | None = None) -> dict:
+    """One rank of one variant's job: build, train until auto's step A/B has decided (auto only), train
+    ``timing`` steps, profile one; this rank's numbers."""
     import warnings
 
     import torch.distributed as dist
@@ -258,7 +292,7 @@ def variant_rank(item: dict, shape: dict, batch: dict, timing: dict, bands: str)
         module = tiny_llama.build_model(spec, cfg, device=device).bfloat16()
         parameters = sum(p.numel() for p in module.parameters())
         build = _build_ddp if item["family"] == "ddp" else _build_fsdp
-        model, opt, zero, info, release = build(module, cfg, item, bands, device)
+        model, opt, zero, info, release = build(module, cfg, item, bands, device, cache)
         if gpu:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
@@ -299,14 +333,17 @@ def variant_rank(item: dict, shape: dict, batch: dict, timing: dict, bands: str)
             opt.step()
             losses.append(torch.stack([o["loss"] for o in out]).sum() / (n * mb * seq))
 
+        ab = _run_step_ab(step, model) if item["variant"] == "auto" else None
         stats = step_stats(step, timing["steps"], timing["reps"], warmup=timing["warmup"])
         reps = torch.tensor(stats["ms_reps"], dtype=torch.float64, device=device)
         dist.all_reduce(reps, op=dist.ReduceOp.MAX)  # a repetition takes as long as its slowest rank
         # Without CUDA (gloo ranks) there are no kernels to profile.
         profile = profile_step(step) if gpu else dict.fromkeys(_PROFILE_KEYS, 0)
         peak = (torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)) if gpu else (0, 0)
+        info = info()
         released = release()
     return dict(
+        ab=ab,
         rank=dist.get_rank(),
         parameters=parameters,
         ms_reps=reps.tolist(),
@@ -320,6 +357,30 @@ def variant_rank(item: dict, shape: dict, batch: dict, timing: dict, bands: str)
         warnings=sorted({str(w.message)[:400] for w in caught if issubclass(w.category, RuntimeWarning)}),
         **info,
     )
+
+
+def _run_step_ab(step, model) -> dict:
+    """Train until auto's step A/B (megatron_ext.fsdp_symm.step_ab_of) has decided, or found its choice in the
+    cache; what it did, with the steps and seconds it took here."""
+    import torch.distributed as dist
+
+    from megatron_ext.fsdp_symm import step_ab_of
+
+    start, steps = time.perf_counter(), 0
+    ab = None
+    while steps < AB_MAX_STEPS:
+        step()
+        steps += 1
+        ab = step_ab_of(model)
+        if ab is None or ab.state != "running":
+            break
+    if ab is not None and ab.state == "running":
+        raise RuntimeError(f"the step A/B did not decide in {AB_MAX_STEPS} steps: {ab.summary()}")
+    if dist.is_initialized():
+        dist.barrier()
+    if ab is None:
+        return dict(state="none", arm=None, job_steps=steps, job_s=time.perf_counter() - start)
+    return dict(ab.summary(), job_steps=steps, job_s=time.perf_counter() - start)
 
 
 # ------------------------------------------------------------------------------------- the summary
@@ -351,6 +412,9 @@ def row_from_ranks(item: dict, ranks: list[dict]) -> dict:
         nccl_kernel_ms=max(p["nccl_kernel_us"] for p in prof) / 1e3,
         nccl_busy_ms=max(p["nccl_busy_us"] for p in prof) / 1e3,
         exposed_comm_ms=max(p["exposed_nccl_us"] for p in prof) / 1e3,
+        # The rank that waits least inside NCCL kernels: its NCCL time is closest to the transfers themselves.
+        nccl_kernel_min_ms=min(p["nccl_kernel_us"] for p in prof) / 1e3,
+        exposed_comm_min_ms=min(p["exposed_nccl_us"] for p in prof) / 1e3,
         gpu_busy_ms=max(p["gpu_busy_us"] for p in prof) / 1e3,
         peak_gib=max(r["peak_bytes"] for r in ranks) / GiB,
         peak_reserved_gib=max(r["peak_reserved_bytes"] for r in ranks) / GiB,
@@ -365,6 +429,7 @@ def row_from_ranks(item: dict, ranks: list[dict]) -> dict:
         fsdp_groups=r0.get("units"),
         loss_first=r0["loss_first"],
         loss_last=r0["loss_last"],
+        ab=r0.get("ab"),
         warnings=sorted({w for r in ranks for w in r["warnings"]}),
         per_rank=[dict(rank=r["rank"], profile=r["profile"], peak_bytes=r["peak_bytes"]) for r in ranks],
     )
@@ -419,6 +484,73 @@ def verdict(row: dict) -> str:
         f"{pct:+.1f}% tokens/s{spread}: below the {GAIN_TARGET_PCT:g}% target, "
         f"not more than {LOSS_LIMIT_PCT:g}% slower; {why}"
     )
+
+
+def _pct(a: float, b: float) -> float:
+    return 100.0 * (a / b - 1.0)
+
+
+def target_verdicts(rows: list[dict], world: int, preset: str) -> list[dict]:
+    """Issue 31's targets, per family and setting that has a plain and an auto row: ``auto >= max(on, plain) -
+    1%`` (tokens/s); FSDP ``auto >= +12%`` over plain (set for 4 ranks and the 1b preset: elsewhere reported,
+    not judged); DDP ``auto >= +3%`` over plain, or where it falls short the measured reason beside the
+    explanation in the docs. Each entry: family, setting, target, value (%), met (True, False or None: not
+    judged here), text (one printed line)."""
+    out = []
+    keys = list(dict.fromkeys((r["family"], r["setting"]) for r in rows))
+    for family, setting in keys:
+        by = {r["variant"]: r for r in rows if (r["family"], r["setting"]) == (family, setting) and "tokens_per_s" in r}
+        plain, auto, on = by.get("plain"), by.get("auto"), by.get("on")
+        if plain is None or auto is None:
+            continue
+        arm = (auto.get("ab") or {}).get("arm") or "?"
+
+        def entry(target, value, met, text):
+            out.append(dict(family=family, setting=setting, target=target, value=value, met=met, text=text))
+
+        best, best_name = plain["tokens_per_s"], "plain"
+        if on is not None and on["tokens_per_s"] > best:
+            best, best_name = on["tokens_per_s"], "on"
+        rel = _pct(auto["tokens_per_s"], best)
+        met = rel >= -AUTO_TOLERANCE_PCT
+        on_text = "no on row" if on is None else f"on {on['tokens_per_s']:.0f} ({on['speedup_pct']:+.1f}%)"
+        entry(
+            f"auto >= max(on, plain) - {AUTO_TOLERANCE_PCT:g}%",
+            rel,
+            met,
+            f"auto >= max(on, plain) - {AUTO_TOLERANCE_PCT:g}%: {'met' if met else 'NOT met'}: auto "
+            f"{auto['tokens_per_s']:.0f} tokens/s ({auto['speedup_pct']:+.1f}% vs plain, the A/B kept {arm}), "
+            f"{rel:+.1f}% vs {best_name}; plain {plain['tokens_per_s']:.0f}, {on_text}",
+        )
+        gain = auto["speedup_pct"]
+        if family == "fsdp":
+            t = FSDP_AUTO_TARGET
+            where = f"{t['world']} ranks, {t['preset']} preset"
+            judged = world == t["world"] and preset == t["preset"]
+            met = (gain >= t["pct"]) if judged else None
+            if judged:
+                status = "met" if met else "NOT met"
+            else:
+                status = f"not judged (set for {where}; this run: {world} ranks, {preset} preset)"
+            target = f"FSDP auto >= +{t['pct']:g}% ({where})"
+            entry(target, gain, met, f"{target}: {status}: {gain:+.1f}%")
+        if family == "ddp":
+            met = gain >= DDP_AUTO_TARGET_PCT
+            target = f"DDP auto >= +{DDP_AUTO_TARGET_PCT:g}%"
+            if met:
+                text = f"{target}: met: {gain:+.1f}%"
+            else:
+                share = 100 * auto["exposed_comm_min_ms"] / auto["ms_per_step"]
+                text = (
+                    f"{target}: NOT met ({gain:+.1f}%); explained in {DDP_EXPLANATION}: the rank that waits "
+                    f"least has {auto['exposed_comm_min_ms']:.1f} ms ({share:.1f}% of the step) of exposed NCCL "
+                    f"time and {auto['nccl_kernel_min_ms']:.1f} ms in NCCL kernels (plain "
+                    f"{plain['nccl_kernel_min_ms']:.1f} ms), the most any staging could shorten"
+                )
+                if on is not None:
+                    text += f"; on: {on['nccl_kernel_min_ms']:.1f} ms"
+            entry(f"{target} or explained", gain, met, text)
+    return out
 
 
 def print_table(rows: list[dict], world: int) -> None:
@@ -514,11 +646,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--variants",
         type=_choice_list(VARIANT_NAMES),
-        default=VARIANT_NAMES,
-        help="comma list of plain, upstream-symm (FSDP only), auto, on (default all; plain is required)",
+        default=DEFAULT_VARIANTS,
+        help="comma list of plain, upstream-symm (FSDP only), bands (auto by the bands alone), auto, on (default "
+        "plain,upstream-symm,auto,on; plain is required)",
     )
     parser.add_argument(
         "--distopt", type=_choice_list(("on", "off")), default=("on",), help="DDP: distributed optimizer, comma list"
+    )
+    parser.add_argument(
+        "--param-gather",
+        type=_choice_list(("sync", "overlap")),
+        default=("sync",),
+        help="DDP with the distributed optimizer: its parameter all-gather after the optimizer step (sync) or "
+        "overlapped with the next forward (overlap: overlap_param_gather), comma list (default sync)",
     )
     parser.add_argument(
         "--grad-reduce",
@@ -537,6 +677,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("measured", "probe"),
         default="measured",
         help="auto mode's bands: measured (shipped, 2 ranks) or probe (measured at start-up on these ranks, cached)",
+    )
+    parser.add_argument(
+        "--symm-mem-cache",
+        default=None,
+        metavar="PATH",
+        help="the band and step-A/B cache file of the auto variants (default: a fresh file per run, so the probe "
+        "and the A/B run in every run; give a path to reuse their results)",
     )
     parser.add_argument("--steps", type=int_at_least(1), default=10, help="timed steps per repetition (default 10)")
     parser.add_argument("--warmup", type=int_at_least(0), default=3, help="untimed steps first (default 3)")
@@ -596,11 +743,15 @@ def plan(args) -> list[dict]:
     """The variants to run, each one job: DDP per setting (distopt x grad-reduce x bucket), then FSDP."""
     items = []
     if "ddp" in args.families:
-        for distopt, grad, bucket in itertools.product(args.distopt, args.grad_reduce, args.bucket_mib):
-            setting = dict(distopt=distopt == "on", grad_reduce=grad, bucket_mib=bucket)
+        combos = itertools.product(args.distopt, args.param_gather, args.grad_reduce, args.bucket_mib)
+        for distopt, gather, grad, bucket in combos:
+            if distopt == "off" and gather == "overlap":
+                continue  # no parameter all-gather without the distributed optimizer
+            setting = dict(distopt=distopt == "on", grad_reduce=grad, bucket_mib=bucket, param_gather=gather)
             label = f"distopt {distopt}, {grad} grads, " + (
                 "megatron buckets" if bucket is None else f"{bucket:g} MiB buckets"
             )
+            label += ", overlapped param gather" if gather == "overlap" else ""
             for v in FAMILY_VARIANTS["ddp"]:
                 if v in args.variants:
                     items.append(dict(family="ddp", variant=v, setting=setting, setting_label=label))
@@ -615,8 +766,11 @@ def plan(args) -> list[dict]:
 def main(argv=None) -> int:
     from megatron_ext.testing.multirank import RankFailure, run_on_ranks
 
+    import tempfile
+
     args = parse_args(argv)
     items = plan(args)
+    cache = args.symm_mem_cache or os.path.join(tempfile.mkdtemp(prefix="train_step_"), "symm_mem_cache.json")
     tokens = args.global_batch * args.seq
     params = parameter_count(args.shape)
     print(
@@ -642,7 +796,14 @@ def main(argv=None) -> int:
         ),
         timing=dict(steps=args.steps, warmup=args.warmup, reps=args.reps),
         symm_mem_bands=args.symm_mem_bands,
-        targets=dict(gain_pct=GAIN_TARGET_PCT, loss_limit_pct=LOSS_LIMIT_PCT),
+        symm_mem_cache=cache,
+        targets=dict(
+            gain_pct=GAIN_TARGET_PCT,
+            loss_limit_pct=LOSS_LIMIT_PCT,
+            auto_tolerance_pct=AUTO_TOLERANCE_PCT,
+            fsdp_auto=FSDP_AUTO_TARGET,
+            ddp_auto_pct=DDP_AUTO_TARGET_PCT,
+        ),
         rows=[],
     )
     batch = dict(seq=args.seq, micro_batch=args.micro_batch, microbatches=args.microbatches)
@@ -653,7 +814,7 @@ def main(argv=None) -> int:
             ranks = run_on_ranks(
                 variant_rank,
                 args.world,
-                args=(item, args.shape, batch, timing, args.symm_mem_bands),
+                args=(item, args.shape, batch, timing, args.symm_mem_bands, cache),
                 backend="nccl",
                 timeout=args.job_timeout,
             )
@@ -666,10 +827,12 @@ def main(argv=None) -> int:
         if "error" in row:
             print(f"[{row['family']} | {row['setting']} | {row['name']}] failed:\n{row['error']}", flush=True)
         else:
+            ab = row.get("ab") or {}
+            kept = f"; A/B ({ab.get('state')}): {ab.get('arm')}" if ab else ""
             print(
                 f"[{row['family']} | {row['setting']} | {row['name']}] {row['ms_per_step']:.2f} ms/step "
                 f"[{row['ms_min']:.2f}, {row['ms_max']:.2f}], {row['tokens_per_s']:.0f} tokens/s, "
-                f"exposed communication {row['exposed_comm_ms']:.2f} ms; job {row['wall_s']:.0f} s",
+                f"exposed communication {row['exposed_comm_ms']:.2f} ms{kept}; job {row['wall_s']:.0f} s",
                 flush=True,
             )
         _write(result, args.out)  # after every job: a later failure or timeout keeps the rows so far
@@ -681,7 +844,16 @@ def main(argv=None) -> int:
         if r["variant"] in ("auto", "on"):
             lines.append(f"{r['family']} | {r['setting']} | {r['name']}: {verdict(r)}")
     print("\ntargets (staged variants vs plain):\n" + "\n".join(f"  {line}" for line in lines))
-    result["verdicts"] = lines
+    issue = target_verdicts(rows, args.world, args.preset)
+    print("\nauto vs on vs plain (issue 31):")
+    for key in dict.fromkeys((v["family"], v["setting"]) for v in issue):
+        print(f"  {key[0]} | {key[1]}")
+        print("\n".join(f"    {v['text']}" for v in issue if (v["family"], v["setting"]) == key))
+    for r in rows:
+        if r.get("ab") and r["ab"].get("choice"):
+            print(f"  {r['family']} | {r['setting']} | auto's A/B: {r['ab']['choice']['reason']}")
+    result["target_verdicts"] = issue
+    result["verdicts"] = lines + [f"{v['family']} | {v['setting']} | {v['text']}" for v in issue]
     _write(result, args.out)
     print(f"wrote {args.out} ({sum(r['wall_s'] for r in rows):.0f} s in {len(rows)} jobs)")
     return 1 if any("error" in r for r in rows) else 0

@@ -15,7 +15,7 @@ LIMIT=${SLICE_LIMIT_S:-570}
 # name | GPUs | command (run from the repo root; $OUT expanded at run time) | what it answers
 SLICES=(
   "2x-refit|2|$py benchmarks/refit.py --preset 3b --out \$OUT/refit_3b_2x.json && $py benchmarks/refit.py --preset 3b --no-naive --no-check-finite --out \$OUT/refit_3b_2x_nocheck.json|export hook colocated ipc-direct/ipc-push and cross-GPU broadcast, re-measured on the final code, with and without the NaN/Inf check (issue 12)"
-  "2x-step|2|$py benchmarks/train_step.py --world 2 --out \$OUT/train_step_2x.json|symm-mem staging DDP + FSDP tokens/s vs plain, exposed NCCL % (issue 14)"
+  "2x-step|2|$py benchmarks/train_step.py --world 2 --variants plain,auto,on --param-gather sync,overlap --symm-mem-bands probe --out \$OUT/train_step_2x.json|symm-mem end to end at 2 ranks: auto (the step A/B) vs on vs plain, DDP (param gather sync/overlapped) + FSDP, 9 jobs, about 7 min (issue 31)"
   "2x-swap|2|$py benchmarks/refit_vs_swap.py --preset 3b --world 2 --timeout-s 540 --out \$OUT/refit_vs_swap_3b_2x.json|ours vs swap_model_weights on 2 GPUs (issue 15)"
   "2x-tests-symm|2|tools/gpu_tests.sh -v -k 'fsdp_symm'|gpus(1)/gpus(2) tests, part 1: symmetric memory (DDP, FSDP, policy, train_step benchmark)"
   "2x-tests-training|2|tools/gpu_tests.sh -v -k 'testing or copy_batch or pretrain_torchrun'|gpus(1)/gpus(2) tests, part 2: Megatron training on NCCL, CopyBatch, the training script on 1 GPU"
@@ -24,8 +24,7 @@ SLICES=(
   "2x-tests-refit|2|tools/gpu_tests.sh -v -k 'refit_processes or megatron_engine or moe_export or reshard_exec or reshard_refit or reshard_remote or refit_reshard_benchmark'|gpus(1)/gpus(2) tests, part 5: refit processes, engines, reshard (about 5 min on 2xH200)"
   "4x-ntp|4|$py benchmarks/ntp.py --preset 2b --backend nccl --out \$OUT/ntp_2b_4x.json|NTP (partner design) vs uniform vs drop tokens/s, the partner's transfers %, memory per role, the cost model checked (issue 27)"
   "4x-symm|4|$py benchmarks/symm_mem.py --world 4 --parts collectives --out \$OUT/symm_mem_4x.json|symmetric vs plain collectives at 4 ranks (issue 14 bands)"
-  "4x-step-ddp|4|$py benchmarks/train_step.py --world 4 --families ddp --out \$OUT/train_step_ddp_4x.json|DDP staging at 4 ranks (issue 14)"
-  "4x-step-fsdp|4|$py benchmarks/train_step.py --world 4 --families fsdp --symm-mem-bands probe --out \$OUT/train_step_fsdp_4x.json|FSDP staging at 4 ranks with probed bands (issue 14: probe default?)"
+  "4x-step|4|$py benchmarks/train_step.py --world 4 --variants plain,auto,on --param-gather sync,overlap --symm-mem-bands probe --out \$OUT/train_step_4x.json|symm-mem end to end at 4 ranks: auto (the step A/B) vs on vs plain and the verdicts (FSDP auto >= +12%, DDP >= +3% or explained), 9 jobs, about 7 min (issue 31)"
   "4x-swap|4|$py benchmarks/refit_vs_swap.py --preset 3b --world 4 --timeout-s 540 --out \$OUT/refit_vs_swap_3b_4x.json|ours vs swap_model_weights, dense (issue 15 target >= 1.5x)"
   "4x-swap-moe|4|$py benchmarks/refit_vs_swap.py --preset moe-3b --world 4 --timeout-s 540 --out \$OUT/refit_vs_swap_moe3b_4x.json|ours vs swap_model_weights, MoE EP changes (issue 15)"
   "4x-reshard|4|$py benchmarks/refit.py --reshard --preset 3b --out \$OUT/refit_reshard_3b_4x.json && $py benchmarks/refit.py --reshard --preset 3b --layout colocated --out \$OUT/refit_reshard_3b_colocated_4x.json|reshard refit cross and colocated re-measured (issue 12)"

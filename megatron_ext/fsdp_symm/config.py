@@ -8,9 +8,11 @@ import math
 import os
 
 __all__ = [
+    "AB_DEFAULTS",
     "BAND_FIELDS",
     "BANDS",
     "COLLECTIVES",
+    "DECIDE_BY",
     "DEFAULT_BANDS",
     "DEFAULT_BANDS_FP32",
     "DEFAULT_BANDS_RANKS",
@@ -24,6 +26,13 @@ COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 # Where the auto-mode bands come from: "measured" = DEFAULT_BANDS / DEFAULT_BANDS_FP32
 # below; "probe" = timed on the machine that runs, at start-up, and cached (probe.py).
 BANDS = ("measured", "probe")
+# How auto mode decides: "step" = an in-job A/B of whole-model staging arms (plain, the bands, every
+# buffer) over the first training steps, the faster kept and cached (step_ab.py); "bands" = per buffer
+# by its size band alone.
+DECIDE_BY = ("step", "bands")
+# The step A/B's schedule: untimed warm-up steps, then ab_rounds rounds in which every arm runs one
+# settle step (untimed: the switch and first allocations) and ab_steps timed steps.
+AB_DEFAULTS = {"ab_warmup_steps": 5, "ab_steps": 5, "ab_rounds": 3}
 # The band fields, in the order of COLLECTIVES: (min, max) of the band for every
 # dtype but float32, then (min, max) of the float32 band.
 BAND_FIELDS = tuple(
@@ -59,6 +68,8 @@ DEFAULT_BANDS_FP32: dict[str, tuple[int, int]] = {
 }
 # The number of ranks of the group the default bands were measured with.
 DEFAULT_BANDS_RANKS = 2
+# Timed steps per arm the step A/B needs at least (a median and a spread of them).
+MIN_AB_SAMPLES = 3
 
 
 @dataclasses.dataclass
@@ -93,6 +104,16 @@ class SymmMemConfig:
     set; a set bound beyond the probed other bound means no symmetric buffers
     for that band.
     ``report`` logs, once at start-up, which buckets use symmetric memory and why.
+
+    ``decide_by`` says how ``auto`` decides: ``"step"`` (default) runs an A/B of
+    whole-model arms in the job itself: ``plain`` (no buffer symmetric), ``bands``
+    (the per-buffer bands above) and ``on`` (every buffer NCCL has a symmetric
+    kernel for), each for ``ab_steps`` timed steps in each of ``ab_rounds`` rounds
+    after ``ab_warmup_steps`` untimed steps, and keeps plain unless an arm's median
+    step is faster by more than the noise (:func:`megatron_ext.fsdp_symm.step_ab.choose_arm`);
+    the choice is cached in ``probe_cache`` per machine, ranks, versions and
+    buffer layout, so later jobs start with it. ``"bands"`` decides each buffer by
+    its band alone (no A/B).
     """
 
     mode: str = "auto"
@@ -112,10 +133,29 @@ class SymmMemConfig:
     bands: str = "measured"
     probe_cache: str | None = None
     pinned_bands: tuple[str, ...] = ()
+    decide_by: str = "step"
+    ab_warmup_steps: int = AB_DEFAULTS["ab_warmup_steps"]
+    ab_steps: int = AB_DEFAULTS["ab_steps"]
+    ab_rounds: int = AB_DEFAULTS["ab_rounds"]
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"SymmMemConfig.mode must be one of {', '.join(map(repr, MODES))}; got {self.mode!r}")
+        if self.decide_by not in DECIDE_BY:
+            raise ValueError(
+                f"SymmMemConfig.decide_by must be one of {', '.join(map(repr, DECIDE_BY))}; got {self.decide_by!r} "
+                "('step': an A/B of plain / bands / on over the first training steps; 'bands': per buffer by its "
+                "size band)"
+            )
+        for field, least in (("ab_warmup_steps", 0), ("ab_steps", 1), ("ab_rounds", 1)):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"SymmMemConfig.{field} must be an int >= {least}; got {value!r}")
+        if self.ab_steps * self.ab_rounds < MIN_AB_SAMPLES:
+            raise ValueError(
+                f"SymmMemConfig.ab_steps x ab_rounds must be >= {MIN_AB_SAMPLES} (timed steps per arm, for the "
+                f"spread the decision's noise rule needs); got {self.ab_steps} x {self.ab_rounds}"
+            )
         if self.bands not in BANDS:
             raise ValueError(
                 f"SymmMemConfig.bands must be one of {', '.join(map(repr, BANDS))}; got {self.bands!r} "
@@ -190,7 +230,11 @@ class SymmMemConfig:
             "report": not args.symm_mem_no_report,
             "bands": getattr(args, "symm_mem_bands", "measured"),
             "probe_cache": getattr(args, "symm_mem_probe_cache", None),
+            "decide_by": getattr(args, "symm_mem_decide_by", "step"),
         }
+        for field, default in AB_DEFAULTS.items():
+            value = getattr(args, f"symm_mem_{field}", None)
+            kwargs[field] = default if value is None else value
         pinned = []
         for name in COLLECTIVES:
             for prefix in ("", "fp32_"):
@@ -222,6 +266,19 @@ class SymmMemConfig:
         return tuple(out)
 
 
+def _int_at_least(least: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < least:
+            raise argparse.ArgumentTypeError(f"expected an int >= {least}; got {text!r}")
+        return value
+
+    return parse
+
+
 def add_fsdp_symm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``--symm-mem*`` flags of :class:`SymmMemConfig` to ``parser``."""
     group = parser.add_argument_group("NCCL symmetric-memory staging (megatron_ext.fsdp_symm)")
@@ -229,8 +286,8 @@ def add_fsdp_symm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "--symm-mem",
         choices=MODES,
         default="auto",
-        help="Stage collective buffers in NCCL symmetric memory: auto (only buckets in the "
-        "measured faster size band), on (all buckets), off (never). Default: auto.",
+        help="Stage collective buffers in NCCL symmetric memory: auto (what makes the training step faster: "
+        "see --symm-mem-decide-by), on (all buckets), off (never). Default: auto.",
     )
     for name in COLLECTIVES:
         flag = name.replace("_", "-")
@@ -269,9 +326,30 @@ def add_fsdp_symm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "--symm-mem-probe-cache",
         default=None,
         metavar="PATH",
-        help="JSON file of probed bands (--symm-mem-bands probe); default "
-        "~/.cache/megatron_ext/symm_mem_bands.json. Delete an entry or the file to probe again.",
+        help="JSON file of probed bands (--symm-mem-bands probe) and of step A/B choices (--symm-mem-decide-by "
+        "step); default ~/.cache/megatron_ext/symm_mem_bands.json. Delete an entry or the file to measure again.",
     )
+    group.add_argument(
+        "--symm-mem-decide-by",
+        choices=DECIDE_BY,
+        default="step",
+        help="How auto mode decides: step (an A/B of plain, the bands and every buffer symmetric over the first "
+        "training steps, the faster kept unless within the noise, cached per machine, ranks, versions and "
+        "buffer layout) or bands (per buffer by its size band). Default: step.",
+    )
+    for field, default in AB_DEFAULTS.items():
+        what = {
+            "ab_warmup_steps": "untimed steps before the A/B",
+            "ab_steps": "timed steps per arm and round",
+            "ab_rounds": "rounds of the A/B (arms in alternating order)",
+        }[field]
+        group.add_argument(
+            f"--symm-mem-{field.replace('_', '-')}",
+            type=_int_at_least(0 if field == "ab_warmup_steps" else 1),
+            default=None,
+            metavar="N",
+            help=f"step A/B: {what} (default {default}).",
+        )
     group.add_argument(
         "--symm-mem-no-report",
         action="store_true",

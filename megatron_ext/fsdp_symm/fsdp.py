@@ -10,6 +10,12 @@ construction and the unsharded weight is allocated there on every unshard; for a
 group whose reduce-scatter is symmetric, the sharded gradient (the reduce-scatter
 output) moves into the pool at construction and each packed full gradient is
 allocated there. Each buffer is registered right after it is allocated.
+
+``auto`` deciding by the step (:mod:`.step_ab`): groups are built plain; the first
+root forward gathers every such group of the model into one A/B (or starts them
+in the cached arm); the optimizer's post-step hook and the root's next forward
+mark the steps, and a switch moves the all-gather input and the sharded gradient
+between plain memory and the pool (same Storage objects).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -43,8 +50,9 @@ from megatron.core.distributed.fsdp.src.megatron_fsdp.mixed_precision import Mix
 from .capability import probe
 from .config import SymmMemConfig
 from .memory import SymmetricMemory, SymmetricPlacementMismatch, move_storage, release_storage
-from .policy import REPORTER, Decision, decide
+from .policy import ARMS, REPORTER, Decision, arm_decisions, decide
 from .probe import resolve_config
+from .step_ab import StepAB, ab_cache_key, layout_signature, lookup_choice
 
 __all__ = ["SymmFsdpModule", "SymmFsdpParameterGroup", "fully_shard"]
 
@@ -90,15 +98,35 @@ class SymmFsdpParameterGroup(FsdpParameterGroup):
             why_not = why_not or self._unsupported_layout(placements)
             if why_not is None:  # the group's bands (probed once per group with bands="probe")
                 config = resolve_config(config, mesh.get_group(0), self.main_weight.device)
-        self.all_gather_decision = decide("all_gather", ag_bytes, config, why_not, self.model_weight.dtype)
-        self.reduce_scatter_decision = (
-            decide("reduce_scatter", rs_bytes, config, why_not, self.dtype)
-            if self.requires_grad
-            else _plain("reduce_scatter", 0, "no gradients")
-        )
+        # auto by the step: every arm's decisions; built plain, the A/B (or its cached
+        # choice) stages them once the root's first forward has gathered every group.
+        self._arms: dict | None = None
+        self._symm_ab = None
+        if config.mode == "auto" and config.decide_by == "step":
+            ag_arms = arm_decisions("all_gather", ag_bytes, config, why_not, self.model_weight.dtype)
+            rs_arms = (
+                arm_decisions("reduce_scatter", rs_bytes, config, why_not, self.dtype)
+                if self.requires_grad
+                else dict.fromkeys(ARMS, _plain("reduce_scatter", 0, "no gradients"))
+            )
+            self._arms = {arm: (ag_arms[arm], rs_arms[arm]) for arm in ARMS}
+            self.all_gather_decision, self.reduce_scatter_decision = self._arms["plain"]
+            self._ab_config = config
+            _PENDING.append(weakref.ref(self))
+        else:
+            self.all_gather_decision = decide("all_gather", ag_bytes, config, why_not, self.model_weight.dtype)
+            self.reduce_scatter_decision = (
+                decide("reduce_scatter", rs_bytes, config, why_not, self.dtype)
+                if self.requires_grad
+                else _plain("reduce_scatter", 0, "no gradients")
+            )
         self.symm: SymmetricMemory | None = None
         self._reduce_scratch: DBuffer | None = None
-        if self.all_gather_decision.symmetric or self.reduce_scatter_decision.symmetric:
+        self._fallbacks: dict[str, Decision] = {}  # collective -> its plain decision after a placement mismatch
+        candidates = [self.all_gather_decision, self.reduce_scatter_decision]
+        if self._arms is not None:
+            candidates = [d for pair in self._arms.values() for d in pair]
+        if any(d.symmetric for d in candidates):
             self.symm = SymmetricMemory(self.main_weight.device, mesh.get_group(0))
         if self.all_gather_decision.symmetric:
             # The all-gather input; may be the optimizer's main_weight (same dtype):
@@ -127,6 +155,44 @@ class SymmFsdpParameterGroup(FsdpParameterGroup):
                 decision.collective, decision.nbytes, "plain: symmetric buffer placement differed across ranks"
             )
         return decision
+
+    # -- the step A/B --------------------------------------------------------
+    def sync_model_weight_from_main_weight(self) -> None:
+        """Upstream's (the optimizer's post-step hook calls it); also tells the
+        step A/B that an optimizer step happened."""
+        super().sync_model_weight_from_main_weight()
+        ab = getattr(self, "_symm_ab", None)
+        if ab is not None:
+            ab.optimizer_stepped()
+
+    def set_symm_arm(self, arm: str) -> None:
+        """Stage this group as the step A/B's ``arm`` says: the all-gather input
+        and the sharded gradient move between plain memory and the pool (same
+        Storage objects: every view stays valid); the per-step buffers follow at
+        their next allocation. Between steps (parameters resharded), every rank
+        at the same point: moving into the pool checks the placement across ranks."""
+        ag, rs = self._arms[arm]
+        ag = self._fallbacks.get("all_gather", ag)
+        rs = self._fallbacks.get("reduce_scatter", rs)
+        if ag.symmetric != self.all_gather_decision.symmetric:
+            if ag.symmetric:
+                ag = self._stage(self.model_weight.local_buffer, ag)
+                if not ag.symmetric:
+                    self._fallbacks["all_gather"] = ag
+            else:
+                move_storage(self.model_weight.local_buffer, contextlib.nullcontext)
+        self.all_gather_decision = ag
+        if rs.symmetric != self.reduce_scatter_decision.symmetric:
+            if rs.symmetric:
+                rs = self._stage(self.main_grad.local_buffer, rs)
+                if not rs.symmetric:
+                    self._fallbacks["reduce_scatter"] = rs
+            else:
+                move_storage(self.main_grad.local_buffer, contextlib.nullcontext)
+                if self._reduce_scratch is not None:
+                    release_storage([self._reduce_scratch.local_buffer])
+                    self._reduce_scratch = None
+        self.reduce_scatter_decision = rs
 
     def symm_release_tensors(self) -> list[torch.Tensor]:
         """The buffers this group allocated from the symmetric pool."""
@@ -268,18 +334,110 @@ class SymmFsdpModule(FsdpModule):
         first = self._context is None
         super()._lazy_init_context()
         if first:
-            report = any(g._report for g in self._parameter_groups)
+            groups = [g for m in self.context.forward_order for g in m.parameter_groups]
+            self._symm_ab_root = _step_ab_for(groups)
+            report = any(getattr(g, "_report", False) for g in groups)
             REPORTER.flush(enabled=report)
+
+    def pre_forward(self) -> None:
+        """Upstream's; at the root, a forward that follows an optimizer step starts a
+        step of the A/B (arms switch here: every parameter is resharded)."""
+        self._lazy_init_context()
+        ab = getattr(self, "_symm_ab_root", None)
+        if ab is not None and self.is_root():
+            ab.forward_boundary()
+        super().pre_forward()
 
     def release_symmetric_memory(self) -> int:
         """Free this module's symmetric buffers (the module is unusable afterwards);
         returns the bytes freed. Call it on every rank at the same point, so the
         symmetric pools stay in step; the next staged model reuses the segments."""
+        mine = {id(g) for g in self._parameter_groups}
+        _PENDING[:] = [ref for ref in _PENDING if ref() is not None and id(ref()) not in mine]
         return release_storage([t for g in self._parameter_groups for t in g.symm_release_tensors()])
 
     def symm_decisions(self) -> list[tuple[SymmFsdpParameterGroup, Decision, Decision]]:
         """Each parameter group with its all-gather and reduce-scatter decisions."""
         return [(g, g.all_gather_decision, g.reduce_scatter_decision) for g in self._parameter_groups]
+
+
+# Groups deciding by the step that no A/B has taken yet (weak references, in the order
+# they were built: the same on every rank): the first root forward after they were
+# built takes all of them (every root of the model: a model may have several).
+_PENDING: list[weakref.ref] = []
+
+
+def _step_ab_for(groups) -> StepAB | None:
+    """The step A/B of ``groups`` (a root's subtree): the one that already took them,
+    or a new one over every pending group (collective over their mesh group: the
+    cache lookup; every rank runs its first forward alike)."""
+    for g in groups:
+        if getattr(g, "_symm_ab", None) is not None:
+            return g._symm_ab
+    pending = [g for g in (ref() for ref in _PENDING) if g is not None and g._symm_ab is None]
+    _PENDING.clear()
+    if not pending:
+        return None
+    names = {g.mesh.get_group(0).group_name for g in pending}
+    config = pending[0]._ab_config
+
+    def flags(arm):
+        return tuple(d.symmetric for g in pending for d in g._arms[arm])
+
+    arms: list[str] = []
+    for arm in ARMS:  # arms that stage the same buffers as an earlier one are dropped
+        if flags(arm) not in [flags(a) for a in arms]:
+            arms.append(arm)
+    if len(arms) == 1:
+        return None
+    if len(names) > 1:
+        REPORTER.note(
+            "auto decided by the bands: the step A/B needs every FSDP group on one mesh group; "
+            f"these are on {len(names)}"
+        )
+        for g in pending:
+            g.set_symm_arm("bands" if "bands" in arms else "plain")
+        return None
+    group = pending[0].mesh.get_group(0)
+    device = pending[0].main_weight.device
+    rows = [
+        (d.collective, str(dtype), d.nbytes, *(g._arms[a][i].symmetric for a in ARMS))
+        for g in pending
+        for i, (d, dtype) in enumerate(((g._arms["plain"][0], g.model_weight.dtype), (g._arms["plain"][1], g.dtype)))
+    ]
+    key = ab_cache_key("fsdp", layout_signature(rows), dist.get_world_size(group), device)
+    cached = lookup_choice(key, arms, group, config.probe_cache)
+
+    def apply(arm):
+        for g in pending:
+            g.set_symm_arm(arm)
+
+    def decided(ab):
+        for g in pending:
+            REPORTER.add(f"{g.name} (all-gather)", g.all_gather_decision)
+            if g.requires_grad:
+                REPORTER.add(f"{g.name} (reduce-scatter)", g.reduce_scatter_decision)
+        REPORTER.note(ab.note())
+        REPORTER.flush(enabled=config.report)
+
+    ab = StepAB(
+        label="FSDP",
+        arms=arms,
+        apply=apply,
+        group=group,
+        device=device,
+        warmup=config.ab_warmup_steps,
+        rounds=config.ab_rounds,
+        steps=config.ab_steps,
+        key=key,
+        path=config.probe_cache,
+        cached=cached,
+        on_decided=decided,
+    )
+    for g in pending:
+        g._symm_ab = ab
+    REPORTER.note(ab.note())
+    return ab
 
 
 def fully_shard(

@@ -8,9 +8,13 @@ from collections.abc import Sequence
 
 from .config import COLLECTIVES, SymmMemConfig
 
-__all__ = ["Decision", "decide", "format_report", "Reporter", "REPORTER"]
+__all__ = ["ARMS", "Decision", "arm_decisions", "decide", "format_report", "Reporter", "REPORTER"]
 
 logger = logging.getLogger("megatron_ext.fsdp_symm")
+
+# The whole-model staging arms auto mode's step A/B compares (step_ab.py): no buffer
+# symmetric, the size bands' choice per buffer, every buffer with a symmetric kernel.
+ARMS = ("plain", "bands", "on")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +65,25 @@ def decide(collective: str, nbytes: int, config: SymmMemConfig, unavailable: str
     if nbytes > hi:
         return Decision(collective, nbytes, False, f"{auto}: {_mib(nbytes)} > max {_mib(hi)}")
     return Decision(collective, nbytes, True, f"{auto}: {_mib(lo)} <= {_mib(nbytes)} <= {_mib(hi)}")
+
+
+def arm_decisions(
+    collective: str, nbytes: int, config: SymmMemConfig, unavailable: str | None = None, dtype=None
+) -> dict[str, Decision]:
+    """Per arm of :data:`ARMS`, the decision for one buffer (see :func:`decide`
+    for the arguments; ``config``'s mode is ignored: ``bands`` decides with its
+    bands, ``on`` as mode ``on``). A buffer that cannot be symmetric (the group
+    is unavailable, no symmetric kernel for its dtype) has the same plain
+    decision, with the reason, in every arm."""
+    on = decide(collective, nbytes, dataclasses.replace(config, mode="on"), unavailable, dtype)
+    if not on.symmetric:
+        return dict.fromkeys(ARMS, on)
+    bands = decide(collective, nbytes, dataclasses.replace(config, mode="auto"), unavailable, dtype)
+    return {
+        "plain": Decision(collective, nbytes, False, "step A/B arm plain"),
+        "bands": dataclasses.replace(bands, reason=f"step A/B arm bands, {bands.reason}"),
+        "on": Decision(collective, nbytes, True, "step A/B arm on"),
+    }
 
 
 def format_report(rows: list[tuple[str, Decision]], notes: Sequence[str] = ()) -> str:

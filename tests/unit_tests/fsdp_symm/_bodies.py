@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import warnings
 
 import torch
@@ -148,6 +149,7 @@ def ddp_parity(distopt, microbatches, steps, avg, staged_variant, mode):
     pmid = psizes[len(psizes) // 2] if psizes else 0
     cfg = SymmMemConfig(
         mode=mode,
+        decide_by="bands",  # the band layout (the step A/B: test_step_ab.py)
         all_reduce_min_bytes=0,
         all_reduce_max_bytes=mid,
         reduce_scatter_min_bytes=0,
@@ -300,6 +302,7 @@ def fsdp_parity(microbatches, steps, mode, max_bytes):
     del model, opt
     cfg = SymmMemConfig(
         mode=mode,
+        decide_by="bands",
         all_gather_min_bytes=0,
         all_gather_max_bytes=max_bytes,
         reduce_scatter_min_bytes=0,
@@ -339,6 +342,7 @@ def fsdp_standin_parity(microbatches, steps, max_bytes):
     del model, opt
     cfg = SymmMemConfig(
         mode="auto",
+        decide_by="bands",
         all_gather_min_bytes=0,
         all_gather_max_bytes=max_bytes,
         reduce_scatter_min_bytes=0,
@@ -606,7 +610,7 @@ def probe_on_gpus(path):
         out["again"] = (again.source, again.bands, again.bands_fp32)
         # Staging with bands="probe": the DDP's group gets the cached bands.
         ps.initialize_model_parallel()
-        cfg = SymmMemConfig(bands="probe", probe_cache=path, all_gather_min_bytes=0)
+        cfg = SymmMemConfig(bands="probe", probe_cache=path, all_gather_min_bytes=0, decide_by="bands")
         ddp, decisions = _build_ddp("symm", True, True, cfg)
     resolved = probe_mod.apply_bands(cfg, again)
     expected = []
@@ -651,3 +655,180 @@ def probe_on_one_gpu(path):
         notes=notes,
         again=probe_mod.load_bands(dist.group.WORLD, dev, path).source,
     )
+
+
+# ------------------------------------------------------------- auto by the step (the A/B)
+class FakeClock:
+    """Step times for the step A/B without a device: a step lasts ``cost(arm, n)`` ms,
+    ``arm`` the one in effect when it ends (the A/B marks a step's end before it
+    switches arms), ``n`` the mark's number."""
+
+    def __init__(self, ab, cost):
+        self.ab, self.cost, self.t, self.n = ab, cost, 0.0, 0
+
+    def mark(self):
+        if self.n:
+            self.t += self.cost(self.ab.arm, self.n)
+        self.n += 1
+        return self.t
+
+    def elapsed_ms(self, start, end):
+        return end - start
+
+    def sync(self):
+        pass
+
+
+# Per arm, ms per step: "on" clearly fastest; "noise": on 0.6% faster than plain but the steps
+# jitter by +-2 ms, far more than that (a rule without a noise threshold would take it).
+STEP_COSTS = {
+    "on_wins": {"plain": 100.0, "bands": 90.0, "on": 80.0},
+    "noise": {"plain": 100.0, "bands": 100.3, "on": 99.4},
+}
+JITTER = (2.0, -2.0, 1.5, -1.5, 0.0)
+
+
+def _cost(case):
+    base = STEP_COSTS[case]
+
+    def cost(arm, n):
+        # Rank 1 is slower on odd steps: the agreed time is the slowest rank's.
+        return base[arm] + JITTER[n % len(JITTER)] + (0.7 if dist.get_rank() == 1 and n % 2 else 0.0)
+
+    return cost
+
+
+AB = dict(ab_warmup_steps=1, ab_steps=3, ab_rounds=1)
+
+
+def _ab_config(path, mid, pmid):
+    from megatron_ext.fsdp_symm import SymmMemConfig
+
+    return SymmMemConfig(
+        mode="auto",
+        report=False,
+        probe_cache=path,
+        all_reduce_min_bytes=0,
+        all_reduce_max_bytes=mid,
+        reduce_scatter_min_bytes=0,
+        reduce_scatter_max_bytes=mid,
+        all_gather_min_bytes=0,
+        all_gather_max_bytes=pmid,
+        **AB,
+    )
+
+
+def _segments(ddp):
+    return [
+        s.symmetric for b in ddp.buffers for s in getattr(b, "grad_segments", []) + getattr(b, "param_segments", [])
+    ]
+
+
+def ddp_step_ab(path, steps):
+    """The step A/B of a staged DDP on gloo (plain allocations stand in for the pool, a
+    fake clock for the device): per case, plain Megatron DDP's losses, then ours with
+    ``auto`` deciding by the step; the arms it ran, what it chose, the final layout,
+    the losses and the cache; then a second model of the same layout (a cache hit)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_ext.fsdp_symm import release_symmetric_memory, step_ab_of
+    from megatron_ext.testing.symm_standins import standin_pool
+
+    ps.initialize_model_parallel()
+    base_ddp, _ = _build_ddp("plain", True, False, None)
+    sizes = sorted(b.grad_data.numel() * b.grad_data.element_size() for buf in base_ddp.buffers for b in buf.buckets)
+    psizes = sorted(b.param_data.numel() * b.param_data.element_size() for buf in base_ddp.buffers for b in buf.buckets)
+    base, _ = _train_ddp(base_ddp, True, steps, 1)
+    del base_ddp
+    out = dict(base=base)
+    for case in STEP_COSTS:
+        cfg = _ab_config(f"{path}.{case}", sizes[len(sizes) // 2], psizes[len(psizes) // 2])
+        with standin_pool():
+            ddp, start = _build_ddp("symm", True, True, cfg)
+        ab = step_ab_of(ddp)
+        ab.clock = FakeClock(ab, _cost(case))
+        start_layout = _segments(ddp)
+        staged, _ = _train_ddp(ddp, True, steps, 1)
+        out[case] = dict(
+            staged=staged,
+            start=[d.symmetric for _, d in start],
+            start_layout=start_layout,
+            arms=ab.arms,
+            state=ab.state,
+            arm=ab.arm,
+            switches=list(ab.switches),
+            total_steps=ab.total_steps,
+            choice=ab.choice.as_dict(),
+            durations=list(ab.durations_ms),
+            layout=_segments(ddp),
+            decisions=[(d.symmetric, d.reason) for _, d in ddp.symm_mem_decisions],
+        )
+        release_symmetric_memory(ddp)
+        del ddp
+        dist.barrier()
+        with open(f"{path}.{case}") as f:
+            out[case]["file"] = json.load(f)
+        # The same layout again: the cached arm from construction on, nothing timed.
+        with standin_pool():
+            ddp, decisions = _build_ddp("symm", True, True, cfg)
+        ab = step_ab_of(ddp)
+        ab.clock = None  # a timed step would fail here
+        again, _ = _train_ddp(ddp, True, 3, 1)
+        out[case]["cached"] = dict(
+            state=ab.state,
+            arm=ab.arm,
+            layout=_segments(ddp),
+            decisions=[d.symmetric for _, d in decisions],
+            staged=again,
+        )
+        release_symmetric_memory(ddp)
+        del ddp
+    return out
+
+
+def fsdp_step_ab(path, steps, microbatches):
+    """The step A/B of our FSDP on gloo (stand-in pool, fake clock): upstream plain FSDP's
+    losses, then ours deciding by the step (four roots, one A/B over all their groups):
+    what it chose, the groups' final decisions, the losses; then a cache hit."""
+    from megatron_ext.fsdp_symm import release_symmetric_memory, step_ab_of
+    from megatron_ext.testing.symm_standins import standin_pool
+
+    model, opt = _fsdp_model("upstream", None)
+    base, _ = train_fsdp(model, opt, steps, microbatches)
+    del model, opt
+    cfg = _ab_config(path, 128 << 10, 128 << 10)
+    out = dict(base=base)
+    with standin_pool():
+        model, opt = _fsdp_model("ours", cfg)
+    first, _ = train_fsdp(model, opt, 1, microbatches)  # the first forward builds the A/B
+    ab = step_ab_of(model)
+    ab.clock = FakeClock(ab, _cost("on_wins"))
+    more, _ = train_fsdp(model, opt, steps - 1, microbatches, start=1)
+    groups = _fsdp_groups(model)
+    out.update(
+        staged=first + more,
+        arms=ab.arms,
+        state=ab.state,
+        arm=ab.arm,
+        switches=list(ab.switches),
+        total_steps=ab.total_steps,
+        steps_seen=ab.steps_seen,
+        one_ab=all(g._symm_ab is ab for g in groups),
+        decisions=[(g.all_gather_decision.symmetric, g.reduce_scatter_decision.symmetric) for g in groups],
+        on=[(g._arms["on"][0].symmetric, g._arms["on"][1].symmetric) for g in groups],
+        scratch=[g._reduce_scratch is not None for g in groups],
+    )
+    release_symmetric_memory(model)
+    del model, opt
+    with standin_pool():
+        model, opt = _fsdp_model("ours", cfg)
+    again, _ = train_fsdp(model, opt, 2, microbatches)
+    ab = step_ab_of(model)
+    out["cached"] = dict(
+        state=ab.state,
+        arm=ab.arm,
+        decisions=[(g.all_gather_decision.symmetric, g.reduce_scatter_decision.symmetric) for g in _fsdp_groups(model)],
+        staged=again,
+    )
+    release_symmetric_memory(model)
+    return out
