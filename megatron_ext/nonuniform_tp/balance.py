@@ -329,6 +329,7 @@ def shrunk_batch_shares(
     max_shrink: float,
     *,
     unit: str = "microbatch",
+    overheads: Sequence[float] | None = None,
 ) -> BatchShares:
     """Shares that keep every replica's per-step work (``--ntp-balance shrink``): the fastest
     replicas their equal share ``m = global_batch_size / (micro_batch_size * replicas)``, each
@@ -341,7 +342,14 @@ def shrunk_batch_shares(
     ``shares.global_batch_size`` is the smaller batch the sampler and the learning-rate
     schedule count. ``unit="sample"``: the same in samples (the equal share
     ``global_batch_size / replicas`` samples; a degraded replica's last micro-batch may be
-    partial)."""
+    partial).
+
+    ``overheads[d]``: time replica ``d`` spends besides its share each step, as a fraction of
+    a fastest replica's time for the equal share (a partner's and its satellite's transfers,
+    e.g. :data:`~megatron_ext.nonuniform_tp.policy.TRANSFER_FRACTION`). Where giving
+    those replicas fewer units to absorb it keeps more throughput (samples per predicted step)
+    than letting the step grow, they get fewer: at scale one unit of one replica costs far less
+    than every replica waiting for the pair."""
     if unit not in SHARE_UNITS:
         raise ValueError(f"unit must be one of {SHARE_UNITS}, got {unit!r}")
     rates = [Fraction(t) for t in throughputs]
@@ -349,6 +357,9 @@ def shrunk_batch_shares(
         raise ValueError(f"throughputs must be one number > 0 per replica, got {list(throughputs)}")
     if isinstance(max_shrink, bool) or not isinstance(max_shrink, (int, float)) or not 0 <= max_shrink < 1:
         raise ValueError(f"max_shrink must be a number in [0, 1) (a fraction of the global batch), got {max_shrink!r}")
+    fractions = [Fraction(0)] * len(rates) if overheads is None else [Fraction(o) for o in overheads]
+    if len(fractions) != len(rates) or any(o < 0 for o in fractions):
+        raise ValueError(f"overheads must be one number >= 0 per replica, got {overheads}")
     if unit == "sample":
         _check_sizes(global_batch_size, micro_batch_size, len(rates))
         if global_batch_size % len(rates):
@@ -361,12 +372,25 @@ def shrunk_batch_shares(
     else:
         base = equal_batch_shares(len(rates), global_batch_size, micro_batch_size).microbatches[0]
     top = max(rates)
-    counts = [base if t == top else max(1, math.floor(base * t / top)) for t in rates]
     total = base * len(rates)
     allowed = math.floor(Fraction(max_shrink) * total)
-    while total - sum(counts) > allowed:
-        d = min((d for d, t in enumerate(rates) if t != top), key=lambda d: ((counts[d] + 1) / rates[d], d))
-        counts[d] += 1
+    extra = [o * base for o in fractions]  # in units of a fastest replica's time per unit
+    # time in units of a fastest replica's unit: t_d = top / rates[d] per unit, plus the overhead
+    finish = lambda d, n, o: n * top / rates[d] + o[d]  # noqa: E731
+
+    def shares(absorb: bool) -> list[int]:
+        o = extra if absorb else [Fraction(0)] * len(rates)
+        counts = [max(1, math.floor((base - o[d]) * rates[d] / top)) for d in range(len(rates))]
+        while total - sum(counts) > allowed:
+            cut = [d for d in range(len(rates)) if counts[d] < base]
+            d = min(cut, key=lambda d: (finish(d, counts[d] + 1, extra), d))
+            counts[d] += 1
+        return counts
+
+    def throughput(counts: list[int]) -> Fraction:
+        return sum(counts) / max(finish(d, n, extra) for d, n in enumerate(counts))
+
+    counts = max((shares(False), shares(True)), key=throughput)  # ties: the larger batch (False first)
     if unit == "sample":
         return BatchShares.in_samples(micro_batch_size, counts, tuple(float(t) for t in rates))
     return BatchShares(micro_batch_size, tuple(counts), tuple(float(t) for t in rates))

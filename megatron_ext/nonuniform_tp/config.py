@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 from .balance import SHARE_UNITS
 from .cost_model import reduced_degree
-from .policy import POLICIES, decide
+from .policy import POLICIES, TRANSFER_FRACTION, decide
 
 __all__ = [
     "NonuniformTPConfig",
@@ -308,12 +308,17 @@ class NonuniformTPConfig:
             if self.balance == "none" or self.drops:  # dropped: the healthy replicas alone, alike
                 return balance_mod.equal_batch_shares(num_replicas, global_batch_size, micro_batch_size)
             if self.balance == "shrink":
+                degrees = self.replica_tp_degrees(num_replicas)
+                degraded = [d for d, t in enumerate(degrees) if t < self.tp_base]
+                healthy = [d for d, t in enumerate(degrees) if t == self.tp_base]
+                pair = set(degraded) | set(healthy[: len(degraded)])  # the k-th healthy replica partners the k-th
                 return balance_mod.shrunk_batch_shares(
-                    self.replica_tp_degrees(num_replicas),
+                    degrees,
                     global_batch_size,
                     micro_batch_size,
                     self.max_shrink,
                     unit=self.share_unit,
+                    overheads=[TRANSFER_FRACTION if d in pair else 0.0 for d in range(num_replicas)],
                 )
             # measured: the shares by TP degree until the throughputs are measured (the best split even
             # where it is no faster than equal shares: the measured one replaces it)

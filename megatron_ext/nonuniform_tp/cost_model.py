@@ -416,26 +416,37 @@ def _finish(costs, mode, choice, tp, r, members, total, fluid, shares, kept, dro
 def _shrink(costs, tp, r, members, total, fluid, max_shrink, dropped):
     """Every replica keeps its per-step work: the uniform job's share of the live replicas (the dead
     replicas' shares spread over them), a satellite what it computes in a healthy replica's compute
-    time; the batch shrinks by the shortfall, at most ``max_shrink`` of it."""
+    time; the batch shrinks by the shortfall, at most ``max_shrink`` of it. Where it keeps more
+    tokens/s, a partner and its satellite also give up what their transfers take, so that nobody waits
+    for the pair (``balance.shrunk_batch_shares`` does the same in training)."""
     n = len(members)
     base = [total / n] * n if fluid else _even(total, n)
-    sat = [i for i, (_, role, _) in enumerate(members) if role == "satellite"]
-    t_h, t_s = costs.microbatch_s, costs.microbatch_at(tp, r)
-    shares = list(base)
-    for i in sat:
-        shares[i] = base[i] * t_h / t_s if fluid else max(1, math.floor(base[i] * t_h / t_s + 1e-9))
+    t_h = costs.microbatch_s
     allowed = max_shrink * total
-    short = sum(base) - sum(shares)
-    if short > allowed:
-        if fluid:
-            for i in sat:
-                shares[i] += (short - allowed) / len(sat)
-        else:
-            for _ in range(math.ceil(short - allowed - 1e-9)):
-                i = min(sat, key=lambda j: (shares[j] + 1, j))
-                shares[i] += 1
-    processed = sum(shares)
-    return _make_plan(costs, "ntp shrink", "ntp shrink", tp, r, members, shares, processed, total, len(sat), dropped)
+
+    def plan(absorb: bool) -> Plan:
+        shares = list(base)
+        cut = []
+        for i, (_, role, degree) in enumerate(members):
+            o = costs.transfer_s(tp, r) if absorb and role in ("partner", "satellite") else 0.0
+            if role == "satellite" or o:
+                x = (base[i] * t_h - o) / costs.microbatch_at(tp, degree)
+                shares[i] = max(0.0, x) if fluid else max(1, math.floor(x + 1e-9))
+                cut.append(i)
+        short = sum(base) - sum(shares)
+        if short > allowed:
+            if fluid:
+                for i in cut:
+                    shares[i] += (short - allowed) / len(cut)
+            else:
+                for _ in range(math.ceil(short - allowed - 1e-9)):
+                    i = min(cut, key=lambda j: (shares[j] + 1, j))
+                    shares[i] += 1
+        processed = sum(shares)
+        kept = sum(role == "satellite" for _, role, _ in members)
+        return _make_plan(costs, "ntp shrink", "ntp shrink", tp, r, members, shares, processed, total, kept, dropped)
+
+    return max((plan(False), plan(True)), key=lambda p: p.throughput)
 
 
 def best_plan(
