@@ -173,6 +173,20 @@ def test_shrink_keeps_every_replicas_work_and_bounds_the_batch_it_leaves_out():
     assert shrunk_batch_shares([1, 2], 12, 1, 0.0).microbatches == (6, 6)
     assert shrunk_batch_shares([2, 2], 8, 2, 0.05).microbatches == (2, 2)  # no degraded replica: Megatron's
     assert shrunk_batch_shares([1, 8], 2, 1, 0.5).microbatches == (1, 1)  # at least one micro-batch
+    # The pair's transfers (overheads, a fraction of the equal share's time): at DP=64 x TP 8 -> 7 with 24
+    # samples each, 1.84% of a step is 0.44 samples; the partner (replica 1) and its satellite give one up
+    # each (2 of 1536 samples) so that nobody waits for them, rather than every replica waiting 0.44 samples.
+    overheads = [0.0184, 0.0184] + [0.0] * 62
+    shares = shrunk_batch_shares([7] + [8] * 63, 24 * 64, 1, 0.05, overheads=overheads)
+    assert shares.microbatches[:3] == (20, 23, 24) and shares.global_batch_size == 24 * 64 - 5
+    # at DP=4 one sample of a replica is 1/96 of the batch: waiting 0.44 samples keeps more samples per step
+    assert shrunk_batch_shares([7, 8, 8, 8], 96, 1, 0.05, overheads=overheads[:4]).microbatches == (21, 24, 24, 24)
+    cfg = NonuniformTPConfig(
+        tp_base=8, tp_spares=1, non_active_ranks_per_dp={0: (7,)}, balance="shrink", policy="degrade"
+    )
+    assert cfg.batch_shares(24 * 64, 1, num_replicas=64).microbatches[:3] == (20, 23, 24)
+    with pytest.raises(ValueError, match="overheads must be one number >= 0 per replica"):
+        shrunk_batch_shares([1, 2], 12, 1, 0.5, overheads=[0.1])
     with pytest.raises(ValueError, match="max_shrink must be a number in \\[0, 1\\)"):
         shrunk_batch_shares([1, 2], 12, 1, 1.0)
     with pytest.raises(ValueError, match="not a multiple of micro_batch_size \\* data-parallel replicas"):
