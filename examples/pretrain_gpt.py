@@ -39,8 +39,12 @@ flag groups switch its capabilities on:
   builds the same GPTModel from it and takes Megatron's shards in place.
 
 - ``--num-experts N`` (with Megatron-LM's ``--moe-*`` flags and ``--expert-model-parallel-size``):
-  every layer an MoE layer of megatron-core's SequentialMLP experts, split over EP ranks; the
+  every layer an MoE layer of megatron-core's SequentialMLP experts, split over EP ranks (and, with
+  ``--tensor-model-parallel-size`` > 1, which needs ``--sequence-parallel``, over expert TP ranks); the
   megatron-core engine takes them at ``--refit-engine-ep`` (its command's ``--ep``).
+- ``--sequence-parallel`` (Megatron-LM's): the norms, dropouts and residuals split the sequence over
+  each TP group; the local layer spec's norms are megatron_ext's ``LocalNorm`` (no Transformer Engine
+  or Apex needed). Off at TP 1 as in Megatron-LM; with ``--ntp-*`` on every replica at TP > 1.
 
 The same command runs on CPU (gloo; a tiny model) and on GPUs (NCCL, one GPU per
 rank). Rank 0 prints a start-up summary of what the plugin enabled; the last rank
@@ -228,6 +232,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="uniform TP degree; with --ntp-tp-base leave it at 1 or set it to tp_base",
+    )
+    g.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="Megatron-LM's sequence parallelism: the norms, dropouts and residuals of each TP group split "
+        "the sequence (--seq-length divisible by the TP degree(s)); off at TP 1, as in Megatron-LM; under "
+        "--ntp-tp-base on every replica at TP > 1",
     )
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="only 1 is supported")
     g.add_argument(
@@ -448,7 +459,12 @@ def _check(args, world_size: int, cuda: bool, parser) -> Plan:
 
     symm = SymmMemConfig.from_args(args)
     args.world_size = world_size  # --ntp-policy auto predicts from it and the batch sizes
-    ntp = NonuniformTPConfig.from_args(args)
+    if args.sequence_parallel and max(args.tensor_model_parallel_size, args.ntp_tp_base or 1) == 1:
+        # Megatron-LM's validate_args: no sequence parallelism without tensor parallelism
+        if int(os.environ.get("RANK", "0")) == 0:
+            print("WARNING: Disabling sequence parallelism because tensor model parallelism is disabled", flush=True)
+        args.sequence_parallel = False
+    ntp = NonuniformTPConfig.from_args(args)  # with --sequence-parallel: --seq-length splits at both degrees
     tp = args.tensor_model_parallel_size
     if ntp is not None:
         if tp not in (1, ntp.tp_base):
@@ -479,6 +495,11 @@ def _check(args, world_size: int, cuda: bool, parser) -> Plan:
             raise ValueError(
                 f"--tensor-model-parallel-size {tp} must divide the number of processes "
                 f"({world_size}, torchrun --nproc-per-node x --nnodes)"
+            )
+        if args.sequence_parallel and args.seq_length % tp:
+            raise ValueError(
+                f"--seq-length {args.seq_length} must be divisible by --tensor-model-parallel-size {tp} with "
+                "--sequence-parallel (each TP rank holds its part of the sequence)"
             )
         multiple = args.make_vocab_size_divisible_by * tp
         padded = -(-args.vocab_size // multiple) * multiple
@@ -626,11 +647,11 @@ def _check_moe(args, world_size: int, tp: int, ntp, parser) -> tuple[int, int]:
             "counts and load-balancing statistics are reduced over groups that differ between healthy and degraded "
             "replicas); drop --ntp-* or --num-experts"
         )
-    if tp != 1:
+    if tp != 1 and not args.sequence_parallel:
         raise ValueError(
             f"--num-experts with --tensor-model-parallel-size {tp}: megatron-core trains MoE layers under TP only "
-            "with sequence parallelism, which this script does not offer; use --tensor-model-parallel-size 1 and "
-            "split the experts with --expert-model-parallel-size"
+            "with sequence parallelism: add --sequence-parallel (or use --tensor-model-parallel-size 1 and split "
+            "the experts with --expert-model-parallel-size)"
         )
     if args.moe_router_topk > n:
         raise ValueError(f"--moe-router-topk {args.moe_router_topk} must be in 1..--num-experts ({n})")
@@ -823,6 +844,7 @@ def transformer_config(args, plan: Plan, tp: int):
         qk_layernorm=args.qk_layernorm,
         calculate_per_token_loss=args.calculate_per_token_loss,
         tensor_model_parallel_size=tp,
+        sequence_parallel=args.sequence_parallel and tp > 1,  # a degraded NTP replica at TP 1 runs without
         pipeline_model_parallel_size=1,
         use_cpu_initialization=args.use_cpu_initialization,
         bf16=args.bf16,
@@ -834,11 +856,14 @@ def transformer_config(args, plan: Plan, tp: int):
 
 
 def build_model(args, plan: Plan, config, device):
-    """Megatron-LM's ``model_provider`` for GPT on the local layer spec."""
+    """Megatron-LM's ``model_provider`` for GPT on the local layer spec, its norms megatron_ext's
+    ``LocalNorm`` (torch's LayerNorm / RMSNorm, with sequence parallelism)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.module import Float16Module
+
+    from megatron_ext.layers import local_gpt_block_spec
 
     # The same draws on every layout: the weights depend on --seed only (with CPU initialization).
     set_random_seed(args.seed)
@@ -852,7 +877,7 @@ def build_model(args, plan: Plan, config, device):
         spec = _global_draw_experts(spec)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=spec,
+        transformer_layer_spec=local_gpt_block_spec(config, spec),
         vocab_size=plan.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(),
@@ -1295,6 +1320,7 @@ def startup_summary(args, plan: Plan, ddp, ntp_groups, exporter) -> None:
         )
         + f", padded vocab {plan.padded_vocab_size}, "
         f"DDP wrapper {type(ddp).__name__}"
+        + (", sequence parallel" + (" (at TP > 1)" if plan.ntp is not None else "") if args.sequence_parallel else "")
     ]
     if plan.num_experts is not None:
         lines.append(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 from collections.abc import Mapping
 
 from .balance import SHARE_UNITS
@@ -50,6 +51,9 @@ class NonuniformTPConfig:
             every slot has a process and the non-active ones leave (tests).
         num_attention_heads, num_query_groups, ffn_hidden_size, vocab_size:
             optional model shape; when given, checked to split at both degrees.
+        sequence_parallel, seq_length: Megatron's ``--sequence-parallel`` (on every replica at TP > 1; a
+            degraded replica at TP 1 runs without, as Megatron refuses it there) and ``--seq-length``;
+            with both, the sequence is checked to split at both degrees.
         balance: how each global batch is shared among the replicas
             (:meth:`batch_shares`). ``"none"``: equal shares, as Megatron.
             ``"tp"``: micro-batches in proportion to each replica's TP degree,
@@ -93,6 +97,8 @@ class NonuniformTPConfig:
     policy: str = "auto"
     max_shrink: float = 0.05
     share_unit: str = "microbatch"
+    sequence_parallel: bool = False
+    seq_length: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.tp_base, int) or self.tp_base < 1:
@@ -199,6 +205,22 @@ class NonuniformTPConfig:
                     f"be divisible by tp_base={self.tp_base} and tp_reduced={self.tp_reduced}; pick "
                     "tp_spares so both divide it (or pad the vocabulary to a common multiple)"
                 )
+        seq = self.seq_length
+        if not isinstance(self.sequence_parallel, bool):
+            raise ValueError(
+                f"NonuniformTPConfig.sequence_parallel must be True or False, got {self.sequence_parallel!r}"
+            )
+        if seq is not None and (not isinstance(seq, int) or isinstance(seq, bool) or seq < 1):
+            raise ValueError(f"NonuniformTPConfig.seq_length (--seq-length) must be an int >= 1 or None, got {seq!r}")
+        bad = [d for d in degrees if seq is not None and seq % d] if self.sequence_parallel else []
+        if bad:
+            common = math.lcm(*degrees)
+            raise ValueError(
+                f"NonuniformTPConfig.seq_length={seq} (--seq-length) cannot be split over TP degree(s) {bad} with "
+                f"sequence_parallel (--sequence-parallel: each TP rank holds its part of the sequence): it must be "
+                f"divisible by tp_base={self.tp_base} and tp_reduced={self.tp_reduced}, i.e. a multiple of {common} "
+                f"(e.g. {-(-seq // common) * common}); or pick tp_spares (--ntp-spares) so both divide it"
+            )
 
     def check_model(self, transformer_config, vocab_size: int | None = None, module=None) -> None:
         """Check a megatron ``TransformerConfig`` (and vocab) against both degrees, and
@@ -358,6 +380,10 @@ class NonuniformTPConfig:
         policy = getattr(args, "ntp_policy", "auto")
         max_shrink = getattr(args, "ntp_max_shrink", None)
         share_unit = getattr(args, "ntp_share_unit", "microbatch")
+        # Megatron's --sequence-parallel and --seq-length, where the parser has them
+        sequence_parallel = getattr(args, "sequence_parallel", False) is True
+        seq_length = getattr(args, "seq_length", None)
+        seq_length = seq_length if isinstance(seq_length, int) and seq_length > 0 else None
         if tp_base is None:
             given = [
                 f"{flag} {value!r}"
@@ -418,6 +444,7 @@ class NonuniformTPConfig:
                 "num_attention_heads": getattr(args, "num_attention_heads", None),
                 "num_query_groups": getattr(args, "num_query_groups", None) if gqa else None,
                 "ffn_hidden_size": getattr(args, "ffn_hidden_size", None),
+                "seq_length": seq_length if sequence_parallel else None,
             }
             sizes = {k: v for k, v in sizes.items() if isinstance(v, int) and v > 0}
             spares, failed = compute_uniform_tp_spares_with_parity(failed, tp_base, divides=sizes)
@@ -428,6 +455,8 @@ class NonuniformTPConfig:
             extra["max_shrink"] = max_shrink
         if share_unit != "microbatch":
             extra["share_unit"] = share_unit
+        if sequence_parallel:
+            extra.update(sequence_parallel=True, seq_length=seq_length)
         config = cls(
             tp_base=tp_base,
             tp_spares=spares,

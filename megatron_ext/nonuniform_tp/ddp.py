@@ -325,10 +325,9 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
         self._ntp_groups = groups
         self._pair = None
         self._tokens_shared = False
-        if getattr(config, "sequence_parallel", False) or config.pipeline_model_parallel_size != 1:
+        if config.pipeline_model_parallel_size != 1:
             raise ValueError(
-                "nonuniform TP supports sequence_parallel=False and "
-                "pipeline_model_parallel_size=1 only; turn them off in the model config"
+                "nonuniform TP supports pipeline_model_parallel_size=1 only; turn it off in the model config"
             )
         role = groups.role
         kind = role.kind
@@ -375,13 +374,18 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
         root = layout.tp_group_ranks(healthy)[0]
         device = params[0].device if params else torch.device("cpu")
         # The partner's bucket group of every parameter and its unit size, sent to the satellite (the same
-        # on every partner rank); both sides then cut the same pieces into the same units.
-        plan = torch.full((len(params) + 1,), -1, dtype=torch.int64, device=device)
+        # on every partner rank); both sides then cut the same pieces into the same units. Then, per
+        # parameter, whether the partner's finalize_model_grads sums its gradient over TP (its satellite
+        # routes a summed gradient rank to rank: a degraded replica at TP 1 has no sequence parallelism).
+        n = len(params)
+        summed = [reshard.tp_summed_grad(config, names[i], params[i]) for i in range(n)]
+        plan = torch.full((2 * n + 1,), -1, dtype=torch.int64, device=device)
         if partner:
             index_of = {id(p): i for i, p in enumerate(params)}
             for k, bucket_group in enumerate(self.bucket_groups):
                 for p in bucket_group.params:
                     plan[index_of[id(p)]] = k
+            plan[n : 2 * n] = torch.tensor(summed, dtype=torch.int64)
             # elements of a unit: transfer_chunk_mb of fp32 gradients
             plan[-1] = max(1, int(ntp_config.transfer_chunk_mb * 2**20) // 4)
         mine = plan.clone()
@@ -392,7 +396,24 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
                 f"a trainable parameter is in none ({mine.tolist()} here, {plan.tolist()} on its TP rank 0); every "
                 "rank needs the same DistributedDataParallelConfig, --ntp-transfer-chunk-mb and model"
             )
-        *group_of, max_elems = plan.tolist()
+        plan = plan.tolist()
+        group_of, summed_at_base, max_elems = plan[:n], [bool(x) for x in plan[n : 2 * n]], plan[-1]
+        # A gradient that is a partial sum per TP rank on the satellite must be summed on the partner too, and
+        # one summed on the partner must be partial on the satellite or whole (at TP 1). One all-reduce over
+        # the pair: the first parameter where the two disagree (+1; 0: none), so every rank of both refuses.
+        odd = [
+            i for i in range(n) if not partner and summed[i] != summed_at_base[i] and (summed[i] or role.tp_size > 1)
+        ]
+        first = torch.tensor([odd[0] + 1 if odd else 0], dtype=torch.int64, device=device)
+        dist.all_reduce(first, op=dist.ReduceOp.MAX, group=group)
+        if first.item():
+            i = int(first.item()) - 1
+            raise ValueError(
+                f"nonuniform TP: the gradient of {names[i]} is {'' if summed_at_base[i] else 'not '}summed over the "
+                f"TP group on the partner replica (TP {layout.tp_base}) and {'not ' if summed_at_base[i] else ''}on "
+                f"its degraded replica (TP {layout.tp_reduced}): build every replica with the same sequence_parallel "
+                "and qk_layernorm (sequence_parallel may be off only at TP 1, where Megatron refuses it)"
+            )
         members = [[] for _ in range(max(group_of, default=-1) + 1)]
         for i, k in enumerate(group_of):
             members[k].append(i)
@@ -409,9 +430,8 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
                 size = 0  # along the split dim, of a tp_base shard
                 if spec.dim is not None:
                     size = p.shape[spec.dim] if partner else p.shape[spec.dim] * role.tp_size // b
-                summed = reshard.tp_summed_grad(config, names[i], p)
                 out += reshard.pair_pieces(
-                    i, spec, size, base_ranks, reduced_ranks, gradient=gradient, summed=summed, name=names[i]
+                    i, spec, size, base_ranks, reduced_ranks, gradient=gradient, summed=summed_at_base[i], name=names[i]
                 )
             return out
 

@@ -20,9 +20,13 @@ gradient.
 Some replicated parameters get a *partial* gradient on each TP rank, which
 Megatron's ``finalize_model_grads`` sums over the TP group after the
 data-parallel collective (:func:`tp_summed_grad`: the q/k layer norms with
-``qk_layernorm``, each rank's gradient covering its own heads). Degraded rank
-``i``'s partial goes to partner rank ``i`` only, so that the partner's TP sum
-holds every rank's part once.
+``qk_layernorm``, each rank's gradient covering its own heads; with
+``sequence_parallel`` the norms and row-parallel biases, each rank's covering its
+part of the sequence). Degraded rank ``i``'s partial goes to partner rank ``i``
+only, so that the partner's TP sum holds every rank's part once. A degraded
+replica at TP 1 (no sequence parallelism there: Megatron refuses it) holds the
+whole gradient, which goes to partner rank 0 alike; the partner decides which
+gradients are summed, for both sides.
 """
 
 from __future__ import annotations

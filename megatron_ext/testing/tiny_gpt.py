@@ -1,4 +1,4 @@
-"""A tiny megatron-core GPTModel (local layer spec) and synthetic data.
+"""A tiny megatron-core GPTModel (local layer spec, norms :class:`~megatron_ext.layers.LocalNorm`) and synthetic data.
 
 Shared by the tests, the demo and the benchmarks. Weights are initialised on
 CPU from the global seed (``use_cpu_initialization``), so the same seed gives
@@ -23,6 +23,7 @@ class TinyGPTSpec:
     ffn_hidden_size: int = 128
     gated_linear_unit: bool = False
     qk_layernorm: bool = False  # layer norms of the queries and keys (their grads are partial per TP rank)
+    normalization: str = "LayerNorm"  # or "RMSNorm" (megatron_ext.layers.LocalNorm builds either)
     vocab_size: int = 128
     seq_length: int = 16
     micro_batch_size: int = 2
@@ -43,6 +44,7 @@ def transformer_config(spec: TinyGPTSpec, tp: int = 1, pp: int = 1, **overrides)
         ffn_hidden_size=spec.ffn_hidden_size,
         gated_linear_unit=spec.gated_linear_unit,
         qk_layernorm=spec.qk_layernorm,
+        normalization=spec.normalization,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         use_cpu_initialization=True,
@@ -67,13 +69,15 @@ def build_model(spec: TinyGPTSpec, config, device: torch.device | str = "cpu"):
     """
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_ext.layers import local_gpt_block_spec
 
     torch.manual_seed(spec.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(spec.seed)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm),
+        # the local spec, its norms LocalNorm (sequence parallelism without TE / Apex)
+        transformer_layer_spec=local_gpt_block_spec(config),
         vocab_size=spec.vocab_size,
         max_sequence_length=spec.seq_length,
         position_embedding_type="learned_absolute",

@@ -9,9 +9,9 @@ On CPU (gloo) four launches, each checked for several things:
   distributed optimizer, exporting its starting weights and then every 2 iterations to a
   separately started engine, saving at iteration 3;
   B = NTP ``--ntp-tp-base 2 --ntp-failed-slots 0:1`` on the 3 healthy ranks (replica 0 at TP1,
-  the satellite of replica 1 at TP2) with ``--symm-mem on``, Megatron's plain optimizer and
-  small transfer units (``--ntp-transfer-chunk-mb 0.05``: several per bucket), saving at
-  iteration 3;
+  the satellite of replica 1 at TP2) with ``--sequence-parallel`` (on replica 1; TP1 runs without),
+  ``--symm-mem on``, Megatron's plain optimizer and small transfer units (``--ntp-transfer-chunk-mb
+  0.05``: several per bucket), saving at iteration 3;
 - then C = NTP with the distributed optimizer and measured batch shares (``--ntp-balance measured
   --ntp-balance-measure-steps 1``: by TP degree, 1 and 3 of the 4 micro-batches, for its first
   iteration, then by the replicas' measured throughputs) resuming A's uniform checkpoint
@@ -36,8 +36,11 @@ reductions (TP partial sums, the gradient all-reduce, a degraded replica's gradi
 and added into its partner's buckets). That agrees with a single-rank run within 1e-5 relative
 per step over 10 steps (tests/unit_tests/nonuniform_tp/test_ntp_training.py, RTOL); the script
 prints the loss with 7 significant digits (``%.6E``), up to 5e-7 relative off per value. So two
-layouts must agree within RTOL = 1e-5 + 2 x 5e-7. Faults are far outside it: B with the degraded
-replica's gradients left out of its partner's buckets put the second loss 9e-3 off; resuming with
+layouts must agree within RTOL = 1e-5 + 2 x 5e-7 (sequence parallelism, in B and not in A, D, is one
+more reordering: B's losses print equal to A's). Faults are far outside it: B with the degraded
+replica's gradients left out of its partner's buckets put the second loss 9e-3 off; B with the norms'
+parameters not marked ``sequence_parallel`` (their gradients then not summed over TP) 1.7e-5 relative
+(the third 2.4e-5, the fourth 3.8e-5); resuming with
 a wrong Adam step count put the next loss 5e-3 off here, resuming without the optimizer state 0.6
 off.
 
@@ -243,6 +246,7 @@ def runs(tmp_path_factory):
         3,
         *NTP,
         *DIGEST,
+        "--sequence-parallel",
         "--ntp-transfer-chunk-mb",
         "0.05",
         "--symm-mem",
@@ -368,7 +372,8 @@ def test_auto_policy_drops_a_straggler_replica_and_trains_like_uniform_tp(runs):
 
 
 def test_ntp_with_a_failed_slot_trains_like_uniform_tp(runs):
-    """B (NTP: replica 0 at TP1 after losing slot 1, the satellite of replica 1 at TP2) vs A (uniform TP2)."""
+    """B (NTP: replica 0 at TP1 after losing slot 1, the satellite of replica 1 at TP2, sequence parallelism on
+    replica 1) vs A (uniform TP2, no sequence parallelism)."""
     a, b = losses(runs["A"]), losses(runs["B"])
     assert sorted(a) == list(range(1, ITERS + 1)), runs["A"][-3000:]
     assert a[ITERS] < a[1] - 0.3, f"the baseline did not learn: {a}"
@@ -377,8 +382,9 @@ def test_ntp_with_a_failed_slot_trains_like_uniform_tp(runs):
         "nonuniform TP: on, tp_base=2, replica(s) [0] at TP=1, TP groups [[0], [1, 2]], launch packed, degraded -> "
         "partner replica 0 -> 1 (transfers in units of <= 0.05 MiB)"
     ) in runs["B"]
-    assert "DDP wrapper NonuniformTPDistributedDataParallel" in runs["B"]
+    assert "DDP wrapper NonuniformTPDistributedDataParallel, sequence parallel (at TP > 1)" in runs["B"]
     assert "nonuniform TP: off" in runs["A"] and "DDP wrapper DistributedDataParallel" in runs["A"]
+    assert "sequence parallel" not in runs["A"]
     line = next(ln for ln in runs["B"].splitlines() if re.search(r"iteration\s+6/", ln))
     assert "throughput (tokens/s):" in line and "elapsed time per iteration (ms):" in line, line
 
@@ -513,7 +519,15 @@ def _script():
         (["--num-experts", "4", "--moe-router-topk", "5"], 2, "--moe-router-topk 5 must be in 1..--num-experts (4)"),
         ([*NTP, "--num-experts", "4"], 3, "--num-experts 4 with --ntp-tp-base: nonuniform TP does not train MoE"),
         (["--num-experts", "4", "--tensor-model-parallel-size", "2"], 2,
-         "megatron-core trains MoE layers under TP only with sequence parallelism"),
+         "megatron-core trains MoE layers under TP only with sequence parallelism: add --sequence-parallel"),
+        # sequence parallelism: the sequence splits at the TP degree(s)
+        (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "15"], 2,
+         "--seq-length 15 must be divisible by --tensor-model-parallel-size 2 with --sequence-parallel"),
+        ([*NTP, "--sequence-parallel", "--seq-length", "15"], 3,
+         "NonuniformTPConfig.seq_length=15 (--seq-length) cannot be split over TP degree(s) [2] with "
+         "sequence_parallel (--sequence-parallel"),
+        (["--ntp-tp-base", "4", "--ntp-failed-slots", "0:1", "--ntp-spares", "1", "--sequence-parallel"], 7,
+         "NonuniformTPConfig.seq_length=16 (--seq-length) cannot be split over TP degree(s) [3]"),
         (["--num-experts", "4", "--moe-token-dispatcher-type", "flex"], 2,
          "--moe-token-dispatcher-type flex needs DeepEP / HybridEP"),
         (["--num-experts", "4", "--moe-grouped-gemm"], 2,
@@ -538,6 +552,29 @@ def test_bad_flag_combinations_are_refused_at_parse_time(flags, world, message, 
         _script().parse_args([*MODEL, *TRAIN, *flags], world_size=world, cuda=False)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_sequence_parallel_flag(capsys, monkeypatch):
+    """--sequence-parallel as in Megatron-LM: off with a warning at TP 1; under --ntp-tp-base on every replica at
+    TP > 1 (the config checks the sequence at both degrees; without --ntp-spares the reduced degree splits it:
+    TP 2, not 3, for --seq-length 16 at --ntp-tp-base 4); MoE at TP 2 with it (expert TP 2)."""
+    monkeypatch.delenv("RANK", raising=False)
+    script = _script()
+    args, plan = script.parse_args([*MODEL, *TRAIN, "--sequence-parallel"], world_size=2, cuda=False)
+    assert not args.sequence_parallel and plan.tp == 1
+    assert "WARNING: Disabling sequence parallelism because tensor model parallelism is disabled" in (
+        capsys.readouterr().out
+    )
+    args, plan = script.parse_args([*MODEL, *TRAIN, *NTP, "--sequence-parallel"], world_size=3, cuda=False)
+    assert args.sequence_parallel and (plan.ntp.sequence_parallel, plan.ntp.seq_length) == (True, 16)
+    wide = ["--hidden-size", "96", "--num-attention-heads", "12", "--num-query-groups", "12"]  # split at 4 and 3
+    flags = [*wide, "--ntp-tp-base", "4", "--ntp-failed-slots", "0:1", "--ntp-policy", "degrade"]
+    assert script.parse_args([*MODEL, *TRAIN, *flags], world_size=7, cuda=False)[1].ntp.tp_reduced == 3
+    args, plan = script.parse_args([*MODEL, *TRAIN, *flags, "--sequence-parallel"], world_size=6, cuda=False)
+    assert plan.ntp.tp_reduced == 2 and plan.ntp.non_active_ranks_per_dp == {0: (1, 3)}
+    moe = ["--num-experts", "4", "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    args, plan = script.parse_args([*MODEL, *TRAIN, *moe], world_size=2, cuda=False)
+    assert args.sequence_parallel and (plan.tp, plan.ep, plan.etp) == (2, 1, 2)
 
 
 def test_gpt2_shaped_models_are_refused_for_the_weight_export(capsys, monkeypatch):

@@ -29,6 +29,7 @@ def train(
     bf16=False,
     symm_mem=None,
     collectives=False,
+    sequence_parallel=False,
 ):
     """Train the tiny GPT for ``steps`` Megatron-optimizer steps.
 
@@ -36,7 +37,8 @@ def train(
     NTP job from ``NonuniformTPConfig(**ntp_kwargs)``. Returns this rank's
     replica, TP rank, per-step losses and times (``microbatches`` > 1:
     gradient accumulation under ``no_sync``; ``symm_mem``: SymmMemConfig kwargs
-    for symmetric-memory staging of the NTP buckets), and the full (TP=1) weights at
+    for symmetric-memory staging of the NTP buckets; ``sequence_parallel``: on every replica at
+    TP > 1, as Megatron allows), and the full (TP=1) weights at
     init and after training (TP rank 0 of each replica only), or ``None`` on a
     rank that left (simulate mode). ``collectives``: also every collective this rank
     issued from the DDP's construction to the end of training (``CollectiveLog``).
@@ -60,7 +62,9 @@ def train(
     tp_rank, tp_group = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
     tp_size = ps.get_tensor_model_parallel_world_size()
     overrides = dict(bf16=True, params_dtype=torch.bfloat16) if bf16 else {}
-    cfg = tiny_gpt.transformer_config(spec, tp=tp_size, **overrides)
+    cfg = tiny_gpt.transformer_config(
+        spec, tp=tp_size, sequence_parallel=sequence_parallel and tp_size > 1, **overrides
+    )
     dev = tiny_gpt.rank_device()
     model = tiny_gpt.build_model(spec, cfg, device=dev)
     if bf16:
@@ -147,6 +151,7 @@ def train(
         tp_size=tp_size,
         tp_size_base=ntp_cfg.tp_base if ntp_cfg is not None else tp_size,
         degraded=degraded,
+        sequence_parallel=cfg.sequence_parallel,
         bucket_groups=len(ddp.bucket_groups),
         in_flight_after_backward=in_flight,
         sent_after_backward=sent,
@@ -245,6 +250,8 @@ def train_with_schedule(
     overlap=False,
     per_token_loss=False,
     measured=None,
+    sequence_parallel=False,
+    tp=1,
 ):
     """Train the tiny GPT as a Megatron training loop does: each replica gets its
     micro-batches of every global batch from ``BalancedPretrainingSampler`` and runs
@@ -256,11 +263,12 @@ def train_with_schedule(
     ``step_started`` and the ``finalize_model_grads`` wrapper; when it returns new shares
     the DDP and the sampler switch to them (``sampler.switch`` at the consumed samples).
 
-    ``ntp_kwargs is None``: uniform TP=1 with Megatron's DDP and equal shares, else
+    ``ntp_kwargs is None``: uniform TP=``tp`` with Megatron's DDP and equal shares, else
     ``NonuniformTPConfig(**ntp_kwargs)`` (packed) with ``ntp_config.batch_shares``.
     The loss function reports ``(loss sum, token count)`` per micro-batch;
     ``per_token_loss``: ``calculate_per_token_loss`` with :func:`loss_mask`, else
-    every token counts. Returns this rank's replica, its micro-batch count, the
+    every token counts. ``sequence_parallel``: on every replica at TP > 1 (Megatron refuses it at
+    TP 1). Returns this rank's replica, its micro-batch count, the
     sample indices and ``(sum, count)`` of every micro-batch per step, the
     replica-weighted mean loss per step from ``reduce_loss_over_replicas``, and the
     full weights at init and after training (TP rank 0 only)."""
@@ -279,7 +287,7 @@ def train_with_schedule(
     from megatron_ext.nonuniform_tp.checkpoint import gather_full_state
     from megatron_ext.testing.ntp_job import init_job
 
-    job = init_job(ntp_kwargs)
+    job = init_job(ntp_kwargs, tp)
     ntp_cfg = job.ntp_config
     tp_rank, tp_group = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
     balance = clock = None
@@ -293,8 +301,12 @@ def train_with_schedule(
         shares = balance.shares
     else:
         shares = ntp_cfg.batch_shares(global_batch, micro_batch_size)
+    tp_size = ps.get_tensor_model_parallel_world_size()
     cfg = tiny_gpt.transformer_config(
-        spec, tp=ps.get_tensor_model_parallel_world_size(), calculate_per_token_loss=per_token_loss
+        spec,
+        tp=tp_size,
+        calculate_per_token_loss=per_token_loss,
+        sequence_parallel=sequence_parallel and tp_size > 1,
     )
     dev = tiny_gpt.rank_device()
     model = tiny_gpt.build_model(spec, cfg, device=dev)
@@ -380,6 +392,8 @@ def train_with_schedule(
         replica=job.replica,
         tp_rank=tp_rank,
         degraded=job.degraded,
+        sequence_parallel=cfg.sequence_parallel,
+        sp_params=sorted(n for n, p in model.named_parameters() if getattr(p, "sequence_parallel", False)),
         microbatches=list(step_shares[0].microbatches),
         step_shares=step_shares,
         measured_seconds=None if balance is None else balance.seconds,

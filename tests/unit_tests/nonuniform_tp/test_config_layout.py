@@ -188,6 +188,36 @@ def test_flags_pick_the_largest_degree_the_model_splits_at():
     assert NonuniformTPConfig.from_args(args).tp_reduced == 7
 
 
+def test_sequence_parallel_needs_the_sequence_to_split_at_both_degrees():
+    """With Megatron's --sequence-parallel each TP rank holds its part of the sequence, at tp_base on a healthy
+    replica and at tp_reduced on a degraded one: --seq-length must split at both (refused naming both flags and
+    the multiples that do); without --ntp-spares the reduced degree is the largest that splits it."""
+    parser = add_nonuniform_tp_args(argparse.ArgumentParser())
+    parser.add_argument("--sequence-parallel", action="store_true")  # Megatron-LM's flags
+    parser.add_argument("--seq-length", type=int)
+    flags = ["--ntp-tp-base", "4", "--ntp-failed-slots", "0:1", "--ntp-policy", "degrade", "--seq-length", "16"]
+    cfg = NonuniformTPConfig.from_args(parser.parse_args([*flags, "--sequence-parallel"]))
+    assert (cfg.tp_reduced, cfg.sequence_parallel, cfg.seq_length) == (2, True, 16)  # 3 does not split 16
+    assert NonuniformTPConfig.from_args(parser.parse_args(flags)).tp_reduced == 3  # no SP: the sequence is whole
+    assert NonuniformTPConfig.from_args(parser.parse_args([*flags, "--seq-length", "24", "--sequence-parallel"])) == (
+        NonuniformTPConfig(4, 1, {0: (1,)}, policy="degrade", sequence_parallel=True, seq_length=24)
+    )
+    needles = (
+        r"NonuniformTPConfig\.seq_length=16 \(--seq-length\) cannot be split over TP degree\(s\) \[3\] with "
+        r"sequence_parallel \(--sequence-parallel.*divisible by tp_base=4 and tp_reduced=3, i\.e\. a multiple of "
+        r"12 \(e\.g\. 24\); or pick tp_spares \(--ntp-spares\)"
+    )
+    with pytest.raises(ValueError, match=needles):
+        NonuniformTPConfig.from_args(parser.parse_args([*flags, "--sequence-parallel", "--ntp-spares", "1"]))
+    with pytest.raises(ValueError, match=r"seq_length=18 .* TP degree\(s\) \[4\]"):
+        NonuniformTPConfig(4, 2, {0: (0, 1)}, sequence_parallel=True, seq_length=18)
+    NonuniformTPConfig(4, 2, {0: (0, 1)}, seq_length=18)  # no sequence parallelism: not checked
+    with pytest.raises(ValueError, match=r"seq_length \(--seq-length\) must be an int >= 1 or None, got 0"):
+        NonuniformTPConfig(2, sequence_parallel=True, seq_length=0)
+    with pytest.raises(ValueError, match=r"sequence_parallel must be True or False, got 'yes'"):
+        NonuniformTPConfig(2, sequence_parallel="yes")
+
+
 def test_flags_round_trip():
     parser = add_nonuniform_tp_args(argparse.ArgumentParser())
     args = parser.parse_args(["--ntp-tp-base", "8", "--ntp-failed-slots", "0:3;2:1,5"])

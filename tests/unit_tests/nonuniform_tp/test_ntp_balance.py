@@ -410,6 +410,14 @@ QK_LAYERNORM = dict(
     distributed_optimizer=True,
     overlap=True,
 )
+# Sequence parallelism on the same job as QK_LAYERNORM (the same uniform TP=1 x DP=3 baseline): the healthy
+# replica at TP 2 runs it (its norms' and row-parallel biases' gradients a partial sum per TP rank over its part
+# of the sequence, summed over TP by finalize_model_grads), the degraded one at TP 1 cannot (Megatron refuses it
+# there): its whole gradients go to partner rank 0 only. The bar is RTOL / WEIGHT_ATOL as above (observed:
+# 3.6e-8 relative, weights 5.7e-5). Faults are far outside it: the norms left unmarked (no TP sum of their
+# gradients) put the loss 5.1e-5 relative off (weights 8.7e-3); the pair routing those gradients as replicated
+# ones (degraded rank 0's into every partner rank, so the TP sum counts it twice) 2.3e-3 (weights 7.2e-3).
+SEQUENCE_PARALLEL = dict(QK_LAYERNORM, sequence_parallel=True)
 
 
 def _replica_heads(results):
@@ -457,7 +465,8 @@ def test_balanced_shares_train_like_uniform(backend):
     - qk_layernorm=True (--ntp-balance none, global batch 6 of micro-batches of 1,
       distributed optimizer, overlapped reduction): the healthy replica's spare TP
       rank holds part of the q/k layer norms' gradient (its heads'); against uniform
-      TP=1 x DP=3 on the same processes.
+      TP=1 x DP=3 on the same processes. Then the same with sequence parallelism
+      (SEQUENCE_PARALLEL: on at the healthy replica's TP 2) against the same baseline.
     - --ntp-balance measured (global batch 4 of micro-batches of 1): the tp shares 1:3
       for 3 steps timed by injected per-rank seconds, then 2:2 from the measured
       throughputs, on every rank; the sampler switches at the global-batch boundary.
@@ -471,10 +480,11 @@ def test_balanced_shares_train_like_uniform(backend):
         (NTP_SAMPLES, STEPS, PER_TOKEN_SAMPLES),
         (NTP_EQUAL, STEPS, QK_LAYERNORM),
         (None, STEPS, QK_LAYERNORM),
+        (NTP_EQUAL, STEPS, SEQUENCE_PARALLEL),
         (NTP_MEASURED, STEPS, dict(measured=MEASURED)),
     ]
     per_rank = run_on_ranks(train_cases, 3, args=(cases,), timeout=300, backend=backend)
-    plain, distopt, per_token, uniform, samples, qk_ntp, qk_uniform, measured = zip(*per_rank)
+    plain, distopt, per_token, uniform, samples, qk_ntp, qk_uniform, sp_ntp, measured = zip(*per_rank)
     ref = _baseline(SPEC, backend)
 
     # measured: every rank agrees on the replicas' median seconds and on the shares they give
@@ -528,7 +538,6 @@ def test_balanced_shares_train_like_uniform(backend):
             assert abs(got - want) <= RTOL * abs(want), f"step {step}: per-token NTP {got} vs uniform {want}"
         _check_weights(results, uniform_head["init"], uniform_head["final"])
 
-    _check_shares_used(qk_ntp, [3, 3], 6)
     _check_shares_used(qk_uniform, [2, 2, 2], 6)
     ntp_heads, uniform_heads = _replica_heads(qk_ntp), _replica_heads(qk_uniform)
     qk_names = [n for n in ntp_heads[0]["final"] if "q_layernorm" in n or "k_layernorm" in n]
@@ -538,10 +547,23 @@ def test_balanced_shares_train_like_uniform(backend):
         means = [s / n for h in heads for s, n in h["reports"][step]]
         return sum(means) / len(means)
 
-    rel = [abs(sample_mean(ntp_heads, k) / sample_mean(uniform_heads, k) - 1) for k in range(STEPS)]
-    assert max(rel) <= RTOL, f"qk_layernorm NTP vs uniform, relative loss error per step: {rel}"
     uniform_head = next(o for o in qk_uniform if o["final"] is not None)
-    for o in filter(lambda o: o["final"] is not None, qk_ntp):
-        err = {n: (o["final"][n] - uniform_head["final"][n]).abs().max().item() for n in qk_names}
-        assert max(err.values()) <= WEIGHT_ATOL, f"replica {o['replica']}: q/k layer norm weights off by {err}"
-    _check_weights(qk_ntp, uniform_head["init"], uniform_head["final"])
+    for what, results in (("qk_layernorm", qk_ntp), ("sequence parallel", sp_ntp)):
+        _check_shares_used(results, [3, 3], 6)
+        ntp_heads = _replica_heads(results)
+        rel = [abs(sample_mean(ntp_heads, k) / sample_mean(uniform_heads, k) - 1) for k in range(STEPS)]
+        assert max(rel) <= RTOL, f"{what} NTP vs uniform, relative loss error per step: {rel}"
+        for o in filter(lambda o: o["final"] is not None, results):
+            err = {n: (o["final"][n] - uniform_head["final"][n]).abs().max().item() for n in qk_names}
+            assert max(err.values()) <= WEIGHT_ATOL, f"{what}, replica {o['replica']}: q/k norm weights off by {err}"
+        _check_weights(results, uniform_head["init"], uniform_head["final"])
+    # sequence parallelism ran on the healthy replica (TP 2: every norm and row-parallel bias marked), not on the
+    # degraded one (TP 1), and on nothing in the other runs
+    for o in sp_ntp:
+        assert o["sequence_parallel"] is (not o["degraded"]) and bool(o["sp_params"]) is (not o["degraded"]), o
+        if not o["degraded"]:
+            assert "decoder.final_layernorm.weight" in o["sp_params"] and any(
+                "q_layernorm" in n for n in o["sp_params"]
+            ), o["sp_params"]
+            assert "decoder.layers.0.self_attention.linear_proj.bias" in o["sp_params"], o["sp_params"]
+    assert not any(o["sequence_parallel"] for o in qk_ntp + qk_uniform)

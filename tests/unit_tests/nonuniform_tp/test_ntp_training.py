@@ -240,11 +240,18 @@ def test_simulated_tp2_distributed_optimizer_overlap_glu_gqa(backend):
 
 
 @pytest.mark.parametrize("backend", _backends(6))
-def test_packed_tp4_two_spares_overlap_and_checkpoint_conversion(backend):
-    """tp_base=4, replica 0 lost slots 1 and 2: 6 processes, replica 0 at TP=2.
-    Then the NTP training state converts to the uniform TP=4 layout and back."""
+def test_packed_tp4_two_spares_sequence_parallel_overlap_and_checkpoint_conversion(backend):
+    """tp_base=4, replica 0 lost slots 1 and 2: 6 processes, replica 0 at TP=2, with
+    sequence parallelism on both replicas: degraded rank i's partial gradient of every norm
+    and row-parallel bias (its half of the sequence) goes to partner rank i, whose TP sum
+    then holds each part once. Faults fail it: those gradients routed as replicated ones
+    (degraded rank j % 2 into partner rank j) put the second step's loss 6.2e-4 relative
+    off, the norms left unmarked (no TP sum) the third step's 1.6e-5 (RTOL 1e-5). Then the
+    NTP training state converts to the uniform TP=4 layout and back."""
     ntp = dict(tp_base=4, tp_spares=2, non_active_ranks_per_dp={0: (1, 2)})
-    out = run_on_ranks(train, 6, args=(ntp, STEPS), kwargs=dict(overlap=True), timeout=300, backend=backend)
+    kwargs = dict(overlap=True, sequence_parallel=True)
+    out = run_on_ranks(train, 6, args=(ntp, STEPS), kwargs=kwargs, timeout=300, backend=backend)
+    assert all(o["sequence_parallel"] for o in out)
     _check_parity(out, _baseline(SPEC, backend), replicas=2)
     _check_overlap(out)
     _check_sharded_state_dicts(out)
