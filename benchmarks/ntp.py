@@ -458,38 +458,10 @@ def _fmt(value, width: int = 7) -> str:
     return f"{'-':>{width}}" if value is None else f"{value:{width}.2%}"
 
 
-def model_section(summary: dict, args) -> dict:
-    """Print the model's check against this run and the large-job tables; return them."""
-    costs, record = costs_from_run(summary, args)
-    tp, total = args.tp_base, args.global_batch // args.micro_batch
-    failed = (args.spares,) + (0,) * (args.replicas - 1)
-    ms = 1e3
-    print(
-        f"\ncost model: costs from this run (per step of a healthy replica): {costs.microbatch_s * ms:.2f} ms fwd+bwd "
-        f"per micro-batch x {record['microbatches_per_replica']}, DP collective {costs.sync_s * ms:.2f} ms at "
-        f"DP={costs.sync_replicas}, optimizer {costs.optimizer_s * ms:.2f} ms, rest {costs.other_s * ms:.2f} ms; "
-        f"transfers per healthy shard: grad {costs.grad_transfer_s * ms:.2f} ms, param "
-        f"{costs.param_transfer_s * ms:.2f} ms; degraded per-GPU efficiency {costs.degraded_efficiency:.3f} "
-        f"(TP={tp - args.spares} vs TP={tp})"
-    )
-    check = []
-    print(f"\n{'check: this run':16} | {'predicted':>9} | {'measured':>8} | {'error':>7}   (tokens/s vs uniform)")
-    print("-" * 52)
-    for job, mode, shares in (
-        ("ntp balanced", "ntp balanced", args.balanced_shares.microbatches),
-        ("ntp unbalanced", "ntp unbalanced", None),
-        ("drop", "drop", None),
-    ):
-        predicted = cost_model.predict_retained(costs, tp, failed, total, mode, shares=shares)
-        measured = summary[job]["vs_uniform"]
-        check.append(dict(job=job, predicted=predicted, measured=measured))
-        print(f"{job:16} | {predicted:9.3f} | {measured:8.3f} | {predicted - measured:+7.3f}")
-    print(
-        "inputs: the uniform job and the unbalanced phase's degraded compute and partner transfers; the balanced "
-        "row (with this run's shares) and the drop row are predictions"
-    )
-
-    # The large jobs: the measured split of a healthy step, per sample unit of --model-micro-batch samples,
+def large_tables(costs: cost_model.StepCosts, args) -> tuple[list[dict], int]:
+    """Print the large-job tables from ``costs`` (per micro-batch of ``args.micro_batch`` samples); return
+    them and the micro-batches per replica they use."""
+    # the measured split of a healthy step, per sample unit of --model-micro-batch samples,
     # a degraded replica at exactly r/tp of a healthy one's speed (TP=r and TP=tp both communicate: the
     # TP=1 vs TP=2 efficiency measured here does not carry over).
     large = dataclasses.replace(
@@ -540,6 +512,41 @@ def model_section(summary: dict, args) -> dict:
         "(all at r: over every replica, tp/r longer, optimizer too); the links are this run's; the model must "
         "split at TP=r (heads, query groups, ffn, vocab divisible by r: --model-divides lowers r until they are)."
     )
+    return tables, units
+
+
+def model_section(summary: dict, args) -> dict:
+    """Print the model's check against this run and the large-job tables; return them."""
+    costs, record = costs_from_run(summary, args)
+    tp, total = args.tp_base, args.global_batch // args.micro_batch
+    failed = (args.spares,) + (0,) * (args.replicas - 1)
+    ms = 1e3
+    print(
+        f"\ncost model: costs from this run (per step of a healthy replica): {costs.microbatch_s * ms:.2f} ms fwd+bwd "
+        f"per micro-batch x {record['microbatches_per_replica']}, DP collective {costs.sync_s * ms:.2f} ms at "
+        f"DP={costs.sync_replicas}, optimizer {costs.optimizer_s * ms:.2f} ms, rest {costs.other_s * ms:.2f} ms; "
+        f"transfers per healthy shard: grad {costs.grad_transfer_s * ms:.2f} ms, param "
+        f"{costs.param_transfer_s * ms:.2f} ms; degraded per-GPU efficiency {costs.degraded_efficiency:.3f} "
+        f"(TP={tp - args.spares} vs TP={tp})"
+    )
+    check = []
+    print(f"\n{'check: this run':16} | {'predicted':>9} | {'measured':>8} | {'error':>7}   (tokens/s vs uniform)")
+    print("-" * 52)
+    for job, mode, shares in (
+        ("ntp balanced", "ntp balanced", args.balanced_shares.microbatches),
+        ("ntp unbalanced", "ntp unbalanced", None),
+        ("drop", "drop", None),
+    ):
+        predicted = cost_model.predict_retained(costs, tp, failed, total, mode, shares=shares)
+        measured = summary[job]["vs_uniform"]
+        check.append(dict(job=job, predicted=predicted, measured=measured))
+        print(f"{job:16} | {predicted:9.3f} | {measured:8.3f} | {predicted - measured:+7.3f}")
+    print(
+        "inputs: the uniform job and the unbalanced phase's degraded compute and partner transfers; the balanced "
+        "row (with this run's shares) and the drop row are predictions"
+    )
+
+    tables, units = large_tables(costs, args)
     return dict(
         costs=record,
         check=check,
@@ -561,13 +568,6 @@ def targets(summary: dict, model: dict, memory: dict, args) -> list[str]:
     """The issue's targets, each with the value this run and the model reached."""
     bal = summary["ntp balanced"]
     overhead = [summary[j]["partner_overhead_pct"] for j in ("ntp unbalanced", "ntp balanced")]
-    rows = [r for t in model["large_jobs"] for r in t["rows"]]
-    below = [f"{r['dp']}x{r['tp']} k={r['k']} {r['placement']}" for r in rows if r["ntp policy"] < r["drop"]]
-    far = [
-        f"{r['dp']}x{r['tp']} k={r['k']} {r['placement']} ({r['ntp policy fluid']:.2%} vs {r['ideal']:.2%})"
-        for r in rows
-        if r["ntp policy fluid"] < r["ideal"] - 0.01
-    ]
     world = args.replicas * args.tp_base
     lines = [
         f"this run: NTP balanced job throughput {bal['vs_ideal']:.1%} of the ideal ({world - args.spares}/{world} of "
@@ -575,6 +575,21 @@ def targets(summary: dict, model: dict, memory: dict, args) -> list[str]:
         f"this run: partner's extra time (transfers, no waiting) {max(overhead):.2f}% of the step at most; "
         "target <= 3%",
         *memory_targets(memory, args),
+        *model_targets(model),
+    ]
+    return lines
+
+
+def model_targets(model: dict) -> list[str]:
+    """The issue's targets for the large-job model."""
+    rows = [r for t in model["large_jobs"] for r in t["rows"]]
+    below = [f"{r['dp']}x{r['tp']} k={r['k']} {r['placement']}" for r in rows if r["ntp policy"] < r["drop"]]
+    far = [
+        f"{r['dp']}x{r['tp']} k={r['k']} {r['placement']} ({r['ntp policy fluid']:.2%} vs {r['ideal']:.2%})"
+        for r in rows
+        if r["ntp policy fluid"] < r["ideal"] - 0.01
+    ]
+    lines = [
         "model: NTP (policy) >= drop in every row with the same global batch ("
         + ("all " + str(len(rows)) + " rows" if not below else "not in " + ", ".join(below))
         + ")",
@@ -715,6 +730,14 @@ def parse_args(argv=None):
         help="cost model: sizes the reduced TP degree must divide, ints separated by ',' (e.g. the attention "
         "heads, query groups, ffn width of the large job's model; default none: r = TP - GPUs lost)",
     )
+    parser.add_argument(
+        "--costs-from",
+        default=None,
+        metavar="JSON",
+        help="run no job: the cost model's large-job tables and targets from the costs a recorded run of this "
+        "benchmark measured (its JSON, e.g. a 4-GPU run's); a run of the previous design (no partner transfers "
+        "recorded) lends its healthy replica's unfold + fold time as the pair's transfers",
+    )
     parser.add_argument("--out", default="benchmarks/results/ntp.json")
     args = parser.parse_args(argv)
     for key, value in PRESETS[args.preset].items():
@@ -724,6 +747,8 @@ def parse_args(argv=None):
         args.ffn = 4 * args.hidden
     if args.warmup < 0:
         parser.error(f"--warmup must be >= 0, got {args.warmup}")
+    if args.costs_from is not None:  # no job runs: the recorded run's sizes replace the preset's
+        return args
     _check(parser, args)
     return args
 
@@ -792,10 +817,64 @@ def _check(parser, args) -> None:
         parser.error(f"--global-batch {gb} / --micro-batch {mb}: {exc}")
 
 
+def costs_from_record(record: dict) -> tuple[cost_model.StepCosts, str]:
+    """The model's costs from a recorded run's JSON, and where its transfers come from."""
+    c = record["model"]["costs"]
+    source = "the run's partner transfers"
+    grad, param = c.get("grad_transfer_s"), c.get("param_transfer_s")
+    if grad is None or param is None:  # the previous design: unfold + fold on a healthy replica per step
+        shard = (record["tp_base"] - record["spares"]) / record["tp_base"]
+        grad = param = c["ntp_overhead_s"] * shard / 2
+        source = "the previous design's unfold + fold (no partner transfers recorded)"
+    costs = cost_model.StepCosts(
+        microbatch_s=c["microbatch_s"],
+        sync_s=c.get("sync_s", 0.0),
+        sync_replicas=c.get("sync_replicas", 2),
+        optimizer_s=c.get("optimizer_s", 0.0),
+        other_s=c.get("other_s", 0.0),
+        grad_transfer_s=grad,
+        param_transfer_s=param,
+        degraded_efficiency=c.get("degraded_efficiency", 1.0),
+    )
+    return costs, source
+
+
+def model_only(args, argv) -> int:
+    """``--costs-from``: the large-job tables and the model's targets from a recorded run's costs."""
+    with open(args.costs_from) as f:
+        record = json.load(f)
+    costs, source = costs_from_record(record)
+    args.micro_batch = record["micro_batch"]
+    if args.model_microbatches is None:
+        args.model_microbatches = record["global_batch"] // record["replicas"] // args.model_micro_batch
+    ms = 1e3
+    print(
+        f"cost model from {args.costs_from} ({record.get('device')}, {record['provenance'].get('date')}): "
+        f"{costs.microbatch_s * ms:.2f} ms per micro-batch of {args.micro_batch}, DP collective "
+        f"{costs.sync_s * ms:.2f} ms at DP={costs.sync_replicas}, optimizer {costs.optimizer_s * ms:.2f} ms, rest "
+        f"{costs.other_s * ms:.2f} ms; the pair's transfers per healthy shard {costs.grad_transfer_s * ms:.2f} + "
+        f"{costs.param_transfer_s * ms:.2f} ms from {source}"
+    )
+    tables, units = large_tables(costs, args)
+    model = dict(costs=dataclasses.asdict(costs), transfers_from=source, large_jobs=tables)
+    goals = model_targets(model)
+    print("\ntargets (the issue's, model only):\n" + "\n".join(f"  {line}" for line in goals))
+    result = dict(
+        provenance=provenance("benchmarks/ntp.py", argv), costs_from=args.costs_from, model=model, targets=goals
+    )
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
 def main(argv=None) -> int:
     from megatron_ext.nonuniform_tp import equal_batch_shares
 
     args = parse_args(argv)
+    if args.costs_from is not None:
+        return model_only(args, argv)
     world = args.replicas * args.tp_base
     spec = tiny_gpt.TinyGPTSpec(
         num_layers=args.layers,

@@ -94,6 +94,22 @@ def test_benchmark_runs_all_four_jobs_on_four_gloo_ranks(tmp_path):
     assert mem[1].startswith(f"memory: degraded rank (TP 2->1, fp32) {degraded['total'] / uni['total']:.3f}x; target")
     assert result["provenance"]["command"].startswith("python benchmarks/ntp.py --backend gloo")
 
+    # --costs-from: the model alone, from this run's record: the same costs, the same large-job rows
+    again = tmp_path / "model.json"
+    assert bench.main(["--costs-from", str(out), "--model-failed", "3", "--out", str(again)]) == 0
+    model_only = json.loads(again.read_text())
+    assert model_only["model"]["transfers_from"] == "the run's partner transfers"
+    for key in ("microbatch_s", "grad_transfer_s", "param_transfer_s", "sync_s"):
+        assert model_only["model"]["costs"][key] == pytest.approx(model["costs"][key]), key
+    assert [t["rows"] for t in model_only["model"]["large_jobs"]] == [t["rows"] for t in tables]
+    assert model_only["targets"] == result["targets"][-3:]
+    # a record of the previous design (unfold + fold, no partner transfers): half of it per direction, per shard
+    old = dict(result, model=dict(result["model"], costs={**model["costs"], "ntp_overhead_s": 0.02}))
+    del old["model"]["costs"]["grad_transfer_s"], old["model"]["costs"]["param_transfer_s"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    costs, source = bench.costs_from_record(json.loads((tmp_path / "old.json").read_text()))
+    assert (costs.grad_transfer_s, costs.param_transfer_s) == (0.005, 0.005) and "previous design" in source
+
 
 # ---- the cost model: the plans -----------------------------------------------------------------
 def test_cost_model_imports_no_torch():
