@@ -12,10 +12,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Sequence
 
 import torch
 
-from .moe import UNSUPPORTED_HINTS, grouped_expert_issue, router_issue
+from .moe import UNSUPPORTED_HINTS, grouped_expert_issue, moe_layer_pattern, router_issue
 from .names import EXPERT_NAMES, GLOBAL_NAMES, LAYER_NAMES, engine_name, global_layer_names, global_name, unwrap
 
 __all__ = ["TensorSpec", "UnsupportedParameter", "gpt_specs", "specs_from_config", "specs_from_model"]
@@ -108,9 +109,15 @@ def gpt_specs(
     dtype: torch.dtype = torch.bfloat16,
     te_layernorm: bool = False,
     grouped_gemm: bool = False,
+    moe_layers: Sequence[bool] | None = None,
 ) -> list[TensorSpec]:
     """The HF tensors of a Llama / Qwen2 / Qwen3 (MoE: Qwen3-MoE) model with
     their Megatron and engine (vLLM-style fused) local names.
+
+    ``moe_layers``: with ``num_experts``, which layers are MoE layers (one bool per
+    layer, :func:`~.moe.moe_layer_pattern` of Megatron's ``moe_layer_freq``); the
+    others are dense MLPs of ``ffn_hidden_size``, Qwen3-MoE's ``mlp_only_layers``
+    (``model.layers.{i}.mlp.gate_proj`` ...). None: every layer an MoE layer.
 
     ``te_layernorm``: Megatron's Transformer Engine layer specs fuse the
     layernorms into the next linear layer, so ``input_layernorm`` is held as
@@ -124,6 +131,8 @@ def gpt_specs(
     SequentialMLP's ``mlp.experts.local_experts.{j}.linear_fc{1,2}.weight``; the
     bytes are the same. Specs carry the global expert index; the layout renames
     it to the index within the EP rank."""
+    if moe_layers is not None and len(moe_layers) != num_layers:
+        raise ValueError(f"moe_layers has {len(moe_layers)} entries, one per layer of num_layers={num_layers} expected")
     specs: list[TensorSpec] = []
     pv = padded_vocab_size if padded_vocab_size and padded_vocab_size != vocab_size else None
     heads = dict(num_heads=num_heads, num_groups=num_groups)
@@ -164,9 +173,10 @@ def gpt_specs(
             layer("self_attention.q_layernorm.weight", [(head_dim,)])
             layer("self_attention.k_layernorm.weight", [(head_dim,)])
         layer("self_attention.linear_proj.weight", [(hidden_size, q_rows)])
-        fused_norm = te_layernorm and not num_experts  # MoE: TE keeps a separate pre_mlp_layernorm
+        moe = bool(num_experts) and (moe_layers is None or bool(moe_layers[i]))
+        fused_norm = te_layernorm and not moe  # MoE: TE keeps a separate pre_mlp_layernorm
         layer("mlp.linear_fc1.layer_norm_weight" if fused_norm else "pre_mlp_layernorm.weight", [(hidden_size,)])
-        if num_experts:
+        if moe:
             layer("mlp.router.weight", [(num_experts, hidden_size)])
             for e in range(num_experts):
                 for fc, shapes in (
@@ -198,7 +208,9 @@ def specs_from_config(
     te_layernorm: bool = False,
     grouped_gemm: bool = False,
 ) -> list[TensorSpec]:
-    """:func:`gpt_specs` for a Megatron ``TransformerConfig`` (dense or MoE);
+    """:func:`gpt_specs` for a Megatron ``TransformerConfig`` (dense or MoE: the layers
+    ``moe_layer_freq`` makes MoE layers, the others dense MLPs; a ``moe_layer_freq`` that is
+    neither an int > 0 nor a list of one 0/1 per layer is refused, naming it);
     ``te_layernorm=True`` for models built with Transformer Engine layer specs,
     ``grouped_gemm=True`` for TEGroupedMLP experts (TE specs with
     ``moe_grouped_gemm=True``; the local spec builds SequentialMLP either way)."""
@@ -224,6 +236,7 @@ def specs_from_config(
         dtype=dtype or config.params_dtype,
         te_layernorm=te_layernorm,
         grouped_gemm=grouped_gemm,
+        moe_layers=moe_layer_pattern(config) if config.num_moe_experts else None,
     )
 
 
@@ -245,8 +258,9 @@ def specs_from_model(model, *, vocab_size: int, dtype: torch.dtype | None = None
     tied embeddings, and the parameters' dtype (unless ``dtype`` is given).
     Raises :class:`UnsupportedParameter` naming the first parameter the specs do
     not describe (e.g. legacy GroupedMLP's ``experts.weight1``, a LayerNorm bias)
-    or that is split on another dim than the table says, so a layout never
-    silently skips or misplaces a tensor.
+    or that is split on another dim than the table says, and names the first layer
+    that is not the kind (MoE or dense MLP) its config's ``moe_layer_freq`` says, so a
+    layout never silently skips or misplaces a tensor.
     """
     m = unwrap(model)
     params = dict(m.named_parameters())
@@ -261,6 +275,17 @@ def specs_from_model(model, *, vocab_size: int, dtype: torch.dtype | None = None
     if grouped and cfg.num_moe_experts and grouped_expert_issue(cfg):
         name = global_name(next(n for n in params if _GROUPED_EXPERT.search(n)), prefixes)
         raise UnsupportedParameter(f"{name}: {grouped_expert_issue(cfg)}")
+    if cfg.num_moe_experts:  # the layers the specs describe as MoE / dense are the ones the model built
+        pattern = moe_layer_pattern(cfg)
+        for j, built in enumerate(getattr(getattr(m, "decoder", None), "layers", [])):
+            i, moe = built.layer_number - 1, f"decoder.layers.{j}.mlp.router.weight" in params
+            if moe != pattern[i]:
+                kinds = ("a dense MLP layer", "an MoE layer")
+                raise UnsupportedParameter(
+                    f"decoder.layers.{i} is {kinds[moe]}, but moe_layer_freq={cfg.moe_layer_freq!r} makes it "
+                    f"{kinds[pattern[i]]}: build the model with its config's layer pattern (megatron-core's "
+                    "get_gpt_decoder_block_spec(config, ...))"
+                )
     padded = getattr(m, "vocab_size", None)
     if padded is not None and vocab_size > padded:
         raise ValueError(f"vocab_size={vocab_size} exceeds the model's {padded} (padded) vocabulary rows")

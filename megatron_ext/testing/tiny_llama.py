@@ -3,7 +3,8 @@
 RoPE, RMSNorm, SwiGLU, GQA and no linear bias, so its weights map one to one
 onto ``transformers``' Llama/Qwen classes (Qwen2 adds QKV bias, Qwen3
 qk-layernorm, Qwen3-MoE experts: ``SequentialMLP``, softmax top-k router, no
-aux loss or token dropping). Like :mod:`tiny_gpt`, weights are drawn on CPU
+aux loss or token dropping; dense and MoE layers mixed by ``moe_layer_freq``, Qwen3-MoE's
+``mlp_only_layers``). Like :mod:`tiny_gpt`, weights are drawn on CPU
 from the global seed: the same global model at every TP degree. Not across PP
 or EP degrees: a later pipeline stage draws its layers from a different point
 of the RNG stream (so do layers after experts when EP changes their count), so
@@ -41,6 +42,7 @@ class TinyLlamaSpec:
     num_moe_experts: int = 4  # qwen3_moe only
     moe_ffn_hidden_size: int = 32
     moe_router_topk: int = 2
+    moe_layer_freq: int | tuple[int, ...] = 1  # qwen3_moe only: Megatron's (an int k, or one 0/1 per layer)
 
 
 def transformer_config(spec: TinyLlamaSpec, tp: int = 1, pp: int = 1, ep: int = 1, **overrides):
@@ -86,27 +88,37 @@ def transformer_config(spec: TinyLlamaSpec, tp: int = 1, pp: int = 1, ep: int = 
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
             moe_token_dispatcher_type="allgather",
+            # megatron-core reads a pattern from a list only
+            moe_layer_freq=list(spec.moe_layer_freq) if isinstance(spec.moe_layer_freq, tuple) else spec.moe_layer_freq,
         )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
 
 def build_model(spec: TinyLlamaSpec, config, device: torch.device | str = "cpu"):
-    """This rank's GPTModel shard; call after ``initialize_model_parallel``."""
+    """This rank's GPTModel shard; call after ``initialize_model_parallel``. An MoE ``config`` whose
+    ``moe_layer_freq`` leaves some layers dense builds them as megatron-core does (dense MLPs of
+    ``ffn_hidden_size``: ``get_gpt_decoder_block_spec``)."""
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+
+    from megatron_ext.sharding.moe import moe_layer_pattern
 
     torch.manual_seed(spec.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(spec.seed)
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(
+    if config.num_moe_experts and not all(moe_layer_pattern(config)):  # dense and MoE layers by moe_layer_freq
+        layers = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    else:
+        layers = get_gpt_layer_local_spec(
             num_experts=config.num_moe_experts,
             moe_grouped_gemm=bool(config.moe_grouped_gemm),
             qk_layernorm=config.qk_layernorm,
             normalization="RMSNorm",
-        ),
+        )
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layers,
         vocab_size=spec.vocab_size,
         max_sequence_length=spec.seq_length,
         position_embedding_type="rope",
@@ -202,17 +214,24 @@ def as_te_grouped_moe(model):
     ``self_attention.linear_qkv.layer_norm_weight`` (listed first, as TE's
     LayerNormLinear does), ``pre_mlp_layernorm.weight`` stays (TE keeps a
     separate norm before an MoE layer), and each local expert's weights become
-    TEGroupedMLP's ``mlp.experts.linear_fc{1,2}.weight{i}``. The parameters are
-    the same objects and forward is unchanged (the same logits); dense MLP
-    layers (``moe_layer_freq``) are left as they are. Returns ``model``."""
-    for layer in model.decoder.layers:
-        norm, qkv = layer.input_layernorm, layer.self_attention.linear_qkv
+    TEGroupedMLP's ``mlp.experts.linear_fc{1,2}.weight{i}``; a dense MLP layer
+    (``moe_layer_freq``) has its ``pre_mlp_layernorm.weight`` as
+    ``mlp.linear_fc1.layer_norm_weight`` (TE's LayerNormLinear, as for the input
+    norm). The parameters are the same objects and forward is unchanged (the
+    same logits). Returns ``model``."""
+
+    def fuse(norm, linear):
         weight = norm._parameters.pop("weight")
         object.__setattr__(norm, "weight", weight)  # still used by its forward, no longer listed
-        qkv._parameters = {"layer_norm_weight": weight, **qkv._parameters}
+        linear._parameters = {"layer_norm_weight": weight, **linear._parameters}
+
+    for layer in model.decoder.layers:
+        fuse(layer.input_layernorm, layer.self_attention.linear_qkv)
         experts = getattr(layer.mlp, "experts", None)
         if experts is not None and hasattr(experts, "local_experts"):
             layer.mlp.experts = _TEGroupedMLPNames(experts)
+        elif experts is None:  # a dense MLP layer
+            fuse(layer.pre_mlp_layernorm, layer.mlp.linear_fc1)
     return model
 
 

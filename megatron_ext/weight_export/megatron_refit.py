@@ -34,8 +34,8 @@ therefore have the trainer's padded vocabulary, dtype and shapes; anything else
 (and any parameter the trainer does not send) is refused on every rank of both
 jobs before a byte moves (:class:`~.plan.errors.RefitRejected`, reason ``"tensors"``).
 
-MoE models (megatron-core's local layer spec: every layer an MoE layer of
-``SequentialMLP`` experts, softmax top-k routing) refit at any trainer EP to an
+MoE models (megatron-core's local layer spec: MoE layers of ``SequentialMLP``
+experts, softmax top-k routing, dense MLP layers between them by ``moe_layer_freq``) refit at any trainer EP to an
 engine EP ``E_EP`` dividing ``engine_tp * engine_dp`` and the number of experts.
 The engine's expert TP is :func:`~.engines.megatron_config.engine_expert_tp`:
 the engine's TP at EP 1 (experts TP-sharded like the dense MLP, megatron-core's

@@ -3,7 +3,7 @@
 
 Trainer side, every rank (:func:`~..megatron_refit.megatron_trainer_refit` does it)::
 
-    published = megatron_model_config(model)   # {"format": 2, "model": "GPTModel", "config": {...}}
+    published = megatron_model_config(model)   # {"format": 3, "model": "GPTModel", "config": {...}}
     publish_model_config(group, published)     # refit rank 0 sets it; or error=exc: why nothing comes
 
 Engine side, every rank::
@@ -13,8 +13,9 @@ Engine side, every rank::
     model = build_engine_model(published, device=device)   # megatron-core's local layer spec; weights NaN
 
 :data:`MODEL_FIELDS` are the fields the engine builds (and the values it builds of each);
-:data:`MOE_FIELDS` those of an MoE model (``num_moe_experts`` set: every layer an MoE layer of
-``SequentialMLP`` experts, routed as the trainer routes); :data:`DEFAULT_ONLY_FIELDS` are published
+:data:`MOE_FIELDS` those of an MoE model (``num_moe_experts`` set: the layers ``moe_layer_freq`` marks 1
+MoE layers of ``SequentialMLP`` experts, routed as the trainer routes, those it marks 0 dense MLPs of
+``ffn_hidden_size``, as megatron-core builds them); :data:`DEFAULT_ONLY_FIELDS` are published
 so that the engine refuses a model that sets them. Fields that only shape training (aux-loss and
 z-loss coefficients, ``moe_input_jitter_eps``, recomputation, fusions, the expert-parallel sizes)
 are not published: the engine routes without jitter and picks its own parallel sizes.
@@ -23,8 +24,9 @@ The engine's expert parallelism (:func:`engine_expert_tp`): experts split over `
 each expert whole on its EP rank (expert TP 1) when ``ep > 1``, or TP-sharded like the dense MLP
 (expert TP = the engine's TP, megatron-core's default) when ``ep == 1``.
 
-Format 2 added the MoE fields and the engine's ``ep`` / ``etp``; an engine reads formats 1 (a dense
-model: the MoE fields take their defaults) and 2.
+Format 2 added the MoE fields and the engine's ``ep`` / ``etp``; format 3 added ``moe_layer_freq`` (one
+0 or 1 per layer: models that mix dense and MoE layers). An engine reads formats 1 (a dense model: the
+MoE fields take their defaults), 2 (an MoE model: every layer an MoE layer) and 3.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import torch
 
 from ...sharding.local_spec import UNFUSED_LOCAL_SPEC
 from ...sharding.moe import TOPK_BALANCING as _ROUTING
+from ...sharding.moe import moe_layer_pattern
 from ...sharding.names import unwrap
 from ..control.refit_group import RefitGroup
 
@@ -52,9 +55,10 @@ __all__ = [
     "receive_model_config",
 ]
 
-MODEL_CONFIG_FORMAT = 2
+MODEL_CONFIG_FORMAT = 3
 """The format of :func:`megatron_model_config`; an engine refuses a newer one, naming both. Format 2
-added the MoE fields (:data:`MOE_FIELDS`, MoE entries of :data:`DEFAULT_ONLY_FIELDS`)."""
+added the MoE fields (:data:`MOE_FIELDS`, MoE entries of :data:`DEFAULT_ONLY_FIELDS`), format 3
+``moe_layer_freq``."""
 
 _MODEL_TAG = "megatron-model"  # store key prefix (RefitGroup.next_tag) of the published model config
 _NOTE = 1000  # the longest error text the trainer publishes
@@ -95,10 +99,11 @@ MODEL_FIELDS = {
     "rope_scaling": _BOOL,
     "seq_len_interpolation_factor": "null or a finite number",
     "rotary_inv_freq": "null or a list of finite numbers",
-    "num_moe_experts": "null or an integer >= 1",  # null: dense; else every layer an MoE layer (:data:`MOE_FIELDS`)
+    "num_moe_experts": "null or an integer >= 1",  # null: dense; else MoE layers by moe_layer_freq (:data:`MOE_FIELDS`)
 }
 # _ROUTING: the balancing kinds that route alike at inference (plain top-k), sharding.moe.TOPK_BALANCING
 _ROUTING_KIND = f"one of {list(_ROUTING)} or a list of them"
+_PATTERN = "null (every layer an MoE layer) or a list of num_layers entries, each 0 (dense MLP) or 1 (MoE)"
 # What the engine builds an MoE layer from (checked when num_moe_experts is set; published for every model).
 MOE_FIELDS = {
     "moe_ffn_hidden_size": _INT,
@@ -109,6 +114,7 @@ MOE_FIELDS = {
     "moe_router_load_balancing_type": _ROUTING_KIND,
     "moe_grouped_gemm": (False,),
     "moe_token_dispatcher_type": ("allgather", "alltoall"),
+    "moe_layer_freq": _PATTERN,  # format 3; the trainer publishes its moe_layer_pattern (a list) for an MoE model
 }
 # Why a value is not built, where the allowed values alone do not say it.
 _WHY = {
@@ -223,6 +229,8 @@ def megatron_model_config(model) -> dict:
         "moe_router_load_balancing_type": config.moe_router_load_balancing_type,
         "moe_grouped_gemm": bool(config.moe_grouped_gemm),
         "moe_token_dispatcher_type": config.moe_token_dispatcher_type,
+        # one 0 (dense MLP) or 1 (MoE layer) per layer, from Megatron's int or list moe_layer_freq
+        "moe_layer_freq": [int(moe) for moe in moe_layer_pattern(config)] if config.num_moe_experts else None,
     }
     for name, default in DEFAULT_ONLY_FIELDS.items():
         fields[name] = _json_value(getattr(config, name, default))
@@ -247,6 +255,7 @@ def _field_problem(name: str, value, allowed) -> str | None:
         _BOOL: isinstance(value, bool),
         _NUMBER: number,
         "null or a finite number": value is None or number,
+        _PATTERN: value is None or (isinstance(value, list) and all(type(v) is int and v in (0, 1) for v in value)),
         "null or a list of finite numbers": value is None
         or (
             isinstance(value, list)
@@ -264,14 +273,17 @@ def engine_expert_tp(tp: int, ep: int) -> int:
 
 
 def _upgraded(config: dict, fmt: int) -> dict:
-    """A format-``fmt`` config in this format: format 1 (a dense model) lacks the MoE fields."""
-    if fmt >= 2:
+    """A format-``fmt`` config in this format: format 1 (a dense model) lacks the MoE fields, format 2
+    ``moe_layer_freq`` (every layer an MoE layer: null)."""
+    if fmt >= 3:
         return config
+    if fmt == 2:
+        return {"moe_layer_freq": None, **config}
     moe = {"moe_ffn_hidden_size": None, "moe_router_topk": 2, "moe_router_pre_softmax": False,
            "moe_router_score_function": "softmax", "moe_router_dtype": None,
            "moe_router_load_balancing_type": "aux_loss", "moe_grouped_gemm": False,
            "moe_token_dispatcher_type": "allgather"}  # fmt: skip
-    return {"num_moe_experts": None, **moe, **DEFAULT_ONLY_FIELDS, **config}
+    return {"num_moe_experts": None, **moe, "moe_layer_freq": None, **DEFAULT_ONLY_FIELDS, **config}
 
 
 def megatron_model_problem(published, tp: int, ep: int = 1) -> str | None:
@@ -322,7 +334,14 @@ def megatron_model_problem(published, tp: int, ep: int = 1) -> str | None:
             f"num_query_groups={config['num_query_groups']} does not divide "
             f"num_attention_heads={config['num_attention_heads']}"
         )
-    dense = ("num_attention_heads", "num_query_groups", "padded_vocab_size", *(() if moe else ("ffn_hidden_size",)))
+    pattern = config["moe_layer_freq"] if moe else None
+    if pattern is not None and len(pattern) != config["num_layers"]:
+        return (
+            f"moe_layer_freq has {len(pattern)} entries: the engine builds moe_layer_freq = a list of "
+            f"num_layers={config['num_layers']} entries, each 0 (dense MLP) or 1 (MoE)"
+        )
+    dense_mlp = not moe or (pattern is not None and 0 in pattern)  # a layer with a dense MLP of ffn_hidden_size
+    dense = ("num_attention_heads", "num_query_groups", "padded_vocab_size", *(("ffn_hidden_size",) * dense_mlp))
     for name in dense:
         if config[name] % tp:
             return f"{name}={config[name]} is not divisible by the engine's TP {tp}: pick a TP that divides it"
@@ -379,7 +398,8 @@ def build_engine_model(published: dict, *, device, seed: int = 0):
     """This engine rank's ``GPTModel`` (megatron-core's local layer spec, pipeline size 1) of the
     model the trainer published (:func:`megatron_model_config`; check it first with
     :func:`megatron_model_problem`), at the TP size of the engine job's parallel state (an MoE model:
-    also its EP and expert-TP sizes, every layer an MoE layer of ``SequentialMLP`` experts); wrapped in
+    also its EP and expert-TP sizes, the layers ``moe_layer_freq`` marks MoE layers of ``SequentialMLP``
+    experts, the others dense MLPs: megatron-core's ``get_gpt_decoder_block_spec``); wrapped in
     ``Float16Module`` for a bfloat16 / float16 model, as Megatron-LM serves it. Call after
     ``initialize_model_parallel``. Its weights are NaN until the first refit writes them: a parameter
     that no refit writes shows in the engine's output. Raises ValueError if the rotary frequencies it
@@ -387,7 +407,7 @@ def build_engine_model(published: dict, *, device, seed: int = 0):
     from megatron.core import activations, tensor_parallel
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -397,8 +417,8 @@ def build_engine_model(published: dict, *, device, seed: int = 0):
     act = c["activation_func"]
     activation = getattr(torch.nn.functional, act, None) or getattr(activations, act)
     experts = c["num_moe_experts"]
-    moe = {}
-    if experts is not None:  # every layer an MoE layer of SequentialMLP experts, routed as the trainer routes
+    moe, mixed = {}, False
+    if experts is not None:  # MoE layers of SequentialMLP experts (by moe_layer_freq), routed as the trainer routes
         moe = dict(
             num_moe_experts=experts,
             moe_ffn_hidden_size=c["moe_ffn_hidden_size"],
@@ -413,6 +433,9 @@ def build_engine_model(published: dict, *, device, seed: int = 0):
             expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
             expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
         )
+        mixed = 0 in (c["moe_layer_freq"] or ())  # format 3; null (format 2) or all 1: every layer an MoE layer
+        if mixed:
+            moe["moe_layer_freq"] = list(c["moe_layer_freq"])
     config = TransformerConfig(
         num_layers=c["num_layers"],
         hidden_size=c["hidden_size"],
@@ -448,14 +471,18 @@ def build_engine_model(published: dict, *, device, seed: int = 0):
         **UNFUSED_LOCAL_SPEC,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)  # the RNG tracker megatron-core's forward forks
-    gpt = GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(
+    if mixed:  # dense and MoE layers, as megatron-core builds them
+        layers = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=c["normalization"])
+    else:  # every layer alike
+        layers = get_gpt_layer_local_spec(
             num_experts=experts,
             moe_grouped_gemm=False,
             qk_layernorm=c["qk_layernorm"],
             normalization=c["normalization"],
-        ),
+        )
+    gpt = GPTModel(
+        config=config,
+        transformer_layer_spec=layers,
         vocab_size=c["padded_vocab_size"],
         max_sequence_length=c["max_sequence_length"],
         share_embeddings_and_output_weights=c["share_embeddings_and_output_weights"],

@@ -121,7 +121,7 @@ def moe_full_state(model) -> dict:
     independently of the exporter: one plain ``all_gather`` per parameter over its TP or expert-TP
     group, the EP ranks' experts with one ``all_gather_object`` each (experts under their global
     index), then the pipeline stages'. TE grouped-expert names (``as_te_grouped_moe``) are read
-    back as the local spec's. Collective over every rank."""
+    back as the local spec's (a dense layer's fused pre-MLP norm too). Collective over every rank."""
     import re
 
     import torch.distributed as dist
@@ -133,6 +133,7 @@ def moe_full_state(model) -> dict:
     for name, p in model.named_parameters():
         name = re.sub(r"\.experts\.(linear_fc[12])\.weight(\d+)$", r".experts.local_experts.\2.\1.weight", name)
         name = name.replace("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight")
+        name = name.replace("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight")  # TE: a dense layer
         if name.startswith("decoder.layers."):  # global layer numbers (pipeline stages)
             j, rest = name[len("decoder.layers.") :].split(".", 1)
             name = f"decoder.layers.{model.decoder.layers[int(j)].layer_number - 1}.{rest}"

@@ -4,7 +4,8 @@ its own: a trainer job (2 ranks) and an engine job (2 ranks) over one RefitGroup
 TP2 -> engine TP1 x DP2 and trainer TP1 x DP2 -> engine TP2 (the tiny Llama: GQA, SwiGLU,
 RoPE, padded vocabulary), and for the tiny Qwen3-MoE (4 SequentialMLP experts, top-2, qk-norm)
 trainer TP2 x EP2 -> engine TP1 x DP2 x EP2 (whole experts per engine rank) and trainer
-TP1 x DP2 x EP2 -> engine TP2 x EP1 (every expert TP-sharded over both engine ranks). After each
+TP1 x DP2 x EP2 -> engine TP2 x EP1 (every expert TP-sharded over both engine ranks), and the same with a dense
+first layer (moe_layer_freq [0, 1], DeepSeek-V3 style: its MLP TP-sharded on both sides). After each
 version the engine's greedy tokens equal a plain greedy loop over the trainer model's forward,
 its logits pass the KL gate against the trainer's (also as the RefitGate inside the refit:
 ``refit(verify=gate)`` in the first case of each kind, ``serve(verify=gate)`` in the second), and
@@ -27,12 +28,19 @@ from ._reference import gather_tp, moe_full_state
 
 SPEC = tiny_llama.TinyLlamaSpec()  # llama: GQA (4 heads, 2 groups), SwiGLU, RoPE; 128 padded rows for 120 tokens
 MOE_SPEC = tiny_llama.TinyLlamaSpec(arch="qwen3_moe")  # + qk-norm, 4 experts (ffn 32), top-2 softmax router
+MIXED_SPEC = tiny_llama.TinyLlamaSpec(arch="qwen3_moe", moe_layer_freq=(0, 1))  # layer 0 a dense MLP (ffn 96)
 PROMPTS = [[3, 17, 5, 9, 60], [11, 2, 40], [7, 7, 101, 33, 2, 90, 14]]  # different lengths: one static batch
 NEW_TOKENS = 6
 BUCKET = 4096  # small buckets: many rounds
 # (spec, trainer TP, trainer EP, engine TP, engine EP); each job has 2 ranks, so a TP1 side runs 2 DP replicas.
 # Expert TP: the trainer's 1 (tiny_llama); the engine's engine_expert_tp: 1 at EP2 (whole experts), its TP at EP1.
-CASES = ((SPEC, 2, 1, 1, 1), (SPEC, 1, 1, 2, 1), (MOE_SPEC, 2, 2, 1, 2), (MOE_SPEC, 1, 2, 2, 1))
+CASES = (
+    (SPEC, 2, 1, 1, 1),
+    (SPEC, 1, 1, 2, 1),
+    (MOE_SPEC, 2, 2, 1, 2),
+    (MOE_SPEC, 1, 2, 2, 1),
+    (MIXED_SPEC, 1, 2, 2, 1),
+)
 REFUSALS = 1  # the case after which the refusals run (dense, engine TP2)
 EMBED = "embedding.word_embeddings.weight"
 SHARP = {"init_method_std": 0.1}  # larger weights, peaked logits: a wrong tensor changes the tokens
@@ -54,7 +62,8 @@ def _tokens():
 
 def _label(case):
     spec, tp, ep, engine_tp, engine_ep = CASES[case]
-    return f"{spec.arch} trainer TP{tp} x EP{ep} -> engine TP{engine_tp} x EP{engine_ep}"
+    mixed = f" (moe_layer_freq {list(spec.moe_layer_freq)})" if spec.moe_layer_freq != 1 else ""
+    return f"{spec.arch}{mixed} trainer TP{tp} x EP{ep} -> engine TP{engine_tp} x EP{engine_ep}"
 
 
 def _parallel(tp, ep, etp=1):
@@ -200,6 +209,7 @@ def _engine_body(backend, port, n_trainer):
             published.get("engine"),
             published["config"] == megatron_model_config(model)["config"],
         )
+        out[case, "moe_layer_freq"] = published["config"]["moe_layer_freq"]  # one 0 (dense) or 1 (MoE) per layer
         refit = MegatronEngineRefit(group, engine, bucket_bytes=BUCKET)
         # the KL gate inside the refit: the engine's logits against the trainer's (published through the store)
         gate = wx.RefitGate(
@@ -269,6 +279,10 @@ def test_megatron_engine_refit(backend, monkeypatch):
             assert res[case, "served"] == 2, who
             # the trainer published this engine's model (the same config as the engine's GPTModel) and layout
             assert res[case, "published"] == (None, engine_layout, True), who
+            if spec.arch == "qwen3_moe":
+                assert res[case, "moe_layer_freq"] == [int(spec.moe_layer_freq != (0, 1)), 1], who
+                dense = [n for n in res[case, 1]["state"] if n.startswith("decoder.layers.0.mlp.linear_fc")]
+                assert len(dense) == 2 * (spec is MIXED_SPEC), (who, dense)  # the dense layer's fc1 and fc2
             for v in (1, 2):
                 got = res[case, v]
                 stats = got["stats"]

@@ -289,7 +289,7 @@ def test_models_the_engine_cannot_build_are_refused_naming_the_field(run):
     """megatron_model_problem on the config the trainer publishes (megatron_model_config of the script's model):
     the engine builds it at TP 1 and 2, and refuses, naming the field, what it does not build."""
     published = run["ref"]["config"]
-    assert published["format"] == 2 and published["model"] == "GPTModel"
+    assert published["format"] == 3 and published["model"] == "GPTModel"
     config = published["config"]
     assert (config["num_query_groups"], config["padded_vocab_size"], config["activation_func"]) == (2, 128, "silu")
     assert json.loads(json.dumps(published)) == published  # plain JSON, nothing pickled
@@ -301,8 +301,8 @@ def test_models_the_engine_cannot_build_are_refused_naming_the_field(run):
             changed["format"] = fmt
         return megatron_model_problem(changed, tp, ep)
 
-    assert problem(fmt=3) == (
-        "the trainer publishes its model config in format 3; this engine reads format 2: run the same megatron_ext "
+    assert problem(fmt=4) == (
+        "the trainer publishes its model config in format 4; this engine reads format 3: run the same megatron_ext "
         "release in the engine as in the trainer"
     )
     # format 1 (an older trainer: dense, no MoE fields) is still read
@@ -312,6 +312,25 @@ def test_models_the_engine_cannot_build_are_refused_naming_the_field(run):
     moe = dict(num_moe_experts=4, moe_ffn_hidden_size=32)
     assert config["moe_token_dispatcher_type"] == "allgather" and config["moe_grouped_gemm"] is False
     assert problem(**moe) is None and problem(tp=2, **moe) is None and problem(tp=2, ep=2, **moe) is None
+    # format 2 (an MoE trainer before moe_layer_freq: every layer an MoE layer) is still read
+    two = {k: v for k, v in {**config, **moe}.items() if k != "moe_layer_freq"}
+    assert megatron_model_problem({**published, "format": 2, "config": two}, 1) is None
+    # format 3: dense (0) and MoE (1) layers, one entry per layer; a dense layer's MLP splits over the engine's TP
+    layers = config["num_layers"]
+    assert problem(**moe, moe_layer_freq=[0] + [1] * (layers - 1)) is None
+    assert problem(tp=2, **moe, ffn_hidden_size=33) is None  # every layer an MoE layer: no dense MLP to split
+    assert problem(tp=2, **moe, ffn_hidden_size=33, moe_layer_freq=[0] + [1] * (layers - 1)) == (
+        "ffn_hidden_size=33 is not divisible by the engine's TP 2: pick a TP that divides it"
+    )
+    assert problem(**moe, moe_layer_freq=[1] * (layers + 1)) == (
+        f"moe_layer_freq has {layers + 1} entries: the engine builds moe_layer_freq = a list of num_layers={layers} "
+        "entries, each 0 (dense MLP) or 1 (MoE)"
+    )
+    kind = "null (every layer an MoE layer) or a list of num_layers entries, each 0 (dense MLP) or 1 (MoE)"
+    for bad in (2, [2] * layers, [True] * layers):  # Megatron's int form is published as its pattern
+        assert problem(**moe, moe_layer_freq=bad) == (
+            f"moe_layer_freq={bad!r}: the engine builds moe_layer_freq = {kind}"
+        ), bad
     assert problem(moe_token_dispatcher_type="flex") is None  # a dense model: the MoE fields are not read
     assert problem(**moe, moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"], moe_router_dtype="fp32") is None
     assert problem(**moe, moe_grouped_gemm=True) == (
@@ -394,9 +413,17 @@ def _published_model_body(backend):
     ps.initialize_model_parallel(tensor_model_parallel_size=1)
     tokens = torch.tensor([PROMPTS[2] + PROMPTS[0]])
     trainers = {}
-    for arch, dtype in (("llama", torch.float32), ("llama", torch.bfloat16), ("qwen3_moe", torch.float32)):
+    # dense and MoE layers mixed: moe_layer_freq 2 makes layers 0 and 2 MoE layers, 1 and 3 dense MLPs
+    mixed = tiny_llama.TinyLlamaSpec(arch="qwen3_moe", num_layers=4, moe_layer_freq=2)
+    for arch, dtype in (
+        ("llama", torch.float32),
+        ("llama", torch.bfloat16),
+        ("qwen3_moe", torch.float32),
+        ("qwen3_moe_mixed", torch.float32),
+    ):
         # plain forwards first: the engine switches on inference mode
-        half, spec = dtype != torch.float32, tiny_llama.TinyLlamaSpec(arch=arch)
+        half = dtype != torch.float32
+        spec = mixed if arch == "qwen3_moe_mixed" else tiny_llama.TinyLlamaSpec(arch=arch)
         cfg = tiny_llama.transformer_config(
             spec, init_method_std=0.1, params_dtype=dtype, pipeline_dtype=dtype, bf16=half
         )
@@ -413,6 +440,8 @@ def _published_model_body(backend):
         out[key] = {
             "names": sorted(mine) == sorted(theirs),
             "experts": sum(".local_experts." in n for n in mine),
+            "dense_mlps": sum(n.endswith(".mlp.linear_fc1.weight") for n in mine),
+            "moe_layer_freq": published["config"]["moe_layer_freq"],
             "nan": all(p.isnan().all() for p in mine.values()),  # nothing but a refit writes the weights
             "wrapper": type(model).__name__,
             "other": [n for n, p in mine.items() if kind(p) != kind(theirs[n])],
@@ -434,11 +463,21 @@ def test_engine_model_built_from_the_published_config_is_the_trainers(backend, m
     """build_engine_model(megatron_model_config(trainer)) has the trainer's parameters (names, shapes, dtypes),
     NaN until written; with the trainer's weights, its greedy tokens and logits are the trainer model's, in
     float32 and in bfloat16 (Float16Module, as Megatron-LM trains and serves it), and for the tiny Qwen3-MoE
-    (SequentialMLP experts, its router and expert weights included)."""
+    (SequentialMLP experts, its router and expert weights included), all-MoE and with dense layers between
+    (moe_layer_freq 2: published as its per-layer pattern, built as megatron-core builds it)."""
     monkeypatch.setenv("TQDM_DISABLE", "1")
     out = run_on_ranks(_published_model_body, 1, args=(backend,), backend=backend, timeout=180)[0]
-    assert set(out) == {("llama", torch.bfloat16), ("llama", torch.float32), ("qwen3_moe", torch.float32)}
-    assert out["qwen3_moe", torch.float32]["experts"] == 2 * 4 * 2  # layers x experts x (fc1, fc2): all built
+    assert set(out) == {
+        ("llama", torch.bfloat16),
+        ("llama", torch.float32),
+        ("qwen3_moe", torch.float32),
+        ("qwen3_moe_mixed", torch.float32),
+    }
+    moe, mixed = out["qwen3_moe", torch.float32], out["qwen3_moe_mixed", torch.float32]
+    assert moe["experts"] == 2 * 4 * 2  # layers x experts x (fc1, fc2): all built
+    assert (moe["moe_layer_freq"], moe["dense_mlps"]) == ([1, 1], 0)
+    assert mixed["experts"] == 2 * 4 * 2 and mixed["dense_mlps"] == 2  # MoE layers 0, 2; dense MLPs 1, 3
+    assert mixed["moe_layer_freq"] == [1, 0, 1, 0]
     for (_, dtype), got in out.items():
         assert got["names"] and not got["other"] and got["nan"], (dtype, got)
         assert got["wrapper"] == ("GPTModel" if dtype == torch.float32 else "Float16Module"), (dtype, got["wrapper"])

@@ -22,6 +22,11 @@ from ._reference import hf_checkpoint_names, hf_state_from_megatron, moe_full_st
 SPEC = tiny_llama.TinyLlamaSpec(arch="qwen3_moe")
 TIMEOUT = 240
 BUCKET_MB = 0.1  # several dense and several expert buckets, each with several weights
+# Dense MLP and MoE layers mixed (Megatron's moe_layer_freq; Qwen3-MoE's mlp_only_layers): a list with dense first
+# and last layers, and an int k (every k-th layer from layer 0 an MoE layer). Dense MLPs are ffn_hidden_size=96
+# wide, experts 32: a dense layer mapped as MoE (or the reverse) cannot go unnoticed.
+MIXED = dataclasses.replace(SPEC, num_layers=4)
+MIXED_FREQS = {"list": ([0, 1, 1, 0], [0, 3]), "int": (2, [1, 3])}  # moe_layer_freq -> HF mlp_only_layers
 
 
 def _reference(state):
@@ -40,6 +45,74 @@ def _layout_names(cfg):
     from megatron_ext.sharding import specs_from_config
 
     return {s.name for s in specs_from_config(cfg, vocab_size=SPEC.hf_vocab_size, padded_vocab_size=SPEC.vocab_size)}
+
+
+def _mixed_single_rank(freq):
+    """The tiny Qwen3-MoE with 4 layers, dense and MoE by ``moe_layer_freq=freq``, on one rank: the export hook
+    into a Qwen3MoeForCausalLM built with the same pattern (``hf_config_from_megatron``: ``mlp_only_layers``),
+    and a reshard refit (ReshardExecutor, trainer layout -> engine TP1 layout: fused qkv / gate_up) whose whole HF
+    tensors pass the HF model's tensor check (``EngineRefit``'s: names, shapes, dtypes) and load into another one;
+    then the same model under TE's names (dense layers: the pre-MLP norm fused into ``linear_fc1``)."""
+    from megatron_ext import weight_export as wx
+    from megatron_ext.sharding import megatron_layout, specs_from_model
+    from megatron_ext.weight_export.exec.reshard import ReshardExecutor
+    from megatron_ext.weight_export.plan.layout import inference_layout
+    from megatron_ext.weight_export.plan.reshard_plan import build_reshard_plan
+
+    cfg = tiny_llama.transformer_config(MIXED, moe_layer_freq=freq)
+    model = tiny_llama.build_model(MIXED, cfg)
+    toks = tiny_llama.tokens(MIXED)
+    hf = tiny_llama.hf_model(MIXED, cfg)
+    before = wx.verify_export(wx.megatron_logits(model, toks), wx.HFModelConsumer(hf).logits(toks))
+    exporter = wx.WeightExporter(
+        model,
+        wx.RefitConfig(vocab_size=MIXED.hf_vocab_size, bucket_size_mb=0.02),
+        receiver=wx.WeightReceiver(wx.HFModelConsumer(hf)),
+    )
+    exporter.export()
+    out = dict(
+        mlp_only_layers=list(hf.config.mlp_only_layers),
+        hf_dense=sorted(i for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "gate_proj")),
+        megatron_dense=sorted(i for i, layer in enumerate(model.decoder.layers) if not hasattr(layer.mlp, "router")),
+        before=before,
+        after=exporter.verify(toks),
+        plan_names={t.name for t in exporter.plan.tensors()},
+        layout_names=_layout_names(cfg),
+        received=hf_checkpoint_names(dict(hf.named_parameters())),
+        reference=hf_state_from_megatron(
+            dict(model.named_parameters()),
+            num_layers=MIXED.num_layers,
+            num_heads=MIXED.num_attention_heads,
+            num_groups=MIXED.num_query_groups,
+            hidden=MIXED.hidden_size,
+            vocab=MIXED.hf_vocab_size,
+            tied=MIXED.tie_embeddings,
+        ),
+    )
+    specs = specs_from_model(model, vocab_size=MIXED.hf_vocab_size)
+    src, dst = megatron_layout(specs, tp=1), inference_layout(specs, tp=1)
+    engine = {n: torch.full(lt.shape, float("nan")) for n, lt in dst.tensors[0].items()}
+    tensors = {**wx.megatron_tensors(model), **engine}
+    out["refit_stats"] = ReshardExecutor(build_reshard_plan(src, dst), 0, tensors, bucket_bytes=4096).refit(1)
+    consumer = wx.HFModelConsumer(tiny_llama.hf_model(MIXED, cfg))
+    whole = dict(dst.hf_tensors(0, engine))
+    expected = consumer.expected_tensors()
+    out["refit_check"] = sorted(set(expected) ^ set(whole)) + [
+        n for n, t in whole.items() if n in expected and expected[n] != (tuple(t.shape), t.dtype)
+    ]
+    out["engine_names"] = sorted(engine)
+    consumer.load_weights(whole.items())
+    out["refit_gate"] = wx.verify_export(wx.megatron_logits(model, toks), consumer.logits(toks))
+    tiny_llama.as_te_grouped_moe(model)
+    te_hf = tiny_llama.hf_model(MIXED, cfg)
+    wx.WeightExporter(
+        model,
+        wx.RefitConfig(vocab_size=MIXED.hf_vocab_size, bucket_size_mb=0.02),
+        receiver=wx.WeightReceiver(wx.HFModelConsumer(te_hf)),
+    ).export()
+    out["te_names"] = sorted(n for n, _ in model.named_parameters())
+    out["te_received"] = hf_checkpoint_names(dict(te_hf.named_parameters()))
+    return out
 
 
 EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
@@ -180,6 +253,16 @@ def _single_rank():
         layout_names={s.name for s in specs},
         layout_experts={s.megatron_name for s in specs if s.expert is not None},
     )
+
+    out["mixed"] = {key: _mixed_single_rank(freq) for key, (freq, _) in MIXED_FREQS.items()}
+    # a model whose layers are not its config's pattern (built as if every layer were an MoE layer): named
+    unbuilt = tiny_llama.build_model(SPEC, tiny_llama.transformer_config(SPEC))  # every layer an MoE layer
+    unbuilt.config.moe_layer_freq = [0, 1]  # its config: a dense first layer
+    try:
+        wx.specs_from_model(unbuilt, vocab_size=SPEC.hf_vocab_size)
+        out["mixed"]["not built"] = "no error"
+    except wx.UnsupportedParameter as exc:
+        out["mixed"]["not built"] = str(exc)
     return out
 
 
@@ -236,6 +319,52 @@ def test_unsupported_real_moe_variants_are_named(single):
     assert "decoder.layers.0.mlp.router.weight" in sigmoid and "moe_router_score_function='softmax'" in sigmoid
 
 
+@pytest.mark.parametrize("freq", MIXED_FREQS)
+def test_mixed_dense_and_moe_layers_export_and_refit_to_qwen3_moe_mlp_only_layers(single, freq):
+    """moe_layer_freq (a list, an int): the dense layers are Qwen3-MoE's mlp_only_layers, exported under the
+    dense MLP's names (``mlp.gate_proj``), the MoE layers under the experts'; the HF tensors equal a hand
+    conversion, the logits match; a reshard refit's engine tensors load into the same HF model and match too;
+    TE's names (a dense layer's pre-MLP norm fused into ``linear_fc1``) export the same tensors."""
+    got = single["mixed"][freq]
+    dense = MIXED_FREQS[freq][1]
+    # the pattern as megatron-core builds it, and the HF model with the same one
+    assert got["megatron_dense"] == got["hf_dense"] == got["mlp_only_layers"] == dense, got["mlp_only_layers"]
+    assert got["received"].keys() == got["reference"].keys()
+    for name, ref in got["reference"].items():
+        assert torch.equal(got["received"][name], ref), name
+    assert got["plan_names"] == got["layout_names"] == got["reference"].keys()
+    for i in range(MIXED.num_layers):
+        mlp = f"model.layers.{i}.mlp."
+        assert (mlp + "gate_proj.weight" in got["plan_names"]) == (i in dense), i
+        assert (mlp + "experts.3.down_proj.weight" in got["plan_names"]) == (i not in dense), i
+        assert (mlp + "gate.weight" in got["plan_names"]) == (i not in dense), i
+    assert got["before"].max_abs_diff > 0.1, "HF model matched before export: the check is vacuous"
+    assert got["after"].max_abs_diff < 1e-4 and abs(got["after"].kl) < 1e-6, got["after"]
+    # the reshard refit: the engine's fused tensors of a dense layer, whole HF tensors the HF model holds as sent
+    assert f"model.layers.{dense[0]}.mlp.gate_up_proj.weight" in got["engine_names"]
+    assert got["refit_check"] == [], got["refit_check"]
+    assert got["refit_stats"].local_bytes > 0
+    assert got["refit_gate"].max_abs_diff < 1e-4 and abs(got["refit_gate"].kl) < 1e-6, got["refit_gate"]
+    # TE layer spec names of the same model: dense layers' fused pre-MLP norm, MoE layers' separate one
+    te = got["te_names"]
+    assert f"decoder.layers.{dense[0]}.mlp.linear_fc1.layer_norm_weight" in te
+    assert f"decoder.layers.{dense[0]}.pre_mlp_layernorm.weight" not in te
+    moe = next(i for i in range(MIXED.num_layers) if i not in dense)
+    assert f"decoder.layers.{moe}.pre_mlp_layernorm.weight" in te
+    assert f"decoder.layers.{moe}.mlp.experts.linear_fc1.weight0" in te
+    assert got["te_received"].keys() == got["received"].keys()
+    for name, ref in got["received"].items():
+        assert torch.equal(got["te_received"][name], ref), name
+
+
+def test_model_built_without_its_configs_layer_pattern_is_refused_naming_the_layer(single):
+    message = single["mixed"]["not built"]
+    assert message == (
+        "decoder.layers.0 is an MoE layer, but moe_layer_freq=[0, 1] makes it a dense MLP layer: build the model "
+        "with its config's layer pattern (megatron-core's get_gpt_decoder_block_spec(config, ...))"
+    ), message
+
+
 def test_te_grouped_gemm_names_export_exactly_the_sequential_tensors(single):
     """TEGroupedMLP's per-expert weights and TE's fused layernorm name, on the same
     model (TE cannot run on CPU): the HF tensors equal the SequentialMLP export's,
@@ -279,9 +408,10 @@ def _count_collectives(counts):
     return lambda: [setattr(dist, n, fn) for n, fn in saved.items()]
 
 
-def _export_case(tp, pp, ep, target, transport, te_grouped=False, etp=1):
+def _export_case(tp, pp, ep, target, transport, te_grouped=False, etp=1, freq=1):
     """One trainer layout exporting versions 7 and 8; returns what the tests check.
-    ``te_grouped``: the model's parameters under TE / TEGroupedMLP names; ``etp``: expert TP."""
+    ``te_grouped``: the model's parameters under TE / TEGroupedMLP names; ``etp``: expert TP;
+    ``freq``: ``moe_layer_freq`` (dense layers where it says 0; they refit colocated engines too)."""
     from megatron.core import parallel_state as ps
 
     from megatron_ext import weight_export as wx
@@ -292,14 +422,14 @@ def _export_case(tp, pp, ep, target, transport, te_grouped=False, etp=1):
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
     )
-    cfg = tiny_llama.transformer_config(SPEC, tp=tp, pp=pp, ep=ep, expert_tensor_parallel_size=etp)
+    cfg = tiny_llama.transformer_config(SPEC, tp=tp, pp=pp, ep=ep, expert_tensor_parallel_size=etp, moe_layer_freq=freq)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
     model = tiny_llama.build_model(SPEC, cfg, device=device)
     if te_grouped:
         tiny_llama.as_te_grouped_moe(model)
     hf, receiver = None, None
     if transport == "inprocess" and dist.get_rank() == 0:  # the export rank
-        hf = tiny_llama.hf_model(SPEC, tiny_llama.transformer_config(SPEC))
+        hf = tiny_llama.hf_model(SPEC, tiny_llama.transformer_config(SPEC, moe_layer_freq=freq))
         receiver = wx.WeightReceiver(wx.HFModelConsumer(hf))
     exporter = wx.WeightExporter(
         model,
@@ -347,7 +477,7 @@ def _export_case(tp, pp, ep, target, transport, te_grouped=False, etp=1):
         received=hf_checkpoint_names(dict(hf.named_parameters())) if hf is not None else None,
     )
     out["reshard"] = _reshard_layout_check(model, tp=tp, pp=pp, ep=ep, etp=etp)
-    if etp > 1:
+    if etp > 1 or freq != 1:
         out["refit"] = _colocated_refit(model, tp=tp, ep=ep, etp=etp)
     exporter.close()
     if exporter.is_export_rank:  # ipc-direct maps only the export rank's storage: refused with EP > 1
@@ -414,14 +544,15 @@ def _trainer(cases):
     return {key: _export_case(*args) for key, args in cases.items()}
 
 
-def _check_case(out, key, received_params=None):
+def _check_case(out, key, received_params=None, moe_layers=range(SPEC.num_layers)):
     ranks = [o[key] for o in out]
     export_rank = ranks[0]
     assert export_rank["first"].applied == (7,) and export_rank["second"].applied == (8,), export_rank["second"]
     expected = _reference(export_rank["expected"])
+    layer = moe_layers[0]
     assert not torch.equal(
-        expected["model.layers.0.mlp.experts.0.gate_proj.weight"],
-        expected["model.layers.0.mlp.experts.2.gate_proj.weight"],
+        expected[f"model.layers.{layer}.mlp.experts.0.gate_proj.weight"],
+        expected[f"model.layers.{layer}.mlp.experts.2.gate_proj.weight"],
     ), "experts must differ per EP rank"
     got = export_rank["received"] if received_params is None else hf_checkpoint_names(received_params)
     assert got.keys() == expected.keys()
@@ -436,7 +567,7 @@ def _check_case(out, key, received_params=None):
     # Which (EP, expert-TP) rank holds which slice: fc1 split on rows, fc2 on columns (whole with ETP 1).
     assert plan["holders"] == {
         (layer, e, fc): (tuple((e // num_local, k) for k in range(etp)), None if etp == 1 else int(fc == "linear_fc2"))
-        for layer in range(SPEC.num_layers)
+        for layer in moe_layers
         for e in range(SPEC.num_moe_experts)
         for fc in ("linear_fc1", "linear_fc2")
     }
@@ -495,16 +626,18 @@ def test_tp2_ep2_and_pp2_ep2_trainers_export_every_expert():
     again with the parameters under TE's names (TEGroupedMLP experts), which must
     export exactly the TP2 x EP2 tensors, and TP2 x EP2 with expert TP 2 (each
     expert split over two ranks; all four ranks join the expert gathers), whose
-    ranks then refit colocated engines with ReshardExecutor."""
+    ranks then refit colocated engines with ReshardExecutor, and TP2 x EP2 with a dense first layer
+    (moe_layer_freq [0, 1], DeepSeek-V3 style: a Qwen3-MoE with mlp_only_layers [0]), refitting them too."""
     cases = {
         "tp2_ep2": (2, 1, 2, None, "inprocess"),
         "pp2_ep2": (1, 2, 2, None, "inprocess"),
         "tp2_ep2_te_grouped": (2, 1, 2, None, "inprocess", True),
         "tp2_ep2_etp2": (2, 1, 2, None, "inprocess", False, 2),
+        "tp2_ep2_dense_first": (2, 1, 2, None, "inprocess", False, 1, [0, 1]),
     }
     out = run_on_ranks(_trainer, 4, args=(cases,), backend="gloo", timeout=TIMEOUT)
     for case in cases:
-        _check_case(out, case)
+        _check_case(out, case, moe_layers=[1] if case == "tp2_ep2_dense_first" else range(SPEC.num_layers))
         assert [bool(o[case]["counts"]) for o in out] == (
             [True, True, False, False]
             if case.startswith("tp2_ep2") and "etp2" not in case
@@ -536,15 +669,25 @@ def test_tp2_ep2_and_pp2_ep2_trainers_export_every_expert():
     assert [o["tp2_ep2_etp2"]["reshard"]["coords"] for o in out] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert [o["tp2_ep2"]["reshard"]["coords"] for o in out] == [(0, 0), (1, 0), (0, 0), (1, 0)]
     _check_colocated_refit(out, "tp2_ep2_etp2", tp=2, ep=2, etp=2)
+    # the dense first layer: its MLP under the dense names, TP-split (not gathered over EP), on every engine
+    dense = out[0]["tp2_ep2_dense_first"]
+    assert "model.layers.0.mlp.gate_proj.weight" in dense["received"]
+    assert not any(n.startswith("model.layers.0.mlp.experts.") for n in dense["received"])
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in dense["received"]
+    assert dense["received"]["model.layers.0.mlp.gate_proj.weight"].shape == (SPEC.ffn_hidden_size, SPEC.hidden_size)
+    _check_colocated_refit(out, "tp2_ep2_dense_first", tp=2, ep=2, etp=1, freq=[0, 1])
+    for r, o in enumerate(out):  # engine TP2 x DP2: rank r's TP shard of layer 0's fused [gate; up]
+        got = o["tp2_ep2_dense_first"]["refit"]["tp2_dp2"]["tensors"]["model.layers.0.mlp.gate_up_proj.weight"]
+        assert got.shape == (SPEC.ffn_hidden_size, SPEC.hidden_size), (r, got.shape)
 
 
-def _check_colocated_refit(out, case, *, tp, ep, etp):
+def _check_colocated_refit(out, case, *, tp, ep, etp, freq=1):
     """Every engine rank's tensors after the refit equal the HF reference of the
     trainer's parameters (gathered independently), with no NaN left."""
     from megatron_ext.sharding import specs_from_config
     from megatron_ext.weight_export.plan.layout import inference_layout
 
-    cfg = tiny_llama.transformer_config(SPEC, tp=tp, ep=ep, expert_tensor_parallel_size=etp)
+    cfg = tiny_llama.transformer_config(SPEC, tp=tp, ep=ep, expert_tensor_parallel_size=etp, moe_layer_freq=freq)
     specs = specs_from_config(cfg, vocab_size=SPEC.hf_vocab_size, padded_vocab_size=SPEC.vocab_size)
     ref = _reference(out[0][case]["expected"])
     for key, engine in ENGINES.items():
@@ -649,3 +792,13 @@ def test_hf_config_for_qwen3_moe_checks_routing_and_maps_dense_layers():
             )
     with pytest.raises(ValueError, match="arch='qwen3_moe'"):
         hf_config_from_megatron(cfg, arch="qwen3", vocab_size=120)
+    # a moe_layer_freq the pattern cannot be read from: refused by the specs and the HF config alike, naming it
+    from megatron_ext.sharding import specs_from_config
+
+    bad = "moe_layer_freq=[1] is not supported: give an int > 0 or a list of 2 0/1 entries"
+    for make in (
+        lambda c: specs_from_config(c, vocab_size=120),
+        lambda c: hf_config_from_megatron(c, arch="qwen3_moe", vocab_size=120),
+    ):
+        with pytest.raises(ValueError, match=re.escape(bad)):
+            make(dataclasses.replace(cfg, moe_layer_freq=[1]))
