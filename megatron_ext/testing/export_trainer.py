@@ -137,7 +137,7 @@ def _reference(model, spec):
 
 def main(argv=None) -> int:
     args = _args(sys.argv[1:] if argv is None else argv)
-    out = {"applied": [], "sent": {}, "error": None, "error_type": None, "kl": None}
+    out = {"applied": [], "sent": {}, "error": None, "error_type": None, "kl": None, "logit_diff": None}
     try:
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
@@ -190,7 +190,8 @@ def main(argv=None) -> int:
             torch.save(out, args.out)  # what was sent so far survives a kill
             out["applied"].append(exporter.export(version=v).applied)
             if v == 1 and args.verify:
-                out["kl"] = exporter.verify(tiny_llama.tokens(spec).to(device)).kl
+                checked = exporter.verify(tiny_llama.tokens(spec).to(device))
+                out["kl"], out["logit_diff"] = checked.kl, checked.max_abs_diff
         exporter.close()
     except Exception as exc:  # noqa: BLE001 - the test reads it
         out["error"], out["error_type"] = f"{exc}\n{traceback.format_exc()}", type(exc).__name__

@@ -7,8 +7,9 @@ Trainer side::
 
 Engine side: :func:`serve` (a process listening at the target address) with a
 consumer exposing ``load_weights(iterable of (hf_name, tensor))``, or the
-command ``python -m megatron_ext.weight_export.engine --model DIR --address
-HOST:PORT`` for a Hugging Face model; see docs/weight_export.md.
+command ``python -m megatron_ext.weight_export.engine [--model DIR] --address
+HOST:PORT`` for a Hugging Face model (without ``--model``: :class:`HFModelFromTrainer`,
+built from the trainer's :func:`hf_model_config`); see docs/weight_export.md.
 
 megatron-core's own inference engine as a p2p refit target (docs/weight_export_reshard.md):
 :func:`megatron_trainer_refit` on the trainer's ranks; on the engine's, :func:`receive_model_config`,
@@ -33,6 +34,7 @@ from ..sharding import (
 from .config import TRANSPORTS, RefitConfig, add_refit_args
 from .control.refit_group import RefitGroup
 from .engines.gate import RefitGate, VerifyResult, megatron_logits, verify_export
+from .engines.hf_model import HFModelFromTrainer, build_hf_model, hf_model_config
 from .engines.megatron import MegatronEngine
 from .engines.megatron_config import (
     build_engine_model,
@@ -99,6 +101,7 @@ __all__ = [
     "ExportPlan",
     "ExportResult",
     "HFModelConsumer",
+    "HFModelFromTrainer",
     "InProcessSender",
     "IpcDirectSender",
     "IpcPushSender",
@@ -117,6 +120,8 @@ __all__ = [
     "build_plan",
     "check_plan",
     "hf_config_from_megatron",
+    "hf_model_config",
+    "build_hf_model",
     "megatron_logits",
     "serve",
     "unpack",

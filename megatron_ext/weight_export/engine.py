@@ -1,15 +1,19 @@
 """The engine side of a refit as a command of its own: a Hugging Face model, or megatron-core's engine.
 
-    python -m megatron_ext.weight_export.engine --model ./hf_model_dir --address 127.0.0.1:29600 \\
+    python -m megatron_ext.weight_export.engine [--model ./hf_model_dir] --address 127.0.0.1:29600 \\
         [--device cuda:1] [--dtype bfloat16] [--sessions 0] [--no-atomic] [--save ./after_refit]
-    python -m megatron_ext.weight_export.engine --model ./hf_model_dir --refit-store 127.0.0.1:29700 \\
+    python -m megatron_ext.weight_export.engine [--model ./hf_model_dir] --refit-store 127.0.0.1:29700 \\
         --refit-rank 2 --refit-world-size 3 [--device cuda:2] [--no-atomic] [--bucket-size-mb 64]
     torchrun --nproc-per-node E -m megatron_ext.weight_export.engine --engine megatron \\
         --refit-store 127.0.0.1:29700 --refit-rank-offset T [--refit-world-size T+E] [--tp N] [--ep N] \\
         [--prompt-tokens 3,17,5 11,2 | --prompts prompts.json] [--generate-tokens 8] [--save-tokens out.json]
 
 ``--engine hf`` (the default) loads ``--model`` with
-``transformers.AutoModelForCausalLM.from_pretrained`` and runs :func:`~.transports.serve.serve`
+``transformers.AutoModelForCausalLM.from_pretrained`` (a path that is not a directory with a
+loadable ``config.json`` is refused at parse time, exit 2) or, without ``--model``, builds the
+model from the Hugging Face config the trainer sends with its first plan
+(:mod:`.engines.hf_model`: Llama / Qwen2 / Qwen3 / Qwen3-MoE, in the trainer's dtype unless
+``--dtype``, weights NaN until the first version writes them), and runs :func:`~.transports.serve.serve`
 at ``--address`` for each trainer session (``--sessions``: how many trainers to
 serve one after another, 0 = until killed). Point the trainer's ``--refit-target``
 at the same address (same host: loopback needs no key; otherwise set
@@ -22,7 +26,8 @@ With ``--refit-store`` instead of ``--address`` it is one engine rank of the p2p
 (reshard) refit (the trainer's ``--refit-transport p2p --refit-store``): it joins
 the refit group as refit rank ``--refit-rank`` of ``--refit-world-size`` (the
 trainer's ranks come first), takes the trainer's layout and model description
-from the trainer, and receives its whole HF tensors as a TP1 engine replica
+(and, without ``--model``, the model's Hugging Face config) from the trainer, and
+receives its whole HF tensors as a TP1 engine replica
 (engine ranks = world size - trainer ranks, the trainer's ``--refit-engine-dp``)
 straight from the trainer ranks that own them, until the trainer closes.
 ``--bucket-size-mb`` and ``--vocab-padding`` must be the trainer's (a mismatch
@@ -92,7 +97,11 @@ def _args(argv, *, megatron_on_cpu: bool = False):
         help="hf: a Hugging Face model (--model); megatron: megatron-core's static inference engine built from the "
         "trainer's published config (p2p refit only)",
     )
-    p.add_argument("--model", help="hf: a Hugging Face model directory (config + weights)")
+    p.add_argument(
+        "--model",
+        help="hf: a Hugging Face model directory (config.json + weights); left out, the model is built from the "
+        "config the trainer publishes (weights NaN until the first version)",
+    )
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--address", help="hf: host:port to listen at (only this interface): the export hook's engine")
     where.add_argument("--refit-store", help="host:port of the p2p refit group's store (the trainer's --refit-store)")
@@ -163,8 +172,10 @@ def _args(argv, *, megatron_on_cpu: bool = False):
     if megatron:
         _check_megatron(p, args, megatron_on_cpu)
     else:
-        if args.model is None:
-            p.error("--engine hf needs --model DIR (a Hugging Face model directory)")
+        if args.model is not None:
+            problem = _model_dir_problem(args.model)
+            if problem is not None:  # argparse's error and exit status, in one line (no usage above it)
+                p.exit(2, f"{p.prog}: error: {problem}\n")
         args.dtype = args.dtype or "auto"
         args.sessions = 1 if args.sessions is None else args.sessions
         args.vocab_padding = 64 if args.vocab_padding is None else args.vocab_padding
@@ -197,6 +208,36 @@ def _args(argv, *, megatron_on_cpu: bool = False):
         except ValueError as exc:
             p.error(str(exc).replace("RefitConfig.", "--").replace("bucket_size_mb", "bucket-size-mb"))
     return args
+
+
+_MODEL_HINT = (
+    "pass a Hugging Face model directory (config.json + weights) or leave --model out to build the model from "
+    "the trainer's config"
+)
+
+
+def _model_dir_problem(path: str) -> str | None:
+    """Why ``--model path`` is not a Hugging Face model directory (None: its config loads)."""
+    if not os.path.exists(path):
+        return f"--model {path}: no such directory; {_MODEL_HINT}"
+    if not os.path.isdir(path):
+        return f"--model {path}: not a directory; {_MODEL_HINT}"
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return f"--model {path}: no config.json in it; {_MODEL_HINT}"
+    try:
+        import transformers
+    except ImportError:
+        return None  # main() says that transformers is missing
+    try:
+        transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - whatever transformers raises, said in one line
+        return f"--model {path}: its config.json does not load ({_one_line(exc)}); {_MODEL_HINT}"
+    return None
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
 def _token_lists(value, what: str) -> list[list[int]]:
@@ -293,6 +334,7 @@ def main(argv=None, *, megatron_on_cpu: bool = False) -> int:
     except ImportError:
         print("engine: error: transformers is not installed; pip install 'megatron_ext[hf]'", file=sys.stderr)
         return 1
+    from .engines.hf_model import HFModelFromTrainer
     from .engines.receiver import HFModelConsumer, WeightReceiver
     from .transports.serve import serve
 
@@ -300,9 +342,18 @@ def main(argv=None, *, megatron_on_cpu: bool = False) -> int:
     if device.type == "cuda":
         device = torch.device("cuda", device.index or 0)  # set_device needs an index ("cuda" means cuda:0)
         torch.cuda.set_device(device)
-    model = transformers.AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=_DTYPES[args.dtype]).to(device)
-    model.eval()
-    consumer = HFModelConsumer(model)
+    if args.model is None:  # built at the trainer's first plan, from the config it publishes
+        consumer = HFModelFromTrainer(device=device, dtype=None if args.dtype == "auto" else _DTYPES[args.dtype])
+    else:
+        try:
+            model = transformers.AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=_DTYPES[args.dtype])
+        except Exception as exc:  # noqa: BLE001 - a command reports and exits
+            why = f"--model {args.model}: cannot load the model ({_one_line(exc)}); {_MODEL_HINT}"
+            print(f"engine: error: {why}", file=sys.stderr, flush=True)
+            return 1
+        model = model.to(device).eval()
+        consumer = HFModelConsumer(model)
+    what = args.model or "the trainer's model (built from its config at its first plan)"
     session = 0
     try:
         if args.refit_store:
@@ -313,7 +364,7 @@ def main(argv=None, *, megatron_on_cpu: bool = False) -> int:
         receiver = WeightReceiver(consumer, atomic=args.atomic, device=device)
         while args.sessions == 0 or session < args.sessions:
             session += 1
-            print(f"engine: serving {args.model} at {args.address} on {device} (session {session})", flush=True)
+            print(f"engine: serving {what} at {args.address} on {device} (session {session})", flush=True)
             serve(
                 consumer,
                 args.address,
@@ -323,13 +374,19 @@ def main(argv=None, *, megatron_on_cpu: bool = False) -> int:
             )
             fresh = receiver.applied_version is None and receiver.holds_complete_version
             state = "its initial weights" if fresh else versions.describe(receiver.applied_version)
+            if consumer.model is None:
+                state = "nothing: no model was built (the trainer's plan was refused)"
+            elif fresh and args.model is None:
+                state = "no version yet (built from the trainer's config: NaN weights)"
             print(f"engine: session {session} ended; the model holds {state}", flush=True)
     except Exception as exc:  # noqa: BLE001 - a command reports and exits
         print(f"engine: error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:
-        if args.save:
-            model.save_pretrained(args.save)
+        if args.save and consumer.model is None:
+            print(f"engine: nothing saved to {args.save}: no model was built", flush=True)
+        elif args.save:
+            consumer.model.save_pretrained(args.save)
             print(f"engine: saved the model to {args.save}", flush=True)
     return 0
 
@@ -357,8 +414,7 @@ def _serve_p2p(args, consumer, device) -> None:
             group,
             None,
             layout,
-            load_weights=consumer.load_weights,
-            expected=consumer.expected_tensors(),
+            consumer=consumer,  # without --model: builds its model from the trainer's published config first
             dequantize=True,  # an FP8 refit (the trainer's --refit-quantize fp8-block) loads dequantized
             **cfg.executor_kwargs,
         )

@@ -32,6 +32,7 @@ from ..sharding.names import global_layer_names, unwrap
 from ..sharding.spec import specs_from_model
 from ..copies import copy_all, finite_flags
 from .config import HOOK_TRANSPORTS, MAX_BUCKET_MB, MIN_BUCKET_MB, RefitConfig
+from .engines.hf_model import hf_model_config
 from .exec.gather import BucketGatherer, GatherGroup
 from .plan.errors import NonFiniteWeights, PlanMismatch
 from .plan.export_plan import ExportPlan, build_plan, members, unpack
@@ -178,6 +179,7 @@ class WeightExporter:
         self._direct_for = None
         self._direct_checked: list[tuple[str, torch.Tensor]] = []  # ipc-direct: (HF names, trainer tensor)
         self._auto_bucket_bytes: int | None = None
+        self._hf_config: dict | None = None
         self.plans_built = 0
         self.version = 0
         self.last_result: ExportResult | None = None
@@ -262,6 +264,15 @@ class WeightExporter:
         return self._facts[1]
 
     # ------------------------------------------------------------ transport
+    @property
+    def hf_config(self) -> dict:
+        """The model's Hugging Face config as a remote sender sends it with the plan (an engine started
+        without a model builds its model from it): :func:`~.engines.hf_model.hf_model_config`, once."""
+        if self._hf_config is None:
+            vocab = self.config.vocab_size or getattr(self.model, "vocab_size", None)
+            self._hf_config = hf_model_config(self.model, vocab_size=vocab)
+        return self._hf_config
+
     @property
     def sender(self):
         if self._sender is None and self.is_export_rank:

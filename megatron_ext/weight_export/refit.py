@@ -48,7 +48,9 @@ from ..sharding.megatron import layout_from_recipe
 from .control import versions
 from .control.refit_group import RefitGroup, RefitGroupError
 from .engines.gate import RefitGate
+from .engines.hf_model import hf_model_config
 from .exec.reshard import RefitStats, ReshardExecutor
+from .plan.errors import PlanMismatch
 from .plan.fp8 import Fp8Sources, dequantized
 from .plan.reshard_plan import build_reshard_plan
 
@@ -68,8 +70,10 @@ class _RemoteRefit:
         atomic: bool,
         check_finite: bool,
         refresh: Callable[[], None] | None = None,
+        hf_config: dict | None = None,
     ):
         self.tag = group.next_tag("refit")
+        self.trainer_hf_config = hf_config  # the engine side: what the trainer published (below)
         src, dst = self._exchange_trainer_layout(group, src, dst)
         if tensors is None:  # an engine rank's own tensors, allocated on its device
             tensors = {
@@ -109,19 +113,22 @@ class _RemoteRefit:
         return None
 
     def _exchange_trainer_layout(self, group: RefitGroup, src: Layout | None, dst) -> tuple[Layout, Layout]:
-        """Refit rank 0 (a trainer rank) publishes how to build its layout (:attr:`Layout.recipe`) and its
-        specs; an engine rank given ``src=None`` builds the trainer's layout from them, and its own from the
-        trainer's specs when ``dst`` is a function of them, so the engine never types the trainer's
-        topology or model shape."""
+        """Refit rank 0 (a trainer rank) publishes how to build its layout (:attr:`Layout.recipe`), its
+        specs and its model's Hugging Face config (``hf_config``, may be None); an engine rank given
+        ``src=None`` builds the trainer's layout from them, and its own from the trainer's specs when
+        ``dst`` is a function of them, so the engine never types the trainer's topology or model shape
+        (:attr:`trainer_hf_config`: from that an HF engine may build its model)."""
         key = f"{self.tag}/src"
         if src is not None:
             model = src.base or src  # an FP8 layout publishes the model's specs and its FP8 recipe
             if group.rank == 0:
                 specs = [s.to_json() for s in model.specs.values()]
-                group.store.set(key, json.dumps({"recipe": src.recipe, "specs": specs}))
+                published = {"recipe": src.recipe, "specs": specs, "hf_config": self.trainer_hf_config}
+                group.store.set(key, json.dumps(published))
             return src, dst(list(model.specs.values()), src) if callable(dst) else dst
         group.wait_keys([key], [0], what="publish the trainer's layout")
         published = json.loads(group.store.get(key).decode())
+        self.trainer_hf_config = published.get("hf_config")
         if published["recipe"] is None:
             raise ValueError(
                 "the trainer's layout was built by hand (no recipe to send); pass src= on the engine side too"
@@ -146,6 +153,9 @@ class TrainerRefit(_RemoteRefit):
     ``src``: the trainer's layout (refit ranks ``0..T-1``); ``dst``: the engine's
     (refit ranks ``T..``); both built exactly as the engine builds them.
     ``refresh``: as the executor's (e.g. :meth:`~.plan.fp8.Fp8Sources.refresh`).
+    ``hf_config``: the model's Hugging Face config
+    (:func:`~.engines.hf_model.hf_model_config`; :meth:`from_model` passes it), published
+    with the layout so that an HF engine without a model of its own builds one from it.
     """
 
     def __init__(
@@ -160,6 +170,7 @@ class TrainerRefit(_RemoteRefit):
         atomic: bool = True,
         check_finite: bool = True,
         refresh: Callable[[], None] | None = None,
+        hf_config: dict | None = None,
     ):
         super().__init__(
             group,
@@ -171,6 +182,7 @@ class TrainerRefit(_RemoteRefit):
             atomic=atomic,
             check_finite=check_finite,
             refresh=refresh,
+            hf_config=hf_config,
         )
         self._last: int | None = None  # the last refit's sequence number
 
@@ -180,7 +192,8 @@ class TrainerRefit(_RemoteRefit):
         ``config`` (a :class:`~.config.RefitConfig` with ``transport='p2p'`` and ``store``) says: joins the
         refit group as refit rank ``dist.get_rank()`` of ``T + engine_tp * engine_dp``, reads the trainer's
         layout from the live groups and its specs from ``model`` (``vocab_size``: the HF vocabulary), and
-        publishes both to the engine. With ``quantize='fp8-block'`` it sends FP8 copies of the weights
+        publishes both to the engine, with the model's Hugging Face config (an HF engine started without a
+        model builds it from that). With ``quantize='fp8-block'`` it sends FP8 copies of the weights
         (:class:`~.plan.fp8.Fp8Sources`, requantized at every refit). Collective over the trainer's ranks and
         the engine's."""
         from ..sharding import megatron_layout_from_groups, megatron_tensors, specs_from_model
@@ -204,8 +217,9 @@ class TrainerRefit(_RemoteRefit):
         if src.base is not None:  # FP8: the executor sends copies quantized before every refit
             sources = Fp8Sources(tensors, src, dist.get_rank())
             tensors, refresh = sources.tensors, sources.refresh
+        hf_config = hf_model_config(model, vocab_size=vocab_size) if dist.get_rank() == 0 else None  # rank 0 publishes
         group = config.join(dist.get_rank(), trainer + engine, device=device)
-        return cls(group, src, dst, tensors, refresh=refresh, **config.executor_kwargs)
+        return cls(group, src, dst, tensors, refresh=refresh, hf_config=hf_config, **config.executor_kwargs)
 
     def _announce(self, value: str) -> None:
         if self.rank == self.announcer:
@@ -265,6 +279,11 @@ class EngineRefit(_RemoteRefit):
     ``dst`` may be a function of the trainer's specs and layout (with ``src=None``:
     both layouts then come from what the trainer publishes, e.g. ``lambda specs,
     trainer: inference_layout(specs, tp=1, dp=E, ranks=range(len(trainer.ranks), ...))``).
+    ``consumer``: instead of ``load_weights`` and ``expected``, an object with
+    ``load_weights`` and ``expected_tensors()`` (:class:`~.engines.receiver.HFModelConsumer`);
+    one with ``configure(hf_config)`` (:class:`~.engines.hf_model.HFModelFromTrainer`) first
+    builds its model from the Hugging Face config the trainer published (:attr:`trainer_hf_config`),
+    or says why it cannot, which every rank of both jobs then raises at the plan check.
     """
 
     def __init__(
@@ -276,13 +295,19 @@ class EngineRefit(_RemoteRefit):
         *,
         load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object] | None = None,
         expected: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
+        consumer=None,
         dequantize: bool = False,
         bucket_bytes: int = 64 << 20,
         max_inflight: int = 2,
         atomic: bool = True,
         check_finite: bool = True,
     ):
+        if consumer is not None:
+            if load_weights is not None or expected is not None:
+                raise ValueError("EngineRefit: pass consumer= or load_weights= / expected=, not both")
+            load_weights = consumer.load_weights
         self.load_weights, self.expected, self.dequantize = load_weights, expected, dequantize
+        self.consumer = consumer
         super().__init__(
             group,
             src,
@@ -295,6 +320,14 @@ class EngineRefit(_RemoteRefit):
         )
 
     def _model_problem(self) -> str | None:
+        if self.consumer is not None and self.rank in self.dst.ranks:
+            configure = getattr(self.consumer, "configure", None)
+            if callable(configure):  # the engine's model, built from the trainer's config
+                try:
+                    configure(self.trainer_hf_config)
+                except PlanMismatch as exc:
+                    return f"engine refit rank {self.rank}: {exc}"
+            self.expected = self.consumer.expected_tensors()
         if self.expected is None or self.rank not in self.dst.ranks:
             return None
         model = self.dst.base if self.dequantize and self.dst.base is not None else None

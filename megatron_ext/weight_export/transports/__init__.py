@@ -45,6 +45,7 @@ from .inprocess import InProcessSender, push_targets
 from .ipc import IpcSender
 from .ipc_direct import IpcDirectSender
 from .ipc_push import IpcPushSender
+from .remote import _RemoteSender
 from .serve import serve
 
 __all__ = [
@@ -107,5 +108,9 @@ SENDERS = {
 
 
 def make_sender(exporter):
-    """The sender of ``exporter.config.transport`` for the export rank of ``exporter``."""
-    return SENDERS[exporter.config.transport](exporter)
+    """The sender of ``exporter.config.transport`` for the export rank of ``exporter``; one to another
+    process sends ``exporter.hf_config`` with the plan (an engine without a model builds it from that)."""
+    sender = SENDERS[exporter.config.transport](exporter)
+    if isinstance(sender, _RemoteSender):
+        sender.hf_config = exporter.hf_config
+    return sender

@@ -1,6 +1,8 @@
 """What every sender to another process shares: one control connection per engine
-(:mod:`..control.channel`) carrying the plan, version begin/end/abort (answered with the
-version the engine holds, :mod:`..control.versions`) and the verifier's tokens and logits."""
+(:mod:`..control.channel`) carrying the plan (with the model's Hugging Face config, from which an
+engine without a model of its own builds one: :mod:`..engines.hf_model`), version begin/end/abort
+(answered with the version the engine holds, :mod:`..control.versions`) and the verifier's tokens and
+logits."""
 
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ _ABORT_WAIT_S = 5.0  # how long a trainer waits for an engine to confirm a dropp
 
 
 class _RemoteSender:
+    hf_config: dict | None = None  # sent with the plan (:func:`~..engines.hf_model.hf_model_config`; make_sender)
+
     def __init__(self, addresses: list[str], *, timeout_s: float = 120.0, authkey: bytes | None = None):
         if not addresses:
             raise ValueError("addresses must name at least one receiver endpoint 'host:port'")
@@ -64,7 +68,13 @@ class _RemoteSender:
 
     def start(self, plan: ExportPlan, buffers, version: int) -> None:
         if plan.fingerprint != self._fingerprint:
-            self._send_all("plan", "sending the plan", plan=plan.to_wire(), info=self._transport_info(buffers))
+            self._send_all(
+                "plan",
+                "sending the plan",
+                plan=plan.to_wire(),
+                info=self._transport_info(buffers),
+                hf_config=self.hf_config,
+            )
             for i in range(len(self.chans)):
                 self._expect(i, "ready", "checking the plan")
             self._fingerprint = plan.fingerprint

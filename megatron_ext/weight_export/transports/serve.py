@@ -56,7 +56,11 @@ def serve(
     session from what the consumer holds (its version, or that an interrupted
     in-place version left it with none); a fresh one would take the consumer's
     weights for complete. ``consumer``, ``device`` and ``atomic`` are then the
-    receiver's."""
+    receiver's.
+
+    A consumer with ``configure(hf_config)`` (:class:`~..engines.hf_model.HFModelFromTrainer`)
+    is handed the Hugging Face config the trainer sends with each plan, before the plan check,
+    and builds its model from it (or refuses the plan, saying why)."""
     if receiver is None:
         receiver = WeightReceiver(consumer, atomic=atomic, device=device)
     elif receiver.consumer is not consumer:
@@ -129,6 +133,9 @@ class _Serving:
             self.store = ControlStore(msg["address"], msg["key"], msg["timeout_s"])
             self.pg = make_group(self.store, msg["rank"], msg["world"], msg["backend"], msg["timeout_s"])
         elif msg.kind == "plan":
+            configure = getattr(self.consumer, "configure", None)
+            if callable(configure):  # a consumer that builds its model from the trainer's config (HFModelFromTrainer)
+                configure(msg.fields.get("hf_config"))
             self._plan(ExportPlan.from_wire(msg["plan"]), msg["info"], ch)
         elif msg.kind == "begin":
             r.begin(msg["version"], in_place=self.push or self.direct is not None)

@@ -170,11 +170,15 @@ def launch(nproc: int, *flags: str, env: dict, log: str) -> subprocess.Popen:
     )
 
 
-def engine_command(model_dir: str, address: str, device: str, env: dict, log: str, *p2p: str) -> subprocess.Popen:
-    """The engine on its own: ``python -m megatron_ext.weight_export.engine --model DIR --address HOST:PORT``,
-    or with ``p2p`` flags (``--refit-rank R --refit-world-size W``) one p2p engine rank at the store ``address``."""
+def engine_command(
+    model_dir: str | None, address: str, device: str, env: dict, log: str, *p2p: str
+) -> subprocess.Popen:
+    """The engine on its own: ``python -m megatron_ext.weight_export.engine [--model DIR] --address HOST:PORT``
+    (no ``model_dir``: the engine builds its model from the config the trainer sends), or with ``p2p`` flags
+    (``--refit-rank R --refit-world-size W``) one p2p engine rank at the store ``address``."""
     where = ["--refit-store", address, *p2p] if p2p else ["--address", address, "--sessions", "1"]
-    cmd = [sys.executable, "-m", "megatron_ext.weight_export.engine", "--model", model_dir, *where]
+    model = [] if model_dir is None else ["--model", model_dir]
+    cmd = [sys.executable, "-m", "megatron_ext.weight_export.engine", *model, *where]
     return _start([*cmd, "--device", device, "--timeout-s", "240"], env, log)
 
 
@@ -262,12 +266,12 @@ def runs(tmp_path_factory):
     )
     port = free_port()
     address = f"127.0.0.1:{port}"
-    hf = hf_model_dir(os.path.join(tmp, "hf"))
-    engine = engine_command(hf, address, "cpu", env, log("engine"))
+    # The engines as the docs start them on a fresh clone: no --model, the HF model built from the trainer's config.
+    engine = engine_command(None, address, "cpu", env, log("engine"))
     # D's p2p engine: refit rank 2 of 3 (D's two ranks first), at the store D's rank 0 hosts.
     store = f"127.0.0.1:{free_port()}"
     engine_p2p = engine_command(
-        hf, store, "cpu", env, log("engine_p2p"), "--refit-rank", "2", "--refit-world-size", "3"
+        None, store, "cpu", env, log("engine_p2p"), "--refit-rank", "2", "--refit-world-size", "3"
     )
     procs = [engine, engine_p2p, b]
     out = {}
@@ -408,8 +412,10 @@ def test_symmetric_memory_flags_fall_back_on_gloo_and_train(runs):
 
 def test_weight_export_to_an_engine_started_on_its_own(runs):
     """A exports its starting weights and then every 2 iterations over the broadcast transport (gloo) to
-    ``python -m megatron_ext.weight_export.engine``; the engine applies each version atomically."""
+    ``python -m megatron_ext.weight_export.engine`` (no --model: it builds the HF model from the config A sends);
+    the engine applies each version atomically."""
     engine, a = runs["engine"], runs["A"]
+    assert "engine: serving the trainer's model (built from its config at its first plan)" in engine, engine
     assert re.search(
         r"weight export: broadcast to 127\.0\.0\.1:\d+ at start, every 2 iterations and at the end; "
         r"\d+ HF tensors",

@@ -3,8 +3,13 @@ by its own command (``python -m megatron_ext.weight_export.engine`` and
 ``python -m megatron_ext.testing.export_trainer``), with the faults deployments hit:
 strangers on the engine's port, the trainer killed mid-refit, non-finite weights, an
 engine stopped before the handshake. The engine keeps its previous complete version
-bit for bit (or says it holds none), and every wait is bounded."""
+bit for bit (or says it holds none), and every wait is bounded. An engine started without
+``--model`` builds its Hugging Face model from the config the trainer sends (the hook, with
+its plan) or publishes (the p2p refit, with its layout); a ``--model`` that is not a Hugging
+Face model directory is refused in one line, at parse time."""
 
+import contextlib
+import io
 import os
 import signal
 import socket
@@ -38,13 +43,13 @@ def model_dir(tmp_path):
 
 
 def _engine(model_dir, address, env, *extra):
+    """The engine command at ``address``; ``model_dir`` None: without ``--model`` (built from the trainer's config)."""
     return subprocess.Popen(
         [
             sys.executable,
             "-m",
             "megatron_ext.weight_export.engine",
-            "--model",
-            str(model_dir),
+            *([] if model_dir is None else ["--model", str(model_dir)]),
             "--address",
             address,
             "--device",
@@ -134,21 +139,30 @@ def test_engine_keeps_its_complete_version_through_strangers_a_killed_trainer_an
 def test_streaming_engine_reports_no_complete_version_and_a_stopped_engine_fails_the_trainer_in_time(
     tmp_path, env, model_dir
 ):
+    """The first engine has no --model: it builds its model from the Hugging Face config the trainer sends
+    with its plan (NaN weights until version 1), and the verifier's logits from it match the trainer's."""
     port = free_port()
     address = f"127.0.0.1:{port}"
-    engine = _engine(model_dir, address, env, "--no-atomic", "--sessions", "2")
+    engine = _engine(None, address, env, "--no-atomic", "--sessions", "2")
     try:
         killed, first, _ = _trainer(
-            address, tmp_path / "t1.pt", env, "--kill-in-version", "2", "--kill-after-buckets", "3"
+            address, tmp_path / "t1.pt", env, "--verify", "--kill-in-version", "2", "--kill-after-buckets", "3"
         )
         assert killed.returncode == -signal.SIGKILL and first["applied"] == [(1,)], killed.stderr[-3000:]
+        # The model built from the trainer's config is the trainer's: the same fp32 logits up to reduction order
+        # (1.3e-7 apart here, as from the saved --model directory; a RoPE base off by 2x puts them 5e-4 apart,
+        # which the KL of this tiny model's near-uniform distributions does not see).
+        assert first["logit_diff"] is not None and first["logit_diff"] < 1e-5, (first["logit_diff"], first["kl"])
+        assert first["kl"] < 1e-6, first["kl"]
         # The next trainer (another model: its plan is refused, nothing written) does not make the
         # engine forget that it holds no complete version.
         other, second, _ = _trainer(address, tmp_path / "t2.pt", env, "--spec", '{"ffn_hidden_size": 128}')
         assert other.returncode == 3 and second["error_type"] == "PlanMismatch", second["error"]
+        assert "model differs (intermediate_size 96 vs 128): restart the engine" in second["error"], second["error"]
         out, _ = engine.communicate(timeout=120)
     finally:
         engine.kill()
+    assert "engine: serving the trainer's model (built from its config at its first plan)" in out, out
     assert engine.returncode == 0 and "session 1 ended; the model holds no complete version" in out, out
     assert "session 2 ended; the model holds no complete version" in out, out
     # An engine stopped (SIGSTOP) before the handshake: the trainer's wait is bounded by its timeout.
@@ -273,19 +287,21 @@ def _knock_then_cue(port, engine, knocked, cue):
     cue.touch()
 
 
-@pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "streaming"])
+@pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "streaming-no-model"])
 def test_p2p_engine_keeps_its_version_when_the_trainer_is_killed_mid_refit(tmp_path, env, model_dir, atomic):
     """The p2p refit with both sides as commands of their own: the engine command joins the trainer's
     refit group (``--refit-store``), takes version 1 while strangers knock at the store (logged and
     dropped by the trainer, which hosts it), then the trainer is SIGKILLed after 3 rounds of version 2.
     The engine fails at once, naming the dead peer, and its model holds version 1 bit for bit: it loads
     a version only when all of it arrived (a streaming engine's staging tensors are mixed, its model
-    is not)."""
+    is not). The streaming engine has no --model: it builds its model from the Hugging Face config the
+    trainer publishes with its layout, and the model it saves gives the logits of the trainer's HF model."""
     store = f"127.0.0.1:{free_port()}"
     saved = tmp_path / "after"
     p2p = ["--refit-store", store, "--refit-rank", "1", "--refit-world-size", "2", "--bucket-size-mb", "0.004"]
+    model = ["--model", str(model_dir)] if atomic else []
     engine = subprocess.Popen(
-        [sys.executable, "-m", "megatron_ext.weight_export.engine", "--model", str(model_dir), *p2p, "--device",
+        [sys.executable, "-m", "megatron_ext.weight_export.engine", *model, *p2p, "--device",
          "cpu", "--timeout-s", "90", "--save", str(saved), *([] if atomic else ["--no-atomic"])],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
@@ -317,3 +333,78 @@ def test_p2p_engine_keeps_its_version_when_the_trainer_is_killed_mid_refit(tmp_p
     assert "engine: error: RefitGroupError: refit rank 1: recv from refit rank 0 failed" in out, out
     _assert_holds(_saved_state(saved), sent["sent"][1])
     assert not torch.equal(sent["sent"][2]["model.norm.weight"], sent["sent"][1]["model.norm.weight"])
+    if not atomic:  # the saved model (its config the trainer's published one) is the trainer's HF model
+        import transformers
+
+        built = transformers.AutoModelForCausalLM.from_pretrained(saved).eval()
+        reference = tiny_llama.build_hf(SPEC)
+        reference.load_state_dict(sent["sent"][1])
+        tokens = tiny_llama.tokens(SPEC)
+        with torch.no_grad():
+            got, want = built(input_ids=tokens).logits, reference(input_ids=tokens).logits
+        assert type(built) is type(reference) and torch.equal(got, want), (type(built), (got - want).abs().max())
+
+
+def _bad_model(tmp_path, kind):
+    path = tmp_path / "m"
+    if kind == "file":
+        path.write_text("not a model")
+    elif kind in ("empty", "bad config", "no weights"):
+        path.mkdir()
+        if kind == "bad config":
+            (path / "config.json").write_text('{"model_type": "llama", "hidden_size": ')
+        elif kind == "no weights":
+            tiny_llama.build_hf(SPEC).config.save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "kind, why",
+    [
+        ("missing", "no such directory"),
+        ("file", "not a directory"),
+        ("empty", "no config.json in it"),
+        ("bad config", "its config.json does not load (OSError: "),
+    ],
+)
+def test_a_model_path_that_is_no_hf_model_directory_is_refused_at_parse_time(tmp_path, capsys, kind, why):
+    """--model PATH: a missing path, a file, a directory without config.json or with one that does not load:
+    argparse's exit 2 and its error line alone, naming the path and what to pass (not transformers' traceback)."""
+    from megatron_ext.weight_export import engine as engine_command
+
+    path = _bad_model(tmp_path, kind)
+    with pytest.raises(SystemExit) as exit_info:
+        engine_command._args(["--model", path, "--address", "127.0.0.1:29600"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err  # the error alone, without argparse's usage
+    line = err.strip()
+    assert line.startswith(f"python -m megatron_ext.weight_export.engine: error: --model {path}: {why}"), err
+    assert line.endswith(
+        "pass a Hugging Face model directory (config.json + weights) or leave --model out to build the model from "
+        "the trainer's config"
+    ), err
+    assert "Traceback" not in err, err
+
+
+def test_a_model_directory_without_weights_fails_in_one_line_and_a_missing_one_as_a_command(tmp_path, env):
+    """A config without weights passes the parse and fails at loading, in one line (exit 1); the command
+    as users run it refuses a missing --model with exit 2 before it imports a model or listens."""
+    from megatron_ext.weight_export import engine as engine_command
+
+    path = _bad_model(tmp_path, "no weights")
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = engine_command.main(["--model", path, "--address", f"127.0.0.1:{free_port()}", "--device", "cpu"])
+    assert code == 1 and err.getvalue().count("\n") == 1, err.getvalue()
+    assert err.getvalue().startswith(f"engine: error: --model {path}: cannot load the model ("), err.getvalue()
+    missing = str(tmp_path / "no_such_model")
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_ext.weight_export.engine", "--model", missing, "--address", "127.0.0.1:1"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(
+        f"python -m megatron_ext.weight_export.engine: error: --model {missing}: no such directory; pass a Hugging "
+        "Face model directory"
+    ), proc.stderr
