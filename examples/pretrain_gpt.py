@@ -25,11 +25,12 @@ flag groups switch its capabilities on:
   (default auto; gloo/CPU falls back to plain buffers and says so).
 - ``--refit-target HOST:PORT --refit-transport broadcast`` (aliases
   ``--weight-export-*``): the weights go to an engine started on its own
-  (``python -m megatron_ext.weight_export.engine --model DIR --address HOST:PORT``)
+  (``python -m megatron_ext.weight_export.engine [--model DIR] --address HOST:PORT``; without
+  ``--model`` it builds the Hugging Face model from the config this script sends)
   at start, every ``--refit-every-n-steps`` iterations and at the end.
 - ``--refit-transport p2p --refit-store HOST:PORT`` (or the ``--reshard-refit-*``
   aliases): each engine rank, started on its own (``python -m
-  megatron_ext.weight_export.engine --model DIR --refit-store HOST:PORT --refit-rank R
+  megatron_ext.weight_export.engine [--model DIR] --refit-store HOST:PORT --refit-rank R
   --refit-world-size W``), receives its own shards point to point from the trainer
   ranks that own them, at the same times (docs/weight_export_reshard.md). With
   ``--refit-engine megatron`` the engine is megatron-core's inference engine, one job of
