@@ -121,24 +121,24 @@ def _check_memory_reports(out, chunk_bytes=64 * 2**20):
     (fp32 model and gradients, plain Adam, no distributed optimizer: no bucket padding).
     Healthy ranks hold a uniform ``tp_base`` rank's parameters, gradients and Adam state (two
     fp32 moments and an fp32 step per parameter); a partner holds the transfers' staging on top,
-    at most one transfer unit (``chunk_bytes``, or one parameter where a parameter is larger) of
-    gradients or parameters. A degraded rank holds its ``tp_reduced`` parameters and gradients,
-    its staging, and no optimizer state."""
+    at most one transfer unit (``chunk_bytes``: larger tensors are cut into slices, and no slice of
+    these models is larger) per dtype moved. A degraded rank holds its ``tp_reduced`` parameters and
+    gradients, the same staging, and no optimizer state."""
     ranks = [o for o in out if o is not None]
     for o in ranks:
         m, state = o["memory"], o["compute_state"]
         assert m.role == o["role"], (m, o["role"])
         assert m.params == m.grads == _nbytes(state), (m.role, m)
         assert m.optimizer_main_params == 0, m
-        largest = max(t.numel() * t.element_size() for t in state.values())
+        # one flat buffer per dtype: the fp32 gradients', and the parameters' where their dtype differs
+        dtypes = {t.dtype for t in state.values()} | {torch.float32}
         if m.role == "degraded":
             assert m.optimizer_state == 0, m
-            # it sends each unit of gradients (its tp_reduced shard of it) and receives each of parameters
-            assert 0 < m.staging <= (chunk_bytes + largest) * -(-o["tp_size_base"] // o["tp_size"]), m
+            assert 0 < m.staging <= chunk_bytes * len(dtypes), m
         else:
             assert m.optimizer_state == 2 * _nbytes(state) + 4 * len(state), m
             if m.role == "partner":
-                assert 0 < m.staging <= chunk_bytes + largest, m
+                assert 0 < m.staging <= chunk_bytes * len(dtypes), m
             else:
                 assert m.staging == 0, m
         assert m.total == m.params + m.grads + m.staging + m.optimizer_state
@@ -336,7 +336,7 @@ def test_bystander_is_a_uniform_rank_and_two_degraded_replicas_train_like_unifor
     tensors; the NTP job trains like a single rank. Then two degraded replicas with two partners
     (distributed optimizer, no overlap): parity again."""
     batch = 6
-    ntp = dict(tp_base=2, tp_spares=1, non_active_ranks_per_dp={0: (1,)}, transfer_chunk_mb=0.01)
+    ntp = dict(tp_base=2, tp_spares=1, non_active_ranks_per_dp={0: (1,)}, transfer_chunk_mb=0.05)
     kw = dict(overlap=True, global_batch=batch, collectives=True)
     out = run_on_ranks(train, 5, args=(ntp, STEPS), kwargs=kw, timeout=300, backend="gloo")
     # the uniform job's replicas get as many samples each as the NTP job's (its TP all-reduces of
@@ -348,7 +348,7 @@ def test_bystander_is_a_uniform_rank_and_two_degraded_replicas_train_like_unifor
     assert sorted(o["role"] for o in out) == ["bystander", "bystander", "degraded", "partner", "partner"]
     _check_parity(out, ref, replicas=3)
     _check_overlap(out)
-    _check_memory_reports(out, chunk_bytes=int(0.01 * 2**20))
+    _check_memory_reports(out, chunk_bytes=int(0.05 * 2**20))
     assert max(o["transfer_units"] for o in out if o["role"] != "bystander") > max(
         o["transfer_groups"] for o in out if o["role"] != "bystander"
     ), "the small transfer chunk should split bucket groups into several units"
