@@ -16,6 +16,7 @@ from collections.abc import Mapping
 
 from .balance import SHARE_UNITS
 from .cost_model import reduced_degree
+from .layout import NTPLayout, pair_up
 from .policy import POLICIES, TRANSFER_FRACTION, decide
 
 __all__ = [
@@ -331,9 +332,11 @@ class NonuniformTPConfig:
                 return balance_mod.equal_batch_shares(num_replicas, global_batch_size, micro_batch_size)
             if self.balance == "shrink":
                 degrees = self.replica_tp_degrees(num_replicas)
-                degraded = [d for d, t in enumerate(degrees) if t < self.tp_base]
-                healthy = [d for d, t in enumerate(degrees) if t == self.tp_base]
-                pair = set(degraded) | set(healthy[: len(degraded)])  # the k-th healthy replica partners the k-th
+                pairs = pair_up(
+                    [d for d, t in enumerate(degrees) if t < self.tp_base],
+                    [d for d, t in enumerate(degrees) if t == self.tp_base],
+                )
+                pair = set(pairs) | set(pairs.values())
                 return balance_mod.shrunk_batch_shares(
                     degrees,
                     global_batch_size,
@@ -359,8 +362,6 @@ class NonuniformTPConfig:
 
     def layout(self, world_size: int):
         """The rank layout of this job for ``world_size`` processes."""
-        from .layout import NTPLayout
-
         return NTPLayout.from_config(self, world_size)
 
     @classmethod

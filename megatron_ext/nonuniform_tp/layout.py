@@ -25,7 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["NTPLayout", "RankRole"]
+__all__ = ["NTPLayout", "RankRole", "pair_up"]
+
+
+def pair_up(degraded, healthy) -> dict[int, int]:
+    """Degraded replica -> its healthy partner: the ``k``-th degraded replica (in replica order) with the
+    ``k``-th healthy one; degraded replicas beyond the healthy ones get none."""
+    return dict(zip(sorted(degraded), sorted(healthy)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +171,7 @@ class NTPLayout:
         """Degraded replica -> its healthy partner (the k-th degraded with the k-th healthy)."""
         if not self.nonuniform:
             return {}
-        return dict(zip(self.degraded_replicas, self.healthy_replicas))
+        return pair_up(self.degraded_replicas, self.healthy_replicas)
 
     def partner_of(self, replica: int) -> int | None:
         """The other side of ``replica``'s pair, or None (bystander, uniform job)."""
