@@ -202,17 +202,14 @@ def stage_ddp_buffers(
         cached = lookup_choice(key, arms, group, config.probe_cache)
         for plan in plans:
             _stage_planned(ddp, plan, arms)
-        ab = StepAB(
+        ab = StepAB.from_config(
+            config,
             label="DDP",
             arms=arms,
             apply=lambda arm: _apply_arm(ddp, plans, arm),
             group=group,
             device=device,
-            warmup=config.ab_warmup_steps,
-            rounds=config.ab_rounds,
-            steps=config.ab_steps,
             key=key,
-            path=config.probe_cache,
             cached=cached,
             on_decided=lambda ab: _report_arm(ddp, plans, ab, config),
         )

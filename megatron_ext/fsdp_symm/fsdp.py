@@ -420,17 +420,14 @@ def _step_ab_for(groups) -> StepAB | None:
         REPORTER.note(ab.note())
         REPORTER.flush(enabled=config.report)
 
-    ab = StepAB(
+    ab = StepAB.from_config(
+        config,
         label="FSDP",
         arms=arms,
         apply=apply,
         group=group,
         device=device,
-        warmup=config.ab_warmup_steps,
-        rounds=config.ab_rounds,
-        steps=config.ab_steps,
         key=key,
-        path=config.probe_cache,
         cached=cached,
         on_decided=decided,
     )

@@ -335,6 +335,19 @@ class StepAB:
     defaults to CUDA events on a CUDA device, the host's clock otherwise.
     """
 
+    @classmethod
+    def from_config(cls, config, **kwargs) -> StepAB:
+        """The A/B a :class:`~megatron_ext.fsdp_symm.config.SymmMemConfig` asks for: its schedule
+        (``ab_warmup_steps``, ``ab_rounds``, ``ab_steps``) and cache file (``probe_cache``); the
+        other arguments as :class:`StepAB` takes them."""
+        return cls(
+            warmup=config.ab_warmup_steps,
+            rounds=config.ab_rounds,
+            steps=config.ab_steps,
+            path=config.probe_cache,
+            **kwargs,
+        )
+
     def __init__(
         self,
         *,
