@@ -28,7 +28,9 @@ SLICES=(
   "4x-swap|4|$py benchmarks/refit_vs_swap.py --preset 3b --world 4 --timeout-s 540 --out \$OUT/refit_vs_swap_3b_4x.json|ours vs swap_model_weights, dense (issue 15 target >= 1.5x)"
   "4x-swap-moe|4|$py benchmarks/refit_vs_swap.py --preset moe-3b --world 4 --timeout-s 540 --out \$OUT/refit_vs_swap_moe3b_4x.json|ours vs swap_model_weights, MoE EP changes (issue 15)"
   "4x-reshard|4|$py benchmarks/refit.py --reshard --preset 3b --out \$OUT/refit_reshard_3b_4x.json && $py benchmarks/refit.py --reshard --preset 3b --layout colocated --out \$OUT/refit_reshard_3b_colocated_4x.json|reshard refit cross and colocated re-measured (issue 12)"
-  "4x-tests|4|tools/gpu_tests.sh -q -k 'nonuniform_tp or pretrain_torchrun or reshard or megatron_engine'|gpus(3)/gpus(4) tests: NTP NCCL parity, torchrun script, reshard exec, engine (issues 11, 13, 15)"
+  "4x-tests-ntp|4|tools/gpu_tests.sh -v --durations=0 --min-gpus 3 -k nonuniform_tp && tools/gpu_tests.sh -v --durations=0 -k 'test_local_norm and nccl'|gpus(3)/gpus(4) tests, part 1: NTP NCCL parity (balance + SP, packed, simulated + distributed optimizer, symmetric staging, the pair exchange), and the gpus(2) sequence-parallel norm (issues 27, 28; 6-/7-GPU cases skip)"
+  "4x-tests-refit|4|tools/gpu_tests.sh -v --durations=0 --min-gpus 3 -k weight_export|gpus(3)/gpus(4) tests, part 2: reshard exec, versions + gate, NTP trainer refit, megatron engine TP2xPP2 -> TP1xDP4 (issues 13, 15)"
+  "4x-tests-script|4|tools/gpu_tests.sh -v --durations=0 --min-gpus 3 -k examples|gpus(3)/gpus(4) tests, part 3: the torchrun script, NTP + symmetric memory + export + resume (issue 11)"
 )
 
 field() { echo "$1" | cut -d'|' -f"$2"; }
