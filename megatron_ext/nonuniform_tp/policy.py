@@ -7,10 +7,11 @@ equal) and their micro-batch
 granularity against the healthy replicas sharing the same global batch alone (equally: a
 global batch that does not split so is not dropped). The costs
 are relative to one healthy micro-batch; a pair's transfers are taken as
-:data:`TRANSFER_FRACTION` of a uniform step (the measured order of magnitude: moving one
-shard of gradients and one of parameters per step cost 1.84% of a step of a 2.0B GPT at
-TP2 on 4xH200). Without the global batch (a config built in code, not from Megatron's
-flags), ``auto`` degrades: with real-valued shares NTP never loses to dropping.
+:data:`TRANSFER_FRACTION` of a uniform step (measured with the partner design: a partner rank
+receiving its satellite's gradients for one shard and sending it the shard's parameters took
+19.3 + 9.4 ms against a uniform step of 981 ms, 2.92%, for a 2.0B GPT at TP2 on 4xH200,
+``benchmarks/results/ntp_2b_4xH200_2026-11-26.json``). Without the global batch (a config
+built in code, not from Megatron's flags), ``auto`` degrades: with real-valued shares NTP never loses to dropping.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ __all__ = ["POLICIES", "PolicyDecision", "TRANSFER_FRACTION", "decide"]
 logger = logging.getLogger(__name__)
 
 POLICIES = ("auto", "degrade", "drop")
-TRANSFER_FRACTION = 0.0184
+TRANSFER_FRACTION = 0.0292
 
 
 @dataclasses.dataclass(frozen=True)
