@@ -65,13 +65,17 @@ Rows per layout (``--methods``):
   when their packages import, ``gloo`` only when named; ``gloo`` with ``--device cpu`` where the CUDA
   driver is installed: its staging buffers are pinned host memory). Its plan cache is cleared
   before the first refit.
-- ``ours:stream`` / ``ours:atomic``: :class:`~megatron_ext.weight_export.exec.reshard.ReshardExecutor`
-  over :class:`~megatron_ext.weight_export.control.peers.DistPeers` (the job's world), from
+- ``ours:stream`` / ``ours:atomic`` / ``ours:atomic-host``:
+  :class:`~megatron_ext.weight_export.exec.reshard.ReshardExecutor` over
+  :class:`~megatron_ext.weight_export.control.peers.DistPeers` (the job's world), from
   ``megatron_layout`` of the trainer to ``megatron_engine_layout`` of the engine (the Megatron ->
   Megatron layouts of ``megatron_engine.py``: padded vocabulary rows copied too), streaming
-  ``--stream-bucket-mb`` / atomic ``--atomic-bucket-mb`` buckets, ``--max-inflight`` rounds. The
-  engine's local tensor names get an ``engine/`` prefix in its layout: colocated, both models'
-  Megatron names would otherwise collide in the executor's one ``tensors`` dict.
+  ``--stream-bucket-mb`` / atomic ``--atomic-bucket-mb`` buckets, ``--max-inflight`` rounds;
+  ``atomic-host`` keeps the version in pinned host memory until it is applied
+  (``atomic_staging="host"``); with ``--memory-budget-mb`` the ``stream`` and ``atomic-host`` rows keep
+  every rank's device staging within it (``atomic`` stages the whole version on the device). The engine's local tensor
+  names get an ``engine/`` prefix in its layout: colocated, both models' Megatron names would
+  otherwise collide in the executor's one ``tensors`` dict.
 
 Columns: seconds per refit (median of ``--iters`` after ``--warmup``; each refit timed on the
 slowest rank, device synchronised), GB/s per GPU (bytes the busiest engine rank must receive from
@@ -124,7 +128,7 @@ from megatron_ext.testing.multirank import run_on_ranks  # noqa: E402
 MiB = 1 << 20
 GiB = 1 << 30
 SWAP_SERVICES = ("nccl", "gloo", "nvshmem", "nixl")
-OURS = ("stream", "atomic")
+OURS = ("stream", "atomic", "atomic-host")
 ENGINE_PREFIX = "engine/"  # the engine's local tensor names in our layout (colocated: distinct from the trainer's)
 SEED = 1234
 
@@ -597,6 +601,7 @@ def _method(method, trainer, engine, src, dst, tensors, rank, versions, opts, de
             error = f"{type(exc).__name__}: {exc}"
     else:
         bucket = opts["stream_bucket"] if what == "stream" else opts["atomic_bucket"]
+        budget = opts.get("memory_budget") if what != "atomic" else None  # atomic: the version on the device
 
         def first_refit():  # the plan, the executor, its staging and the first-refit agreement
             start = time.perf_counter()
@@ -607,7 +612,9 @@ def _method(method, trainer, engine, src, dst, tensors, rank, versions, opts, de
                 group=DistPeers(),
                 bucket_bytes=bucket,
                 max_inflight=opts["max_inflight"],
-                atomic=what == "atomic",
+                atomic=what != "stream",
+                atomic_staging="host" if what == "atomic-host" else "device",
+                memory_budget_bytes=budget,
                 check_finite=opts["check_finite"],
             )
             state["plan_s"] = time.perf_counter() - start  # no communication: every rank plans alone
@@ -640,6 +647,7 @@ def _method(method, trainer, engine, src, dst, tensors, rank, versions, opts, de
         checked=(trainer is not None) + (engine is not None),
         rounds=ex.rounds if ex is not None else None,
         staging_bytes=ex.staging_bytes if ex is not None else None,
+        staging_host_bytes=ex.staging_host_bytes if ex is not None else None,
     )
     del ex
     if kind == "swap":
@@ -692,6 +700,9 @@ def _rows(cases: list[Case], methods: list[str], res: list[list[dict]], experts:
                     staging_bytes=max((m["staging_bytes"] or 0 for m in ms), default=0)
                     if method.startswith("ours")
                     else None,
+                    staging_host_bytes=max((m.get("staging_host_bytes") or 0 for m in ms), default=0)
+                    if method.startswith("ours")
+                    else None,
                     link_bytes=link,
                     limit_gbps=limit,
                 )
@@ -741,6 +752,39 @@ def print_table(rows: list[dict]) -> None:
         print(f"\nswap rows marked 'megatron-core cannot': {reason}")
 
 
+def targets(rows: list[dict]) -> list[str]:
+    """The refit budget's targets per layout and row of ours, against the best swap row: extra memory
+    (the larger of trainer and engine) at most swap's, at least 1.5x faster, the first refit no slower.
+    Without device memory (CPU) the memory verdict is n/a."""
+    lines = []
+    for layout in dict.fromkeys(r["layout"] for r in rows):
+        mine = [r for r in rows if r["layout"] == layout]
+        swaps = [r for r in mine if r["method"].startswith("swap") and r["correct"]]
+        if not swaps:
+            continue
+        best = min(swaps, key=lambda r: r["seconds"])
+
+        def extra(r):
+            vals = [v for v in (r["peak_extra_trainer_bytes"], r["peak_extra_engine_bytes"]) if v is not None]
+            return max(vals) if vals else None
+
+        for r in (r for r in mine if r["method"].startswith("ours") and r["correct"]):
+            ours_mem, swap_mem = extra(r), extra(best)
+            if ours_mem is None or swap_mem is None:
+                mem = "n/a"
+            else:
+                mem = "met" if ours_mem <= swap_mem else "NOT met"
+                mem += f" ({ours_mem / MiB:.1f} vs {swap_mem / MiB:.1f} MiB)"
+            speed = best["seconds"] / r["seconds"]
+            first = f"{r['first_refit_s'] * 1e3:.1f} vs {best['first_refit_s'] * 1e3:.1f} ms"
+            lines.append(
+                f"{layout} {r['method']}: extra memory <= swap's: {mem}; >= 1.5x swap: "
+                f"{'met' if speed >= 1.5 else 'NOT met'} ({speed:.2f}x); first refit <= swap's: "
+                f"{'met' if r['first_refit_s'] <= best['first_refit_s'] else 'NOT met'} ({first})"
+            )
+    return lines
+
+
 def main(argv=None, *, rank_setup=None) -> int:
     """The benchmark; ``rank_setup`` (Python callers only): a module-level function every rank calls
     first (the CPU test installs its test-only shim there)."""
@@ -769,6 +813,12 @@ def main(argv=None, *, rank_setup=None) -> int:
     p.add_argument("--stream-bucket-mb", type=float, default=512)
     p.add_argument("--atomic-bucket-mb", type=float, default=256)
     p.add_argument("--max-inflight", type=int, default=2)
+    p.add_argument(
+        "--memory-budget-mb",
+        type=float,
+        default=None,
+        help="ours: the most device staging any rank holds (--refit-memory-budget-mb; default: no bound)",
+    )
     p.add_argument("--no-check-finite", action="store_true", help="ours without its NaN/Inf check per refit")
     p.add_argument("--limit-gib", type=float, default=1.0, help="payload of the link-limit measurement")
     p.add_argument("--timeout-s", type=float, default=900)
@@ -805,6 +855,7 @@ def main(argv=None, *, rank_setup=None) -> int:
         stream_bucket=int(a.stream_bucket_mb * MiB),
         atomic_bucket=int(a.atomic_bucket_mb * MiB),
         max_inflight=a.max_inflight,
+        memory_budget=None if a.memory_budget_mb is None else int(a.memory_budget_mb * MiB),
         check_finite=not a.no_check_finite,
         limit_bytes=int(a.limit_gib * GiB),
         experts=experts,
@@ -821,6 +872,9 @@ def main(argv=None, *, rank_setup=None) -> int:
     )
     rows = _rows(cases, methods, res, experts)
     print_table(rows)
+    verdicts = targets(rows)
+    if verdicts:
+        print("\ntargets (ours vs the best swap row):\n  " + "\n  ".join(verdicts))
     result = dict(
         benchmark="refit_vs_swap",
         **provenance("benchmarks/refit_vs_swap.py", argv),
@@ -832,6 +886,7 @@ def main(argv=None, *, rank_setup=None) -> int:
         options={k: v for k, v in opts.items()},
         layouts=[dict(name=c.name, description=c.describe()) for c in cases],
         rows=rows,
+        targets=verdicts,
         all_correct=all(r["correct"] for r in rows if not r["unsupported"]),
         ranks=res,
     )

@@ -25,6 +25,7 @@ import dataclasses
 import math
 
 from .control.channel import PORTS, _host_port, parse_address
+from .plan.budget import ATOMIC_STAGING
 
 __all__ = ["TRANSPORTS", "RefitConfig", "add_refit_args", "parse_address"]
 
@@ -45,7 +46,17 @@ P2P_BUCKET_MB = 64  # the p2p refit's default staging bucket per peer
 # memory: the ipc transports share their buffers as CUDA allocations of whole segments.
 MIN_BUCKET_BYTES = 4096
 # Fields read by one form only (default values are what the other form gets).
-P2P_ONLY = ("store", "engine_tp", "engine_dp", "engine_ep", "vocab_padding", "max_inflight", "atomic")
+P2P_ONLY = (
+    "store",
+    "engine_tp",
+    "engine_dp",
+    "engine_ep",
+    "vocab_padding",
+    "max_inflight",
+    "atomic",
+    "atomic_staging",
+    "memory_budget_mb",
+)
 HOOK_ONLY = ("target", "vocab_size")
 
 
@@ -68,7 +79,10 @@ class RefitConfig:
     device memory, 5% within 16..1024 MiB; p2p uses 64 MiB per peer),
     ``max_inflight`` p2p rounds in flight, ``atomic`` (p2p: stage the whole
     version and apply it at the end, else stream; a hook engine chooses with
-    ``serve(atomic=)``), ``check_finite`` (refuse to publish a version with a NaN
+    ``serve(atomic=)``), ``atomic_staging`` (p2p atomic receivers keep the version on
+    the ``device`` or in pinned ``host`` memory), ``memory_budget_mb`` (p2p: the most
+    device staging any rank may hold, whatever its number of peers; None: no bound,
+    ``max_inflight`` buckets per peer each way), ``check_finite`` (refuse to publish a version with a NaN
     or Inf weight, one fused check per bucket before a byte moves), ``backend``
     (of the broadcast group or the refit group; auto: NCCL on GPU) and
     ``timeout_s`` (every wait on a peer). ``quantize``: ``fp8-block`` sends
@@ -90,6 +104,8 @@ class RefitConfig:
     bucket_size_mb: float | None = None
     max_inflight: int = 2
     atomic: bool = True
+    atomic_staging: str = "device"
+    memory_budget_mb: float | None = None
     check_finite: bool = True
     every_n_steps: int = 0
     backend: str = "auto"
@@ -109,6 +125,8 @@ class RefitConfig:
             refuse("backend", f"one of {BACKENDS}")
         if self.quantize not in QUANTIZE:
             refuse("quantize", f"one of {QUANTIZE}")
+        if self.atomic_staging not in ATOMIC_STAGING:
+            refuse("atomic_staging", f"one of {ATOMIC_STAGING}")
         unused = HOOK_ONLY if self.p2p else P2P_ONLY
         for field in unused:
             if getattr(self, field) != RefitConfig.__dataclass_fields__[field].default:
@@ -151,6 +169,14 @@ class RefitConfig:
         if size is not None and not (_finite_number(size) and size * (1 << 20) >= MIN_BUCKET_BYTES):
             smallest = MIN_BUCKET_BYTES / (1 << 20)
             refuse("bucket_size_mb", f"None (automatic) or a finite number of MiB >= {smallest:g} (4 KiB, one page)")
+        budget = self.memory_budget_mb
+        if budget is not None and not (_finite_number(budget) and budget * (1 << 20) >= MIN_BUCKET_BYTES):
+            refuse("memory_budget_mb", "None (no bound) or a finite number of MiB >= 0.00390625 (4 KiB)")
+        if self.atomic_staging == "host" and not self.atomic:
+            raise ValueError(
+                "RefitConfig.atomic_staging='host' (--refit-atomic-staging host) is where an atomic refit keeps the "
+                "version; with atomic=False (--no-refit-atomic) every round is written as it arrives: drop one"
+            )
         if not isinstance(self.every_n_steps, int) or self.every_n_steps < 0:
             refuse("every_n_steps", "an integer >= 0 (0: refit only when called)")
         if not (_finite_number(self.timeout_s) and self.timeout_s > 0):
@@ -181,6 +207,8 @@ class RefitConfig:
             max_inflight=self.max_inflight,
             atomic=self.atomic,
             check_finite=self.check_finite,
+            memory_budget_bytes=None if self.memory_budget_mb is None else int(self.memory_budget_mb * (1 << 20)),
+            atomic_staging=self.atomic_staging,
         )
 
     @property
@@ -342,6 +370,20 @@ def add_refit_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         hook=False,
         boolean=True,
         help="p2p: stage the whole version and apply it when all of it arrived (default), or stream",
+    )
+    flag(
+        "atomic-staging",
+        hook=False,
+        choices=ATOMIC_STAGING,
+        help="p2p, atomic: keep the version until it is applied on the device (default: fastest, a second "
+        "copy of the engine's share in GPU memory) or in pinned host memory (within --refit-memory-budget-mb)",
+    )
+    flag(
+        "memory-budget-mb",
+        hook=False,
+        type=float,
+        help="p2p: the most staging memory (MiB) any rank may hold on its device, whatever its number of peers; "
+        "buckets shrink to fit (default: no bound)",
     )
     flag("check-finite", boolean=True, help="refuse to publish a version with NaN/Inf weights (default)")
     flag("every-n-steps", type=int, help="refit after every N optimizer steps (0: only when called)")

@@ -30,8 +30,8 @@ trainer's ranks come first), takes the trainer's layout and model description
 receives its whole HF tensors as a TP1 engine replica
 (engine ranks = world size - trainer ranks, the trainer's ``--refit-engine-dp``)
 straight from the trainer ranks that own them, until the trainer closes.
-``--bucket-size-mb`` and ``--vocab-padding`` must be the trainer's (a mismatch
-is refused on every rank before a byte moves).
+``--bucket-size-mb``, ``--memory-budget-mb`` and ``--vocab-padding`` must be the
+trainer's (a mismatch is refused on every rank before a byte moves).
 
 ``--engine megatron`` serves megatron-core's static inference engine
 (:mod:`.megatron_refit`) over the p2p refit: the command is the engine job, one
@@ -72,6 +72,7 @@ import sys
 import torch
 
 from .config import P2P_BUCKET_MB, RefitConfig, parse_address
+from .plan.budget import ATOMIC_STAGING
 from .control import versions
 
 _DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -131,6 +132,18 @@ def _args(argv, *, megatron_on_cpu: bool = False):
     p.add_argument("--generate-tokens", type=int, help="megatron: greedy tokens per prompt after each version (8)")
     p.add_argument("--save-tokens", help="megatron: write {version: tokens per prompt} as JSON here after each version")
     p.add_argument("--bucket-size-mb", type=float, default=P2P_BUCKET_MB, help="p2p: the trainer's bucket size")
+    p.add_argument(
+        "--memory-budget-mb",
+        type=float,
+        default=None,
+        help="p2p: the trainer's --refit-memory-budget-mb (the most staging any rank holds on its device)",
+    )
+    p.add_argument(
+        "--atomic-staging",
+        choices=ATOMIC_STAGING,
+        default="device",
+        help="p2p: keep a version until it is applied on the device (default) or in pinned host memory",
+    )
     p.add_argument("--vocab-padding", type=int, help="hf p2p: the trainer's --refit-vocab-padding (64)")
     p.add_argument(
         "--device",
@@ -201,12 +214,17 @@ def _args(argv, *, megatron_on_cpu: bool = False):
                 transport="p2p",
                 store=args.refit_store,
                 bucket_size_mb=args.bucket_size_mb,
+                memory_budget_mb=args.memory_budget_mb,
                 vocab_padding=64 if megatron else args.vocab_padding,
                 atomic=args.atomic,
+                atomic_staging=args.atomic_staging,
                 timeout_s=args.timeout_s,
             )
         except ValueError as exc:
-            p.error(str(exc).replace("RefitConfig.", "--").replace("bucket_size_mb", "bucket-size-mb"))
+            text = str(exc).replace("RefitConfig.", "--")
+            for field in ("bucket_size_mb", "memory_budget_mb", "atomic_staging"):
+                text = text.replace(field, field.replace("_", "-"))
+            p.error(text)
     return args
 
 

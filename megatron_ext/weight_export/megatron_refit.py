@@ -212,6 +212,8 @@ class MegatronEngineRefit(EngineRefit):
         max_inflight: int = 2,
         atomic: bool = True,
         check_finite: bool = True,
+        memory_budget_bytes: int | None = None,
+        atomic_staging: str = "device",
     ):
         from megatron.core import parallel_state as ps
 
@@ -263,6 +265,8 @@ class MegatronEngineRefit(EngineRefit):
             max_inflight=max_inflight,
             atomic=atomic,
             check_finite=check_finite,
+            memory_budget_bytes=memory_budget_bytes,
+            atomic_staging=atomic_staging,
         )
 
     def _model_problem(self) -> str | None:

@@ -69,6 +69,8 @@ class _RemoteRefit:
         max_inflight: int,
         atomic: bool,
         check_finite: bool,
+        memory_budget_bytes: int | None = None,
+        atomic_staging: str = "device",
         refresh: Callable[[], None] | None = None,
         hf_config: dict | None = None,
     ):
@@ -99,6 +101,8 @@ class _RemoteRefit:
             atomic=atomic,
             max_inflight=max_inflight,
             check_finite=check_finite,
+            memory_budget_bytes=memory_budget_bytes,
+            atomic_staging=atomic_staging,
             refresh=refresh,
         )
         self.tensors = tensors
@@ -169,6 +173,8 @@ class TrainerRefit(_RemoteRefit):
         max_inflight: int = 2,
         atomic: bool = True,
         check_finite: bool = True,
+        memory_budget_bytes: int | None = None,
+        atomic_staging: str = "device",
         refresh: Callable[[], None] | None = None,
         hf_config: dict | None = None,
     ):
@@ -181,6 +187,8 @@ class TrainerRefit(_RemoteRefit):
             max_inflight=max_inflight,
             atomic=atomic,
             check_finite=check_finite,
+            memory_budget_bytes=memory_budget_bytes,
+            atomic_staging=atomic_staging,
             refresh=refresh,
             hf_config=hf_config,
         )
@@ -301,6 +309,8 @@ class EngineRefit(_RemoteRefit):
         max_inflight: int = 2,
         atomic: bool = True,
         check_finite: bool = True,
+        memory_budget_bytes: int | None = None,
+        atomic_staging: str = "device",
     ):
         if consumer is not None:
             if load_weights is not None or expected is not None:
@@ -317,6 +327,8 @@ class EngineRefit(_RemoteRefit):
             max_inflight=max_inflight,
             atomic=atomic,
             check_finite=check_finite,
+            memory_budget_bytes=memory_budget_bytes,
+            atomic_staging=atomic_staging,
         )
 
     def _model_problem(self) -> str | None:

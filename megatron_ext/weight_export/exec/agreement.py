@@ -5,7 +5,7 @@ Every rank of the group reports one int64 and a short note
 plan's fingerprint, the bucket size and the checks), or a refusal code,
 :data:`~..plan.wire.BAD_TENSORS` (its tensors are not the layout's; the note says
 which and how, from :func:`tensor_problem`) or :data:`~..plan.wire.NO_STAGING` (its
-staging buffers did not fit in device memory). :func:`settle` turns the
+staging buffers did not fit in device memory or in the memory budget). :func:`settle` turns the
 gathered reports into the same decision on every rank: go on, or raise
 :class:`~..plan.errors.RefitRejected` with reason ``"tensors"``, ``"staging"`` or
 ``"plan"``, naming the ranks and quoting their notes, so that no rank waits
@@ -107,8 +107,8 @@ def settle(
     short = [r for r, v in codes.items() if v == NO_STAGING]
     if short:
         raise RefitRejected(
-            f"{who}: {word}s {short} ran out of memory for their staging buffers (their errors say how much); "
-            "nothing was sent",
+            f"{who}: {word}s {short} cannot hold their staging buffers (out of device memory or over the memory "
+            "budget; their errors say how much); nothing was sent",
             reason="staging",
         )
     values = list(codes.values())

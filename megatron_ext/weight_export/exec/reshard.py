@@ -47,6 +47,7 @@ from ...copies import finite_flags
 from ...sharding.megatron import megatron_tensors
 from ..control.peers import as_peers
 from ..engines.gate import RefitGate
+from ..plan.budget import BudgetError, plan_staging
 from ..plan.errors import RefitRejected, RefitStats
 from ..plan.reshard_plan import ReshardPlan, Run, Transfer, fanout_plans, run_view
 from ..plan.wire import (
@@ -134,7 +135,19 @@ class ReshardExecutor:
     written as it arrives; the headers of round 0, which carries a bucket of
     every source, are still checked before the first write, later rounds' at
     the end: a source stale only in a later bucket leaves the tensors mixed
-    and :attr:`version` None).
+    and :attr:`version` None). ``atomic_staging="host"`` keeps an atomic
+    receiver's version in pinned host memory instead (:attr:`staging_host_bytes`):
+    it receives through ``max_inflight`` buffers per peer, as a streaming one, and
+    applies the version with one host-to-device pass through them.
+
+    ``memory_budget_bytes`` bounds every rank's device staging, whatever its number
+    of peers: each pair's bucket shrinks below ``bucket_bytes`` to fit
+    (:func:`~..plan.budget.plan_staging`, the same sizes on every rank). A budget
+    that cannot hold one row of some tensor per slot, or an atomic receiver's
+    version staged on the device, is refused at the agreement (the first refit; a
+    refit across jobs when it is built) with :class:`RefitRejected` (``"staging"``)
+    on every rank alike, naming the tensor or rank and the least budget that works.
+    :attr:`staging_plan` says what was chosen (logged at INFO on the first refit).
 
     The executor keeps views of ``tensors`` from the first refit on: update
     them in place; replacing a tensor object needs a new executor.
@@ -167,6 +180,8 @@ class ReshardExecutor:
         max_inflight: int = 2,
         refresh: Callable[[], None] | None = None,
         check_finite: bool = True,
+        memory_budget_bytes: int | None = None,
+        atomic_staging: str = "device",
     ):
         if bucket_bytes <= PAYLOAD_OFFSET:
             raise ValueError(f"bucket_bytes must be > {PAYLOAD_OFFSET} (the aligned bucket header), got {bucket_bytes}")
@@ -189,8 +204,20 @@ class ReshardExecutor:
             elif t.dst == rank:
                 inc[t.src].append(t)
         self.local_bytes = sum(t.nbytes for t in self.local)
-        self.send = {p: bucketize(ts, bucket_bytes) for p, ts in sorted(out.items())}
-        self.recv = {p: bucketize(ts, bucket_bytes) for p, ts in sorted(inc.items())}
+        self.atomic_staging = atomic_staging
+        staging = dict(bucket_bytes=bucket_bytes, max_inflight=max_inflight, atomic=atomic, rank=rank)
+        # a budget that cannot hold the staging: reported at the agreement, so that every rank refuses at once
+        self.budget_problem: RefitRejected | None = None
+        try:
+            self.staging_plan = plan_staging(
+                plan.transfers, atomic_staging=atomic_staging, budget_bytes=memory_budget_bytes, **staging
+            )
+        except BudgetError as exc:
+            self.budget_problem = RefitRejected(f"{self._who}: {exc}. Nothing was sent", reason="staging")
+            self.staging_plan = plan_staging(plan.transfers, atomic_staging=atomic_staging, **staging)
+        size = self.staging_plan.pair_bytes
+        self.send = {p: bucketize(ts, size[(rank, p)]) for p, ts in sorted(out.items())}
+        self.recv = {p: bucketize(ts, size[(p, rank)]) for p, ts in sorted(inc.items())}
         self.rounds = max([len(b) for b in (*self.send.values(), *self.recv.values())], default=0)
         self.sent_bytes, self.received_bytes = (
             sum(bucket_nbytes(b) for bs in table.values() for b in bs) for table in (self.send, self.recv)
@@ -199,7 +226,9 @@ class ReshardExecutor:
         self._sourced = [t for t in plan.transfers if t.src == rank]  # what this rank serves, in plan order
         # what every header of this plan carries: the plan and the bucket size both sides cut it with
         self.check_finite = check_finite
-        self.wire_id = wire_id(plan.fingerprint, bucket_bytes, check_finite)
+        # with a budget the pairs' sizes follow from it and max_inflight too: every rank must share them
+        cut = bucket_bytes if memory_budget_bytes is None else f"{bucket_bytes}/{memory_budget_bytes}/{max_inflight}"
+        self.wire_id = wire_id(plan.fingerprint, cut, check_finite)
         self._send_sources = {
             (p, k): sorted({t.src_run.local for t, _ in b}) for p, bs in self.send.items() for k, b in enumerate(bs)
         }
@@ -224,7 +253,10 @@ class ReshardExecutor:
             atomic=self.atomic,
             max_inflight=self.max_inflight,
             device=self.device,
+            host=self.atomic and self.atomic_staging == "host",
         )
+        if self.send or self.recv:
+            log.info("reshard refit: %s: %s", self._who, self.staging_plan.line(self.rank))
         served = {t.src_run.local for t in self._sourced}
         self._finite_views = {
             n: self.tensors[n][: lt.shape[0]]
@@ -237,8 +269,13 @@ class ReshardExecutor:
 
     @property
     def staging_bytes(self) -> int:
-        """Bytes of staging memory this rank holds (0 before the first refit)."""
+        """Bytes of staging memory this rank holds on its device (0 before the first refit)."""
         return 0 if self.staging is None else self.staging.nbytes
+
+    @property
+    def staging_host_bytes(self) -> int:
+        """Bytes of staging this rank holds in host memory (atomic receivers with ``atomic_staging="host"``)."""
+        return 0 if self.staging is None else self.staging.host_nbytes
 
     # -------------------------------------------------------------------- refit
     def refit(
@@ -282,6 +319,8 @@ class ReshardExecutor:
             while inflight:
                 self._complete(inflight.popleft(), version, refused, unchecked)
             if unchecked and not refused:
+                if self.staging.host and self.device.type == "cuda":
+                    torch.cuda.current_stream(self.device).synchronize()  # the headers' copies to the host
                 refused.extend(header_refusals(unchecked, version, self.wire_id))
         except BaseException:
             for _, reqs, _ in inflight:  # let posted transfers finish or fail before the buffers are reused
@@ -310,7 +349,7 @@ class ReshardExecutor:
             self.version = None  # writing: no complete version until the copies below are done
             # atomic: every bucket of this version is here and checked, apply it (local copies too) in one go;
             # streaming with no round received: the local copies are all there is
-            (self.staging.apply if self.atomic else self.staging.local).run()
+            self.staging.apply() if self.atomic else self.staging.local.run()
         self.version = version
         stats.seconds = time.perf_counter() - start  # the move and apply; the gate's forward passes not included
         if sent or received or self.local_bytes:
@@ -344,13 +383,14 @@ class ReshardExecutor:
         reports a rank out of memory to all, so that nobody waits on a peer that will not send; then
         the NCCL communicator, which PyTorch wants before the first batch of P2P ops. A rank whose
         tensors are not the layout's (:attr:`problem`) allocates nothing and reports its problem."""
-        failed = None
-        if self.problem is None:
+        failed = self.budget_problem
+        if self.problem is None and failed is None:
             try:
                 self._allocate()
             except torch.OutOfMemoryError as exc:
                 self.staging = None
-                need = buffer_sizes(self.send, self.recv, atomic=self.atomic, max_inflight=self.max_inflight)
+                keep_all = self.atomic and self.atomic_staging == "device"
+                need = buffer_sizes(self.send, self.recv, keep_all=keep_all, max_inflight=self.max_inflight)
                 failed = out_of_memory(
                     exc,
                     self._who,
@@ -373,6 +413,7 @@ class ReshardExecutor:
         staging (``"staging"``; ``own``: this rank's error) or runs another plan, bucket size or
         checks (``"plan"``). The first refit runs it; a refit across jobs also runs it when it is
         built (``what`` says what the ranks wait to do, in a timeout's message)."""
+        own = own or self.budget_problem
         code = BAD_TENSORS if self.problem is not None else NO_STAGING if own is not None else self.wire_id
         got = self.peers.gather_notes(code, self.problem or "", self.device, what=what)
         ranks = self.peers.ranks(len(got))
@@ -451,6 +492,11 @@ class ReshardExecutor:
             req.wait()
         if not arrived or refused:
             return  # after a refusal: drain the remaining rounds, write nothing more
+        if self.atomic and self.staging.host:  # each bucket to its host buffer; headers read there at the end
+            unchecked.extend(
+                (k, peer, self.staging.keep(k, peer)[:HEADER_BYTES].view(torch.int64)) for peer, _ in arrived
+            )
+            return
         headers = [(k, peer, buf[:HEADER_BYTES].view(torch.int64)) for peer, buf in arrived]
         if self.atomic:
             # Nothing is written before the last round, so the headers are checked then, all at

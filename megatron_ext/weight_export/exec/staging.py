@@ -3,7 +3,11 @@
 A rank sends each peer its buckets (:func:`~..plan.wire.bucketize`) from send buffers
 and receives theirs into receive buffers, one buffer per ``(send|recv, peer,
 slot)`` (:func:`slot`): ``max_inflight`` slots per peer, except that an atomic
-receiver keeps every round (nothing is written before the last one arrives).
+receiver staging on the device keeps every round (nothing is written before the
+last one arrives). An atomic receiver staging on the host (``host=True``) receives
+through ``max_inflight`` slots per peer like a streaming one and copies each bucket
+to its own pinned host buffer; applying the version copies each back through the
+slots and unpacks it.
 :class:`Staging` allocates them and builds every copy of a refit as
 ``(dst, src)`` views over the fixed buffers and tensors: packing a round (each
 bucket's header row and pieces), unpacking it, and the rank's local copies. A
@@ -27,18 +31,19 @@ __all__ = ["Staging", "buffer_sizes", "slot"]
 Table = dict[int, list[list[tuple[Transfer, int]]]]  # peer -> buckets of (transfer, byte offset)
 
 
-def slot(kind: str, peer: int, k: int, *, atomic: bool, max_inflight: int) -> tuple[str, int, int]:
-    """The staging buffer of round ``k`` with ``peer``: atomic receivers keep every round."""
-    return kind, peer, k if (kind == "recv" and atomic) else k % max_inflight
+def slot(kind: str, peer: int, k: int, *, keep_all: bool, max_inflight: int) -> tuple[str, int, int]:
+    """The staging buffer of round ``k`` with ``peer``: receivers that keep every round (atomic,
+    staged on the device) have one per round, the rest ``max_inflight`` per peer."""
+    return kind, peer, k if (kind == "recv" and keep_all) else k % max_inflight
 
 
-def buffer_sizes(send: Table, recv: Table, *, atomic: bool, max_inflight: int) -> dict[tuple[str, int, int], int]:
-    """Bytes of each staging buffer, by ``(send|recv, peer, slot)``."""
+def buffer_sizes(send: Table, recv: Table, *, keep_all: bool, max_inflight: int) -> dict[tuple[str, int, int], int]:
+    """Bytes of each device staging buffer, by ``(send|recv, peer, slot)``."""
     sizes: dict[tuple[str, int, int], int] = {}
     for kind, table in (("send", send), ("recv", recv)):
         for peer, buckets in table.items():
             for k, bucket in enumerate(buckets):
-                key = slot(kind, peer, k, atomic=atomic, max_inflight=max_inflight)
+                key = slot(kind, peer, k, keep_all=keep_all, max_inflight=max_inflight)
                 sizes[key] = max(sizes.get(key, 0), bucket_nbytes(bucket))
     return sizes
 
@@ -70,7 +75,9 @@ class Staging:
     after the last round is checked); on streaming ones :attr:`unpack` per round,
     which also keeps each bucket's header in :attr:`seen` (its buffer is reused
     ``max_inflight`` rounds later, its header checked after the last round), and
-    :attr:`local`.
+    :attr:`local`. With ``host=True`` (atomic only) :meth:`keep` copies a received
+    round to the host (:attr:`held`, one pinned buffer per bucket, whose header the
+    executor reads there) and :meth:`apply` brings every round back through the slots.
     """
 
     def __init__(
@@ -84,10 +91,22 @@ class Staging:
         atomic: bool,
         max_inflight: int,
         device: torch.device,
+        host: bool = False,
     ):
-        self.atomic, self.max_inflight = atomic, max_inflight
-        sizes = buffer_sizes(send, recv, atomic=atomic, max_inflight=max_inflight)
+        if host and not atomic:
+            raise ValueError("host staging is for atomic receivers (a streaming one writes each round as it arrives)")
+        self.atomic, self.max_inflight, self.host = atomic, max_inflight, host
+        self.keep_all = atomic and not host
+        sizes = buffer_sizes(send, recv, keep_all=self.keep_all, max_inflight=max_inflight)
         self.bufs = {key: torch.empty(n, dtype=torch.uint8, device=device) for key, n in sizes.items()}
+        pin = device.type == "cuda"
+        self.held = {  # host: one buffer per received bucket, the whole version
+            (peer, k): torch.empty(bucket_nbytes(b), dtype=torch.uint8, pin_memory=pin)
+            for peer, buckets in recv.items()
+            for k, b in enumerate(buckets)
+            if host
+        }
+        self._rounds = {peer: len(buckets) for peer, buckets in recv.items()}
         self.header_rows = torch.zeros((len(headers), 4), dtype=torch.int64, device=device)
         row = {key: i for i, key in enumerate(headers)}
         pack: dict[int, list] = defaultdict(list)
@@ -103,25 +122,54 @@ class Staging:
         self._seen_rows = torch.zeros((len(keys), 4), dtype=torch.int64, device=device)
         self.seen = {key: self._seen_rows[i] for i, key in enumerate(keys)}
         unpack: dict[int, list] = defaultdict(list)
+        self._sizes: dict[tuple[int, int], int] = {}
         for peer, buckets in recv.items():
             for k, bucket in enumerate(buckets):
                 buf = self.buf("recv", peer, k)
                 if not atomic:
                     unpack[k].append((self.seen[(peer, k)], buf[:HEADER_BYTES].view(torch.int64)))
+                elif host:
+                    self._sizes[(peer, k)] = bucket_nbytes(bucket)
                 for t, off in bucket:
                     dst = view(t.dst_run)
                     unpack[k].append((dst, buf[off : off + t.nbytes].view(dst.dtype).view(dst.shape)))
         local_pairs = [_same_shape(view(t.dst_run), view(t.src_run)) for t in local]
         self.local = CopyBatch(local_pairs)
-        if atomic:  # the whole version at once, after the last round's headers are checked
-            self.apply = CopyBatch([pair for k in sorted(unpack) for pair in unpack[k]] + local_pairs)
+        if atomic and not host:  # the whole version at once, after the last round's headers are checked
+            self._apply = CopyBatch([pair for k in sorted(unpack) for pair in unpack[k]] + local_pairs)
         else:
             self.unpack = {k: CopyBatch(pairs) for k, pairs in unpack.items()}
 
     def buf(self, kind: str, peer: int, k: int) -> torch.Tensor:
-        """The buffer of round ``k`` of ``kind`` (send|recv) with ``peer``."""
-        return self.bufs[slot(kind, peer, k, atomic=self.atomic, max_inflight=self.max_inflight)]
+        """The device buffer of round ``k`` of ``kind`` (send|recv) with ``peer``."""
+        return self.bufs[slot(kind, peer, k, keep_all=self.keep_all, max_inflight=self.max_inflight)]
+
+    def keep(self, k: int, peer: int) -> torch.Tensor:
+        """Host staging: copy round ``k``'s bucket from ``peer`` to its host buffer (queued on the current
+        stream, before the slot is reused) and return the host buffer."""
+        held = self.held[(peer, k)]
+        held.copy_(self.buf("recv", peer, k)[: held.numel()], non_blocking=True)
+        return held
+
+    def apply(self) -> None:
+        """Atomic: write the whole version (every round, then the local copies)."""
+        if not self.host:
+            self._apply.run()
+            return
+        for k in sorted(self.unpack):  # through the receive slots, as a streaming receiver unpacks
+            for peer, rounds in self._rounds.items():
+                if k < rounds:
+                    n = self._sizes[(peer, k)]
+                    self.buf("recv", peer, k)[:n].copy_(self.held[(peer, k)], non_blocking=True)
+            self.unpack[k].run()
+        self.local.run()
 
     @property
     def nbytes(self) -> int:
+        """Bytes of staging on the device."""
         return sum(b.numel() for b in self.bufs.values())
+
+    @property
+    def host_nbytes(self) -> int:
+        """Bytes of staging on the host (atomic receivers with ``host=True``)."""
+        return sum(b.numel() for b in self.held.values())

@@ -55,6 +55,7 @@ def test_reshard_refit_aliases_select_p2p_and_round_trip():
         "--no-reshard-refit-check-finite", "--reshard-refit-every-n-steps", "10",
         "--reshard-refit-store", "10.0.0.1:29600", "--reshard-refit-backend", "nccl",
         "--reshard-refit-timeout-s", "30", "--reshard-refit-vocab-padding", "128",
+        "--reshard-refit-memory-budget-mb", "512",
     ]  # fmt: skip
     want = RefitConfig(
         transport="p2p",
@@ -70,10 +71,18 @@ def test_reshard_refit_aliases_select_p2p_and_round_trip():
         store="10.0.0.1:29600",
         backend="nccl",
         timeout_s=30,
+        memory_budget_mb=512,
     )
     assert _parse(argv) == want
     assert _parse([a.replace("reshard-refit-", "refit-") for a in argv] + ["--refit-transport", "p2p"]) == want
-    assert want.executor_kwargs == dict(bucket_bytes=256 << 20, max_inflight=4, atomic=False, check_finite=False)
+    assert want.executor_kwargs == dict(
+        bucket_bytes=256 << 20,
+        max_inflight=4,
+        atomic=False,
+        check_finite=False,
+        memory_budget_bytes=512 << 20,
+        atomic_staging="device",
+    )
     assert want.store_address == ("10.0.0.1", 29600)
     assert [s for s in range(1, 31) if want.due(s)] == [10, 20, 30] and not RefitConfig().due(10)
     assert _parse(["--reshard-refit-engine-tp", "1"]) == RefitConfig(transport="p2p")
@@ -116,6 +125,15 @@ def test_reshard_refit_aliases_select_p2p_and_round_trip():
          "must be 'none' with transport='ipc-push', which writes the engine's tensors in the model's dtype"),
         (dict(transport="ipc-direct", target="h:1", quantize="fp8-block"), "must be 'none' with "
          "transport='ipc-direct'"),
+        (dict(transport="p2p", memory_budget_mb=0), "memory_budget_mb (--refit-memory-budget-mb) must be None "
+         "(no bound) or a finite number of MiB >= 0.00390625 (4 KiB), got 0"),
+        (dict(transport="p2p", memory_budget_mb=float("nan")), "got nan"),
+        (dict(transport="p2p", atomic_staging="cpu"), "atomic_staging (--refit-atomic-staging) must be one of "
+         "('device', 'host'), got 'cpu'"),
+        (dict(transport="p2p", atomic=False, atomic_staging="host"), "RefitConfig.atomic_staging='host' "
+         "(--refit-atomic-staging host) is where an atomic refit keeps the version; with atomic=False"),
+        (dict(memory_budget_mb=512), "RefitConfig.memory_budget_mb (--refit-memory-budget-mb) is read by "
+         "transport='p2p'"),
     ],
 )  # fmt: skip
 def test_bad_values_are_refused_naming_the_field_and_flag(kw, needle):
@@ -156,6 +174,10 @@ BAD_FLAGS = [
       "2"], "--reshard-refit-engine-tp is a flag of the reshard refit (--refit-transport p2p), but the transport "
      "is 'broadcast': drop one of them"),
     (["--refit-engine-tp", "2"], "RefitConfig.engine_tp (--refit-engine-tp) is read by transport='p2p'"),
+    (["--reshard-refit-memory-budget-mb", "-1"], "RefitConfig.memory_budget_mb (--refit-memory-budget-mb) must "
+     "be None (no bound) or a finite number of MiB"),
+    (["--refit-transport", "p2p", "--refit-atomic-staging", "host", "--no-refit-atomic"], "with atomic=False "
+     "(--no-refit-atomic) every round is written as it arrives: drop one"),
 ]  # fmt: skip
 
 

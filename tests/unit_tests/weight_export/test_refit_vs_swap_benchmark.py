@@ -80,8 +80,9 @@ def test_parse_layouts_and_methods():
     assert bench.swap_problem(moe, "sequential") == bench.SEQUENTIAL_EP_CHANGE
     assert bench.swap_problem(moe, "grouped") is None
     assert bench.swap_problem(bench.parse_case("nc:tp2ep2:tp1ep2", num_experts=8), "sequential") is None
-    assert bench.available_methods(gpu=False, driver=True) == ["swap:gloo", "ours:stream", "ours:atomic"]
-    assert bench.available_methods(gpu=False, driver=False) == ["ours:stream", "ours:atomic"]
+    ours = ["ours:stream", "ours:atomic", "ours:atomic-host"]
+    assert bench.available_methods(gpu=False, driver=True) == ["swap:gloo", *ours]
+    assert bench.available_methods(gpu=False, driver=False) == ours
     assert bench.available_methods(gpu=True)[0] == "swap:nccl"
     with pytest.raises(ValueError):
         bench.parse_methods("swap:mpi")
@@ -90,13 +91,14 @@ def test_parse_layouts_and_methods():
 def test_refit_vs_swap_benchmark_cpu_smoke(tmp_path):
     out = tmp_path / "rvs.json"
     argv = ["--preset", "tiny", "--device", "cpu", "--world", "4", "--layouts", ",".join(LAYOUTS)]
-    argv += ["--methods", "swap:gloo,ours:stream,ours:atomic", "--iters", "2", "--warmup", "1"]
-    argv += ["--stream-bucket-mb", "0.25", "--atomic-bucket-mb", "1"]
+    argv += ["--methods", "swap:gloo,ours:stream,ours:atomic,ours:atomic-host", "--iters", "2", "--warmup", "1"]
+    argv += ["--stream-bucket-mb", "0.25", "--atomic-bucket-mb", "1", "--memory-budget-mb", "1"]
     assert bench.main([*argv, "--out", str(out)], rank_setup=unpinned_gloo_copy_service) == 0
     result = json.loads(out.read_text())
     assert result["all_correct"] is True and result["backend"] == "gloo"
     rows = {(r["layout"], r["method"]): r for r in result["rows"]}
-    assert set(rows) == {(lay, m) for lay in LAYOUTS for m in ("swap:gloo", "ours:stream", "ours:atomic")}
+    methods = ("swap:gloo", "ours:stream", "ours:atomic", "ours:atomic-host")
+    assert set(rows) == {(lay, m) for lay in LAYOUTS for m in methods}
     for (layout, _), r in rows.items():
         # the exact check ran on every rank that holds a model (colocated: both models on 4 ranks)
         assert r["correct"] is True and r["checked_ranks"] == (8 if layout.startswith("co") else 4)
@@ -109,6 +111,13 @@ def test_refit_vs_swap_benchmark_cpu_smoke(tmp_path):
     # non-colocated: everything it keeps crosses a link
     assert 0 < rows[(LAYOUTS[0], "ours:atomic")]["link_bytes"] < rows[(LAYOUTS[1], "ours:atomic")]["link_bytes"]
     assert rows[(LAYOUTS[0], "ours:stream")]["rounds"] > rows[(LAYOUTS[0], "ours:atomic")]["rounds"]
+    for layout in LAYOUTS:  # every rank's device staging within the 1 MiB budget; atomic-host keeps the version
+        for m in ("ours:stream", "ours:atomic-host"):  # on the host
+            assert 0 < rows[(layout, m)]["staging_bytes"] <= 1 << 20, (layout, m)
+        host = rows[(layout, "ours:atomic-host")]["staging_host_bytes"]
+        assert host >= rows[(layout, "ours:atomic")]["link_bytes"] > 0, layout
+    # one verdict line per layout and row of ours; no device memory on CPU
+    assert len(result["targets"]) == 3 * len(LAYOUTS) and all("n/a" in t for t in result["targets"])
     assert result["command"] and result["versions"]["torch"] == torch.__version__
 
 

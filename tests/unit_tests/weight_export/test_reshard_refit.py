@@ -20,6 +20,15 @@ from ._reference import hook_reference, tp_job
 SPEC = tiny_llama.TinyLlamaSpec(arch="qwen2")
 BUCKET = 2048  # small buckets: many rounds, transfers cut into rows
 DEPTHS = (1, 2, 4)
+# --refit-memory-budget-mb in bytes: half of what each rank stages without it (2 peers x 2 rounds x BUCKET), so
+# every pair's bucket halves; the least this plan takes is 2048 (a header and the widest row per slot)
+BUDGET = 4096
+# how a receiver stages: atomic on the device, streaming, atomic on the host within the budget
+MODES = {
+    True: dict(atomic=True),
+    False: dict(atomic=False),
+    "host": dict(atomic=True, atomic_staging="host", memory_budget_bytes=BUDGET),
+}
 QKV = "model.layers.0.self_attn.qkv_proj.weight"  # an engine tensor
 FC2 = "decoder.layers.1.mlp.linear_fc2.weight"  # a trainer tensor (down_proj, TP-split by columns)
 
@@ -80,6 +89,20 @@ def _body(backend):
                 recv_pieces=sum(len(k) for b in ex.recv.values() for k in b),
             )
 
+    # 1b. within the memory budget: streaming, and atomic staged on the host
+    for mode in (False, "host"):
+        e = engine()
+        ex = wx.ReshardExecutor(plan, rank, {**trainer(), **e}, bucket_bytes=BUCKET, **dict(MODES[mode], **{
+            "memory_budget_bytes": BUDGET}))  # fmt: skip
+        stats = [ex.refit(v) for v in (1, 2)]  # buffers reused
+        out[("budget", mode)] = dict(
+            engine=snap(e), stats=stats, host=ex.staging_host_bytes, planned=ex.staging_plan.device_bytes[rank]
+        )
+    ex = wx.ReshardExecutor(
+        plan, rank, {**trainer(), **engine()}, bucket_bytes=BUCKET, memory_budget_bytes=BUDGET // 2 - 1
+    )
+    out["tiny_budget"] = attempt(lambda: ex.refit(1))
+
     # 2. a stale source: rank 1 serves version 1 while version 2 is applied ("stale"), or (2b,
     # "late_stale") only in tensors that none of its first buckets carries: a streaming receiver has
     # written round 0 by then and refuses at the end (mixed tensors: no version); an atomic one keeps 1
@@ -91,11 +114,11 @@ def _body(backend):
         assert late, "the test needs a tensor that only a later bucket of rank 1 carries"
         return late
 
-    def faulty_second_version(atomic, refit2):
+    def faulty_second_version(mode, refit2):
         """Version 1, then ``refit2(ex, trainer tensors)`` tries version 2 (the trainer's weights doubled,
         exact in floating point) with a fault and returns what it raised; then version 3 applies."""
         tr, e = trainer(), engine()
-        ex = wx.ReshardExecutor(plan, rank, {**tr, **e}, bucket_bytes=BUCKET, atomic=atomic)
+        ex = wx.ReshardExecutor(plan, rank, {**tr, **e}, bucket_bytes=BUCKET, **MODES[mode])
         ex.refit(1)
         before = snap(e)
         for t in tr.values():
@@ -106,7 +129,7 @@ def _body(backend):
         return dict(before=before, after=after, held=held, refused=refused, final=snap(e), version=ex.version)
 
     for case, served in (("stale", lambda ex: 1 if rank == 1 else None), ("late_stale", late_only)):
-        for atomic in (True, False):
+        for atomic in MODES:
             out[(case, atomic)] = faulty_second_version(
                 atomic, lambda ex, tr, served=served: attempt(lambda: ex.refit(2, source_version=served(ex)))
             )
@@ -158,7 +181,7 @@ def _body(backend):
         tr[FC2].view(-1)[3] = kept
         return refused
 
-    for atomic in (True, False):
+    for atomic in MODES:
         out[("nonfinite", atomic)] = faulty_second_version(atomic, nan_on_rank1)
     # 4. the KL gate on each engine replica (an HF model per TP1 replica)
     toks = tiny_llama.tokens(SPEC)
@@ -236,8 +259,27 @@ def test_reshard_refit_versions_pipelining_and_gate(backend):
         for r in range(4):
             if not atomic or r in src.ranks:
                 assert staging[r, 1] < staging[r, 2] < staging[r, 4], (atomic, r, staging)
+    # 1b. within the budget: the same bytes, every rank's device staging at most the budget (what the planner
+    # counted), smaller buckets so more rounds; atomic on the host keeps the whole version there
+    unbudgeted = {r: results[r][("depth", False, 2)]["stats"] for r in range(4)}
+    for mode in (False, "host"):
+        for r in range(4):
+            res = results[r][("budget", mode)]
+            for s in res["stats"]:
+                assert s.staging_bytes == res["planned"] <= BUDGET < unbudgeted[r].staging_bytes, (mode, r)
+                assert s.rounds > unbudgeted[r].rounds, (mode, r)
+            if r in dst.ranks:
+                _check(res["engine"], ref, dst, r, f"budget {mode}")
+                assert res["host"] == (res["stats"][0].received_bytes if mode == "host" else 0)
+            else:
+                assert res["host"] == 0
+    for r in range(4):  # a budget below one row per slot: every rank refuses before anything moves
+        reason, msg, _ = results[r]["tiny_budget"]
+        assert reason == "staging", msg
+        if r == 0:
+            assert "cannot stage model.embed_tokens.weight" in msg and "at least 2048 bytes" in msg, msg
     # 2. a stale source is refused; the receiver's tensors are exactly the previous version's
-    for atomic in (True, False):
+    for atomic in MODES:
         for r in range(4):
             res = results[r][("stale", atomic)]
             assert res["version"] == 3
@@ -251,8 +293,9 @@ def test_reshard_refit_versions_pipelining_and_gate(backend):
                 assert torch.equal(res["after"][n], res["before"][n]), (atomic, r, n)
             _check(res["before"], ref, dst, r, "version 1")
             _check(res["final"], ref, dst, r, "version 3", scale=2.0)
-    # 2b. stale only in a later bucket: atomic keeps version 1 exactly; streaming wrote round 0, then refused
-    for atomic in (True, False):
+    # 2b. stale only in a later bucket: atomic keeps version 1 exactly (on the device or the host: the headers
+    # are read from the host copies there); streaming wrote round 0, then refused
+    for atomic in MODES:
         for r in dst.ranks:
             res = results[r][("late_stale", atomic)]
             reason, msg, _ = res["refused"]
@@ -286,7 +329,7 @@ def test_reshard_refit_versions_pipelining_and_gate(backend):
         else:
             assert res["problem"] is None
             assert msg.startswith(f"rank {r}: ranks [3] cannot take part in the refit") and problem in msg, msg
-    for atomic in (True, False):  # a NaN served by rank 1: refused everywhere, nothing written
+    for atomic in MODES:  # a NaN served by rank 1: refused everywhere, nothing written
         for r in range(4):
             res = results[r][("nonfinite", atomic)]
             reason, msg, stats = res["refused"]
@@ -309,7 +352,7 @@ def test_reshard_refit_versions_pipelining_and_gate(backend):
         if r == 3:  # the rank out of memory says how much and how to need less
             assert "out of device memory for" in msg and "atomic=False stages max_inflight buckets" in msg, msg
         else:
-            assert "ranks [3] ran out of memory for their staging buffers" in msg, msg
+            assert "ranks [3] cannot hold their staging buffers" in msg, msg
     # 4. the gate: a correct refit passes, a corrupted one fails (raise), or is only reported
     for r in dst.ranks:
         g = results[r]["gate"]

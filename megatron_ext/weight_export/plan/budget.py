@@ -1,0 +1,150 @@
+"""A reshard refit's staging within a memory budget: each pair's bucket size, from the plan alone.
+
+Without a budget every pair of ranks cuts its transfers into buckets of ``bucket_bytes``, and a rank
+stages ``max_inflight`` buckets per peer for sending and as many for receiving, so its staging grows
+with its number of peers. With ``budget_bytes`` each rank's share is split evenly over its staging
+slots (``max_inflight`` per peer it sends to and per peer it receives from), and a pair's bucket is
+the smaller of its two ranks' slot sizes (at most ``bucket_bytes``, a multiple of
+:data:`~.wire.ALIGN`). Every rank computes every pair's size from the plan, so sender and receiver
+cut a pair alike and every rank refuses an impossible budget at once, before a byte moves.
+
+An atomic receiver that keeps the version on the device holds every round it receives until the
+last arrives, so its staging is its whole share of the version, not a slot per peer: with a budget
+it is refused unless that fits (stage on the host instead, or stream). Staged on the host it
+receives through the same slots as a streaming receiver.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+
+from .reshard_plan import Transfer
+from .wire import ALIGN, PAYLOAD_OFFSET, align, bucket_nbytes, bucketize
+
+__all__ = ["ATOMIC_STAGING", "BudgetError", "StagingPlan", "plan_staging", "slot_bytes"]
+
+ATOMIC_STAGING = ("device", "host")  # where an atomic receiver keeps the version until it applies it
+MIB = 1 << 20
+
+
+class BudgetError(ValueError):
+    """The memory budget cannot hold the plan's staging (the message names the flag and the minimum)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StagingPlan:
+    """``pair_bytes``: the bucket size of each ``(src, dst)`` pair that moves bytes; ``device_bytes``:
+    each rank's staging on its device (``host_bytes`` on the host: atomic receivers staged there);
+    ``budget_bytes``: None without a budget."""
+
+    pair_bytes: dict[tuple[int, int], int]
+    device_bytes: dict[int, int]
+    host_bytes: dict[int, int]
+    budget_bytes: int | None
+
+    def line(self, rank: int) -> str:
+        """What the planner chose for ``rank``, for the INFO log."""
+        mine = sorted({b for (s, d), b in self.pair_bytes.items() if rank in (s, d)})
+        sizes = ", ".join(f"{b / MIB:.2f}" for b in mine) or "none"
+        text = f"staging {self.device_bytes.get(rank, 0) / MIB:.1f} MiB on the device"
+        if self.host_bytes.get(rank):
+            text += f" + {self.host_bytes[rank] / MIB:.1f} MiB on the host"
+        limit = "no budget" if self.budget_bytes is None else f"budget {self.budget_bytes / MIB:.1f} MiB"
+        return f"{text} ({limit}; bucket MiB per pair: {sizes})"
+
+
+def slot_bytes(bucket_sizes: list[int], max_inflight: int) -> int:
+    """Bytes of the ``max_inflight`` buffers that round ``k``'s bucket of one peer reuses (``k %
+    max_inflight``): each as large as the largest bucket it carries."""
+    largest: dict[int, int] = {}
+    for k, n in enumerate(bucket_sizes):
+        largest[k % max_inflight] = max(largest.get(k % max_inflight, 0), n)
+    return sum(largest.values())
+
+
+def _pairs(transfers: list[Transfer]) -> dict[tuple[int, int], list[Transfer]]:
+    pairs: dict[tuple[int, int], list[Transfer]] = defaultdict(list)
+    for t in transfers:
+        if t.src != t.dst:
+            pairs[(t.src, t.dst)].append(t)
+    return dict(pairs)
+
+
+def _row(t: Transfer) -> int:
+    """Bytes of one row of ``t``: the least a bucket must hold to carry it (buckets cut along dim 0)."""
+    return t.nbytes // t.box.shape[0] if t.box.shape else t.nbytes
+
+
+def plan_staging(
+    transfers: list[Transfer],
+    *,
+    bucket_bytes: int,
+    max_inflight: int,
+    atomic: bool,
+    atomic_staging: str = "device",
+    budget_bytes: int | None = None,
+    rank: int | None = None,
+    flag: str = "--refit-memory-budget-mb",
+) -> StagingPlan:
+    """Each pair's bucket size and each rank's staging for ``transfers`` (a plan's, in plan order).
+
+    Raises :class:`BudgetError` when ``budget_bytes`` cannot hold one row of some transfer in every
+    slot of a rank, or an atomic receiver's whole version staged on the device; the message names
+    ``flag``, the tensor or rank, and the least budget that works. ``rank``: count the staging of that
+    rank only (without a budget nothing else needs it; with one every rank's is checked)."""
+    if atomic_staging not in ATOMIC_STAGING:
+        raise ValueError(f"atomic_staging must be one of {ATOMIC_STAGING}, got {atomic_staging!r}")
+    pairs = _pairs(transfers)
+    keep_all = atomic and atomic_staging == "device"  # receivers hold every round until the last
+    slots: dict[int, int] = defaultdict(int)  # per rank: peers it sends to + peers it receives from
+    for src, dst in pairs:
+        slots[src] += 1
+        slots[dst] += 1
+    if budget_bytes is None:
+        sizes = dict.fromkeys(pairs, bucket_bytes)
+    else:
+        per_slot = {r: budget_bytes // (max_inflight * n) // ALIGN * ALIGN for r, n in slots.items()}
+        sizes = {p: min(bucket_bytes, per_slot[p[0]], per_slot[p[1]]) for p in pairs}
+        # each slot must hold the header and one row of every transfer its pair carries
+        need = {p: PAYLOAD_OFFSET + align(_row(max(ts, key=_row))) for p, ts in pairs.items()}
+        short = [p for p in pairs if sizes[p] < need[p]]
+        if short:
+            least = max(need[p] * max_inflight * max(slots[p[0]], slots[p[1]]) for p in pairs)
+            src, dst = max(short, key=lambda p: need[p] * max(slots[p[0]], slots[p[1]]))
+            r = src if slots[src] >= slots[dst] else dst
+            widest = max(pairs[(src, dst)], key=_row)
+            raise BudgetError(
+                f"{flag} {budget_bytes / MIB:g} MiB cannot stage {widest.name}: a bucket of rank {src} -> {dst} "
+                f"must hold one row of it ({need[(src, dst)]} bytes with the header), and rank {r} stages "
+                f"{max_inflight} buckets (--refit-max-inflight) for each of its {slots[r]} peer slots (peers it "
+                f"sends to and receives from); this plan needs a budget of at least {least} bytes "
+                f"({least / MIB:.4f} MiB): raise the budget or lower --refit-max-inflight"
+            )
+    device: dict[int, int] = defaultdict(int)
+    host: dict[int, int] = defaultdict(int)
+    for (src, dst), ts in pairs.items():
+        if rank is not None and rank not in (src, dst):
+            continue
+        sizes_k = [bucket_nbytes(b) for b in bucketize(ts, sizes[(src, dst)])]
+        if rank in (None, src):
+            device[src] += slot_bytes(sizes_k, max_inflight)
+        if rank not in (None, dst):
+            continue
+        if keep_all:
+            device[dst] += sum(sizes_k)
+        else:
+            device[dst] += slot_bytes(sizes_k, max_inflight)
+            if atomic:
+                host[dst] += sum(sizes_k)
+    if budget_bytes is not None:
+        over = {r: n for r, n in device.items() if n > budget_bytes}
+        if over:
+            r, n = max(over.items(), key=lambda kv: kv[1])
+            raise BudgetError(
+                f"{flag} {budget_bytes / MIB:g} MiB cannot hold rank {r}'s staging, {n / MIB:.1f} MiB at this "
+                "budget: an atomic receiver that stages on the device keeps its whole share of the version until "
+                "the last round; stage it on the host (--refit-atomic-staging host), stream (--no-refit-atomic), "
+                "or raise the budget above it"
+            )
+    return StagingPlan(sizes, dict(device), dict(host), budget_bytes)
