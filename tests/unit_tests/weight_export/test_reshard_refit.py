@@ -181,8 +181,24 @@ def _body(backend):
         tr[FC2].view(-1)[3] = kept
         return refused
 
+    def nan_last_on_rank1(ex, tr):
+        """The NaN in the last element rank 1 sends: the last piece of its last bucket (the last round)."""
+        from megatron_ext.weight_export.plan.reshard_plan import run_view
+
+        if rank != 1:
+            return attempt(lambda: ex.refit(2))
+        t, _ = max(ex.send.values(), key=len)[-1][-1]  # the last piece of the last round's bucket
+        last = run_view(tr[t.src_run.local], t.src_run)
+        last = last[-1] if last.dim() > 1 else last
+        kept = last[-1].item()
+        last[-1] = float("nan")
+        refused = attempt(lambda: ex.refit(2))
+        last[-1] = kept
+        return refused, t.name
+
     for atomic in MODES:
         out[("nonfinite", atomic)] = faulty_second_version(atomic, nan_on_rank1)
+        out[("nonfinite_last", atomic)] = faulty_second_version(atomic, nan_last_on_rank1)
     # 4. the KL gate on each engine replica (an HF model per TP1 replica)
     toks = tiny_llama.tokens(SPEC)
     ref_logits = wx.megatron_logits(model, toks)  # every rank (TP collectives)
@@ -342,6 +358,18 @@ def test_reshard_refit_versions_pipelining_and_gate(backend):
                 for n in res["before"]:
                     assert torch.equal(res["after"][n], res["before"][n]), (atomic, r, n)
                 _check(res["final"], ref, dst, r, "version 3 after a non-finite one", scale=2.0)
+    for atomic in MODES:  # the NaN in the last element of the last bucket: the same, in every mode
+        last_name = results[1][("nonfinite_last", atomic)]["refused"][1]
+        for r in range(4):
+            res = results[r][("nonfinite_last", atomic)]
+            reason, msg, stats = res["refused"] if r != 1 else res["refused"][0]
+            assert reason == "nonfinite" and stats.sent_bytes == stats.received_bytes == 0, msg
+            assert last_name in msg, (last_name, msg)
+            assert res["version"] == 3
+            if r in dst.ranks:
+                assert res["held"] == 1
+                for n in res["before"]:
+                    assert torch.equal(res["after"][n], res["before"][n]), (atomic, r, n)
     for r in dst.ranks:
         _check(results[r]["after_refusal"], ref, dst, r, "after a refused plan")
         _check(results[r]["after_oom"], ref, dst, r, "after a staging failure")
