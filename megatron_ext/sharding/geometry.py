@@ -15,6 +15,7 @@ for what a TP rank holds of a tensor (Megatron's and an engine's), and
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Iterator, Sequence
 
@@ -47,11 +48,11 @@ class Box:
     def contains(self, other: "Box") -> bool:
         return all(a0 <= b0 and b1 <= a1 for (a0, a1), (b0, b1) in zip(self.ranges, other.ranges))
 
-    @property
+    @functools.cached_property  # a frozen box: computed once (the planner and the executor ask often)
     def shape(self) -> tuple[int, ...]:
         return tuple(b - a for a, b in self.ranges)
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
         return math.prod(self.shape)
 

@@ -56,7 +56,6 @@ from ..plan.wire import (
     NO_STAGING,
     PAYLOAD_OFFSET,
     bucket_nbytes,
-    bucketize,
     header_refusals,
     header_rows,
     wire_id,
@@ -215,9 +214,9 @@ class ReshardExecutor:
         except BudgetError as exc:
             self.budget_problem = RefitRejected(f"{self._who}: {exc}. Nothing was sent", reason="staging")
             self.staging_plan = plan_staging(plan.transfers, atomic_staging=atomic_staging, **staging)
-        size = self.staging_plan.pair_bytes
-        self.send = {p: bucketize(ts, size[(rank, p)]) for p, ts in sorted(out.items())}
-        self.recv = {p: bucketize(ts, size[(p, rank)]) for p, ts in sorted(inc.items())}
+        cut = self.staging_plan.buckets  # this rank's pairs, cut by the planner
+        self.send = {p: cut[(rank, p)] for p in sorted(out)}
+        self.recv = {p: cut[(p, rank)] for p in sorted(inc)}
         self.rounds = max([len(b) for b in (*self.send.values(), *self.recv.values())], default=0)
         self.sent_bytes, self.received_bytes = (
             sum(bucket_nbytes(b) for bs in table.values() for b in bs) for table in (self.send, self.recv)

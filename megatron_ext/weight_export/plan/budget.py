@@ -34,11 +34,13 @@ class BudgetError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class StagingPlan:
-    """``pair_bytes``: the bucket size of each ``(src, dst)`` pair that moves bytes; ``device_bytes``:
-    each rank's staging on its device (``host_bytes`` on the host: atomic receivers staged there);
-    ``budget_bytes``: None without a budget."""
+    """``pair_bytes``: the bucket size of each ``(src, dst)`` pair that moves bytes; ``buckets``: the
+    buckets (:func:`~.wire.bucketize`) of the pairs counted; ``device_bytes``: each rank's staging on its
+    device (``host_bytes`` on the host: atomic receivers staged there); ``budget_bytes``: None without
+    a budget."""
 
     pair_bytes: dict[tuple[int, int], int]
+    buckets: dict[tuple[int, int], list]
     device_bytes: dict[int, int]
     host_bytes: dict[int, int]
     budget_bytes: int | None
@@ -123,10 +125,12 @@ def plan_staging(
             )
     device: dict[int, int] = defaultdict(int)
     host: dict[int, int] = defaultdict(int)
+    buckets = {}
     for (src, dst), ts in pairs.items():
         if rank is not None and rank not in (src, dst):
             continue
-        sizes_k = [bucket_nbytes(b) for b in bucketize(ts, sizes[(src, dst)])]
+        buckets[(src, dst)] = bucketize(ts, sizes[(src, dst)])
+        sizes_k = [bucket_nbytes(b) for b in buckets[(src, dst)]]
         if rank in (None, src):
             device[src] += slot_bytes(sizes_k, max_inflight)
         if rank not in (None, dst):
@@ -147,4 +151,4 @@ def plan_staging(
                 "the last round; stage it on the host (--refit-atomic-staging host), stream (--no-refit-atomic), "
                 "or raise the budget above it"
             )
-    return StagingPlan(sizes, dict(device), dict(host), budget_bytes)
+    return StagingPlan(sizes, buckets, dict(device), dict(host), budget_bytes)

@@ -13,7 +13,9 @@ that already holds the bytes (colocated layouts) copies locally.
 
 from __future__ import annotations
 
+import array
 import dataclasses
+import functools
 import hashlib
 import itertools
 from collections import defaultdict
@@ -60,7 +62,7 @@ class Transfer:
     dst_run: Run
     itemsize: int
 
-    @property
+    @functools.cached_property  # frozen: computed once
     def nbytes(self) -> int:
         return self.box.numel * self.itemsize
 
@@ -111,9 +113,15 @@ class ReshardPlan:
 
     @property
     def fingerprint(self) -> str:
+        """16 hex digits of every transfer's name, box, source and destination, in plan order."""
         h = hashlib.sha256()
-        for t in self.transfers:
-            h.update(f"{t.name}:{t.box.ranges}:{t.src}:{t.dst};".encode())
+        ints = array.array("q")
+        for t in self.transfers:  # each field's length first, so no two plans read alike
+            name = t.name.encode()
+            ints.extend((len(name), len(t.box.ranges), *(x for r in t.box.ranges for x in r), t.src, t.dst))
+            h.update(ints.tobytes())
+            h.update(name)
+            del ints[:]
         return h.hexdigest()[:16]
 
 
