@@ -4,7 +4,9 @@ Used by the multi-rank tests, the demo and the benchmarks::
 
     results = run_on_ranks(body, world_size=2, args=(cfg,), timeout=120)
 
-Each rank is a spawned process with ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` and a
+Each rank is a fresh process (forked from a forkserver that imported torch and
+megatron-core once, for gloo jobs on a machine without a GPU; spawned otherwise)
+with the caller's environment, ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` and a
 free ``MASTER_PORT`` set, a process group already initialised (gloo on CPU,
 NCCL when ``backend='nccl'``), and, on CPU, the test-only Megatron shims of
 :mod:`megatron_ext.testing.cpu_compat` installed. ``body(*args, **kwargs)``
@@ -78,7 +80,9 @@ def _write_result(path: str, payload: dict) -> None:
     os.replace(tmp, path)
 
 
-def _rank_main(fn, args, kwargs, rank, world_size, port, backend, pg_timeout_s, env, out_dir):
+def _rank_main(fn, args, kwargs, rank, world_size, port, backend, pg_timeout_s, env, out_dir, exact_env=False):
+    if exact_env:  # forked from the forkserver: its environment is the server's, not the caller's now
+        os.environ.clear()
     os.environ.update(env)
     os.environ.update(
         RANK=str(rank),
@@ -133,6 +137,22 @@ def _teardown():
         dist.destroy_process_group()
 
 
+# What every CPU rank imports (megatron-core alone takes about 5 s of a core): the forkserver imports it once
+# and forks each rank from there, instead of each spawned rank importing it again.
+_PRELOAD = ["torch", "torch.distributed", "megatron.core"]
+
+
+def _context(backend: str):
+    """The start method of a job's ranks and whether they are forked: gloo jobs on a machine without a
+    visible GPU fork from a forkserver that preloaded :data:`_PRELOAD` (nothing in it touches CUDA);
+    everything else is spawned (NCCL ranks must not inherit a process that imported CUDA libraries)."""
+    if backend == "gloo" and torch.cuda.device_count() == 0 and "forkserver" in multiprocessing.get_all_start_methods():
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)  # no effect once the server runs
+        return ctx, True
+    return multiprocessing.get_context("spawn"), False
+
+
 def _read_result(path: str):
     if not os.path.exists(path):
         return None
@@ -172,10 +192,12 @@ def run_on_ranks(
             f"backend='nccl' with world_size={world_size} needs {world_size} GPUs "
             f"(NCCL refuses two ranks on one GPU); found {torch.cuda.device_count()}"
         )
-    child_env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    ctx, forked = _context(backend)
+    # a spawned rank inherits the caller's environment; a forked one gets all of it passed
+    child_env = dict(os.environ) if forked else {}
+    child_env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
     child_env.update(env or {})
     pg_timeout_s = max(5.0, 0.75 * timeout)
-    ctx = multiprocessing.get_context("spawn")
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="megatron_ext_ranks_") as out_dir:
         procs = [
@@ -192,6 +214,7 @@ def run_on_ranks(
                     pg_timeout_s,
                     child_env,
                     out_dir,
+                    forked,
                 ),
                 name=f"rank{r}",
             )
