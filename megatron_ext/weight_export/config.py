@@ -165,13 +165,12 @@ class RefitConfig:
             )
         if self.store is not None and _host_port(self.store) is None:
             refuse("store", f"'host:port' with a port in {PORTS[0]}..{PORTS[1]} (the refit group's store)")
-        size = self.bucket_size_mb
-        if size is not None and not (_finite_number(size) and size * (1 << 20) >= MIN_BUCKET_BYTES):
-            smallest = MIN_BUCKET_BYTES / (1 << 20)
-            refuse("bucket_size_mb", f"None (automatic) or a finite number of MiB >= {smallest:g} (4 KiB, one page)")
-        budget = self.memory_budget_mb
-        if budget is not None and not (_finite_number(budget) and budget * (1 << 20) >= MIN_BUCKET_BYTES):
-            refuse("memory_budget_mb", "None (no bound) or a finite number of MiB >= 0.00390625 (4 KiB)")
+        smallest = MIN_BUCKET_BYTES / (1 << 20)  # MiB
+        for field, unset in (("bucket_size_mb", "automatic"), ("memory_budget_mb", "no bound")):
+            mib = getattr(self, field)
+            if mib is not None and not (_finite_number(mib) and mib * (1 << 20) >= MIN_BUCKET_BYTES):
+                page = ", one page" if field == "bucket_size_mb" else ""
+                refuse(field, f"None ({unset}) or a finite number of MiB >= {smallest:g} (4 KiB{page})")
         if self.atomic_staging == "host" and not self.atomic:
             raise ValueError(
                 "RefitConfig.atomic_staging='host' (--refit-atomic-staging host) is where an atomic refit keeps the "

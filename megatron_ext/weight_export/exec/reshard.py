@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections import defaultdict, deque
+from collections import deque
 from collections.abc import Callable
 
 import torch
@@ -47,7 +47,7 @@ from ...copies import finite_flags
 from ...sharding.megatron import megatron_tensors
 from ..control.peers import as_peers
 from ..engines.gate import RefitGate
-from ..plan.budget import BudgetError, plan_staging
+from ..plan.budget import BudgetError, buffer_sizes, plan_staging
 from ..plan.errors import RefitRejected, RefitStats
 from ..plan.reshard_plan import ReshardPlan, Run, Transfer, fanout_plans, run_view
 from ..plan.wire import (
@@ -61,7 +61,7 @@ from ..plan.wire import (
     wire_id,
 )
 from .agreement import out_of_memory, settle, tensor_problem
-from .staging import Staging, buffer_sizes
+from .staging import Staging
 
 __all__ = [
     "FanoutRefit",
@@ -193,15 +193,7 @@ class ReshardExecutor:
         self.refresh = refresh
         # why this rank cannot take part (None: it can)
         self.problem: str | None = tensor_problem(plan, rank, tensors, self._who)
-        out, inc = defaultdict(list), defaultdict(list)
-        self.local: list[Transfer] = []
-        for t in plan.transfers:
-            if t.src == rank and t.dst == rank:
-                self.local.append(t)
-            elif t.src == rank:
-                out[t.dst].append(t)
-            elif t.dst == rank:
-                inc[t.src].append(t)
+        self.local: list[Transfer] = [t for t in plan.transfers if t.src == rank == t.dst]
         self.local_bytes = sum(t.nbytes for t in self.local)
         self.atomic_staging = atomic_staging
         staging = dict(bucket_bytes=bucket_bytes, max_inflight=max_inflight, atomic=atomic, rank=rank)
@@ -214,9 +206,9 @@ class ReshardExecutor:
         except BudgetError as exc:
             self.budget_problem = RefitRejected(f"{self._who}: {exc}. Nothing was sent", reason="staging")
             self.staging_plan = plan_staging(plan.transfers, atomic_staging=atomic_staging, **staging)
-        cut = self.staging_plan.buckets  # this rank's pairs, cut by the planner
-        self.send = {p: cut[(rank, p)] for p in sorted(out)}
-        self.recv = {p: cut[(p, rank)] for p in sorted(inc)}
+        cut = sorted(self.staging_plan.buckets.items())  # this rank's pairs, cut by the planner
+        self.send = {dst: b for (src, dst), b in cut if src == rank}
+        self.recv = {src: b for (src, dst), b in cut if dst == rank}
         self.rounds = max([len(b) for b in (*self.send.values(), *self.recv.values())], default=0)
         self.sent_bytes, self.received_bytes = (
             sum(bucket_nbytes(b) for bs in table.values() for b in bs) for table in (self.send, self.recv)
@@ -226,8 +218,8 @@ class ReshardExecutor:
         # what every header of this plan carries: the plan and the bucket size both sides cut it with
         self.check_finite = check_finite
         # with a budget the pairs' sizes follow from it and max_inflight too: every rank must share them
-        cut = bucket_bytes if memory_budget_bytes is None else f"{bucket_bytes}/{memory_budget_bytes}/{max_inflight}"
-        self.wire_id = wire_id(plan.fingerprint, cut, check_finite)
+        spec = bucket_bytes if memory_budget_bytes is None else f"{bucket_bytes}/{memory_budget_bytes}/{max_inflight}"
+        self.wire_id = wire_id(plan.fingerprint, spec, check_finite)
         self._send_sources = {
             (p, k): sorted({t.src_run.local for t, _ in b}) for p, bs in self.send.items() for k, b in enumerate(bs)
         }

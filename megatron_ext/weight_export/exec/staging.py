@@ -23,29 +23,11 @@ from collections.abc import Callable
 import torch
 
 from ...copies import CopyBatch
+from ..plan.budget import Table, buffer_sizes, slot
 from ..plan.reshard_plan import Run, Transfer
 from ..plan.wire import HEADER_BYTES, bucket_nbytes
 
-__all__ = ["Staging", "buffer_sizes", "slot"]
-
-Table = dict[int, list[list[tuple[Transfer, int]]]]  # peer -> buckets of (transfer, byte offset)
-
-
-def slot(kind: str, peer: int, k: int, *, keep_all: bool, max_inflight: int) -> tuple[str, int, int]:
-    """The staging buffer of round ``k`` with ``peer``: receivers that keep every round (atomic,
-    staged on the device) have one per round, the rest ``max_inflight`` per peer."""
-    return kind, peer, k if (kind == "recv" and keep_all) else k % max_inflight
-
-
-def buffer_sizes(send: Table, recv: Table, *, keep_all: bool, max_inflight: int) -> dict[tuple[str, int, int], int]:
-    """Bytes of each device staging buffer, by ``(send|recv, peer, slot)``."""
-    sizes: dict[tuple[str, int, int], int] = {}
-    for kind, table in (("send", send), ("recv", recv)):
-        for peer, buckets in table.items():
-            for k, bucket in enumerate(buckets):
-                key = slot(kind, peer, k, keep_all=keep_all, max_inflight=max_inflight)
-                sizes[key] = max(sizes.get(key, 0), bucket_nbytes(bucket))
-    return sizes
+__all__ = ["Staging"]
 
 
 def _same_shape(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,7 +88,6 @@ class Staging:
             for k, b in enumerate(buckets)
             if host
         }
-        self._rounds = {peer: len(buckets) for peer, buckets in recv.items()}
         self.header_rows = torch.zeros((len(headers), 4), dtype=torch.int64, device=device)
         row = {key: i for i, key in enumerate(headers)}
         pack: dict[int, list] = defaultdict(list)
@@ -122,14 +103,11 @@ class Staging:
         self._seen_rows = torch.zeros((len(keys), 4), dtype=torch.int64, device=device)
         self.seen = {key: self._seen_rows[i] for i, key in enumerate(keys)}
         unpack: dict[int, list] = defaultdict(list)
-        self._sizes: dict[tuple[int, int], int] = {}
         for peer, buckets in recv.items():
             for k, bucket in enumerate(buckets):
                 buf = self.buf("recv", peer, k)
                 if not atomic:
                     unpack[k].append((self.seen[(peer, k)], buf[:HEADER_BYTES].view(torch.int64)))
-                elif host:
-                    self._sizes[(peer, k)] = bucket_nbytes(bucket)
                 for t, off in bucket:
                     dst = view(t.dst_run)
                     unpack[k].append((dst, buf[off : off + t.nbytes].view(dst.dtype).view(dst.shape)))
@@ -157,10 +135,9 @@ class Staging:
             self._apply.run()
             return
         for k in sorted(self.unpack):  # through the receive slots, as a streaming receiver unpacks
-            for peer, rounds in self._rounds.items():
-                if k < rounds:
-                    n = self._sizes[(peer, k)]
-                    self.buf("recv", peer, k)[:n].copy_(self.held[(peer, k)], non_blocking=True)
+            for (peer, j), held in self.held.items():
+                if j == k:
+                    self.buf("recv", peer, k)[: held.numel()].copy_(held, non_blocking=True)
             self.unpack[k].run()
         self.local.run()
 

@@ -22,7 +22,7 @@ from collections import defaultdict
 from .reshard_plan import Transfer
 from .wire import ALIGN, PAYLOAD_OFFSET, align, bucket_nbytes, bucketize
 
-__all__ = ["ATOMIC_STAGING", "BudgetError", "StagingPlan", "plan_staging", "slot_bytes"]
+__all__ = ["ATOMIC_STAGING", "BudgetError", "StagingPlan", "buffer_sizes", "plan_staging", "slot"]
 
 ATOMIC_STAGING = ("device", "host")  # where an atomic receiver keeps the version until it applies it
 MIB = 1 << 20
@@ -56,13 +56,25 @@ class StagingPlan:
         return f"{text} ({limit}; bucket MiB per pair: {sizes})"
 
 
-def slot_bytes(bucket_sizes: list[int], max_inflight: int) -> int:
-    """Bytes of the ``max_inflight`` buffers that round ``k``'s bucket of one peer reuses (``k %
-    max_inflight``): each as large as the largest bucket it carries."""
-    largest: dict[int, int] = {}
-    for k, n in enumerate(bucket_sizes):
-        largest[k % max_inflight] = max(largest.get(k % max_inflight, 0), n)
-    return sum(largest.values())
+Table = dict[int, list[list[tuple[Transfer, int]]]]  # peer -> buckets of (transfer, byte offset)
+
+
+def slot(kind: str, peer: int, k: int, *, keep_all: bool, max_inflight: int) -> tuple[str, int, int]:
+    """The staging buffer of round ``k`` with ``peer``: receivers that keep every round (atomic,
+    staged on the device) have one per round, the rest ``max_inflight`` per peer."""
+    return kind, peer, k if (kind == "recv" and keep_all) else k % max_inflight
+
+
+def buffer_sizes(send: Table, recv: Table, *, keep_all: bool, max_inflight: int) -> dict[tuple[str, int, int], int]:
+    """Bytes of each device staging buffer, by ``(send|recv, peer, slot)``: each as large as the
+    largest bucket it carries (what :class:`~..exec.staging.Staging` allocates)."""
+    sizes: dict[tuple[str, int, int], int] = {}
+    for kind, table in (("send", send), ("recv", recv)):
+        for peer, buckets in table.items():
+            for k, bucket in enumerate(buckets):
+                key = slot(kind, peer, k, keep_all=keep_all, max_inflight=max_inflight)
+                sizes[key] = max(sizes.get(key, 0), bucket_nbytes(bucket))
+    return sizes
 
 
 def _pairs(transfers: list[Transfer]) -> dict[tuple[int, int], list[Transfer]]:
@@ -123,24 +135,19 @@ def plan_staging(
                 f"sends to and receives from); this plan needs a budget of at least {least} bytes "
                 f"({least / MIB:.4f} MiB): raise the budget or lower --refit-max-inflight"
             )
-    device: dict[int, int] = defaultdict(int)
-    host: dict[int, int] = defaultdict(int)
     buckets = {}
+    tables: dict[int, tuple[Table, Table]] = defaultdict(lambda: ({}, {}))  # rank -> (send, recv)
     for (src, dst), ts in pairs.items():
         if rank is not None and rank not in (src, dst):
             continue
-        buckets[(src, dst)] = bucketize(ts, sizes[(src, dst)])
-        sizes_k = [bucket_nbytes(b) for b in buckets[(src, dst)]]
-        if rank in (None, src):
-            device[src] += slot_bytes(sizes_k, max_inflight)
-        if rank not in (None, dst):
+        buckets[(src, dst)] = tables[src][0][dst] = tables[dst][1][src] = bucketize(ts, sizes[(src, dst)])
+    device, host = {}, {}
+    for r, (send, recv) in tables.items():
+        if rank is not None and r != rank:
             continue
-        if keep_all:
-            device[dst] += sum(sizes_k)
-        else:
-            device[dst] += slot_bytes(sizes_k, max_inflight)
-            if atomic:
-                host[dst] += sum(sizes_k)
+        device[r] = sum(buffer_sizes(send, recv, keep_all=keep_all, max_inflight=max_inflight).values())
+        if atomic and not keep_all:
+            host[r] = sum(bucket_nbytes(b) for bs in recv.values() for b in bs)
     if budget_bytes is not None:
         over = {r: n for r, n in device.items() if n > budget_bytes}
         if over:
@@ -151,4 +158,4 @@ def plan_staging(
                 "the last round; stage it on the host (--refit-atomic-staging host), stream (--no-refit-atomic), "
                 "or raise the budget above it"
             )
-    return StagingPlan(sizes, buckets, dict(device), dict(host), budget_bytes)
+    return StagingPlan(sizes, buckets, device, host, budget_bytes)

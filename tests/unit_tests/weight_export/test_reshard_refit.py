@@ -92,8 +92,8 @@ def _body(backend):
     # 1b. within the memory budget: streaming, and atomic staged on the host
     for mode in (False, "host"):
         e = engine()
-        ex = wx.ReshardExecutor(plan, rank, {**trainer(), **e}, bucket_bytes=BUCKET, **dict(MODES[mode], **{
-            "memory_budget_bytes": BUDGET}))  # fmt: skip
+        kw = MODES[mode] | {"memory_budget_bytes": BUDGET}
+        ex = wx.ReshardExecutor(plan, rank, {**trainer(), **e}, bucket_bytes=BUCKET, **kw)
         stats = [ex.refit(v) for v in (1, 2)]  # buffers reused
         out[("budget", mode)] = dict(
             engine=snap(e), stats=stats, host=ex.staging_host_bytes, planned=ex.staging_plan.device_bytes[rank]
