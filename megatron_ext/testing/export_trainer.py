@@ -48,6 +48,7 @@ def _args(argv):
     p.add_argument("--versions", type=int, default=2)
     p.add_argument("--transport", default="broadcast")
     p.add_argument("--bucket-size-mb", type=float, default=0.03)
+    p.add_argument("--memory-budget-mb", type=float, default=None, help="p2p: --refit-memory-budget-mb")
     p.add_argument("--timeout-s", type=float, default=60.0)
     p.add_argument("--kill-in-version", type=int, default=None)
     p.add_argument("--kill-after-buckets", type=int, default=1)
@@ -93,7 +94,11 @@ class _P2P:
         from megatron_ext import weight_export as wx
 
         cfg = wx.RefitConfig(
-            transport="p2p", store=args.target, bucket_size_mb=args.bucket_size_mb, timeout_s=args.timeout_s
+            transport="p2p",
+            store=args.target,
+            bucket_size_mb=args.bucket_size_mb,
+            memory_budget_mb=args.memory_budget_mb,
+            timeout_s=args.timeout_s,
         )
         self.refit = wx.TrainerRefit.from_model(model, cfg, vocab_size=spec.hf_vocab_size)
         self.version = None

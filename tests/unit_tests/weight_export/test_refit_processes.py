@@ -287,7 +287,7 @@ def _knock_then_cue(port, engine, knocked, cue):
     cue.touch()
 
 
-@pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "streaming-no-model"])
+@pytest.mark.parametrize("atomic", [True, False, "host"], ids=["atomic", "streaming-no-model", "atomic-host-budget"])
 def test_p2p_engine_keeps_its_version_when_the_trainer_is_killed_mid_refit(tmp_path, env, model_dir, atomic):
     """The p2p refit with both sides as commands of their own: the engine command joins the trainer's
     refit group (``--refit-store``), takes version 1 while strangers knock at the store (logged and
@@ -295,10 +295,14 @@ def test_p2p_engine_keeps_its_version_when_the_trainer_is_killed_mid_refit(tmp_p
     The engine fails at once, naming the dead peer, and its model holds version 1 bit for bit: it loads
     a version only when all of it arrived (a streaming engine's staging tensors are mixed, its model
     is not). The streaming engine has no --model: it builds its model from the Hugging Face config the
-    trainer publishes with its layout, and the model it saves gives the logits of the trainer's HF model."""
+    trainer publishes with its layout, and the model it saves gives the logits of the trainer's HF model.
+    ``atomic-host-budget``: both sides under --memory-budget-mb, the engine keeping each version in host
+    memory (--atomic-staging host) until all of it arrived."""
     store = f"127.0.0.1:{free_port()}"
     saved = tmp_path / "after"
     p2p = ["--refit-store", store, "--refit-rank", "1", "--refit-world-size", "2", "--bucket-size-mb", "0.004"]
+    budget = ["--memory-budget-mb", "0.016"] if atomic == "host" else []
+    p2p += budget + (["--atomic-staging", "host"] if atomic == "host" else [])
     model = ["--model", str(model_dir)] if atomic else []
     engine = subprocess.Popen(
         [sys.executable, "-m", "megatron_ext.weight_export.engine", *model, *p2p, "--device",
@@ -311,7 +315,7 @@ def test_p2p_engine_keeps_its_version_when_the_trainer_is_killed_mid_refit(tmp_p
         knocker.start()  # strangers at the trainer's store once it is up; the refit waits for them
         killed, sent, _ = _trainer(
             store, tmp_path / "t.pt", env, "--transport", "p2p", "--bucket-size-mb", "0.004",
-            "--kill-in-version", "2", "--kill-after-buckets", "3", "--hold-until", str(cue),
+            "--kill-in-version", "2", "--kill-after-buckets", "3", "--hold-until", str(cue), *budget,
         )  # fmt: skip
         start = time.monotonic()
         try:
