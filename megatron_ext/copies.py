@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from . import copy_check
+
 __all__ = ["CopyBatch", "FINITE_CHECKED_DTYPES", "LARGE", "copy_all", "finite_flags"]
 
 # Tensors of at least this many elements get a kernel of their own: PyTorch's multi-tensor kernels
@@ -32,10 +34,27 @@ class CopyBatch:
     are fixed (reshard buffers); :func:`copy_all` does both for one-off lists. Tensors of
     :data:`LARGE` elements or more get a ``copy_`` of their own (faster than the foreach chunks)."""
 
-    def __init__(self, pairs):
+    def __init__(self, pairs, *, check: bool = False):
+        pairs = list(pairs)
+        self.check = check
+        self.size = len(pairs)
+        self.device = pairs[0][0].device if pairs else torch.device("cpu")
+        self.fused: list = []  # FusedCopyCheck per dtype (check=True on CUDA with Triton)
+        fusable: dict[torch.dtype, list] = {}
         groups: dict[torch.dtype, tuple[list, list]] = {}
         self.single: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for dst, src in pairs:
+        checked: dict[torch.dtype, tuple[list[int], list[torch.Tensor]]] = {}
+        for i, (dst, src) in enumerate(pairs):
+            is_checked = check and dst.dtype in FINITE_CHECKED_DTYPES and dst.numel() > 0
+            if is_checked and dst.is_cuda and src.device == dst.device and copy_check.available():
+                pieces = copy_check.runs(dst, src)
+                if pieces is not None:
+                    fusable.setdefault(dst.dtype, []).append((i, dst, src, pieces))
+                    continue
+            if is_checked:  # checked after the copy, by a reduction over the destination
+                idx, views = checked.setdefault(dst.dtype, ([], []))
+                idx.append(i)
+                views.append(dst)
             if (
                 dst.dtype == src.dtype
                 and dst.is_floating_point()
@@ -51,15 +70,31 @@ class CopyBatch:
             else:
                 self.single.append((dst, src))
         self.groups = list(groups.values())
+        self.fused = [copy_check.FusedCopyCheck(p) for p in fusable.values()]
+        self.checked = [
+            (torch.tensor(idx, dtype=torch.int64, device=self.device), views) for idx, views in checked.values()
+        ]
 
     def __len__(self) -> int:
-        return sum(len(d) for d, _ in self.groups) + len(self.single)
+        return self.size
 
-    def run(self) -> None:
+    def run(self) -> torch.Tensor | None:
+        """Run the copies. With ``check=True``, returns an int32 tensor on the first destination's
+        device, one flag per pair in the order given: nonzero where the pair's values hold a NaN
+        or Inf (pairs of other dtypes read 0). No host sync."""
         for dsts, srcs in self.groups:
             torch._foreach_copy_(dsts, srcs)
         for dst, src in self.single:
             dst.copy_(src)
+        if not self.check:
+            return None
+        bad = torch.zeros(self.size, dtype=torch.int32, device=self.device)
+        for fused in self.fused:
+            fused.run(bad)
+        for idx, views in self.checked:
+            for _, finite in finite_flags(views):
+                bad.index_put_((idx,), (~finite).to(device=bad.device, dtype=torch.int32))
+        return bad
 
 
 def copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -30,7 +30,7 @@ from ..sharding.megatron import megatron_tensors
 from ..sharding.mesh import MegatronMesh
 from ..sharding.names import global_layer_names, unwrap
 from ..sharding.spec import specs_from_model
-from ..copies import copy_all, finite_flags
+from ..copies import CopyBatch, finite_flags
 from .config import HOOK_TRANSPORTS, MAX_BUCKET_MB, MIN_BUCKET_MB, RefitConfig
 from .engines.hf_model import hf_model_config
 from .exec.gather import BucketGatherer, GatherGroup
@@ -61,19 +61,25 @@ class ExportResult:
 
 
 class _FiniteCheck:
-    """Per-tensor "all finite" flags of one export, computed with one fused max-abs
-    reduction per dtype and batch of tensors, kept on the device and read once.
+    """Per-tensor "all finite" flags of one export, kept on the device and read once.
 
-    On CUDA the reductions run on a side stream, after what the current stream has queued
-    (the bucket's gather), so they overlap the bucket's send and the next gather instead of
-    delaying them; :meth:`before_write` keeps a buffer from being refilled while its check
-    still reads it."""
+    Most come for free: the copies that place each bucket's pieces (into an export buffer or the
+    engine's weights) flag NaN / Inf as they copy (:meth:`add_flags`). A bucket this rank does not
+    copy (one another pipeline stage gathered, forwarded as received) is read once more
+    (:meth:`add`): one fused max-abs reduction per dtype, on CUDA on a side stream after what the
+    current stream has queued, so it overlaps the bucket's send and the next gather;
+    :meth:`before_write` keeps a buffer from being refilled while its check still reads it."""
 
     def __init__(self, device: torch.device):
         self.names: list[str] = []
-        self.flags: list[torch.Tensor] = []
+        self.flags: list[torch.Tensor] = []  # nonzero: not finite
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._read: dict[int, torch.cuda.Event] = {}  # buffer slot -> its check is queued up to here
+
+    def add_flags(self, names: list[str], bad: torch.Tensor) -> None:
+        """Flags a copy computed (:class:`~..copies.CopyBatch` with ``check=True``), one per name."""
+        self.names += names
+        self.flags.append(bad)
 
     def add(self, named, slot: int | None = None) -> None:
         """Check ``named`` (name, tensor) pairs; ``slot``: the export buffer they are views of."""
@@ -90,8 +96,7 @@ class _FiniteCheck:
 
     def _add(self, names: list[str], flags) -> None:
         for idx, f in flags:
-            self.names += [names[i] for i in idx]
-            self.flags.append(f)
+            self.add_flags([names[i] for i in idx], (~f).to(torch.int32))
 
     def before_write(self, slot: int) -> None:
         """The current stream waits until the check of what export buffer ``slot`` holds has read it."""
@@ -105,8 +110,8 @@ class _FiniteCheck:
             return []
         if self.stream is not None:
             torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
-        ok = torch.cat([f.to(self.flags[0].device) for f in self.flags]).tolist()
-        return [n for n, good in zip(self.names, ok) if not good]
+        bad = torch.cat([f.to(self.flags[0].device) for f in self.flags]).tolist()
+        return list(dict.fromkeys(n for n, b in zip(self.names, bad) if b))  # a tensor's pieces: its name once
 
 
 def _wait(pending: list, slot: int) -> None:
@@ -177,7 +182,6 @@ class WeightExporter:
         self._staging: torch.Tensor | None = None  # FP8: the leader gathers quantized weights here
         self._gatherer = None
         self._direct_for = None
-        self._direct_checked: list[tuple[str, torch.Tensor]] = []  # ipc-direct: (HF names, trainer tensor)
         self._auto_bucket_bytes: int | None = None
         self._hf_config: dict | None = None
         self.plans_built = 0
@@ -310,17 +314,7 @@ class WeightExporter:
                 transfers = [t for b in plan.buckets for t in b.transfers]
                 sender.prepare(transfers, self._tensors)
                 self._direct_for = self._signature
-                hf: dict[str, list[str]] = {}
-                for t in transfers:
-                    names = hf.setdefault(t.src_run.local, [])
-                    if t.name not in names:
-                        names.append(t.name)
-                # each trainer tensor under the HF names it feeds, as the bucket transports report them
-                self._direct_checked = [(", ".join(hf[n]), self._tensors[n]) for n in hf]
-            if self.config.check_finite:  # before the engine copies anything
-                check = _FiniteCheck(self.device)
-                check.add(self._direct_checked)
-                self._refuse_nonfinite(check)
+            sender.check_finite = self.config.check_finite  # in the engine's copy: no read of our own
             sender.start(plan, [], self.version)
         else:
             self._export_buckets(plan, sender)
@@ -443,17 +437,19 @@ class WeightExporter:
                 out = self._buffers[slot] if self._buffers else None
             if mine:
                 dests, quantize = (sender.views, []) if push else self._views(bucket, out)
-                self._gatherer.gather(bucket, dests)
+                bad = self._gatherer.gather(bucket, dests, check=check is not None)
+                if bad is not None:  # the copies that placed the pieces flagged NaN / Inf
+                    check.add_flags(self._gatherer.placed(bucket), bad)
                 for staged, q, scale in quantize:
                     quantize_blocks(staged, out=(q, scale))
             else:  # the export rank receives another stage's bucket
                 dist.recv(out[: bucket.nbytes], src=leaders[bucket.pp_rank])
                 if push:
-                    copy_all([(sender.views[name], t) for name, t in unpack(bucket, out)])
-            if check is not None:
-                if push:  # the engine's own tensors, written once per version
-                    check.add((t.name, sender.views[t.name]) for t in bucket.tensors)
-                else:
+                    pairs = [(name, sender.views[name], t) for name, t in unpack(bucket, out)]
+                    bad = CopyBatch([(d, t) for _, d, t in pairs], check=check is not None).run()
+                    if bad is not None:
+                        check.add_flags([name for name, _, _ in pairs], bad)
+                elif check is not None:  # forwarded as received: read once more
                     check.add(unpack(bucket, out), slot)
             if push:
                 continue

@@ -58,3 +58,82 @@ def test_finite_flags_name_each_tensor_in_order():
     tensors[3][1] = float("-inf")
     flags = {i: bool(f) for idx, fl in finite_flags(tensors) for i, f in zip(idx, fl.tolist())}
     assert flags == {0: False, 1: True, 2: True, 3: False, 5: True}
+
+
+def _checked_pairs(device):
+    """Pairs the fused kernel takes (dense, q/k/v-like row blocks of a fused weight, an odd length, an
+    unaligned start, fp32 / fp16 / bf16, one longer than a chunk) and ones it leaves to copy_ (a column
+    slice: runs of 3 elements; integers, which are not checked)."""
+    from megatron_ext.copy_check import CHUNK
+
+    g = torch.Generator().manual_seed(1)
+
+    def rand(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=g).to(device, dtype)
+
+    fused = rand(4, 6 * 64, 256)
+    pairs = [
+        (torch.empty(1000, device=device, dtype=torch.bfloat16), rand(1000)),
+        (torch.empty(4, 4 * 64, 256, device=device, dtype=torch.bfloat16), fused[:, : 4 * 64]),  # strided source
+        (torch.empty(4, 64, 256, device=device, dtype=torch.bfloat16), fused[:, 5 * 64 :]),
+        (torch.empty(2 * CHUNK + 77, device=device), rand(2 * CHUNK + 77, dtype=torch.float32)),
+        (torch.empty(513, device=device, dtype=torch.float16)[1:], rand(512, dtype=torch.float16)),  # unaligned
+        (torch.empty(300, 3, device=device, dtype=torch.bfloat16), rand(300, 8)[:, 2:5]),  # runs of 3: copy_
+        (torch.empty(4, device=device, dtype=torch.int64), torch.arange(4, device=device)),
+    ]
+    return pairs
+
+
+def _check_flags(device):
+    """Clean: every flag 0 and exact copies. Then a NaN or Inf in the last element of each checked source in
+    turn (the last element of a strided view, of a tail past the last full block, of a second chunk)
+    flags exactly that pair."""
+    pairs = _checked_pairs(device)
+    batch = CopyBatch(pairs, check=True)
+    assert batch.run().tolist() == [0] * len(pairs)
+    for dst, src in pairs:
+        assert torch.equal(dst, src)
+    for i, (_, src) in enumerate(pairs[:-1]):
+        last = (-1,) * src.dim()
+        keep = src[last].item()
+        src[last] = float("nan") if i % 2 else float("inf")
+        flags = batch.run().tolist()
+        src[last] = keep
+        assert flags == [int(j == i) for j in range(len(pairs))], (i, flags)
+    return batch
+
+
+def test_checked_copies_flag_each_pair_on_cpu():
+    """Without the kernel (CPU), the flags come from one reduction over the destinations after the copy."""
+    batch = _check_flags("cpu")
+    assert batch.fused == []
+    assert CopyBatch(_checked_pairs("cpu")).run() is None  # no check: no flags
+
+
+def test_runs_cut_views_into_contiguous_runs():
+    from megatron_ext.copy_check import MIN_RUN, runs
+
+    fused = torch.empty(4, 6 * 64, 256)
+    dst = torch.empty(4, 64, 256)
+    got = runs(dst, fused[:, 5 * 64 :])
+    assert got == [(k * 6 * 64 * 256 + 5 * 64 * 256, k * 64 * 256, 64 * 256) for k in range(4)]
+    assert runs(torch.empty(10, 3), torch.empty(10, 8)[:, 2:5]) is None  # runs of 3 elements
+    assert runs(torch.empty(MIN_RUN - 1), torch.empty(MIN_RUN - 1)) == [(0, 0, MIN_RUN - 1)]  # whole: one run
+    assert runs(torch.empty(3, 4), torch.empty(3, 4, dtype=torch.float64)) is None
+
+
+@pytest.mark.gpus(1)
+def test_checked_copies_are_one_fused_kernel_per_dtype_on_gpu():
+    """On CUDA the checked copies the kernel can cut run in the Triton kernel (profiler names: one launch per
+    dtype and alignment), and flag exactly as on CPU."""
+    from megatron_ext.copy_check import available
+
+    assert available(), "Triton must import next to torch on a GPU machine"
+    batch = _check_flags("cuda")
+    assert [f.launches[0][1].name for f in batch.fused] == ["bf16", "fp32", "fp16"]
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        batch.run()
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert sum(k.startswith("copy_check") for k in kernels) == sum(len(f.launches) for f in batch.fused), kernels

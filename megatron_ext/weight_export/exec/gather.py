@@ -74,32 +74,43 @@ class BucketGatherer:
     def _source(self, t: Transfer) -> torch.Tensor:
         return run_view(self.tensors[t.src_run.local], t.src_run)
 
-    def _copies(self, key: tuple[str, int], targets, build) -> CopyBatch:
+    def _copies(self, key: tuple, targets, build, check: bool = False) -> CopyBatch:
         """The copies ``build()`` lists, built once per ``key`` and the objects they view (the
         ``dests`` mapping, the scratch buffer): exports repeat them, and building ~10^3 views
-        per bucket on the host costs more than the copies themselves."""
+        per bucket on the host costs more than the copies themselves. ``check``: the copies also
+        flag NaN / Inf (:class:`~...copies.CopyBatch`)."""
         targets = targets if isinstance(targets, tuple) else (targets,)
+        key = (*key, check)
         hit = self._batches.get(key)
         if hit is None or len(hit[0]) != len(targets) or any(a is not b for a, b in zip(hit[0], targets)):
-            hit = self._batches[key] = (targets, CopyBatch(build()))
+            hit = self._batches[key] = (targets, CopyBatch(build(), check=check))
         return hit[1]
 
-    def gather(self, bucket: BucketMeta, dests: dict[str, torch.Tensor] | None) -> None:
+    def placed(self, bucket: BucketMeta) -> list[str]:
+        """The HF name of each copy :meth:`gather` places, in the order of its flags."""
+        _, packed = self._packing(bucket, self.groups[bucket.group].members)
+        if len(self.groups[bucket.group].members) == 1:
+            return [t.name for t in bucket.transfers]
+        return [t.name for member in packed for t, _ in member]
+
+    def gather(self, bucket: BucketMeta, dests: dict[str, torch.Tensor] | None, *, check: bool = False):
         """Gather ``bucket`` and, on the stage leader (``dests`` not None: HF name ->
         whole tensor, e.g. views of its export buffer or the engine's weights), write
-        every piece into its box. Pass the same ``dests`` object again to reuse its copies."""
+        every piece into its box. Pass the same ``dests`` object again to reuse its copies.
+        ``check``: the copies that place the pieces also look for NaN / Inf, and the leader gets
+        their flags (an int32 device tensor, nonzero where a piece is not finite, in
+        :meth:`placed` order); otherwise, and on other ranks, None."""
         g = self.groups[bucket.group]
         chunk, packed = self._packing(bucket, g.members)
         if len(g.members) == 1:
-            if dests is not None:
-                self._copies(
-                    ("place", bucket.index),
-                    dests,
-                    lambda: [
-                        (dests[t.name][t.box.slices], self._source(t).view(t.box.shape)) for t in bucket.transfers
-                    ],
-                ).run()
-            return
+            if dests is None:
+                return None
+            return self._copies(
+                ("place", bucket.index),
+                dests,
+                lambda: [(dests[t.name][t.box.slices], self._source(t).view(t.box.shape)) for t in bucket.transfers],
+                check,
+            ).run()
         need = chunk * len(g.members)
         if self._scratch is None or self._scratch.numel() < need:
             old, self._scratch = self._scratch, None
@@ -122,8 +133,8 @@ class BucketGatherer:
         ).run()
         dist.all_gather_into_tensor(scratch[:need], mine, group=g.group)
         if dests is None:
-            return
-        self._copies(
+            return None
+        return self._copies(
             ("place", bucket.index),
             (dests, scratch),
             lambda: [
@@ -134,4 +145,5 @@ class BucketGatherer:
                 for k, member in enumerate(packed)
                 for t, off in member
             ],
+            check,
         ).run()

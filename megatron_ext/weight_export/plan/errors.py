@@ -39,7 +39,12 @@ class PlanMismatch(RefitError, ValueError):
 
 class NonFiniteWeights(RefitError, ValueError):
     """A version had NaN or Inf weights; it was not published (the engines keep the
-    version they had, or, after an in-place write, report that they hold none)."""
+    version they had, or, after an in-place write, report that they hold none). ``names``:
+    the HF tensors with a NaN or Inf, where the raiser knows them."""
+
+    def __init__(self, message: str, *, names: list[str] | None = None):
+        super().__init__(message)
+        self.names = list(names or [])
 
 
 class RefitRejected(RefitError, RuntimeError):

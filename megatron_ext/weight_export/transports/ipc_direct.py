@@ -1,5 +1,8 @@
 """The ``ipc-direct`` transport (CUDA, TP=PP=EP=1 trainers): no export buffers; the engine maps
-the trainer's parameter storage and copies each HF tensor straight out of it."""
+the trainer's parameter storage and copies each HF tensor straight out of it. That copy is the one
+read of the version, so the NaN/Inf check runs in it, on the engine (:class:`DirectCopies`): a
+non-finite version is found after it was written in place, and the engine then reports that it
+holds no complete version."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from ..plan.reshard_plan import run_view
 from .ipc import _storage_bytes, share
 from .remote import _RemoteSender
 
-__all__ = ["IpcDirectSender", "direct_copies", "direct_entries"]
+__all__ = ["DirectCopies", "IpcDirectSender", "direct_copies", "direct_entries"]
 
 
 class IpcDirectSender(_RemoteSender):
@@ -24,6 +27,7 @@ class IpcDirectSender(_RemoteSender):
         super().__init__(addresses, timeout_s=timeout_s, authkey=authkey)
         self._info = None
         self._device = None
+        self.check_finite = True  # the engine checks as it copies (the exporter sets its config's)
 
     def prepare(self, transfers, tensors: dict[str, torch.Tensor]) -> None:
         """Share the parameter storage (once) and describe every piece of every HF tensor in it."""
@@ -43,6 +47,9 @@ class IpcDirectSender(_RemoteSender):
         if self._device is not None:
             torch.cuda.current_stream(self._device).synchronize()  # the weights are final
         super().start(plan, buffers, version)
+
+    def _begin_fields(self) -> dict:
+        return {"check": self.check_finite}
 
     def send(self, bucket, buf):
         raise RuntimeError("IpcDirectSender has no buckets to send")
@@ -78,17 +85,37 @@ def direct_entries(transfers, tensors: dict[str, torch.Tensor]):
     return bases, entries
 
 
+class DirectCopies:
+    """The engine's copies of a direct plan: ``pairs`` (destination box, source view) and the HF
+    name of each; :meth:`run` issues them as one :class:`~...copies.CopyBatch` (built once per
+    ``check``) and, with ``check``, returns its NaN/Inf flags."""
+
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], names: list[str]):
+        self.pairs, self.names = pairs, names
+        self._batches: dict[bool, CopyBatch] = {}
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def run(self, check: bool = False) -> torch.Tensor | None:
+        batch = self._batches.get(check)
+        if batch is None:
+            batch = self._batches[check] = CopyBatch(self.pairs, check=check)
+        return batch.run()
+
+
 def direct_copies(bases, entries, consumer):
-    """The receiver's copies for a direct plan, built once per plan: a :class:`~...copies.CopyBatch`
-    of ``(destination box, source view)`` pairs, and, for consumers without ``target(name)``,
+    """The receiver's copies for a direct plan, built once per plan: :class:`DirectCopies` of
+    ``(destination box, source view)`` pairs, and, for consumers without ``target(name)``,
     ``(name, [(box slices, source view)])`` per tensor (assembled whole before ``load_weights``)."""
     target = getattr(consumer, "target", None)
-    pairs, loads = [], {}
+    pairs, names, loads = [], [], {}
     for name, ranges, index, dtype, shape, stride, offset in entries:
         src = bases[index].view(dtype).as_strided(shape, stride, offset)
         box = tuple(slice(a, b) for a, b in ranges)
         if target is not None:
             pairs.append((target(name)[box], src))
+            names.append(name)
         else:
             loads.setdefault(name, []).append((box, src))
-    return CopyBatch(pairs), list(loads.items())
+    return DirectCopies(pairs, names), list(loads.items())

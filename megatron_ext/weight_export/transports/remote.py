@@ -11,7 +11,7 @@ import torch
 from ..control import channel as control
 from ..control import versions
 from ..control.channel import ControlError
-from ..plan.errors import ReceiverError
+from ..plan.errors import NonFiniteWeights, ReceiverError
 from ..plan.export_plan import ExportPlan, PlanMismatch
 
 _ABORT_WAIT_S = 5.0  # how long a trainer waits for an engine to confirm a dropped version
@@ -78,13 +78,28 @@ class _RemoteSender:
             for i in range(len(self.chans)):
                 self._expect(i, "ready", "checking the plan")
             self._fingerprint = plan.fingerprint
-        self._send_all("begin", f"starting version {version}", version=version)
+        self._send_all("begin", f"starting version {version}", version=version, **self._begin_fields())
+
+    def _begin_fields(self) -> dict:
+        """What a version's ``begin`` message tells the engines besides the version."""
+        return {}
 
     def finish(self, version: int) -> list[int]:
+        """End ``version``; the version each engine then holds. Raises :class:`NonFiniteWeights`
+        when an engine found NaN / Inf while it copied the version (``ipc-direct``)."""
         self._send_all("end", f"finishing version {version}", version=version)
-        return [
-            self._expect(i, versions.HOLDS, f"applying version {version}")["version"] for i in range(len(self.chans))
-        ]
+        replies = [self._expect(i, versions.HOLDS, f"applying version {version}") for i in range(len(self.chans))]
+        for address, msg in zip(self.addresses, replies):
+            bad = msg.fields.get("nonfinite")
+            if bad:
+                raise NonFiniteWeights(
+                    f"version {version} has NaN/Inf in {len(bad)} tensor(s): {', '.join(bad[:5])}"
+                    f"{' ...' if len(bad) > 5 else ''}; the engine at {address} found them as it copied the "
+                    f"version into its weights and holds {versions.describe(msg['version'])}. Fix the training "
+                    "step (loss scale, learning rate, data) and export again, or pass check_finite=False / "
+                    "--no-refit-check-finite to export anyway"
+                )
+        return [msg["version"] for msg in replies]
 
     def abort(self, version: int) -> list[int | None]:
         """Tell every receiver that ``version`` will not complete; returns the version each

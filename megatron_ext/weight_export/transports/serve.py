@@ -13,7 +13,7 @@ from ..control.channel import ControlError
 from ..control.refit_group import make_group
 from ..control.store import ControlStore
 from ..engines.receiver import WeightReceiver
-from ..plan.errors import ReceiverError
+from ..plan.errors import NonFiniteWeights, ReceiverError
 from ..plan.export_plan import ExportPlan, PlanMismatch
 from .inprocess import push_targets
 from .ipc import open_shared
@@ -140,7 +140,7 @@ class _Serving:
         elif msg.kind == "begin":
             r.begin(msg["version"], in_place=self.push or self.direct is not None)
             if self.direct is not None:
-                r.load_direct(self.direct[1], self.direct[2])
+                r.load_direct(self.direct[1], self.direct[2], check=bool(msg.fields.get("check")))
             elif self.pg is not None:
                 _receive_broadcast(self.pg, self.plan, self.bufs, r)
         elif msg.kind == "bucket":
@@ -152,7 +152,10 @@ class _Serving:
         elif msg.kind == "end":
             if self.push:
                 r.pushed()
-            ch.send(versions.HOLDS, version=r.finish(msg["version"]))
+            try:
+                ch.send(versions.HOLDS, version=r.finish(msg["version"]))
+            except NonFiniteWeights as exc:  # found by the engine's own copy (ipc-direct): written, not complete
+                ch.send(versions.HOLDS, version=r.abort(), nonfinite=exc.names)
         elif msg.kind == "abort":
             ch.send(versions.HOLDS, version=r.abort())
         elif msg.kind == "forward":

@@ -1,6 +1,7 @@
 """One trainer rank streams to a Hugging Face model in another process over each
 cross-process transport: broadcast (gloo on CPU, NCCL from GPU 0 to GPU 1) and
-CUDA IPC on one GPU (shared buffers with acknowledgements, direct, push)."""
+CUDA IPC on one GPU (shared buffers with acknowledgements, direct, push), and a version with a NaN in
+the last element of its last bucket refused on each."""
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ def _trainer(target, transport, backend):
     from megatron.core import parallel_state as ps
 
     from megatron_ext import weight_export as wx
+    from megatron_ext.weight_export.plan.reshard_plan import run_view
 
     ps.initialize_model_parallel()
     gpu = dist.get_backend() == "nccl"
@@ -43,11 +45,26 @@ def _trainer(target, transport, backend):
     second = exporter.export()
     same_buffers = buffers == [b.data_ptr() for b in exporter._buffers]
     verify = exporter.verify(tiny_llama.tokens(SPEC))
+    # a NaN in the last element of the last bucket: refused (by the copy that moves it), then undone
+    last = exporter.plan.buckets[-1].transfers[-1]
+    where = run_view(exporter._tensors[last.src_run.local], last.src_run).view(last.box.shape)
+    keep = where[(-1,) * where.dim()].item()
+    where[(-1,) * where.dim()] = float("nan")
+    try:
+        exporter.export()
+        nonfinite = "published"
+    except wx.NonFiniteWeights as exc:
+        nonfinite = str(exc)
+    where[(-1,) * where.dim()] = keep
+    fourth = exporter.export()
     extra = exporter.extra_memory_bytes
     exporter.close()
     return dict(
         first=first,
         second=second,
+        nonfinite=nonfinite,
+        last=last.name,
+        fourth=fourth,
         verify=verify,
         same_buffers=same_buffers,
         extra=extra,
@@ -78,8 +95,12 @@ def test_single_trainer_streams_over_transport(transport, backend, receiver_devi
         )
         got = receiver.result()
     assert got["ok"], got.get("error")
-    assert got["applied"] == [1, 2] and got["plans"] == 1
-    assert out["first"].applied == (1,) and out["second"].applied == (2,)
+    # version 3 had a NaN in the last element of its last bucket: never published. The trainer's copies
+    # find it and abort the version (the engine keeps version 2, or after ipc-push's in-place writes
+    # none); ipc-direct's engine finds it in its own copy and ends the version holding none
+    assert out["nonfinite"].startswith("version 3 has NaN/Inf in 1 tensor(s): " + out["last"]), out["nonfinite"]
+    assert got["applied"] == ([1, 2, None, 4] if transport == "ipc-direct" else [1, 2, 4]) and got["plans"] == 1
+    assert out["first"].applied == (1,) and out["second"].applied == (2,) and out["fourth"].applied == (4,)
     assert out["buckets"] > 4 and out["same_buffers"]
     assert got["state"].keys() == out["expected"].keys()
     for name, ref in out["expected"].items():

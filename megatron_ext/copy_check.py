@@ -1,0 +1,146 @@
+"""A copy that checks for NaN/Inf as it goes: one Triton kernel per dtype reads each source
+element once, writes it, and raises the flag of its pair when the element is not finite.
+
+The refit's copies already read every byte of a version (the pack into a bucket, the place into
+the engine's weights, the engine's copy out of the trainer's storage); a separate NaN/Inf check
+reads them all again, which on one GPU costs half a copy more. :class:`FusedCopyCheck` is what
+:class:`~megatron_ext.copies.CopyBatch` runs with ``check=True`` on a CUDA device when Triton
+imports: the pairs' views are cut into contiguous runs of at most :data:`CHUNK` elements, listed
+once in a device table (source address, destination address, length, pair index), and each
+program of the kernel moves one run. A NaN or Inf ``x`` is caught by ``x - x != 0`` (NaN for both,
+0 for every finite value). Pairs it cannot cut into runs of at least :data:`MIN_RUN` elements
+(column slices, overlapping strides) are left to the caller.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+__all__ = ["CHUNK", "MIN_RUN", "FusedCopyCheck", "available", "runs"]
+
+# Elements one program moves at most: 7.2 GB of bf16 is about 110k programs, many per SM, so the
+# last wave is short; long enough that the table (32 bytes a run) is 1/4096 of the data.
+CHUNK = 1 << 15
+BLOCK = 2048  # elements per loop step of one program
+MIN_RUN = 256  # shorter contiguous runs go to the caller's copy_ (one launch per pair)
+MAX_RUNS = 1 << 16  # more runs than this in one pair: also the caller's
+ALIGN = 16  # bytes; runs whose two addresses are multiples get vector loads and stores
+
+
+@functools.cache
+def available() -> bool:
+    """Whether Triton imports (its CUDA backend compiles the kernel at the first call)."""
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def runs(dst: torch.Tensor, src: torch.Tensor) -> list[tuple[int, int, int]] | None:
+    """The pair's contiguous runs as ``(source element offset, destination element offset,
+    length)`` from the two views' storage offsets, or None when its runs would be shorter than
+    :data:`MIN_RUN` elements or more than :data:`MAX_RUNS` (then a plain ``copy_`` is better)."""
+    if dst.shape != src.shape or dst.dtype != src.dtype:
+        return None
+    n = dst.numel()
+    if n == 0:
+        return []
+    shape = list(dst.shape)
+    ds, ss = list(dst.stride()), list(src.stride())
+    # drop size-1 dims, then merge the innermost dims that are contiguous in both views
+    dims = [(size, a, b) for size, a, b in zip(shape, ds, ss) if size != 1]
+    inner, k = 1, len(dims)
+    while k > 0 and dims[k - 1][1] == inner and dims[k - 1][2] == inner:
+        inner *= dims[k - 1][0]
+        k -= 1
+    if inner < MIN_RUN and inner != n:
+        return None
+    outer = dims[:k]
+    count = math.prod(size for size, _, _ in outer)
+    if count > MAX_RUNS:
+        return None
+    d0, s0 = dst.storage_offset(), src.storage_offset()
+    if not outer:
+        return [(s0, d0, inner)]
+    idx = torch.zeros(1, dtype=torch.int64)
+    d_off, s_off = idx + d0, idx + s0
+    for size, a, b in outer:  # row-major over the outer dims
+        steps = torch.arange(size, dtype=torch.int64)
+        d_off = (d_off[:, None] + steps[None, :] * a).reshape(-1)
+        s_off = (s_off[:, None] + steps[None, :] * b).reshape(-1)
+    return list(zip(s_off.tolist(), d_off.tolist(), [inner] * count))
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def copy_check(table, bad, DTYPE: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+        row = table + tl.program_id(0).to(tl.int64) * 4
+        src = tl.load(row).to(tl.pointer_type(DTYPE))
+        dst = tl.load(row + 1).to(tl.pointer_type(DTYPE))
+        n = tl.load(row + 2).to(tl.int32)
+        pair = tl.load(row + 3)
+        if ALIGNED:
+            src = tl.multiple_of(src, 16)
+            dst = tl.multiple_of(dst, 16)
+        lanes = tl.arange(0, BLOCK)
+        acc = tl.zeros([BLOCK], dtype=tl.int32)
+        full = n // BLOCK
+        for i in range(full):
+            x = tl.load(src + i * BLOCK + lanes)
+            tl.store(dst + i * BLOCK + lanes, x)
+            acc = acc | ((x - x) != 0).to(tl.int32)
+        offs = full * BLOCK + lanes
+        mask = offs < n
+        x = tl.load(src + offs, mask=mask, other=0)
+        tl.store(dst + offs, x, mask=mask)
+        acc = acc | ((x - x) != 0).to(tl.int32)
+        tl.atomic_max(bad + pair, tl.max(acc, 0))
+
+    return copy_check
+
+
+def _tl_dtype(dtype: torch.dtype):
+    import triton.language as tl
+
+    names = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+    return names.get(dtype, tl.float64)
+
+
+class FusedCopyCheck:
+    """The copies of ``pairs`` (``(index, dst, src)``, CUDA tensors of one checked dtype, every
+    pair cut by :func:`runs`) as one or two kernel launches: :meth:`run` adds 1 to ``bad[index]``'s
+    flag (``bad`` an int32 device tensor) for every pair with a NaN or Inf. The table of runs is
+    built once; the views must stay where they are (same storages and offsets) between runs."""
+
+    def __init__(self, pairs: list[tuple[int, torch.Tensor, torch.Tensor, list[tuple[int, int, int]]]]):
+        self.launches: list[tuple[torch.Tensor, object, bool]] = []
+        if not pairs:
+            return
+        dtype = pairs[0][1].dtype
+        device = pairs[0][1].device
+        size = pairs[0][1].element_size()
+        rows: dict[bool, list[tuple[int, int, int, int]]] = {True: [], False: []}
+        for index, dst, src, pieces in pairs:
+            dbase, sbase = dst.untyped_storage().data_ptr(), src.untyped_storage().data_ptr()
+            for s_off, d_off, n in pieces:
+                for start in range(0, n, CHUNK):
+                    sa, da = sbase + (s_off + start) * size, dbase + (d_off + start) * size
+                    rows[sa % ALIGN == 0 and da % ALIGN == 0].append((sa, da, min(CHUNK, n - start), index))
+        for aligned, table in rows.items():
+            if table:
+                t = torch.tensor(table, dtype=torch.int64).to(device)
+                self.launches.append((t, _tl_dtype(dtype), aligned))
+
+    def run(self, bad: torch.Tensor) -> None:
+        kernel = _kernel()
+        for table, dtype, aligned in self.launches:
+            kernel[(table.shape[0],)](table, bad, DTYPE=dtype, BLOCK=BLOCK, ALIGNED=aligned, num_warps=8)
