@@ -34,22 +34,24 @@ class CopyBatch:
     are fixed (reshard buffers); :func:`copy_all` does both for one-off lists. Tensors of
     :data:`LARGE` elements or more get a ``copy_`` of their own (faster than the foreach chunks)."""
 
-    def __init__(self, pairs, *, check: bool = False):
+    def __init__(self, pairs, *, check: bool = False, also_flag=None):
         pairs = list(pairs)
         self.check = check
         self.size = len(pairs)
         self.device = pairs[0][0].device if pairs else torch.device("cpu")
-        self.fused: list = []  # FusedCopyCheck per dtype (check=True on CUDA with Triton)
+        # check=True: one int32 flag per pair (nonzero: NaN / Inf), reused by every run
+        self.bad = torch.zeros(self.size if check else 0, dtype=torch.int32, device=self.device)
+        also_flag = list(also_flag) if also_flag is not None else [None] * self.size
         fusable: dict[torch.dtype, list] = {}
         groups: dict[torch.dtype, tuple[list, list]] = {}
         self.single: list[tuple[torch.Tensor, torch.Tensor]] = []
         checked: dict[torch.dtype, tuple[list[int], list[torch.Tensor]]] = {}
         for i, (dst, src) in enumerate(pairs):
             is_checked = check and dst.dtype in FINITE_CHECKED_DTYPES and dst.numel() > 0
-            if is_checked and dst.is_cuda and src.device == dst.device and copy_check.available():
+            if is_checked and dst.is_cuda and src.device == dst.device == self.device and copy_check.available():
                 pieces = copy_check.runs(dst, src)
                 if pieces is not None:
-                    fusable.setdefault(dst.dtype, []).append((i, dst, src, pieces))
+                    fusable.setdefault(dst.dtype, []).append((self.bad[i], also_flag[i], dst, src, pieces))
                     continue
             if is_checked:  # checked after the copy, by a reduction over the destination
                 idx, views = checked.setdefault(dst.dtype, ([], []))
@@ -74,27 +76,38 @@ class CopyBatch:
         self.checked = [
             (torch.tensor(idx, dtype=torch.int64, device=self.device), views) for idx, views in checked.values()
         ]
+        # the second words the reduction's flags are raised into: (word, the pairs' indices)
+        words: dict[int, tuple[torch.Tensor, list[int]]] = {}
+        for idx, _ in checked.values():
+            for i in idx:
+                if also_flag[i] is not None:
+                    words.setdefault(also_flag[i].data_ptr(), (also_flag[i], []))[1].append(i)
+        self.also = [(w, torch.tensor(idx, dtype=torch.int64, device=self.device)) for w, idx in words.values()]
 
     def __len__(self) -> int:
         return self.size
 
     def run(self) -> torch.Tensor | None:
-        """Run the copies. With ``check=True``, returns an int32 tensor on the first destination's
-        device, one flag per pair in the order given: nonzero where the pair's values hold a NaN
-        or Inf (pairs of other dtypes read 0). No host sync."""
+        """Run the copies. With ``check=True``, returns :attr:`bad`, int32 on the first destination's
+        device, one flag per pair in the order given: nonzero where the pair's values hold a NaN or Inf
+        (pairs of other dtypes read 0); the next run overwrites it. ``also_flag[i]`` (an int32 word, e.g.
+        in the header of the bucket pair ``i`` packs into) is raised to 1 with pair ``i``'s flag and
+        otherwise left as it is. No host sync."""
         for dsts, srcs in self.groups:
             torch._foreach_copy_(dsts, srcs)
         for dst, src in self.single:
             dst.copy_(src)
         if not self.check:
             return None
-        bad = torch.zeros(self.size, dtype=torch.int32, device=self.device)
+        self.bad.zero_()
         for fused in self.fused:
-            fused.run(bad)
+            fused.run()
         for idx, views in self.checked:
             for _, finite in finite_flags(views):
-                bad.index_put_((idx,), (~finite).to(device=bad.device, dtype=torch.int32))
-        return bad
+                self.bad.index_put_((idx,), (~finite).to(device=self.bad.device, dtype=torch.int32))
+        for word, idx in self.also:
+            torch.maximum(word, self.bad[idx].amax().to(word.device), out=word)
+        return self.bad
 
 
 def copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -6,10 +6,11 @@ the engine's weights, the engine's copy out of the trainer's storage); a separat
 reads them all again, which on one GPU costs half a copy more. :class:`FusedCopyCheck` is what
 :class:`~megatron_ext.copies.CopyBatch` runs with ``check=True`` on a CUDA device when Triton
 imports: the pairs' views are cut into contiguous runs of at most :data:`CHUNK` elements, listed
-once in a device table (source address, destination address, length, pair index), and each
-program of the kernel moves one run. A NaN or Inf ``x`` is caught by ``x - x != 0`` (NaN for both,
-0 for every finite value). Pairs it cannot cut into runs of at least :data:`MIN_RUN` elements
-(column slices, overlapping strides) are left to the caller.
+once in a device table (source address, destination address, length, the address of the pair's
+flag and of a second word to raise with it), and each program of the kernel moves one run. A NaN or
+Inf ``x`` is caught by ``x - x != 0`` (NaN for both, 0 for every finite value). Pairs it cannot cut
+into runs of at least :data:`MIN_RUN` elements (column slices, overlapping strides) are left to the
+caller.
 """
 
 from __future__ import annotations
@@ -82,12 +83,13 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def copy_check(table, bad, DTYPE: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
-        row = table + tl.program_id(0).to(tl.int64) * 4
+    def copy_check(table, DTYPE: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+        row = table + tl.program_id(0).to(tl.int64) * 5
         src = tl.load(row).to(tl.pointer_type(DTYPE))
         dst = tl.load(row + 1).to(tl.pointer_type(DTYPE))
         n = tl.load(row + 2).to(tl.int32)
-        pair = tl.load(row + 3)
+        flag = tl.load(row + 3).to(tl.pointer_type(tl.int32))
+        also = tl.load(row + 4)
         if ALIGNED:
             src = tl.multiple_of(src, 16)
             dst = tl.multiple_of(dst, 16)
@@ -103,7 +105,10 @@ def _kernel():
         x = tl.load(src + offs, mask=mask, other=0)
         tl.store(dst + offs, x, mask=mask)
         acc = acc | ((x - x) != 0).to(tl.int32)
-        tl.atomic_max(bad + pair, tl.max(acc, 0))
+        bad = tl.max(acc, 0)
+        tl.atomic_max(flag, bad)
+        if also != 0:
+            tl.atomic_max(also.to(tl.pointer_type(tl.int32)), bad)
 
     return copy_check
 
@@ -116,31 +121,32 @@ def _tl_dtype(dtype: torch.dtype):
 
 
 class FusedCopyCheck:
-    """The copies of ``pairs`` (``(index, dst, src)``, CUDA tensors of one checked dtype, every
-    pair cut by :func:`runs`) as one or two kernel launches: :meth:`run` adds 1 to ``bad[index]``'s
-    flag (``bad`` an int32 device tensor) for every pair with a NaN or Inf. The table of runs is
-    built once; the views must stay where they are (same storages and offsets) between runs."""
+    """The copies of ``pairs`` (``(flag, also, dst, src, runs)``: CUDA tensors of one checked dtype, cut by
+    :func:`runs`; ``flag`` and ``also`` int32 words, ``also`` may be None) as one or two kernel launches:
+    :meth:`run` sets ``flag`` (and ``also``) to 1 when the pair's values hold a NaN or Inf, and leaves
+    them as they are otherwise. The table of runs is built once; the views and words must stay where
+    they are (same storages and offsets) between runs."""
 
-    def __init__(self, pairs: list[tuple[int, torch.Tensor, torch.Tensor, list[tuple[int, int, int]]]]):
+    def __init__(self, pairs):
         self.launches: list[tuple[torch.Tensor, object, bool]] = []
         if not pairs:
             return
-        dtype = pairs[0][1].dtype
-        device = pairs[0][1].device
-        size = pairs[0][1].element_size()
-        rows: dict[bool, list[tuple[int, int, int, int]]] = {True: [], False: []}
-        for index, dst, src, pieces in pairs:
+        _, _, dst0, _, _ = pairs[0]
+        size, device = dst0.element_size(), dst0.device
+        rows: dict[bool, list[tuple[int, int, int, int, int]]] = {True: [], False: []}
+        for flag, also, dst, src, pieces in pairs:
             dbase, sbase = dst.untyped_storage().data_ptr(), src.untyped_storage().data_ptr()
+            f, a = flag.data_ptr(), 0 if also is None else also.data_ptr()
             for s_off, d_off, n in pieces:
                 for start in range(0, n, CHUNK):
                     sa, da = sbase + (s_off + start) * size, dbase + (d_off + start) * size
-                    rows[sa % ALIGN == 0 and da % ALIGN == 0].append((sa, da, min(CHUNK, n - start), index))
+                    rows[sa % ALIGN == 0 and da % ALIGN == 0].append((sa, da, min(CHUNK, n - start), f, a))
         for aligned, table in rows.items():
             if table:
                 t = torch.tensor(table, dtype=torch.int64).to(device)
-                self.launches.append((t, _tl_dtype(dtype), aligned))
+                self.launches.append((t, _tl_dtype(dst0.dtype), aligned))
 
-    def run(self, bad: torch.Tensor) -> None:
+    def run(self) -> None:
         kernel = _kernel()
         for table, dtype, aligned in self.launches:
-            kernel[(table.shape[0],)](table, bad, DTYPE=dtype, BLOCK=BLOCK, ALIGNED=aligned, num_warps=8)
+            kernel[(table.shape[0],)](table, DTYPE=dtype, BLOCK=BLOCK, ALIGNED=aligned, num_warps=8)

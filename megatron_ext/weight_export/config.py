@@ -83,7 +83,7 @@ class RefitConfig:
     the ``device`` or in pinned ``host`` memory), ``memory_budget_mb`` (p2p: the most
     device staging any rank may hold, whatever its number of peers; None: no bound,
     ``max_inflight`` buckets per peer each way), ``check_finite`` (refuse to publish a version with a NaN
-    or Inf weight, one fused check per bucket before a byte moves), ``backend``
+    or Inf weight, checked inside the copies that move the bytes), ``backend``
     (of the broadcast group or the refit group; auto: NCCL on GPU) and
     ``timeout_s`` (every wait on a peer). ``quantize``: ``fp8-block`` sends
     decoder-layer linear weights as FP8 with a float32 scale per 128 x 128 block

@@ -29,7 +29,8 @@ whose tensors are not the layout's publishes why, and every rank raises
 After each refit an engine rank acknowledges the version it holds
 (:meth:`TrainerRefit.engine_versions`), also after a failed one: the previous
 version (atomic), or None once a streaming refit wrote a round. A version with a
-NaN or Inf is refused on every rank before a byte moves (``"nonfinite"``). Every wait is bounded
+NaN or Inf is refused (``"nonfinite"``) by the trainer rank that sent it and by the engine
+ranks that received it (the flag travels in each bucket's header). Every wait is bounded
 (:class:`~.control.refit_group.RefitGroupError` names the ranks that did not come).
 """
 

@@ -18,9 +18,14 @@ the first write and later rounds at the end; from its first write until it
 completes, the rank holds no complete version (:attr:`~ReshardExecutor.version`
 is None).
 
-Before a byte moves, every refit checks, with one fused reduction, that the
-tensors each source serves are finite, and one all-reduce tells every rank: a
-version with a NaN or Inf is refused everywhere (``reason="nonfinite"``). A rank
+With ``check_finite`` (default) the copies that pack each bucket also look for
+NaN / Inf and raise a flag in the bucket's header, so the check reads no byte
+twice and the verdict travels with the data: a receiver refuses a bucket that
+carries one as it refuses a stale one (``reason="nonfinite"``: an atomic
+receiver keeps its version, a streaming one that already wrote a round holds
+none), and the sender, once its rounds are done, refuses too, naming the HF
+tensor. An atomic rank's local copies are checked before it applies the
+version (next to the rounds in flight), a streaming rank's as they run. A rank
 whose tensors are not the layout's does not raise when its executor is built: it
 reports this at the first refit's agreement, so that every rank refuses at once
 (``reason="tensors"``) instead of waiting on it.
@@ -157,14 +162,13 @@ class ReshardExecutor:
     every rank of the group, with this message on this rank and quoted on the
     others, so that no peer waits on a rank that cannot send.
 
-    Every refit checks the tensors this rank serves for the version (the rows
-    of its source tensors that the layout keeps) for NaN / Inf with one fused
-    reduction per dtype, before anything is packed; one all-reduce over the
-    group then tells every rank. A non-finite version is refused on every rank
-    (``"nonfinite"``) before a byte moves. That costs one read of the served
-    tensors, one small all-reduce and one device-to-host read per refit;
-    ``check_finite=False`` skips it (every rank must agree: it is part of the
-    first refit's plan check).
+    With ``check_finite`` every refit looks for NaN / Inf in the copies that move the
+    bytes anyway (:class:`~megatron_ext.copies.CopyBatch` ``check=True``): the packing
+    copies flag each bucket's header, receivers refuse flagged buckets
+    (``"nonfinite"``) when they check the headers, and a rank that sent or copies a
+    NaN or Inf refuses after its rounds, naming the HF tensor and box. No extra read,
+    no extra collective; ``check_finite=False`` skips it (every rank must agree: it is
+    part of the first refit's plan check).
     """
 
     def __init__(
@@ -224,6 +228,7 @@ class ReshardExecutor:
             (p, k): sorted({t.src_run.local for t, _ in b}) for p, bs in self.send.items() for k, b in enumerate(bs)
         }
         self.staging: Staging | None = None  # buffers and copies, from the first refit on
+        self._side_stream = None  # atomic ranks' check of their local copies' sources (CUDA)
         self.version: int | None = None  # the version this rank's destination tensors hold (None: none accepted)
 
     @property
@@ -232,9 +237,8 @@ class ReshardExecutor:
 
     # ------------------------------------------------------------------ staging
     def _allocate(self) -> None:
-        """The staging buffers and copies (:class:`~.staging.Staging`), and what the NaN/Inf check reads:
-        the rows of each source tensor served that the layout keeps (padded vocabulary rows excluded);
-        FP8 values are checked through their float32 block scales (a NaN or Inf makes its block's scale one)."""
+        """The staging buffers and copies (:class:`~.staging.Staging`), with the NaN/Inf check in the copies
+        when ``check_finite``."""
         self.staging = Staging(
             self.send,
             self.recv,
@@ -245,15 +249,10 @@ class ReshardExecutor:
             max_inflight=self.max_inflight,
             device=self.device,
             host=self.atomic and self.atomic_staging == "host",
+            check=self.check_finite,
         )
         if self.send or self.recv:
             log.info("reshard refit: %s: %s", self._who, self.staging_plan.line(self.rank))
-        served = {t.src_run.local for t in self._sourced}
-        self._finite_views = {
-            n: self.tensors[n][: lt.shape[0]]
-            for n, lt in self.plan.src.tensors.get(self.rank, {}).items()
-            if n in served and self.tensors[n].is_floating_point() and self.tensors[n].dtype.itemsize > 1
-        }
 
     def _view(self, run: Run) -> torch.Tensor:
         return run_view(self.tensors[run.local], run)
@@ -282,9 +281,9 @@ class ReshardExecutor:
         ``version``; a dict maps local tensor names to the version they hold,
         e.g. an engine replica serving a fan-out wave; None: no valid version).
         Raises :class:`RefitRejected` on a receiver that a source serves another
-        version (after draining every round, so all ranks stay in step) or whose
-        ``verify`` gate fails; on every rank, before a byte moves, if a source
-        serves a NaN or Inf for this version; on the first refit, on every rank if
+        version or a NaN or Inf (after draining every round, so all ranks stay in
+        step) or whose ``verify`` gate fails; on a rank that sent or copies a NaN
+        or Inf for this version (after its rounds); on the first refit, on every rank if
         any rank runs another plan or bucket size, cannot allocate its staging
         buffers or has tensors that are not the layout's. A streaming receiver
         holds no complete version (:attr:`version` None) from its first write
@@ -295,24 +294,29 @@ class ReshardExecutor:
         start = time.perf_counter()
         if self.refresh is not None:
             self.refresh()
-        if self.check_finite:
-            self._check_finite(version, source_version, start)
         self._set_headers(version, source_version)
         self._wrote = False
         refused: list[str] = []
         unchecked: list = []  # rounds whose headers are checked together later (see _complete)
         inflight: deque = deque()
+        local_check = None
         try:
             for k in range(self.rounds):
                 if len(inflight) == self.max_inflight:
                     self._complete(inflight.popleft(), version, refused, unchecked)
                 inflight.append(self._post(k))
+                if k == 0:
+                    local_check = self._check_local()  # atomic: next to the rounds in flight
+            if local_check is None:
+                local_check = self._check_local()
             while inflight:
                 self._complete(inflight.popleft(), version, refused, unchecked)
             if unchecked and not refused:
                 if self.staging.host and self.device.type == "cuda":
                     torch.cuda.current_stream(self.device).synchronize()  # the headers' copies to the host
-                refused.extend(header_refusals(unchecked, version, self.wire_id))
+                refused.extend(header_refusals(unchecked, version, self.wire_id, self._bucket_names))
+            if self.check_finite:  # what this rank sent or copies itself: one device-to-host read
+                refused.extend(self._own_nonfinite(version, source_version, local_check))
         except BaseException:
             for _, reqs, _ in inflight:  # let posted transfers finish or fail before the buffers are reused
                 for req in reqs:
@@ -325,7 +329,9 @@ class ReshardExecutor:
         )
         if refused:
             stats.seconds = time.perf_counter() - start
-            reason = "version" if any(m.startswith("version") for m in refused) else "plan"
+            reason = next(
+                (r for r in ("version", "plan", "nonfinite") if any(m.startswith(r) for m in refused)), "nonfinite"
+            )
             held = (
                 "holds no complete version (the rounds written before the check are mixed)"
                 if self._wrote
@@ -340,7 +346,18 @@ class ReshardExecutor:
             self.version = None  # writing: no complete version until the copies below are done
             # atomic: every bucket of this version is here and checked, apply it (local copies too) in one go;
             # streaming with no round received: the local copies are all there is
-            self.staging.apply() if self.atomic else self.staging.local.run()
+            if self.atomic:
+                self.staging.apply()
+            else:
+                bad = self.staging.local.run()
+                if bad is not None and bad.any():  # streaming: checked as it was written
+                    stats.seconds = time.perf_counter() - start
+                    raise RefitRejected(
+                        f"rank {self.rank} refused version {version} and holds no complete version: "
+                        + "; ".join(self._nonfinite_in(bad.tolist(), self.local, "copies")),
+                        reason="nonfinite",
+                        stats=stats,
+                    )
         self.version = version
         stats.seconds = time.perf_counter() - start  # the move and apply; the gate's forward passes not included
         if sent or received or self.local_bytes:
@@ -410,53 +427,66 @@ class ReshardExecutor:
         ranks = self.peers.ranks(len(got))
         settle(got, ranks, who=self._who, word=self.peers.word, problem=self.problem, own=own)
 
-    def _check_finite(self, version: int, source_version, start: float) -> None:
-        """Every rank raises :class:`RefitRejected` (``"nonfinite"``) before a byte moves if any source
-        serves a NaN or Inf for ``version``. Fast path: one max-abs reduction per dtype over the rows of
-        this rank's source tensors that the layout keeps (NaN and Inf survive a max), kept on the device,
-        and one all-reduce of the flag over the group: one device-to-host read. Slow path, only when
-        some rank is flagged: each flagged rank looks, in plan order, for the first transfer it really
-        sends or copies with a non-finite value, and every rank learns the HF names (one gather)."""
-        # a tensor that holds another version is refused by its receivers for that, and is not checked
-        serving = [n for n in self._finite_views if _held(version, source_version)(n) == version]
-        flag = torch.zeros(1, dtype=torch.int64, device=self.device)
-        for _, flags in finite_flags([self._finite_views[n] for n in serving]):
-            flag |= (~flags).any().to(torch.int64)
-        if not self.peers.sum(flag):
-            return
-        note = self._first_nonfinite(set(serving)) if flag.item() else ""
-        got = self.peers.gather_notes(0, note, self.device, what=f"check version {version} for NaN/Inf")
-        bad = [(r, n) for r, (_, n) in zip(self.peers.ranks(len(got)), got) if n]
-        if not bad:
-            return  # the NaN / Inf lie in rows that no rank sends (another replica serves them)
-        stats = RefitStats(
-            version, time.perf_counter() - start, 0, 0, 0, self.rounds, self.max_inflight, self.staging_bytes
-        )
-        if note:
-            raise RefitRejected(
-                f"{self._who}: version {version} has a NaN or Inf in {note}; refused on every rank "
-                "before a byte moved (the engines keep the version they hold). Fix the training "
-                "step (loss scale, learning rate, data) and refit again",
-                reason="nonfinite",
-                stats=stats,
-            )
-        held = f"; this rank keeps version {self.version}" if self.rank in self.plan.dst.ranks else ""
-        raise RefitRejected(
-            f"{self._who}: refused version {version} before a byte moved: "
-            + "; ".join(f"{self.peers.word} {r} serves a NaN or Inf in {n}" for r, n in bad[:4])
-            + held,
-            reason="nonfinite",
-            stats=stats,
-        )
+    def _check_local(self):
+        """Atomic ranks with ``check_finite``: the sources of their local copies (which run only when the
+        version is applied) checked on a side stream next to the rounds in flight; the flags (or None)."""
+        sources = self.staging.local_sources
+        if not sources:
+            return None
+        if self.device.type != "cuda":
+            return finite_flags(sources)
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(self.device)
+        side = self._side_stream
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            return finite_flags(sources)
 
-    def _first_nonfinite(self, serving: set[str]) -> str:
-        """The HF name of the first tensor this rank sends or copies for the version with a NaN or Inf
-        (exact runs, plan order), or ""."""
-        for t in self._sourced:
-            if t.src_run.local in serving and not bool(torch.isfinite(self._view(t.src_run)).all()):
-                box = ", ".join(f"{a}:{b}" for a, b in t.box.ranges)
-                return f"{t.name}[{box}] (this rank's {t.src_run.local})"
-        return ""
+    def _own_nonfinite(self, version: int, source_version, local_check) -> list[str]:
+        """Refusals for a NaN or Inf in what this rank sent for ``version`` (the packing copies' flags; its
+        receivers refuse the buckets by their headers) or, atomic, in its local copies' sources (checked before
+        they are applied; streaming ranks' local copies are checked as they run). One device-to-host read."""
+        rounds = sorted(k for k in self.staging.pack if self.staging.pack[k].bad.numel())
+        parts = [self.staging.pack[k].bad for k in rounds]
+        if self._wrote and not self.atomic and self.staging.local.bad.numel():
+            parts.append(self.staging.local.bad)  # streaming: the local copies ran with the first round
+        if local_check is not None:
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).wait_stream(self._side_stream)
+            flags = torch.zeros(len(self.staging.local_sources), dtype=torch.int32, device=self.device)
+            for idx, finite in local_check:
+                flags[idx] = (~finite).to(torch.int32)
+            parts.append(flags)
+        if not parts:
+            return []
+        flags = torch.cat(parts).tolist()
+        if not any(flags):
+            return []
+        held = _held(version, source_version)
+        out, at = [], 0
+        for k in rounds:
+            n = len(self.staging.packed[k])
+            out += [
+                f"nonfinite: this rank sent a NaN or Inf in {self._piece(t)}"
+                for t, f in zip(self.staging.packed[k], flags[at : at + n])
+                if f and t is not None and held(t.src_run.local) == version
+            ]
+            at += n
+        out += self._nonfinite_in(flags[at:], self.local, "copies")
+        return out
+
+    def _nonfinite_in(self, flags: list[int], transfers: list[Transfer], verb: str) -> list[str]:
+        return [f"nonfinite: this rank {verb} a NaN or Inf in {self._piece(t)}" for t, f in zip(transfers, flags) if f]
+
+    @staticmethod
+    def _piece(t: Transfer) -> str:
+        box = ", ".join(f"{a}:{b}" for a, b in t.box.ranges)
+        return f"{t.name}[{box}] (its {t.src_run.local})"
+
+    def _bucket_names(self, peer: int, k: int) -> str:
+        """The HF tensors bucket ``k`` from ``peer`` carries (for a receiver's refusal)."""
+        names = list(dict.fromkeys(t.name for t, _ in self.recv[peer][k]))
+        return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
     def _set_headers(self, version: int, source_version) -> None:
         """This refit's header rows, one per send bucket (``self._send_sources`` order), in one copy."""
@@ -498,7 +528,7 @@ class ReshardExecutor:
             # Streaming: the first round that arrives carries a bucket of every source (round 0),
             # so its headers are checked before anything is written; later rounds are written as
             # they arrive and checked at the end (a bad one then leaves the tensors mixed: version None).
-            refused.extend(header_refusals(headers, version, self.wire_id))
+            refused.extend(header_refusals(headers, version, self.wire_id, self._bucket_names))
             if refused:
                 return
             self.version = None  # from the first write until the refit completes: no complete version

@@ -25,7 +25,7 @@ import torch
 from ...copies import CopyBatch
 from ..plan.budget import Table, buffer_sizes, slot
 from ..plan.reshard_plan import Run, Transfer
-from ..plan.wire import HEADER_BYTES, bucket_nbytes
+from ..plan.wire import HEADER_BYTES, HEADER_WORDS, NONFINITE_WORD, bucket_nbytes
 
 __all__ = ["Staging"]
 
@@ -49,8 +49,15 @@ class Staging:
     ``send`` / ``recv``: this rank's buckets per peer; ``local``: the transfers it
     copies to itself; ``view(run)``: a run's view of this rank's tensors;
     ``headers``: the send buckets ``(peer, k)`` in the order of
-    :attr:`header_rows` (one int64 x 4 row each, written by the executor before a
-    refit and packed in front of its bucket).
+    :attr:`header_rows` (one int64 x :data:`~..plan.wire.HEADER_WORDS` row each, written by
+    the executor before a refit and packed in front of its bucket).
+
+    ``check``: the copies look for NaN / Inf as they go (:class:`~megatron_ext.copies.CopyBatch`
+    ``check=True``): a round's packing raises the non-finite word of each bucket's header
+    whose pieces hold one (so the flag travels with the bucket) and keeps one flag per piece
+    (:attr:`packed`: the transfer of each, to name it); the local copies of a streaming rank
+    keep theirs too. An atomic rank's local copies run only at :meth:`apply`, so their sources are
+    listed in :attr:`local_sources` for a check before it.
 
     Copies per round: :attr:`pack` (every peer's header and pieces of round
     ``k``); on atomic receivers :attr:`apply` (every round and the local copies,
@@ -74,6 +81,7 @@ class Staging:
         max_inflight: int,
         device: torch.device,
         host: bool = False,
+        check: bool = False,
     ):
         if host and not atomic:
             raise ValueError("host staging is for atomic receivers (a streaming one writes each round as it arrives)")
@@ -88,19 +96,26 @@ class Staging:
             for k, b in enumerate(buckets)
             if host
         }
-        self.header_rows = torch.zeros((len(headers), 4), dtype=torch.int64, device=device)
+        self.header_rows = torch.zeros((len(headers), HEADER_WORDS), dtype=torch.int64, device=device)
         row = {key: i for i, key in enumerate(headers)}
         pack: dict[int, list] = defaultdict(list)
+        also: dict[int, list] = defaultdict(list)  # the header word each packed piece's flag raises
+        self.packed: dict[int, list[Transfer | None]] = defaultdict(list)  # round -> each pack pair's transfer
         for peer, buckets in send.items():
             for k, bucket in enumerate(buckets):
                 buf = self.buf("send", peer, k)
                 pack[k].append((buf[:HEADER_BYTES].view(torch.int64), self.header_rows[row[(peer, k)]]))
+                also[k].append(None)
+                self.packed[k].append(None)
+                word = buf[:HEADER_BYTES].view(torch.int32)[2 * NONFINITE_WORD]  # little-endian: the low half
                 for t, off in bucket:
                     src = view(t.src_run)
                     pack[k].append((buf[off : off + t.nbytes].view(src.dtype).view(src.shape), src))
-        self.pack = {k: CopyBatch(pairs) for k, pairs in pack.items()}
+                    also[k].append(word)
+                    self.packed[k].append(t)
+        self.pack = {k: CopyBatch(pairs, check=check, also_flag=also[k]) for k, pairs in pack.items()}
         keys = [(peer, k) for peer, buckets in recv.items() for k in range(len(buckets))]
-        self._seen_rows = torch.zeros((len(keys), 4), dtype=torch.int64, device=device)
+        self._seen_rows = torch.zeros((len(keys), HEADER_WORDS), dtype=torch.int64, device=device)
         self.seen = {key: self._seen_rows[i] for i, key in enumerate(keys)}
         unpack: dict[int, list] = defaultdict(list)
         for peer, buckets in recv.items():
@@ -112,7 +127,8 @@ class Staging:
                     dst = view(t.dst_run)
                     unpack[k].append((dst, buf[off : off + t.nbytes].view(dst.dtype).view(dst.shape)))
         local_pairs = [_same_shape(view(t.dst_run), view(t.src_run)) for t in local]
-        self.local = CopyBatch(local_pairs)
+        self.local = CopyBatch(local_pairs, check=check and not atomic)
+        self.local_sources = [src for _, src in local_pairs] if check and atomic else []
         if atomic and not host:  # the whole version at once, after the last round's headers are checked
             self._apply = CopyBatch([pair for k in sorted(unpack) for pair in unpack[k]] + local_pairs)
         else:

@@ -56,16 +56,18 @@ class RefitRejected(RefitError, RuntimeError):
     - ``"tensors"``: a rank's tensors are not the layout's (a missing name, another
       shape or dtype, not contiguous); that rank's message says which, the others
       quote it;
-    - ``"nonfinite"``: a source serves a NaN or Inf for this version; the rank that
-      holds it names the first such HF tensor, the others quote it;
+    - ``"nonfinite"``: a bucket carried a NaN or Inf (its header says so: the copies
+      that packed it flagged it), or this rank sent or copies one; the sender names
+      the HF tensor and box, a receiver the bucket's tensors;
     - ``"gate"``: the :class:`~..engines.gate.RefitGate` failed (including non-finite logits).
 
     ``"plan"``, ``"staging"`` and ``"tensors"`` are raised on every rank at the first
-    refit, ``"nonfinite"`` on every rank at any refit, all before a byte moves: no
-    tensor was written. On ``"version"`` an atomic receiver wrote nothing; a streaming
-    one wrote nothing if the source was wrong from its first bucket, else it holds no
-    complete version (``version`` None). On ``"gate"`` the bytes are written but the
-    rank holds no accepted version (``version`` is None) and does not serve in a fan-out."""
+    refit, before a byte moves: no tensor was written. ``"version"`` and ``"nonfinite"``
+    are raised by the ranks whose data carries it, after the rounds: an atomic
+    receiver wrote nothing; a streaming one wrote nothing if the bad bucket came in
+    its first round, else it holds no complete version (``version`` None). On
+    ``"gate"`` the bytes are written but the rank holds no accepted version
+    (``version`` is None) and does not serve in a fan-out."""
 
     def __init__(self, message: str, *, reason: str, stats: RefitStats | None = None):
         super().__init__(message)

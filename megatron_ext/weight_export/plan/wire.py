@@ -1,8 +1,9 @@
 """What travels with the bytes of a reshard refit: the bucket layout and its header.
 
 Each bucket a rank sends a peer starts with a :data:`HEADER_BYTES` header (int64
-x 4: version, wire id, sender rank, bucket index) that the receiver checks
-before it keeps the bucket, so a stale or foreign source is refused by name
+x 5: version, wire id, sender rank, bucket index, and whether the bucket carries a
+NaN or Inf, raised by the copies that pack it) that the receiver checks
+before it keeps the bucket, so a stale, foreign or non-finite source is refused by name
 (:func:`header_rows` writes them, :func:`header_refusals` reads them). The wire
 id is the plan's fingerprint with the bucket size and check flags
 (:func:`wire_id`); before the first refit every rank also reports its wire id
@@ -29,6 +30,8 @@ __all__ = [
     "ALIGN",
     "BAD_TENSORS",
     "HEADER_BYTES",
+    "HEADER_WORDS",
+    "NONFINITE_WORD",
     "NO_STAGING",
     "NO_VERSION",
     "PAYLOAD_OFFSET",
@@ -44,7 +47,9 @@ __all__ = [
 
 ALIGN = 256  # byte alignment of every tensor or transfer in a bucket (export and reshard): aligned views
 # for vectorised copies and NCCL
-HEADER_BYTES = 32  # int64 x 4: version, plan fingerprint, sender rank, bucket index
+HEADER_WORDS = 5  # int64: version, plan fingerprint, sender rank, bucket index, non-finite flag
+NONFINITE_WORD = 4  # its low int32 half is raised by the packing copies (CopyBatch also_flag)
+HEADER_BYTES = 8 * HEADER_WORDS
 NO_VERSION = -1  # what a rank that holds no valid version sends
 NO_STAGING = 0  # the wire id a rank reports when its staging buffers could not be allocated
 BAD_TENSORS = 1  # ... and when its tensors are not the layout's (its note says which and how)
@@ -118,25 +123,34 @@ def header_rows(
 ) -> list[list[int]]:
     """The header of each send bucket (``(peer, k)`` -> the local tensors it carries): the version its
     tensors hold (``holds``; one that holds another version, or none, marks the whole bucket), the wire
-    id, the sender and the bucket index."""
+    id, the sender, the bucket index and a cleared non-finite flag."""
     rows = []
     for (_peer, k), names in buckets.items():
         held = {holds(n) for n in names}
         v = version if held == {version} else next(iter(held - {version}))
-        rows.append([NO_VERSION if v is None else v, wire, rank, k])
+        rows.append([NO_VERSION if v is None else v, wire, rank, k, 0])
     return rows
 
 
-def header_refusals(headers: list[tuple[int, int, torch.Tensor]], version: int, wire: int) -> list[str]:
+def header_refusals(
+    headers: list[tuple[int, int, torch.Tensor]],
+    version: int,
+    wire: int,
+    names: Callable[[int, int], str] | None = None,
+) -> list[str]:
     """Why a receiver refuses the buckets whose headers (``(k, peer, header)``) say another version or
-    plan (empty: none); one device-to-host read for all of them."""
+    plan, or that they carry a NaN or Inf (empty: none); one device-to-host read for all of them.
+    ``names(peer, k)``: what bucket ``k`` from ``peer`` holds, for the message."""
     refused = []
     got = torch.stack([h for _, _, h in headers]).tolist()
-    for (k, peer, _), (v, wire_got, sender, index) in zip(headers, got):
+    for (k, peer, _), (v, wire_got, sender, index, nonfinite) in zip(headers, got):
         if v != version:
             refused.append(f"version: rank {peer} serves {'no valid version' if v == NO_VERSION else f'version {v}'}")
         elif (wire_got, sender, index) != (wire, peer, k):
             refused.append(f"plan: rank {peer} runs another plan or bucket size (bucket {k})")
+        elif nonfinite:
+            held = f" ({names(peer, k)})" if names is not None else ""
+            refused.append(f"nonfinite: rank {peer} sent a NaN or Inf in bucket {k}{held}")
     return refused
 
 
