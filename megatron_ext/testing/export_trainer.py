@@ -37,6 +37,7 @@ import types
 
 import torch
 
+from ..weight_export.config import memory_budget
 from . import tiny_llama
 
 
@@ -48,7 +49,7 @@ def _args(argv):
     p.add_argument("--versions", type=int, default=2)
     p.add_argument("--transport", default="broadcast")
     p.add_argument("--bucket-size-mb", type=float, default=0.03)
-    p.add_argument("--memory-budget-mb", type=float, default=None, help="p2p: --refit-memory-budget-mb")
+    p.add_argument("--memory-budget-mb", type=memory_budget, default="auto", help="p2p: --refit-memory-budget-mb")
     p.add_argument("--timeout-s", type=float, default=60.0)
     p.add_argument("--kill-in-version", type=int, default=None)
     p.add_argument("--kill-after-buckets", type=int, default=1)

@@ -36,6 +36,27 @@ QUANTIZE = ("none", "fp8-block")  # what a refit sends: the model's dtype, or bl
 IN_PLACE = ("ipc-push", "ipc-direct")  # hook transports that write the engine's own tensors (no export buckets)
 MIN_BUCKET_MB, MAX_BUCKET_MB = 16, 1024  # the export hook's automatic size (5% of free memory) stays in this range
 P2P_BUCKET_MB = 64  # the p2p refit's default staging bucket per peer
+# --refit-memory-budget-mb auto: measured on 4xH200 (refit_vs_swap.py, 3.6B dense and MoE, 2026-11-27): streaming
+# within 512 MiB is 1.15-2.29x megatron-core's swap_model_weights (1.5x or more in 8 of 10 layouts) where unbounded
+# staging took 1.0-6.1 GiB per rank; see docs/weight_export_reshard.md
+AUTO_MEMORY_BUDGET_MB = 512
+BUDGET_KEYWORDS = ("auto", "none")
+BUDGET_WORDS = (
+    f"'auto' ({AUTO_MEMORY_BUDGET_MB} MiB, the version of an atomic receiver on the device on top), "
+    "'none' / None (no bound)"
+)
+
+
+def memory_budget(text: str) -> float | str:
+    """``--refit-memory-budget-mb``: ``auto``, ``none`` or a number of MiB (checked by :class:`RefitConfig`)."""
+    if text.lower() in BUDGET_KEYWORDS:
+        return text.lower()
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be auto, none or a number of MiB, got {text!r}") from None
+
+
 # The smallest bucket_size_mb accepted: one 4 KiB page. Below it the size means
 # nothing: an export bucket (plan.build_plan) rounds every tensor up to
 # wire.ALIGN = 256 bytes, so a smaller bucket holds no tensor and each one gets
@@ -105,7 +126,7 @@ class RefitConfig:
     max_inflight: int = 2
     atomic: bool = True
     atomic_staging: str = "device"
-    memory_budget_mb: float | None = None
+    memory_budget_mb: float | str | None = "auto"
     check_finite: bool = True
     every_n_steps: int = 0
     backend: str = "auto"
@@ -166,11 +187,13 @@ class RefitConfig:
         if self.store is not None and _host_port(self.store) is None:
             refuse("store", f"'host:port' with a port in {PORTS[0]}..{PORTS[1]} (the refit group's store)")
         smallest = MIN_BUCKET_BYTES / (1 << 20)  # MiB
-        for field, unset in (("bucket_size_mb", "automatic"), ("memory_budget_mb", "no bound")):
+        for field, unset in (("bucket_size_mb", "None (automatic)"), ("memory_budget_mb", BUDGET_WORDS)):
             mib = getattr(self, field)
+            if field == "memory_budget_mb" and mib in BUDGET_KEYWORDS:
+                continue
             if mib is not None and not (_finite_number(mib) and mib * (1 << 20) >= MIN_BUCKET_BYTES):
                 page = ", one page" if field == "bucket_size_mb" else ""
-                refuse(field, f"None ({unset}) or a finite number of MiB >= {smallest:g} (4 KiB{page})")
+                refuse(field, f"{unset} or a finite number of MiB >= {smallest:g} (4 KiB{page})")
         if self.atomic_staging == "host" and not self.atomic:
             raise ValueError(
                 "RefitConfig.atomic_staging='host' (--refit-atomic-staging host) is where an atomic refit keeps the "
@@ -206,9 +229,18 @@ class RefitConfig:
             max_inflight=self.max_inflight,
             atomic=self.atomic,
             check_finite=self.check_finite,
-            memory_budget_bytes=None if self.memory_budget_mb is None else int(self.memory_budget_mb * (1 << 20)),
+            memory_budget_bytes=self.memory_budget_bytes,
+            memory_budget_strict=self.memory_budget_mb != "auto",
             atomic_staging=self.atomic_staging,
         )
+
+    @property
+    def memory_budget_bytes(self) -> int | None:
+        """The p2p staging budget in bytes: ``"auto"`` is :data:`AUTO_MEMORY_BUDGET_MB`; None / ``"none"``: no bound."""
+        mib = self.memory_budget_mb
+        if mib in (None, "none"):
+            return None
+        return int((AUTO_MEMORY_BUDGET_MB if mib == "auto" else mib) * (1 << 20))
 
     @property
     def store_address(self) -> tuple[str, int] | None:
@@ -380,9 +412,11 @@ def add_refit_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     flag(
         "memory-budget-mb",
         hook=False,
-        type=float,
+        type=memory_budget,
         help="p2p: the most staging memory (MiB) any rank may hold on its device, whatever its number of peers; "
-        "buckets shrink to fit (default: no bound)",
+        f"buckets shrink to fit. auto (default): {AUTO_MEMORY_BUDGET_MB} MiB for the staging of every rank, with an "
+        "atomic receiver's version kept on the device on top (stage it on the host, or stream, to bound that "
+        "too); none: no bound (every pair's buckets at --refit-bucket-size-mb)",
     )
     flag("check-finite", boolean=True, help="refuse to publish a version with NaN/Inf weights (default)")
     flag("every-n-steps", type=int, help="refit after every N optimizer steps (0: only when called)")

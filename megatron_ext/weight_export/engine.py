@@ -71,7 +71,7 @@ import sys
 
 import torch
 
-from .config import P2P_BUCKET_MB, RefitConfig, parse_address
+from .config import P2P_BUCKET_MB, RefitConfig, memory_budget, parse_address
 from .plan.budget import ATOMIC_STAGING
 from .control import versions
 
@@ -134,9 +134,10 @@ def _args(argv, *, megatron_on_cpu: bool = False):
     p.add_argument("--bucket-size-mb", type=float, default=P2P_BUCKET_MB, help="p2p: the trainer's bucket size")
     p.add_argument(
         "--memory-budget-mb",
-        type=float,
-        default=None,
-        help="p2p: the trainer's --refit-memory-budget-mb (the most staging any rank holds on its device)",
+        type=memory_budget,
+        default="auto",
+        help="p2p: the trainer's --refit-memory-budget-mb: auto (default), none, or MiB (the most staging any "
+        "rank holds on its device)",
     )
     p.add_argument(
         "--atomic-staging",

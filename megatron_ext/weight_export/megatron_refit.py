@@ -214,6 +214,7 @@ class MegatronEngineRefit(EngineRefit):
         check_finite: bool = True,
         memory_budget_bytes: int | None = None,
         atomic_staging: str = "device",
+        memory_budget_strict: bool = True,
     ):
         from megatron.core import parallel_state as ps
 
@@ -267,6 +268,7 @@ class MegatronEngineRefit(EngineRefit):
             check_finite=check_finite,
             memory_budget_bytes=memory_budget_bytes,
             atomic_staging=atomic_staging,
+            memory_budget_strict=memory_budget_strict,
         )
 
     def _model_problem(self) -> str | None:

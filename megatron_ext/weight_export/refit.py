@@ -72,6 +72,7 @@ class _RemoteRefit:
         check_finite: bool,
         memory_budget_bytes: int | None = None,
         atomic_staging: str = "device",
+        memory_budget_strict: bool = True,
         refresh: Callable[[], None] | None = None,
         hf_config: dict | None = None,
     ):
@@ -104,6 +105,7 @@ class _RemoteRefit:
             check_finite=check_finite,
             memory_budget_bytes=memory_budget_bytes,
             atomic_staging=atomic_staging,
+            memory_budget_strict=memory_budget_strict,
             refresh=refresh,
         )
         self.tensors = tensors
@@ -176,6 +178,7 @@ class TrainerRefit(_RemoteRefit):
         check_finite: bool = True,
         memory_budget_bytes: int | None = None,
         atomic_staging: str = "device",
+        memory_budget_strict: bool = True,
         refresh: Callable[[], None] | None = None,
         hf_config: dict | None = None,
     ):
@@ -190,6 +193,7 @@ class TrainerRefit(_RemoteRefit):
             check_finite=check_finite,
             memory_budget_bytes=memory_budget_bytes,
             atomic_staging=atomic_staging,
+            memory_budget_strict=memory_budget_strict,
             refresh=refresh,
             hf_config=hf_config,
         )
@@ -312,6 +316,7 @@ class EngineRefit(_RemoteRefit):
         check_finite: bool = True,
         memory_budget_bytes: int | None = None,
         atomic_staging: str = "device",
+        memory_budget_strict: bool = True,
     ):
         if consumer is not None:
             if load_weights is not None or expected is not None:
@@ -330,6 +335,7 @@ class EngineRefit(_RemoteRefit):
             check_finite=check_finite,
             memory_budget_bytes=memory_budget_bytes,
             atomic_staging=atomic_staging,
+            memory_budget_strict=memory_budget_strict,
         )
 
     def _model_problem(self) -> str | None:

@@ -151,6 +151,8 @@ class ReshardExecutor:
     version staged on the device, is refused at the agreement (the first refit; a
     refit across jobs when it is built) with :class:`RefitRejected` (``"staging"``)
     on every rank alike, naming the tensor or rank and the least budget that works.
+    ``memory_budget_strict=False`` (``--refit-memory-budget-mb auto``) cuts the buckets the
+    same way but lets an atomic receiver keep the version on the device on top of it.
     :attr:`staging_plan` says what was chosen (logged at INFO on the first refit).
 
     The executor keeps views of ``tensors`` from the first refit on: update
@@ -185,6 +187,7 @@ class ReshardExecutor:
         check_finite: bool = True,
         memory_budget_bytes: int | None = None,
         atomic_staging: str = "device",
+        memory_budget_strict: bool = True,
     ):
         if bucket_bytes <= PAYLOAD_OFFSET:
             raise ValueError(f"bucket_bytes must be > {PAYLOAD_OFFSET} (the aligned bucket header), got {bucket_bytes}")
@@ -205,7 +208,11 @@ class ReshardExecutor:
         self.budget_problem: RefitRejected | None = None
         try:
             self.staging_plan = plan_staging(
-                plan.transfers, atomic_staging=atomic_staging, budget_bytes=memory_budget_bytes, **staging
+                plan.transfers,
+                atomic_staging=atomic_staging,
+                budget_bytes=memory_budget_bytes,
+                strict=memory_budget_strict,
+                **staging,
             )
         except BudgetError as exc:
             self.budget_problem = RefitRejected(f"{self._who}: {exc}. Nothing was sent", reason="staging")
@@ -221,9 +228,9 @@ class ReshardExecutor:
         self._sourced = [t for t in plan.transfers if t.src == rank]  # what this rank serves, in plan order
         # what every header of this plan carries: the plan and the bucket size both sides cut it with
         self.check_finite = check_finite
-        # with a budget the pairs' sizes follow from it and max_inflight too: every rank must share them
-        spec = bucket_bytes if memory_budget_bytes is None else f"{bucket_bytes}/{memory_budget_bytes}/{max_inflight}"
-        self.wire_id = wire_id(plan.fingerprint, spec, check_finite)
+        # what the wire depends on: every pair's bucket size (from bucket_bytes and the budget), not how it was set
+        sizes = ",".join(f"{a}>{b}:{n}" for (a, b), n in sorted(self.staging_plan.pair_bytes.items()))
+        self.wire_id = wire_id(plan.fingerprint, sizes, check_finite)
         self._send_sources = {
             (p, k): sorted({t.src_run.local for t, _ in b}) for p, bs in self.send.items() for k, b in enumerate(bs)
         }

@@ -10,7 +10,8 @@ cut a pair alike and every rank refuses an impossible budget at once, before a b
 
 An atomic receiver that keeps the version on the device holds every round it receives until the
 last arrives, so its staging is its whole share of the version, not a slot per peer: with a budget
-it is refused unless that fits (stage on the host instead, or stream). Staged on the host it
+given it is refused unless that fits (stage on the host instead, or stream); under the ``auto``
+budget (``strict=False``) it keeps that copy on top. Staged on the host it
 receives through the same slots as a streaming receiver.
 """
 
@@ -44,6 +45,7 @@ class StagingPlan:
     device_bytes: dict[int, int]
     host_bytes: dict[int, int]
     budget_bytes: int | None
+    strict: bool = True
 
     def line(self, rank: int) -> str:
         """What the planner chose for ``rank``, for the INFO log."""
@@ -53,6 +55,8 @@ class StagingPlan:
         if self.host_bytes.get(rank):
             text += f" + {self.host_bytes[rank] / MIB:.1f} MiB on the host"
         limit = "no budget" if self.budget_bytes is None else f"budget {self.budget_bytes / MIB:.1f} MiB"
+        if self.budget_bytes is not None and not self.strict:
+            limit += " (auto: an atomic receiver's version on the device comes on top)"
         return f"{text} ({limit}; bucket MiB per pair: {sizes})"
 
 
@@ -98,6 +102,7 @@ def plan_staging(
     atomic: bool,
     atomic_staging: str = "device",
     budget_bytes: int | None = None,
+    strict: bool = True,
     rank: int | None = None,
     flag: str = "--refit-memory-budget-mb",
 ) -> StagingPlan:
@@ -105,8 +110,10 @@ def plan_staging(
 
     Raises :class:`BudgetError` when ``budget_bytes`` cannot hold one row of some transfer in every
     slot of a rank, or an atomic receiver's whole version staged on the device; the message names
-    ``flag``, the tensor or rank, and the least budget that works. ``rank``: count the staging of that
-    rank only (without a budget nothing else needs it; with one every rank's is checked)."""
+    ``flag``, the tensor or rank, and the least budget that works. ``strict=False`` (the ``auto`` budget):
+    the budget cuts the pairs' buckets alike, but an atomic receiver that keeps the version on the device
+    holds it on top instead of being refused. ``rank``: count the staging of that rank only (without a
+    budget nothing else needs it; with one every rank's is checked)."""
     if atomic_staging not in ATOMIC_STAGING:
         raise ValueError(f"atomic_staging must be one of {ATOMIC_STAGING}, got {atomic_staging!r}")
     pairs = _pairs(transfers)
@@ -148,7 +155,7 @@ def plan_staging(
         device[r] = sum(buffer_sizes(send, recv, keep_all=keep_all, max_inflight=max_inflight).values())
         if atomic and not keep_all:
             host[r] = sum(bucket_nbytes(b) for bs in recv.values() for b in bs)
-    if budget_bytes is not None:
+    if budget_bytes is not None and strict:
         over = {r: n for r, n in device.items() if n > budget_bytes}
         if over:
             r, n = max(over.items(), key=lambda kv: kv[1])
@@ -158,4 +165,4 @@ def plan_staging(
                 "the last round; stage it on the host (--refit-atomic-staging host), stream (--no-refit-atomic), "
                 "or raise the budget above it"
             )
-    return StagingPlan(sizes, buckets, device, host, budget_bytes)
+    return StagingPlan(sizes, buckets, device, host, budget_bytes, strict)

@@ -5,7 +5,7 @@ x 5: version, wire id, sender rank, bucket index, and whether the bucket carries
 NaN or Inf, raised by the copies that pack it) that the receiver checks
 before it keeps the bucket, so a stale, foreign or non-finite source is refused by name
 (:func:`header_rows` writes them, :func:`header_refusals` reads them). The wire
-id is the plan's fingerprint with the bucket size and check flags
+id is the plan's fingerprint with every pair's bucket size and the check flag
 (:func:`wire_id`); before the first refit every rank also reports its wire id
 or a refusal code (:data:`NO_STAGING`, :data:`BAD_TENSORS`; :mod:`..exec.agreement`)
 so that all ranks agree before a byte moves. :func:`bucketize` lays a peer's
@@ -63,9 +63,10 @@ def align(n: int) -> int:
 PAYLOAD_OFFSET = align(HEADER_BYTES)  # where a reshard bucket's first transfer starts
 
 
-def wire_id(fingerprint: str, bucket_bytes: int, check_finite: bool) -> int:
-    """The int64 every rank of one refit must share: plan, bucket size and checks."""
-    v = int(hashlib.sha256(f"{fingerprint}:{bucket_bytes}:{check_finite}".encode()).hexdigest()[:16], 16)
+def wire_id(fingerprint: str, buckets: str, check_finite: bool) -> int:
+    """The int64 every rank of one refit must share: plan, how each pair is cut into buckets (``buckets``:
+    its pairs' bucket sizes, however they were chosen) and checks."""
+    v = int(hashlib.sha256(f"{fingerprint}:{buckets}:{check_finite}".encode()).hexdigest()[:16], 16)
     return v - (1 << 64) if v >= 1 << 63 else v
 
 

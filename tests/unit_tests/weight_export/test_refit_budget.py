@@ -1,7 +1,8 @@
 """The reshard refit's memory budget on one process (no job spawned: each rank's executor is built and
 allocates its staging, nothing moves): every rank's device staging, as allocated, is what the planner
 counted and at most the budget, for ranks with 2, 3 and 7 peers, streaming and atomic staged on the host;
-an atomic receiver that keeps the version on the device and does not fit is refused by name; a budget
+an atomic receiver that keeps the version on the device and does not fit is refused by name (under the
+auto budget it keeps it on top); a budget
 below one row per slot is refused naming the tensor and the least budget, which is accepted. The bytes
 that move under a budget are checked exactly in the spawned job of ``test_reshard_refit``."""
 
@@ -84,6 +85,13 @@ def test_an_atomic_receiver_on_the_device_that_does_not_fit_is_refused_by_name()
     assert _executor(plan, 0, memory_budget_bytes=BUDGET, atomic=True).budget_problem is None
     # host staging fits
     assert _executor(plan, 1, memory_budget_bytes=BUDGET, atomic=True, atomic_staging="host").budget_problem is None
+    # the auto budget (not strict) cuts the same buckets but keeps the atomic version on the device on top
+    auto = _executor(plan, 1, memory_budget_bytes=BUDGET, memory_budget_strict=False, atomic=True)
+    streaming = _executor(plan, 1, memory_budget_bytes=BUDGET, atomic=False)
+    assert auto.budget_problem is None and auto.staging_plan.pair_bytes == streaming.staging_plan.pair_bytes
+    assert auto.staging_plan.device_bytes[1] > BUDGET >= streaming.staging_plan.device_bytes[1]
+    assert "(auto: an atomic receiver's version on the device comes on top)" in auto.staging_plan.line(1)
+    assert auto.wire_id == streaming.wire_id  # both jobs agree whatever each one's atomic mode
 
 
 def test_a_budget_below_one_row_per_slot_is_refused_naming_the_tensor_and_the_least_budget():

@@ -82,6 +82,7 @@ def test_reshard_refit_aliases_select_p2p_and_round_trip():
         check_finite=False,
         memory_budget_bytes=512 << 20,
         atomic_staging="device",
+        memory_budget_strict=True,
     )
     assert want.store_address == ("10.0.0.1", 29600)
     assert [s for s in range(1, 31) if want.due(s)] == [10, 20, 30] and not RefitConfig().due(10)
@@ -125,8 +126,10 @@ def test_reshard_refit_aliases_select_p2p_and_round_trip():
          "must be 'none' with transport='ipc-push', which writes the engine's tensors in the model's dtype"),
         (dict(transport="ipc-direct", target="h:1", quantize="fp8-block"), "must be 'none' with "
          "transport='ipc-direct'"),
-        (dict(transport="p2p", memory_budget_mb=0), "memory_budget_mb (--refit-memory-budget-mb) must be None "
-         "(no bound) or a finite number of MiB >= 0.00390625 (4 KiB), got 0"),
+        (dict(transport="p2p", memory_budget_mb=0), "memory_budget_mb (--refit-memory-budget-mb) must be 'auto' "
+         "(512 MiB, the version of an atomic receiver on the device on top), 'none' / None (no bound) or a finite "
+         "number of MiB >= 0.00390625 (4 KiB), got 0"),
+        (dict(transport="p2p", memory_budget_mb="lots"), "must be 'auto' (512 MiB"),
         (dict(transport="p2p", memory_budget_mb=float("nan")), "got nan"),
         (dict(transport="p2p", atomic_staging="cpu"), "atomic_staging (--refit-atomic-staging) must be one of "
          "('device', 'host'), got 'cpu'"),
@@ -175,7 +178,7 @@ BAD_FLAGS = [
      "is 'broadcast': drop one of them"),
     (["--refit-engine-tp", "2"], "RefitConfig.engine_tp (--refit-engine-tp) is read by transport='p2p'"),
     (["--reshard-refit-memory-budget-mb", "-1"], "RefitConfig.memory_budget_mb (--refit-memory-budget-mb) must "
-     "be None (no bound) or a finite number of MiB"),
+     "be 'auto' (512 MiB"),
     (["--refit-transport", "p2p", "--refit-atomic-staging", "host", "--no-refit-atomic"], "with atomic=False "
      "(--no-refit-atomic) every round is written as it arrives: drop one"),
 ]  # fmt: skip
@@ -224,3 +227,24 @@ def test_config_builds_the_engine_layout_and_runs_a_refit():
 def test_the_export_hook_refuses_a_p2p_config():
     with pytest.raises(ValueError, match="transport='p2p' is the reshard refit .* drive it with ReshardExecutor"):
         WeightExporter(torch.nn.Linear(1, 1), RefitConfig(transport="p2p"))  # refused before the model is read
+
+
+def test_memory_budget_auto_none_and_mib():
+    """The default budget is auto: 512 MiB that cut every pair's buckets alike on both jobs (part of the wire id),
+    not strict (an atomic receiver's version on the device comes on top); none lifts it; a number is strict.
+    The flag takes the same three forms; anything else is refused by argparse naming the flag."""
+    auto = RefitConfig(transport="p2p")
+    assert (
+        auto.memory_budget_mb == "auto" and auto.memory_budget_bytes == config.AUTO_MEMORY_BUDGET_MB << 20 == 512 << 20
+    )
+    kw = auto.executor_kwargs
+    assert kw["memory_budget_bytes"] == 512 << 20 and kw["memory_budget_strict"] is False
+    for unbound in (None, "none"):
+        assert RefitConfig(transport="p2p", memory_budget_mb=unbound).executor_kwargs["memory_budget_bytes"] is None
+    strict = RefitConfig(transport="p2p", memory_budget_mb=100).executor_kwargs
+    assert strict["memory_budget_bytes"] == 100 << 20 and strict["memory_budget_strict"] is True
+    assert _parse(["--reshard-refit-memory-budget-mb", "none"]).memory_budget_mb == "none"
+    assert _parse(["--refit-transport", "p2p", "--refit-memory-budget-mb", "AUTO"]) == auto
+    assert _parse(["--refit-transport", "p2p", "--refit-memory-budget-mb", "64"]).memory_budget_bytes == 64 << 20
+    with pytest.raises(SystemExit):
+        _parse(["--refit-transport", "p2p", "--refit-memory-budget-mb", "big"])
