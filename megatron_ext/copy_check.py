@@ -133,18 +133,32 @@ class FusedCopyCheck:
             return
         _, _, dst0, _, _ = pairs[0]
         size, device = dst0.element_size(), dst0.device
-        rows: dict[bool, list[tuple[int, int, int, int, int]]] = {True: [], False: []}
-        for flag, also, dst, src, pieces in pairs:
-            dbase, sbase = dst.untyped_storage().data_ptr(), src.untyped_storage().data_ptr()
-            f, a = flag.data_ptr(), 0 if also is None else also.data_ptr()
-            for s_off, d_off, n in pieces:
-                for start in range(0, n, CHUNK):
-                    sa, da = sbase + (s_off + start) * size, dbase + (d_off + start) * size
-                    rows[sa % ALIGN == 0 and da % ALIGN == 0].append((sa, da, min(CHUNK, n - start), f, a))
-        for aligned, table in rows.items():
-            if table:
-                t = torch.tensor(table, dtype=torch.int64).to(device)
-                self.launches.append((t, _tl_dtype(dst0.dtype), aligned))
+        # one row per run: its two base addresses in bytes, its length, the flag's and the second word's address
+        runs_ = [
+            (
+                src.untyped_storage().data_ptr() + s_off * size,
+                dst.untyped_storage().data_ptr() + d_off * size,
+                n,
+                flag.data_ptr(),
+                0 if also is None else also.data_ptr(),
+            )
+            for flag, also, dst, src, pieces in pairs
+            for s_off, d_off, n in pieces
+        ]
+        per_run = torch.tensor(runs_, dtype=torch.int64).view(-1, 5)
+        # each run cut into chunks of CHUNK elements: a row per chunk, built without a Python loop per chunk
+        counts = (per_run[:, 2] + CHUNK - 1) // CHUNK
+        rows = per_run.repeat_interleave(counts, dim=0)
+        first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+        start = (torch.arange(rows.shape[0], dtype=torch.int64) - first) * CHUNK
+        rows[:, 0] += start * size
+        rows[:, 1] += start * size
+        rows[:, 2] = torch.clamp(rows[:, 2] - start, max=CHUNK)
+        aligned = (rows[:, 0] % ALIGN == 0) & (rows[:, 1] % ALIGN == 0)
+        for flag in (True, False):
+            table = rows[aligned == flag]
+            if table.shape[0]:
+                self.launches.append((table.contiguous().to(device), _tl_dtype(dst0.dtype), flag))
 
     def run(self) -> None:
         kernel = _kernel()
