@@ -52,7 +52,7 @@ from ...copies import finite_flags
 from ...sharding.megatron import megatron_tensors
 from ..control.peers import as_peers
 from ..engines.gate import RefitGate
-from ..plan.budget import BudgetError, buffer_sizes, plan_staging
+from ..plan.budget import BudgetError, buffer_sizes, keeps_every_round, plan_staging
 from ..plan.errors import RefitRejected, RefitStats
 from ..plan.reshard_plan import ReshardPlan, Run, Transfer, fanout_plans, run_view
 from ..plan.wire import (
@@ -404,7 +404,7 @@ class ReshardExecutor:
                 self._allocate()
             except torch.OutOfMemoryError as exc:
                 self.staging = None
-                keep_all = self.atomic and self.atomic_staging == "device"
+                keep_all = keeps_every_round(self.atomic, self.atomic_staging)
                 need = buffer_sizes(self.send, self.recv, keep_all=keep_all, max_inflight=self.max_inflight)
                 failed = out_of_memory(
                     exc,

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 
 from ...copies import CopyBatch
-from ..plan.budget import Table, buffer_sizes, slot
+from ..plan.budget import Table, buffer_sizes, keeps_every_round, slot
 from ..plan.reshard_plan import Run, Transfer
 from ..plan.wire import HEADER_BYTES, HEADER_WORDS, NONFINITE_WORD, bucket_nbytes
 
@@ -86,7 +86,7 @@ class Staging:
         if host and not atomic:
             raise ValueError("host staging is for atomic receivers (a streaming one writes each round as it arrives)")
         self.atomic, self.max_inflight, self.host = atomic, max_inflight, host
-        self.keep_all = atomic and not host
+        self.keep_all = keeps_every_round(atomic, "host" if host else "device")
         sizes = buffer_sizes(send, recv, keep_all=self.keep_all, max_inflight=max_inflight)
         self.bufs = {key: torch.empty(n, dtype=torch.uint8, device=device) for key, n in sizes.items()}
         pin = device.type == "cuda"

@@ -23,7 +23,7 @@ from collections import defaultdict
 from .reshard_plan import Transfer
 from .wire import ALIGN, PAYLOAD_OFFSET, align, bucket_nbytes, bucketize
 
-__all__ = ["ATOMIC_STAGING", "BudgetError", "StagingPlan", "buffer_sizes", "plan_staging", "slot"]
+__all__ = ["ATOMIC_STAGING", "BudgetError", "StagingPlan", "buffer_sizes", "keeps_every_round", "plan_staging", "slot"]
 
 ATOMIC_STAGING = ("device", "host")  # where an atomic receiver keeps the version until it applies it
 MIB = 1 << 20
@@ -61,6 +61,12 @@ class StagingPlan:
 
 
 Table = dict[int, list[list[tuple[Transfer, int]]]]  # peer -> buckets of (transfer, byte offset)
+
+
+def keeps_every_round(atomic: bool, atomic_staging: str) -> bool:
+    """Whether a receiver holds every round it receives on the device until the last arrives (atomic, staged on
+    the device); the others receive through ``max_inflight`` slots per peer."""
+    return atomic and atomic_staging == "device"
 
 
 def slot(kind: str, peer: int, k: int, *, keep_all: bool, max_inflight: int) -> tuple[str, int, int]:
@@ -117,7 +123,7 @@ def plan_staging(
     if atomic_staging not in ATOMIC_STAGING:
         raise ValueError(f"atomic_staging must be one of {ATOMIC_STAGING}, got {atomic_staging!r}")
     pairs = _pairs(transfers)
-    keep_all = atomic and atomic_staging == "device"  # receivers hold every round until the last
+    keep_all = keeps_every_round(atomic, atomic_staging)
     slots: dict[int, int] = defaultdict(int)  # per rank: peers it sends to + peers it receives from
     for src, dst in pairs:
         slots[src] += 1
