@@ -187,9 +187,10 @@ def test_streaming_engine_reports_no_complete_version_and_a_stopped_engine_fails
 def test_same_gpu_engine_as_its_own_process(tmp_path, env, model_dir, transport):
     """CUDA IPC between two independent processes on one GPU: the handles travel as JSON
     fields of the control channel. Session 1 refits twice and runs the verifier. Session 2's
-    first version has a NaN in the embedding: refused by name on the GPU (``ipc``: checked on a
-    side stream while buckets travel); ``ipc`` and ``ipc-direct`` (checked before the engine
-    copies) keep version 2, ``ipc-push`` wrote it in place first (no complete version).
+    first version has a NaN in the embedding: refused by name, found by the copy that moves it
+    (``ipc``: the trainer's gather into the shared buffers, so the engine keeps version 2;
+    ``ipc-push``: the trainer's writes into the engine's weights; ``ipc-direct``: the engine's own
+    copy out of the trainer's storage; both in place: no complete version).
     Session 3's trainer is SIGKILLed inside version 2 (``ipc``: after one bucket; the in-place
     transports send no buckets: after all bytes, before the commit). ``ipc`` stages (the engine
     keeps version 1 bit for bit); ``ipc-direct`` and ``ipc-push`` write in place (the engine
@@ -257,7 +258,7 @@ def test_same_gpu_engine_as_its_own_process(tmp_path, env, model_dir, transport)
         engine.kill()
     assert engine.returncode == 0, out
     assert "session 1 ended; the model holds version 2" in out, out
-    if transport == "ipc-push":  # the NaN version was written in place before the check refused it
+    if transport != "ipc":  # the NaN version was written in place by the copy that found it
         assert "session 2 ended; the model holds no complete version" in out, out
     else:
         assert "session 2 ended; the model holds version 2" in out, out
