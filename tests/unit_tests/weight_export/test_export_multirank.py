@@ -1,8 +1,9 @@
 """Multi-rank trainers stream their weights to a Hugging Face model in another
 process over the broadcast transport (gloo on CPU, NCCL on GPUs): the
 receiver's state equals the Megatron weights gathered by plain per-parameter
-collectives, exactly; logits match; wrong plans are refused and dead receivers
-fail the trainer fast."""
+collectives, exactly; logits match; a NaN in the last element of the last bucket
+(held by another rank: gathered over TP, or forwarded by the last pipeline stage)
+is refused; wrong plans are refused and dead receivers fail the trainer fast."""
 
 import dataclasses
 import time
@@ -46,6 +47,23 @@ def _trainer(tp, pp, target, backend, transport="broadcast"):
             p.mul_(1.5).add_(0.01)
     second = exporter.export(version=8)
     verify = exporter.verify(tiny_llama.tokens(SPEC).to(device)) if pp == 1 else None
+    # version 9 has a NaN in the last element of the last bucket, on the rank that holds it (TP rank 1: gathered
+    # and placed by the export rank; with PP2 on the last stage: forwarded to it): refused, never published
+    from megatron_ext.weight_export.plan.reshard_plan import run_view
+
+    last = exporter.plan.buckets[-1].transfers[-1]
+    where = run_view(exporter._tensors[last.src_run.local], last.src_run) if dist.get_rank() == last.src else None
+    if where is not None:
+        keep = where[-1, -1].item()
+        where[-1, -1] = float("nan")
+    try:
+        exporter.export(version=9)
+        nonfinite = None
+    except wx.NonFiniteWeights as exc:
+        nonfinite = str(exc)
+    if where is not None:
+        where[-1, -1] = keep
+    third = exporter.export(version=10)
     expected = gathered_hf_state(SPEC, model)
     exporter.close()
     # the trainer's layout read from the live groups is the one built from the sizes; another rank order is refused
@@ -67,6 +85,9 @@ def _trainer(tp, pp, target, backend, transport="broadcast"):
         order=order,
         first=first,
         second=second,
+        third=third,
+        nonfinite=nonfinite,
+        last=(last.name, last.src),
         verify=verify,
         buckets=len(exporter.plan.buckets),
         expected=expected if exporter.is_export_rank else None,
@@ -105,10 +126,15 @@ def test_trainer_streams_to_hf_receiver_process(tp, pp, dp, backend, transport, 
         )
         got = receiver.result()
     assert got["ok"], got.get("error")
-    assert got["applied"] == [7, 8]
+    assert got["applied"] == [7, 8, 10], "version 9 (a NaN) is dropped; the receiver kept 8 until 10"
     assert got["plans"] == 1, "the plan must be sent once, then only bytes"
     export_rank = out[0]
     assert export_rank["first"].applied == (7,) and export_rank["second"].applied == (8,)
+    assert export_rank["third"].applied == (10,)
+    name, holder = export_rank["last"]
+    assert holder != 0, "the NaN must come from another rank (gathered, or forwarded by the last stage)"
+    assert export_rank["nonfinite"].startswith(f"version 9 has NaN/Inf in 1 tensor(s): {name}"), export_rank
+    assert all(r["nonfinite"] is None for r in out[1:]), "only the export rank checks and refuses"
     assert export_rank["buckets"] > 4
     expected = export_rank["expected"]
     assert got["state"].keys() == expected.keys()
