@@ -124,14 +124,36 @@ class FusedCopyCheck:
     """The copies of ``pairs`` (``(flag, also, dst, src, runs)``: CUDA tensors of one checked dtype, cut by
     :func:`runs`; ``flag`` and ``also`` int32 words, ``also`` may be None) as one or two kernel launches:
     :meth:`run` sets ``flag`` (and ``also``) to 1 when the pair's values hold a NaN or Inf, and leaves
-    them as they are otherwise. The table of runs is built once; the views and words must stay where
-    they are (same storages and offsets) between runs."""
+    them as they are otherwise.
+
+    The table of addresses is built once and kept while the storages stay where they are. It holds the
+    tensors (so their storages live as long as it does), and before each run it compares each storage's
+    address with the table's: a storage that moved (symmetric-memory staging moves a buffer's storage
+    into its pool and back, keeping every view valid) rebuilds the table instead of copying from where the
+    storage was."""
 
     def __init__(self, pairs):
+        self.pairs = pairs
         self.launches: list[tuple[torch.Tensor, object, bool]] = []
-        if not pairs:
+        watch: dict[int, torch.Tensor] = {}  # every tensor once: its address tells whether its storage moved
+        for flag, also, dst, src, _ in pairs:
+            for t in (flag, also, dst, src):
+                if t is not None:
+                    watch.setdefault(id(t), t)
+        self._watch = list(watch.values())
+        self._where: list[int] = []
+        self.rebuilds = 0
+        self._build()
+
+    def _addresses(self) -> list[int]:
+        return [t.data_ptr() for t in self._watch]
+
+    def _build(self) -> None:
+        self.launches = []
+        self._where = self._addresses()
+        if not self.pairs:
             return
-        _, _, dst0, _, _ = pairs[0]
+        _, _, dst0, _, _ = self.pairs[0]
         size, device = dst0.element_size(), dst0.device
         # one row per run: its two base addresses in bytes, its length, the flag's and the second word's address
         runs_ = [
@@ -142,7 +164,7 @@ class FusedCopyCheck:
                 flag.data_ptr(),
                 0 if also is None else also.data_ptr(),
             )
-            for flag, also, dst, src, pieces in pairs
+            for flag, also, dst, src, pieces in self.pairs
             for s_off, d_off, n in pieces
         ]
         per_run = torch.tensor(runs_, dtype=torch.int64).view(-1, 5)
@@ -160,7 +182,16 @@ class FusedCopyCheck:
             if table.shape[0]:
                 self.launches.append((table.contiguous().to(device), _tl_dtype(dst0.dtype), flag))
 
+    def refresh(self) -> bool:
+        """Rebuild the table if a storage moved since it was built; whether it did."""
+        if self._addresses() == self._where:
+            return False
+        self.rebuilds += 1
+        self._build()
+        return True
+
     def run(self) -> None:
+        self.refresh()
         kernel = _kernel()
         for table, dtype, aligned in self.launches:
             kernel[(table.shape[0],)](table, DTYPE=dtype, BLOCK=BLOCK, ALIGNED=aligned, num_warps=8)

@@ -137,3 +137,30 @@ def test_checked_copies_are_one_fused_kernel_per_dtype_on_gpu():
         torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     assert sum(k.startswith("copy_check") for k in kernels) == sum(len(f.launches) for f in batch.fused), kernels
+
+
+def test_fused_table_follows_a_storage_that_moved():
+    """The kernel's table holds addresses. Symmetric-memory staging moves a buffer's storage to a new
+    allocation and keeps the Storage object (every view stays valid, fsdp_symm.memory.move_storage): the
+    table must follow it, not copy from where the storage was. Built on CPU (no kernel runs here)."""
+    from megatron_ext import copy_check
+
+    if not copy_check.available():
+        pytest.skip("Triton does not import")
+    fused_weight = torch.randn(4, 6 * 64, 256)
+    src, dst = fused_weight[:, 5 * 64 :], torch.empty(4, 64, 256)
+    flag = torch.zeros((), dtype=torch.int32)
+    fused = copy_check.FusedCopyCheck([(flag, None, dst, src, copy_check.runs(dst, src))])
+    (table, _, _), *_ = fused.launches
+    assert int(table[0, 0]) == src.data_ptr() and int(table[0, 1]) == dst.data_ptr()
+    assert not fused.refresh() and fused.rebuilds == 0
+    storage = fused_weight.untyped_storage()  # moved as move_storage does, with the old place still taken
+    nbytes, before = storage.nbytes(), src.data_ptr()
+    storage.resize_(0)
+    taken = torch.empty(nbytes, dtype=torch.uint8)
+    storage.resize_(nbytes)
+    assert src.data_ptr() != before and taken.numel() == nbytes
+    assert fused.refresh() and fused.rebuilds == 1
+    (table, _, _), *_ = fused.launches
+    assert int(table[0, 0]) == src.data_ptr() and int(table[-1, 1]) >= dst.data_ptr()
+    assert not fused.refresh()
