@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 
 import torch
 
@@ -191,7 +192,33 @@ class FusedCopyCheck:
         return True
 
     def run(self) -> None:
-        self.refresh()
-        kernel = _kernel()
-        for table, dtype, aligned in self.launches:
-            kernel[(table.shape[0],)](table, DTYPE=dtype, BLOCK=BLOCK, ALIGNED=aligned, num_warps=8)
+        global _UNUSABLE
+        if _UNUSABLE is None:
+            self.refresh()
+            try:
+                kernel = _kernel()
+                for table, dtype, aligned in self.launches:
+                    kernel[(table.shape[0],)](table, DTYPE=dtype, BLOCK=BLOCK, ALIGNED=aligned, num_warps=8)
+                return
+            except Exception as exc:  # e.g. no C compiler for Triton's launcher: the same copies, checked after
+                _UNUSABLE = f"{type(exc).__name__}: {exc}"
+                warnings.warn(
+                    f"megatron_ext: the fused copy-and-check kernel cannot run here ({_UNUSABLE}); copies are checked "
+                    "by a second read instead (correct, slower)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        self._copy_then_check()
+
+    def _copy_then_check(self) -> None:
+        """The same copies and flags without the kernel: ``copy_`` per pair, then a max-abs reduction over
+        its destination (a second read; a NaN or Inf survives a max)."""
+        for flag, also, dst, src, _ in self.pairs:
+            dst.copy_(src)
+            bad = (~torch.linalg.vector_norm(dst, float("inf")).isfinite()).to(torch.int32)
+            for word in (flag, also):
+                if word is not None:
+                    torch.maximum(word, bad, out=word)
+
+
+_UNUSABLE: str | None = None  # why the kernel cannot run in this process (None: it can, or was not tried)

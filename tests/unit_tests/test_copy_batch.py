@@ -164,3 +164,24 @@ def test_fused_table_follows_a_storage_that_moved():
     (table, _, _), *_ = fused.launches
     assert int(table[0, 0]) == src.data_ptr() and int(table[-1, 1]) >= dst.data_ptr()
     assert not fused.refresh()
+
+
+def test_without_a_usable_kernel_the_copies_are_checked_by_a_second_read(monkeypatch):
+    """Where the kernel cannot run (here: CPU tensors, which Triton cannot launch on; on a GPU machine e.g. no C
+    compiler for Triton's launcher), the first run warns once and every run copies and flags the same, by a
+    reduction over the destinations."""
+    from megatron_ext import copy_check
+
+    if not copy_check.available():
+        pytest.skip("Triton does not import")
+    monkeypatch.setattr(copy_check, "_UNUSABLE", None)
+    src, dst = torch.randn(3000), torch.empty(3000)
+    flag, word = torch.zeros((), dtype=torch.int32), torch.zeros((), dtype=torch.int32)
+    fused = copy_check.FusedCopyCheck([(flag, word, dst, src, copy_check.runs(dst, src))])
+    with pytest.warns(RuntimeWarning, match="checked by a second read instead"):
+        fused.run()
+    assert torch.equal(dst, src) and int(flag) == int(word) == 0
+    src[-1] = float("inf")
+    fused.run()  # no second warning: the reason is kept for the process
+    assert torch.equal(dst, src) and int(flag) == int(word) == 1
+    assert copy_check._UNUSABLE is not None
