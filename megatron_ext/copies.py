@@ -32,7 +32,13 @@ class CopyBatch:
     per floating dtype for the dense pairs, plain ``copy_`` for the rest (strided
     views, integer tensors). Build once and :meth:`run` many times when the views
     are fixed (reshard buffers); :func:`copy_all` does both for one-off lists. Tensors of
-    :data:`LARGE` elements or more get a ``copy_`` of their own (faster than the foreach chunks)."""
+    :data:`LARGE` elements or more get a ``copy_`` of their own (faster than the foreach chunks).
+
+    ``check=True``: :meth:`run` also returns a NaN/Inf flag per pair. On CUDA the floating pairs that cut into
+    long contiguous runs are copied by :mod:`~megatron_ext.copy_check`'s kernel, which checks as it copies
+    (no second read); the rest are checked by a max-abs reduction over their destinations after the copy.
+    ``also_flag``: per pair, an int32 word (or None) raised with that pair's flag, e.g. the header of the
+    bucket the pair packs into."""
 
     def __init__(self, pairs, *, check: bool = False, also_flag=None):
         pairs = list(pairs)
