@@ -30,7 +30,7 @@ from ..sharding.megatron import megatron_tensors
 from ..sharding.mesh import MegatronMesh
 from ..sharding.names import global_layer_names, unwrap
 from ..sharding.spec import specs_from_model
-from ..copies import CopyBatch, finite_flags
+from ..copies import copy_all
 from .config import HOOK_TRANSPORTS, MAX_BUCKET_MB, MIN_BUCKET_MB, RefitConfig
 from .engines.hf_model import hf_model_config
 from .exec.gather import BucketGatherer, GatherGroup
@@ -61,55 +61,38 @@ class ExportResult:
 
 
 class _FiniteCheck:
-    """Per-tensor "all finite" flags of one export, kept on the device and read once.
+    """Per-tensor "all finite" flags of one export, kept on the device and read once at its end.
 
-    Most come for free: the copies that place each bucket's pieces (into an export buffer or the
-    engine's weights) flag NaN / Inf as they copy (:meth:`add_flags`). A bucket this rank does not
-    copy (one another pipeline stage gathered, forwarded as received) is read once more
-    (:meth:`add`): one fused max-abs reduction per dtype, on CUDA on a side stream after what the
-    current stream has queued, so it overlaps the bucket's send and the next gather;
-    :meth:`before_write` keeps a buffer from being refilled while its check still reads it."""
+    Every flag comes from a copy that moves the bytes anyway: the copies that place each bucket's pieces
+    (into an export buffer or the engine's weights) flag NaN / Inf as they copy (:meth:`add_flags`). A
+    pipeline stage's leader places its own buckets, so it checks them there and sends the export rank its
+    stage's flags (:meth:`stage_flags`), one small message at the end of the export, instead of the export
+    rank reading the forwarded buckets again."""
 
     def __init__(self, device: torch.device):
+        self.device = device
         self.names: list[str] = []
         self.flags: list[torch.Tensor] = []  # nonzero: not finite
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._read: dict[int, torch.cuda.Event] = {}  # buffer slot -> its check is queued up to here
 
     def add_flags(self, names: list[str], bad: torch.Tensor) -> None:
         """Flags a copy computed (:class:`~..copies.CopyBatch` with ``check=True``), one per name."""
         self.names += names
-        self.flags.append(bad)
+        self.flags.append(bad.clone())  # the copy reuses its flags at its next run
 
-    def add(self, named, slot: int | None = None) -> None:
-        """Check ``named`` (name, tensor) pairs; ``slot``: the export buffer they are views of."""
-        named = list(named)
-        names, tensors = [n for n, _ in named], [t for _, t in named]
-        if self.stream is None:
-            self._add(names, finite_flags(tensors))
-            return
-        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
-        with torch.cuda.stream(self.stream):
-            self._add(names, finite_flags(tensors))
-            if slot is not None:
-                self._read[slot] = self.stream.record_event()
-
-    def _add(self, names: list[str], flags) -> None:
-        for idx, f in flags:
-            self.add_flags([names[i] for i in idx], (~f).to(torch.int32))
-
-    def before_write(self, slot: int) -> None:
-        """The current stream waits until the check of what export buffer ``slot`` holds has read it."""
-        done = self._read.pop(slot, None)
-        if done is not None:
-            torch.cuda.current_stream(self.stream.device).wait_event(done)
+    def stage_flags(self, names: list[str]) -> torch.Tensor:
+        """This rank's flags as one int32 per tensor of ``names`` (a stage's tensors in plan order)."""
+        out = torch.zeros(len(names), dtype=torch.int32, device=self.device)
+        if self.flags:
+            at = {n: i for i, n in enumerate(names)}
+            index = torch.tensor([at[n] for n in self.names], dtype=torch.int64, device=self.device)
+            flags = torch.cat([f.to(self.device, torch.int32) for f in self.flags])
+            out.scatter_reduce_(0, index, flags, reduce="amax")
+        return out
 
     def bad(self) -> list[str]:
         """The tensors with a NaN or Inf (one device-to-host read)."""
         if not self.flags:
             return []
-        if self.stream is not None:
-            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
         bad = torch.cat([f.to(self.flags[0].device) for f in self.flags]).tolist()
         return list(dict.fromkeys(n for n, b in zip(self.names, bad) if b))  # a tensor's pieces: its name once
 
@@ -348,11 +331,14 @@ class WeightExporter:
         if sender is not None:
             sender.start(plan, self._buffers, self.version)
         pending = [None, None]
-        check = _FiniteCheck(self.device) if self.config.check_finite and self.is_export_rank else None
+        # every stage leader checks the pieces it places; the export rank decides for the version
+        check = _FiniteCheck(self.device) if self.config.check_finite and self.is_leader else None
         try:
             self._stream_buckets(plan, sender, pending, check)
             if check is not None:
-                self._refuse_nonfinite(check)
+                self._stage_flags(plan, check)
+                if self.is_export_rank:
+                    self._refuse_nonfinite(check)
         except BaseException:
             # Let in-flight sends finish or fail (each bounded by the timeout), so no
             # transfer is left writing into a buffer or blocking the group's teardown;
@@ -397,6 +383,23 @@ class WeightExporter:
             hit = self._bucket_views[bucket.index] = (out, dests, jobs)
         return hit[1], hit[2]
 
+    def _stage_flags(self, plan: ExportPlan, check: _FiniteCheck) -> None:
+        """The leaders of pipeline stages after the first send the export rank their stage's NaN/Inf flags
+        (one int32 per tensor, plan order; one message each per export), which it adds to its own."""
+        if self.mesh.pp == 1:
+            return
+        leaders, stage = self.stage_leaders, self.mesh.pp_rank
+        for s in range(1, self.mesh.pp):
+            names = list(dict.fromkeys(t.name for b in plan.buckets if b.pp_rank == s for t in b.tensors))
+            if not names:
+                continue
+            if self.is_export_rank:
+                flags = torch.empty(len(names), dtype=torch.int32, device=self.device)
+                dist.recv(flags, src=leaders[s])
+                check.add_flags(names, flags)
+            elif stage == s:
+                dist.send(check.stage_flags(names), dst=leaders[0])
+
     def _refuse_nonfinite(self, check: _FiniteCheck) -> None:
         bad = check.bad()
         if bad:
@@ -432,8 +435,6 @@ class WeightExporter:
             out = None
             if self.is_leader:
                 _wait(pending, slot)
-                if check is not None:
-                    check.before_write(slot)
                 out = self._buffers[slot] if self._buffers else None
             if mine:
                 dests, quantize = (sender.views, []) if push else self._views(bucket, out)
@@ -444,13 +445,8 @@ class WeightExporter:
                     quantize_blocks(staged, out=(q, scale))
             else:  # the export rank receives another stage's bucket
                 dist.recv(out[: bucket.nbytes], src=leaders[bucket.pp_rank])
-                if push:
-                    pairs = [(name, sender.views[name], t) for name, t in unpack(bucket, out)]
-                    bad = CopyBatch([(d, t) for _, d, t in pairs], check=check is not None).run()
-                    if bad is not None:
-                        check.add_flags([name for name, _, _ in pairs], bad)
-                elif check is not None:  # forwarded as received: read once more
-                    check.add(unpack(bucket, out), slot)
+                if push:  # its stage leader checked it: a plain copy into the engine's weights
+                    copy_all([(sender.views[name], t) for name, t in unpack(bucket, out)])
             if push:
                 continue
             if self.is_export_rank:

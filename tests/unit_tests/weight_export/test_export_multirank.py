@@ -2,8 +2,8 @@
 process over the broadcast transport (gloo on CPU, NCCL on GPUs): the
 receiver's state equals the Megatron weights gathered by plain per-parameter
 collectives, exactly; logits match; a NaN in the last element of the last bucket
-(held by another rank: gathered over TP, or forwarded by the last pipeline stage)
-is refused; wrong plans are refused and dead receivers fail the trainer fast."""
+(held by another rank: gathered over TP, or checked by the last pipeline stage's
+leader, which sends its flags) is refused; wrong plans are refused and dead receivers fail the trainer fast."""
 
 import dataclasses
 import time
@@ -48,7 +48,8 @@ def _trainer(tp, pp, target, backend, transport="broadcast"):
     second = exporter.export(version=8)
     verify = exporter.verify(tiny_llama.tokens(SPEC).to(device)) if pp == 1 else None
     # version 9 has a NaN in the last element of the last bucket, on the rank that holds it (TP rank 1: gathered
-    # and placed by the export rank; with PP2 on the last stage: forwarded to it): refused, never published
+    # and placed by the export rank; with PP2 on the last stage: placed by that stage's leader, which sends the
+    # export rank its flags): refused, never published
     from megatron_ext.weight_export.plan.reshard_plan import run_view
 
     last = exporter.plan.buckets[-1].transfers[-1]

@@ -119,7 +119,7 @@ def _trainer(target):
     local.export(version=2)
     if exporter.is_export_rank:
         out["fp8_engine"] = fp8.state
-    # A NaN in one TP shard of one layer's down_proj: refused before the engine applies the version.
+    # A NaN in one TP shard of each stage's first down_proj: refused before the engine applies the version.
     stage_layer = next(n for n, _ in model.named_parameters() if n.endswith("mlp.linear_fc2.weight"))
     with torch.no_grad():
         dict(model.named_parameters())[stage_layer].view(-1)[5] = float("nan")
@@ -202,8 +202,10 @@ def test_fp8_export_sends_the_fp8_checkpoint_and_engines_load_it():
         got = receiver.result()
     assert got["ok"], got.get("error")
     export = out[0]
-    # The NaN (in a shard of stage 0 or 1) is refused by the export rank, which names the weight's scale.
-    assert export["nan"] is not None and "down_proj.weight_scale_inv" in export["nan"], export["nan"]
+    # The NaN (in a TP shard of each stage's first down_proj) is found by the copy that gathers the weight in the
+    # model's dtype before it is quantized (stage 1's leader sends its flags), and the export rank names both.
+    want = "NaN/Inf in 2 tensor(s): model.layers.0.mlp.down_proj.weight, model.layers.1.mlp.down_proj.weight;"
+    assert export["nan"] is not None and want in export["nan"], export["nan"]
     assert got["applied"] == [1, 2, 4], "version 3 (NaN) must not be applied"
     checkpoint, reference = export["checkpoint"], export["reference"]
     # The in-process FP8 engine got the checkpoint bit for bit (values and scales) at version 2.
