@@ -3,6 +3,8 @@ and the record of where and how a result was measured."""
 
 from __future__ import annotations
 
+import statistics
+
 import torch
 
 from megatron_ext.testing import tiny_llama
@@ -160,3 +162,17 @@ def int_at_least(minimum: int):
         return value
 
     return parse
+
+
+def event_ms(fn, iters: int) -> float:
+    """Median milliseconds of ``iters`` calls of ``fn`` after a warm-up, each timed by CUDA events."""
+    fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import PRESETS, provenance  # noqa: E402
+from benchmarks.common import PRESETS, event_ms, provenance  # noqa: E402
 from megatron_ext.copies import CopyBatch, finite_flags  # noqa: E402
 
 
@@ -67,21 +66,7 @@ def qkv_pairs(p: dict, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return pairs
 
 
-def timed(fn, iters: int, device) -> list[float]:
-    fn()
-    torch.cuda.synchronize(device)
-    out = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize(device)
-        out.append(a.elapsed_time(b) / 1e3)
-    return out
-
-
-def measure(name: str, pairs, iters: int, device) -> dict:
+def measure(name: str, pairs, iters: int) -> dict:
     plain, fused = CopyBatch(pairs), CopyBatch(pairs, check=True)
     dsts = [d for d, _ in pairs]
 
@@ -91,9 +76,9 @@ def measure(name: str, pairs, iters: int, device) -> dict:
 
     nbytes = sum(s.numel() * s.element_size() for _, s in pairs)
     times = {
-        "copy": timed(plain.run, iters, device),
-        "copy + check": timed(separate, iters, device),
-        "fused": timed(fused.run, iters, device),
+        "copy": event_ms(plain.run, iters),
+        "copy + check": event_ms(separate, iters),
+        "fused": event_ms(fused.run, iters),
     }
     # the fused flags are right: none now, the last pair's last element once it is NaN
     clean = int(fused.run().sum())
@@ -111,8 +96,8 @@ def measure(name: str, pairs, iters: int, device) -> dict:
         "nan_flagged": flags[-1] != 0 and sum(flags[:-1]) == 0,
     }
     for method, t in times.items():
-        row[f"{method} ms"] = statistics.median(t) * 1e3
-        row[f"{method} GB/s (read+write)"] = 2 * nbytes / statistics.median(t) / 1e9
+        row[f"{method} ms"] = t
+        row[f"{method} GB/s (read+write)"] = 2 * nbytes / t / 1e6
     row["check overhead, separate"] = row["copy + check ms"] / row["copy ms"] - 1
     row["check overhead, fused"] = row["fused ms"] / row["copy ms"] - 1
     return row
@@ -132,7 +117,7 @@ def main(argv=None) -> int:
     rows = []
     for name, build in (("whole HF tensors", whole_pairs), ("q/k/v views of fused QKV", qkv_pairs)):
         pairs = build(p, device)
-        rows.append(measure(name, pairs, args.iters, device))
+        rows.append(measure(name, pairs, args.iters))
         del pairs
         torch.cuda.empty_cache()
     head = f"{'case':28} {'pairs':>5} {'GB':>6} {'copy ms':>8} {'+check ms':>9} {'fused ms':>8}"

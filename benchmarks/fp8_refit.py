@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import PRESETS, provenance  # noqa: E402
+from benchmarks.common import PRESETS, event_ms, provenance  # noqa: E402
 from megatron_ext.sharding import fp8_layout, gpt_specs, megatron_layout  # noqa: E402
 from megatron_ext.sharding.fp8 import is_quantized  # noqa: E402
 from megatron_ext.weight_export import ReshardExecutor, build_reshard_plan, inference_layout  # noqa: E402
@@ -74,20 +74,6 @@ def _timed(fn, device, iters):
     return statistics.median(out)
 
 
-def _event_ms(fn, iters):
-    """Median milliseconds of ``iters`` calls of ``fn`` after a warm-up, each timed by CUDA events."""
-    fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def _kernel_rows(specs, device, iters):
     """Milliseconds and bytes of quantize (Triton) and of dequantize to bf16 (PyTorch ops, Triton kernel) per
     distinct weight shape (all weights of that shape, one after another), and for the whole model. Every
@@ -120,7 +106,7 @@ def _kernel_rows(specs, device, iters):
     for r in (*rows, total):
         tensors = r.pop("tensors")
         for name, fn in paths.items():
-            r[f"{name}_ms"] = _event_ms(lambda fn=fn, tensors=tensors: [fn(*t) for t in tensors], iters)
+            r[f"{name}_ms"] = event_ms(lambda fn=fn, tensors=tensors: [fn(*t) for t in tensors], iters)
             r[f"{name}_gbps"] = r["bytes"] / (r[f"{name}_ms"] * 1e-3) / 1e9
     return rows, total
 
