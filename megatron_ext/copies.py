@@ -13,7 +13,7 @@ import torch
 
 from . import copy_check
 
-__all__ = ["CopyBatch", "FINITE_CHECKED_DTYPES", "LARGE", "copy_all", "finite_flags"]
+__all__ = ["CopyBatch", "FINITE_CHECKED_DTYPES", "FlagsByName", "LARGE", "copy_all", "finite_flags"]
 
 # Tensors of at least this many elements get a kernel of their own: PyTorch's multi-tensor kernels
 # cut every tensor into 64K-element chunks and move less per second than one copy_ / reduction per
@@ -114,6 +114,27 @@ class CopyBatch:
         for word, idx in self.also:
             torch.maximum(word, self.bad[idx].amax().to(word.device), out=word)
         return self.bad
+
+
+class FlagsByName:
+    """NaN/Inf flags of named pieces (a checked :class:`CopyBatch`'s, or :func:`finite_flags`' inverted),
+    kept on the device and read once: :meth:`bad` names each tensor with a non-finite piece."""
+
+    def __init__(self):
+        self.names: list[str] = []
+        self.flags: list[torch.Tensor] = []  # nonzero: not finite
+
+    def add(self, names: list[str], bad: torch.Tensor) -> None:
+        """One flag per name; copied, since a batch reuses its flags at its next run."""
+        self.names += names
+        self.flags.append(bad.clone())
+
+    def bad(self) -> list[str]:
+        """The names with a NaN or Inf, each once (one device-to-host read)."""
+        if not self.flags:
+            return []
+        bad = torch.cat([f.to(self.flags[0].device) for f in self.flags]).tolist()
+        return list(dict.fromkeys(n for n, b in zip(self.names, bad) if b))
 
 
 def copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -32,9 +32,14 @@ MAX_RUNS = 1 << 16  # more runs than this in one pair: also the caller's
 ALIGN = 16  # bytes; runs whose two addresses are multiples get vector loads and stores
 
 
-@functools.cache
 def available() -> bool:
-    """Whether Triton imports (its CUDA backend compiles the kernel at the first call)."""
+    """Whether Triton imports (its CUDA backend compiles the kernel at the first call) and the kernel has not
+    failed in this process (then new copies take the caller's second read from the start)."""
+    return _UNUSABLE is None and _imports()
+
+
+@functools.cache
+def _imports() -> bool:
     try:
         import triton  # noqa: F401
         import triton.language  # noqa: F401

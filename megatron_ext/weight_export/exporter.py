@@ -30,7 +30,7 @@ from ..sharding.megatron import megatron_tensors
 from ..sharding.mesh import MegatronMesh
 from ..sharding.names import global_layer_names, unwrap
 from ..sharding.spec import specs_from_model
-from ..copies import copy_all
+from ..copies import FlagsByName, copy_all
 from .config import HOOK_TRANSPORTS, MAX_BUCKET_MB, MIN_BUCKET_MB, RefitConfig
 from .engines.hf_model import hf_model_config
 from .exec.gather import BucketGatherer, GatherGroup
@@ -60,24 +60,18 @@ class ExportResult:
         return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
 
 
-class _FiniteCheck:
+class _FiniteCheck(FlagsByName):
     """Per-tensor "all finite" flags of one export, kept on the device and read once at its end.
 
     Every flag comes from a copy that moves the bytes anyway: the copies that place each bucket's pieces
-    (into an export buffer or the engine's weights) flag NaN / Inf as they copy (:meth:`add_flags`). A
+    (into an export buffer or the engine's weights) flag NaN / Inf as they copy (:meth:`add`). A
     pipeline stage's leader places its own buckets, so it checks them there and sends the export rank its
     stage's flags (:meth:`stage_flags`), one small message at the end of the export, instead of the export
     rank reading the forwarded buckets again."""
 
     def __init__(self, device: torch.device):
+        super().__init__()
         self.device = device
-        self.names: list[str] = []
-        self.flags: list[torch.Tensor] = []  # nonzero: not finite
-
-    def add_flags(self, names: list[str], bad: torch.Tensor) -> None:
-        """Flags a copy computed (:class:`~..copies.CopyBatch` with ``check=True``), one per name."""
-        self.names += names
-        self.flags.append(bad.clone())  # the copy reuses its flags at its next run
 
     def stage_flags(self, names: list[str]) -> torch.Tensor:
         """This rank's flags as one int32 per tensor of ``names`` (a stage's tensors in plan order)."""
@@ -88,13 +82,6 @@ class _FiniteCheck:
             flags = torch.cat([f.to(self.device, torch.int32) for f in self.flags])
             out.scatter_reduce_(0, index, flags, reduce="amax")
         return out
-
-    def bad(self) -> list[str]:
-        """The tensors with a NaN or Inf (one device-to-host read)."""
-        if not self.flags:
-            return []
-        bad = torch.cat([f.to(self.flags[0].device) for f in self.flags]).tolist()
-        return list(dict.fromkeys(n for n, b in zip(self.names, bad) if b))  # a tensor's pieces: its name once
 
 
 def _wait(pending: list, slot: int) -> None:
@@ -396,18 +383,18 @@ class WeightExporter:
             if self.is_export_rank:
                 flags = torch.empty(len(names), dtype=torch.int32, device=self.device)
                 dist.recv(flags, src=leaders[s])
-                check.add_flags(names, flags)
+                check.add(names, flags)
             elif stage == s:
                 dist.send(check.stage_flags(names), dst=leaders[0])
 
     def _refuse_nonfinite(self, check: _FiniteCheck) -> None:
         bad = check.bad()
         if bad:
-            raise NonFiniteWeights(
-                f"version {self.version} has NaN/Inf in {len(bad)} tensor(s): {', '.join(bad[:5])}"
-                f"{' ...' if len(bad) > 5 else ''}; it was not published (the engines keep their version). Fix "
-                "the training step (loss scale, learning rate, data), or pass check_finite=False / "
-                "--no-refit-check-finite to export anyway"
+            raise NonFiniteWeights.found(
+                self.version,
+                bad,
+                "it was not published (the engines keep their version). Fix the training step (loss scale, "
+                "learning rate, data), or pass check_finite=False / --no-refit-check-finite to export anyway",
             )
 
     def verify(self, tokens: torch.Tensor):
@@ -440,7 +427,7 @@ class WeightExporter:
                 dests, quantize = (sender.views, []) if push else self._views(bucket, out)
                 bad = self._gatherer.gather(bucket, dests, check=check is not None)
                 if bad is not None:  # the copies that placed the pieces flagged NaN / Inf
-                    check.add_flags(self._gatherer.placed(bucket), bad)
+                    check.add(self._gatherer.placed(bucket), bad)
                 for staged, q, scale in quantize:
                     quantize_blocks(staged, out=(q, scale))
             else:  # the export rank receives another stage's bucket

@@ -22,7 +22,7 @@ import torch
 
 from ...sharding.fp8 import FP8_DTYPE, scale_name, scale_shape
 from ...sharding.moe import fused_expert_views
-from ...copies import copy_all, finite_flags
+from ...copies import FlagsByName, copy_all, finite_flags
 from ..plan.errors import NonFiniteWeights
 from ..plan.export_plan import BucketMeta, ExportPlan, PlanMismatch, check_plan, unpack
 from ..plan.fp8 import dequantize_blocks
@@ -110,7 +110,7 @@ class WeightReceiver:
         self._in_place = False  # the version in progress is written by the transport itself
         self._offsets: dict[int, int] = {}
         self._dequantize: dict[str, torch.dtype] = {}  # FP8 weight -> the dtype the consumer loads it in
-        self._checks: list[tuple[list[str], torch.Tensor]] = []  # NaN/Inf flags the version's copies left
+        self._checks = FlagsByName()  # NaN/Inf flags the version's copies left
         self.plans_received = 0
 
     @property
@@ -157,7 +157,7 @@ class WeightReceiver:
         """A version starts; ``in_place``: the transport writes the weights directly."""
         if self.plan is None:
             raise PlanMismatch("no plan received before version begin")
-        self._version, self._arrived, self._in_place, self._checks = version, set(), in_place, []
+        self._version, self._arrived, self._in_place, self._checks = version, set(), in_place, FlagsByName()
         if in_place:
             self._mixed = True
 
@@ -217,12 +217,12 @@ class WeightReceiver:
         self._mixed = True
         bad = copies.run(check)
         if bad is not None:
-            self._checks.append((copies.names, bad))
+            self._checks.add(copies.names, bad)
         if loads:
             if check:
                 pieces = [(n, src) for n, ps in loads for _, src in ps]
                 for idx, finite in finite_flags([src for _, src in pieces]):
-                    self._checks.append(([pieces[i][0] for i in idx], (~finite).to(torch.int32)))
+                    self._checks.add([pieces[i][0] for i in idx], (~finite).to(torch.int32))
             metas = {t.name: t for t in self.plan.tensors()}
             self.consumer.load_weights((n, _assemble(metas[n], pieces)) for n, pieces in loads)
         self._arrived = {b.index for b in self.plan.buckets}
@@ -239,14 +239,9 @@ class WeightReceiver:
         missing = [b.index for b in self.plan.buckets if b.index not in self._arrived]
         if missing:
             raise RuntimeError(f"version {version} incomplete: buckets {missing[:5]} never arrived")
-        checks, self._checks = self._checks, []
-        if checks:  # one device-to-host read of the flags the copies left
-            flags = torch.cat([f.to(checks[0][1].device) for _, f in checks]).tolist()
-            bad = list(dict.fromkeys(n for n, f in zip((n for names, _ in checks for n in names), flags) if f))
-            if bad:
-                raise NonFiniteWeights(
-                    f"version {version} has NaN/Inf in {len(bad)} tensor(s): {', '.join(bad[:5])}", names=bad
-                )
+        bad, self._checks = self._checks.bad(), FlagsByName()  # one device-to-host read of the copies' flags
+        if bad:
+            raise NonFiniteWeights.found(version, bad)
         if self._staging is not None and not self._in_place:  # commit the staged version
             self._mixed = True
             for b in self.plan.buckets:
@@ -259,7 +254,7 @@ class WeightReceiver:
     def abort(self) -> int | None:
         """The version in progress will not complete: drop it. Returns the version the
         consumer still holds (None when part of this one was already written in place)."""
-        self._version, self._arrived, self._checks = None, set(), []
+        self._version, self._arrived, self._checks = None, set(), FlagsByName()
         if self._mixed:
             self.applied_version = None
         return self.applied_version

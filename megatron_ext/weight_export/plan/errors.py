@@ -46,6 +46,13 @@ class NonFiniteWeights(RefitError, ValueError):
         super().__init__(message)
         self.names = list(names or [])
 
+    @classmethod
+    def found(cls, version: int, names: list[str], then: str = "") -> "NonFiniteWeights":
+        """``version has NaN/Inf in N tensor(s): <the first 5 names>[; then]``."""
+        more = " ..." if len(names) > 5 else ""
+        text = f"version {version} has NaN/Inf in {len(names)} tensor(s): {', '.join(names[:5])}{more}"
+        return cls(f"{text}; {then}" if then else text, names=names)
+
 
 class RefitRejected(RefitError, RuntimeError):
     """A rank refused a version. ``reason``:

@@ -92,12 +92,12 @@ class _RemoteSender:
         for address, msg in zip(self.addresses, replies):
             bad = msg.fields.get("nonfinite")
             if bad:
-                raise NonFiniteWeights(
-                    f"version {version} has NaN/Inf in {len(bad)} tensor(s): {', '.join(bad[:5])}"
-                    f"{' ...' if len(bad) > 5 else ''}; the engine at {address} found them as it copied the "
-                    f"version into its weights and holds {versions.describe(msg['version'])}. Fix the training "
-                    "step (loss scale, learning rate, data) and export again, or pass check_finite=False / "
-                    "--no-refit-check-finite to export anyway"
+                raise NonFiniteWeights.found(
+                    version,
+                    bad,
+                    f"the engine at {address} found them as it copied the version into its weights and holds "
+                    f"{versions.describe(msg['version'])}. Fix the training step (loss scale, learning rate, "
+                    "data) and export again, or pass check_finite=False / --no-refit-check-finite to export anyway",
                 )
         return [msg["version"] for msg in replies]
 
