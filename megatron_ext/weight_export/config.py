@@ -102,9 +102,10 @@ class RefitConfig:
     version and apply it at the end, else stream; a hook engine chooses with
     ``serve(atomic=)``), ``atomic_staging`` (p2p atomic receivers keep the version on
     the ``device`` or in pinned ``host`` memory), ``memory_budget_mb`` (p2p: the most
-    device staging any rank may hold, whatever its number of peers; None: no bound,
-    ``max_inflight`` buckets per peer each way), ``check_finite`` (refuse to publish a version with a NaN
-    or Inf weight, checked inside the copies that move the bytes), ``backend``
+    device staging any rank may hold, whatever its number of peers; ``"auto"`` (default):
+    :data:`AUTO_MEMORY_BUDGET_MB`, an atomic receiver's version on the device on top; ``"none"`` /
+    None: no bound, ``max_inflight`` buckets per peer each way), ``check_finite`` (refuse to
+    publish a version with a NaN or Inf weight, checked inside the copies that move the bytes), ``backend``
     (of the broadcast group or the refit group; auto: NCCL on GPU) and
     ``timeout_s`` (every wait on a peer). ``quantize``: ``fp8-block`` sends
     decoder-layer linear weights as FP8 with a float32 scale per 128 x 128 block

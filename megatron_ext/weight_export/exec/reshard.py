@@ -314,7 +314,7 @@ class ReshardExecutor:
                 inflight.append(self._post(k))
                 if k == 0:
                     local_check = self._check_local()  # atomic: next to the rounds in flight
-            if local_check is None:
+            if not self.rounds:
                 local_check = self._check_local()
             while inflight:
                 self._complete(inflight.popleft(), version, refused, unchecked)
