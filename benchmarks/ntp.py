@@ -56,7 +56,11 @@ integer shares (``--model-microbatches`` per replica of ``--model-micro-batch`` 
 run's samples per replica, one per micro-batch) and fluid ones, the granularity term
 (fluid minus integer) of the policy and of drop, and the shrinking-batch option (every replica keeps
 its per-step work, the global batch shrinks by the satellites' shortfall, at most
-``--model-max-shrink``). Last, this run's values and the model's against the issue's targets.
+``--model-max-shrink``). ``--pp P`` gives every large job's replica P pipeline stages of TP GPUs
+(``DP x P x TP`` GPUs; the failures placed over all of them, a replica's degree set by its worst
+stage; the measured costs are the whole model's, carried to a 1F1B pipeline per replica: the
+module docstring of the cost model gives the formula). Last, this run's values and the model's
+against the issue's targets.
 
 JSON (``--out``): every table, the costs the model used, ``provenance`` (date, command, machine,
 versions) and ``per_rank``: every rank's per-step timings of every phase and its memory.
@@ -469,12 +473,21 @@ def large_tables(costs: cost_model.StepCosts, args) -> tuple[list[dict], int]:
     )
     units = args.model_microbatches
     tables = []
+    pp = args.pp
     for dp, job_tp in args.model_jobs:
         rows = cost_model.large_job_table(
-            large, dp, job_tp, args.model_failed, units * dp, max_shrink=args.model_max_shrink, sizes=args.model_divides
+            large,
+            dp,
+            job_tp,
+            args.model_failed,
+            units * dp,
+            max_shrink=args.model_max_shrink,
+            sizes=args.model_divides,
+            pp=pp,
         )
         print(
-            f"\nlarge job: DP={dp} x TP={job_tp} ({dp * job_tp} GPUs), {units} micro-batches of "
+            f"\nlarge job: DP={dp} x {f'PP={pp} x ' if pp > 1 else ''}TP={job_tp} ({dp * pp * job_tp} GPUs), "
+            f"{units} micro-batches of "
             f"{args.model_micro_batch} sample(s) per replica ({units * dp} per global batch)"
             + (f"; r divides {', '.join(map(str, args.model_divides))}" if args.model_divides else "")
             + "; retained tokens/s vs uniform, integer shares unless 'fluid'"
@@ -497,10 +510,11 @@ def large_tables(costs: cost_model.StepCosts, args) -> tuple[list[dict], int]:
             )
         lines = cost_model.verdict(rows)
         print("\n".join(lines))
-        tables.append(dict(dp=dp, tp=job_tp, rows=rows, verdict=lines))
+        tables.append(dict(dp=dp, tp=job_tp, pp=pp, rows=rows, verdict=lines))
+    slots = units + pp - 1  # a pipeline's slots per stage: the micro-batches and the bubble
     print(
         f"granularity = fluid minus integer shares: with {units} micro-batches per replica one more on the slowest "
-        f"replica costs up to 1/{units} = {1 / units:.2%}, for NTP and drop alike. shrink: every replica keeps "
+        f"replica costs up to 1/{slots} = {1 / slots:.2%}, for NTP and drop alike. shrink: every replica keeps "
         "its per-step work, a satellite does what fits in the step, the global batch shrinks by the shortfall "
         f"(at most --model-max-shrink {args.model_max_shrink:.0%}; 'batch' = the fraction kept): no granularity "
         "loss, but another global batch size for the optimiser."
@@ -511,6 +525,14 @@ def large_tables(costs: cost_model.StepCosts, args) -> tuple[list[dict], int]:
         "time, not hidden), bystanders nothing; the DP collective is a ring over the healthy replicas at TP=tp "
         "(all at r: over every replica, tp/r longer, optimizer too); the links are this run's; the model must "
         "split at TP=r (heads, query groups, ffn, vocab divisible by r: --model-divides lowers r until they are)."
+        + (
+            f" PP={pp}: each replica a 1F1B pipeline, (m + {pp - 1}) x 1/{pp} of a micro-batch's time for m "
+            f"micro-batches (the bubble); every stage of a degraded replica at TP=r (r set by its worst stage); "
+            f"the transfers, the DP collective and the optimizer per rank 1/{pp} of PP=1's (each stage its own "
+            "layers, all stages at once); dropping a replica removes its PP x TP GPUs."
+            if pp > 1
+            else ""
+        )
     )
     return tables, units
 
@@ -580,12 +602,16 @@ def targets(summary: dict, model: dict, memory: dict, args) -> list[str]:
     return lines
 
 
+def _row_label(r: dict) -> str:
+    return f"{r['dp']}x{r['tp']}" + (f" PP={r['pp']}" if r["pp"] > 1 else "") + f" k={r['k']} {r['placement']}"
+
+
 def model_targets(model: dict) -> list[str]:
     """The issue's targets for the large-job model."""
     rows = [r for t in model["large_jobs"] for r in t["rows"]]
-    below = [f"{r['dp']}x{r['tp']} k={r['k']} {r['placement']}" for r in rows if r["ntp policy"] < r["drop"]]
+    below = [_row_label(r) for r in rows if r["ntp policy"] < r["drop"]]
     far = [
-        f"{r['dp']}x{r['tp']} k={r['k']} {r['placement']} ({r['ntp policy fluid']:.2%} vs {r['ideal']:.2%})"
+        f"{_row_label(r)} ({r['ntp policy fluid']:.2%} vs {r['ideal']:.2%})"
         for r in rows
         if r["ntp policy fluid"] < r["ideal"] - 0.01
     ]
@@ -600,8 +626,9 @@ def model_targets(model: dict) -> list[str]:
     k1 = [r for r in rows if r["tp"] == 8 and r["k"] == 1 and r["placement"] == "spread"]
     if k1:
         r = k1[0]
+        job = f"DP={r['dp']}" + (f", PP={r['pp']}" if r["pp"] > 1 else "")
         lines.append(
-            f"model: k=1 at TP 8->7 (DP={r['dp']}): fluid {r['ntp policy fluid']:.2%}, integer {r['ntp policy']:.2%}, "
+            f"model: k=1 at TP 8->7 ({job}): fluid {r['ntp policy fluid']:.2%}, integer {r['ntp policy']:.2%}, "
             f"shrink {_fmt(r['ntp shrink']).strip()}; target >= 98.5%"
         )
     else:
@@ -705,6 +732,12 @@ def parse_args(argv=None):
     )
     parser.add_argument("--model-failed", type=int_at_least(1), default=8, help="cost model: k = 1..this")
     parser.add_argument(
+        "--pp",
+        type=int_at_least(1),
+        default=1,
+        help="cost model: pipeline stages per replica of the large jobs (DP x PP x TP GPUs; default 1)",
+    )
+    parser.add_argument(
         "--model-micro-batch",
         type=int_at_least(1),
         default=1,
@@ -789,10 +822,10 @@ def _check(parser, args) -> None:
                 f"use a multiple of {math.lcm(mb * args.replicas, mb * (args.replicas - 1))}"
             )
     for dp, tp in args.model_jobs:
-        if args.model_failed > dp * tp:
+        if args.model_failed > dp * args.pp * tp:
             parser.error(
-                f"--model-failed {args.model_failed} is more than the {dp * tp} GPUs of the --model-jobs entry "
-                f"{dp}x{tp}"
+                f"--model-failed {args.model_failed} is more than the {dp * args.pp * tp} GPUs of the --model-jobs "
+                f"entry {dp}x{tp}" + (f" at --pp {args.pp}" if args.pp > 1 else "")
             )
     if args.model_microbatches is None:
         samples = gb // args.replicas

@@ -706,8 +706,9 @@ def reduce_loss_over_replicas(local_mean_loss, shares: BatchShares, group=None):
     over its own micro-batches (what Megatron's loss function reports, averaged
     over the micro-batches of one step). Collective over all active ranks of an
     NTP job (``group``: default the default group, which in an NTP job holds exactly the
-    active ranks: simulate mode rebuilds it without the leavers): each rank adds
-    ``gradient_weight * loss / tp_size``, so every replica counts once.
+    active ranks: simulate mode rebuilds it without the leavers): each rank of a last
+    pipeline stage adds ``gradient_weight * loss / tp_size``, so every replica counts once
+    (the other stages have no loss: what they pass is not read).
 
     ``local_mean_loss`` is a tensor on this rank's device; the result is a new
     tensor. (Per-token losses need no weighting: sum the per-token loss and token
@@ -718,5 +719,7 @@ def reduce_loss_over_replicas(local_mean_loss, shares: BatchShares, group=None):
 
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     value = local_mean_loss.detach().to(torch.float64) * (shares.gradient_weight() / tp_size)
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        value.zero_()
     dist.all_reduce(value, group=group)
     return value.to(local_mean_loss.dtype)

@@ -1,9 +1,11 @@
 """User-facing configuration of nonuniform tensor parallelism (NTP).
 
 A job has ``data_parallel_size`` replicas, each normally running at TP degree
-``tp_base``. ``non_active_ranks_per_dp`` maps a replica index to the TP slots
-(``0..tp_base-1``) whose GPUs are out; every degraded replica runs at the same
-reduced degree ``tp_base - tp_spares`` on its remaining slots.
+``tp_base`` in each of its ``pipeline_model_parallel_size`` stages.
+``non_active_ranks_per_dp`` maps a replica index (with pipeline stages: a
+``(replica, stage)`` pair) to the TP slots (``0..tp_base-1``) whose GPUs are out;
+every degraded replica runs every stage at the same reduced degree
+``tp_base - tp_spares`` on its remaining slots.
 """
 
 from __future__ import annotations
@@ -44,7 +46,13 @@ class NonuniformTPConfig:
             degraded replica runs at ``tp_reduced = tp_base - tp_spares``.
         non_active_ranks_per_dp: replica index -> TP slots that are out. Every
             listed replica must list exactly ``tp_spares`` slots. Every replica
-            may be listed (the job is then uniform TP at ``tp_reduced``).
+            may be listed (the job is then uniform TP at ``tp_reduced``). With
+            ``pipeline_model_parallel_size`` > 1 the keys are ``(replica, stage)``
+            pairs and a listed replica lists every stage (a replica that lost GPUs
+            in one stage runs every stage at ``tp_reduced``, so that the activations
+            between stages keep their shapes).
+        pipeline_model_parallel_size: Megatron's ``--pipeline-model-parallel-size``:
+            stages per replica (an int >= 1).
         data_parallel_size: number of replicas; ``None`` derives it from the
             world size in :meth:`layout`.
         launch_mode: ``"packed"``: the failed GPUs have no process, the job
@@ -100,6 +108,7 @@ class NonuniformTPConfig:
     share_unit: str = "microbatch"
     sequence_parallel: bool = False
     seq_length: int | None = None
+    pipeline_model_parallel_size: int = 1
 
     def __post_init__(self):
         if not isinstance(self.tp_base, int) or self.tp_base < 1:
@@ -144,8 +153,15 @@ class NonuniformTPConfig:
             raise ValueError(
                 f"NonuniformTPConfig.data_parallel_size must be >= 1 or None, got {self.data_parallel_size!r}"
             )
+        pp = self.pipeline_model_parallel_size
+        if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
+            raise ValueError(
+                "NonuniformTPConfig.pipeline_model_parallel_size (--pipeline-model-parallel-size) must be an int >= 1, "
+                f"got {pp!r}"
+            )
         normalized = {}
-        for replica, slots in dict(self.non_active_ranks_per_dp).items():
+        for key, slots in dict(self.non_active_ranks_per_dp).items():
+            replica, stage = self._split_key(key)
             if (
                 not isinstance(replica, int)
                 or replica < 0
@@ -160,33 +176,86 @@ class NonuniformTPConfig:
             for s in slots:
                 if not isinstance(s, int) or not 0 <= s < self.tp_base:
                     raise ValueError(
-                        f"NonuniformTPConfig.non_active_ranks_per_dp[{replica}]: slot {s!r} is out of "
+                        f"NonuniformTPConfig.non_active_ranks_per_dp[{key!r}]: slot {s!r} is out of "
                         f"range; allowed: 0..{self.tp_base - 1} (tp_base={self.tp_base})"
                     )
             if len(set(slots)) != len(slots):
                 raise ValueError(
-                    f"NonuniformTPConfig.non_active_ranks_per_dp[{replica}]: duplicated slot in {slots}; "
+                    f"NonuniformTPConfig.non_active_ranks_per_dp[{key!r}]: duplicated slot in {slots}; "
                     "list each failed TP slot once"
                 )
             if len(slots) != self.tp_spares:
                 raise ValueError(
-                    f"NonuniformTPConfig.non_active_ranks_per_dp[{replica}] lists {len(slots)} slot(s) "
+                    f"NonuniformTPConfig.non_active_ranks_per_dp[{key!r}] lists {len(slots)} slot(s) "
                     f"but tp_spares={self.tp_spares}: every degraded replica must deactivate exactly "
-                    "tp_spares slots; use compute_uniform_tp_spares_with_parity() to derive both"
+                    "tp_spares slots"
+                    + (" in every stage" if pp > 1 else "")
+                    + "; use compute_uniform_tp_spares_with_parity() to derive both"
                 )
-            normalized[replica] = tuple(sorted(slots))
+            if (replica, stage) in normalized:
+                raise ValueError(
+                    f"NonuniformTPConfig.non_active_ranks_per_dp lists replica {replica}"
+                    + (f", stage {stage}" if pp > 1 else "")
+                    + " twice"
+                )
+            normalized[(replica, stage)] = tuple(sorted(slots))
         if self.tp_spares > 0 and not normalized:
             raise ValueError(
                 f"NonuniformTPConfig.tp_spares={self.tp_spares} but non_active_ranks_per_dp is empty; "
                 "set tp_spares=0 or list the failed slots"
             )
-        self.non_active_ranks_per_dp = dict(sorted(normalized.items()))
+        for replica in sorted({d for d, _ in normalized}):
+            missing = [p for p in range(pp) if (replica, p) not in normalized]
+            if missing:
+                raise ValueError(
+                    f"NonuniformTPConfig.non_active_ranks_per_dp lists replica {replica} in stage(s) "
+                    f"{sorted(set(range(pp)) - set(missing))} but not in stage(s) {missing}: a degraded replica runs "
+                    f"every stage at tp_reduced={self.tp_reduced}, so every stage lists its {self.tp_spares} inactive "
+                    "slot(s); use compute_uniform_tp_spares_with_parity() to fill them"
+                )
+        items = sorted(normalized.items())
+        self.non_active_ranks_per_dp = {d if pp == 1 else (d, p): v for (d, p), v in items}
         self._check_model_shape()
+
+    def _split_key(self, key) -> tuple[int, int]:
+        """A key of ``non_active_ranks_per_dp`` as ``(replica, stage)``: a replica index alone
+        (one stage), or a ``(replica, stage)`` pair (refused where the stage is out of range)."""
+        pp = self.pipeline_model_parallel_size
+        if isinstance(key, tuple):
+            if len(key) != 2 or not all(isinstance(k, int) and not isinstance(k, bool) for k in key):
+                raise ValueError(
+                    f"NonuniformTPConfig.non_active_ranks_per_dp: key {key!r} is not a replica index or a "
+                    "(replica, stage) pair of ints"
+                )
+            replica, stage = key
+            if not 0 <= stage < pp:
+                raise ValueError(
+                    f"NonuniformTPConfig.non_active_ranks_per_dp: stage {stage} of key {key!r} is out of range; "
+                    f"allowed: 0..{pp - 1} (pipeline_model_parallel_size={pp})"
+                )
+            return replica, stage
+        if pp > 1:
+            raise ValueError(
+                f"NonuniformTPConfig.non_active_ranks_per_dp: key {key!r} names no pipeline stage; with "
+                f"pipeline_model_parallel_size={pp} key the inactive slots by (replica, stage) "
+                "(--ntp-failed-slots 'REPLICA,STAGE:SLOT[,SLOT...]')"
+            )
+        return key, 0
 
     @property
     def tp_reduced(self) -> int:
         """TP degree of a degraded replica."""
         return self.tp_base - self.tp_spares
+
+    @property
+    def failed_slots_by_stage(self) -> dict[tuple[int, int], tuple[int, ...]]:
+        """``(replica, stage)`` -> its inactive TP slots (with one stage, every stage is 0)."""
+        return {(k, 0) if isinstance(k, int) else k: v for k, v in self.non_active_ranks_per_dp.items()}
+
+    @property
+    def degraded_replicas(self) -> list[int]:
+        """The replicas that lost GPUs (in any stage), in index order."""
+        return sorted({d for d, _ in self.failed_slots_by_stage})
 
     def _check_model_shape(self):
         degrees = sorted({self.tp_base, self.tp_reduced})
@@ -277,14 +346,15 @@ class NonuniformTPConfig:
 
     def kept_replicas(self, launched: int) -> int:
         """The replicas that train, of ``launched``: all, or the healthy ones when the others drop."""
-        return launched - len(self.non_active_ranks_per_dp) if self.drops else launched
+        return launched - len(self.degraded_replicas) if self.drops else launched
 
     def replica_tp_degrees(self, num_replicas: int) -> list[int]:
         """TP degree of every replica that trains: ``tp_reduced`` for the listed ones, else ``tp_base``
         (all ``tp_base`` when the listed ones drop)."""
         if self.drops:
             return [self.tp_base] * num_replicas
-        return [self.tp_reduced if d in self.non_active_ranks_per_dp else self.tp_base for d in range(num_replicas)]
+        degraded = set(self.degraded_replicas)
+        return [self.tp_reduced if d in degraded else self.tp_base for d in range(num_replicas)]
 
     def batch_shares(self, global_batch_size: int, micro_batch_size: int, num_replicas: int | None = None):
         """How many micro-batches of each global batch every replica processes,
@@ -321,7 +391,7 @@ class NonuniformTPConfig:
                 f"num_replicas={num_replicas} differs from NonuniformTPConfig.data_parallel_size="
                 f"{self.data_parallel_size}" + (" less the dropped replicas" if self.drops else "")
             )
-        bad = [] if self.drops else [d for d in self.non_active_ranks_per_dp if d >= num_replicas]
+        bad = [] if self.drops else [d for d in self.degraded_replicas if d >= num_replicas]
         if bad:
             raise ValueError(
                 f"NonuniformTPConfig.non_active_ranks_per_dp names replica(s) {bad} but the job has "
@@ -385,6 +455,8 @@ class NonuniformTPConfig:
         sequence_parallel = getattr(args, "sequence_parallel", False) is True
         seq_length = getattr(args, "seq_length", None)
         seq_length = seq_length if isinstance(seq_length, int) and seq_length > 0 else None
+        pp = getattr(args, "pipeline_model_parallel_size", None)
+        pp = pp if isinstance(pp, int) and not isinstance(pp, bool) and pp >= 1 else 1
         if tp_base is None:
             given = [
                 f"{flag} {value!r}"
@@ -415,7 +487,16 @@ class NonuniformTPConfig:
             data_parallel_size=(
                 data_parallel_size if isinstance(data_parallel_size, int) and data_parallel_size >= 1 else None
             ),
+            pipeline_model_parallel_size=pp,
         )
+        vpp = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+        if failed and isinstance(vpp, int) and not isinstance(vpp, bool):
+            raise ValueError(
+                f"--num-layers-per-virtual-pipeline-stage {vpp} with --ntp-failed-slots: nonuniform TP does not run "
+                "interleaved pipeline schedules in a job with a degraded replica (a degraded replica and its partner "
+                "run different numbers of micro-batches, and the interleaved schedule then reaches the model chunks' "
+                "transfers in different orders on the two); drop --num-layers-per-virtual-pipeline-stage"
+            )
         if measure_steps is not None and balance != "measured":
             raise ValueError(
                 f"--ntp-balance-measure-steps {measure_steps} is read only with --ntp-balance measured (got "
@@ -448,7 +529,9 @@ class NonuniformTPConfig:
                 "seq_length": seq_length if sequence_parallel else None,
             }
             sizes = {k: v for k, v in sizes.items() if isinstance(v, int) and v > 0}
-            spares, failed = compute_uniform_tp_spares_with_parity(failed, tp_base, divides=sizes)
+            spares, failed = compute_uniform_tp_spares_with_parity(
+                failed, tp_base, divides=sizes, pipeline_model_parallel_size=pp
+            )
         extra = {} if measure_steps is None else {"balance_measure_steps": measure_steps}
         if chunk is not None:
             extra["transfer_chunk_mb"] = chunk
@@ -458,6 +541,8 @@ class NonuniformTPConfig:
             extra["share_unit"] = share_unit
         if sequence_parallel:
             extra.update(sequence_parallel=True, seq_length=seq_length)
+        if pp > 1:
+            extra["pipeline_model_parallel_size"] = pp
         config = cls(
             tp_base=tp_base,
             tp_spares=spares,
@@ -487,36 +572,51 @@ class NonuniformTPConfig:
 
 
 def compute_uniform_tp_spares_with_parity(
-    faulty_gpu_map: Mapping[int, "list[int] | tuple[int, ...]"],
+    faulty_gpu_map: Mapping,
     tp_base: int,
     divides: Mapping[str, int | None] | None = None,
-) -> tuple[int, dict[int, tuple[int, ...]]]:
+    pipeline_model_parallel_size: int = 1,
+) -> tuple[int, dict]:
     """Spares and per-replica non-active slots so every degraded replica runs
-    at the same reduced TP degree.
+    at the same reduced TP degree, in every pipeline stage.
 
-    ``tp_spares`` is the largest failure count over replicas, raised until
+    ``faulty_gpu_map`` keys are replica indices (one stage) or ``(replica, stage)`` pairs.
+    ``tp_spares`` is the largest failure count over replicas and stages, raised until
     ``tp_base - tp_spares`` divides every size in ``divides`` (e.g. ``{"num_attention_heads":
     32, "num_query_groups": 8, "ffn_hidden_size": 14336}``; ``None`` values are skipped): the
-    largest reduced degree the model splits at (1 always does). A replica with fewer failures
-    also deactivates its highest healthy slots. Returns ``(tp_spares, non_active_ranks_per_dp)``.
+    largest reduced degree the model splits at (1 always does). A replica (stage) with fewer
+    failures also deactivates its highest healthy slots; with pipeline stages, every stage of a
+    replica that lost GPUs in any stage is listed. Returns ``(tp_spares, non_active_ranks_per_dp)``
+    keyed like ``NonuniformTPConfig.non_active_ranks_per_dp`` (by replica with one stage, else by
+    ``(replica, stage)``).
     """
     if not isinstance(tp_base, int) or tp_base < 1:
         raise ValueError(f"tp_base must be an int >= 1, got {tp_base!r}")
+    pp = pipeline_model_parallel_size
     faulty = {}
-    for replica, slots in faulty_gpu_map.items():
+    for key, slots in faulty_gpu_map.items():
+        replica, stage = key if isinstance(key, tuple) else (key, 0)
+        if not 0 <= stage < pp:
+            raise ValueError(
+                f"faulty_gpu_map[{key!r}]: stage {stage} out of range; allowed: 0..{pp - 1} "
+                f"(pipeline_model_parallel_size={pp})"
+            )
         slots = sorted(set(slots))
         bad = [s for s in slots if not 0 <= s < tp_base]
         if bad:
-            raise ValueError(f"faulty_gpu_map[{replica}]: slot(s) {bad} out of range; allowed: 0..{tp_base - 1}")
+            raise ValueError(f"faulty_gpu_map[{key!r}]: slot(s) {bad} out of range; allowed: 0..{tp_base - 1}")
         if slots:
-            faulty[replica] = slots
+            faulty[(replica, stage)] = slots
     if not faulty:
         return 0, {}
     spares = max(len(s) for s in faulty.values())
     if spares >= tp_base:
         raise ValueError(
-            f"a replica lost {spares} of {tp_base} GPUs: at least one GPU per replica must survive "
-            "(drop that replica from the job instead)"
+            f"a replica lost {spares} of {tp_base} GPUs"
+            + (" of one pipeline stage" if pp > 1 else "")
+            + ": at least one GPU per replica"
+            + (" and stage" if pp > 1 else "")
+            + " must survive (drop that replica from the job instead)"
         )
     sizes = [v for v in (divides or {}).values() if v is not None]
     lost = spares
@@ -532,44 +632,56 @@ def compute_uniform_tp_spares_with_parity(
             ", ".join(f"{k}={v}" for k, v in divides.items() if v is not None),
         )
     out = {}
-    for replica, slots in sorted(faulty.items()):
-        extra = [s for s in reversed(range(tp_base)) if s not in slots][: spares - len(slots)]
-        out[replica] = tuple(sorted(slots + extra))
+    for replica in sorted({d for d, _ in faulty}):
+        for stage in range(pp):
+            slots = faulty.get((replica, stage), [])
+            extra = [s for s in reversed(range(tp_base)) if s not in slots][: spares - len(slots)]
+            out[replica if pp == 1 else (replica, stage)] = tuple(sorted(slots + extra))
     return spares, out
 
 
 FAILED_SLOTS_FORM = (
-    "'REPLICA:SLOT[,SLOT...]' entries separated by ';' (REPLICA >= 0, SLOT in 0..tp_base-1, each listed "
-    "once), e.g. '0:3;2:1,5'"
+    "'REPLICA[,STAGE]:SLOT[,SLOT...]' entries separated by ';' (REPLICA >= 0, STAGE: the pipeline stage, "
+    "needed with --pipeline-model-parallel-size > 1, SLOT in 0..tp_base-1, each listed once), e.g. '0:3;2:1,5' "
+    "or '0,1:3'"
 )
 
 
 def parse_failed_slots(
-    text: str, tp_base: int | None = None, data_parallel_size: int | None = None
-) -> dict[int, tuple[int, ...]]:
-    """``"0:3;2:1,5"`` -> ``{0: (3,), 2: (1, 5)}``.
+    text: str,
+    tp_base: int | None = None,
+    data_parallel_size: int | None = None,
+    pipeline_model_parallel_size: int | None = None,
+) -> dict:
+    """``"0:3;2:1,5"`` -> ``{0: (3,), 2: (1, 5)}``; ``"0,1:3"`` -> ``{(0, 1): (3,)}`` (replica 0,
+    pipeline stage 1).
 
     Refused, with a ValueError naming ``--ntp-failed-slots``: an entry not of the
-    form ``REPLICA:SLOT[,SLOT...]``, a negative replica index or slot, a replica
-    listed twice or with no slot, a slot listed twice for one replica; with
-    ``tp_base`` also a slot ``>= tp_base``, with ``data_parallel_size`` also a
-    replica index ``>= data_parallel_size``.
+    form ``REPLICA[,STAGE]:SLOT[,SLOT...]``, a negative replica index, stage or slot, a
+    replica (stage) listed twice or with no slot, a slot listed twice for one entry; with
+    ``tp_base`` also a slot ``>= tp_base``, with ``data_parallel_size`` also a replica index
+    ``>= data_parallel_size``, with ``pipeline_model_parallel_size`` also a stage out of range,
+    and an entry without a stage where there are several stages.
     """
-    out: dict[int, tuple[int, ...]] = {}
+    out: dict = {}
+    pp = pipeline_model_parallel_size
     parts = [p.strip() for p in text.split(";")] if text.strip() else []
     if "" in parts:
         raise ValueError(
             f"--ntp-failed-slots: empty entry in {text!r} (';' twice, or at an end); expected {FAILED_SLOTS_FORM}"
         )
     for part in parts:
-        replica, sep, slots = part.partition(":")
+        head, sep, slots = part.partition(":")
         try:
             if not sep:
                 raise ValueError
-            key = int(replica)
+            coords = tuple(int(c) for c in head.split(","))
+            if len(coords) not in (1, 2):
+                raise ValueError
             vals = tuple(int(s) for s in slots.split(",") if s.strip())
         except ValueError:
             raise ValueError(f"--ntp-failed-slots: cannot parse {part!r}; expected {FAILED_SLOTS_FORM}") from None
+        key = coords[0]
         if key < 0 or (data_parallel_size is not None and key >= data_parallel_size):
             allowed = (
                 "REPLICA >= 0"
@@ -577,30 +689,51 @@ def parse_failed_slots(
                 else f"0..{data_parallel_size - 1} (--ntp-data-parallel-size {data_parallel_size})"
             )
             raise ValueError(f"--ntp-failed-slots: replica index {key} in {part!r} is out of range; allowed: {allowed}")
+        if len(coords) == 2:
+            stage = coords[1]
+            if stage < 0 or (pp is not None and stage >= pp):
+                allowed = "STAGE >= 0" if pp is None else f"0..{pp - 1} (--pipeline-model-parallel-size {pp})"
+                raise ValueError(f"--ntp-failed-slots: stage {stage} in {part!r} is out of range; allowed: {allowed}")
+            key = (key, stage)
+        elif pp is not None and pp > 1:
+            raise ValueError(
+                f"--ntp-failed-slots: {part!r} names no pipeline stage; with --pipeline-model-parallel-size {pp} "
+                f"write REPLICA,STAGE:SLOTS (e.g. '{key},0:{slots.strip()}')"
+            )
         if key in out:
-            raise ValueError(f"--ntp-failed-slots: replica {key} listed twice in {text!r}")
+            raise ValueError(f"--ntp-failed-slots: {_entry(key)} listed twice in {text!r}")
         if not vals:
             raise ValueError(
-                f"--ntp-failed-slots: replica {key} lists no slot in {part!r}; expected {FAILED_SLOTS_FORM} "
+                f"--ntp-failed-slots: {_entry(key)} lists no slot in {part!r}; expected {FAILED_SLOTS_FORM} "
                 "(leave healthy replicas out)"
             )
         for s in vals:
             if s < 0 or (tp_base is not None and s >= tp_base):
                 allowed = "SLOT >= 0" if tp_base is None else f"0..{tp_base - 1} (--ntp-tp-base {tp_base})"
-                raise ValueError(f"--ntp-failed-slots: slot {s} of replica {key} is out of range; allowed: {allowed}")
+                raise ValueError(f"--ntp-failed-slots: slot {s} of {_entry(key)} is out of range; allowed: {allowed}")
         dup = sorted({s for s in vals if vals.count(s) > 1})
         if dup:
             raise ValueError(
-                f"--ntp-failed-slots: slot {dup[0]} listed twice for replica {key} in {part!r}; "
+                f"--ntp-failed-slots: slot {dup[0]} listed twice for {_entry(key)} in {part!r}; "
                 "list each failed TP slot once"
             )
         out[key] = vals
+    if pp == 1:  # 'R,0' is replica R's one stage
+        out = {k[0] if isinstance(k, tuple) else k: v for k, v in out.items()}
     return out
 
 
-def format_failed_slots(slots: Mapping[int, tuple[int, ...]]) -> str:
+def _entry(key) -> str:
+    return f"replica {key[0]} stage {key[1]}" if isinstance(key, tuple) else f"replica {key}"
+
+
+def format_failed_slots(slots: Mapping) -> str:
     """Inverse of :func:`parse_failed_slots` (replicas with no slot, i.e. healthy ones, are left out)."""
-    return ";".join(f"{r}:{','.join(map(str, s))}" for r, s in sorted(slots.items()) if s)
+
+    def head(key):
+        return ",".join(map(str, key)) if isinstance(key, tuple) else str(key)
+
+    return ";".join(f"{head(k)}:{','.join(map(str, s))}" for k, s in sorted(slots.items()) if s)
 
 
 def _failed_slots_arg(text: str) -> str:

@@ -4,34 +4,42 @@ run every replica at the reduced degree -- and the best of them (:func:`best_pla
 Pure Python (no torch): product code decides with it; ``benchmarks/ntp.py`` checks it against a
 measured run and prints it for large jobs.
 
-The job: ``len(failed)`` replicas of ``tp`` GPUs; replica ``d`` lost ``failed[d]`` of them. A
-replica that lost every GPU is *dead* (gone in every plan). A replica that lost some is *degraded*;
-all degraded replicas run at one reduced degree ``r`` (default ``tp`` minus the largest loss: spare
-parity). ``H`` healthy replicas, ``D`` degraded ones.
+The job: ``len(failed)`` replicas, each a pipeline of ``pp`` stages of ``tp`` GPUs (``pp * tp`` GPUs
+per replica). ``failed[d]`` is replica ``d``'s loss: the GPUs its worst stage lost (an int), or the
+losses of its ``pp`` stages (a sequence; the worst counts). A replica whose worst stage lost every
+GPU is *dead* (gone in every plan). A replica that lost some is *degraded* and runs every stage at
+one reduced degree (stage-to-stage activations keep their shapes); all degraded replicas run at one
+degree ``r`` (default ``tp`` minus the largest loss: spare parity). ``H`` healthy replicas, ``D``
+degraded ones. Dropping a replica removes its ``pp * tp`` GPUs.
 
 A plan gives every replica it keeps a role, a TP degree and a share of the global batch of ``M``
 micro-batches (``m_d``), and takes::
 
-    step = max_d(m_d * t_d + o_d) + sync(n) * L + optimizer_s * L + other_s
+    step = max_d((m_d + pp - 1) * t_d / pp + o_d) + (sync(n) + optimizer_s) * L / pp + other_s
 
-- ``t_d``, one micro-batch's forward and backward: ``microbatch_s`` at TP ``tp``, and
-  ``microbatch_s * tp / r / degraded_efficiency`` at TP ``r``.
+- ``t_d``, one micro-batch's forward and backward through the whole model: ``microbatch_s`` at TP
+  ``tp``, and ``microbatch_s * tp / r / degraded_efficiency`` at TP ``r``. Each replica runs its own
+  1F1B pipeline over its own ``m_d`` micro-batches: every stage takes ``t_d / pp`` per micro-batch,
+  the schedule ``m_d + pp - 1`` of those (the bubble). At ``pp = 1``: ``m_d * t_d``.
 - ``o_d``, the transfers of a degraded replica and its partner, paid by both, by no one else
-  (bystanders pay nothing): ``(grad_transfer_s + param_transfer_s) * tp / r``. :class:`StepCosts`
-  gives the transfers per healthy rank's shard; a satellite's rank holds ``tp / r`` of that, and
-  sends and receives it. None of it is hidden: the satellite's gradients join the partner's buckets
-  before its DP collective, the parameters come back after its optimizer step.
+  (bystanders pay nothing): ``(grad_transfer_s + param_transfer_s) * tp / r / pp``. :class:`StepCosts`
+  gives the transfers per healthy rank's shard at ``pp = 1``; a satellite's rank holds ``tp / r`` of
+  that, and sends and receives it; each stage exchanges only its own layers with the partner's same
+  stage, all stages at once (``1 / pp``). None of it is hidden: the satellite's gradients join the
+  partner's buckets before its DP collective, the parameters come back after its optimizer step.
 - ``sync(n)``, the DP gradient collective over the ``n`` replicas that take part (the healthy ones;
   satellites take part in none), as a ring all-reduce: ``sync_s * ring(n) / ring(sync_replicas)``
-  with ``ring(n) = 2(n-1)/n``.
+  with ``ring(n) = 2(n-1)/n``. It and the optimizer step run on every stage at once, each over its
+  ``1 / pp`` of the model.
 - ``L``, the layout factor: 1 where the collective and the optimizer run at ``tp`` (uniform, drop,
-  NTP), ``tp / r`` when every replica runs at ``r`` (each rank then holds ``1/r`` of the model).
+  NTP), ``tp / r`` when every replica runs at ``r`` (each rank then holds ``1/r`` of its stage).
 
 Shares are integers (micro-batch granularity; every replica a plan keeps takes at least one) or,
 with ``fluid=True``, real numbers (the limit of many small micro-batches). Balanced integer shares
 minimise the step exactly (each further micro-batch goes to the replica that finishes it first, its
-transfers counted), so a partner and its satellite take fewer micro-batches than their speeds alone
-would give them and the bystanders take more.
+transfers and bubble counted), so a partner and its satellite take fewer micro-batches than their
+speeds alone would give them and the bystanders take more; with ``pp > 1`` a satellite's longer bubble
+(``(pp - 1) * t_d / pp``) takes it further below its speed's share.
 
 Plans (:data:`MODES`):
 
@@ -50,7 +58,7 @@ Plans (:data:`MODES`):
   is never worse than dropping, at the same global batch.
 
 Retained throughput (:func:`predict_retained`): micro-batches per second over the uniform job's on
-every replica (``dp`` replicas at ``tp``, the same global batch, most even shares).
+every replica (``dp`` replicas at ``tp``, the same ``pp``, the same global batch, most even shares).
 """
 
 from __future__ import annotations
@@ -79,6 +87,7 @@ __all__ = [
 
 MODES = ("ntp policy", "ntp balanced", "ntp unbalanced", "drop", "all at r", "ntp shrink")
 PLACEMENTS = ("spread", "packed")
+_PAIR = ("partner", "satellite")  # the roles that pay a pair's transfers
 DEFAULT_MAX_SHRINK = 0.05
 
 
@@ -105,8 +114,8 @@ class StepCosts:
     - ``optimizer_s``: the optimizer step at TP ``tp``.
     - ``other_s``: the rest of a step (zero_grad, the loop, barriers).
     - ``grad_transfer_s``, ``param_transfer_s``: a degraded replica's gradient transfer to its partner
-      and the parameter transfer back, per step, for one healthy rank's shard (the model's ``1/tp``):
-      at TP ``r`` they take ``tp / r`` times as long (:meth:`transfer_s`).
+      and the parameter transfer back, per step, for one healthy rank's shard (the model's ``1/tp``,
+      without pipeline stages): at TP ``r`` they take ``tp / r`` times as long (:meth:`transfer_s`).
     - ``degraded_efficiency``: a degraded replica's compute per GPU relative to a healthy one's (1.0: a
       replica at TP ``r`` needs ``tp / r`` times the healthy time per micro-batch).
     """
@@ -144,7 +153,7 @@ class StepCosts:
         return self.microbatch_s * tp / degree / self.degraded_efficiency
 
     def transfer_s(self, tp: int, degree: int) -> float:
-        """A pair's gradient + parameter transfers per step with the satellite at TP ``degree``."""
+        """A pair's gradient + parameter transfers per step with the satellite at TP ``degree`` (one stage)."""
         return (self.grad_transfer_s + self.param_transfer_s) * tp / degree
 
     def sync_at(self, replicas: int) -> float:
@@ -160,9 +169,9 @@ class Plan:
     Per replica the plan keeps, in replica order: ``replicas`` (indices in the job), ``roles``
     (``"replica"`` in uniform jobs, drop and all-at-r plans; else ``"bystander"``, ``"partner"``,
     ``"satellite"``), ``degrees`` (TP), ``shares`` (micro-batches; ints unless fluid) and ``busy_s``
-    (compute + transfers). ``step_s``: the step; ``microbatches``: micro-batches it processes (less
-    than ``requested`` under ``"ntp shrink"`` only); ``kept`` / ``dropped``: degraded replicas kept as
-    satellites (or at TP ``r``) / dropped."""
+    (the pipeline's compute + transfers). ``step_s``: the step; ``microbatches``: micro-batches it
+    processes (less than ``requested`` under ``"ntp shrink"`` only); ``kept`` / ``dropped``: degraded
+    replicas kept as satellites (or at TP ``r``) / dropped; ``pp``: pipeline stages per replica."""
 
     mode: str
     choice: str
@@ -179,6 +188,12 @@ class Plan:
     requested: int
     kept: int
     dropped: int
+    pp: int = 1
+
+    @property
+    def gpus(self) -> int:
+        """GPUs that compute: ``pp`` x the TP degree of every replica the plan keeps."""
+        return self.pp * sum(self.degrees)
 
     @property
     def throughput(self) -> float:
@@ -203,23 +218,26 @@ class Plan:
         return self.choice
 
 
-def place_failures(dp: int, tp: int, k: int, placement: str) -> tuple[int, ...]:
-    """Failed GPUs per replica for ``k`` failures among ``dp`` replicas of ``tp`` GPUs: ``spread``
-    deals them one per replica in turn (replica 0 first); ``packed`` fills replica 0, then replica 1, ..."""
+def place_failures(dp: int, tp: int, k: int, placement: str, pp: int = 1) -> tuple[int, ...]:
+    """Each replica's loss (its worst stage's failed GPUs) for ``k`` failures among ``dp`` replicas of
+    ``pp`` stages of ``tp`` GPUs: ``spread`` deals them one per replica in turn (replica 0 first), a
+    replica's to its stages in turn; ``packed`` fills replica 0 stage by stage, then replica 1, ..."""
+    _check_pp(pp)
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
-    if not 0 <= k <= dp * tp:
-        raise ValueError(f"k={k} failed GPUs: must be in 0..dp*tp = {dp * tp}")
+    if not 0 <= k <= dp * pp * tp:
+        raise ValueError(f"k={k} failed GPUs: must be in 0..{'dp*tp' if pp == 1 else 'dp*pp*tp'} = {dp * pp * tp}")
     if placement == "spread":
-        return tuple(k // dp + (d < k % dp) for d in range(dp))
-    return tuple(min(tp, max(0, k - d * tp)) for d in range(dp))
+        return tuple(-(-(k // dp + (d < k % dp)) // pp) for d in range(dp))  # ceil over the stages
+    return tuple(min(tp, max(0, k - d * pp * tp)) for d in range(dp))
 
 
-def reduced_degree(tp: int, failed: Sequence[int], sizes: Sequence[int] = ()) -> int | None:
-    """The TP degree of the degraded replicas: ``tp`` minus the largest loss of a replica that still
-    has a GPU (spare parity), lowered until it divides every one of ``sizes`` (e.g. attention heads,
-    query groups, ffn width, vocab: what must split at that degree). None when no replica is degraded."""
-    failed = _check_failed(tp, failed)
+def reduced_degree(tp: int, failed: Sequence, sizes: Sequence[int] = (), *, pp: int = 1) -> int | None:
+    """The TP degree of the degraded replicas (every stage of them): ``tp`` minus the largest loss of a
+    (replica, stage) of a replica that is not dead (spare parity), lowered until it divides every one
+    of ``sizes`` (e.g. attention heads, query groups, ffn width, vocab: what must split at that degree).
+    None when no replica is degraded. ``failed``: as in :func:`plan_step`."""
+    failed = _check_failed(tp, failed, pp)
     losses = [f for f in failed if 0 < f < tp]
     if not losses:
         return None
@@ -229,13 +247,25 @@ def reduced_degree(tp: int, failed: Sequence[int], sizes: Sequence[int] = ()) ->
     return r
 
 
-def _check_failed(tp: int, failed) -> tuple[int, ...]:
+def _check_pp(pp) -> None:
+    if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
+        raise ValueError(f"pp must be an int >= 1 (pipeline stages per replica), got {pp!r}")
+
+
+def _check_failed(tp: int, failed, pp: int = 1) -> tuple[int, ...]:
+    """Per replica, its worst stage's loss."""
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise ValueError(f"tp must be an int >= 1, got {tp!r}")
+    _check_pp(pp)
     failed = tuple(failed)
-    if not failed or any(not isinstance(f, int) or not 0 <= f <= tp for f in failed):
-        raise ValueError(f"failed must list, per replica, the GPUs it lost (ints in 0..tp={tp}), got {list(failed)}")
-    return failed
+    per_stage = [list(f) if isinstance(f, (tuple, list)) and len(f) == pp else [None] for f in failed]
+    stages = [[f] if isinstance(f, int) else s for f, s in zip(failed, per_stage)]
+    if not failed or any(not isinstance(x, int) or not 0 <= x <= tp for s in stages for x in s):
+        raise ValueError(
+            f"failed must list, per replica, the GPUs it lost (ints in 0..tp={tp}: its worst stage's, or a list of "
+            f"its pp={pp} stages'), got {list(failed)}"
+        )
+    return tuple(max(s) for s in stages)
 
 
 def _even(total: int, n: int) -> list[int]:
@@ -274,14 +304,22 @@ def _classify(tp: int, failed: tuple[int, ...]) -> tuple[list[int], list[int]]:
     return healthy, degraded
 
 
-def _make_plan(costs, mode, choice, tp, r, members, shares, microbatches, requested, kept, dropped, layout=1.0):
+def _pipeline(t: float, o: float, pp: int) -> tuple[float, float]:
+    """A replica's busy time as ``m * per + fixed``: ``m`` micro-batches of ``t`` (whole model) through a
+    1F1B pipeline of ``pp`` stages, ``(m + pp - 1) * t / pp``, and transfers ``o`` (at ``pp = 1``) split
+    over the stages."""
+    return t / pp, ((pp - 1) * t + o) / pp
+
+
+def _make_plan(costs, mode, choice, tp, r, members, shares, microbatches, requested, kept, dropped, layout=1.0, *, pp):
     """``members``: [(replica, role, degree)] in replica order; ``shares`` per member."""
     busy = []
     for (_, role, degree), m in zip(members, shares):
-        o = costs.transfer_s(tp, r) if role in ("partner", "satellite") else 0.0
-        busy.append(m * costs.microbatch_at(tp, degree) + o)
+        o = costs.transfer_s(tp, r) if role in _PAIR else 0.0
+        per, fixed = _pipeline(costs.microbatch_at(tp, degree), o, pp)
+        busy.append(m * per + fixed)
     dp_replicas = sum(role != "satellite" for _, role, _ in members)
-    step = max(busy) + (costs.sync_at(dp_replicas) + costs.optimizer_s) * layout + costs.other_s
+    step = max(busy) + (costs.sync_at(dp_replicas) + costs.optimizer_s) * layout / pp + costs.other_s
     return Plan(
         mode=mode,
         choice=choice,
@@ -298,6 +336,7 @@ def _make_plan(costs, mode, choice, tp, r, members, shares, microbatches, reques
         requested=requested,
         kept=kept,
         dropped=dropped,
+        pp=pp,
     )
 
 
@@ -309,14 +348,16 @@ def _check_total(microbatches: int, replicas: int) -> None:
         )
 
 
-def uniform_plan(costs: StepCosts, dp: int, tp: int, microbatches: int, *, fluid: bool = False) -> Plan:
-    """The job without a failure: ``dp`` replicas at ``tp``, the most even shares (``fluid``: equal)."""
+def uniform_plan(costs: StepCosts, dp: int, tp: int, microbatches: int, *, fluid: bool = False, pp: int = 1) -> Plan:
+    """The job without a failure: ``dp`` replicas of ``pp`` stages at ``tp``, the most even shares
+    (``fluid``: equal)."""
     if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
         raise ValueError(f"dp must be an int >= 1, got {dp!r}")
+    _check_pp(pp)
     _check_total(microbatches, dp)
     members = [(d, "replica", tp) for d in range(dp)]
     shares = [microbatches / dp] * dp if fluid else _even(microbatches, dp)
-    return _make_plan(costs, "uniform", "uniform", tp, None, members, shares, microbatches, microbatches, 0, 0)
+    return _make_plan(costs, "uniform", "uniform", tp, None, members, shares, microbatches, microbatches, 0, 0, pp=pp)
 
 
 def plan_step(
@@ -331,11 +372,13 @@ def plan_step(
     keep: int | None = None,
     tp_reduced: int | None = None,
     max_shrink: float = DEFAULT_MAX_SHRINK,
+    pp: int = 1,
 ) -> Plan | None:
-    """The :class:`Plan` of ``mode`` (:data:`MODES`) for a job whose replica ``d`` lost ``failed[d]``
-    of its ``tp`` GPUs, with global batches of ``microbatches`` micro-batches; None where the mode
-    cannot run (NTP with more degraded replicas than healthy ones: each needs its own partner; drop
-    with no healthy replica).
+    """The :class:`Plan` of ``mode`` (:data:`MODES`) for a job of ``len(failed)`` replicas of ``pp``
+    pipeline stages of ``tp`` GPUs whose replica ``d`` lost ``failed[d]`` GPUs (an int: its worst stage's
+    loss; or a list of its ``pp`` stages' losses), with global batches of ``microbatches`` micro-batches;
+    None where the mode cannot run (NTP with more degraded replicas than healthy ones: each needs its
+    own partner; drop with no healthy replica).
 
     ``shares``: the micro-batches of every replica the plan keeps, in replica order, instead of the
     mode's own (to predict a run with given shares). ``keep``: with the NTP modes, the number of
@@ -345,14 +388,14 @@ def plan_step(
     every mode is the drop plan (the healthy replicas share the batch)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    failed = _check_failed(tp, failed)
+    failed = _check_failed(tp, failed, pp)
     _check_total(microbatches, len(failed))
     if not 0 <= max_shrink < 1:
         raise ValueError(f"max_shrink must be in [0, 1) (a fraction of the global batch), got {max_shrink!r}")
     if mode == "ntp policy":
         if shares is not None or keep is not None:
             raise ValueError("plan_step: mode 'ntp policy' chooses its shares and satellites; pass neither")
-        return best_plan(costs, tp, failed, microbatches, fluid=fluid, tp_reduced=tp_reduced)
+        return best_plan(costs, tp, failed, microbatches, fluid=fluid, tp_reduced=tp_reduced, pp=pp)
     healthy, degraded = _classify(tp, failed)
     if not healthy and not degraded:
         raise ValueError(f"every replica lost every GPU (failed={list(failed)}): nothing is left to train")
@@ -360,7 +403,7 @@ def plan_step(
     if degraded and (not isinstance(r, int) or not 1 <= r <= tp - max(failed[d] for d in degraded)):
         raise ValueError(
             f"tp_reduced={tp_reduced!r}: must be an int in 1..{tp - max(failed[d] for d in degraded)} (tp minus "
-            "the largest loss of a degraded replica)"
+            "the largest loss of a degraded replica's stage)"
         )
     if not degraded or mode == "drop":
         keep_n = 0
@@ -376,9 +419,10 @@ def plan_step(
         return None  # drop with no healthy replica: nothing left
     kept = degraded[:keep_n]
     dropped = len(degraded) - keep_n
+    finish = dict(fluid=fluid, shares=shares, pp=pp)
     if mode == "all at r" and degraded:
         members = [(d, "replica", r) for d in sorted(healthy + kept)]
-        return _finish(costs, mode, "all at r", tp, r, members, microbatches, fluid, shares, keep_n, dropped, tp / r)
+        return _finish(costs, mode, "all at r", tp, r, members, microbatches, keep_n, dropped, tp / r, **finish)
     partners = dict(zip(healthy, kept))  # the k-th healthy replica is the k-th kept satellite's partner
     members = []
     for d in sorted(healthy + kept):
@@ -387,14 +431,14 @@ def plan_step(
         else:
             members.append((d, "partner" if d in partners else ("bystander" if kept else "replica"), tp))
     if not kept:
-        return _finish(costs, mode, "drop", tp, r, members, microbatches, fluid, shares, 0, dropped)
+        return _finish(costs, mode, "drop", tp, r, members, microbatches, 0, dropped, **finish)
     if mode == "ntp shrink":
-        return _shrink(costs, tp, r, members, microbatches, fluid, max_shrink, dropped)
+        return _shrink(costs, tp, r, members, microbatches, fluid, max_shrink, dropped, pp)
     balanced = mode == "ntp balanced"
-    return _finish(costs, mode, "ntp", tp, r, members, microbatches, fluid, shares, keep_n, dropped, 1.0, balanced)
+    return _finish(costs, mode, "ntp", tp, r, members, microbatches, keep_n, dropped, balanced=balanced, **finish)
 
 
-def _finish(costs, mode, choice, tp, r, members, total, fluid, shares, kept, dropped, layout=1.0, balanced=True):
+def _finish(costs, mode, choice, tp, r, members, total, kept, dropped, layout=1.0, *, fluid, shares, pp, balanced=True):
     n = len(members)
     if shares is not None:
         shares = list(shares)
@@ -405,15 +449,19 @@ def _finish(costs, mode, choice, tp, r, members, total, fluid, shares, kept, dro
                 f"{total}, got {shares}"
             )
     elif balanced:
-        times = [costs.microbatch_at(tp, degree) for _, _, degree in members]
-        offsets = [costs.transfer_s(tp, r) if role in ("partner", "satellite") else 0.0 for _, role, _ in members]
+        times, offsets = zip(
+            *(
+                _pipeline(costs.microbatch_at(tp, degree), costs.transfer_s(tp, r) if role in _PAIR else 0.0, pp)
+                for _, role, degree in members
+            )
+        )
         shares = _balanced_fluid(times, offsets, total) if fluid else _balanced_int(times, offsets, total)
     else:
         shares = [total / n] * n if fluid else _even(total, n)
-    return _make_plan(costs, mode, choice, tp, r, members, shares, total, total, kept, dropped, layout)
+    return _make_plan(costs, mode, choice, tp, r, members, shares, total, total, kept, dropped, layout, pp=pp)
 
 
-def _shrink(costs, tp, r, members, total, fluid, max_shrink, dropped):
+def _shrink(costs, tp, r, members, total, fluid, max_shrink, dropped, pp):
     """Every replica keeps its per-step work: the uniform job's share of the live replicas (the dead
     replicas' shares spread over them), a satellite what it computes in a healthy replica's compute
     time; the batch shrinks by the shortfall, at most ``max_shrink`` of it. Where it keeps more
@@ -421,16 +469,17 @@ def _shrink(costs, tp, r, members, total, fluid, max_shrink, dropped):
     for the pair (``balance.shrunk_batch_shares`` does the same in training)."""
     n = len(members)
     base = [total / n] * n if fluid else _even(total, n)
-    t_h = costs.microbatch_s
+    per_h, fixed_h = _pipeline(costs.microbatch_s, 0.0, pp)  # a healthy replica's
     allowed = max_shrink * total
 
     def plan(absorb: bool) -> Plan:
         shares = list(base)
         cut = []
         for i, (_, role, degree) in enumerate(members):
-            o = costs.transfer_s(tp, r) if absorb and role in ("partner", "satellite") else 0.0
+            o = costs.transfer_s(tp, r) if absorb and role in _PAIR else 0.0
             if role == "satellite" or o:
-                x = (base[i] * t_h - o) / costs.microbatch_at(tp, degree)
+                per, fixed = _pipeline(costs.microbatch_at(tp, degree), o, pp)
+                x = (base[i] * per_h + fixed_h - fixed) / per  # finishes with the healthy replicas
                 shares[i] = max(0.0, x) if fluid else max(1, math.floor(x + 1e-9))
                 cut.append(i)
         short = sum(base) - sum(shares)
@@ -444,7 +493,9 @@ def _shrink(costs, tp, r, members, total, fluid, max_shrink, dropped):
                     shares[i] += 1
         processed = sum(shares)
         kept = sum(role == "satellite" for _, role, _ in members)
-        return _make_plan(costs, "ntp shrink", "ntp shrink", tp, r, members, shares, processed, total, kept, dropped)
+        return _make_plan(
+            costs, "ntp shrink", "ntp shrink", tp, r, members, shares, processed, total, kept, dropped, pp=pp
+        )
 
     return max((plan(False), plan(True)), key=lambda p: p.throughput)
 
@@ -457,21 +508,24 @@ def best_plan(
     *,
     fluid: bool = False,
     tp_reduced: int | None = None,
+    pp: int = 1,
 ) -> Plan:
     """The policy: the plan with the most micro-batches per second at the same global batch, among
     dropping the degraded replicas, keeping ``j = 1..min(D, H)`` of them as satellites (balanced
     shares) and running every replica at the reduced degree. Ties go to the plan listed first (drop,
-    then fewer satellites). Its ``mode`` is ``"ntp policy"``; ``choice`` and ``kept`` say what it does."""
-    failed = _check_failed(tp, failed)
+    then fewer satellites). Its ``mode`` is ``"ntp policy"``; ``choice`` and ``kept`` say what it does.
+    ``failed``, ``pp``: as in :func:`plan_step`."""
+    failed = _check_failed(tp, failed, pp)
     healthy, degraded = _classify(tp, failed)
+    same = dict(fluid=fluid, tp_reduced=tp_reduced, pp=pp)
     candidates = []
     for j in range(min(len(degraded), len(healthy)) + 1):
         mode = "drop" if j == 0 else "ntp balanced"
-        plan = plan_step(costs, tp, failed, microbatches, mode, fluid=fluid, keep=j or None, tp_reduced=tp_reduced)
+        plan = plan_step(costs, tp, failed, microbatches, mode, keep=j or None, **same)
         if plan is not None:
             candidates.append(plan)
     if degraded:
-        candidates.append(plan_step(costs, tp, failed, microbatches, "all at r", fluid=fluid, tp_reduced=tp_reduced))
+        candidates.append(plan_step(costs, tp, failed, microbatches, "all at r", **same))
     best = candidates[0]
     for plan in candidates[1:]:
         if plan.throughput > best.throughput * (1 + 1e-12):
@@ -491,10 +545,11 @@ def predict_retained(
     keep: int | None = None,
     tp_reduced: int | None = None,
     max_shrink: float = DEFAULT_MAX_SHRINK,
+    pp: int = 1,
 ) -> float | None:
     """Micro-batches per second of :func:`plan_step`'s plan over the uniform job's on all
-    ``len(failed)`` replicas (the same global batch, same ``fluid``); None where the mode cannot run
-    (0.0 for drop with no healthy replica left)."""
+    ``len(failed)`` replicas (the same global batch, same ``fluid``, same ``pp``); None where the mode
+    cannot run (0.0 for drop with no healthy replica left)."""
     plan = plan_step(
         costs,
         tp,
@@ -506,10 +561,11 @@ def predict_retained(
         keep=keep,
         tp_reduced=tp_reduced,
         max_shrink=max_shrink,
+        pp=pp,
     )
     if plan is None:
         return 0.0 if mode == "drop" else None  # drop: no healthy replica left
-    return plan.throughput / uniform_plan(costs, len(tuple(failed)), tp, microbatches, fluid=fluid).throughput
+    return plan.throughput / uniform_plan(costs, len(tuple(failed)), tp, microbatches, fluid=fluid, pp=pp).throughput
 
 
 def large_job_table(
@@ -521,42 +577,47 @@ def large_job_table(
     *,
     max_shrink: float = DEFAULT_MAX_SHRINK,
     sizes: Sequence[int] = (),
+    pp: int = 1,
 ) -> list[dict]:
-    """One row per k = 1..``max_failed`` failed GPUs and placement (:data:`PLACEMENTS`) of a ``dp x tp``
-    job with global batches of ``microbatches`` micro-batches: the ideal ``(N-k)/N``, every mode's
+    """One row per k = 1..``max_failed`` failed GPUs and placement (:data:`PLACEMENTS`,
+    :func:`place_failures`) of a job of ``dp`` replicas of ``pp`` stages of ``tp`` GPUs (``N = dp * pp
+    * tp``) with global batches of ``microbatches`` micro-batches: the ideal ``(N-k)/N``, every mode's
     retained throughput with integer shares (None where it cannot run), the policy's choice, policy and
     drop with fluid shares and the granularity terms (fluid minus integer), shrink's batch fraction.
     ``sizes``: what must split at the reduced degree (:func:`reduced_degree`; default: nothing, so
     ``r = tp - loss``)."""
+    _check_pp(pp)
     rows = []
     for k in range(1, max_failed + 1):
         for placement in PLACEMENTS:
-            failed = place_failures(dp, tp, k, placement)
+            failed = place_failures(dp, tp, k, placement, pp)
             _, degraded = _classify(tp, failed)
             r = reduced_degree(tp, failed, sizes)
-            policy = best_plan(costs, tp, failed, microbatches, tp_reduced=r)
-            shrink = plan_step(costs, tp, failed, microbatches, "ntp shrink", max_shrink=max_shrink, tp_reduced=r)
-            balanced = plan_step(costs, tp, failed, microbatches, "ntp balanced", tp_reduced=r)
-            drop = plan_step(costs, tp, failed, microbatches, "drop", tp_reduced=r)
+            same = dict(tp_reduced=r, pp=pp)
+            policy = best_plan(costs, tp, failed, microbatches, **same)
+            shrink = plan_step(costs, tp, failed, microbatches, "ntp shrink", max_shrink=max_shrink, **same)
+            balanced = plan_step(costs, tp, failed, microbatches, "ntp balanced", **same)
+            drop = plan_step(costs, tp, failed, microbatches, "drop", **same)
             row = dict(
                 dp=dp,
                 tp=tp,
+                pp=pp,
                 k=k,
                 placement=placement,
                 degraded_replicas=len(degraded),
                 dead_replicas=sum(f == tp for f in failed),
                 tp_reduced=r,
-                ideal=(dp * tp - k) / (dp * tp),
+                ideal=(dp * pp * tp - k) / (dp * pp * tp),
                 choice=policy.describe(),
                 choice_kind=policy.choice,
                 slowest_ntp=None if balanced is None else _slowest(costs, balanced),
                 slowest_drop=None if drop is None else _slowest(costs, drop),
             )
             for mode in MODES:
-                row[mode] = predict_retained(costs, tp, failed, microbatches, mode, max_shrink=max_shrink, tp_reduced=r)
+                row[mode] = predict_retained(costs, tp, failed, microbatches, mode, max_shrink=max_shrink, **same)
             row["shrink_batch"] = None if shrink is None else shrink.batch_fraction
             for mode in ("ntp policy", "drop"):
-                row[mode + " fluid"] = predict_retained(costs, tp, failed, microbatches, mode, fluid=True, tp_reduced=r)
+                row[mode + " fluid"] = predict_retained(costs, tp, failed, microbatches, mode, fluid=True, **same)
             row["granularity_ntp"] = row["ntp policy fluid"] - row["ntp policy"]
             row["granularity_drop"] = row["drop fluid"] - row["drop"]
             rows.append(row)
@@ -564,9 +625,14 @@ def large_job_table(
 
 
 def _slowest(costs: StepCosts, plan: Plan) -> float:
-    """The slowest replica's compute in healthy micro-batch times (transfers left out)."""
+    """The slowest replica's compute in a healthy stage's micro-batch times (transfers left out): ``(m_d +
+    pp - 1) * t_d / t`` with ``t`` a healthy micro-batch's time, the bubble included (``m_d * t_d / t`` at
+    ``pp = 1``)."""
+    bubble = plan.pp - 1
     return round(
-        max(m * costs.microbatch_at(plan.tp, t) for m, t in zip(plan.shares, plan.degrees)) / costs.microbatch_s, 3
+        max((m + bubble) * costs.microbatch_at(plan.tp, t) for m, t in zip(plan.shares, plan.degrees))
+        / costs.microbatch_s,
+        3,
     )
 
 
@@ -574,7 +640,11 @@ def verdict(rows: list[dict]) -> list[str]:
     """Lines saying in how many rows the policy keeps degraded replicas, runs every replica at the
     reduced degree or drops them, and for each row where it drops them, why (integer shares: the
     slowest replica's share under NTP and under drop; fluid shares and shrink for comparison)."""
-    label = lambda r: f"{r['dp']}x{r['tp']} k={r['k']} {r['placement']}"  # noqa: E731
+
+    def label(r):
+        pp = f" PP={r['pp']}" if r["pp"] > 1 else ""
+        return f"{r['dp']}x{r['tp']}{pp} k={r['k']} {r['placement']}"
+
     ok = [r for r in rows if r["ntp policy"] >= r["drop"] * (1 - 1e-12)]
     above = [r["ntp policy"] - r["drop"] for r in rows if r["ntp policy"] > r["drop"] * (1 + 1e-12)]
     kinds = {c: sum(r["choice_kind"] == c for r in rows) for c in ("ntp", "all at r", "drop")}

@@ -27,6 +27,15 @@ the global batch with :class:`.balance.BatchShares`). A healthy bucket is scaled
 its replica's ``w`` before the DP sum; the satellite's gradient arrives scaled by
 ``w_sat / w_partner``, so the sum is the exact weighted mean.
 
+Overlapped parameter gather (``overlap_param_gather`` with the distributed optimizer):
+the partner's parameters are whole only group by group during its next forward, as
+Megatron's forward pre-hooks finish each bucket group's all-gather. So the parameters go
+back group by group too: the partner sends a group right after its gather finishes, the
+satellite receives it in a forward pre-hook of the first of its modules that uses it. Both
+sides run the groups in the order Megatron gathers them (the last bucket group first),
+a group before it forcing those ahead of it; whatever the forward did not need moves before
+the step's first gradient transfer.
+
 Overlap (``overlap_grad_reduce``): the partner dispatches each bucket group from
 its backward hooks, in the order Megatron does. That order is recorded in the
 first step (which dispatches in ``finish_grad_sync``, in bucket-group order on
@@ -169,6 +178,12 @@ class PartnerBucketGroup(_ParamAndGradBucketGroup):
         self.ntp_pair.transfer_gradients(self.ntp_index)
         super().start_grad_sync(force_all_reduce=force_all_reduce)
 
+    def finish_param_sync(self, skip_next_bucket_dispatch: bool = False):
+        super().finish_param_sync(skip_next_bucket_dispatch=skip_next_bucket_dispatch)
+        pair = self.ntp_pair
+        if pair.stale and not pair.sent[self.ntp_index]:
+            pair.send_weights(self.ntp_index)  # this group's parameters are whole now: its satellite's turn
+
 
 @dataclasses.dataclass
 class _PairState:
@@ -183,10 +198,13 @@ class _PairState:
     group: object  # the pair's process group
     root: int  # global rank of the partner's TP rank 0
     overlap: bool
+    param_gather: bool = False  # overlap_param_gather: the parameters go back group by group in the forward
+    bucket_groups: list = dataclasses.field(default_factory=list)  # the partner's (to finish a gather early)
     scale: float = 1.0  # the satellite's gradient weight over the partner's
     order: list | None = None  # the partner's dispatch order of its groups (from the first step)
     done: list = dataclasses.field(default_factory=list)  # per group: transferred this step
     stale: bool = False  # an optimizer step happened since the last parameter transfer
+    sent: list = dataclasses.field(default_factory=list)  # per group: its parameters went back since that step
     counter: object = dataclasses.field(default_factory=itertools.count)
     # satellite: when each group is ready (Megatron's rule: golden grad-ready counts of the first step)
     group_of: list = dataclasses.field(default_factory=list)
@@ -197,7 +215,30 @@ class _PairState:
 
     def __post_init__(self):
         self.done = [False] * len(self.units)
+        self.sent = [True] * len(self.units)
         self.counts = [{} for _ in self.units]
+
+    # ---- parameters back ----
+    def mark_stale(self) -> None:
+        """An optimizer step comes: every group's parameters go back before the satellite uses them."""
+        self.stale = True
+        self.sent = [False] * len(self.weights)
+
+    def send_weights(self, k: int | None = None) -> None:
+        """The parameters back, group by group in the order Megatron gathers them (the last bucket
+        group first), up to group ``k`` (None: all). On the partner, with ``param_gather``, each
+        group's all-gather is finished first (a no-op where the forward finished it)."""
+        for j in reversed(range(len(self.weights))):
+            if not self.sent[j]:
+                if self.partner and self.param_gather:
+                    # Megatron's, not PartnerBucketGroup's (which would come back here)
+                    _ParamAndGradBucketGroup.finish_param_sync(self.bucket_groups[j], skip_next_bucket_dispatch=True)
+                for exchange in self.weights[j]:
+                    exchange.run()
+                self.sent[j] = True
+            if j == k:
+                break
+        self.stale = not all(self.sent)
 
     def dispatch_order(self) -> list[int]:
         return self.order if self.order is not None else list(range(len(self.units)))
@@ -207,6 +248,8 @@ class _PairState:
         bucket group starts its collective; the satellite runs them in the partner's order."""
         if self.done[k]:
             return
+        if self.stale and self.param_gather:  # groups the forward did not use: back before any gradient moves
+            self.send_weights()
         if self.partner and self.order is not None:
             expected = self.order[self.next_pos] if self.next_pos < len(self.order) else None
             if expected != k:
@@ -234,6 +277,8 @@ class _PairState:
             self.transfer_gradients(order[self.next_pos])
 
     def flush(self) -> None:
+        if self.stale and self.param_gather:
+            self.send_weights()
         for k in self.dispatch_order():
             self.transfer_gradients(k)
 
@@ -325,17 +370,22 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
         self._ntp_groups = groups
         self._pair = None
         self._tokens_shared = False
-        if config.pipeline_model_parallel_size != 1:
+        if config.pipeline_model_parallel_size != ntp_config.pipeline_model_parallel_size:
             raise ValueError(
-                "nonuniform TP supports pipeline_model_parallel_size=1 only; turn it off in the model config"
+                f"the model config has pipeline_model_parallel_size={config.pipeline_model_parallel_size} but "
+                f"NonuniformTPConfig.pipeline_model_parallel_size={ntp_config.pipeline_model_parallel_size}: pass the "
+                "same --pipeline-model-parallel-size to both"
+            )
+        if groups.layout.nonuniform and config.virtual_pipeline_model_parallel_size not in (None, 1):
+            raise ValueError(
+                "nonuniform TP does not run interleaved pipeline schedules (virtual_pipeline_model_parallel_size="
+                f"{config.virtual_pipeline_model_parallel_size}, --num-layers-per-virtual-pipeline-stage) in a job "
+                "with a degraded replica: a degraded replica and its partner run different numbers of micro-batches, "
+                "and the interleaved schedule then reaches the model chunks' transfers in different orders on the two; "
+                "drop --num-layers-per-virtual-pipeline-stage"
             )
         role = groups.role
         kind = role.kind
-        if kind in ("partner", "degraded") and ddp_config.overlap_param_gather:
-            raise NotImplementedError(
-                "nonuniform TP: overlap_param_gather=True is not supported yet in a job with a degraded replica "
-                "(its partner sends the parameters after they are gathered); set overlap_param_gather=False"
-            )
         if kind != "degraded":
             super().__init__(config, ddp_config, module, disable_bucketing, pg_collection, full_param_layout)
             if kind == "partner":
@@ -369,9 +419,9 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
         degraded = role.replica if not partner else role.partner
         healthy = role.partner if not partner else role.replica
         group = groups.pair_group
-        base_ranks = [dist.get_group_rank(group, g) for g in layout.tp_group_ranks(healthy)]
-        reduced_ranks = [dist.get_group_rank(group, g) for g in layout.tp_group_ranks(degraded)]
-        root = layout.tp_group_ranks(healthy)[0]
+        base_ranks = [dist.get_group_rank(group, g) for g in layout.tp_group_ranks(healthy, role.stage)]
+        reduced_ranks = [dist.get_group_rank(group, g) for g in layout.tp_group_ranks(degraded, role.stage)]
+        root = layout.tp_group_ranks(healthy, role.stage)[0]
         device = params[0].device if params else torch.device("cpu")
         # The partner's bucket group of every parameter and its unit size, sent to the satellite (the same
         # on every partner rank); both sides then cut the same pieces into the same units. Then, per
@@ -449,13 +499,29 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
             group=group,
             root=root,
             overlap=ddp_config.overlap_grad_reduce,
+            param_gather=ddp_config.overlap_param_gather,
+            bucket_groups=list(self.bucket_groups) if partner else [],
             group_of=group_of,
         )
         if partner:
             for k, bucket_group in enumerate(self.bucket_groups):
                 bucket_group.__class__ = PartnerBucketGroup
                 bucket_group.ntp_pair, bucket_group.ntp_index = self._pair, k
+        elif ddp_config.overlap_param_gather:
+            # each module takes its parameters' groups before it runs (and every group ahead of them)
+            index_of = {id(p): i for i, p in enumerate(params)}
+            for module in self._compute_module.modules():
+                mine = [group_of[index_of[id(p)]] for p in module.parameters(recurse=False) if id(p) in index_of]
+                if mine:
+                    module.register_forward_pre_hook(self._make_param_hook(min(mine)))
         self.sync_compute_params()  # the satellite starts from its partner's weights
+
+    def _make_param_hook(self, group: int):
+        def hook(*unused):
+            if self._pair.stale:
+                self._pair.send_weights(group)
+
+        return hook
 
     def _make_grad_hook(self, index, param):
         def hook(*unused):
@@ -562,6 +628,7 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
             for exchange in per:
                 exchange.run()
         pair.stale = False
+        pair.sent = [True] * len(pair.weights)
 
     def refresh_compute_params(self) -> None:
         """Bring a degraded replica's parameters up to date with its partner's last step (a
@@ -571,15 +638,20 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
         pair = self._pair
         if pair is None or not pair.stale:
             return
+        self._settle_order()
+        pair.send_weights()
+
+    def _settle_order(self) -> None:
+        """After the first step: the order in which the partner's bucket groups dispatched, sent to
+        the satellite (it transfers in that order from now on). Collective over the pair, once."""
+        pair = self._pair
         if pair.overlap and pair.order is None:
-            # after the first step: the partner's bucket groups dispatch in this order from now on
             order = list(range(len(pair.units)))
             if pair.partner:
                 order.sort(key=lambda k: self.bucket_groups[k].ntp_seq)
             order = torch.tensor(order, dtype=torch.int64, device=_device_of(pair))
             dist.broadcast(order, src=pair.root, group=pair.group)
             pair.order = order.tolist()
-        self.sync_compute_params()
 
     def broadcast_params(self):
         """Megatron's (healthy replicas: from DP rank 0 over the healthy DP group), then every
@@ -617,7 +689,15 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
                         raise
 
     def forward(self, *inputs, **kwargs):
-        self.refresh_compute_params()
+        pair = self._pair
+        if pair is not None and pair.stale and pair.param_gather:
+            # the parameters go back group by group as this forward gathers them (forward pre-hooks); a
+            # partner whose pre-hooks are off (Megatron's disable_forward_pre_hook) sends them all now
+            self._settle_order()
+            if pair.partner and not self.remove_forward_pre_hook_handles:
+                pair.send_weights()
+        else:
+            self.refresh_compute_params()
         if "_compute_module" not in self.__dict__:
             return super().forward(*inputs, **kwargs)
         return self._compute_module(*inputs, **kwargs)
@@ -676,7 +756,7 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
             pair.flush()  # in the partner's order, the groups not sent yet
         super().finish_grad_sync(force_all_reduce=force_all_reduce)
         if pair is not None:
-            pair.stale = True
+            pair.mark_stale()
 
     def zero_grad_buffer(self):
         super().zero_grad_buffer()
@@ -684,7 +764,8 @@ class NonuniformTPDistributedDataParallel(DistributedDataParallel):
         if pair is None:
             return
         pair.reset()
-        self.refresh_compute_params()
+        if not pair.param_gather:  # (with it, the partner's parameters are whole only in its next forward)
+            self.refresh_compute_params()
         if not pair.partner:
             torch._foreach_zero_([p.main_grad for p in pair.params])  # one launch per dtype, not per param
             for p in pair.params:

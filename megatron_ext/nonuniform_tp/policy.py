@@ -43,24 +43,27 @@ class PolicyDecision:
 def decide(config, num_replicas: int, global_batch_size: int | None, micro_batch_size: int | None) -> PolicyDecision:
     """What ``config.policy`` does for a job of ``num_replicas`` replicas (logs one INFO line for
     ``auto`` when it predicts)."""
-    failed = config.non_active_ranks_per_dp
+    failed = config.degraded_replicas
     if not failed or config.policy != "auto":
         return PolicyDecision("drop" if config.policy == "drop" and failed else "degrade")
     if not global_batch_size or not micro_batch_size or global_batch_size % micro_batch_size:
         return PolicyDecision("degrade", line="no global batch to predict with: degrade")
     total = global_batch_size // micro_batch_size
-    lost = [len(failed.get(d, ())) for d in range(num_replicas)]
+    by_stage = config.failed_slots_by_stage
+    # a replica's degree is set by its worst stage
+    lost = [max((len(v) for (r, _), v in by_stage.items() if r == d), default=0) for d in range(num_replicas)]
     costs = cost_model.StepCosts(
         microbatch_s=1.0,
         grad_transfer_s=TRANSFER_FRACTION / 2 * total / num_replicas,
         param_transfer_s=TRANSFER_FRACTION / 2 * total / num_replicas,
     )
     mode = {"none": "ntp unbalanced", "shrink": "ntp shrink"}.get(config.balance, "ntp balanced")
+    pp = config.pipeline_model_parallel_size
     ntp = cost_model.predict_retained(
-        costs, config.tp_base, lost, total, mode, max_shrink=config.max_shrink, tp_reduced=config.tp_reduced
+        costs, config.tp_base, lost, total, mode, max_shrink=config.max_shrink, tp_reduced=config.tp_reduced, pp=pp
     )
-    drop = cost_model.predict_retained(costs, config.tp_base, lost, total, "drop", tp_reduced=config.tp_reduced)
-    healthy = num_replicas - len(failed)
+    drop = cost_model.predict_retained(costs, config.tp_base, lost, total, "drop", tp_reduced=config.tp_reduced, pp=pp)
+    healthy = num_replicas - len(failed)  # (failed: the degraded replicas)
     drop_text = "n/a" if drop is None else f"{drop:.1%}"
     if total % healthy:  # a dropped job splits the global batch equally over the healthy replicas
         drop, drop_text = None, f"n/a ({total} micro-batches do not split over {healthy} replicas)"
@@ -68,7 +71,7 @@ def decide(config, num_replicas: int, global_batch_size: int | None, micro_batch
     hint = ""
     if config.balance == "none":  # what balanced shares would give: equal ones leave the straggler in
         balanced = cost_model.predict_retained(
-            costs, config.tp_base, lost, total, "ntp balanced", tp_reduced=config.tp_reduced
+            costs, config.tp_base, lost, total, "ntp balanced", tp_reduced=config.tp_reduced, pp=pp
         )
         if balanced is not None and ntp is not None and balanced > max(ntp, drop or 0.0):
             hint = f"; with --ntp-balance tp: degrade {balanced:.1%}"

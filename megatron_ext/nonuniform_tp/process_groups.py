@@ -3,12 +3,14 @@ megatron-core 0.19 reads them.
 
 Megatron's ``initialize_model_parallel`` needs ``world % tp == 0``, which a
 packed NTP job (healthy GPUs only) does not satisfy. So the job first calls
-``parallel_state.initialize_model_parallel()`` with TP=PP=1 (valid for any
-world size; it creates the pipeline / context / embedding groups, all trivial)
-and then :func:`initialize_nonuniform_tp_process_groups`, which creates the NTP
-TP and DP groups (and the gloo, partial-DP, expert and optimizer-instance
-variants Megatron's DDP and optimizer read) and sets the corresponding
-``parallel_state`` globals. Model layers, DDP and the optimizer in 0.19 read
+``parallel_state.initialize_model_parallel()`` with TP=1 and its pipeline size
+(valid for any world size that splits into the stages; with the stage-major rank
+order of :mod:`.layout` Megatron's pipeline and embedding groups, rank ``i`` of every
+stage, are the NTP job's) and then :func:`initialize_nonuniform_tp_process_groups`,
+which checks those pipeline groups, creates the NTP TP, model-parallel (TP x PP)
+and DP groups (and the gloo, partial-DP, expert and optimizer-instance variants
+Megatron's DDP and optimizer read) and sets the corresponding ``parallel_state``
+globals. Model layers, DDP and the optimizer in 0.19 read
 those globals when no ``pg_collection`` is passed; the returned state also
 offers :meth:`NTPProcessGroups.pg_collection` for callers that pass groups
 explicitly.
@@ -40,7 +42,8 @@ class NTPProcessGroups:
     dp_group: dist.ProcessGroup | None
     dp_group_gloo: dist.ProcessGroup | None
     optimizer_group: dist.ProcessGroup | None  # healthy ranks together; a degraded replica alone
-    pair_group: dist.ProcessGroup | None = None  # a degraded replica and its partner; None elsewhere
+    pair_group: dist.ProcessGroup | None = None  # a degraded replica and its partner (this stage); None elsewhere
+    model_parallel_group: dist.ProcessGroup | None = None  # this replica's ranks, every stage (TP x PP)
 
     @property
     def is_active(self) -> bool:
@@ -78,8 +81,9 @@ def initialize_nonuniform_tp_process_groups(config) -> NTPProcessGroups:
     """Create the NTP groups of ``config`` (a :class:`~.config.NonuniformTPConfig`) and install them into
     ``megatron.core.parallel_state``.
 
-    Call on every rank after ``parallel_state.initialize_model_parallel()``
-    (TP=PP=CP=EP=1). In ``simulate`` mode every slot has a process, and with
+    Call on every rank after ``parallel_state.initialize_model_parallel()`` with
+    TP=CP=EP=1 and ``pipeline_model_parallel_size=config.pipeline_model_parallel_size``
+    (and the virtual pipeline size, if any). In ``simulate`` mode every slot has a process, and with
     ``policy="drop"`` the degraded replicas' processes take no part: those
     processes leave the default process group, which is rebuilt over the active
     ranks (renumbered as in the packed layout, Megatron's groups re-initialised);
@@ -91,29 +95,44 @@ def initialize_nonuniform_tp_process_groups(config) -> NTPProcessGroups:
 
     if not ps.model_parallel_is_initialized():
         raise RuntimeError(
-            "call megatron.core.parallel_state.initialize_model_parallel() (TP=PP=1) before "
+            "call megatron.core.parallel_state.initialize_model_parallel() (TP=1, the job's pipeline size) before "
             "initialize_nonuniform_tp_process_groups()"
         )
-    if ps.get_pipeline_model_parallel_world_size() != 1 or ps.get_context_parallel_world_size() != 1:
+    pp = config.pipeline_model_parallel_size
+    if ps.get_pipeline_model_parallel_world_size() != pp:
         raise ValueError(
-            "nonuniform TP supports pipeline_model_parallel_size=1 and "
-            "context_parallel_size=1 only; initialize_model_parallel() with those"
+            f"initialize_model_parallel() was called with pipeline_model_parallel_size="
+            f"{ps.get_pipeline_model_parallel_world_size()} but NonuniformTPConfig.pipeline_model_parallel_size={pp}: "
+            "pass the same --pipeline-model-parallel-size to both"
+        )
+    if ps.get_context_parallel_world_size() != 1:
+        raise ValueError(
+            "nonuniform TP supports context_parallel_size=1 only (--context-parallel-size): a context-parallel rank "
+            "holds part of every sequence at its own TP degree, and a degraded replica would need a partner per "
+            "sequence part; initialize_model_parallel() with context_parallel_size=1"
         )
     if ps.get_tensor_model_parallel_world_size() != 1:
         raise ValueError(
             "initialize_model_parallel() must be called with tensor_model_parallel_size=1; the NTP "
             f"TP groups (tp_base={config.tp_base}) are created by initialize_nonuniform_tp_process_groups"
         )
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
     launched = config.layout(dist.get_world_size())
     if launched.leaving:  # simulate mode's failed slots, the replicas --ntp-policy drop drops
         if not _rejoin_active_ranks(launched.active_ranks):
             _STATE = NTPProcessGroups(config, launched, None, None, None, None, None)
             return _STATE
-        ps.initialize_model_parallel()
+        ps.initialize_model_parallel(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp)
     world, me = dist.get_world_size(), dist.get_rank()
     layout = launched.after_leaving()
     assert layout.world_size == world, (layout, world)
     role = layout.role(me)
+    pipeline = next(g for g in layout.all_pipeline_groups() if me in g)
+    if list(ps._PIPELINE_GLOBAL_RANKS) != pipeline:
+        raise RuntimeError(
+            f"rank {me}: Megatron's pipeline group {ps._PIPELINE_GLOBAL_RANKS} is not the NTP layout's {pipeline}; "
+            "initialize_model_parallel() with its default order (tp-cp-ep-dp-pp) and TP=1"
+        )
 
     # Every rank creates every group, in the same order.
     tp_group = _new_groups(layout.all_tp_groups())
@@ -123,25 +142,34 @@ def initialize_nonuniform_tp_process_groups(config) -> NTPProcessGroups:
     pair_group = _new_groups(layout.all_pair_groups())
     optimizer_lists = layout.optimizer_groups()
     optimizer_group = _new_groups(optimizer_lists)
+    # with one stage a replica's model-parallel group is its TP group, and the per-stage optimizer
+    # group (Megatron's TP x DP) the optimizer group: no second communicator for the same ranks
+    model_parallel_group = tp_group if pp == 1 else _new_groups(layout.all_model_parallel_groups())
+    stage_optimizer_group = optimizer_group if pp == 1 else _new_groups(layout.stage_optimizer_groups())
 
-    _STATE = NTPProcessGroups(config, layout, role, tp_group, dp_group, dp_group_gloo, optimizer_group, pair_group)
+    _STATE = NTPProcessGroups(
+        config, layout, role, tp_group, dp_group, dp_group_gloo, optimizer_group, pair_group, model_parallel_group
+    )
     if role is None:
         return _STATE
 
-    tp_ranks = layout.tp_group_ranks(role.replica)
+    tp_ranks = layout.tp_group_ranks(role.replica, role.stage)
     dp_ranks = next(g for g in dp_lists if me in g)
     for name in (
         "_TENSOR_MODEL_PARALLEL_GROUP",
-        "_MODEL_PARALLEL_GROUP",
         "_TENSOR_AND_CONTEXT_PARALLEL_GROUP",
         "_EXPERT_TENSOR_PARALLEL_GROUP",
         "_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP",
+    ):
+        setattr(ps, name, tp_group)
+    for name in (
+        "_MODEL_PARALLEL_GROUP",
         "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP",
         "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP_WITH_EGTP",
     ):
-        setattr(ps, name, tp_group)
-    for name in ("_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS", "_MODEL_PARALLEL_GLOBAL_RANKS"):
-        setattr(ps, name, tp_ranks)
+        setattr(ps, name, model_parallel_group)
+    ps._TENSOR_MODEL_PARALLEL_GLOBAL_RANKS = tp_ranks
+    ps._MODEL_PARALLEL_GLOBAL_RANKS = layout.replica_ranks(role.replica)
     for name in (
         "_DATA_PARALLEL_GROUP",
         "_DATA_PARALLEL_GROUP_WITH_CP",
@@ -165,12 +193,9 @@ def initialize_nonuniform_tp_process_groups(config) -> NTPProcessGroups:
         setattr(ps, name, dp_group_gloo)
     for name in ("_DATA_PARALLEL_GLOBAL_RANKS", "_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP"):
         setattr(ps, name, dp_ranks)
-    for name in (
-        "_TENSOR_AND_DATA_PARALLEL_GROUP",
-        "_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP",
-        "_INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP",
-    ):
-        setattr(ps, name, optimizer_group)
+    for name in ("_TENSOR_AND_DATA_PARALLEL_GROUP", "_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP"):
+        setattr(ps, name, stage_optimizer_group)
+    ps._INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP = optimizer_group
     # Data loaders ask get_data_parallel_rank()/world_size() which share of the
     # global batch to read: on every rank (spares included) that is its replica.
     ps._MPU_DATA_PARALLEL_RANK = role.replica

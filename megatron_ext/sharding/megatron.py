@@ -132,7 +132,7 @@ def layout_from_recipe(specs: list[TensorSpec], recipe: dict) -> Layout:
     if kind == "megatron":
         return megatron_layout(specs, **{k: v for k, v in recipe.items() if k != "kind"})
     if kind == "replicas":
-        return _replicas_layout(specs, recipe["groups"], recipe["description"])
+        return _replicas_layout(specs, recipe["groups"], recipe["description"], recipe.get("pp", 1))
     if kind == "fp8-block":
         return fp8_layout(layout_from_recipe(specs, recipe["base"]), recipe["block"])
     raise ValueError(f"unknown layout recipe {recipe!r}: expected kind 'megatron', 'replicas' or 'fp8-block'")
@@ -152,7 +152,8 @@ def megatron_expert_coords(i: int, *, tp: int, dp: int, ep: int, etp: int) -> tu
 def ntp_megatron_layout(specs: list[TensorSpec], ntp_layout) -> Layout:
     """The trainer's layout under nonuniform TP (``megatron_ext.nonuniform_tp``):
     each data-parallel replica holds the whole model at its own TP degree
-    (``tp_base`` when healthy, ``tp_reduced`` when degraded) on its active ranks.
+    (``tp_base`` when healthy, ``tp_reduced`` when degraded) on its active ranks,
+    in each of its pipeline stages (layers split evenly over them, as Megatron does).
 
     ``ntp_layout`` is the job's ``NTPLayout`` (``NTPLayout.from_config(ntp_config,
     world_size)`` or ``get_ntp_process_groups().layout``). On a degraded replica the
@@ -160,28 +161,32 @@ def ntp_megatron_layout(specs: list[TensorSpec], ntp_layout) -> Layout:
     (``NonuniformTPDistributedDataParallel.compute_module``; ``ddp.module`` is empty
     there), which take their partner's weights only after a step: give the executor
     :func:`~.reshard.ntp_megatron_tensors` and ``refresh=ddp.refresh_compute_params``."""
-    groups = [list(ntp_layout.tp_group_ranks(d)) for d in range(ntp_layout.num_replicas)]
+    pp = ntp_layout.pp
+    # each replica's ranks stage by stage (Megatron's tp-pp order within one replica)
+    groups = [
+        [r for stage in range(pp) for r in ntp_layout.tp_group_ranks(d, stage)] for d in range(ntp_layout.num_replicas)
+    ]
     return _replicas_layout(
         specs,
         groups,
-        f"megatron NTP tp_base={ntp_layout.tp_base} "
-        f"tp_reduced={ntp_layout.tp_reduced} x{ntp_layout.num_replicas} replicas",
+        f"megatron NTP tp_base={ntp_layout.tp_base} tp_reduced={ntp_layout.tp_reduced}"
+        + (f" PP{pp}" if pp > 1 else "")
+        + f" x{ntp_layout.num_replicas} replicas",
+        pp=pp,
     )
 
 
-def _replicas_layout(specs: list[TensorSpec], groups: list[list[int]], description: str) -> Layout:
-    """Whole-model replicas, each TP-sharded over its own ranks (``groups``)."""
+def _replicas_layout(specs: list[TensorSpec], groups: list[list[int]], description: str, pp: int = 1) -> Layout:
+    """Whole-model replicas, each over its own ranks (``groups``: a replica's ranks stage by stage), TP-sharded
+    in each of its ``pp`` stages."""
     ranks, tensors = [], {}
     for group in groups:
         ranks += group
-        tensors.update(megatron_layout(specs, tp=len(group), ranks=group).tensors)
-    return Layout(
-        tuple(ranks),
-        tensors,
-        {s.name: s for s in specs},
-        description,
-        {"kind": "replicas", "groups": groups, "description": description},
-    )
+        tensors.update(megatron_layout(specs, tp=len(group) // pp, pp=pp, ranks=group).tensors)
+    recipe = {"kind": "replicas", "groups": groups, "description": description}
+    if pp > 1:
+        recipe["pp"] = pp
+    return Layout(tuple(ranks), tensors, {s.name: s for s in specs}, description, recipe)
 
 
 def _local_expert(spec: TensorSpec, local: int) -> TensorSpec:

@@ -22,14 +22,18 @@ Call sites covered (megatron-core 0.19.2):
   pipeline_parallel/schedules.py (the forward-backward functions' token count).
 - ``Tensor.type() == 'torch.cuda.FloatTensor'`` checks in the optimizer,
   distributed optimizer and clip_grads.
+- ``Tensor.cuda()``: with pipeline stages and tied embeddings,
+  ``LanguageModule.setup_embeddings_and_output_layer`` moves the shared weight
+  with ``weight.data.cuda()`` before the first/last-stage all-reduce; on a
+  CPU-only process it returns the CPU tensor itself (as does megatron-core's
+  static-batching inference below).
 
 :func:`install_inference` adds what megatron-core's static-batching inference
 path (``StaticInferenceEngine(legacy=True)``, ``TextGenerationController``,
 ``GPTInferenceWrapper``) needs on top:
 
-- ``Tensor.cuda()``: ``generate_all_output_tokens_static_batch`` moves its
-  generated-length counter with ``torch.zeros(...).cuda()``; on a CPU-only
-  process it returns the CPU tensor itself.
+- ``Tensor.cuda()`` (installed by :func:`install`): ``generate_all_output_tokens_static_batch``
+  moves its generated-length counter with ``torch.zeros(...).cuda()``.
 - ``torch.cuda.Event(enable_timing=True).elapsed_time``: the controller times
   every step with CUDA events; CPU events time nothing (0 ms).
 - ``device="cuda"`` in ``transformer.utils.get_default_causal_mask`` (the local
@@ -182,6 +186,12 @@ def _patch_tensor_type():
         return original(self, dtype, non_blocking, **kwargs)
 
     torch.Tensor.type = type_
+    to_cuda = torch.Tensor.cuda
+
+    def cuda(self, *args, **kwargs):
+        return self if self.device.type == "cpu" else to_cuda(self, *args, **kwargs)
+
+    torch.Tensor.cuda = cuda
 
 
 def _patch_megatron():
@@ -244,12 +254,6 @@ def install_inference() -> bool:
         return True
     import megatron.core.transformer.utils as transformer_utils
 
-    to_cuda = torch.Tensor.cuda
-
-    def cuda(self, *args, **kwargs):
-        return self if self.device.type == "cpu" else to_cuda(self, *args, **kwargs)
-
-    torch.Tensor.cuda = cuda
     transformer_utils.torch = _CpuTorch()
     import megatron.core.tensor_parallel.mappings as mappings
 

@@ -16,19 +16,20 @@ class JobRank:
     degraded: bool
 
 
-def init_job(ntp_kwargs: dict | None, tp: int = 1) -> JobRank | None:
-    """Initialise Megatron's model-parallel state for a uniform TP=``tp`` job
-    (``ntp_kwargs is None``) or an NTP job from ``NonuniformTPConfig(**ntp_kwargs)``.
-    Returns None on a rank that left (NTP simulate mode)."""
+def init_job(ntp_kwargs: dict | None, tp: int = 1, pp: int = 1) -> JobRank | None:
+    """Initialise Megatron's model-parallel state for a uniform TP=``tp`` x PP=``pp`` job
+    (``ntp_kwargs is None``) or an NTP job from ``NonuniformTPConfig(**ntp_kwargs)`` (its
+    ``pipeline_model_parallel_size`` stages). Returns None on a rank that left (NTP simulate mode)."""
     from megatron.core import parallel_state as ps
 
     from megatron_ext.nonuniform_tp import NonuniformTPConfig, initialize_nonuniform_tp_process_groups
 
     if ntp_kwargs is None:
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
         return JobRank(None, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), False)
-    ps.initialize_model_parallel()  # TP=1; the NTP groups replace TP/DP
     config = NonuniformTPConfig(**ntp_kwargs)
+    # TP=1 and the job's stages; the NTP groups replace TP/DP
+    ps.initialize_model_parallel(pipeline_model_parallel_size=config.pipeline_model_parallel_size)
     groups = initialize_nonuniform_tp_process_groups(config)
     if not groups.is_active:
         return None

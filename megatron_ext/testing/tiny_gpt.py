@@ -25,6 +25,7 @@ class TinyGPTSpec:
     qk_layernorm: bool = False  # layer norms of the queries and keys (their grads are partial per TP rank)
     normalization: str = "LayerNorm"  # or "RMSNorm" (megatron_ext.layers.LocalNorm builds either)
     vocab_size: int = 128
+    share_embeddings: bool = False  # the output layer is the word embedding (across pipeline stages: tied)
     seq_length: int = 16
     micro_batch_size: int = 2
     seed: int = 1234
@@ -58,6 +59,7 @@ def transformer_config(spec: TinyGPTSpec, tp: int = 1, pp: int = 1, **overrides)
     if spec.gated_linear_unit:
         kwargs["activation_func"] = torch.nn.functional.silu
     kwargs.update(overrides)
+    kwargs.setdefault("pipeline_dtype", kwargs["params_dtype"])  # what the stages send each other
     return TransformerConfig(**kwargs)
 
 
@@ -81,6 +83,7 @@ def build_model(spec: TinyGPTSpec, config, device: torch.device | str = "cpu"):
         vocab_size=spec.vocab_size,
         max_sequence_length=spec.seq_length,
         position_embedding_type="learned_absolute",
+        share_embeddings_and_output_weights=spec.share_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
     )

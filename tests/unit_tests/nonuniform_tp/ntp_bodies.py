@@ -252,6 +252,8 @@ def train_with_schedule(
     measured=None,
     sequence_parallel=False,
     tp=1,
+    pp=1,
+    overlap_param_gather=False,
 ):
     """Train the tiny GPT as a Megatron training loop does: each replica gets its
     micro-batches of every global batch from ``BalancedPretrainingSampler`` and runs
@@ -268,7 +270,10 @@ def train_with_schedule(
     The loss function reports ``(loss sum, token count)`` per micro-batch;
     ``per_token_loss``: ``calculate_per_token_loss`` with :func:`loss_mask`, else
     every token counts. ``sequence_parallel``: on every replica at TP > 1 (Megatron refuses it at
-    TP 1). Returns this rank's replica, its micro-batch count, the
+    TP 1). ``pp``: pipeline stages of the uniform job (an NTP job has its config's); Megatron's
+    1F1B schedule, every stage reading the same micro-batches, the losses from the last stage.
+    ``overlap_param_gather`` (with the distributed optimizer): the parameters gathered during the next
+    forward. Returns this rank's replica, stage, its micro-batch count, the
     sample indices and ``(sum, count)`` of every micro-batch per step, the
     replica-weighted mean loss per step from ``reduce_loss_over_replicas``, and the
     full weights at init and after training (TP rank 0 only)."""
@@ -287,9 +292,11 @@ def train_with_schedule(
     from megatron_ext.nonuniform_tp.checkpoint import gather_full_state
     from megatron_ext.testing.ntp_job import init_job
 
-    job = init_job(ntp_kwargs, tp)
+    job = init_job(ntp_kwargs, tp, pp)
     ntp_cfg = job.ntp_config
     tp_rank, tp_group = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
+    pp = ps.get_pipeline_model_parallel_world_size()
+    stage, last_stage = ps.get_pipeline_model_parallel_rank(), ps.is_pipeline_last_stage()
     balance = clock = None
     if ntp_cfg is None:
         shares = equal_batch_shares(job.replicas, global_batch, micro_batch_size)
@@ -305,6 +312,7 @@ def train_with_schedule(
     cfg = tiny_gpt.transformer_config(
         spec,
         tp=tp_size,
+        pp=pp,
         calculate_per_token_loss=per_token_loss,
         sequence_parallel=sequence_parallel and tp_size > 1,
     )
@@ -315,7 +323,8 @@ def train_with_schedule(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=overlap,
         use_distributed_optimizer=distributed_optimizer,
-        bucket_size=4096 if overlap else None,
+        overlap_param_gather=overlap_param_gather,
+        bucket_size=4096 if overlap or overlap_param_gather else None,
     )
     if ntp_cfg is None:
         ddp = DistributedDataParallel(config=cfg, ddp_config=ddp_config, module=model)
@@ -374,8 +383,8 @@ def train_with_schedule(
         ok, _, _ = opt.step()
         assert ok, f"optimizer step {step} was skipped"
         indices.append(mine)
-        reports.append([(s.item(), int(c)) for s, c in out])
-        local_mean = torch.stack([s / c for s, c in out]).mean().to(dev)
+        reports.append([(s.item(), int(c)) for s, c in out])  # the last stage's (the others have none)
+        local_mean = torch.stack([s / c for s, c in out]).mean().to(dev) if last_stage else torch.zeros((), device=dev)
         weighted.append(reduce_loss_over_replicas(local_mean, shares).item())
         step_shares.append(shares)
         new = balance.step_finished() if balance is not None else None
@@ -385,12 +394,18 @@ def train_with_schedule(
             batch_sampler = batch_sampler.switch(shares, (step + 1) * global_batch)
             sampler = iter(batch_sampler)
     assert next(sampler, None) is None, "the sampler has samples beyond the last global batch"
-    ddp.zero_grad_buffer()  # healthy NTP replicas refresh their compute weights here
+    if overlap_param_gather:
+        ddp.disable_forward_pre_hook()  # as Megatron-LM ends training: the last step's parameters gathered
+    ddp.zero_grad_buffer()  # degraded NTP replicas take their partner's last weights here (no overlap_param_gather)
+    if hasattr(ddp, "refresh_compute_params"):
+        ddp.refresh_compute_params()  # (with it, here: the partner's gathered parameters)
     final = gather_full_state(getattr(ddp, "compute_module", ddp.module), tp_group, spec.gated_linear_unit)
     keep = tp_rank == 0
     return dict(
         replica=job.replica,
         tp_rank=tp_rank,
+        stage=stage,
+        last_stage=last_stage,
         degraded=job.degraded,
         sequence_parallel=cfg.sequence_parallel,
         sp_params=sorted(n for n, p in model.named_parameters() if getattr(p, "sequence_parallel", False)),

@@ -226,7 +226,7 @@ def test_flags_round_trip():
     assert cfg.non_active_ranks_per_dp == {0: (3, 7), 2: (1, 5)}
     assert parse_failed_slots(format_failed_slots(cfg.non_active_ranks_per_dp)) == cfg.non_active_ranks_per_dp
     assert NonuniformTPConfig.from_args(parser.parse_args([])) is None
-    with pytest.raises(ValueError, match="REPLICA:SLOT"):
+    with pytest.raises(ValueError, match=r"REPLICA\[,STAGE\]:SLOT"):
         parse_failed_slots("0-3")
     explicit = NonuniformTPConfig.from_args(
         parser.parse_args(
@@ -306,7 +306,7 @@ def test_tp_summed_grads_follow_finalize_model_grads_and_tp_averaged_ones_are_re
         ntp.check_model(SimpleNamespace(**vars(tc), fp16=True))
 
 
-FORM = "'REPLICA:SLOT[,SLOT...]' entries separated by ';'"
+FORM = "'REPLICA[,STAGE]:SLOT[,SLOT...]' entries separated by ';'"
 
 
 @pytest.mark.parametrize(
@@ -314,7 +314,7 @@ FORM = "'REPLICA:SLOT[,SLOT...]' entries separated by ';'"
     [
         ("0:", {}, ["--ntp-failed-slots: replica 0 lists no slot in '0:'", FORM]),
         ("0:1,1", {}, ["--ntp-failed-slots: slot 1 listed twice for replica 0", "list each failed TP slot once"]),
-        ("0:1;;", {}, ["--ntp-failed-slots: empty entry in '0:1;;'", "REPLICA:SLOT"]),
+        ("0:1;;", {}, ["--ntp-failed-slots: empty entry in '0:1;;'", "REPLICA[,STAGE]:SLOT"]),
         (";0:1", {}, ["--ntp-failed-slots: empty entry in ';0:1'"]),
         ("1:2,2", dict(tp_base=4), ["--ntp-failed-slots: slot 2 listed twice for replica 1"]),
         ("-1:1", {}, ["--ntp-failed-slots: replica index -1 in '-1:1' is out of range; allowed: REPLICA >= 0"]),

@@ -467,6 +467,9 @@ def test_balanced_shares_train_like_uniform(backend):
       rank holds part of the q/k layer norms' gradient (its heads'); against uniform
       TP=1 x DP=3 on the same processes. Then the same with sequence parallelism
       (SEQUENCE_PARALLEL: on at the healthy replica's TP 2) against the same baseline.
+    - the distributed optimizer with overlapped reduction and overlapped parameter gather
+      (the partner's parameters go back bucket group by bucket group in the forward), shares
+      1:3, against the single-rank baseline.
     - --ntp-balance measured (global batch 4 of micro-batches of 1): the tp shares 1:3
       for 3 steps timed by injected per-rank seconds, then 2:2 from the measured
       throughputs, on every rank; the sampler switches at the global-batch boundary.
@@ -482,9 +485,10 @@ def test_balanced_shares_train_like_uniform(backend):
         (None, STEPS, QK_LAYERNORM),
         (NTP_EQUAL, STEPS, SEQUENCE_PARALLEL),
         (NTP_MEASURED, STEPS, dict(measured=MEASURED)),
+        (NTP_BALANCED, STEPS, dict(distributed_optimizer=True, overlap=True, overlap_param_gather=True)),
     ]
     per_rank = run_on_ranks(train_cases, 3, args=(cases,), timeout=300, backend=backend)
-    plain, distopt, per_token, uniform, samples, qk_ntp, qk_uniform, sp_ntp, measured = zip(*per_rank)
+    plain, distopt, per_token, uniform, samples, qk_ntp, qk_uniform, sp_ntp, measured, param_gather = zip(*per_rank)
     ref = _baseline(SPEC, backend)
 
     # measured: every rank agrees on the replicas' median seconds and on the shares they give
@@ -504,7 +508,7 @@ def test_balanced_shares_train_like_uniform(backend):
         assert used == list(range(step * 4, (step + 1) * 4)), f"step {step}: {used}"
         assert [len(h["indices"][step]) for h in heads] == list(measured[0]["step_shares"][step].microbatches)
 
-    for results in (plain, distopt, measured):
+    for results in (plain, distopt, measured, param_gather):
         assert any(o["degraded"] for o in results) and any(not o["degraded"] for o in results)
         if results is not measured:
             _check_shares_used(results, [1, 3], 4)

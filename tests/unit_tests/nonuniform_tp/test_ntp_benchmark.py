@@ -5,7 +5,8 @@ benchmark refuses.
 Model notation in the comments: c = one micro-batch's fwd+bwd on a healthy replica; a replica at TP=r
 needs tp/r * c per micro-batch; a partner and its satellite each pay the pair's transfers o per step,
 bystanders nothing; the step is the slowest replica's compute (+ o) + the DP collective over the
-healthy replicas + the optimizer + the rest."""
+healthy replicas + the optimizer + the rest. With pp pipeline stages per replica: m micro-batches take
+(m + pp - 1) * t / pp (the 1F1B bubble), o, the DP collective and the optimizer 1/pp of pp=1's."""
 
 import json
 import pathlib
@@ -103,6 +104,12 @@ def test_benchmark_runs_all_four_jobs_on_four_gloo_ranks(tmp_path):
         assert model_only["model"]["costs"][key] == pytest.approx(model["costs"][key]), key
     assert [t["rows"] for t in model_only["model"]["large_jobs"]] == [t["rows"] for t in tables]
     assert model_only["targets"] == result["targets"][-3:]
+    # --pp: the same costs with every large job's replica a pipeline of 2 stages (DP x 2 x TP GPUs)
+    staged = tmp_path / "pp2.json"
+    assert bench.main(["--costs-from", str(out), "--model-failed", "3", "--pp", "2", "--out", str(staged)]) == 0
+    staged_tables = json.loads(staged.read_text())["model"]["large_jobs"]
+    assert [(t["dp"], t["tp"], t["pp"]) for t in staged_tables] == [(64, 8, 2), (16, 32, 2), (8, 64, 2)]
+    assert staged_tables[0]["rows"][0]["ideal"] == (64 * 2 * 8 - 1) / (64 * 2 * 8)
     # a record of the previous design (unfold + fold, no partner transfers): half of it per direction, per shard
     old = dict(result, model=dict(result["model"], costs={**model["costs"], "ntp_overhead_s": 0.02}))
     del old["model"]["costs"]["grad_transfer_s"], old["model"]["costs"]["param_transfer_s"]
@@ -272,6 +279,98 @@ def test_place_failures():
         cm.place_failures(4, 8, 33, "spread")
 
 
+# ---- the cost model: pipeline stages -----------------------------------------------------------
+def test_pipeline_stages_pay_the_bubble_and_split_the_transfers_and_the_sync():
+    # DP=4 x PP=2 x TP=2, replica 0 at TP=1 (t = 2 c), transfers 0.5 c per healthy shard at pp=1 -> o = 0.5 *
+    # 2/1 / 2 stages = 0.5 c on the satellite and its partner. Busy (m + 1) * t / 2 + o: satellite m + 1.5,
+    # partner m/2 + 1, bystanders m/2 + 0.5. 26 micro-batches at a level of 4.5 c: 3 + 7 + 8 + 8 = 26.
+    costs = cm.StepCosts(
+        microbatch_s=1.0, sync_s=1.0, optimizer_s=0.5, other_s=0.25, grad_transfer_s=0.3, param_transfer_s=0.2
+    )
+    plan = cm.plan_step(costs, 2, (1, 0, 0, 0), 26, "ntp balanced", pp=2)
+    assert plan.shares == (3, 7, 8, 8) and plan.busy_s == pytest.approx((4.5,) * 4)
+    # step: 4.5 + (DP collective over 3 healthy replicas, ring 4/3 of the 2-replica 1 c, + optimizer 0.5) / 2
+    # stages + rest 0.25 = 17/3. Uniform: 7, 7, 6, 6 -> (7 + 1) / 2 = 4 + (ring 3/2 + 0.5) / 2 + 0.25 = 5.25.
+    assert plan.step_s == pytest.approx(17 / 3)
+    assert cm.uniform_plan(costs, 4, 2, 26, pp=2).step_s == pytest.approx(5.25)
+    assert cm.predict_retained(costs, 2, (1, 0, 0, 0), 26, "ntp balanced", pp=2) == pytest.approx(63 / 68)
+    # pp=1 is the model without stages: the same job's pp=1 plan (test_partner_and_satellite_take_smaller_...)
+    assert cm.plan_step(costs, 2, (1, 0, 0, 0), 26, "ntp balanced", pp=1) == cm.plan_step(
+        costs, 2, (1, 0, 0, 0), 26, "ntp balanced"
+    )
+    assert cm.plan_step(costs, 2, (1, 0, 0, 0), 26, "ntp balanced").busy_s == pytest.approx((7, 8, 8, 8))
+
+
+def test_the_bubble_moves_micro_batches_from_the_satellite():
+    # DP=2 x TP=2, replica 0 at TP=1 (t = 2 c), compute only, 12 micro-batches. pp=1: 4 and 8 -> 8 c each.
+    # pp=4: (m + 3) * t / 4: the satellite's bubble is 3 * 2/4 = 1.5 c against the healthy replica's 0.75 c:
+    # 3 and 9 -> (3 + 3) * 2/4 = 3 c and (9 + 3) / 4 = 3 c; pp=1's 4 and 8 would leave the satellite at 3.5 c.
+    # Uniform pp=4: 6 each, (6 + 3) / 4 = 2.25 c.
+    assert cm.plan_step(MODEL_ONLY, 2, (1, 0), 12, "ntp balanced").shares == (4, 8)
+    assert cm.plan_step(MODEL_ONLY, 2, (1, 0), 12, "ntp balanced", pp=4).shares == (3, 9)
+    assert cm.plan_step(MODEL_ONLY, 2, (1, 0), 12, "ntp balanced", pp=4, fluid=True).shares == pytest.approx((3, 9))
+    assert cm.predict_retained(MODEL_ONLY, 2, (1, 0), 12, "ntp balanced", pp=4) == pytest.approx(2.25 / 3)
+    retained = cm.predict_retained(MODEL_ONLY, 2, (1, 0), 12, "ntp balanced", pp=4, shares=(4, 8))
+    assert retained == pytest.approx(2.25 / 3.5)
+    # shrink: DP=4 x TP=8, 24 each, replica 0 at TP=7. pp=1: 21 fit in 24 c; pp=2: a healthy replica takes
+    # (24 + 1) / 2 = 12.5 c, the satellite (x + 1) * 8/7 / 2 <= 12.5 -> x = 20.
+    assert cm.plan_step(MODEL_ONLY, 8, (1, 0, 0, 0), 96, "ntp shrink").shares == (21, 24, 24, 24)
+    shrink = cm.plan_step(MODEL_ONLY, 8, (1, 0, 0, 0), 96, "ntp shrink", pp=2)
+    assert shrink.shares == (20, 24, 24, 24) and shrink.batch_fraction == pytest.approx(92 / 96)
+
+
+def test_dropping_a_replica_removes_its_pp_x_tp_gpus():
+    # DP=4 x PP=2 x TP=2 (16 GPUs), one GPU lost in replica 0's stage 1: every stage of replica 0 is degraded.
+    # Dropping it leaves 3 x 2 x 2 = 12 GPUs; 12 micro-batches: 4 each in (4 + 1) / 2 = 2.5 c against the
+    # uniform 3 each in (3 + 1) / 2 = 2 c: 0.8 (a larger share pays the same bubble: above the 3/4 of GPUs).
+    per_stage = ((0, 1), (0, 0), (0, 0), (0, 0))
+    drop = cm.plan_step(MODEL_ONLY, 2, per_stage, 12, "drop", pp=2)
+    assert (drop.gpus, cm.uniform_plan(MODEL_ONLY, 4, 2, 12, pp=2).gpus) == (12, 16)
+    assert drop.replicas == (1, 2, 3) and drop.dropped == 1
+    assert cm.predict_retained(MODEL_ONLY, 2, per_stage, 12, "drop", pp=2) == pytest.approx(0.8)
+    assert cm.plan_step(MODEL_ONLY, 2, (1, 0, 0, 0), 12, "drop", pp=2) == drop  # a replica's loss: its worst stage's
+    # kept as a satellite, every stage of it runs at TP=1 (parity: the degree is the worst stage's)
+    ntp = cm.plan_step(MODEL_ONLY, 2, per_stage, 12, "ntp balanced", pp=2)
+    assert ntp.degrees == (1, 2, 2, 2) and ntp.gpus == 2 * (1 + 2 + 2 + 2)
+    # replica 0 lost both GPUs of stage 0: dead, gone in every plan
+    dead = ((2, 0), (0, 0), (0, 0), (0, 0))
+    for mode in cm.MODES:
+        assert cm.predict_retained(MODEL_ONLY, 2, dead, 12, mode, pp=2) == pytest.approx(0.8)
+    # the large-job row: the ideal counts all DP x PP x TP GPUs; the verdict names the stages
+    rows = cm.large_job_table(MODEL_ONLY, 4, 2, 1, 12, pp=2)
+    assert (rows[0]["pp"], rows[0]["ideal"], rows[0]["drop"]) == (2, 15 / 16, pytest.approx(0.8))
+    assert cm.verdict(rows)[1].startswith("  4x2 PP=2 k=1 spread: drops:")
+
+
+def test_place_failures_over_pipeline_stages():
+    # 5 failures over DP=4 x PP=2 x TP=2: spread deals 2, 1, 1, 1 to the replicas, each replica's to its
+    # stages in turn: the worst stage lost 1 everywhere; packed fills replica 0's stage 0 (dead), stage 1, then
+    # replica 1's stage 0.
+    assert cm.place_failures(4, 2, 5, "spread", pp=2) == (1, 1, 1, 1)
+    assert cm.place_failures(4, 2, 5, "packed", pp=2) == (2, 1, 0, 0)
+    with pytest.raises(ValueError, match="0..dp\\*pp\\*tp = 64"):
+        cm.place_failures(4, 8, 65, "spread", pp=2)
+
+
+@pytest.mark.parametrize("pp", [0, -1, 1.5, True, "2", None])
+def test_a_bad_pp_is_refused_by_name(pp):
+    calls = [
+        lambda: cm.plan_step(MODEL_ONLY, 2, (1, 0), 4, "ntp balanced", pp=pp),
+        lambda: cm.best_plan(MODEL_ONLY, 2, (1, 0), 4, pp=pp),
+        lambda: cm.uniform_plan(MODEL_ONLY, 2, 2, 4, pp=pp),
+        lambda: cm.predict_retained(MODEL_ONLY, 2, (1, 0), 4, pp=pp),
+        lambda: cm.large_job_table(MODEL_ONLY, 2, 2, 1, 4, pp=pp),
+        lambda: cm.place_failures(2, 2, 1, "spread", pp=pp),
+        lambda: cm.reduced_degree(2, (1, 0), pp=pp),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match="pp must be an int >= 1 \\(pipeline stages per replica\\)"):
+            call()
+    # per-stage losses must list every stage
+    with pytest.raises(ValueError, match="failed must list"):
+        cm.plan_step(MODEL_ONLY, 2, ((0, 1, 0), (0, 0)), 4, "drop", pp=2)
+
+
 # ---- the cost model: the tables ----------------------------------------------------------------
 @pytest.mark.parametrize(
     "costs",
@@ -369,6 +468,8 @@ def test_cost_model_inputs_are_validated():
         (["--model-jobs", "64x8,16"], "argument --model-jobs: expected DPxTP entries"),
         (["--model-max-shrink", "1.5"], "argument --model-max-shrink: expected a number in [0, 1)"),
         (["--model-jobs", "2x2", "--model-failed", "5"], "--model-failed 5 is more than the 4 GPUs"),
+        (["--model-jobs", "2x2", "--model-failed", "9", "--pp", "2"], "--model-failed 9 is more than the 8 GPUs"),
+        (["--pp", "0"], "argument --pp: expected an int >= 1, got 0"),
         (["--model-micro-batch", "4"], "--model-micro-batch 4 must divide this run's samples per replica"),
         (["--model-divides", "64,x"], "argument --model-divides: expected ints >= 1"),
     ],

@@ -349,6 +349,42 @@ def test_ntp_trainer_layout_serves_from_healthy_and_degraded_replicas():
             torch.testing.assert_close(got[r][n], want[r][n], rtol=0, atol=0)
 
 
+def test_pipelined_ntp_trainer_layout_is_each_replica_at_its_degree_over_the_stages():
+    """TP 2 x PP 2, replica 0 lost a GPU of stage 1 (both its stages at TP 1): stage-major ranks 0 (replica 0)
+    and 1, 2 (replica 1) in stage 0, 3 and 4, 5 in stage 1. Each replica's part of the layout is Megatron's TP x PP
+    layout on its ranks; a plan from it, applied in memory to hand-sharded Megatron tensors, gives every engine
+    tensor exactly, served by both replicas."""
+    from megatron_ext.nonuniform_tp.config import NonuniformTPConfig
+    from megatron_ext.nonuniform_tp.layout import NTPLayout
+    from megatron_ext.sharding import layout_from_recipe, ntp_megatron_layout
+
+    specs = gpt_specs(**DENSE)
+    cfg = NonuniformTPConfig(
+        tp_base=2, tp_spares=1, non_active_ranks_per_dp={(0, 0): (1,), (0, 1): (0,)}, pipeline_model_parallel_size=2
+    )
+    src = ntp_megatron_layout(specs, NTPLayout.from_config(cfg, 6))
+    degraded, healthy = (
+        megatron_layout(specs, tp=1, pp=2, ranks=[0, 3]),
+        megatron_layout(specs, tp=2, pp=2, ranks=[1, 2, 4, 5]),
+    )
+    assert src.tensors == {**degraded.tensors, **healthy.tensors}
+    assert (
+        "decoder.layers.1.mlp.linear_fc2.weight" in src.tensors[3] and not src.tensors[3].keys() & src.tensors[0].keys()
+    )
+    rebuilt = layout_from_recipe(specs, json.loads(json.dumps(src.recipe)))
+    assert rebuilt.ranks == src.ranks and rebuilt.tensors == src.tensors
+    dst = inference_layout(specs, tp=2, ranks=[6, 7])
+    plan = build_reshard_plan(src, dst)
+    check_reshard_plan(plan)
+    assert {0, 3} & set(plan.sent_bytes()) and {1, 2, 4, 5} & set(plan.sent_bytes())
+    weights = _hf_weights(specs)
+    state = {**_megatron_locals(degraded, weights, specs, 1), **_megatron_locals(healthy, weights, specs, 2)}
+    got, want = _apply(plan, state, dst), _engine_locals(dst, weights)
+    for r in dst.ranks:
+        for n in want[r]:
+            torch.testing.assert_close(got[r][n], want[r][n], rtol=0, atol=0)
+
+
 def _te_like_gpt(hidden=32, heads=4, groups=2, ffn=48, vocab=64, layers=2, offset=3):
     head_dim = hidden // heads
 
