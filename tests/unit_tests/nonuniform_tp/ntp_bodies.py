@@ -286,6 +286,7 @@ def train_with_schedule(
         BalancedPretrainingSampler,
         NonuniformTPDistributedDataParallel,
         equal_batch_shares,
+        ddp_memory_report,
         finalize_model_grads,  # Megatron's, with a satellite's token count joining its partner's
         reduce_loss_over_replicas,
     )
@@ -399,9 +400,13 @@ def train_with_schedule(
     ddp.zero_grad_buffer()  # degraded NTP replicas take their partner's last weights here (no overlap_param_gather)
     if hasattr(ddp, "refresh_compute_params"):
         ddp.refresh_compute_params()  # (with it, here: the partner's gathered parameters)
-    final = gather_full_state(getattr(ddp, "compute_module", ddp.module), tp_group, spec.gated_linear_unit)
+    compute = getattr(ddp, "compute_module", ddp.module)
+    final = gather_full_state(compute, tp_group, spec.gated_linear_unit)
     keep = tp_rank == 0
     return dict(
+        role=getattr(ddp, "ntp_role", "uniform"),
+        memory=ddp_memory_report(ddp, opt),
+        compute_state={n: p.detach().cpu().clone() for n, p in compute.named_parameters()},
         replica=job.replica,
         tp_rank=tp_rank,
         stage=stage,

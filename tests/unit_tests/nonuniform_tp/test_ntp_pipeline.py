@@ -13,7 +13,7 @@ from megatron_ext.testing import tiny_gpt
 from megatron_ext.testing.multirank import run_on_ranks
 
 from .ntp_bodies import train_cases
-from .test_ntp_training import STEPS, WEIGHT_ATOL, _backends
+from .test_ntp_training import STEPS, WEIGHT_ATOL, _backends, _check_memory_reports
 
 # ---- config and layout --------------------------------------------------------------------------
 # replica 0 lost slot 0 of stage 1: it runs both stages at TP 1 (stage 0 leaves its slot 1 idle)
@@ -158,7 +158,9 @@ def test_pipelined_ntp_trains_like_a_uniform_pipeline(backend):
     equal shares with sequence parallelism; shares by TP degree (2 and 4 micro-batches: the two
     pipelines run different schedules); the distributed optimizer with overlapped gradient reduction
     and parameter gather. Each against a uniform TP 1 x PP 2 job (2 processes) of the same stages and
-    global batch: the loss per step, and every stage's weights after training."""
+    global batch: the loss per step, and every stage's weights after training. Memory (plain optimizer):
+    every rank holds its own stage's tensors only, a healthy one a uniform rank's parameters, gradients and
+    Adam state, a degraded one no optimizer state, both at most one transfer unit of staging per dtype."""
     cases = [(NTP_PP, STEPS, EQUAL), (NTP_PP_TP_SHARES, STEPS, BALANCED), (NTP_PP, STEPS, OVERLAP)]
     base = [(None, STEPS, dict(kw, pp=2, sequence_parallel=False)) for _, _, kw in cases]
     per_rank = run_on_ranks(train_cases, 6, args=(cases,), timeout=400, backend=backend)
@@ -167,3 +169,10 @@ def test_pipelined_ntp_trains_like_a_uniform_pipeline(backend):
         _check(list(results), _learned(list(ref)), what)
     balanced = list(zip(*per_rank))[1]
     assert {o["replica"]: o["microbatches"] for o in balanced}[0] == [2, 4]
+    equal = list(zip(*per_rank))[0]
+    _check_memory_reports(equal)
+    for o in equal:  # a stage's own layers: the first holds the embedding, the last the output layer (tied)
+        names = set(o["compute_state"])
+        assert any("layers.0." in n for n in names) and not any("layers.1." in n for n in names), names
+        assert ("embedding.word_embeddings.weight" in names) is (o["stage"] == 0), names
+        assert ("output_layer.weight" in names) is (o["stage"] == 1), names
