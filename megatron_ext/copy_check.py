@@ -11,17 +11,23 @@ flag and of a second word to raise with it), and each program of the kernel move
 Inf ``x`` is caught by ``x - x != 0`` (NaN for both, 0 for every finite value). Pairs it cannot cut
 into runs of at least :data:`MIN_RUN` elements (column slices, overlapping strides) are left to the
 caller.
+
+The kernel compiles (Triton, about a second with a cold cache) in a background thread: :func:`prewarm`
+starts it early (the refit's executors and the export hook call it when they are built), and until a
+specialization is compiled a :class:`FusedCopyCheck` runs the same copies checked by a second read, so
+the first refit of a process does not wait for the compiler.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import threading
 import warnings
 
 import torch
 
-__all__ = ["CHUNK", "MIN_RUN", "FusedCopyCheck", "available", "runs"]
+__all__ = ["CHUNK", "MIN_RUN", "FusedCopyCheck", "available", "prewarm", "runs"]
 
 # Elements one program moves at most: 7.2 GB of bf16 is about 110k programs, many per SM, so the
 # last wave is short; long enough that the table (32 bytes a run) is 1/4096 of the data.
@@ -119,6 +125,46 @@ def _kernel():
     return copy_check
 
 
+_COMPILED: dict[tuple, threading.Event] = {}  # (device index, dtype, aligned) -> set once its compile ended
+
+
+def _compiling(key: tuple) -> threading.Event:
+    """The background compile of one specialization (started here the first time it is asked for)."""
+    done = _COMPILED.get(key)
+    if done is None:
+        done = _COMPILED[key] = threading.Event()
+        index, dtype, aligned = key
+
+        def compile_() -> None:
+            try:
+                torch.cuda.set_device(index)  # a new thread starts on device 0; compile for this rank's
+                table = torch.zeros((1, 5), dtype=torch.int64, device=torch.device("cuda", index))
+                _kernel().warmup(table, DTYPE=_tl_dtype(dtype), BLOCK=BLOCK, ALIGNED=aligned, num_warps=8, grid=(1,))
+            except Exception:  # the first launch raises it again and falls back for the process (run)
+                pass
+            finally:
+                done.set()
+
+        threading.Thread(target=compile_, name="megatron_ext copy_check compile", daemon=True).start()
+    return done
+
+
+def prewarm(device: torch.device | str, dtypes, wait: bool = False) -> None:
+    """Start compiling the kernel for ``dtypes`` (checked ones: fp32, bf16, fp16) on a CUDA ``device`` in a
+    background thread, both alignments; a no-op elsewhere, without Triton, or once started. ``wait``: return
+    when those compiles ended (benchmarks and tests that time or profile the kernel itself)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not available():
+        return
+    index = torch.cuda.current_device() if device.index is None else device.index
+    for dtype in dtypes:
+        if dtype in (torch.float32, torch.bfloat16, torch.float16):
+            for aligned in (True, False):
+                done = _compiling((index, dtype, aligned))
+                if wait:
+                    done.wait()
+
+
 def _tl_dtype(dtype: torch.dtype):
     import triton.language as tl
 
@@ -155,7 +201,7 @@ class FusedCopyCheck:
         return [t.data_ptr() for t in self._watch]
 
     def _build(self) -> None:
-        self.launches = []
+        self.launches, self._keys = [], []
         self._where = self._addresses()
         if not self.pairs:
             return
@@ -187,6 +233,7 @@ class FusedCopyCheck:
             table = rows[aligned == flag]
             if table.shape[0]:
                 self.launches.append((table.contiguous().to(device), _tl_dtype(dst0.dtype), flag))
+        self._keys = [(device.index, dst0.dtype, flag) for _, _, flag in self.launches] if device.type == "cuda" else []
 
     def refresh(self) -> bool:
         """Rebuild the table if a storage moved since it was built; whether it did."""
@@ -200,6 +247,9 @@ class FusedCopyCheck:
         global _UNUSABLE
         if _UNUSABLE is None:
             self.refresh()
+            if not all([_compiling(key).is_set() for key in self._keys]):
+                self._copy_then_check()  # compiling in the background: this run checks by a second read
+                return
             try:
                 kernel = _kernel()
                 for table, dtype, aligned in self.launches:

@@ -30,6 +30,7 @@ from ..sharding.megatron import megatron_tensors
 from ..sharding.mesh import MegatronMesh
 from ..sharding.names import global_layer_names, unwrap
 from ..sharding.spec import specs_from_model
+from .. import copy_check
 from ..copies import FlagsByName, copy_all
 from .config import HOOK_TRANSPORTS, MAX_BUCKET_MB, MIN_BUCKET_MB, RefitConfig
 from .engines.hf_model import hf_model_config
@@ -142,6 +143,8 @@ class WeightExporter:
                 "expert-DP rank 0: use Megatron's default rank order (order='tp-cp-ep-dp-pp')"
             )
         self.device = next(self.model.parameters()).device
+        if self.config.check_finite:  # the checked copies' kernel compiles while training runs
+            copy_check.prewarm(self.device, {p.dtype for p in self.model.parameters()})
         self._receiver, self._sender = receiver, sender
         self._plan: ExportPlan | None = None
         self._tensors: dict[str, torch.Tensor] = {}

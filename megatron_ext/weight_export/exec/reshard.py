@@ -48,6 +48,7 @@ from collections.abc import Callable
 
 import torch
 
+from ... import copy_check
 from ...copies import finite_flags
 from ...sharding.megatron import megatron_tensors
 from ..control.peers import as_peers
@@ -225,6 +226,8 @@ class ReshardExecutor:
             sum(bucket_nbytes(b) for bs in table.values() for b in bs) for table in (self.send, self.recv)
         )  # per refit, on the wire
         self.device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
+        if check_finite:  # the checked copies' kernel compiles while the plan is agreed on
+            copy_check.prewarm(self.device, {t.dtype for t in tensors.values()})
         self._sourced = [t for t in plan.transfers if t.src == rank]  # what this rank serves, in plan order
         # what every header of this plan carries: the plan and the bucket size both sides cut it with
         self.check_finite = check_finite
@@ -237,6 +240,7 @@ class ReshardExecutor:
         self.staging: Staging | None = None  # buffers and copies, from the first refit on
         self._side_stream = None  # atomic ranks' check of their local copies' sources (CUDA)
         self.version: int | None = None  # the version this rank's destination tensors hold (None: none accepted)
+        self.setup_s: dict[str, float] = {}  # the first refit's set-up: staging, agreement, start (seconds)
 
     @property
     def _who(self) -> str:
@@ -399,6 +403,7 @@ class ReshardExecutor:
         the NCCL communicator, which PyTorch wants before the first batch of P2P ops. A rank whose
         tensors are not the layout's (:attr:`problem`) allocates nothing and reports its problem."""
         failed = self.budget_problem
+        start = time.perf_counter()
         if self.problem is None and failed is None:
             try:
                 self._allocate()
@@ -415,12 +420,17 @@ class ReshardExecutor:
                     max_inflight=self.max_inflight,
                     bucket_bytes=self.bucket_bytes,
                 )
+        allocated = time.perf_counter()
         try:
             self.agree(own=failed)
         except RefitRejected:
             self.staging = None  # the next refit allocates and agrees again
             raise
+        agreed = time.perf_counter()
         self.peers.start()  # every rank arrived
+        self.setup_s = dict(staging=allocated - start, agreement=agreed - allocated, start=time.perf_counter() - agreed)
+        parts = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.setup_s.items())
+        log.debug("reshard refit: %s: first refit set-up: %s", self._who, parts)
 
     def agree(self, *, what: str = "reach the refit", own: RefitRejected | None = None) -> None:
         """One exchange over the group (:mod:`.agreement`): every rank raises :class:`RefitRejected`

@@ -111,18 +111,14 @@ class ReshardPlan:
                 out[t.dst] += t.nbytes
         return dict(out)
 
-    @property
+    @functools.cached_property  # the transfers are not changed after planning
     def fingerprint(self) -> str:
         """16 hex digits of every transfer's name, box, source and destination, in plan order."""
-        h = hashlib.sha256()
         ints = array.array("q")
         for t in self.transfers:  # each field's length first, so no two plans read alike
-            name = t.name.encode()
-            ints.extend((len(name), len(t.box.ranges), *(x for r in t.box.ranges for x in r), t.src, t.dst))
-            h.update(ints.tobytes())
-            h.update(name)
-            del ints[:]
-        return h.hexdigest()[:16]
+            ints.extend((len(t.name), len(t.box.ranges), *(x for r in t.box.ranges for x in r), t.src, t.dst))
+        names = "".join(t.name for t in self.transfers).encode()
+        return hashlib.sha256(ints.tobytes() + names).hexdigest()[:16]
 
 
 def _cells(box: Box, parts: list[Box]) -> list[Box]:
@@ -148,33 +144,43 @@ def build_reshard_plan(src: Layout, dst: Layout) -> ReshardPlan:
         pieces[name] = list(groups.items())
     load: dict[int, int] = defaultdict(int)
     transfers = []
+    # a box's cells and their holders, the same for every destination rank that keeps it (data-parallel
+    # engine replicas keep the same boxes): cut once; and each source run once
+    cells_of: dict[tuple[str, Box], list] = {}
+    src_runs: dict[tuple[int, str, str, Box], Run] = {}
     for di, d in enumerate(dst.ranks):
         for lt, seg in dst.segments(d):
-            spec = dst.specs[seg.name]
-            found = [
-                (inter, holders)
-                for box, holders in pieces.get(seg.name, [])
-                if (inter := box.intersect(seg.box)) is not None
-            ]
-            for cell in _cells(seg.box, [inter for inter, _ in found]):
-                holders = [h for inter, hs in found if inter.contains(cell) for h in hs]
-                if not holders:
-                    raise ValueError(
-                        f"destination rank {d} keeps {seg.name} {cell.ranges} but no rank of the "
-                        f"source layout ({src.description}) holds it; build both layouts from "
-                        "the same model specs"
-                    )
-                local = [h for h in holders if h[0] == d]
-                if local:
-                    choice = local[0]
-                else:  # least loaded; ties rotate with the destination
+            itemsize = dst.specs[seg.name].dtype.itemsize
+            cells = cells_of.get((seg.name, seg.box))
+            if cells is None:
+                found = [
+                    (inter, holders)
+                    for box, holders in pieces.get(seg.name, [])
+                    if (inter := box.intersect(seg.box)) is not None
+                ]
+                cells = []
+                for cell in _cells(seg.box, [inter for inter, _ in found]):
+                    holders = [h for inter, hs in found if inter.contains(cell) for h in hs]
+                    if not holders:
+                        raise ValueError(
+                            f"destination rank {d} keeps {seg.name} {cell.ranges} but no rank of the "
+                            f"source layout ({src.description}) holds it; build both layouts from "
+                            "the same model specs"
+                        )
+                    cells.append((cell, holders))
+                cells_of[seg.name, seg.box] = cells
+            for cell, holders in cells:
+                choice = next((h for h in holders if h[0] == d), None)
+                if choice is None:  # least loaded; ties rotate with the destination
                     n = len(holders)
                     _, choice = min(enumerate(holders), key=lambda ih: (load[ih[1][0]], (ih[0] - di) % n))
-                    load[choice[0]] += cell.numel * spec.dtype.itemsize
+                    load[choice[0]] += cell.numel * itemsize
                 r, slt, sseg = choice
-                transfers.append(
-                    Transfer(seg.name, cell, r, d, _run(slt, sseg, cell), _run(lt, seg, cell), spec.dtype.itemsize)
-                )
+                key = (r, slt.name, seg.name, cell)  # (a fused local tensor holds several HF tensors' boxes)
+                run = src_runs.get(key)
+                if run is None:
+                    run = src_runs[key] = _run(slt, sseg, cell)
+                transfers.append(Transfer(seg.name, cell, r, d, run, _run(lt, seg, cell), itemsize))
     return ReshardPlan(src, dst, transfers)
 
 

@@ -7,6 +7,8 @@ import logging
 
 import torch
 
+from ... import copy_check
+
 from ..control import channel as control
 from ..control import versions
 from ..control.channel import ControlError
@@ -67,6 +69,8 @@ def serve(
         raise ValueError("serve(receiver=...) must be the receiver of the same consumer")
     consumer, device = receiver.consumer, receiver.device
     device = torch.device(device)
+    # the checked copies' kernel (ipc-direct: the engine checks as it copies) compiles while no trainer is here
+    copy_check.prewarm(device, (torch.bfloat16, torch.float32))
     with control.Listener(address, key=authkey) as listener:
         try:
             ch = listener.accept(timeout_s)
