@@ -46,6 +46,10 @@ flag groups switch its capabilities on:
 - ``--sequence-parallel`` (Megatron-LM's): the norms, dropouts and residuals split the sequence over
   each TP group; the local layer spec's norms are megatron_ext's ``LocalNorm`` (no Transformer Engine
   or Apex needed). Off at TP 1 as in Megatron-LM; with ``--ntp-*`` on every replica at TP > 1.
+- ``--pipeline-model-parallel-size P`` (Megatron-LM's; processes = TP x PP x DP): the layers split over P
+  stages, megatron-core's 1F1B schedule; ``--num-layers-per-virtual-pipeline-stage N`` gives each pipeline
+  rank ``--num-layers / P / N`` model chunks and the interleaved schedule. Every PP degree holds the same
+  global model (CPU initialization). Not with ``--ntp-*`` or the p2p refit; the export hook takes one chunk.
 
 The same command runs on CPU (gloo; a tiny model) and on GPUs (NCCL, one GPU per
 rank). Rank 0 prints a start-up summary of what the plugin enabled; the last rank
@@ -139,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--use-cpu-initialization",
         action="store_true",
-        help="draw the full weights on CPU from --seed, so every TP degree holds the same global "
+        help="draw the full weights on CPU from --seed, so every TP and PP degree holds the same global "
         "model (always on without CUDA; required with --ntp-tp-base)",
     )
 
@@ -241,7 +245,20 @@ def build_parser() -> argparse.ArgumentParser:
         "the sequence (--seq-length divisible by the TP degree(s)); off at TP 1, as in Megatron-LM; under "
         "--ntp-tp-base on every replica at TP > 1",
     )
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="only 1 is supported")
+    g.add_argument(
+        "--pipeline-model-parallel-size",
+        type=int,
+        default=1,
+        help="pipeline stages (Megatron-LM's): each holds --num-layers / P layers, the first the embedding, the "
+        "last the output layer and the loss; processes = TP x PP x data-parallel size",
+    )
+    g.add_argument(
+        "--num-layers-per-virtual-pipeline-stage",
+        type=int,
+        default=None,
+        help="Megatron-LM's interleaved 1F1B: each pipeline rank holds --num-layers / P / N model chunks of N "
+        "layers (a single chunk: the plain 1F1B schedule); the micro-batches per step must be a multiple of P",
+    )
     g.add_argument(
         "--expert-model-parallel-size",
         type=int,
@@ -318,11 +335,18 @@ class Plan:
     num_experts: int | None = None  # MoE: experts per layer (None: dense)
     ep: int = 1  # expert-parallel size
     etp: int = 1  # expert tensor-parallel size
+    pp: int = 1  # pipeline stages
+    vp: int | None = None  # model chunks per pipeline rank (interleaved 1F1B); None: one chunk
 
     @property
     def expert_dp(self) -> int:
         """Expert data-parallel size: the ranks over which each expert's gradients are reduced."""
-        return self.world_size // (self.ep * self.etp)
+        return self.world_size // (self.pp * self.ep * self.etp)
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks on each rank: one per virtual pipeline stage."""
+        return self.vp or 1
 
     @property
     def balanced(self) -> bool:
@@ -385,6 +409,7 @@ def _check(args, world_size: int, cuda: bool, parser) -> Plan:
         "log_interval",
         "tensor_model_parallel_size",
         "pipeline_model_parallel_size",
+        "num_layers_per_virtual_pipeline_stage",
         "save_interval",
         "make_vocab_size_divisible_by",
         "moe_ffn_hidden_size",
@@ -395,11 +420,13 @@ def _check(args, world_size: int, cuda: bool, parser) -> Plan:
     if args.num_experts == 0:  # Megatron-LM: 0 experts is a dense model
         args.num_experts = None
     _positive(args, "num_experts")
-    if args.pipeline_model_parallel_size != 1:
+    pp = args.pipeline_model_parallel_size
+    if args.num_layers % pp:
         raise ValueError(
-            f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: this script supports "
-            "only 1 (no pipeline parallelism); use TP and DP"
+            f"--num-layers {args.num_layers} must be divisible by --pipeline-model-parallel-size {pp} (every stage "
+            "holds as many layers)"
         )
+    vp = _virtual_stages(args, pp)
     if args.transformer_impl != "local":
         raise ValueError(
             "--transformer-impl transformer_engine: not supported by this script (Transformer Engine "
@@ -492,10 +519,12 @@ def _check(args, world_size: int, cuda: bool, parser) -> Plan:
         dp = ntp.kept_replicas(ntp.layout(world_size).num_replicas)  # --ntp-policy drop: the healthy ones
         degrees_text = f"TP degrees {degrees}"
     else:
-        if world_size % tp:
+        if world_size % (tp * pp):
+            model = f"--tensor-model-parallel-size {tp}" + (
+                f" x --pipeline-model-parallel-size {pp} = {tp * pp}" if pp > 1 else ""
+            )
             raise ValueError(
-                f"--tensor-model-parallel-size {tp} must divide the number of processes "
-                f"({world_size}, torchrun --nproc-per-node x --nnodes)"
+                f"{model} must divide the number of processes ({world_size}, torchrun --nproc-per-node x --nnodes)"
             )
         if args.sequence_parallel and args.seq_length % tp:
             raise ValueError(
@@ -504,7 +533,7 @@ def _check(args, world_size: int, cuda: bool, parser) -> Plan:
             )
         multiple = args.make_vocab_size_divisible_by * tp
         padded = -(-args.vocab_size // multiple) * multiple
-        dp = world_size // tp
+        dp = world_size // (tp * pp)
         degrees, degrees_text = [tp], f"--tensor-model-parallel-size {tp}"
     for name, value in (
         ("--num-attention-heads", args.num_attention_heads),
@@ -514,7 +543,7 @@ def _check(args, world_size: int, cuda: bool, parser) -> Plan:
         bad = [d for d in degrees if value % d]
         if bad:
             raise ValueError(f"{name} {value} must be divisible by {degrees_text} (not by {bad})")
-    ep, etp = _check_moe(args, world_size, tp, ntp, parser)
+    ep, etp = _check_moe(args, world_size, tp, pp, ntp, parser)
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * dp
     per_step = args.micro_batch_size * dp
@@ -529,6 +558,15 @@ def _check(args, world_size: int, cuda: bool, parser) -> Plan:
         )
     else:
         shares = equal_batch_shares(dp, args.global_batch_size, args.micro_batch_size)  # Megatron's split
+    steps = args.global_batch_size // per_step  # micro-batches per replica (equal shares)
+    if vp is not None and steps % pp:
+        lo = -(-steps // pp) * pp * per_step
+        raise ValueError(
+            f"--num-layers-per-virtual-pipeline-stage {args.num_layers_per_virtual_pipeline_stage}: the interleaved "
+            f"schedule runs the micro-batches in groups of --pipeline-model-parallel-size {pp}, and a step has "
+            f"--global-batch-size {args.global_batch_size} / (--micro-batch-size {args.micro_batch_size} x "
+            f"data-parallel size {dp}) = {steps}: make it a multiple of {pp} (e.g. --global-batch-size {lo})"
+        )
 
     export = None
     if args.refit_vocab_size is None and args.refit_target is not None:
@@ -541,6 +579,24 @@ def _check(args, world_size: int, cuda: bool, parser) -> Plan:
             "--refit-world-size W, or --engine megatron --refit-store HOST:PORT --refit-rank-offset T): give "
             "--refit-store HOST:PORT"
             + (" and leave out --ntp-* (a nonuniform-TP trainer refits through the library)" if ntp else "")
+        )
+    if pp > 1 and ntp is not None and refit.target is not None:
+        raise ValueError(
+            f"--refit-target with --ntp-tp-base and --pipeline-model-parallel-size {pp}: the export hook of a "
+            "pipelined nonuniform-TP job is not built; train at --pipeline-model-parallel-size 1 to export, or leave "
+            "out --refit-target"
+        )
+    if pp > 1 and refit.p2p:
+        raise ValueError(
+            f"--refit-transport p2p (--refit-store, --reshard-refit-*) with --pipeline-model-parallel-size {pp}: the "
+            "p2p refit reads its layout from one stage's model here; refit a pipelined job through the export hook "
+            "(--refit-target HOST:PORT --refit-transport broadcast) or train at --pipeline-model-parallel-size 1"
+        )
+    if vp is not None and refit.target is not None:
+        raise ValueError(
+            f"--refit-target with --num-layers-per-virtual-pipeline-stage "
+            f"{args.num_layers_per_virtual_pipeline_stage}: the export hook reads one model chunk per rank; leave "
+            "out --num-layers-per-virtual-pipeline-stage (plain 1F1B) or the refit"
         )
     if args.refit_engine == "megatron":
         _check_megatron_engine(args, refit, groups, padded)
@@ -600,7 +656,32 @@ def _check(args, world_size: int, cuda: bool, parser) -> Plan:
         num_experts=args.num_experts,
         ep=ep,
         etp=etp,
+        pp=pp,
+        vp=vp,
     )
+
+
+def _virtual_stages(args, pp: int) -> int | None:
+    """Megatron-LM's virtual pipeline size from --num-layers-per-virtual-pipeline-stage: the model chunks of
+    each pipeline rank (None: one, the plain 1F1B schedule)."""
+    n = args.num_layers_per_virtual_pipeline_stage
+    if n is None:
+        return None
+    per_stage = args.num_layers // pp
+    if per_stage % n:
+        raise ValueError(
+            f"--num-layers-per-virtual-pipeline-stage {n} must divide the layers of each pipeline stage "
+            f"(--num-layers {args.num_layers} / --pipeline-model-parallel-size {pp} = {per_stage})"
+        )
+    if per_stage == n:
+        return None  # Megatron-LM: one chunk per rank
+    if pp == 1:
+        raise ValueError(
+            f"--num-layers-per-virtual-pipeline-stage {n} cuts the model into {per_stage // n} chunks, which the "
+            "interleaved schedule runs over several pipeline ranks: add --pipeline-model-parallel-size > 1 (or leave "
+            "the flag out)"
+        )
+    return per_stage // n
 
 
 # MoE flags other than --num-experts (given without --num-experts, i.e. not at the parser's default: refused).
@@ -623,7 +704,7 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _check_moe(args, world_size: int, tp: int, ntp, parser) -> tuple[int, int]:
+def _check_moe(args, world_size: int, tp: int, pp: int, ntp, parser) -> tuple[int, int]:
     """The MoE flags (Megatron-LM's names and defaults); returns ``(EP, expert TP)``."""
     if args.num_experts is None:
         defaults = {n: parser.get_default(n) for n in MOE_FLAGS}
@@ -672,11 +753,13 @@ def _check_moe(args, world_size: int, tp: int, ntp, parser) -> tuple[int, int]:
     if args.expert_tensor_parallel_size is None:
         args.expert_tensor_parallel_size = tp  # Megatron-LM's default
     etp = args.expert_tensor_parallel_size
-    if world_size % (ep * etp):
+    stage = world_size // pp  # the ranks of one pipeline stage
+    if stage % (ep * etp):
+        where = f"number of processes ({world_size}" if pp == 1 else f"processes of each pipeline stage ({stage}"
         raise ValueError(
             f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} = {ep * etp} must divide the "
-            f"number of processes ({world_size} = data-parallel size x --tensor-model-parallel-size {tp}): the "
-            "expert grid is EP x expert TP x expert data-parallel"
+            f"{where} = data-parallel size x --tensor-model-parallel-size {tp}): the expert grid is EP x expert TP x "
+            "expert data-parallel"
         )
     if n % ep:
         raise ValueError(f"--num-experts {n} must be divisible by --expert-model-parallel-size {ep}")
@@ -760,11 +843,13 @@ def print_rank_last(msg: str) -> None:
 
 
 def set_random_seed(seed: int) -> None:
-    """Megatron-LM's ``_set_random_seed`` (no pipeline stages here)."""
+    """Megatron-LM's ``_set_random_seed``: each pipeline stage its own seed (``seed + 100 x`` its rank)."""
     import numpy as np
     import torch
+    from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
+    seed += 100 * ps.get_pipeline_model_parallel_rank()
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -794,13 +879,16 @@ def initialize_distributed(args, plan: Plan):
     if plan.ntp is None:
         ps.initialize_model_parallel(
             tensor_model_parallel_size=plan.tp,
+            pipeline_model_parallel_size=plan.pp,
+            virtual_pipeline_model_parallel_size=plan.vp,
             expert_model_parallel_size=plan.ep,
             expert_tensor_parallel_size=plan.etp,
         )
         return None
     from megatron_ext.nonuniform_tp import initialize_nonuniform_tp_process_groups
 
-    ps.initialize_model_parallel()  # TP=1: the NTP groups replace TP and DP
+    # TP=1 and the pipeline stages (Megatron's pipeline groups are the NTP job's): the NTP groups replace TP and DP
+    ps.initialize_model_parallel(pipeline_model_parallel_size=plan.pp, virtual_pipeline_model_parallel_size=plan.vp)
     return initialize_nonuniform_tp_process_groups(plan.ntp)
 
 
@@ -846,7 +934,13 @@ def transformer_config(args, plan: Plan, tp: int):
         calculate_per_token_loss=args.calculate_per_token_loss,
         tensor_model_parallel_size=tp,
         sequence_parallel=args.sequence_parallel and tp > 1,  # a degraded NTP replica at TP 1 runs without
-        pipeline_model_parallel_size=1,
+        pipeline_model_parallel_size=plan.pp,
+        virtual_pipeline_model_parallel_size=plan.vp,
+        # Megatron-LM's core_transformer_config_from_args: p2p overlapped with compute in the interleaved
+        # schedule (its default), batched otherwise; each stage's sent activations freed once sent
+        overlap_p2p_comm=plan.vp is not None,
+        batch_p2p_comm=plan.vp is None,
+        deallocate_pipeline_outputs=True,
         use_cpu_initialization=args.use_cpu_initialization,
         bf16=args.bf16,
         params_dtype=dtype,
@@ -856,18 +950,36 @@ def transformer_config(args, plan: Plan, tp: int):
     )
 
 
-def build_model(args, plan: Plan, config, device):
+def get_model(args, plan: Plan, config, device) -> list:
+    """Megatron-LM's ``get_model``: this pipeline rank's model chunks, one per virtual stage (one without)."""
+    if plan.vp is None:
+        return [build_model(args, plan, config, device)]
+    return [build_model(args, plan, config, device, vp_stage) for vp_stage in range(plan.vp)]
+
+
+def build_model(args, plan: Plan, config, device, vp_stage: int | None = None):
     """Megatron-LM's ``model_provider`` for GPT on the local layer spec, its norms megatron_ext's
-    ``LocalNorm`` (torch's LayerNorm / RMSNorm, with sequence parallelism)."""
+    ``LocalNorm`` (torch's LayerNorm / RMSNorm, with sequence parallelism): the model chunk of this pipeline
+    rank's virtual stage ``vp_stage`` (its only one without virtual stages); the first stage's first chunk
+    holds the embedding, the last stage's last chunk the output layer.
+
+    With CPU initialization every layout holds the same global model: the chunk's weights are drawn from
+    --seed as a PP1 job draws them, after drawing and dropping what that job draws before them (the
+    embedding, the layers of earlier chunks), in an RNG of their own (training goes on from the stage's
+    seed, which the rank's first chunk sets as Megatron-LM's initialization does)."""
+    import contextlib
+
+    import torch
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     from megatron_ext.layers import local_gpt_block_spec
 
-    # The same draws on every layout: the weights depend on --seed only (with CPU initialization).
-    set_random_seed(args.seed)
+    if not vp_stage:  # the rank's first (or only) chunk: the seeds, once, before any weight is drawn
+        set_random_seed(args.seed)
     spec = get_gpt_layer_local_spec(
         num_experts=plan.num_experts,
         moe_grouped_gemm=False,
@@ -876,21 +988,45 @@ def build_model(args, plan: Plan, config, device):
     )
     if plan.num_experts is not None and args.use_cpu_initialization:
         spec = _global_draw_experts(spec)
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=local_gpt_block_spec(config, spec),
-        vocab_size=plan.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings,
-        pre_process=ps.is_pipeline_first_stage(),
-        post_process=ps.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type,
-        rotary_percent=args.rotary_percent,
-        rotary_base=args.rotary_base,
-    ).to(device)
-    if args.bf16:
-        model = Float16Module(config, model)
-    return model
+    block = local_gpt_block_spec(config, spec, vp_stage=vp_stage)
+    pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    cpu_draws = args.use_cpu_initialization
+    with torch.random.fork_rng(devices=[]) if cpu_draws else contextlib.nullcontext():
+        if cpu_draws:
+            torch.default_generator.manual_seed(args.seed)
+            first = get_transformer_layer_offset(config, vp_stage=vp_stage)
+            _draw_and_drop(args, plan, config, block.layer_specs[0], first, embedding=not pre)
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=block,
+            vocab_size=plan.padded_vocab_size,
+            max_sequence_length=args.max_position_embeddings,
+            pre_process=pre,
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+            position_embedding_type=args.position_embedding_type,
+            rotary_percent=args.rotary_percent,
+            rotary_base=args.rotary_base,
+            vp_stage=vp_stage,
+        ).to(device)
+    return Float16Module(config, model) if args.bf16 else model
+
+
+def _draw_and_drop(args, plan: Plan, config, layer_spec, layers: int, embedding: bool) -> None:
+    """Draw, as a PP1 job does (CPU initialization), the embedding if ``embedding`` and then ``layers``
+    transformer layers of ``layer_spec``, and drop them: the RNG stream goes on where that job's does."""
+    from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+    from megatron.core.transformer.spec_utils import build_module
+
+    if embedding:
+        LanguageModelEmbedding(
+            config,
+            vocab_size=plan.padded_vocab_size,
+            max_sequence_length=args.max_position_embeddings,
+            position_embedding_type=args.position_embedding_type,
+        )
+    for number in range(1, layers + 1):
+        build_module(layer_spec, config=config, layer_number=number, add_layer_offset=False)
 
 
 def _global_draw_experts(spec):
@@ -939,8 +1075,9 @@ def _global_draw_experts(spec):
     return dc.replace(spec, submodules=dc.replace(spec.submodules, mlp=mlp))
 
 
-def wrap_model(args, plan: Plan, config, model):
-    """The DDP wrapper the flags ask for: the plugin's NTP DDP, its symmetric-memory DDP, or Megatron's."""
+def wrap_model(args, plan: Plan, config, chunks: list) -> list:
+    """The DDP wrapper the flags ask for, one per model chunk: the plugin's NTP DDP, its symmetric-memory DDP,
+    or Megatron's."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_config = DistributedDataParallelConfig(
@@ -954,14 +1091,23 @@ def wrap_model(args, plan: Plan, config, model):
         from megatron_ext.nonuniform_tp import NonuniformTPDistributedDataParallel
 
         kwargs = {"batch_shares": plan.shares} if plan.balanced else {}
-        return NonuniformTPDistributedDataParallel(
-            config, ddp_config, model, ntp_config=plan.ntp, symm_mem_config=symm, **kwargs
-        )
+        return [
+            NonuniformTPDistributedDataParallel(
+                config, ddp_config, model, ntp_config=plan.ntp, symm_mem_config=symm, **kwargs
+            )
+            for model in chunks  # (several only in a uniform job: the interleaved schedule is refused with failures)
+        ]
+    wrapper = DistributedDataParallel
     if symm is not None:
         from megatron_ext.fsdp_symm import SymmMemDistributedDataParallel
 
-        return SymmMemDistributedDataParallel(config=config, ddp_config=ddp_config, module=model, symm_mem_config=symm)
-    return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+        wrapper = partial(SymmMemDistributedDataParallel, symm_mem_config=symm)
+    # Megatron-LM's get_model: the chunks after the first in one bucket each (their communication overlaps
+    # the other chunks' compute anyway)
+    return [
+        wrapper(config=config, ddp_config=ddp_config, module=model, disable_bucketing=i > 0)
+        for i, model in enumerate(chunks)
+    ]
 
 
 # --------------------------------------------------------------------------------------------- data
@@ -1012,11 +1158,16 @@ def build_train_data(args, plan: Plan, consumed_samples: int):
     return train, BalancedPretrainingSampler(total, consumed_samples, plan.shares)
 
 
-def data_iterator(dataset, sampler):
-    """The micro-batches ``sampler`` picks from ``dataset`` (a new one after each sampler switch)."""
+def data_iterators(dataset, sampler, chunks: int) -> list:
+    """The micro-batches ``sampler`` picks from ``dataset`` (new ones after each sampler switch): one iterator
+    per model chunk, each over all of them (every chunk of every stage reads each micro-batch; the first
+    stage uses its tokens, the last its labels and loss mask)."""
     import torch
 
-    return iter(torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=0, pin_memory=False))
+    return [
+        iter(torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=0, pin_memory=False))
+        for _ in range(chunks)
+    ]
 
 
 def loss_func(loss_mask, output_tensor):
@@ -1050,7 +1201,8 @@ def optimizer_metadata(args) -> dict:
 def _layout_text(plan: Plan) -> str:
     if plan.ntp is None:
         experts = f" (experts EP={plan.ep} x ETP={plan.etp})" if plan.num_experts is not None else ""
-        return f"uniform TP={plan.tp} x DP={plan.dp}{experts}"
+        pp = f" x PP={plan.pp}" + (f" ({plan.vp} model chunks per rank)" if plan.vp else "") if plan.pp > 1 else ""
+        return f"uniform TP={plan.tp}{pp} x DP={plan.dp}{experts}"
     return (
         f"NTP tp_base={plan.ntp.tp_base} tp_reduced={plan.ntp.tp_reduced} x {plan.dp} replicas "
         f"(failed slots {plan.ntp.non_active_ranks_per_dp})"
@@ -1058,11 +1210,12 @@ def _layout_text(plan: Plan) -> str:
 
 
 def _tp_layout(plan: Plan) -> list:
-    """The layout of the ranks that write a checkpoint's training state: one TP degree (and EP x expert
-    TP). An NTP job's state is its healthy replicas', a uniform ``tp_base`` job's (degraded replicas write
-    none), so an NTP job and a uniform ``tp_base`` job have the same."""
+    """The layout of the ranks that write a checkpoint's training state: one TP degree (and PP with its model
+    chunks, EP x expert TP). An NTP job's state is its healthy replicas', a uniform ``tp_base`` job's
+    (degraded replicas write none), so an NTP job and a uniform ``tp_base`` job have the same."""
     tp = plan.tp if plan.ntp is None else plan.ntp.tp_base
-    return ["uniform", tp] + ([plan.ep, plan.etp] if plan.num_experts is not None else [])
+    pp = ["pp", plan.pp, plan.chunks] if plan.pp > 1 else []
+    return ["uniform", tp] + pp + ([plan.ep, plan.etp] if plan.num_experts is not None else [])
 
 
 def _canonical(x, out: list) -> None:
@@ -1096,7 +1249,19 @@ def _sha(x) -> str:
     return hashlib.sha256(b"\0".join(parts)).hexdigest()
 
 
-def state_digests(args, ddp, optimizer=None) -> dict:
+def model_state(model: list) -> dict | None:
+    """This rank's model entries of a checkpoint, as Megatron-LM writes them: ``model`` (one model chunk) or
+    ``model0``, ``model1``, ... (one per virtual pipeline stage); None on a degraded NTP replica (no entry).
+    Their tensors are keyed by global layer, so any pipeline layout reads them."""
+    from megatron_ext.nonuniform_tp import model_sharded_state_dict
+
+    sds = [model_sharded_state_dict(m) for m in model]
+    if sds[0] is None:
+        return None
+    return {"model": sds[0]} if len(sds) == 1 else {f"model{i}": sd for i, sd in enumerate(sds)}
+
+
+def state_digests(args, model: list, optimizer=None) -> dict:
     """``{"model": hex, "optimizer": hex}``: SHA-256 digests (16 hex digits) of what this job's checkpoint
     holds, from the live state: every main-replica shard of the sharded state dicts (key, offset, bits) and
     their non-sharded entries (``optimizer``: None leaves it out). Collective over all ranks (a degraded NTP
@@ -1112,14 +1277,12 @@ def state_digests(args, ddp, optimizer=None) -> dict:
         is_main_replica,
     )
 
-    from megatron_ext.nonuniform_tp import model_sharded_state_dict
-
     mine = {"model": [], "optimizer": [], "model common": None, "optimizer common": None}
-    model_sd = model_sharded_state_dict(ddp)
-    if model_sd is not None:
-        state = {"model": model_sd, "optimizer": {}}
+    models = model_state(model)
+    if models is not None:
+        state = {"model": models, "optimizer": {}}
         if optimizer is not None:
-            state["optimizer"] = optimizer.sharded_state_dict(model_sd, metadata=optimizer_metadata(args))
+            state["optimizer"] = optimizer.sharded_state_dict(models, metadata=optimizer_metadata(args))
         apply_factories(state)
         common = {"model": [], "optimizer": []}
 
@@ -1154,19 +1317,19 @@ def state_digests(args, ddp, optimizer=None) -> dict:
     return out
 
 
-def _digest_text(args, ddp, optimizer) -> str:
+def _digest_text(args, model: list, optimizer) -> str:
     """The digests for the save and load lines (with --log-checkpoint-digest)."""
     if not args.log_checkpoint_digest:
         return ""
-    d = state_digests(args, ddp, optimizer)
+    d = state_digests(args, model, optimizer)
     return f"; digests: model {d['model']}, optimizer {d.get('optimizer', '(not loaded)')}"
 
 
-def save_checkpoint(args, plan: Plan, iteration: int, consumed: int, ddp, optimizer, scheduler):
+def save_checkpoint(args, plan: Plan, iteration: int, consumed: int, model: list, optimizer, scheduler):
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    from megatron_ext.nonuniform_tp import model_sharded_state_dict, share_common_state
+    from megatron_ext.nonuniform_tp import share_common_state
 
     start = time.perf_counter()
     state = {
@@ -1180,10 +1343,10 @@ def save_checkpoint(args, plan: Plan, iteration: int, consumed: int, ddp, optimi
         "padded_vocab_size": plan.padded_vocab_size,
     }
     # None on a degraded NTP replica: its partner's ranks hold its weights and the optimizer state
-    model_sd = model_sharded_state_dict(ddp)
-    if model_sd is not None:
-        state["model"] = model_sd
-        state["optimizer"] = optimizer.sharded_state_dict(model_sd, metadata=optimizer_metadata(args))
+    models = model_state(model)
+    if models is not None:
+        state.update(models)
+        state["optimizer"] = optimizer.sharded_state_dict(models, metadata=optimizer_metadata(args))
     share_common_state(state)  # NTP: global rank 0 may be degraded; it writes the non-sharded entries
     path = os.path.join(args.save, f"iter_{iteration:07d}")
     if dist.get_rank() == 0:
@@ -1198,7 +1361,7 @@ def save_checkpoint(args, plan: Plan, iteration: int, consumed: int, ddp, optimi
     seconds = time.perf_counter() - start
     print_rank_0(
         f"saved checkpoint at iteration {iteration:7d} to {args.save} ({_layout_text(plan)}) in {seconds:.2f} s"
-        + _digest_text(args, ddp, optimizer)
+        + _digest_text(args, model, optimizer)
     )
 
 
@@ -1220,13 +1383,13 @@ def _restore_adam_steps(optimizer) -> None:
                     state["step"] = torch.full_like(state["step"], float(group["step"]))
 
 
-def load_checkpoint(args, plan: Plan, ddp, optimizer, scheduler) -> tuple[int, int]:
-    """Resume from ``--load``'s latest checkpoint (any TP layout, NTP or uniform).
-    Returns ``(iteration, consumed_samples)``; ``(0, 0)`` when there is none."""
+def load_checkpoint(args, plan: Plan, model, optimizer, scheduler) -> tuple[int, int]:
+    """Resume from ``--load``'s latest checkpoint (any TP and PP layout, NTP or uniform) into ``model`` (its
+    chunks, or its one chunk alone). Returns ``(iteration, consumed_samples)``; ``(0, 0)`` when there is none."""
     import torch
     from megatron.core import dist_checkpointing
 
-    from megatron_ext.nonuniform_tp import model_sharded_state_dict
+    model = model if isinstance(model, list) else [model]
 
     tracker = os.path.join(args.load, TRACKER)
     if not os.path.isfile(tracker):
@@ -1255,55 +1418,57 @@ def load_checkpoint(args, plan: Plan, ddp, optimizer, scheduler) -> tuple[int, i
     if args.use_distributed_optimizer and not args.no_load_optim and common.get("tp_layout") != _tp_layout(plan):
         raise RuntimeError(
             f"--load {args.load}: the distributed optimizer's state was saved by {common.get('layout')} and resumes "
-            f"only at its TP degree (megatron-core 0.19.2's TP-reshardable optimizer formats do not work without "
-            f"Apex / Transformer Engine); this job is {_layout_text(plan)}. Resume at that TP degree (an NTP job's "
-            "is its --ntp-tp-base), or the model only with --no-load-optim (a fresh optimizer state), or save "
-            "without --use-distributed-optimizer"
+            f"only at its TP degree and pipeline layout (megatron-core 0.19.2's TP-reshardable optimizer formats do "
+            f"not work without Apex / Transformer Engine); this job is {_layout_text(plan)}. Resume at that layout "
+            "(an NTP job's TP degree is its --ntp-tp-base), or the model only with --no-load-optim (a fresh "
+            "optimizer state), or save without --use-distributed-optimizer"
         )
     if args.use_distributed_optimizer and not args.no_load_optim:
         # megatron-core 0.19's distributed optimizer over torch's Adam (no Apex / Transformer Engine)
         # has no state to describe before its first step (DistributedOptimizer.state_dict needs
         # Adam's "step"): take one with zero gradients; the load overwrites what it changed.
-        ddp.zero_grad_buffer()
+        for m in model:
+            m.zero_grad_buffer()
         optimizer.zero_grad()
         optimizer.step()
-    model_sd = model_sharded_state_dict(ddp)
+    models = model_state(model)
     state = {}
-    if model_sd is not None:
-        state["model"] = model_sd
+    if models is not None:
+        state.update(models)
         if not args.no_load_optim:
             state["optimizer"] = optimizer.sharded_state_dict(
-                model_sd, is_loading=True, metadata=optimizer_metadata(args)
+                models, is_loading=True, metadata=optimizer_metadata(args)
             )
     loaded = dist_checkpointing.load(state, path)
-    if model_sd is not None:
+    if models is not None:
         with torch.no_grad():
-            for key, sh in model_sd.items():
-                got = loaded["model"].get(key)
-                if torch.is_tensor(got) and got.data_ptr() != sh.data.data_ptr():
-                    sh.data.copy_(got)
+            for name, sd in models.items():
+                for key, sh in sd.items():
+                    got = loaded[name].get(key)
+                    if torch.is_tensor(got) and got.data_ptr() != sh.data.data_ptr():
+                        sh.data.copy_(got)
         if "optimizer" in state:
             with torch.no_grad():  # the distributed optimizer copies into fp32 main params in place
                 optimizer.load_state_dict(loaded["optimizer"])
             if args.use_distributed_optimizer:
                 _restore_adam_steps(optimizer)
-    if hasattr(ddp, "sync_compute_params"):
-        ddp.sync_compute_params()  # NTP: each degraded replica takes its partner's loaded weights
+    if hasattr(model[0], "sync_compute_params"):
+        model[0].sync_compute_params()  # NTP (one model chunk): each degraded replica takes its partner's weights
     if not args.no_load_optim:
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
     print_rank_0(
         f"loaded checkpoint from {args.load} at iteration {iteration} (saved as {loaded.get('layout')}; "
-        f"resumed as {_layout_text(plan)})" + _digest_text(args, ddp, None if args.no_load_optim else optimizer)
+        f"resumed as {_layout_text(plan)})" + _digest_text(args, model, None if args.no_load_optim else optimizer)
     )
     return iteration, int(loaded["consumed_train_samples"])
 
 
 # ---------------------------------------------------------------------------------------- start-up
-def startup_summary(args, plan: Plan, ddp, ntp_groups, exporter) -> None:
+def startup_summary(args, plan: Plan, model: list, ntp_groups, exporter) -> None:
     """What the plugin enabled, printed once by rank 0 (facts gathered from every rank)."""
     import torch.distributed as dist
 
-    decisions = [d for _, d in getattr(ddp, "symm_mem_decisions", [])]
+    decisions = [d for m in model for _, d in getattr(m, "symm_mem_decisions", [])]
     mine = (
         len(decisions),
         sum(d.symmetric for d in decisions),
@@ -1320,7 +1485,7 @@ def startup_summary(args, plan: Plan, ddp, ntp_groups, exporter) -> None:
             else f"global batch {args.global_batch_size} in micro-batches of {args.micro_batch_size} (shares below)"
         )
         + f", padded vocab {plan.padded_vocab_size}, "
-        f"DDP wrapper {type(ddp).__name__}"
+        f"DDP wrapper {type(model[0]).__name__}"
         + (", sequence parallel" + (" (at TP > 1)" if plan.ntp is not None else "") if args.sequence_parallel else "")
     ]
     if plan.num_experts is not None:
@@ -1347,7 +1512,9 @@ def startup_summary(args, plan: Plan, ddp, ntp_groups, exporter) -> None:
         pairs = ", ".join(f"{d} -> {p}" for d, p in lay.partners.items())
         lines.append(
             f"megatron_ext: nonuniform TP: on, tp_base={lay.tp_base}, replica(s) {degraded} at "
-            f"TP={lay.tp_reduced}, TP groups {lay.all_tp_groups()}, launch {plan.ntp.launch_mode}"
+            f"TP={lay.tp_reduced}"
+            + (f" in all {lay.pp} pipeline stages" if lay.pp > 1 else "")
+            + f", TP groups {lay.all_tp_groups()}, launch {plan.ntp.launch_mode}"
             + (
                 f", degraded -> partner replica {pairs} (transfers in units of <= {plan.ntp.transfer_chunk_mb:g} MiB)"
                 if pairs
@@ -1463,9 +1630,10 @@ def report_export(exporter, result) -> None:
 
 def moe_losses(num_microbatches: int, num_moe_layers: int) -> dict:
     """The router losses megatron-core's MoE layers recorded in this iteration (``load_balancing_loss``,
-    ``z_loss``, ...), as Megatron-LM logs them (``MoEMetricsTracker.report``): summed over each one's reduce
-    group, averaged over the data-parallel ranks, the micro-batches and the MoE layers; then cleared. (SUM
-    and a division in place of ``ReduceOp.AVG``, which gloo does not have.) Collective over every rank."""
+    ``z_loss``, ...), as Megatron-LM logs them (``MoEMetricsTracker.report``): collected over the pipeline
+    stages (each fills its own layers' entries), summed over each one's reduce group, averaged over the
+    data-parallel ranks, the micro-batches and the MoE layers; then cleared. (SUM and a division in place of
+    ``ReduceOp.AVG``, which gloo does not have.) Collective over every rank."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
@@ -1475,6 +1643,7 @@ def moe_losses(num_microbatches: int, num_moe_layers: int) -> dict:
     for name in sorted(tracker.metrics):  # the same names on every rank: every layer is an MoE layer
         entry = tracker.metrics[name]
         values = entry.values.detach().float().clone()
+        dist.all_reduce(values, group=ps.get_pipeline_model_parallel_group())
         for group, average in ((entry.reduce_group, False), (entry.avg_group, True)):
             if group is not None:
                 dist.all_reduce(values, group=group)
@@ -1508,8 +1677,7 @@ def train(args, plan: Plan) -> int:
     device = torch.device("cuda", torch.cuda.current_device()) if plan.cuda else torch.device("cpu")
     tp = ps.get_tensor_model_parallel_world_size()
     config = transformer_config(args, plan, tp)
-    model = build_model(args, plan, config, device)
-    ddp = wrap_model(args, plan, config, model)
+    model = wrap_model(args, plan, config, get_model(args, plan, config, device))  # one DDP per model chunk
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
             optimizer=args.optimizer,
@@ -1524,7 +1692,7 @@ def train(args, plan: Plan) -> int:
             params_dtype=config.params_dtype,
             use_distributed_optimizer=args.use_distributed_optimizer,
         ),
-        [ddp],
+        model,
     )
     gbs = plan.shares.global_batch_size  # --global-batch-size, or less under --ntp-balance shrink
     scheduler = OptimizerParamScheduler(
@@ -1555,25 +1723,26 @@ def train(args, plan: Plan) -> int:
         # up to finalize_model_grads (before the gradient sync makes every replica wait for the slowest).
         balance = MeasuredBalance(plan.ntp, gbs, args.micro_batch_size, num_replicas=plan.dp)
         config.finalize_model_grads_func = balance.timed(finalize_model_grads)
-    if args.overlap_grad_reduce:
-        config.no_sync_func = ddp.no_sync
-        config.grad_sync_func = ddp.start_grad_sync
+    if args.overlap_grad_reduce:  # Megatron-LM's train(): a list with several model chunks
+        config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
+        config.grad_sync_func = [m.start_grad_sync for m in model] if len(model) > 1 else model[0].start_grad_sync
 
     iteration, consumed = 0, 0
     if args.load:
-        iteration, consumed = load_checkpoint(args, plan, ddp, optimizer, scheduler)
+        iteration, consumed = load_checkpoint(args, plan, model, optimizer, scheduler)
     first_iteration = iteration
 
     exporter = None
     if plan.export is not None:
         from megatron_ext.weight_export import WeightExporter
 
+        (ddp,) = model  # one model chunk (_check)
         exporter = (
             P2PRefit(ddp, plan.export, args.vocab_size, plan.refit_engine)
             if plan.export.p2p
             else WeightExporter(ddp, plan.export)
         )
-    startup_summary(args, plan, ddp, ntp_groups, exporter)
+    startup_summary(args, plan, model, ntp_groups, exporter)
     if exporter is not None:
         # The starting weights go first (version = the iteration they are from): the engine checks the
         # plan (names, shapes, dtypes) now, not after the first --refit-every-n-steps iterations.
@@ -1582,7 +1751,7 @@ def train(args, plan: Plan) -> int:
         print_rank_0(f"checkpoint iteration {iteration} >= --train-iters {args.train_iters}: nothing to train")
 
     train_ds, sampler = build_train_data(args, plan, consumed)
-    data = data_iterator(train_ds, sampler)
+    data = data_iterators(train_ds, sampler, len(model))
     forward_backward = get_forward_backward_func()
     # This replica's micro-batches per global batch (unequal under --ntp-balance).
     num_microbatches = plan.shares.num_microbatches()
@@ -1599,17 +1768,19 @@ def train(args, plan: Plan) -> int:
 
     window = new_window()
     saved_at = None
-    ddp.train()
+    for m in model:
+        m.train()
     while iteration < args.train_iters:
         start = time.perf_counter()
-        ddp.zero_grad_buffer()
+        for m in model:
+            m.zero_grad_buffer()
         optimizer.zero_grad()
         if balance is not None:
             balance.step_started()
         losses = forward_backward(
             forward_step_func=partial(forward_step, device),
             data_iterator=data,
-            model=[ddp],
+            model=model,
             num_microbatches=num_microbatches,
             seq_length=args.seq_length,
             micro_batch_size=args.micro_batch_size,
@@ -1623,19 +1794,21 @@ def train(args, plan: Plan) -> int:
         if balance is not None and balance.measuring:
             new = balance.step_finished()  # collective on the last timed iteration
             if new is not None:  # between global batches: the gradient weights and the data switch together
-                ddp.set_batch_shares(new)
+                for m in model:
+                    m.set_batch_shares(new)
                 num_microbatches = new.num_microbatches()
                 if iteration < args.train_iters:
                     sampler = sampler.switch(new, consumed)
-                    data = data_iterator(train_ds, sampler)
+                    data = data_iterators(train_ds, sampler, len(model))
             if not balance.measuring:
                 seconds = ", ".join(f"{s * 1e3:.1f}" for s in balance.seconds)
                 print_rank_0(
                     f"megatron_ext: --ntp-balance measured after iteration {iteration}: median compute ms per "
                     f"replica [{seconds}]; {'now' if new is not None else 'kept'} {balance.shares.describe()}"
                 )
-        # The global batch's loss: token-weighted over every replica. One rank per replica
-        # (TP rank 0) contributes, so the same sum comes out of any TP layout, NTP included.
+        # The global batch's loss: token-weighted over every replica. One rank per replica (TP rank 0 of
+        # the last pipeline stage, the only one with losses) contributes, so the same sum comes out of any
+        # TP and PP layout, NTP included.
         total = torch.zeros(3, dtype=torch.float64, device=device)
         if is_tp0:
             for x in losses:
@@ -1691,11 +1864,11 @@ def train(args, plan: Plan) -> int:
             print_rank_last(line)
             window = new_window()
         if args.save and args.save_interval and iteration % args.save_interval == 0:
-            save_checkpoint(args, plan, iteration, consumed, ddp, optimizer, scheduler)
+            save_checkpoint(args, plan, iteration, consumed, model, optimizer, scheduler)
             saved_at = iteration
     trained = iteration > first_iteration
     if args.save and trained and saved_at != iteration:
-        save_checkpoint(args, plan, iteration, consumed, ddp, optimizer, scheduler)
+        save_checkpoint(args, plan, iteration, consumed, model, optimizer, scheduler)
     if exporter is not None:
         if trained and (not plan.export.every_n_steps or iteration % plan.export.every_n_steps):
             report_export(exporter, exporter.export(version=iteration))  # the final weights

@@ -58,6 +58,23 @@ own tokens (its reduce group is TP x CP = 1 rank), and E's micro-batches are R's
 it pools the tokens of the DP ranks' concurrent micro-batches, which R does not have. The logged
 ``load_balancing_loss`` (the aux loss itself) is held to the same RTOL. A fault is far outside it:
 drawing the experts per EP rank (megatron-core's SequentialMLP on CPU) puts E's first loss 0.1 off.
+
+Pipeline parallelism (``pp_runs``): L = TP2 x PP2 interleaved (2 model chunks per rank) with
+``--sequence-parallel``, the distributed optimizer and ``--overlap-grad-reduce``, and M = TP1 x PP2 (plain
+1F1B), both against R0 = the same 4-layer model with tied embeddings at PP1 on one rank; then R1 = PP1 resuming
+M's iteration-3 checkpoint. The same RTOL holds, for the same reason: the script draws the same global model at
+every PP degree (each model chunk draws and drops what a PP1 job draws before its layers), a stage boundary passes
+activations and their gradients unchanged, and each stage accumulates its micro-batches' gradients in the order
+one stage does. What is reordered: the tied embedding's gradient (at PP1 one buffer takes the output layer's and
+the embedding's contributions micro-batch by micro-batch; at PP2 each of its two stages sums its own over the 4
+micro-batches and finalize_model_grads adds the two sums: 8 fp32 terms in another order, at most ~8 x 2^-24 =
+5e-7 relative per element), the grad norm (squares summed per stage, then over the stages; through clipping the
+same ulp-level factor on every gradient) and, in L, the TP partial sums of the layouts above. Two values are exact,
+with no reduction reordered before them: M's first loss is R0's (the same weights, the same forward) and R1's
+first loss is M's at iteration 4 (the weights M saved, equal digests). Faults are far outside RTOL: the embedding
+gradients not summed over the two stages put L's second loss 2.5e-2 off (5e-3 relative) and R1's first loss 0.13
+off M's (the checkpoint holds the first stage's copy); the chunks after the first drawing their layers without first
+drawing the embedding put L's first loss 9.3e-4 off; the last stage scoring another sample's labels 5.9e-4 off.
 """
 
 import os
@@ -105,6 +122,13 @@ MODEL = [
     "--attention-dropout",
     "0",
 ]
+# The pipeline runs' model: 4 layers (1 per model chunk at PP2 with 2 chunks per rank) and the word embedding
+# tied to the output layer (at PP > 1 the first and the last stage each hold a copy; finalize_model_grads sums
+# their gradients)
+PP_MODEL = [f for f in MODEL if f != "--untie-embeddings-and-output-weights"] + ["--num-layers", "4"]
+INTERLEAVED = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
+# nonuniform TP with pipeline stages: replica 0 lost slot 1 of stage 1, so it runs both stages at TP 1
+NTP_PP = ["--ntp-tp-base", "2", "--ntp-failed-slots", "0,1:1", "--ntp-policy", "degrade"]
 TRAIN = [
     "--micro-batch-size",
     "2",
@@ -150,7 +174,7 @@ def _start(cmd: list[str], env: dict, log: str) -> subprocess.Popen:
     return proc
 
 
-def launch(nproc: int, *flags: str, env: dict, log: str) -> subprocess.Popen:
+def launch(nproc: int, *flags: str, env: dict, log: str, model: list[str] = MODEL) -> subprocess.Popen:
     """``python -m torch.distributed.run --standalone --nproc-per-node N examples/pretrain_gpt.py FLAGS``."""
     return _start(
         [
@@ -161,7 +185,7 @@ def launch(nproc: int, *flags: str, env: dict, log: str) -> subprocess.Popen:
             "--nproc-per-node",
             str(nproc),
             SCRIPT,
-            *MODEL,
+            *model,
             *TRAIN,
             *flags,
         ],
@@ -502,7 +526,41 @@ def _script():
             4,
             "--tensor-model-parallel-size 3 must divide the number of processes",
         ),
-        (["--pipeline-model-parallel-size", "2"], 4, "--pipeline-model-parallel-size 2: this script supports only 1"),
+        # pipeline parallelism (Megatron-LM's flags and constraints)
+        (["--pipeline-model-parallel-size", "3"], 3,
+         "--num-layers 2 must be divisible by --pipeline-model-parallel-size 3"),
+        (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 6,
+         "--tensor-model-parallel-size 2 x --pipeline-model-parallel-size 2 = 4 must divide the number of processes "
+         "(6"),
+        ([*INTERLEAVED[:2], "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "3"], 2,
+         "--num-layers-per-virtual-pipeline-stage 3 must divide the layers of each pipeline stage (--num-layers 4 / "
+         "--pipeline-model-parallel-size 2 = 2)"),
+        (["--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1"], 2,
+         "--num-layers-per-virtual-pipeline-stage 1 cuts the model into 4 chunks, which the interleaved schedule "
+         "runs over several pipeline ranks: add --pipeline-model-parallel-size > 1"),
+        ([*INTERLEAVED, "--num-layers", "4", "--global-batch-size", "6"], 2,
+         "a step has --global-batch-size 6 / (--micro-batch-size 2 x data-parallel size 1) = 3: make it a multiple "
+         "of 2 (e.g. --global-batch-size 8)"),
+        ([*NTP, "--pipeline-model-parallel-size", "2", "--num-layers", "4"], 6,
+         "--ntp-failed-slots: '0:1' names no pipeline stage; with --pipeline-model-parallel-size 2 write "
+         "REPLICA,STAGE:SLOTS (e.g. '0,0:1')"),
+        ([*NTP_PP, *INTERLEAVED, "--num-layers", "4"], 6,
+         "--num-layers-per-virtual-pipeline-stage 1 with --ntp-failed-slots: nonuniform TP does not run interleaved "
+         "pipeline schedules"),
+        ([*NTP_PP, "--pipeline-model-parallel-size", "2", "--num-layers", "4", "--weight-export-target",
+          "127.0.0.1:1"], 6,
+         "--refit-target with --ntp-tp-base and --pipeline-model-parallel-size 2: the export hook of a pipelined "
+         "nonuniform-TP job is not built"),
+        ([*NTP_PP, "--pipeline-model-parallel-size", "2", "--num-layers", "4"], 7,
+         "world size 7 + 2 failed GPU(s) is not a multiple of tp_base=2 x pipeline_model_parallel_size=2"),
+        (["--pipeline-model-parallel-size", "2", "--refit-transport", "p2p", "--refit-store", "127.0.0.1:1"], 2,
+         "--refit-transport p2p (--refit-store, --reshard-refit-*) with --pipeline-model-parallel-size 2"),
+        ([*INTERLEAVED, "--num-layers", "4", "--weight-export-target", "127.0.0.1:1", "--weight-export-transport",
+          "broadcast"], 2,
+         "--refit-target with --num-layers-per-virtual-pipeline-stage 1: the export hook reads one model chunk"),
+        (["--pipeline-model-parallel-size", "2", "--num-experts", "4", "--expert-model-parallel-size", "2"], 2,
+         "--expert-model-parallel-size 2 x --expert-tensor-parallel-size 1 = 2 must divide the processes of each "
+         "pipeline stage (1 = data-parallel size x --tensor-model-parallel-size 1)"),
         (["--tensor-model-parallel-size", "8"], 8, "--num-attention-heads 4 must be divisible by"),
         (NTP, 4, "launch_mode='packed': world size 4 + 1 failed GPU(s) is not a multiple of tp_base=2"),
         (["--ntp-failed-slots", "0:1"], 3, "given without --ntp-tp-base"),
@@ -558,6 +616,21 @@ def test_bad_flag_combinations_are_refused_at_parse_time(flags, world, message, 
         _script().parse_args([*MODEL, *TRAIN, *flags], world_size=world, cuda=False)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_pipeline_flags(monkeypatch):
+    """--pipeline-model-parallel-size P splits the processes into TP x PP x DP;
+    --num-layers-per-virtual-pipeline-stage N gives each pipeline rank --num-layers / P / N model chunks (one
+    chunk: the plain 1F1B schedule, as in Megatron-LM)."""
+    monkeypatch.delenv("RANK", raising=False)
+    script = _script()
+    flags = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    plan = script.parse_args([*MODEL, *TRAIN, *flags], world_size=8, cuda=False)[1]
+    assert (plan.tp, plan.pp, plan.dp, plan.vp, plan.chunks) == (2, 2, 2, None, 1)
+    plan = script.parse_args([*PP_MODEL, *TRAIN, *INTERLEAVED], world_size=2, cuda=False)[1]
+    assert (plan.pp, plan.dp, plan.vp, plan.chunks) == (2, 1, 2, 2)
+    one_chunk = [*INTERLEAVED[:2], "--num-layers-per-virtual-pipeline-stage", "2"]
+    assert script.parse_args([*PP_MODEL, *TRAIN, *one_chunk], world_size=2, cuda=False)[1].vp is None
 
 
 def test_sequence_parallel_flag(capsys, monkeypatch):
@@ -636,12 +709,26 @@ def _greedy(model):
     return tokens, margin
 
 
+def _main_output(argv: list[str]) -> str:
+    """The script's ``main(argv)`` on this one rank of ``run_on_ranks`` (in place of its process group);
+    what it printed."""
+    import contextlib
+    import io
+
+    import torch.distributed as dist
+
+    dist.destroy_process_group()  # main() starts its own
+    os.environ["MASTER_PORT"] = str(free_port())
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert _script().main(argv) == 0
+    return out.getvalue()
+
+
 def _moe_reference(flags, checkpoint):
     """One rank (R): the script's ``main`` at EP1 (its output), then the greedy tokens of the starting
     model (from the seed) and of ``checkpoint`` (E's, saved at EP2) loaded at EP1 by the script's loader."""
-    import contextlib
     import datetime
-    import io
     import types
 
     import torch
@@ -649,11 +736,7 @@ def _moe_reference(flags, checkpoint):
     from megatron.core import parallel_state as ps
 
     script = _script()
-    dist.destroy_process_group()  # main() starts its own
-    os.environ["MASTER_PORT"] = str(free_port())
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        assert script.main([*MODEL, *TRAIN, *flags]) == 0
+    out = _main_output([*MODEL, *TRAIN, *flags])
     os.environ["MASTER_PORT"] = str(free_port())
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=2))
     args, plan = script.parse_args([*MODEL, *TRAIN, *flags, "--load", checkpoint, "--no-load-optim"], world_size=1)
@@ -661,8 +744,8 @@ def _moe_reference(flags, checkpoint):
     ps.initialize_model_parallel(tensor_model_parallel_size=1)
     model = script.build_model(args, plan, script.transformer_config(args, plan, 1), torch.device("cpu"))
     start = _greedy(model)
-    iteration, _ = script.load_checkpoint(args, plan, types.SimpleNamespace(module=model), None, None)
-    return {"out": out.getvalue(), "start": start, "final": _greedy(model), "iteration": iteration}
+    iteration, _ = script.load_checkpoint(args, plan, [types.SimpleNamespace(module=model)], None, None)
+    return {"out": out, "start": start, "final": _greedy(model), "iteration": iteration}
 
 
 @pytest.fixture(scope="module")
@@ -746,6 +829,105 @@ def test_moe_refit_to_the_megatron_engine_at_another_ep(moe_run):
     assert tokens["0"] == start, (tokens["0"], start)
     assert tokens[str(ITERS)] == final, (tokens[str(ITERS)], final)
     assert f"the trainer closed the refit; the model holds version {ITERS}" in engine, engine[-3000:]
+
+
+# --------------------------------------------------------------------------------- pipeline parallelism
+
+
+@pytest.fixture(scope="module")
+def pp_runs(tmp_path_factory):
+    """L: TP2 x PP2 with 2 model chunks per rank (interleaved 1F1B), --sequence-parallel, the distributed
+    optimizer and overlapped gradient reduction (4 ranks); M: TP1 x PP2 (plain 1F1B, Megatron's plain
+    optimizer, 2 ranks) saving at iteration 3; both launched by torchrun. Meanwhile R0, the same model at PP1 on
+    one rank (the script's ``main`` in run_on_ranks), and once M is done R1: the same at PP1 resuming M's
+    iteration-3 checkpoint, and N: nonuniform TP at PP2 (NTP_PP, --sequence-parallel, 6 ranks by torchrun)."""
+    from megatron_ext.testing.multirank import run_on_ranks
+
+    tmp = str(tmp_path_factory.mktemp("pretrain_pp"))
+    env = _env(tmp)
+    ckpt = os.path.join(tmp, "ckpt")
+    cache = lambda name: ["--data-cache-path", os.path.join(tmp, f"cache_{name}")]  # noqa: E731 (one per job)
+    keep = {k: env[k] for k in ("XDG_RUNTIME_DIR", "OMP_NUM_THREADS")}
+    n_run = None
+    l_run = launch(
+        4, *INTERLEAVED, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-distributed-optimizer",
+        "--overlap-grad-reduce", "--ddp-bucket-size", "4096", *cache("L"), env=env, log=os.path.join(tmp, "L.log"),
+        model=PP_MODEL,
+    )  # fmt: skip
+    m_run = launch(
+        2, "--pipeline-model-parallel-size", "2", *DIGEST, "--save", ckpt, "--save-interval", "3", *cache("M"),
+        env=env, log=os.path.join(tmp, "M.log"), model=PP_MODEL,
+    )  # fmt: skip
+    one_rank = [*PP_MODEL, *TRAIN, *DIGEST, *cache("R")]
+    out = {}
+    try:
+        out["R0"] = run_on_ranks(_main_output, 1, args=(one_rank,), timeout=240, env=keep)[0]
+        out["M"] = finish(m_run, "M (TP1 x PP2, saving)")
+        with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write("3")
+        n_run = launch(
+            6, "--pipeline-model-parallel-size", "2", "--sequence-parallel", *NTP_PP, *cache("N"), env=env,
+            log=os.path.join(tmp, "N.log"), model=PP_MODEL,
+        )  # fmt: skip
+        out["R1"] = run_on_ranks(_main_output, 1, args=([*one_rank, "--load", ckpt],), timeout=240, env=keep)[0]
+        out["L"] = finish(l_run, "L (TP2 x PP2 interleaved, sequence parallel, distributed optimizer)")
+        out["N"] = finish(n_run, "N (NTP TP2 -> 1 x PP2, sequence parallel)")
+    finally:
+        for p in (l_run, m_run, n_run):
+            if p.poll() is None:
+                p.terminate()  # torchrun passes SIGTERM on to its workers
+                p.wait()
+    return out
+
+
+def test_pipeline_parallel_trains_like_one_stage(pp_runs):
+    """L (interleaved 1F1B over TP2 x PP2, sequence parallelism, distributed optimizer, overlapped gradient
+    reduction) and M (1F1B over TP1 x PP2) print R0's losses (PP1) at every iteration, within RTOL (module
+    docstring: the layouts differ only in the order of reductions; here also the tied embedding's gradient,
+    summed on each of its two stages and then over both instead of in one buffer, and the grad norm's squares
+    summed per stage). M's first loss is R0's to the last bit: the same weights (each stage draws its layers as
+    a PP1 job does), the same forward."""
+    want = losses(pp_runs["R0"])
+    assert sorted(want) == list(range(1, ITERS + 1)), pp_runs["R0"][-3000:]
+    assert want[ITERS] < want[1] - 0.3, f"the reference did not learn: {want}"
+    for name in "LM":
+        got = losses(pp_runs[name])
+        assert sorted(got) == list(range(1, ITERS + 1)), pp_runs[name][-3000:]
+        assert_same_losses(got, want, range(1, ITERS + 1), f"{name} (PP2) vs PP1")
+    assert losses(pp_runs["M"])[1] == want[1]
+    assert (
+        "uniform TP=2 x PP=2 (2 model chunks per rank) x DP=1, global batch 8 = 2 x 1 x 4 micro-batches"
+    ) in pp_runs["L"]
+    assert "DDP wrapper SymmMemDistributedDataParallel, sequence parallel" in pp_runs["L"]
+    assert "uniform TP=1 x PP=2 x DP=1, global batch 8" in pp_runs["M"]
+
+
+def test_pipelined_ntp_trains_like_one_stage(pp_runs):
+    """N: --ntp-tp-base 2 at --pipeline-model-parallel-size 2 with --sequence-parallel, replica 0 lost slot 1 of
+    stage 1 (6 ranks: each stage holds replica 0 at TP 1 and replica 1 at TP 2; replica 0 the satellite of
+    replica 1 in both stages) prints R0's losses (the same script, uniform at PP1) at every iteration, within
+    RTOL (module docstring; here also the satellite's gradients added into its partner's before the DP sum)."""
+    n = pp_runs["N"]
+    want, got = losses(pp_runs["R0"]), losses(n)
+    assert sorted(got) == list(range(1, ITERS + 1)), n[-3000:]
+    assert_same_losses(got, want, range(1, ITERS + 1), "NTP at PP2 vs uniform PP1")
+    assert "replica(s) [0] at TP=1 in all 2 pipeline stages, TP groups [[0], [1, 2], [3], [4, 5]]" in n, n[-3000:]
+    assert "degraded -> partner replica 0 -> 1" in n, n[-3000:]
+
+
+def test_pipeline_checkpoint_resumes_at_one_stage(pp_runs):
+    """R1 (PP1) resumes M's iteration-3 checkpoint (PP2: each stage wrote its own layers, under their global
+    numbers, the first the embedding and the last stage not its tied copy): it holds exactly what M saved
+    (model and optimizer digests) and goes on as M did; its first loss is M's to the last bit (the same weights,
+    the same forward)."""
+    m, r1 = pp_runs["M"], pp_runs["R1"]
+    assert set(digests(m)) == {("saved", 3), ("saved", ITERS)}, m[-3000:]
+    assert digests(r1) == {("loaded", 3): digests(m)["saved", 3]}, (r1[-3000:], m[-3000:])
+    assert "saved as uniform TP=1 x PP=2 x DP=1; resumed as uniform TP=1 x DP=1" in r1
+    got, want = losses(r1), losses(m)
+    assert sorted(got) == [4, 5, 6], r1[-3000:]
+    assert got[4] == want[4]
+    assert_same_losses(got, want, range(4, ITERS + 1), "PP1 resumed from PP2")
 
 
 def test_p2p_refit_to_an_engine_started_on_its_own(runs):
