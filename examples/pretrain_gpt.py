@@ -580,12 +580,6 @@ def _check(args, world_size: int, cuda: bool, parser) -> Plan:
             "--refit-store HOST:PORT"
             + (" and leave out --ntp-* (a nonuniform-TP trainer refits through the library)" if ntp else "")
         )
-    if pp > 1 and ntp is not None and refit.target is not None:
-        raise ValueError(
-            f"--refit-target with --ntp-tp-base and --pipeline-model-parallel-size {pp}: the export hook of a "
-            "pipelined nonuniform-TP job is not built; train at --pipeline-model-parallel-size 1 to export, or leave "
-            "out --refit-target"
-        )
     if pp > 1 and refit.p2p:
         raise ValueError(
             f"--refit-transport p2p (--refit-store, --reshard-refit-*) with --pipeline-model-parallel-size {pp}: the "

@@ -547,10 +547,6 @@ def _script():
         ([*NTP_PP, *INTERLEAVED, "--num-layers", "4"], 6,
          "--num-layers-per-virtual-pipeline-stage 1 with --ntp-failed-slots: nonuniform TP does not run interleaved "
          "pipeline schedules"),
-        ([*NTP_PP, "--pipeline-model-parallel-size", "2", "--num-layers", "4", "--weight-export-target",
-          "127.0.0.1:1"], 6,
-         "--refit-target with --ntp-tp-base and --pipeline-model-parallel-size 2: the export hook of a pipelined "
-         "nonuniform-TP job is not built"),
         ([*NTP_PP, "--pipeline-model-parallel-size", "2", "--num-layers", "4"], 7,
          "world size 7 + 2 failed GPU(s) is not a multiple of tp_base=2 x pipeline_model_parallel_size=2"),
         (["--pipeline-model-parallel-size", "2", "--refit-transport", "p2p", "--refit-store", "127.0.0.1:1"], 2,

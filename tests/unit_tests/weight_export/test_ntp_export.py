@@ -86,3 +86,107 @@ def test_healthy_ntp_replica_exports_the_trained_model():
             f"{name}: max diff {(received[name] - want).abs().max().item():.2e}"
         )
     assert exporter["verify"].max_abs_diff < 1e-4 and exporter["verify"].kl < 1e-6, exporter["verify"]
+
+
+# With pipeline stages (TP 2 x PP 2): replica 0 lost slot 1 of stage 0, so it runs both stages at TP 1 (ranks 0 and
+# 3, stage-major) as the satellite of replica 1 (ranks 1, 2 and 4, 5).
+NTP_PP = dict(
+    tp_base=2, tp_spares=1, non_active_ranks_per_dp={(0, 0): (1,), (0, 1): (1,)}, pipeline_model_parallel_size=2
+)
+
+
+def _pipelined_ntp_trainer(steps):
+    """Train ``steps`` steps through Megatron's 1F1B schedule, then export through the hook: replica 0 (the
+    degraded one: its stage leaders are its TP 1 ranks, refreshed from the partner by the exporter) exports."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_ext import weight_export as wx
+    from megatron_ext.nonuniform_tp import NonuniformTPDistributedDataParallel, finalize_model_grads
+    from megatron_ext.nonuniform_tp.checkpoint import gather_full_state
+    from megatron_ext.testing.ntp_job import init_job
+
+    job = init_job(NTP_PP)
+    cfg = tiny_llama.transformer_config(
+        SPEC, tp=ps.get_tensor_model_parallel_world_size(), pp=2, pipeline_dtype=torch.float32
+    )
+    model = tiny_llama.build_model(SPEC, cfg)
+    ddp = NonuniformTPDistributedDataParallel(
+        cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model, ntp_config=job.ntp_config
+    )
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=1.0), [ddp])
+    cfg.no_sync_func = ddp.no_sync
+    cfg.finalize_model_grads_func = finalize_model_grads  # the schedule syncs the gradients through it
+    seq = SPEC.seq_length
+    position_ids = torch.arange(seq).unsqueeze(0)
+    mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), diagonal=1)
+
+    def forward_step(data, model):
+        tokens, labels = next(data)
+        out = model(tokens, position_ids.expand_as(tokens), mask, labels=labels)
+        return out, lambda o: (o.float().mean(), {})
+
+    per_replica = 4 // job.replicas
+    mine = slice(job.replica * per_replica, (job.replica + 1) * per_replica)
+    for step in range(steps):
+        tokens, labels = tiny_gpt.global_batch(SPEC, step, 4)
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter([(tokens[mine], labels[mine])]),
+            model=[ddp],
+            num_microbatches=1,
+            seq_length=seq,
+            micro_batch_size=per_replica,
+        )
+        assert opt.step()[0]
+    receiver = wx.WeightReceiver(wx.HFModelConsumer(tiny_llama.build_hf(SPEC)))
+    exporter = wx.WeightExporter(
+        ddp,
+        wx.RefitConfig(transport="inprocess", bucket_size_mb=0.02, vocab_size=SPEC.hf_vocab_size),
+        receiver=receiver,
+    )
+    result = exporter.export(version=steps)
+    out = dict(rank=dist.get_rank(), replica=job.replica, degraded=job.degraded, export_rank=exporter.is_export_rank)
+    out["applied"] = result.applied
+    if exporter.is_export_rank:
+        out["received"] = {n: p.detach().clone() for n, p in receiver.consumer.model.named_parameters()}
+    # the healthy replica's stepped weights (what its optimizer holds), whole, under global names
+    out["healthy"] = None
+    if not job.degraded:
+        full = gather_full_state(model, ps.get_tensor_model_parallel_group(), cfg.gated_linear_unit)
+        global_names = dict(zip((n for n, _ in model.named_parameters()), wx.megatron_tensors(ddp)))
+        out["healthy"] = {global_names[n]: t for n, t in full.items()}
+    return out
+
+
+def test_pipelined_ntp_job_exports_the_trained_model():
+    """TP 2 x PP 2 with replica 0 degraded to TP 1 in both stages: 2 steps through the 1F1B schedule, then the
+    export hook. The export rank is replica 0's (DP rank 0: the degraded replica, its stages' leaders its TP 1
+    ranks, whose weights the exporter refreshes from the partner: without that they would hold step 1's). The
+    receiver holds exactly the healthy replica's stepped weights (gathered over its TP 2 ranks), the two stages'
+    layers under their global numbers."""
+    out = run_on_ranks(_pipelined_ntp_trainer, 6, args=(2,), timeout=300)
+    exporter = next(o for o in out if o["export_rank"])
+    assert exporter["rank"] == 0 and exporter["degraded"] and exporter["applied"] == (2,)
+    full = {}
+    for o in out:
+        if o["healthy"] is not None:  # replica 1's two stages: the whole model between them
+            full.update(o["healthy"])
+    reference = hf_state_from_megatron(
+        full,
+        num_layers=SPEC.num_layers,
+        num_heads=SPEC.num_attention_heads,
+        num_groups=SPEC.num_query_groups,
+        hidden=SPEC.hidden_size,
+        vocab=SPEC.hf_vocab_size,
+        tied=SPEC.tie_embeddings,
+    )
+    received = exporter["received"]
+    assert received.keys() == reference.keys()
+    bad = {n: (received[n] - w).abs().max().item() for n, w in reference.items() if not torch.equal(received[n], w)}
+    assert not bad, bad
