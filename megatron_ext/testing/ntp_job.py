@@ -34,3 +34,44 @@ def init_job(ntp_kwargs: dict | None, tp: int = 1, pp: int = 1) -> JobRank | Non
     if not groups.is_active:
         return None
     return JobRank(config, groups.role.replica, groups.layout.num_replicas, groups.role.degraded)
+
+
+def train_pipelined(ddp, optimizer, spec, steps: int, job: JobRank, global_batch: int = 4) -> None:
+    """``steps`` optimizer steps of a tiny model (``tiny_gpt``'s synthetic data for ``spec``) through
+    Megatron's forward-backward function (1F1B with pipeline stages): this replica's equal share of each
+    global batch as one micro-batch, the gradients synced by ``megatron_ext.nonuniform_tp.finalize_model_grads``
+    (set on the model's config, as Megatron-LM's training loop sets it)."""
+    import torch
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_ext.nonuniform_tp import finalize_model_grads
+    from megatron_ext.testing import tiny_gpt
+
+    config = ddp.config
+    config.no_sync_func = ddp.no_sync
+    config.finalize_model_grads_func = finalize_model_grads  # without it the schedule syncs no gradient
+    seq = spec.seq_length
+    device = tiny_gpt.rank_device()
+    position_ids = torch.arange(seq, device=device).unsqueeze(0)
+    mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool, device=device), diagonal=1)
+
+    def forward_step(data, model):
+        tokens, labels = next(data)
+        out = model(tokens, position_ids.expand_as(tokens), mask, labels=labels)
+        return out, lambda o: (o.float().mean(), {})
+
+    share = global_batch // job.replicas
+    mine = slice(job.replica * share, (job.replica + 1) * share)
+    for step in range(steps):
+        tokens, labels = tiny_gpt.global_batch(spec, step, global_batch)
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter([(tokens[mine].to(device), labels[mine].to(device))]),
+            model=[ddp],
+            num_microbatches=1,
+            seq_length=seq,
+            micro_batch_size=share,
+        )
+        assert optimizer.step()[0], f"optimizer step {step} was skipped"

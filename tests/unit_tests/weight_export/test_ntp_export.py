@@ -102,12 +102,11 @@ def _pipelined_ntp_trainer(steps):
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_ext import weight_export as wx
-    from megatron_ext.nonuniform_tp import NonuniformTPDistributedDataParallel, finalize_model_grads
+    from megatron_ext.nonuniform_tp import NonuniformTPDistributedDataParallel
     from megatron_ext.nonuniform_tp.checkpoint import gather_full_state
-    from megatron_ext.testing.ntp_job import init_job
+    from megatron_ext.testing.ntp_job import init_job, train_pipelined
 
     job = init_job(NTP_PP)
     cfg = tiny_llama.transformer_config(
@@ -118,32 +117,7 @@ def _pipelined_ntp_trainer(steps):
         cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model, ntp_config=job.ntp_config
     )
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=1.0), [ddp])
-    cfg.no_sync_func = ddp.no_sync
-    cfg.finalize_model_grads_func = finalize_model_grads  # the schedule syncs the gradients through it
-    seq = SPEC.seq_length
-    position_ids = torch.arange(seq).unsqueeze(0)
-    mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), diagonal=1)
-
-    def forward_step(data, model):
-        tokens, labels = next(data)
-        out = model(tokens, position_ids.expand_as(tokens), mask, labels=labels)
-        return out, lambda o: (o.float().mean(), {})
-
-    per_replica = 4 // job.replicas
-    mine = slice(job.replica * per_replica, (job.replica + 1) * per_replica)
-    for step in range(steps):
-        tokens, labels = tiny_gpt.global_batch(SPEC, step, 4)
-        ddp.zero_grad_buffer()
-        opt.zero_grad()
-        get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter([(tokens[mine], labels[mine])]),
-            model=[ddp],
-            num_microbatches=1,
-            seq_length=seq,
-            micro_batch_size=per_replica,
-        )
-        assert opt.step()[0]
+    train_pipelined(ddp, opt, SPEC, steps, job)
     receiver = wx.WeightReceiver(wx.HFModelConsumer(tiny_llama.build_hf(SPEC)))
     exporter = wx.WeightExporter(
         ddp,

@@ -174,3 +174,76 @@ def test_ntp_trainer_refit_exact(backend):
         got = _engine_part(results[t.dst]["no_refresh"], t)
         want = refs[1] if t.src == DEGRADED else refs[2]
         assert torch.equal(got, _cut(want, t.name, t.box)), (t.src, t.dst, t.name)
+
+
+# With pipeline stages (TP 2 x PP 2): replica 0 lost slot 1 of stage 0 and runs both stages at TP 1 (ranks 0 and 3,
+# stage-major), the satellite of replica 1 (ranks 1, 2 and 4, 5). The engine: TP 2 on ranks 1 and 4 (colocated on
+# the healthy replica's first TP rank of each stage).
+NTP_PP = dict(
+    tp_base=2, tp_spares=1, non_active_ranks_per_dp={(0, 0): (1,), (0, 1): (1,)}, pipeline_model_parallel_size=2
+)
+PP_ENGINE = dict(tp=2, ranks=[1, 4])
+
+
+def _pipelined_body():
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megatron_ext import weight_export as wx
+    from megatron_ext.nonuniform_tp import NonuniformTPDistributedDataParallel, get_ntp_process_groups
+    from megatron_ext.nonuniform_tp.checkpoint import gather_full_state
+    from megatron_ext.testing.ntp_job import init_job, train_pipelined
+
+    job = init_job(NTP_PP)
+    rank = dist.get_rank()
+    cfg = tiny_llama.transformer_config(
+        SPEC, tp=ps.get_tensor_model_parallel_world_size(), pp=2, pipeline_dtype=torch.float32
+    )
+    model = tiny_llama.build_model(SPEC, cfg)
+    ddp = NonuniformTPDistributedDataParallel(
+        cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model, ntp_config=job.ntp_config
+    )
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=1.0), [ddp])
+    train_pipelined(ddp, opt, SPEC, 2, job)
+    specs = wx.specs_from_config(cfg, vocab_size=SPEC.hf_vocab_size, padded_vocab_size=SPEC.vocab_size)
+    plan = wx.build_reshard_plan(
+        wx.ntp_megatron_layout(specs, get_ntp_process_groups().layout), wx.inference_layout(specs, **PP_ENGINE)
+    )
+    engine = {n: torch.full(lt.shape, float("nan")) for n, lt in plan.dst.tensors.get(rank, {}).items()}
+    # the degraded ranks serve their partner's weights of the last step (the executor refreshes them first)
+    ex = wx.ReshardExecutor(
+        plan, rank, {**wx.ntp_megatron_tensors(ddp), **engine}, bucket_bytes=BUCKET, refresh=ddp.refresh_compute_params
+    )
+    ex.refit(1)
+    out = dict(rank=rank, degraded=job.degraded, engine={n: t.clone() for n, t in engine.items()}, healthy=None)
+    if not job.degraded:  # the healthy replica's stepped weights, whole, under global names
+        full = gather_full_state(model, ps.get_tensor_model_parallel_group(), cfg.gated_linear_unit)
+        global_names = dict(zip((n for n, _ in model.named_parameters()), wx.megatron_tensors(ddp)))
+        out["healthy"] = {global_names[n]: t for n, t in full.items()}
+    return out
+
+
+def test_pipelined_ntp_trainer_refit_exact():
+    """TP 2 x PP 2 with replica 0 degraded to TP 1 in both stages, 2 steps through the 1F1B schedule, then one
+    reshard refit (gloo) to a TP 2 engine colocated on ranks 1 and 4: every engine tensor equals the healthy
+    replica's stepped weights cut by the engine layout, and the plan serves from degraded and healthy ranks of
+    both stages."""
+    from megatron_ext.nonuniform_tp import NonuniformTPConfig, NTPLayout
+    from megatron_ext.weight_export import build_reshard_plan, inference_layout, ntp_megatron_layout, specs_from_config
+
+    results = run_on_ranks(_pipelined_body, 6, timeout=300)
+    full = {}
+    for r in results:
+        if r["healthy"] is not None:
+            full.update(r["healthy"])
+    ref = _hf(full)
+    cfg = tiny_llama.transformer_config(SPEC, pp=2, pipeline_dtype=torch.float32)
+    specs = specs_from_config(cfg, vocab_size=SPEC.hf_vocab_size, padded_vocab_size=SPEC.vocab_size)
+    src = ntp_megatron_layout(specs, NTPLayout.from_config(NonuniformTPConfig(**NTP_PP), 6))
+    plan = build_reshard_plan(src, inference_layout(specs, **PP_ENGINE))
+    served = {t.src for t in plan.transfers}
+    assert served & {0, 3} and served & {1, 2, 4, 5}, served
+    for r in plan.dst.ranks:
+        _check(results[r]["engine"], ref, plan.dst, r, "pipelined NTP")
