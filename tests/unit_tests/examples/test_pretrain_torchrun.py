@@ -836,7 +836,8 @@ def pp_runs(tmp_path_factory):
     optimizer and overlapped gradient reduction (4 ranks); M: TP1 x PP2 (plain 1F1B, Megatron's plain
     optimizer, 2 ranks) saving at iteration 3; both launched by torchrun. Meanwhile R0, the same model at PP1 on
     one rank (the script's ``main`` in run_on_ranks), and once M is done R1: the same at PP1 resuming M's
-    iteration-3 checkpoint, and N: nonuniform TP at PP2 (NTP_PP, --sequence-parallel, 6 ranks by torchrun)."""
+    iteration-3 checkpoint, and N: nonuniform TP at PP2 (NTP_PP, --sequence-parallel, 6 ranks by torchrun) saving at
+    iteration 3, then U: uniform TP2 x PP2 (4 ranks) resuming N's iteration-3 checkpoint."""
     from megatron_ext.testing.multirank import run_on_ranks
 
     tmp = str(tmp_path_factory.mktemp("pretrain_pp"))
@@ -844,7 +845,7 @@ def pp_runs(tmp_path_factory):
     ckpt = os.path.join(tmp, "ckpt")
     cache = lambda name: ["--data-cache-path", os.path.join(tmp, f"cache_{name}")]  # noqa: E731 (one per job)
     keep = {k: env[k] for k in ("XDG_RUNTIME_DIR", "OMP_NUM_THREADS")}
-    n_run = None
+    n_run = u_run = None
     l_run = launch(
         4, *INTERLEAVED, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-distributed-optimizer",
         "--overlap-grad-reduce", "--ddp-bucket-size", "4096", *cache("L"), env=env, log=os.path.join(tmp, "L.log"),
@@ -861,15 +862,24 @@ def pp_runs(tmp_path_factory):
         out["M"] = finish(m_run, "M (TP1 x PP2, saving)")
         with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
             f.write("3")
+        n_ckpt = os.path.join(tmp, "ckpt_ntp")
+        pipelined_sp = ["--pipeline-model-parallel-size", "2", "--sequence-parallel", *DIGEST]
         n_run = launch(
-            6, "--pipeline-model-parallel-size", "2", "--sequence-parallel", *NTP_PP, *cache("N"), env=env,
+            6, *pipelined_sp, *NTP_PP, "--save", n_ckpt, "--save-interval", "3", *cache("N"), env=env,
             log=os.path.join(tmp, "N.log"), model=PP_MODEL,
         )  # fmt: skip
         out["R1"] = run_on_ranks(_main_output, 1, args=([*one_rank, "--load", ckpt],), timeout=240, env=keep)[0]
         out["L"] = finish(l_run, "L (TP2 x PP2 interleaved, sequence parallel, distributed optimizer)")
         out["N"] = finish(n_run, "N (NTP TP2 -> 1 x PP2, sequence parallel)")
+        with open(os.path.join(n_ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write("3")
+        u_run = launch(
+            4, *pipelined_sp, "--tensor-model-parallel-size", "2", "--load", n_ckpt, *cache("U"), env=env,
+            log=os.path.join(tmp, "U.log"), model=PP_MODEL,
+        )  # fmt: skip
+        out["U"] = finish(u_run, "U (uniform TP2 x PP2 resuming N)")
     finally:
-        for p in (l_run, m_run, n_run):
+        for p in (l_run, m_run, n_run, u_run):
             if p.poll() is None:
                 p.terminate()  # torchrun passes SIGTERM on to its workers
                 p.wait()
@@ -909,6 +919,20 @@ def test_pipelined_ntp_trains_like_one_stage(pp_runs):
     assert_same_losses(got, want, range(1, ITERS + 1), "NTP at PP2 vs uniform PP1")
     assert "replica(s) [0] at TP=1 in all 2 pipeline stages, TP groups [[0], [1, 2], [3], [4, 5]]" in n, n[-3000:]
     assert "degraded -> partner replica 0 -> 1" in n, n[-3000:]
+
+
+def test_pipelined_ntp_checkpoint_resumes_as_a_uniform_pipeline(pp_runs):
+    """N's iteration-3 checkpoint (NTP at PP2: the healthy replica's stages write the uniform TP 2 x PP 2
+    checkpoint, the degraded one writes nothing of its own) loads into U, a uniform TP2 x PP2 job: U holds exactly
+    what N saved (digests) and goes on as N did (losses 4..6 within RTOL: U computes at TP 2 where N's degraded
+    replica computed at TP 1)."""
+    n, u = pp_runs["N"], pp_runs["U"]
+    assert set(digests(n)) == {("saved", 3), ("saved", ITERS)}, n[-3000:]
+    assert digests(n)["saved", 3] != digests(n)["saved", ITERS]  # a digest that sees the training
+    assert digests(u) == {("loaded", 3): digests(n)["saved", 3]}, (u[-3000:], n[-3000:])
+    got = losses(u)
+    assert sorted(got) == [4, 5, 6], u[-3000:]
+    assert_same_losses(got, losses(n), range(4, ITERS + 1), "uniform TP2 x PP2 resumed from NTP at PP2")
 
 
 def test_pipeline_checkpoint_resumes_at_one_stage(pp_runs):
