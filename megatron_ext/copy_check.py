@@ -266,14 +266,23 @@ class FusedCopyCheck:
         self._copy_then_check()
 
     def _copy_then_check(self) -> None:
-        """The same copies and flags without the kernel: ``copy_`` per pair, then a max-abs reduction over
-        its destination (a second read; a NaN or Inf survives a max)."""
-        for flag, also, dst, src, _ in self.pairs:
-            dst.copy_(src)
-            bad = (~torch.linalg.vector_norm(dst, float("inf")).isfinite()).to(torch.int32)
-            for word in (flag, also):
-                if word is not None:
-                    torch.maximum(word, bad, out=word)
+        """The same copies and flags without the kernel, in a few multi-tensor launches whatever the number of
+        pairs (this runs while the kernel compiles, next to a thread that holds the GIL for much of the
+        time): one copy of every pair, one max-abs reduction over the destinations (a second read; a NaN or
+        Inf survives a max), each pair's flag raised, then each second word by its pairs' flags."""
+        if not self.pairs:
+            return
+        dsts = [dst for _, _, dst, _, _ in self.pairs]  # one dtype, none empty (runs() cut them)
+        torch._foreach_copy_(dsts, [src for _, _, _, src, _ in self.pairs])
+        bad = (~torch.stack(torch._foreach_norm(dsts, float("inf"))).isfinite()).to(torch.int32)
+        torch._foreach_maximum_([flag for flag, _, _, _, _ in self.pairs], list(bad.unbind()))
+        # a word shared by several pairs (a bucket's header) is raised once, by the max of theirs
+        words: dict[int, tuple[torch.Tensor, list[int]]] = {}
+        for k, (_, also, _, _, _) in enumerate(self.pairs):
+            if also is not None:
+                words.setdefault(also.data_ptr(), (also, []))[1].append(k)
+        for word, ks in words.values():
+            torch.maximum(word, bad[ks].amax(), out=word)
 
 
 _UNUSABLE: str | None = None  # why the kernel cannot run in this process (None: it can, or was not tried)

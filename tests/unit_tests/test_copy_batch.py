@@ -186,3 +186,20 @@ def test_without_a_usable_kernel_the_copies_are_checked_by_a_second_read(monkeyp
     fused.run()  # no second warning: the reason is kept for the process
     assert torch.equal(dst, src) and int(flag) == int(word) == 1
     assert copy_check._UNUSABLE is not None
+    # many pairs (what the fallback also runs while the kernel compiles): strided sources, second words shared by
+    # several pairs (a bucket's header): a NaN and an Inf flag exactly their pairs and their pairs' words
+    MIN_RUN = copy_check.MIN_RUN
+    for dtype in (torch.float32, torch.bfloat16):
+        base = torch.randn(10, 2 * MIN_RUN).to(dtype)
+        srcs = [base[i, ::2] for i in range(10)]
+        dsts = [torch.empty(MIN_RUN, dtype=dtype) for _ in range(10)]
+        flags, words = torch.zeros(10, dtype=torch.int32), torch.zeros(3, dtype=torch.int32)
+        fused = copy_check.FusedCopyCheck(
+            [(flags[i], words[i % 3] if i % 2 == 0 else None, dsts[i], srcs[i], [(0, 0, MIN_RUN)]) for i in range(10)]
+        )
+        fused.run()
+        assert all(torch.equal(d, s) for d, s in zip(dsts, srcs)) and not flags.any() and not words.any()
+        base[3, -2], base[4, 0] = float("nan"), float("inf")  # pair 3 (no word), pair 4 (word 1)
+        fused.run()
+        assert flags.tolist() == [0, 0, 0, 1, 1, 0, 0, 0, 0, 0] and words.tolist() == [0, 1, 0], (flags, words)
+        assert torch.equal(dsts[3].isnan(), srcs[3].isnan()) and dsts[4][0] == float("inf")
