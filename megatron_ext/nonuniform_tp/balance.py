@@ -71,6 +71,9 @@ class BatchShares:
             replica ``d`` processes ``samples[d]`` samples in ``microbatches[d] =
             ceil(samples[d] / micro_batch_size)`` micro-batches, the last one partial
             where it does not divide. ``None``: ``microbatches[d] * micro_batch_size``.
+        bubble: the pipeline's fill and drain in samples (``pipeline stages - 1`` full micro-batches): a
+            replica's step takes as long as ``bubble`` more samples than it processes (1F1B), which
+            :attr:`efficiency` counts. 0 without stages.
 
     Replica ``d`` processes ``num_samples(d)`` samples of every global batch of
     ``global_batch_size`` = their sum. The ``replica`` argument of the methods
@@ -81,6 +84,7 @@ class BatchShares:
     microbatches: tuple[int, ...]
     throughputs: tuple[float, ...] | None = None
     samples: tuple[int, ...] | None = None
+    bubble: int = 0
 
     def __post_init__(self):
         if not isinstance(self.micro_batch_size, int) or self.micro_batch_size < 1:
@@ -115,14 +119,20 @@ class BatchShares:
 
     @classmethod
     def in_samples(
-        cls, micro_batch_size: int, samples: Sequence[int], throughputs: Sequence[float] | None = None
+        cls,
+        micro_batch_size: int,
+        samples: Sequence[int],
+        throughputs: Sequence[float] | None = None,
+        bubble: int = 0,
     ) -> "BatchShares":
         """Shares of ``samples[d]`` samples per replica, in micro-batches of ``micro_batch_size``
         (the last one partial where it does not divide)."""
         if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
             raise ValueError(f"BatchShares.micro_batch_size must be an int >= 1, got {micro_batch_size!r}")
         counts = tuple(-(-n // micro_batch_size) if isinstance(n, int) and n > 0 else 0 for n in samples)
-        return cls(micro_batch_size, counts, None if throughputs is None else tuple(throughputs), tuple(samples))
+        return cls(
+            micro_batch_size, counts, None if throughputs is None else tuple(throughputs), tuple(samples), bubble
+        )
 
     @property
     def num_replicas(self) -> int:
@@ -209,13 +219,14 @@ class BatchShares:
     @property
     def efficiency(self) -> float | None:
         """Ideal step time over the predicted one (1.0: perfectly balanced): the
-        slowest replica needs ``max(m_d / t_d)`` for ``m_d`` micro-batches at
-        throughput ``t_d``; the ideal is ``total_microbatches / sum(t_d)``."""
+        slowest replica needs ``max((n_d + b) / t_d)`` for ``n_d`` samples at
+        throughput ``t_d`` with a pipeline bubble of ``b`` samples (:attr:`bubble`); the ideal, where
+        every replica finishes at once, is ``(global_batch_size + replicas * b) / sum(t_d)``."""
         if self.throughputs is None:
             return None
-        counts = self.sample_counts
-        slowest = max(n / t for n, t in zip(counts, self.throughputs))
-        return sum(counts) / sum(self.throughputs) / slowest
+        counts, b = self.sample_counts, self.bubble
+        slowest = max((n + b) / t for n, t in zip(counts, self.throughputs))
+        return (sum(counts) + len(counts) * b) / sum(self.throughputs) / slowest
 
     def describe(self) -> str:
         """One line for a start-up log."""
@@ -257,9 +268,15 @@ def balanced_batch_shares(
     what: str = "throughputs",
     require_gain: bool = True,
     unit: str = "microbatch",
+    pipeline_stages: int = 1,
 ) -> BatchShares:
     """Micro-batch counts proportional to ``throughputs`` (one positive number per
     replica, e.g. its TP degree or its measured micro-batches per second).
+
+    ``pipeline_stages`` P > 1: every replica runs a 1F1B pipeline, whose step takes as long as
+    ``m_d + P - 1`` micro-batches (the fill and the drain), so the counts minimise
+    ``max_d((m_d + P - 1) / throughputs[d])``: a slower replica gets fewer than its share of the
+    throughputs (the bubble costs it more).
 
     ``unit="sample"`` (``--ntp-share-unit sample``): the same in samples, so the split is
     not rounded to whole micro-batches (:meth:`BatchShares.in_samples`; a replica's last
@@ -283,6 +300,8 @@ def balanced_batch_shares(
         raise ValueError(f"{what} must be one number > 0 per replica, got {list(throughputs)}")
     replicas = len(rates)
     _check_sizes(global_batch_size, micro_batch_size, replicas)
+    if not isinstance(pipeline_stages, int) or isinstance(pipeline_stages, bool) or pipeline_stages < 1:
+        raise ValueError(f"pipeline_stages must be an int >= 1, got {pipeline_stages!r}")
     if unit not in SHARE_UNITS:
         raise ValueError(f"unit must be one of {SHARE_UNITS}, got {unit!r}")
     if unit == "sample":
@@ -291,16 +310,17 @@ def balanced_batch_shares(
                 f"global_batch_size={global_batch_size} samples are fewer than the {replicas} data-parallel replicas "
                 f"(each needs at least one): use global_batch_size >= {replicas}"
             )
-        counts = _proportional(rates, global_batch_size)
+        bubble = (pipeline_stages - 1) * micro_batch_size  # in samples
+        counts = _proportional(rates, global_batch_size, bubble)
         if require_gain and len(set(rates)) > 1:
-            slowest = max(n / t for n, t in zip(counts, rates))
-            if slowest >= Fraction(global_batch_size, replicas) / min(rates):
+            slowest = max((n + bubble) / t for n, t in zip(counts, rates))
+            if slowest >= (Fraction(global_batch_size, replicas) + bubble) / min(rates):
                 raise ValueError(
                     f"global_batch_size={global_batch_size} samples are too few to split in proportion to the "
                     f"replicas' {what} {[float(t) for t in rates]}: the best split {counts} is no faster than equal "
                     "shares. Use a larger global_batch_size, or equal shares (--ntp-balance none)."
                 )
-        return BatchShares.in_samples(micro_batch_size, counts, tuple(float(t) for t in rates))
+        return BatchShares.in_samples(micro_batch_size, counts, tuple(float(t) for t in rates), bubble)
     if global_batch_size % micro_batch_size:
         raise ValueError(
             f"global_batch_size={global_batch_size} is not a multiple of micro_batch_size={micro_batch_size}: "
@@ -313,13 +333,16 @@ def balanced_batch_shares(
             f"fewer than the {replicas} data-parallel replicas (each needs at least one): use global_batch_size "
             f">= {replicas * micro_batch_size} or a smaller micro_batch_size"
         )
-    counts = _proportional(rates, total)
+    bubble = pipeline_stages - 1  # in micro-batches
+    counts = _proportional(rates, total, bubble)
     if require_gain and len(set(rates)) > 1:
-        slowest = max(m / t for m, t in zip(counts, rates))
-        unbalanced = Fraction(total, replicas) / min(rates)
+        slowest = max((m + bubble) / t for m, t in zip(counts, rates))
+        unbalanced = (Fraction(total, replicas) + bubble) / min(rates)
         if slowest >= unbalanced:
             raise ValueError(_no_gain_message(rates, counts, total, global_batch_size, micro_batch_size, what))
-    return BatchShares(micro_batch_size, tuple(counts), tuple(float(t) for t in rates))
+    return BatchShares(
+        micro_batch_size, tuple(counts), tuple(float(t) for t in rates), bubble=bubble * micro_batch_size
+    )
 
 
 def shrunk_batch_shares(
@@ -396,16 +419,16 @@ def shrunk_batch_shares(
     return BatchShares(micro_batch_size, tuple(counts), tuple(float(t) for t in rates))
 
 
-def _proportional(rates: list[Fraction], total: int) -> list[int]:
-    """``total`` units over the replicas, at least one each, minimising ``max(n_d / rates[d])``:
+def _proportional(rates: list[Fraction], total: int, bubble: int = 0) -> list[int]:
+    """``total`` units over the replicas, at least one each, minimising ``max((n_d + bubble) / rates[d])``:
     each further unit goes to the replica that would finish it first (ties: the lower index)."""
     counts = [1] * len(rates)
-    heap = [(Fraction(2) / t, d) for d, t in enumerate(rates)]
+    heap = [(Fraction(2 + bubble) / t, d) for d, t in enumerate(rates)]
     heapq.heapify(heap)
     for _ in range(total - len(rates)):
         _, d = heapq.heappop(heap)
         counts[d] += 1
-        heapq.heappush(heap, ((counts[d] + 1) / rates[d], d))
+        heapq.heappush(heap, ((counts[d] + 1 + bubble) / rates[d], d))
     return counts
 
 
@@ -681,7 +704,9 @@ class MeasuredBalance:
                 "every rank)"
             )
         old = self.shares
-        rates = [n / s for n, s in zip(old.sample_counts, self.seconds)]
+        # a pipelined replica's step covers its samples and the bubble: its rate in samples per second
+        rates = [(n + old.bubble) / s for n, s in zip(old.sample_counts, self.seconds)]
+        stages = old.bubble // old.micro_batch_size + 1
         self.shares = balanced_batch_shares(
             rates,
             old.global_batch_size,
@@ -689,6 +714,7 @@ class MeasuredBalance:
             what="measured throughputs (--ntp-balance measured)",
             require_gain=False,
             unit="microbatch" if old.samples is None else "sample",
+            pipeline_stages=stages,
         )
         logger.info(
             "nonuniform TP (--ntp-balance measured): median compute seconds per replica %s over %d steps under "

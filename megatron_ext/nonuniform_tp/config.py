@@ -424,6 +424,7 @@ class NonuniformTPConfig:
                 what="TP degrees",
                 require_gain=self.balance == "tp",
                 unit=self.share_unit,
+                pipeline_stages=self.pipeline_model_parallel_size,  # each replica's 1F1B bubble counted
             )
         except ValueError as exc:
             raise ValueError(

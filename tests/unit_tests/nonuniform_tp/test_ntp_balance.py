@@ -68,6 +68,30 @@ def test_tp_shares_are_proportional_when_possible_and_optimal_otherwise():
     assert "predicted step at 94.3% of the balanced ideal" in big.describe()
 
 
+def test_pipelined_replicas_count_their_bubble():
+    """With P pipeline stages a replica's 1F1B step lasts as long as m + P - 1 micro-batches: the shares minimise
+    max((m_d + P - 1) / t_d), so the slower replica gets fewer than its share of the throughputs. Degrees 1:2, 6
+    micro-batches: (2, 4) without stages (times 2 and 2); at P = 4 (1, 5) (times 4 and 4; (2, 4) would take 5)."""
+    assert balanced_batch_shares([1, 2], 6, 1).microbatches == (2, 4)
+    pp4 = balanced_batch_shares([1, 2], 6, 1, pipeline_stages=4)
+    assert pp4.microbatches == (1, 5) and pp4.bubble == 3 and pp4.efficiency == pytest.approx(1.0)
+    assert BatchShares(1, (2, 4), (1.0, 2.0), bubble=3).efficiency == pytest.approx(4 / 5)
+    # in samples (micro-batches of 2): the bubble is 3 full micro-batches, 6 samples
+    samples = balanced_batch_shares([1, 2], 12, 2, pipeline_stages=4, unit="sample", require_gain=False)
+    assert samples.samples == (2, 10) and samples.bubble == 6
+    # the config passes its stages: --ntp-balance tp at --pipeline-model-parallel-size 4
+    ntp = NonuniformTPConfig(
+        tp_base=2,
+        tp_spares=1,
+        non_active_ranks_per_dp={(0, p): (1,) for p in range(4)},
+        pipeline_model_parallel_size=4,
+        balance="tp",
+    )
+    assert ntp.batch_shares(6, 1, num_replicas=2).microbatches == (1, 5)
+    with pytest.raises(ValueError, match=r"pipeline_stages must be an int >= 1, got 0"):
+        balanced_batch_shares([1, 2], 6, 1, pipeline_stages=0)
+
+
 def test_equal_throughputs_and_none_mode_give_megatron_shares():
     assert equal_batch_shares(3, 12, 2).microbatches == (2, 2, 2)
     assert balanced_batch_shares([2, 2, 2], 12, 2).microbatches == (2, 2, 2)
