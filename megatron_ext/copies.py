@@ -82,13 +82,11 @@ class CopyBatch:
         self.checked = [
             (torch.tensor(idx, dtype=torch.int64, device=self.device), views) for idx, views in checked.values()
         ]
-        # the second words the reduction's flags are raised into: (word, the pairs' indices)
-        words: dict[int, tuple[torch.Tensor, list[int]]] = {}
-        for idx, _ in checked.values():
-            for i in idx:
-                if also_flag[i] is not None:
-                    words.setdefault(also_flag[i].data_ptr(), (also_flag[i], []))[1].append(i)
-        self.also = [(w, torch.tensor(idx, dtype=torch.int64, device=self.device)) for w, idx in words.values()]
+        # the second words the reduction's flags are raised into (the kernel raises the fused pairs' own)
+        reduced = {i for idx, _ in checked.values() for i in idx}
+        self.also = copy_check.shared_words(
+            [word if i in reduced else None for i, word in enumerate(also_flag)], self.device
+        )
 
     def __len__(self) -> int:
         return self.size
@@ -111,8 +109,7 @@ class CopyBatch:
         for idx, views in self.checked:
             for _, finite in finite_flags(views):
                 self.bad.index_put_((idx,), (~finite).to(device=self.bad.device, dtype=torch.int32))
-        for word, idx in self.also:
-            torch.maximum(word, self.bad[idx].amax().to(word.device), out=word)
+        copy_check.raise_words(self.also, self.bad)
         return self.bad
 
 

@@ -27,7 +27,7 @@ import warnings
 
 import torch
 
-__all__ = ["CHUNK", "MIN_RUN", "FusedCopyCheck", "available", "prewarm", "runs"]
+__all__ = ["CHUNK", "MIN_RUN", "FusedCopyCheck", "available", "prewarm", "raise_words", "runs", "shared_words"]
 
 # Elements one program moves at most: 7.2 GB of bf16 is about 110k programs, many per SM, so the
 # last wave is short; long enough that the table (32 bytes a run) is 1/4096 of the data.
@@ -165,6 +165,23 @@ def prewarm(device: torch.device | str, dtypes, wait: bool = False) -> None:
                     done.wait()
 
 
+def shared_words(words, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The second words of pairs ``0..n-1`` (int32 words, or None: the pair raises none), each word once with
+    the positions of its pairs (an int64 tensor on ``device``): what :func:`raise_words` raises."""
+    groups: dict[int, tuple[torch.Tensor, list[int]]] = {}
+    for i, word in enumerate(words):
+        if word is not None:
+            groups.setdefault(word.data_ptr(), (word, []))[1].append(i)
+    return [(word, torch.tensor(idx, dtype=torch.int64, device=device)) for word, idx in groups.values()]
+
+
+def raise_words(words: list[tuple[torch.Tensor, torch.Tensor]], bad: torch.Tensor) -> None:
+    """Each word of :func:`shared_words` raised to the max of its pairs' flags in ``bad`` (a word that several
+    pairs share, e.g. a bucket's header, once; never lowered)."""
+    for word, idx in words:
+        torch.maximum(word, bad[idx].amax().to(word.device), out=word)
+
+
 def _tl_dtype(dtype: torch.dtype):
     import triton.language as tl
 
@@ -193,6 +210,8 @@ class FusedCopyCheck:
                 if t is not None:
                     watch.setdefault(id(t), t)
         self._watch = list(watch.values())
+        device = pairs[0][2].device if pairs else torch.device("cpu")
+        self._words = shared_words([also for _, also, _, _, _ in pairs], device)  # for the fallback's flags
         self._where: list[int] = []
         self.rebuilds = 0
         self._build()
@@ -276,13 +295,7 @@ class FusedCopyCheck:
         torch._foreach_copy_(dsts, [src for _, _, _, src, _ in self.pairs])
         bad = (~torch.stack(torch._foreach_norm(dsts, float("inf"))).isfinite()).to(torch.int32)
         torch._foreach_maximum_([flag for flag, _, _, _, _ in self.pairs], list(bad.unbind()))
-        # a word shared by several pairs (a bucket's header) is raised once, by the max of theirs
-        words: dict[int, tuple[torch.Tensor, list[int]]] = {}
-        for k, (_, also, _, _, _) in enumerate(self.pairs):
-            if also is not None:
-                words.setdefault(also.data_ptr(), (also, []))[1].append(k)
-        for word, ks in words.values():
-            torch.maximum(word, bad[ks].amax(), out=word)
+        raise_words(self._words, bad)
 
 
 _UNUSABLE: str | None = None  # why the kernel cannot run in this process (None: it can, or was not tried)
