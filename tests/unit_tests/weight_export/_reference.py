@@ -217,6 +217,32 @@ def tp_job(spec, backend: str, tp: int):
     return dist.get_rank(), device, cfg, tiny_llama.build_model(spec, cfg, device=device)
 
 
+def pipelined_ntp_job(spec, ntp: dict, steps: int):
+    """One rank of a pipelined nonuniform-TP job of the tiny Llama ``spec`` (``NonuniformTPConfig(**ntp)``),
+    trained ``steps`` Adam steps through Megatron's 1F1B schedule (CPU, gloo): ``(job, model, ddp)``. Right after
+    the last step a degraded replica's weights are stale until its partner sends them."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megatron_ext.nonuniform_tp import NonuniformTPDistributedDataParallel
+    from megatron_ext.testing import tiny_llama
+    from megatron_ext.testing.ntp_job import init_job, train_pipelined
+
+    job = init_job(ntp)
+    pp = job.ntp_config.pipeline_model_parallel_size
+    cfg = tiny_llama.transformer_config(
+        spec, tp=ps.get_tensor_model_parallel_world_size(), pp=pp, pipeline_dtype=torch.float32
+    )
+    model = tiny_llama.build_model(spec, cfg)
+    ddp = NonuniformTPDistributedDataParallel(
+        cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model, ntp_config=job.ntp_config
+    )
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=1.0), [ddp])
+    train_pipelined(ddp, opt, spec, steps, job)
+    return job, model, ddp
+
+
 def megatron_shard(kind: str, tensors: list, tp: int, rank: int, *, dim=0, num_groups=0, padded_rows=None):
     """TP shard ``rank`` of ``tp`` of one Megatron parameter, from its whole HF tensors:
     ``linear_qkv`` is ``[q heads of g; k_g; v_g]`` for each of the rank's query groups

@@ -9,11 +9,20 @@ import torch
 from megatron_ext.testing import tiny_gpt, tiny_llama
 from megatron_ext.testing.multirank import run_on_ranks
 
-from ._reference import hf_state_from_megatron
+from ._reference import gathered_hf_state, hf_state_from_megatron, pipelined_ntp_job
 
 SPEC = tiny_llama.TinyLlamaSpec(arch="qwen2")
 # Replica 1 lost TP slot 1: packed ranks 0,1 = healthy replica 0 (TP=2), rank 2 = replica 1 (TP=1).
 NTP = dict(tp_base=2, tp_spares=1, non_active_ranks_per_dp={1: (1,)})
+
+
+def _inprocess_exporter(ddp):
+    """``(receiver, exporter)``: the export hook into an HF model in this process, in small buckets."""
+    from megatron_ext import weight_export as wx
+
+    receiver = wx.WeightReceiver(wx.HFModelConsumer(tiny_llama.build_hf(SPEC)))
+    config = wx.RefitConfig(transport="inprocess", bucket_size_mb=0.02, vocab_size=SPEC.hf_vocab_size)
+    return receiver, wx.WeightExporter(ddp, config, receiver=receiver)
 
 
 def _ntp_trainer(steps):
@@ -21,7 +30,6 @@ def _ntp_trainer(steps):
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from megatron_ext import weight_export as wx
     from megatron_ext.nonuniform_tp import NonuniformTPDistributedDataParallel
     from megatron_ext.testing.ntp_job import init_job
 
@@ -40,12 +48,7 @@ def _ntp_trainer(steps):
         tiny_gpt.train_step(ddp, opt, tokens[mine], labels[mine])
     # No forward or zero_grad_buffer since the last step: the degraded replica's
     # weights are stale until the exporter refreshes them (its partner sends them).
-    receiver = wx.WeightReceiver(wx.HFModelConsumer(tiny_llama.build_hf(SPEC)))
-    exporter = wx.WeightExporter(
-        ddp,
-        wx.RefitConfig(transport="inprocess", bucket_size_mb=0.02, vocab_size=SPEC.hf_vocab_size),
-        receiver=receiver,
-    )
+    receiver, exporter = _inprocess_exporter(ddp)
     result = exporter.export(version=steps)
     verify = exporter.verify(tiny_llama.tokens(SPEC))
     out = dict(
@@ -99,42 +102,17 @@ def _pipelined_ntp_trainer(steps):
     """Train ``steps`` steps through Megatron's 1F1B schedule, then export through the hook: replica 0 (the
     degraded one: its stage leaders are its TP 1 ranks, refreshed from the partner by the exporter) exports."""
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from megatron_ext import weight_export as wx
-    from megatron_ext.nonuniform_tp import NonuniformTPDistributedDataParallel
-    from megatron_ext.nonuniform_tp.checkpoint import gather_full_state
-    from megatron_ext.testing.ntp_job import init_job, train_pipelined
-
-    job = init_job(NTP_PP)
-    cfg = tiny_llama.transformer_config(
-        SPEC, tp=ps.get_tensor_model_parallel_world_size(), pp=2, pipeline_dtype=torch.float32
-    )
-    model = tiny_llama.build_model(SPEC, cfg)
-    ddp = NonuniformTPDistributedDataParallel(
-        cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model, ntp_config=job.ntp_config
-    )
-    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=1.0), [ddp])
-    train_pipelined(ddp, opt, SPEC, steps, job)
-    receiver = wx.WeightReceiver(wx.HFModelConsumer(tiny_llama.build_hf(SPEC)))
-    exporter = wx.WeightExporter(
-        ddp,
-        wx.RefitConfig(transport="inprocess", bucket_size_mb=0.02, vocab_size=SPEC.hf_vocab_size),
-        receiver=receiver,
-    )
+    job, model, ddp = pipelined_ntp_job(SPEC, NTP_PP, steps)
+    receiver, exporter = _inprocess_exporter(ddp)
     result = exporter.export(version=steps)
     out = dict(rank=dist.get_rank(), replica=job.replica, degraded=job.degraded, export_rank=exporter.is_export_rank)
     out["applied"] = result.applied
     if exporter.is_export_rank:
         out["received"] = {n: p.detach().clone() for n, p in receiver.consumer.model.named_parameters()}
-    # the healthy replica's stepped weights (what its optimizer holds), whole, under global names
-    out["healthy"] = None
-    if not job.degraded:
-        full = gather_full_state(model, ps.get_tensor_model_parallel_group(), cfg.gated_linear_unit)
-        global_names = dict(zip((n for n, _ in model.named_parameters()), wx.megatron_tensors(ddp)))
-        out["healthy"] = {global_names[n]: t for n, t in full.items()}
+    # the healthy replica's stepped weights (what its optimizer holds), gathered over its TP and PP groups
+    healthy = gathered_hf_state(SPEC, model)  # collective within each replica
+    out["healthy"] = None if job.degraded else healthy
     return out
 
 
@@ -147,19 +125,7 @@ def test_pipelined_ntp_job_exports_the_trained_model():
     out = run_on_ranks(_pipelined_ntp_trainer, 6, args=(2,), timeout=300)
     exporter = next(o for o in out if o["export_rank"])
     assert exporter["rank"] == 0 and exporter["degraded"] and exporter["applied"] == (2,)
-    full = {}
-    for o in out:
-        if o["healthy"] is not None:  # replica 1's two stages: the whole model between them
-            full.update(o["healthy"])
-    reference = hf_state_from_megatron(
-        full,
-        num_layers=SPEC.num_layers,
-        num_heads=SPEC.num_attention_heads,
-        num_groups=SPEC.num_query_groups,
-        hidden=SPEC.hidden_size,
-        vocab=SPEC.hf_vocab_size,
-        tied=SPEC.tie_embeddings,
-    )
+    reference = next(o["healthy"] for o in out if o["healthy"] is not None)  # replica 1's, the same on its ranks
     received = exporter["received"]
     assert received.keys() == reference.keys()
     bad = {n: (received[n] - w).abs().max().item() for n, w in reference.items() if not torch.equal(received[n], w)}

@@ -18,7 +18,7 @@ import torch
 from megatron_ext.testing import tiny_gpt, tiny_llama
 from megatron_ext.testing.multirank import run_on_ranks
 
-from ._reference import hf_state_from_megatron
+from ._reference import gathered_hf_state, hf_state_from_megatron, pipelined_ntp_job
 
 SPEC = tiny_llama.TinyLlamaSpec(arch="qwen2")  # QKV bias: a fused 1-D tensor too
 NTP = dict(tp_base=2, tp_spares=1, non_active_ranks_per_dp={1: (1,)})
@@ -187,27 +187,13 @@ PP_ENGINE = dict(tp=2, ranks=[1, 4])
 
 def _pipelined_body():
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from megatron_ext import weight_export as wx
-    from megatron_ext.nonuniform_tp import NonuniformTPDistributedDataParallel, get_ntp_process_groups
-    from megatron_ext.nonuniform_tp.checkpoint import gather_full_state
-    from megatron_ext.testing.ntp_job import init_job, train_pipelined
+    from megatron_ext.nonuniform_tp import get_ntp_process_groups
 
-    job = init_job(NTP_PP)
+    job, model, ddp = pipelined_ntp_job(SPEC, NTP_PP, 2)
     rank = dist.get_rank()
-    cfg = tiny_llama.transformer_config(
-        SPEC, tp=ps.get_tensor_model_parallel_world_size(), pp=2, pipeline_dtype=torch.float32
-    )
-    model = tiny_llama.build_model(SPEC, cfg)
-    ddp = NonuniformTPDistributedDataParallel(
-        cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model, ntp_config=job.ntp_config
-    )
-    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=1.0), [ddp])
-    train_pipelined(ddp, opt, SPEC, 2, job)
-    specs = wx.specs_from_config(cfg, vocab_size=SPEC.hf_vocab_size, padded_vocab_size=SPEC.vocab_size)
+    specs = wx.specs_from_config(ddp.config, vocab_size=SPEC.hf_vocab_size, padded_vocab_size=SPEC.vocab_size)
     plan = wx.build_reshard_plan(
         wx.ntp_megatron_layout(specs, get_ntp_process_groups().layout), wx.inference_layout(specs, **PP_ENGINE)
     )
@@ -217,12 +203,8 @@ def _pipelined_body():
         plan, rank, {**wx.ntp_megatron_tensors(ddp), **engine}, bucket_bytes=BUCKET, refresh=ddp.refresh_compute_params
     )
     ex.refit(1)
-    out = dict(rank=rank, degraded=job.degraded, engine={n: t.clone() for n, t in engine.items()}, healthy=None)
-    if not job.degraded:  # the healthy replica's stepped weights, whole, under global names
-        full = gather_full_state(model, ps.get_tensor_model_parallel_group(), cfg.gated_linear_unit)
-        global_names = dict(zip((n for n, _ in model.named_parameters()), wx.megatron_tensors(ddp)))
-        out["healthy"] = {global_names[n]: t for n, t in full.items()}
-    return out
+    healthy = gathered_hf_state(SPEC, model)  # the healthy replica's stepped weights (collective within a replica)
+    return dict(rank=rank, engine={n: t.clone() for n, t in engine.items()}, healthy=None if job.degraded else healthy)
 
 
 def test_pipelined_ntp_trainer_refit_exact():
@@ -234,11 +216,7 @@ def test_pipelined_ntp_trainer_refit_exact():
     from megatron_ext.weight_export import build_reshard_plan, inference_layout, ntp_megatron_layout, specs_from_config
 
     results = run_on_ranks(_pipelined_body, 6, timeout=300)
-    full = {}
-    for r in results:
-        if r["healthy"] is not None:
-            full.update(r["healthy"])
-    ref = _hf(full)
+    ref = next(r["healthy"] for r in results if r["healthy"] is not None)
     cfg = tiny_llama.transformer_config(SPEC, pp=2, pipeline_dtype=torch.float32)
     specs = specs_from_config(cfg, vocab_size=SPEC.hf_vocab_size, padded_vocab_size=SPEC.vocab_size)
     src = ntp_megatron_layout(specs, NTPLayout.from_config(NonuniformTPConfig(**NTP_PP), 6))
