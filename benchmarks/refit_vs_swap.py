@@ -65,12 +65,14 @@ Rows per layout (``--methods``):
   when their packages import, ``gloo`` only when named; ``gloo`` with ``--device cpu`` where the CUDA
   driver is installed: its staging buffers are pinned host memory). Its plan cache is cleared
   before the first refit.
-- ``ours:stream`` / ``ours:atomic`` / ``ours:atomic-host``:
+- ``ours:stream`` / ``ours:stream-zero-copy`` / ``ours:atomic`` / ``ours:atomic-host``:
   :class:`~megatron_ext.weight_export.exec.reshard.ReshardExecutor` over
   :class:`~megatron_ext.weight_export.control.peers.DistPeers` (the job's world), from
   ``megatron_layout`` of the trainer to ``megatron_engine_layout`` of the engine (the Megatron ->
   Megatron layouts of ``megatron_engine.py``: padded vocabulary rows copied too), streaming
   ``--stream-bucket-mb`` / atomic ``--atomic-bucket-mb`` buckets, ``--max-inflight`` rounds;
+  ``stream-zero-copy`` (only when named) sends contiguous runs of at least ``ZERO_COPY_MIN_BYTES``
+  zero-copy, tensor to tensor (``zero_copy_bytes``; ``stream`` stages every byte, the default);
   ``atomic-host`` keeps the version in pinned host memory until it is applied
   (``atomic_staging="host"``); with ``--memory-budget-mb`` the ``stream`` and ``atomic-host`` rows keep
   every rank's device staging within it (``atomic`` stages the whole version on the device). The engine's local tensor
@@ -128,7 +130,8 @@ from megatron_ext.testing.multirank import run_on_ranks  # noqa: E402
 MiB = 1 << 20
 GiB = 1 << 30
 SWAP_SERVICES = ("nccl", "gloo", "nvshmem", "nixl")
-OURS = ("stream", "atomic", "atomic-host")
+OURS = ("stream", "stream-zero-copy", "atomic", "atomic-host")
+DEFAULT_OURS = ("stream", "atomic", "atomic-host")  # stream-zero-copy runs when named
 ENGINE_PREFIX = "engine/"  # the engine's local tensor names in our layout (colocated: distinct from the trainer's)
 SEED = 1234
 
@@ -292,7 +295,7 @@ def available_methods(gpu: bool, driver: bool | None = None) -> list[str]:
     services = ["nccl"] if gpu else ["gloo"] if driver else []
     if gpu:  # the modules megatron-core's NVSHMEM / NIXL copy services import
         services += [s for s, pkg in (("nvshmem", "nvshmem.core"), ("nixl", "nixl._api")) if _importable(pkg)]
-    return [f"swap:{s}" for s in services] + [f"ours:{m}" for m in OURS]
+    return [f"swap:{s}" for s in services] + [f"ours:{m}" for m in DEFAULT_OURS]
 
 
 def _importable(pkg: str) -> bool:
@@ -572,6 +575,7 @@ def _method(method, trainer, engine, src, dst, tensors, rank, versions, opts, de
     from megatron_ext import copy_check
     from megatron_ext.weight_export.control.peers import DistPeers
     from megatron_ext.weight_export.exec.reshard import ReshardExecutor
+    from megatron_ext.weight_export.plan.direct import ZERO_COPY_MIN_BYTES
     from megatron_ext.weight_export.plan.reshard_plan import build_reshard_plan
 
     gpu = device.type == "cuda"
@@ -601,7 +605,8 @@ def _method(method, trainer, engine, src, dst, tensors, rank, versions, opts, de
         except Exception as exc:  # megatron-core's planner replays the whole plan on every rank: all raise alike
             error = f"{type(exc).__name__}: {exc}"
     else:
-        bucket = opts["stream_bucket"] if what == "stream" else opts["atomic_bucket"]
+        streaming = what.startswith("stream")
+        bucket = opts["stream_bucket"] if streaming else opts["atomic_bucket"]
         budget = opts.get("memory_budget") if what != "atomic" else None  # atomic: the version on the device
 
         def first_refit():  # the plan, the executor, its staging and the first-refit agreement
@@ -613,7 +618,8 @@ def _method(method, trainer, engine, src, dst, tensors, rank, versions, opts, de
                 group=DistPeers(),
                 bucket_bytes=bucket,
                 max_inflight=opts["max_inflight"],
-                atomic=what != "stream",
+                atomic=not streaming,
+                zero_copy_bytes=ZERO_COPY_MIN_BYTES if what == "stream-zero-copy" else None,
                 atomic_staging="host" if what == "atomic-host" else "device",
                 memory_budget_bytes=budget,
                 check_finite=opts["check_finite"],
@@ -814,7 +820,11 @@ def main(argv=None, *, rank_setup=None) -> int:
         help="comma-separated co:A:B (colocated) / nc:A:B (engine on the next ranks), A and B "
         "tp<N>[pp<N>][ep<N>][dp<N>] (ep: MoE presets); default: the issue's layouts for --world",
     )
-    p.add_argument("--methods", default=None, help="comma-separated swap:nccl|gloo|nvshmem|nixl, ours:stream|atomic")
+    p.add_argument(
+        "--methods",
+        default=None,
+        help="comma-separated swap:nccl|gloo|nvshmem|nixl, ours:stream|stream-zero-copy|atomic|atomic-host",
+    )
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--stream-bucket-mb", type=float, default=512)

@@ -143,18 +143,24 @@ def copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
 FINITE_CHECKED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
+def finite_groups(tensors: list[torch.Tensor]) -> list[list[int]]:
+    """The indices of ``tensors`` that :func:`finite_flags` checks, in the order of its groups (one per
+    checked dtype): the flags of its groups, concatenated, are in this order."""
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.dtype in FINITE_CHECKED_DTYPES and t.numel():
+            groups.setdefault(t.dtype, []).append(i)
+    return list(groups.values())
+
+
 def finite_flags(tensors: list[torch.Tensor]) -> list[tuple[list[int], torch.Tensor]]:
     """Whether each tensor is all finite, batched: per checked dtype (fp32, bf16, fp16, fp64),
     the indices of ``tensors`` of that dtype and their flags (a bool tensor on the device),
     from one fused max-abs reduction (a NaN or Inf survives a max). No host sync; tensors of
     other dtypes and empty ones are not checked. Tensors of :data:`LARGE` elements or more get a
     reduction of their own, the rest one multi-tensor reduction per dtype."""
-    groups: dict[torch.dtype, list[int]] = {}
-    for i, t in enumerate(tensors):
-        if t.dtype in FINITE_CHECKED_DTYPES and t.numel():
-            groups.setdefault(t.dtype, []).append(i)
     out = []
-    for idx in groups.values():
+    for idx in finite_groups(tensors):
         small = [i for i in idx if tensors[i].numel() < LARGE]
         norms = dict(zip(small, torch._foreach_norm([tensors[i] for i in small], float("inf")) if small else ()))
         for i in idx:

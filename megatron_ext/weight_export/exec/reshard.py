@@ -4,12 +4,16 @@ Every rank of the plan (trainer and engine ranks in one process group) builds a
 :class:`ReshardExecutor` once and calls :meth:`~ReshardExecutor.refit` for each
 weight version. Transfers between one pair of ranks are packed, in plan order,
 into buckets of at most ``bucket_bytes`` (a transfer larger than a bucket is
-cut into rows); round ``k`` moves the ``k``-th bucket of every pair at once (one
+cut into rows); round ``k`` moves the ``k``-th round of every pair at once (one
 ``batch_isend_irecv``). Up to ``max_inflight`` rounds are in flight: round
-``k + 1`` is posted before round ``k`` is waited on and unpacked.
+``k + 1`` is posted before round ``k`` is waited on and unpacked. Contiguous
+runs of at least ``zero_copy_bytes`` skip the buckets (:mod:`..plan.direct`):
+they go from the sender's tensor straight into a streaming receiver's, in
+rounds of their own after the pair's buckets and before a last header-only
+bucket (an atomic receiver stages them like buckets).
 
-Every bucket starts with a 32-byte header (the sender's version, the plan's
-fingerprint, the sender's rank, the bucket index). A receiver refuses the
+Every bucket starts with a 40-byte header (the sender's version, the plan's
+fingerprint, the sender's rank, the bucket index, the NaN/Inf flag). A receiver refuses the
 version (:class:`RefitRejected`) if any source serves another version or
 another plan. With ``atomic=True`` (default) it writes only after every bucket
 has arrived and every header passed, so its tensors keep the previous version;
@@ -49,17 +53,19 @@ from collections.abc import Callable
 import torch
 
 from ... import copy_check
-from ...copies import finite_flags
+from ...copies import finite_flags, finite_groups
 from ...sharding.megatron import megatron_tensors
 from ..control.peers import as_peers
 from ..engines.gate import RefitGate
 from ..plan.budget import BudgetError, buffer_sizes, keeps_every_round, plan_staging
+from ..plan.direct import DirectRound, round_nbytes
 from ..plan.errors import RefitRejected, RefitStats
 from ..plan.reshard_plan import ReshardPlan, Run, Transfer, fanout_plans, run_view
 from ..plan.wire import (
     BAD_TENSORS,
     HEADER_BYTES,
     NO_STAGING,
+    NONFINITE_WORD,
     PAYLOAD_OFFSET,
     bucket_nbytes,
     header_refusals,
@@ -113,6 +119,21 @@ def _held(version: int, source_version) -> Callable[[str], int | None]:
     return lambda name: version if source_version is None else source_version
 
 
+def _direct(r) -> bool:
+    return isinstance(r, DirectRound)
+
+
+def _carried(rounds: list) -> dict[int, list[Transfer]]:
+    """What the header of each staged bucket of one pair vouches for (by round): its pieces; the pair's first
+    and last bucket also its zero-copy transfers."""
+    direct = [t for r in rounds if _direct(r) for t in r.transfers]
+    out = {}
+    for k, r in enumerate(rounds):
+        if not _direct(r):
+            out[k] = [t for t, _ in r] + (direct if k in (0, len(rounds) - 1) else [])
+    return out
+
+
 class ReshardExecutor:
     """This rank's part of a reshard plan: what it sends, receives and copies locally.
 
@@ -156,6 +177,18 @@ class ReshardExecutor:
     same way but lets an atomic receiver keep the version on the device on top of it.
     :attr:`staging_plan` says what was chosen (logged at INFO on the first refit).
 
+    ``zero_copy_bytes``: contiguous runs (merged within a pair) of at least this many bytes
+    go zero-copy: no send staging, no pack copy; a streaming receiver writes them in place
+    once round 0's headers passed (a receiver that refused drains them into one scratch
+    buffer of at most a bucket), an atomic one stages them like buckets. With
+    ``check_finite`` the sender checks them on a side stream (a read next to the rounds,
+    not a copy) and raises the flag in the pair's last header. Part of the plan check:
+    both sides must agree. None (default): every byte is staged. On 4xH200 zero-copy
+    (:data:`~..plan.direct.ZERO_COPY_MIN_BYTES`) took TP2 -> TP2 from 258 MiB of staging
+    per rank to under 1 MiB, but with the NaN/Inf check on it was slower than staging
+    (22.0 vs 15.9 ms within 512 MiB): the check's read runs next to the transfers
+    (docs/weight_export_reshard.md).
+
     The executor keeps views of ``tensors`` from the first refit on: update
     them in place; replacing a tensor object needs a new executor.
 
@@ -189,11 +222,15 @@ class ReshardExecutor:
         memory_budget_bytes: int | None = None,
         atomic_staging: str = "device",
         memory_budget_strict: bool = True,
+        zero_copy_bytes: int | None = None,
     ):
         if bucket_bytes <= PAYLOAD_OFFSET:
             raise ValueError(f"bucket_bytes must be > {PAYLOAD_OFFSET} (the aligned bucket header), got {bucket_bytes}")
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
+        if zero_copy_bytes is not None and (not isinstance(zero_copy_bytes, int) or zero_copy_bytes < 1):
+            raise ValueError(f"zero_copy_bytes must be None (stage every byte) or an int >= 1, got {zero_copy_bytes!r}")
+        self.zero_copy_bytes = zero_copy_bytes
         self.plan, self.rank, self.group = plan, rank, group
         self.peers = as_peers(group)
         self.tensors, self.atomic, self.max_inflight = tensors, atomic, max_inflight
@@ -205,6 +242,7 @@ class ReshardExecutor:
         self.local_bytes = sum(t.nbytes for t in self.local)
         self.atomic_staging = atomic_staging
         staging = dict(bucket_bytes=bucket_bytes, max_inflight=max_inflight, atomic=atomic, rank=rank)
+        staging["zero_copy_bytes"] = zero_copy_bytes
         # a budget that cannot hold the staging: reported at the agreement, so that every rank refuses at once
         self.budget_problem: RefitRejected | None = None
         try:
@@ -223,8 +261,21 @@ class ReshardExecutor:
         self.recv = {src: b for (src, dst), b in cut if dst == rank}
         self.rounds = max([len(b) for b in (*self.send.values(), *self.recv.values())], default=0)
         self.sent_bytes, self.received_bytes = (
-            sum(bucket_nbytes(b) for bs in table.values() for b in bs) for table in (self.send, self.recv)
+            sum(round_nbytes(b) for bs in table.values() for b in bs) for table in (self.send, self.recv)
         )  # per refit, on the wire
+        # streaming: the rounds whose zero-copy bytes are written in place, after round 0's headers are checked
+        self._in_place = set() if atomic else {k for bs in self.recv.values() for k, b in enumerate(bs) if _direct(b)}
+        # the first round that packs a pair's last bucket after zero-copy rounds (their NaN/Inf flags raised before)
+        self._first_trailer = min((len(bs) - 1 for bs in self.send.values() if any(map(_direct, bs))), default=-1)
+        # what each staged bucket's header vouches for: its pieces, and on a pair's first and last bucket its
+        # zero-copy transfers (the first one's version is checked before anything is written; the last one
+        # carries their NaN/Inf flag)
+        self._carried = {
+            (side, peer, k): ts
+            for side, table in (("send", self.send), ("recv", self.recv))
+            for peer, bs in table.items()
+            for k, ts in _carried(bs).items()
+        }
         self.device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
         if check_finite:  # the checked copies' kernel compiles while the plan is agreed on
             copy_check.prewarm(self.device, {t.dtype for t in tensors.values()})
@@ -233,11 +284,14 @@ class ReshardExecutor:
         self.check_finite = check_finite
         # what the wire depends on: every pair's bucket size (from bucket_bytes and the budget), not how it was set
         sizes = ",".join(f"{a}>{b}:{n}" for (a, b), n in sorted(self.staging_plan.pair_bytes.items()))
-        self.wire_id = wire_id(plan.fingerprint, sizes, check_finite)
+        self.wire_id = wire_id(plan.fingerprint, f"{sizes};zero-copy>={zero_copy_bytes}", check_finite)
         self._send_sources = {
-            (p, k): sorted({t.src_run.local for t, _ in b}) for p, bs in self.send.items() for k, b in enumerate(bs)
+            (p, k): sorted({t.src_run.local for t in ts})
+            for (side, p, k), ts in self._carried.items()
+            if side == "send"
         }
         self.staging: Staging | None = None  # buffers and copies, from the first refit on
+        self._direct_order: list[int] | None = None  # the zero-copy sources' check: its order (first refit on)
         self._side_stream = None  # atomic ranks' check of their local copies' sources (CUDA)
         self.version: int | None = None  # the version this rank's destination tensors hold (None: none accepted)
         self.setup_s: dict[str, float] = {}  # the first refit's set-up: staging, agreement, start (seconds)
@@ -310,14 +364,18 @@ class ReshardExecutor:
         refused: list[str] = []
         unchecked: list = []  # rounds whose headers are checked together later (see _complete)
         inflight: deque = deque()
-        local_check = None
+        local_check = direct_check = None
         try:
             for k in range(self.rounds):
-                if len(inflight) == self.max_inflight:
+                # a round written in place waits for round 0's headers (checked before anything is written)
+                while inflight and (len(inflight) == self.max_inflight or (k in self._in_place and inflight[0][0] < 1)):
                     self._complete(inflight.popleft(), version, refused, unchecked)
-                inflight.append(self._post(k))
+                if k == self._first_trailer and direct_check is not None:
+                    self._flag_trailers(direct_check)
+                inflight.append(self._post(k, refused))
                 if k == 0:
                     local_check = self._check_local()  # atomic: next to the rounds in flight
+                    direct_check = self._check_direct()
             if not self.rounds:
                 local_check = self._check_local()
             while inflight:
@@ -327,7 +385,7 @@ class ReshardExecutor:
                     torch.cuda.current_stream(self.device).synchronize()  # the headers' copies to the host
                 refused.extend(header_refusals(unchecked, version, self.wire_id, self._bucket_names))
             if self.check_finite:  # what this rank sent or copies itself: one device-to-host read
-                refused.extend(self._own_nonfinite(version, source_version, local_check))
+                refused.extend(self._own_nonfinite(version, source_version, local_check, direct_check))
         except BaseException:
             for _, reqs, _ in inflight:  # let posted transfers finish or fail before the buffers are reused
                 for req in reqs:
@@ -410,7 +468,9 @@ class ReshardExecutor:
             except torch.OutOfMemoryError as exc:
                 self.staging = None
                 keep_all = keeps_every_round(self.atomic, self.atomic_staging)
-                need = buffer_sizes(self.send, self.recv, keep_all=keep_all, max_inflight=self.max_inflight)
+                need = buffer_sizes(
+                    self.send, self.recv, keep_all=keep_all, max_inflight=self.max_inflight, stage_direct=self.atomic
+                )
                 failed = out_of_memory(
                     exc,
                     self._who,
@@ -450,21 +510,56 @@ class ReshardExecutor:
         sources = self.staging.local_sources
         if not sources:
             return None
-        if self.device.type != "cuda":
-            return finite_flags(sources)
-        if self._side_stream is None:
-            self._side_stream = torch.cuda.Stream(self.device)
-        side = self._side_stream
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
+        side = self._side()
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             return finite_flags(sources)
 
-    def _own_nonfinite(self, version: int, source_version, local_check) -> list[str]:
-        """Refusals for a NaN or Inf in what this rank sent for ``version`` (the packing copies' flags; its
-        receivers refuse the buckets by their headers) or, atomic, in its local copies' sources (checked before
-        they are applied; streaming ranks' local copies are checked as they run). One device-to-host read."""
+    def _check_direct(self):
+        """With ``check_finite``: the zero-copy transfers this rank sends, checked on a side stream next to the
+        rounds in flight (they are read, not copied: no pass of their own reads them); one flag each, in
+        :attr:`_direct_order` (or None). Nothing here waits for the device."""
+        sources = self.staging.direct_sources
+        if not (self.check_finite and sources):
+            return None
+        if self._direct_order is None:  # once: the checked sources in the flags' order, their pairs on the device
+            self._direct_order = [i for idx in finite_groups(sources) for i in idx]
+            pairs = [self.staging.direct_pair[i] for i in self._direct_order]
+            self._direct_pairs = torch.tensor(pairs, dtype=torch.int64, device=self.device)
+        side = self._side()
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            return torch.cat([(~finite).to(torch.int64) for _, finite in finite_flags(sources)])
+
+    def _flag_trailers(self, flags) -> None:
+        """Raise the non-finite word of each pair's last bucket header whose zero-copy transfers hold a NaN or
+        Inf (before that bucket is packed; queued on the device, no host sync)."""
+        if self._side_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._side_stream)
+        st = self.staging
+        raised = torch.zeros(len(st.trailer_rows), dtype=torch.int64, device=self.device)
+        raised.scatter_reduce_(0, self._direct_pairs, flags, "amax")
+        st.header_rows[st.trailer_rows, NONFINITE_WORD] = raised
+
+    def _side(self):
+        """The side stream of the checks that run next to the rounds (CUDA; None elsewhere), after the work
+        queued so far."""
+        if self.device.type != "cuda":
+            return None
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(self.device)
+        self._side_stream.wait_stream(torch.cuda.current_stream(self.device))
+        return self._side_stream
+
+    def _own_nonfinite(self, version: int, source_version, local_check, direct_check=None) -> list[str]:
+        """Refusals for a NaN or Inf in what this rank sent for ``version`` (the packing copies' flags and its
+        zero-copy transfers' check; its receivers refuse the buckets by their headers) or, atomic, in its local
+        copies' sources (checked before they are applied; streaming ranks' local copies are checked as they
+        run). One device-to-host read."""
         rounds = sorted(k for k in self.staging.pack if self.staging.pack[k].bad.numel())
         parts = [self.staging.pack[k].bad for k in rounds]
+        if direct_check is not None:
+            if self._side_stream is not None:
+                torch.cuda.current_stream(self.device).wait_stream(self._side_stream)
+            parts.insert(0, direct_check.to(torch.int32))
         if self._wrote and not self.atomic and self.staging.local.bad.numel():
             parts.append(self.staging.local.bad)  # streaming: the local copies ran with the first round
         if local_check is not None:
@@ -478,9 +573,18 @@ class ReshardExecutor:
             return []
         flags = torch.cat(parts).tolist()
         if not any(flags):
-            return []
+            return []  # (below: a piece sent to several receivers is named once)
         held = _held(version, source_version)
         out, at = [], 0
+        if direct_check is not None:
+            n = len(self._direct_order)
+            checked = [self.staging.direct_checked[i] for i in self._direct_order]
+            out += [
+                f"nonfinite: this rank sent a NaN or Inf in {self._piece(t)}"
+                for t, f in zip(checked, flags[:n])
+                if f and held(t.src_run.local) == version
+            ]
+            at = n
         for k in rounds:
             n = len(self.staging.packed[k])
             out += [
@@ -490,7 +594,7 @@ class ReshardExecutor:
             ]
             at += n
         out += self._nonfinite_in(flags[at:], self.local, "copies")
-        return out
+        return list(dict.fromkeys(out))
 
     def _nonfinite_in(self, flags: list[int], transfers: list[Transfer], verb: str) -> list[str]:
         return [f"nonfinite: this rank {verb} a NaN or Inf in {self._piece(t)}" for t, f in zip(transfers, flags) if f]
@@ -501,8 +605,8 @@ class ReshardExecutor:
         return f"{t.name}[{box}] (its {t.src_run.local})"
 
     def _bucket_names(self, peer: int, k: int) -> str:
-        """The HF tensors bucket ``k`` from ``peer`` carries (for a receiver's refusal)."""
-        names = list(dict.fromkeys(t.name for t, _ in self.recv[peer][k]))
+        """The HF tensors bucket ``k`` from ``peer`` vouches for (for a receiver's refusal)."""
+        names = list(dict.fromkeys(t.name for t in self._carried[("recv", peer, k)]))
         return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
     def _set_headers(self, version: int, source_version) -> None:
@@ -511,17 +615,27 @@ class ReshardExecutor:
             rows = header_rows(self._send_sources, _held(version, source_version), version, self.wire_id, self.rank)
             self.staging.header_rows.copy_(torch.tensor(rows, dtype=torch.int64))
 
-    def _post(self, k: int):
+    def _post(self, k: int, refused: list[str]):
+        """Post round ``k``: pack its buckets, then one batch of every peer's sends and receives (zero-copy
+        ones from and into the tensors; a streaming receiver that refused drains them into scratch)."""
         ops, arrived = [], []
-        if k in self.staging.pack:
-            self.staging.pack[k].run()  # every peer's header and pieces of this round: batched copies
+        st = self.staging
+        if k in st.pack:
+            st.pack[k].run()  # every peer's header and pieces of this round: batched copies
         for kind, table in (("send", self.send), ("recv", self.recv)):
             for peer, buckets in table.items():
-                if k < len(buckets):
-                    n, buf = bucket_nbytes(buckets[k]), self.staging.buf(kind, peer, k)
+                if k < len(buckets) and not _direct(buckets[k]):
+                    n, buf = bucket_nbytes(buckets[k]), st.buf(kind, peer, k)
                     ops.append((kind, buf[:n], peer))
                     if kind == "recv":
-                        arrived.append((peer, buf))
+                        arrived.append((peer, buf, True))
+        ops += [("send", t, peer) for peer, t in st.direct_send.get(k, ())]
+        for peer, t in st.direct_recv.get(k, ()):
+            drain = refused and k in self._in_place
+            ops.append(("recv", st.scratch(t) if drain else t, peer))
+        if self.atomic and k in st.direct_recv:  # staged: kept (host) or applied with the version
+            peers = dict.fromkeys(p for p, _ in st.direct_recv[k])
+            arrived += [(peer, st.buf("recv", peer, k), False) for peer in peers]
         return k, self.peers.post(ops) if ops else [], arrived
 
     def _complete(self, posted, version: int, refused: list[str], unchecked: list) -> None:
@@ -530,12 +644,13 @@ class ReshardExecutor:
             req.wait()
         if not arrived or refused:
             return  # after a refusal: drain the remaining rounds, write nothing more
-        if self.atomic and self.staging.host:  # each bucket to its host buffer; headers read there at the end
-            unchecked.extend(
-                (k, peer, self.staging.keep(k, peer)[:HEADER_BYTES].view(torch.int64)) for peer, _ in arrived
-            )
+        if self.atomic and self.staging.host:  # each round to its host buffer; headers read there at the end
+            for peer, _, header in arrived:
+                held = self.staging.keep(k, peer)
+                if header:
+                    unchecked.append((k, peer, held[:HEADER_BYTES].view(torch.int64)))
             return
-        headers = [(k, peer, buf[:HEADER_BYTES].view(torch.int64)) for peer, buf in arrived]
+        headers = [(k, peer, buf[:HEADER_BYTES].view(torch.int64)) for peer, buf, header in arrived if header]
         if self.atomic:
             # Nothing is written before the last round, so the headers are checked then, all at
             # once (each bucket keeps its own buffer): reading them here would stall the host on every round.
@@ -551,7 +666,7 @@ class ReshardExecutor:
             self.version = None  # from the first write until the refit completes: no complete version
             self.staging.local.run()
         else:
-            unchecked.extend((k, peer, self.staging.seen[(peer, k)]) for peer, _ in arrived)
+            unchecked.extend((k, peer, self.staging.seen[(peer, k)]) for peer, _, _ in arrived)
         self.staging.unpack[k].run()
         self._wrote = True
 

@@ -24,8 +24,9 @@ import torch
 
 from ...copies import CopyBatch
 from ..plan.budget import Table, buffer_sizes, keeps_every_round, slot
+from ..plan.direct import Direct, DirectRound, staged_nbytes
 from ..plan.reshard_plan import Run, Transfer
-from ..plan.wire import HEADER_BYTES, HEADER_WORDS, NONFINITE_WORD, bucket_nbytes
+from ..plan.wire import HEADER_BYTES, HEADER_WORDS, NONFINITE_WORD
 
 __all__ = ["Staging"]
 
@@ -43,6 +44,12 @@ def _same_shape(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.T
     raise ValueError(f"runs of one box with shapes {tuple(a.shape)} and {tuple(b.shape)}")
 
 
+def _run(local: str, byte_offset: int, nbytes: int, itemsize: int) -> Run:
+    """The run of a zero-copy op's bytes in one side's tensor."""
+    n = nbytes // itemsize
+    return Run(local, byte_offset // itemsize, n, n, 1)
+
+
 class Staging:
     """The buffers and copies of one rank's refits.
 
@@ -58,6 +65,13 @@ class Staging:
     (:attr:`packed`: the transfer of each, to name it); the local copies of a streaming rank
     keep theirs too. An atomic rank's local copies run only at :meth:`apply`, so their sources are
     listed in :attr:`local_sources` for a check before it.
+
+    Zero-copy rounds (:class:`~..plan.direct.DirectRound`) have no buffer on their sender
+    (:attr:`direct_send`: views of its tensors) nor on a streaming receiver (:attr:`direct_recv`: views
+    of its tensors, written in place; :meth:`scratch` drains a refused round); an atomic receiver
+    stages them like buckets. With ``check``, :attr:`direct_sources` are the sender's zero-copy
+    transfers, checked by the executor, whose flags raise the header of each pair's last bucket
+    (:attr:`trailer_rows`, :attr:`direct_pair`).
 
     Copies per round: :attr:`pack` (every peer's header and pieces of round
     ``k``); on atomic receivers :attr:`apply` (every round and the local copies,
@@ -87,22 +101,41 @@ class Staging:
             raise ValueError("host staging is for atomic receivers (a streaming one writes each round as it arrives)")
         self.atomic, self.max_inflight, self.host = atomic, max_inflight, host
         self.keep_all = keeps_every_round(atomic, "host" if host else "device")
-        sizes = buffer_sizes(send, recv, keep_all=self.keep_all, max_inflight=max_inflight)
+        sizes = buffer_sizes(send, recv, keep_all=self.keep_all, max_inflight=max_inflight, stage_direct=atomic)
         self.bufs = {key: torch.empty(n, dtype=torch.uint8, device=device) for key, n in sizes.items()}
         pin = device.type == "cuda"
-        self.held = {  # host: one buffer per received bucket, the whole version
-            (peer, k): torch.empty(bucket_nbytes(b), dtype=torch.uint8, pin_memory=pin)
+        self.held = {  # host: one buffer per received round, the whole version
+            (peer, k): torch.empty(staged_nbytes(b), dtype=torch.uint8, pin_memory=pin)
             for peer, buckets in recv.items()
             for k, b in enumerate(buckets)
             if host
         }
+        self._view = view
+        self.direct_send: dict[int, list[tuple[int, torch.Tensor]]] = defaultdict(list)  # round -> (peer, view)
+        self.direct_recv: dict[int, list[tuple[int, torch.Tensor]]] = defaultdict(list)
+        self.direct_sources: list[torch.Tensor] = []  # the zero-copy transfers this rank sends, checked
+        self.direct_checked: list[Transfer] = []  # ... and which transfer each is
+        self.direct_pair: list[int] = []  # ... and the index of its pair's trailer in trailer_rows
+        trailers: list[int] = []  # header row of each send peer's last bucket, where zero-copy flags go
+        self._scratch: torch.Tensor | None = None
+        self._device = device
         self.header_rows = torch.zeros((len(headers), HEADER_WORDS), dtype=torch.int64, device=device)
         row = {key: i for i, key in enumerate(headers)}
         pack: dict[int, list] = defaultdict(list)
         also: dict[int, list] = defaultdict(list)  # the header word each packed piece's flag raises
         self.packed: dict[int, list[Transfer | None]] = defaultdict(list)  # round -> each pack pair's transfer
         for peer, buckets in send.items():
+            ops = [op for b in buckets if isinstance(b, DirectRound) for op in b.ops]
+            if ops:
+                trailers.append(row[(peer, len(buckets) - 1)])
+                for t in dict.fromkeys(t for op in ops for t in op.transfers):
+                    self.direct_sources.append(view(t.src_run))
+                    self.direct_checked.append(t)
+                    self.direct_pair.append(len(trailers) - 1)
             for k, bucket in enumerate(buckets):
+                if isinstance(bucket, DirectRound):
+                    self.direct_send[k] += [(peer, self._side(op, "src")) for op in bucket.ops]
+                    continue
                 buf = self.buf("send", peer, k)
                 pack[k].append((buf[:HEADER_BYTES].view(torch.int64), self.header_rows[row[(peer, k)]]))
                 also[k].append(None)
@@ -114,12 +147,24 @@ class Staging:
                     also[k].append(word)
                     self.packed[k].append(t)
         self.pack = {k: CopyBatch(pairs, check=check, also_flag=also[k]) for k, pairs in pack.items()}
-        keys = [(peer, k) for peer, buckets in recv.items() for k in range(len(buckets))]
+        self.trailer_rows = torch.tensor(trailers, dtype=torch.int64, device=device)
+        keys = [(peer, k) for peer, buckets in recv.items() for k, b in enumerate(buckets) if isinstance(b, list)]
         self._seen_rows = torch.zeros((len(keys), HEADER_WORDS), dtype=torch.int64, device=device)
         self.seen = {key: self._seen_rows[i] for i, key in enumerate(keys)}
         unpack: dict[int, list] = defaultdict(list)
         for peer, buckets in recv.items():
             for k, bucket in enumerate(buckets):
+                if isinstance(bucket, DirectRound):
+                    if not atomic:  # in place
+                        self.direct_recv[k] += [(peer, self._side(op, "dst")) for op in bucket.ops]
+                        continue
+                    buf = self.buf("recv", peer, k)  # staged until the version is applied
+                    for op, off in zip(bucket.ops, bucket.offsets):
+                        dst = self._side(op, "dst")
+                        here = buf[off : off + op.nbytes].view(dst.dtype).view(dst.shape)
+                        self.direct_recv[k].append((peer, here))
+                        unpack[k].append((dst, here))
+                    continue
                 buf = self.buf("recv", peer, k)
                 if not atomic:
                     unpack[k].append((self.seen[(peer, k)], buf[:HEADER_BYTES].view(torch.int64)))
@@ -133,6 +178,20 @@ class Staging:
             self._apply = CopyBatch([pair for k in sorted(unpack) for pair in unpack[k]] + local_pairs)
         else:
             self.unpack = {k: CopyBatch(pairs) for k, pairs in unpack.items()}
+
+    def _side(self, op: Direct, side: str) -> torch.Tensor:
+        """The ``(1, n)`` view of a zero-copy op's bytes in this rank's tensor (``side``: src or dst)."""
+        if side == "src":
+            return self._view(_run(op.src_local, op.src_offset, op.nbytes, op.itemsize))
+        return self._view(_run(op.dst_local, op.dst_offset, op.nbytes, op.itemsize))
+
+    def scratch(self, like: torch.Tensor) -> torch.Tensor:
+        """Where a streaming receiver that refused the version drains a zero-copy receive shaped ``like``
+        (one buffer, as large as its largest zero-copy op, allocated at the first refusal, then kept)."""
+        if self._scratch is None:
+            most = max(t.numel() * t.element_size() for ts in self.direct_recv.values() for _, t in ts)
+            self._scratch = torch.empty(most, dtype=torch.uint8, device=self._device)
+        return self._scratch[: like.numel() * like.element_size()].view(like.dtype).view(like.shape)
 
     def buf(self, kind: str, peer: int, k: int) -> torch.Tensor:
         """The device buffer of round ``k`` of ``kind`` (send|recv) with ``peer``."""
@@ -159,8 +218,8 @@ class Staging:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of staging on the device."""
-        return sum(b.numel() for b in self.bufs.values())
+        """Bytes of staging on the device (a refused streaming receiver's scratch included)."""
+        return sum(b.numel() for b in self.bufs.values()) + (0 if self._scratch is None else self._scratch.numel())
 
     @property
     def host_nbytes(self) -> int:

@@ -20,10 +20,20 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 
+from .direct import DirectRound, direct_rounds, split_direct, staged_nbytes
 from .reshard_plan import Transfer
-from .wire import ALIGN, PAYLOAD_OFFSET, align, bucket_nbytes, bucketize
+from .wire import ALIGN, PAYLOAD_OFFSET, align, bucketize
 
-__all__ = ["ATOMIC_STAGING", "BudgetError", "StagingPlan", "buffer_sizes", "keeps_every_round", "plan_staging", "slot"]
+__all__ = [
+    "ATOMIC_STAGING",
+    "BudgetError",
+    "StagingPlan",
+    "buffer_sizes",
+    "keeps_every_round",
+    "pair_rounds",
+    "plan_staging",
+    "slot",
+]
 
 ATOMIC_STAGING = ("device", "host")  # where an atomic receiver keeps the version until it applies it
 MIB = 1 << 20
@@ -36,9 +46,10 @@ class BudgetError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class StagingPlan:
     """``pair_bytes``: the bucket size of each ``(src, dst)`` pair that moves bytes; ``buckets``: the
-    buckets (:func:`~.wire.bucketize`) of the pairs counted; ``device_bytes``: each rank's staging on its
-    device (``host_bytes`` on the host: atomic receivers staged there); ``budget_bytes``: None without
-    a budget."""
+    rounds of the pairs counted, in order (staged buckets, :func:`~.wire.bucketize`, and zero-copy
+    :class:`~.direct.DirectRound` s, :func:`pair_rounds`); ``device_bytes``: each rank's staging on its
+    device (``host_bytes`` on the host: atomic receivers staged there); ``direct_bytes``: the bytes each
+    rank sends or receives zero-copy; ``budget_bytes``: None without a budget."""
 
     pair_bytes: dict[tuple[int, int], int]
     buckets: dict[tuple[int, int], list]
@@ -46,6 +57,7 @@ class StagingPlan:
     host_bytes: dict[int, int]
     budget_bytes: int | None
     strict: bool = True
+    direct_bytes: dict[int, int] = dataclasses.field(default_factory=dict)
 
     def line(self, rank: int) -> str:
         """What the planner chose for ``rank``, for the INFO log."""
@@ -54,13 +66,15 @@ class StagingPlan:
         text = f"staging {self.device_bytes.get(rank, 0) / MIB:.1f} MiB on the device"
         if self.host_bytes.get(rank):
             text += f" + {self.host_bytes[rank] / MIB:.1f} MiB on the host"
+        if self.direct_bytes.get(rank):
+            text += f", {self.direct_bytes[rank] / MIB:.1f} MiB zero-copy"
         limit = "no budget" if self.budget_bytes is None else f"budget {self.budget_bytes / MIB:.1f} MiB"
         if self.budget_bytes is not None and not self.strict:
             limit += " (auto: an atomic receiver's version on the device comes on top)"
         return f"{text} ({limit}; bucket MiB per pair: {sizes})"
 
 
-Table = dict[int, list[list[tuple[Transfer, int]]]]  # peer -> buckets of (transfer, byte offset)
+Table = dict[int, list]  # peer -> its rounds: buckets of (transfer, byte offset), or DirectRound
 
 
 def keeps_every_round(atomic: bool, atomic_staging: str) -> bool:
@@ -75,16 +89,32 @@ def slot(kind: str, peer: int, k: int, *, keep_all: bool, max_inflight: int) -> 
     return kind, peer, k if (kind == "recv" and keep_all) else k % max_inflight
 
 
-def buffer_sizes(send: Table, recv: Table, *, keep_all: bool, max_inflight: int) -> dict[tuple[str, int, int], int]:
+def buffer_sizes(
+    send: Table, recv: Table, *, keep_all: bool, max_inflight: int, stage_direct: bool = False
+) -> dict[tuple[str, int, int], int]:
     """Bytes of each device staging buffer, by ``(send|recv, peer, slot)``: each as large as the
-    largest bucket it carries (what :class:`~..exec.staging.Staging` allocates)."""
+    largest round it carries (what :class:`~..exec.staging.Staging` allocates). Zero-copy rounds are
+    never staged by their sender, and by their receiver only with ``stage_direct`` (atomic)."""
     sizes: dict[tuple[str, int, int], int] = {}
     for kind, table in (("send", send), ("recv", recv)):
         for peer, buckets in table.items():
             for k, bucket in enumerate(buckets):
+                if isinstance(bucket, DirectRound) and not (kind == "recv" and stage_direct):
+                    continue
                 key = slot(kind, peer, k, keep_all=keep_all, max_inflight=max_inflight)
-                sizes[key] = max(sizes.get(key, 0), bucket_nbytes(bucket))
+                sizes[key] = max(sizes.get(key, 0), staged_nbytes(bucket))
     return sizes
+
+
+def pair_rounds(transfers: list[Transfer], size: int, zero_copy_bytes: int | None) -> list:
+    """One pair's rounds: its staged buckets of ``size`` bytes; with ``zero_copy_bytes``, then its zero-copy
+    rounds (:func:`~.direct.split_direct`) and a last header-only bucket, which carries the NaN/Inf flag of
+    the zero-copy bytes (the first bucket, a header alone if nothing else is staged, their version)."""
+    if zero_copy_bytes is None:
+        return bucketize(transfers, size)
+    staged, ops = split_direct(transfers, min_bytes=zero_copy_bytes, max_bytes=size)
+    rounds = bucketize(staged, size) or [[]]
+    return rounds + direct_rounds(ops, size) + [[]] if ops else rounds
 
 
 def _pairs(transfers: list[Transfer]) -> dict[tuple[int, int], list[Transfer]]:
@@ -111,6 +141,7 @@ def plan_staging(
     strict: bool = True,
     rank: int | None = None,
     flag: str = "--refit-memory-budget-mb",
+    zero_copy_bytes: int | None = None,
 ) -> StagingPlan:
     """Each pair's bucket size and each rank's staging for ``transfers`` (a plan's, in plan order).
 
@@ -119,7 +150,9 @@ def plan_staging(
     ``flag``, the tensor or rank, and the least budget that works. ``strict=False`` (the ``auto`` budget):
     the budget cuts the pairs' buckets alike, but an atomic receiver that keeps the version on the device
     holds it on top instead of being refused. ``rank``: count the staging of that rank only (without a
-    budget nothing else needs it; with one every rank's is checked)."""
+    budget nothing else needs it; with one every rank's is checked). ``zero_copy_bytes``: contiguous runs of
+    at least this many bytes go zero-copy (:mod:`.direct`; None: every byte is staged); an atomic receiver
+    stages them like buckets, a streaming one and every sender not at all."""
     if atomic_staging not in ATOMIC_STAGING:
         raise ValueError(f"atomic_staging must be one of {ATOMIC_STAGING}, got {atomic_staging!r}")
     pairs = _pairs(transfers)
@@ -133,14 +166,19 @@ def plan_staging(
     else:
         per_slot = {r: budget_bytes // (max_inflight * n) // ALIGN * ALIGN for r, n in slots.items()}
         sizes = {p: min(bucket_bytes, per_slot[p[0]], per_slot[p[1]]) for p in pairs}
-        # each slot must hold the header and one row of every transfer its pair carries
-        need = {p: PAYLOAD_OFFSET + align(_row(max(ts, key=_row))) for p, ts in pairs.items()}
+        # each slot must hold the header and one row of every transfer its pair stages (zero-copy ops are cut
+        # to any size)
+        staged = {
+            p: split_direct(ts, min_bytes=zero_copy_bytes, max_bytes=bucket_bytes)[0] if zero_copy_bytes else ts
+            for p, ts in pairs.items()
+        }
+        need = {p: PAYLOAD_OFFSET + (align(_row(max(ts, key=_row))) if ts else 0) for p, ts in staged.items()}
         short = [p for p in pairs if sizes[p] < need[p]]
         if short:
             least = max(need[p] * max_inflight * max(slots[p[0]], slots[p[1]]) for p in pairs)
             src, dst = max(short, key=lambda p: need[p] * max(slots[p[0]], slots[p[1]]))
             r = src if slots[src] >= slots[dst] else dst
-            widest = max(pairs[(src, dst)], key=_row)
+            widest = max(staged[(src, dst)], key=_row)
             raise BudgetError(
                 f"{flag} {budget_bytes / MIB:g} MiB cannot stage {widest.name}: a bucket of rank {src} -> {dst} "
                 f"must hold one row of it ({need[(src, dst)]} bytes with the header), and rank {r} stages "
@@ -153,14 +191,17 @@ def plan_staging(
     for (src, dst), ts in pairs.items():
         if rank is not None and rank not in (src, dst):
             continue
-        buckets[(src, dst)] = tables[src][0][dst] = tables[dst][1][src] = bucketize(ts, sizes[(src, dst)])
-    device, host = {}, {}
+        rounds = pair_rounds(ts, sizes[(src, dst)], zero_copy_bytes)
+        buckets[(src, dst)] = tables[src][0][dst] = tables[dst][1][src] = rounds
+    device, host, direct = {}, {}, {}
     for r, (send, recv) in tables.items():
         if rank is not None and r != rank:
             continue
-        device[r] = sum(buffer_sizes(send, recv, keep_all=keep_all, max_inflight=max_inflight).values())
+        sizes_r = buffer_sizes(send, recv, keep_all=keep_all, max_inflight=max_inflight, stage_direct=atomic)
+        device[r] = sum(sizes_r.values())
         if atomic and not keep_all:
-            host[r] = sum(bucket_nbytes(b) for bs in recv.values() for b in bs)
+            host[r] = sum(staged_nbytes(b) for bs in recv.values() for b in bs)
+        direct[r] = sum(b.nbytes for t in (send, recv) for bs in t.values() for b in bs if isinstance(b, DirectRound))
     if budget_bytes is not None and strict:
         over = {r: n for r, n in device.items() if n > budget_bytes}
         if over:
@@ -171,4 +212,4 @@ def plan_staging(
                 "the last round; stage it on the host (--refit-atomic-staging host), stream (--no-refit-atomic), "
                 "or raise the budget above it"
             )
-    return StagingPlan(sizes, buckets, device, host, budget_bytes, strict)
+    return StagingPlan(sizes, buckets, device, host, budget_bytes, strict, direct)

@@ -115,6 +115,10 @@ def bucketize(transfers: list[Transfer], bucket_bytes: int) -> list[list[tuple[T
 
 
 def bucket_nbytes(bucket: list[tuple[Transfer, int]]) -> int:
+    """Bytes of a bucket on the wire; an empty one is its header alone (a pair whose bytes all go zero-copy
+    still sends one before and one after them, :mod:`.direct`)."""
+    if not bucket:
+        return HEADER_BYTES
     t, off = bucket[-1]
     return off + t.nbytes
 

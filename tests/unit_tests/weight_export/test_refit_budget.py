@@ -117,3 +117,87 @@ def test_the_plan_line_says_what_was_chosen():
     line = ex.staging_plan.line(0)
     assert line.startswith(f"staging {ex.staging_plan.device_bytes[0] / MIB:.1f} MiB on the device"), line
     assert "budget 0.0 MiB; bucket MiB per pair:" in line, line
+
+
+ZERO_COPY = 512  # bytes: the tiny model's runs of at least this many go zero-copy
+
+
+def _put(dst, src):
+    """Copy one box between its two runs' views (``(1, n)`` on one side, ``(rows, length)`` on the other)."""
+    dst.copy_(src.reshape(dst.shape))
+
+
+@pytest.mark.parametrize("case", ["tp2_to_tp2", "tp2_to_tp1dp2"])
+@pytest.mark.parametrize("max_bytes", [BUCKET, 1024])
+def test_zero_copy_ops_carry_exactly_the_bytes_of_their_transfers(case, max_bytes):
+    """Every pair's transfers split into staged ones and zero-copy ops that together move every byte once:
+    applied to random source tensors, the ops' byte ranges give the destination what the transfers give;
+    an op is one run on both sides, at least ZERO_COPY bytes unless cut, at most ``max_bytes``; a strided
+    transfer is never zero-copy; rounds stay within ``max_bytes`` staged."""
+    from megatron_ext.weight_export.plan.direct import direct_rounds, split_direct
+    from megatron_ext.weight_export.plan.reshard_plan import run_view
+
+    specs = gpt_specs(**SPECS)
+    engine = dict(tp=2, ranks=[2, 3]) if case == "tp2_to_tp2" else dict(tp=1, dp=2, ranks=[2, 3])
+    plan = build_reshard_plan(megatron_layout(specs, tp=2, ranks=[0, 1]), inference_layout(specs, **engine))
+    g = torch.Generator().manual_seed(0)
+    src = {(r, n): torch.randn(lt.shape, generator=g) for r, ts in plan.src.tensors.items() for n, lt in ts.items()}
+    want = {(r, n): torch.zeros(lt.shape) for r, ts in plan.dst.tensors.items() for n, lt in ts.items()}
+    got = {k: v.clone() for k, v in want.items()}
+    pairs = {}
+    for t in plan.transfers:
+        pairs.setdefault((t.src, t.dst), []).append(t)
+        _put(run_view(want[t.dst, t.dst_run.local], t.dst_run), run_view(src[t.src, t.src_run.local], t.src_run))
+    direct_total = 0
+    for (s, d), ts in pairs.items():
+        staged, ops = split_direct(ts, min_bytes=ZERO_COPY, max_bytes=max_bytes)
+        assert sum(t.nbytes for t in staged) + sum(op.nbytes for op in ops) == sum(t.nbytes for t in ts)
+        assert all(t.src_run.count == 1 and t.dst_run.count == 1 for op in ops for t in op.transfers)
+        assert all(t in ts for t in staged) and not set(staged) & {t for op in ops for t in op.transfers}
+        for t in staged:
+            _put(run_view(got[d, t.dst_run.local], t.dst_run), run_view(src[s, t.src_run.local], t.src_run))
+        for op in ops:
+            assert 0 < op.nbytes <= max_bytes
+            a = src[s, op.src_local].view(-1).view(torch.uint8)[op.src_offset : op.src_offset + op.nbytes]
+            got[d, op.dst_local].view(-1).view(torch.uint8)[op.dst_offset : op.dst_offset + op.nbytes].copy_(a)
+        for r in direct_rounds(ops, max_bytes):
+            assert r.staged_nbytes <= max_bytes and r.nbytes <= r.staged_nbytes
+        direct_total += sum(op.nbytes for op in ops)
+    assert direct_total > 0, "the test needs zero-copy ops"
+    if case == "tp2_to_tp1dp2":  # down_proj / o_proj are split by columns in the trainer: strided, staged
+        assert any(
+            t.dst_run.count > 1
+            for ts in pairs.values()
+            for t in split_direct(ts, min_bytes=ZERO_COPY, max_bytes=max_bytes)[0]
+        )
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+@pytest.mark.parametrize("mode", [dict(atomic=False), dict(atomic=True, atomic_staging="host")])
+def test_zero_copy_stages_only_what_an_atomic_receiver_must_keep(name, mode):
+    """With zero-copy runs, every rank allocates what the planner counted (within the budget); without a
+    budget, senders and streaming receivers stage less than with every byte staged (none of the zero-copy
+    bytes), an atomic receiver stages them (on the host: it holds every round); the plan line says how
+    much went zero-copy."""
+    plan = _plan(name)
+    for r in sorted({*plan.src.ranks, *plan.dst.ranks}):
+        budgeted = _executor(plan, r, memory_budget_bytes=BUDGET, zero_copy_bytes=ZERO_COPY, **mode)
+        assert budgeted.budget_problem is None
+        budgeted._allocate()
+        planned = budgeted.staging_plan
+        held = sum(b.numel() for b in budgeted.staging.bufs.values())
+        assert budgeted.staging_bytes == planned.device_bytes.get(r, 0) == held <= BUDGET
+        assert budgeted.staging_host_bytes == planned.host_bytes.get(r, 0)
+        assert planned.direct_bytes[r] > 0 and f"{planned.direct_bytes[r] / MIB:.1f} MiB zero-copy" in planned.line(r)
+        staged = _executor(plan, r, zero_copy_bytes=None, **mode)
+        ex = _executor(plan, r, zero_copy_bytes=ZERO_COPY, **mode)
+        assert ex.wire_id != staged.wire_id  # both sides must cut alike: part of the first refit's plan check
+        ex._allocate()
+        staged._allocate()
+        assert ex.sent_bytes + ex.received_bytes < staged.sent_bytes + staged.received_bytes  # less padding
+        if ex.recv and mode["atomic"]:  # the host holds every round it receives, zero-copy ones too
+            assert ex.staging_host_bytes >= ex.received_bytes > 0
+        else:
+            assert ex.staging_bytes < staged.staging_bytes, r

@@ -25,11 +25,15 @@ DEPTHS = (1, 2, 4)
 # --refit-memory-budget-mb in bytes: half of what each rank stages without it (2 peers x 2 rounds x BUCKET), so
 # every pair's bucket halves; the least this plan takes is 2048 (a header and the widest row per slot)
 BUDGET = 4096
-# how a receiver stages: atomic on the device, streaming, atomic on the host within the budget
+ZERO_COPY = 512  # bytes: contiguous runs of at least this many go from tensor to tensor (zero-copy modes)
+# how a receiver stages: atomic on the device, streaming, atomic on the host within the budget; and the
+# zero-copy runs taken in place (streaming) or staged (atomic)
 MODES = {
     True: dict(atomic=True),
     False: dict(atomic=False),
     "host": dict(atomic=True, atomic_staging="host", memory_budget_bytes=BUDGET),
+    "zero-copy": dict(atomic=False, zero_copy_bytes=ZERO_COPY, max_inflight=64),  # all rounds in round 0's flight
+    "zero-copy atomic": dict(atomic=True, zero_copy_bytes=ZERO_COPY),
 }
 QKV = "model.layers.0.self_attn.qkv_proj.weight"  # an engine tensor
 FC2 = "decoder.layers.1.mlp.linear_fc2.weight"  # a trainer tensor (down_proj, TP-split by columns)
@@ -91,6 +95,15 @@ def _body(backend):
                 recv_pieces=sum(len(k) for b in ex.recv.values() for k in b),
             )
 
+    # 1a. zero-copy runs: in place (streaming) or staged (atomic), at two depths
+    for mode in ("zero-copy", "zero-copy atomic"):
+        for depth in (1, 2):
+            e = engine()
+            kw = MODES[mode] | {"max_inflight": depth}
+            ex = wx.ReshardExecutor(plan, rank, {**trainer(), **e}, bucket_bytes=BUCKET, **kw)
+            stats = [ex.refit(v) for v in (1, 2)]
+            out[("zero_copy", mode, depth)] = dict(engine=snap(e), stats=stats, direct=ex.staging_plan.direct_bytes)
+
     # 1b. within the memory budget: streaming, and atomic staged on the host
     for mode in (False, "host"):
         e = engine()
@@ -111,8 +124,11 @@ def _body(backend):
     def late_only(ex):
         if rank != 1:
             return None
-        early = {t.src_run.local for b in ex.send.values() for t, _ in b[0]}
-        late = {t.src_run.local: 1 for b in ex.send.values() for t, _ in b[-1] if t.src_run.local not in early}
+        # what round 0's headers vouch for (zero-copy: the pair's zero-copy sources too), and the last bucket
+        # with pieces
+        early = {t.src_run.local for (side, _, k), ts in ex._carried.items() if side == "send" and k == 0 for t in ts}
+        last = [[r for r in b if isinstance(r, list) and r][-1] for b in ex.send.values()]
+        late = {t.src_run.local: 1 for b in last for t, _ in b if t.src_run.local not in early}
         assert late, "the test needs a tensor that only a later bucket of rank 1 carries"
         return late
 
@@ -188,7 +204,10 @@ def _body(backend):
 
         if rank != 1:
             return attempt(lambda: ex.refit(2))
-        t, _ = max(ex.send.values(), key=len)[-1][-1]  # the last piece of the last round's bucket
+        # the last piece of the last round that carries bytes (zero-copy: its last op; the bucket after it is
+        # a header alone)
+        r = [r for r in max(ex.send.values(), key=len) if r][-1]
+        t = r.ops[-1].transfers[-1] if hasattr(r, "ops") else r[-1][0]
         last = run_view(tr[t.src_run.local], t.src_run)
         last = last[-1] if last.dim() > 1 else last
         kept = last[-1].item()
@@ -276,6 +295,22 @@ def test_reshard_refit_versions_pipelining_and_gate(backend):
         for r in range(4):
             if not atomic or r in src.ranks:
                 assert staging[r, 1] < staging[r, 2] < staging[r, 4], (atomic, r, staging)
+    # 1a. zero-copy: the same bytes; a sender or streaming receiver stages no more than with every byte staged
+    # (here the small runs left still fill its buckets; test_refit_budget shows the drop), an atomic receiver
+    # at least what it receives
+    for mode in ("zero-copy", "zero-copy atomic"):
+        for depth in (1, 2):
+            for r in range(4):
+                res = results[r][("zero_copy", mode, depth)]
+                assert res["direct"][r] > 0, (mode, r)
+                staged = results[r][("depth", MODES[mode]["atomic"], depth)]["stats"]
+                for s in res["stats"]:
+                    if r in dst.ranks and MODES[mode]["atomic"]:
+                        assert s.staging_bytes >= s.received_bytes, (mode, depth, r)
+                    else:
+                        assert s.staging_bytes <= staged.staging_bytes, (mode, depth, r)
+                if r in dst.ranks:
+                    _check(res["engine"], ref, dst, r, f"{mode} depth={depth}")
     # 1b. within the budget: the same bytes, every rank's device staging at most the budget (what the planner
     # counted), smaller buckets so more rounds; atomic on the host keeps the whole version there
     unbudgeted = {r: results[r][("depth", False, 2)]["stats"] for r in range(4)}
@@ -319,7 +354,7 @@ def test_reshard_refit_versions_pipelining_and_gate(backend):
             assert reason == "version" and "rank 1 serves version 1" in msg, msg
             assert res["version"] == 3
             _check(res["final"], ref, dst, r, "version 3", scale=2.0)
-            if atomic:
+            if MODES[atomic]["atomic"]:
                 assert res["held"] == 1
                 _check(res["after"], ref, dst, r, "version 1 kept")
             else:
@@ -363,7 +398,7 @@ def test_reshard_refit_versions_pipelining_and_gate(backend):
                 res = results[r][(case, atomic)]
                 reason, msg, _ = res["refused"]
                 assert reason == "nonfinite" and "rank 1 sent a NaN or Inf in bucket" in msg, (case, atomic, msg)
-                if atomic is False:
+                if not MODES[atomic]["atomic"]:
                     assert res["held"] is None and "holds no complete version" in msg, (case, msg)
                 else:
                     assert res["held"] == 1, (case, atomic, r)
