@@ -153,15 +153,17 @@ def finite_groups(tensors: list[torch.Tensor]) -> list[list[int]]:
     return list(groups.values())
 
 
-def finite_flags(tensors: list[torch.Tensor]) -> list[tuple[list[int], torch.Tensor]]:
+def finite_flags(tensors: list[torch.Tensor], large: int | None = LARGE) -> list[tuple[list[int], torch.Tensor]]:
     """Whether each tensor is all finite, batched: per checked dtype (fp32, bf16, fp16, fp64),
     the indices of ``tensors`` of that dtype and their flags (a bool tensor on the device),
     from one fused max-abs reduction (a NaN or Inf survives a max). No host sync; tensors of
-    other dtypes and empty ones are not checked. Tensors of :data:`LARGE` elements or more get a
-    reduction of their own, the rest one multi-tensor reduction per dtype."""
+    other dtypes and empty ones are not checked. Tensors of ``large`` (:data:`LARGE`) elements or more
+    get a reduction of their own, the rest one multi-tensor reduction per dtype; ``large=None``: every
+    tensor in the one multi-tensor reduction (one launch, where hundreds of launches would keep the host
+    busy: the zero-copy refit's check)."""
     out = []
     for idx in finite_groups(tensors):
-        small = [i for i in idx if tensors[i].numel() < LARGE]
+        small = [i for i in idx if large is None or tensors[i].numel() < large]
         norms = dict(zip(small, torch._foreach_norm([tensors[i] for i in small], float("inf")) if small else ()))
         for i in idx:
             if i not in norms:
