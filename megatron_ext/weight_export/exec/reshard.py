@@ -181,13 +181,12 @@ class ReshardExecutor:
     go zero-copy: no send staging, no pack copy; a streaming receiver writes them in place
     once round 0's headers passed (a receiver that refused drains them into one scratch
     buffer of at most a bucket), an atomic one stages them like buckets. With
-    ``check_finite`` the sender checks them on a side stream (a read next to the rounds,
-    not a copy) and raises the flag in the pair's last header. Part of the plan check:
+    ``check_finite`` the sender checks them before its first round (one multi-tensor
+    reduction: a read, not a copy) and raises the flag in the pair's last header. Part of the plan check:
     both sides must agree. None (default): every byte is staged. On 4xH200 zero-copy
     (:data:`~..plan.direct.ZERO_COPY_MIN_BYTES`) took TP2 -> TP2 from 258 MiB of staging
     per rank to under 1 MiB, but with the NaN/Inf check on it was slower than staging
-    (22.0 vs 15.9 ms within 512 MiB): the check's read runs next to the transfers
-    (docs/weight_export_reshard.md).
+    (20.7 vs 15.7 ms within 512 MiB; docs/weight_export_reshard.md).
 
     The executor keeps views of ``tensors`` from the first refit on: update
     them in place; replacing a tensor object needs a new executor.
