@@ -5,7 +5,10 @@ gather places and ``ipc-push`` writes) and the attention weights as views of Meg
 (per query group, what ``ipc-direct`` copies out of the trainer). Per case it times
 ``CopyBatch(pairs).run()`` (copy), the same then ``finite_flags`` over the destinations (the
 check as a second read, the path without the fused kernel) and ``CopyBatch(pairs, check=True)``
-(fused), checks that a NaN in the last element is flagged, and prints a table::
+(fused), checks that a NaN in the last element is flagged, and prints a table. Then the check
+alone, as the zero-copy refit's sender runs it (its sources are read, not copied): ``finite_flags``
+with a reduction per large tensor and with one multi-tensor reduction (``large=None``), device
+and host milliseconds::
 
     python benchmarks/copy_check.py --preset 3b --out copy_check.json
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -22,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import PRESETS, event_ms, provenance  # noqa: E402
-from megatron_ext.copies import CopyBatch, finite_flags  # noqa: E402
+from megatron_ext.copies import LARGE, CopyBatch, finite_flags  # noqa: E402
 from megatron_ext.copy_check import prewarm  # noqa: E402
 
 
@@ -103,6 +107,14 @@ def measure(name: str, pairs, iters: int) -> dict:
         row[f"{method} GB/s (read+write)"] = 2 * nbytes / t / 1e6
     row["check overhead, separate"] = row["copy + check ms"] / row["copy ms"] - 1
     row["check overhead, fused"] = row["fused ms"] / row["copy ms"] - 1
+    srcs = [s for _, s in pairs]
+    for label, large in (("check alone", LARGE), ("check alone, one reduction", None)):
+        row[f"{label} ms"] = event_ms(lambda large=large: finite_flags(srcs, large=large), iters)
+        start = time.perf_counter()
+        for _ in range(iters):
+            finite_flags(srcs, large=large)
+        row[f"{label} host ms"] = (time.perf_counter() - start) / iters * 1e3
+        torch.cuda.synchronize()
     return row
 
 
@@ -130,6 +142,12 @@ def main(argv=None) -> int:
             f"{r['case']:28} {r['pairs']:5d} {r['bytes'] / 1e9:6.2f} {r['copy ms']:8.2f} {r['copy + check ms']:9.2f} "
             f"{r['fused ms']:8.2f} {100 * r['check overhead, separate']:6.1f} {100 * r['check overhead, fused']:7.1f} "
             f"{'flagged' if r['nan_flagged'] else 'MISSED'}"
+        )
+    print(f"\n{'check alone (no copy)':28} {'per-large ms':>12} {'host ms':>8} {'one-reduction ms':>16} {'host ms':>8}")
+    for r in rows:
+        print(
+            f"{r['case']:28} {r['check alone ms']:12.2f} {r['check alone host ms']:8.2f} "
+            f"{r['check alone, one reduction ms']:16.2f} {r['check alone, one reduction host ms']:8.2f}"
         )
     ok = all(r["nan_flagged"] and r["flags_clean"] == 0 for r in rows)
     if args.out:
