@@ -54,15 +54,16 @@ def _imports() -> bool:
     return True
 
 
-def runs(dst: torch.Tensor, src: torch.Tensor) -> list[tuple[int, int, int]] | None:
-    """The pair's contiguous runs as ``(source element offset, destination element offset,
-    length)`` from the two views' storage offsets, or None when its runs would be shorter than
+def runs(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor | None:
+    """The pair's contiguous runs, one int64 row each: ``(source element offset, destination element
+    offset, length)`` from the two views' storage offsets (a ``(runs, 3)`` CPU tensor, built without a
+    Python loop per run: a strided view has a run per row), or None when its runs would be shorter than
     :data:`MIN_RUN` elements or more than :data:`MAX_RUNS` (then a plain ``copy_`` is better)."""
     if dst.shape != src.shape or dst.dtype != src.dtype:
         return None
     n = dst.numel()
     if n == 0:
-        return []
+        return torch.empty((0, 3), dtype=torch.int64)
     shape = list(dst.shape)
     ds, ss = list(dst.stride()), list(src.stride())
     # drop size-1 dims, then merge the innermost dims that are contiguous in both views
@@ -79,14 +80,14 @@ def runs(dst: torch.Tensor, src: torch.Tensor) -> list[tuple[int, int, int]] | N
         return None
     d0, s0 = dst.storage_offset(), src.storage_offset()
     if not outer:
-        return [(s0, d0, inner)]
+        return torch.tensor([[s0, d0, inner]], dtype=torch.int64)
     idx = torch.zeros(1, dtype=torch.int64)
     d_off, s_off = idx + d0, idx + s0
     for size, a, b in outer:  # row-major over the outer dims
         steps = torch.arange(size, dtype=torch.int64)
         d_off = (d_off[:, None] + steps[None, :] * a).reshape(-1)
         s_off = (s_off[:, None] + steps[None, :] * b).reshape(-1)
-    return list(zip(s_off.tolist(), d_off.tolist(), [inner] * count))
+    return torch.stack([s_off, d_off, torch.full_like(s_off, inner)], dim=1)
 
 
 @functools.cache
@@ -226,19 +227,33 @@ class FusedCopyCheck:
             return
         _, _, dst0, _, _ = self.pairs[0]
         size, device = dst0.element_size(), dst0.device
-        # one row per run: its two base addresses in bytes, its length, the flag's and the second word's address
-        runs_ = [
-            (
-                src.untyped_storage().data_ptr() + s_off * size,
-                dst.untyped_storage().data_ptr() + d_off * size,
-                n,
-                flag.data_ptr(),
-                0 if also is None else also.data_ptr(),
-            )
-            for flag, also, dst, src, pieces in self.pairs
-            for s_off, d_off, n in pieces
-        ]
-        per_run = torch.tensor(runs_, dtype=torch.int64).view(-1, 5)
+        # one row per run: its two base addresses in bytes, its length, the flag's and the second word's address;
+        # a few tensor operations over all runs (a strided view has a run per row: hundreds of thousands of them
+        # in a colocated refit's local copies, too many for a Python loop per run)
+        pieces = [torch.as_tensor(p, dtype=torch.int64).view(-1, 3) for *_, p in self.pairs]
+        bases = torch.tensor(
+            [
+                (
+                    src.untyped_storage().data_ptr(),
+                    dst.untyped_storage().data_ptr(),
+                    flag.data_ptr(),
+                    0 if also is None else also.data_ptr(),
+                )
+                for flag, also, dst, src, _ in self.pairs
+            ],
+            dtype=torch.int64,
+        ).repeat_interleave(torch.tensor([p.shape[0] for p in pieces]), dim=0)
+        offsets = torch.cat(pieces)
+        per_run = torch.stack(
+            [
+                bases[:, 0] + offsets[:, 0] * size,
+                bases[:, 1] + offsets[:, 1] * size,
+                offsets[:, 2],
+                bases[:, 2],
+                bases[:, 3],
+            ],
+            dim=1,
+        )
         # each run cut into chunks of CHUNK elements: a row per chunk, built without a Python loop per chunk
         counts = (per_run[:, 2] + CHUNK - 1) // CHUNK
         rows = per_run.repeat_interleave(counts, dim=0)

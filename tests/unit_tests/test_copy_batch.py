@@ -116,9 +116,9 @@ def test_runs_cut_views_into_contiguous_runs():
     fused = torch.empty(4, 6 * 64, 256)
     dst = torch.empty(4, 64, 256)
     got = runs(dst, fused[:, 5 * 64 :])
-    assert got == [(k * 6 * 64 * 256 + 5 * 64 * 256, k * 64 * 256, 64 * 256) for k in range(4)]
+    assert got.tolist() == [[k * 6 * 64 * 256 + 5 * 64 * 256, k * 64 * 256, 64 * 256] for k in range(4)]
     assert runs(torch.empty(10, 3), torch.empty(10, 8)[:, 2:5]) is None  # runs of 3 elements
-    assert runs(torch.empty(MIN_RUN - 1), torch.empty(MIN_RUN - 1)) == [(0, 0, MIN_RUN - 1)]  # whole: one run
+    assert runs(torch.empty(MIN_RUN - 1), torch.empty(MIN_RUN - 1)).tolist() == [[0, 0, MIN_RUN - 1]]  # whole: one run
     assert runs(torch.empty(3, 4), torch.empty(3, 4, dtype=torch.float64)) is None
 
 
@@ -203,3 +203,38 @@ def test_without_a_usable_kernel_the_copies_are_checked_by_a_second_read(monkeyp
         fused.run()
         assert flags.tolist() == [0, 0, 0, 1, 1, 0, 0, 0, 0, 0] and words.tolist() == [0, 1, 0], (flags, words)
         assert torch.equal(dsts[3].isnan(), srcs[3].isnan()) and dsts[4][0] == float("inf")
+
+
+def test_fused_table_has_a_row_per_chunk_of_every_run():
+    """The kernel's table, built with tensor operations over all runs at once, holds for every run of every pair
+    (strided views: a run per row) its chunks of CHUNK elements: both addresses, the length, the pair's flag and
+    second word (0 without one), split by 16-byte alignment. Checked against the rows written out run by run."""
+    from megatron_ext import copy_check
+
+    if not copy_check.available():
+        pytest.skip("Triton does not import")
+    size, chunk = 4, copy_check.CHUNK
+    fused_w = torch.randn(6, 3 * chunk // 2)  # rows longer than a chunk: two chunks per run
+    pairs = [
+        (torch.empty(6, chunk // 2), fused_w[:, chunk // 2 : chunk]),  # strided: a run per row
+        (torch.empty(2 * chunk + 5), torch.randn(2 * chunk + 5)),  # contiguous: one run, three chunks
+        (torch.empty(6, 3 * chunk // 2 - 1), fused_w[:, 1:]),  # strided, source 4 bytes off: unaligned
+    ]
+    flags, word = torch.zeros(3, dtype=torch.int32), torch.zeros((), dtype=torch.int32)
+    entries = [(flags[i], word if i == 1 else None, d, s, copy_check.runs(d, s)) for i, (d, s) in enumerate(pairs)]
+    fused = copy_check.FusedCopyCheck(entries)
+    want = {True: [], False: []}
+    for flag, also, dst, src, pieces in entries:
+        for s_off, d_off, n in pieces.tolist():
+            for start in range(0, n, chunk):
+                row = [
+                    src.untyped_storage().data_ptr() + (s_off + start) * size,
+                    dst.untyped_storage().data_ptr() + (d_off + start) * size,
+                    min(chunk, n - start),
+                    flag.data_ptr(),
+                    0 if also is None else also.data_ptr(),
+                ]
+                want[row[0] % copy_check.ALIGN == 0 and row[1] % copy_check.ALIGN == 0].append(row)
+    got = {aligned: table.tolist() for table, _, aligned in fused.launches}
+    assert got == {k: v for k, v in want.items() if v}
+    assert want[True] and want[False], "the test needs aligned and unaligned runs"
