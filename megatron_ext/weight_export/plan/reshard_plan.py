@@ -167,10 +167,10 @@ def build_reshard_plan(src: Layout, dst: Layout) -> ReshardPlan:
                             f"source layout ({src.description}) holds it; build both layouts from "
                             "the same model specs"
                         )
-                    cells.append((cell, holders))
+                    cells.append((cell, holders, {h[0]: h for h in reversed(holders)}))  # by rank: its first
                 cells_of[seg.name, seg.box] = cells
-            for cell, holders in cells:
-                choice = next((h for h in holders if h[0] == d), None)
+            for cell, holders, by_rank in cells:
+                choice = by_rank.get(d)
                 if choice is None:  # least loaded; ties rotate with the destination
                     n = len(holders)
                     _, choice = min(enumerate(holders), key=lambda ih: (load[ih[1][0]], (ih[0] - di) % n))
