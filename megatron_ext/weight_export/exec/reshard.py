@@ -53,7 +53,7 @@ from collections.abc import Callable
 import torch
 
 from ... import copy_check
-from ...copies import finite_flags, finite_groups
+from ...copies import finite_flags
 from ...sharding.megatron import megatron_tensors
 from ..control.peers import as_peers
 from ..engines.gate import RefitGate
@@ -229,7 +229,6 @@ class ReshardExecutor:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
         if zero_copy_bytes is not None and (not isinstance(zero_copy_bytes, int) or zero_copy_bytes < 1):
             raise ValueError(f"zero_copy_bytes must be None (stage every byte) or an int >= 1, got {zero_copy_bytes!r}")
-        self.zero_copy_bytes = zero_copy_bytes
         self.plan, self.rank, self.group = plan, rank, group
         self.peers = as_peers(group)
         self.tensors, self.atomic, self.max_inflight = tensors, atomic, max_inflight
@@ -290,7 +289,6 @@ class ReshardExecutor:
             if side == "send"
         }
         self.staging: Staging | None = None  # buffers and copies, from the first refit on
-        self._direct_order: list[int] | None = None  # the zero-copy sources' check: its order (first refit on)
         self._side_stream = None  # atomic ranks' check of their local copies' sources (CUDA)
         self.version: int | None = None  # the version this rank's destination tensors hold (None: none accepted)
         self.setup_s: dict[str, float] = {}  # the first refit's set-up: staging, agreement, start (seconds)
@@ -516,15 +514,11 @@ class ReshardExecutor:
     def _check_direct(self):
         """With ``check_finite``: the zero-copy transfers this rank sends (read, not copied: no pass of their own
         reads them), checked before the first round is posted, queued on the current stream (run next to the
-        transfers on a side stream, the read slowed them more than it cost alone); one flag each, in
-        :attr:`_direct_order` (or None). Nothing here waits for the device."""
+        transfers on a side stream, the read slowed them more than it cost alone); one flag per
+        :attr:`~.staging.Staging.direct_sources` (or None). Nothing here waits for the device."""
         sources = self.staging.direct_sources
         if not (self.check_finite and sources):
             return None
-        if self._direct_order is None:  # once: the checked sources in the flags' order, their pairs on the device
-            self._direct_order = [i for idx in finite_groups(sources) for i in idx]
-            pairs = [self.staging.direct_pair[i] for i in self._direct_order]
-            self._direct_pairs = torch.tensor(pairs, dtype=torch.int64, device=self.device)
         # one multi-tensor reduction (1xH200, TP2 -> TP2 of the 3b preset, 226 sources, 3.4 GB: 1.6 ms on the
         # device, 0.9 ms of host time; a reduction per large tensor took 2.8 ms of both)
         return torch.cat([(~finite).to(torch.int64) for _, finite in finite_flags(sources, large=None)])
@@ -532,11 +526,9 @@ class ReshardExecutor:
     def _flag_trailers(self, flags) -> None:
         """Raise the non-finite word of each pair's last bucket header whose zero-copy transfers hold a NaN or
         Inf (before that bucket is packed; queued on the device, no host sync)."""
-        if self._side_stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self._side_stream)
         st = self.staging
         raised = torch.zeros(len(st.trailer_rows), dtype=torch.int64, device=self.device)
-        raised.scatter_reduce_(0, self._direct_pairs, flags, "amax")
+        raised.scatter_reduce_(0, st.direct_pairs, flags, "amax")
         st.header_rows[st.trailer_rows, NONFINITE_WORD] = raised
 
     def _side(self):
@@ -557,8 +549,6 @@ class ReshardExecutor:
         rounds = sorted(k for k in self.staging.pack if self.staging.pack[k].bad.numel())
         parts = [self.staging.pack[k].bad for k in rounds]
         if direct_check is not None:
-            if self._side_stream is not None:
-                torch.cuda.current_stream(self.device).wait_stream(self._side_stream)
             parts.insert(0, direct_check.to(torch.int32))
         if self._wrote and not self.atomic and self.staging.local.bad.numel():
             parts.append(self.staging.local.bad)  # streaming: the local copies ran with the first round
@@ -577,14 +567,13 @@ class ReshardExecutor:
         held = _held(version, source_version)
         out, at = [], 0
         if direct_check is not None:
-            n = len(self._direct_order)
-            checked = [self.staging.direct_checked[i] for i in self._direct_order]
+            checked = self.staging.direct_checked
             out += [
                 f"nonfinite: this rank sent a NaN or Inf in {self._piece(t)}"
-                for t, f in zip(checked, flags[:n])
+                for t, f in zip(checked, flags)
                 if f and held(t.src_run.local) == version
             ]
-            at = n
+            at = len(checked)
         for k in rounds:
             n = len(self.staging.packed[k])
             out += [

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from ...copies import CopyBatch
+from ...copies import CopyBatch, finite_groups
 from ..plan.budget import Table, buffer_sizes, keeps_every_round, slot
 from ..plan.direct import Direct, DirectRound, staged_nbytes
 from ..plan.reshard_plan import Run, Transfer
@@ -69,9 +69,10 @@ class Staging:
     Zero-copy rounds (:class:`~..plan.direct.DirectRound`) have no buffer on their sender
     (:attr:`direct_send`: views of its tensors) nor on a streaming receiver (:attr:`direct_recv`: views
     of its tensors, written in place; :meth:`scratch` drains a refused round); an atomic receiver
-    stages them like buckets. With ``check``, :attr:`direct_sources` are the sender's zero-copy
-    transfers, checked by the executor, whose flags raise the header of each pair's last bucket
-    (:attr:`trailer_rows`, :attr:`direct_pair`).
+    stages them like buckets. :attr:`direct_sources` are the sender's zero-copy transfers that
+    :func:`~megatron_ext.copies.finite_flags` checks, in the order of its flags (:attr:`direct_checked`:
+    which transfer each is), whose flags raise the header of each pair's last bucket
+    (:attr:`trailer_rows`; :attr:`direct_pairs`: each source's index there, on the device).
 
     Copies per round: :attr:`pack` (every peer's header and pieces of round
     ``k``); on atomic receivers :attr:`apply` (every round and the local copies,
@@ -115,7 +116,7 @@ class Staging:
         self.direct_recv: dict[int, list[tuple[int, torch.Tensor]]] = defaultdict(list)
         self.direct_sources: list[torch.Tensor] = []  # the zero-copy transfers this rank sends, checked
         self.direct_checked: list[Transfer] = []  # ... and which transfer each is
-        self.direct_pair: list[int] = []  # ... and the index of its pair's trailer in trailer_rows
+        direct_pair: list[int] = []  # ... and the index of its pair's trailer in trailer_rows
         trailers: list[int] = []  # header row of each send peer's last bucket, where zero-copy flags go
         self._scratch: torch.Tensor | None = None
         self._device = device
@@ -131,7 +132,7 @@ class Staging:
                 for t in dict.fromkeys(t for op in ops for t in op.transfers):
                     self.direct_sources.append(view(t.src_run))
                     self.direct_checked.append(t)
-                    self.direct_pair.append(len(trailers) - 1)
+                    direct_pair.append(len(trailers) - 1)
             for k, bucket in enumerate(buckets):
                 if isinstance(bucket, DirectRound):
                     self.direct_send[k] += [(peer, self._side(op, "src")) for op in bucket.ops]
@@ -148,6 +149,11 @@ class Staging:
                     self.packed[k].append(t)
         self.pack = {k: CopyBatch(pairs, check=check, also_flag=also[k]) for k, pairs in pack.items()}
         self.trailer_rows = torch.tensor(trailers, dtype=torch.int64, device=device)
+        # the checked sources in the order of finite_flags' flags (by dtype), so its flags need no reordering
+        order = [i for idx in finite_groups(self.direct_sources) for i in idx]
+        self.direct_sources = [self.direct_sources[i] for i in order]
+        self.direct_checked = [self.direct_checked[i] for i in order]
+        self.direct_pairs = torch.tensor([direct_pair[i] for i in order], dtype=torch.int64, device=device)
         keys = [(peer, k) for peer, buckets in recv.items() for k, b in enumerate(buckets) if isinstance(b, list)]
         self._seen_rows = torch.zeros((len(keys), HEADER_WORDS), dtype=torch.int64, device=device)
         self.seen = {key: self._seen_rows[i] for i, key in enumerate(keys)}

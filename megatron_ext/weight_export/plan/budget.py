@@ -106,15 +106,12 @@ def buffer_sizes(
     return sizes
 
 
-def pair_rounds(transfers: list[Transfer], size: int, zero_copy_bytes: int | None) -> list:
-    """One pair's rounds: its staged buckets of ``size`` bytes; with ``zero_copy_bytes``, then its zero-copy
-    rounds (:func:`~.direct.split_direct`) and a last header-only bucket, which carries the NaN/Inf flag of
-    the zero-copy bytes (the first bucket, a header alone if nothing else is staged, their version)."""
-    if zero_copy_bytes is None:
-        return bucketize(transfers, size)
-    staged, ops = split_direct(transfers, min_bytes=zero_copy_bytes, max_bytes=size)
-    rounds = bucketize(staged, size) or [[]]
-    return rounds + direct_rounds(ops, size) + [[]] if ops else rounds
+def pair_rounds(staged: list[Transfer], ops: list, size: int) -> list:
+    """One pair's rounds from its :func:`~.direct.split_direct`: its staged buckets of ``size`` bytes; with
+    zero-copy ``ops``, then their rounds and a last header-only bucket, which carries the NaN/Inf flag of the
+    zero-copy bytes (the first bucket, a header alone if nothing else is staged, their version)."""
+    rounds = bucketize(staged, size)
+    return (rounds or [[]]) + direct_rounds(ops, size) + [[]] if ops else rounds
 
 
 def _pairs(transfers: list[Transfer]) -> dict[tuple[int, int], list[Transfer]]:
@@ -166,12 +163,19 @@ def plan_staging(
     else:
         per_slot = {r: budget_bytes // (max_inflight * n) // ALIGN * ALIGN for r, n in slots.items()}
         sizes = {p: min(bucket_bytes, per_slot[p[0]], per_slot[p[1]]) for p in pairs}
+    split: dict[tuple[int, int], tuple[list[Transfer], list]] = {}
+
+    def cut(p: tuple[int, int]) -> tuple[list[Transfer], list]:
+        """The pair's staged transfers and zero-copy ops, cut at its bucket size (once)."""
+        if p not in split:
+            ts = pairs[p]
+            split[p] = split_direct(ts, min_bytes=zero_copy_bytes, max_bytes=sizes[p]) if zero_copy_bytes else (ts, [])
+        return split[p]
+
+    if budget_bytes is not None:
         # each slot must hold the header and one row of every transfer its pair stages (zero-copy ops are cut
         # to any size)
-        staged = {
-            p: split_direct(ts, min_bytes=zero_copy_bytes, max_bytes=bucket_bytes)[0] if zero_copy_bytes else ts
-            for p, ts in pairs.items()
-        }
+        staged = {p: cut(p)[0] for p in pairs}
         need = {p: PAYLOAD_OFFSET + (align(_row(max(ts, key=_row))) if ts else 0) for p, ts in staged.items()}
         short = [p for p in pairs if sizes[p] < need[p]]
         if short:
@@ -188,10 +192,10 @@ def plan_staging(
             )
     buckets = {}
     tables: dict[int, tuple[Table, Table]] = defaultdict(lambda: ({}, {}))  # rank -> (send, recv)
-    for (src, dst), ts in pairs.items():
+    for src, dst in pairs:
         if rank is not None and rank not in (src, dst):
             continue
-        rounds = pair_rounds(ts, sizes[(src, dst)], zero_copy_bytes)
+        rounds = pair_rounds(*cut((src, dst)), sizes[(src, dst)])
         buckets[(src, dst)] = tables[src][0][dst] = tables[dst][1][src] = rounds
     device, host, direct = {}, {}, {}
     for r, (send, recv) in tables.items():
