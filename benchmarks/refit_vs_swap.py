@@ -462,6 +462,20 @@ def _timed(fn, device) -> float:
     return slowest(time.perf_counter() - start, device)
 
 
+def _profiled(fn, device, path: str) -> None:
+    """One more refit under ``torch.profiler`` (host and device), its trace written to ``path``
+    (chrome trace format, for chrome://tracing or Perfetto)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    with profile(activities=acts) as prof:
+        fn()
+        sync(device)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    prof.export_chrome_trace(path.replace(":", "-"))
+
+
 def _link_limit(case: Case, rank: int, nbytes: int, device) -> float | None:
     """GB/s per GPU of NCCL point-to-point over the layout's ranks, all pairs at once (None on CPU)."""
     import torch.distributed as dist
@@ -557,7 +571,9 @@ def _rank(preset: str, cases: list[Case], methods: list[str], opts: dict, rank_s
             methods={},
         )
         for method in methods:
-            res["methods"][method] = _method(method, trainer, engine, src, dst, tensors, rank, versions, opts, device)
+            res["methods"][method] = _method(
+                method, trainer, engine, src, dst, tensors, rank, versions, opts, device, label=case.name
+            )
         out.append(res)
         trainer = engine = tensors = None  # this layout's models go before the next one's are built
         gc.collect()
@@ -567,9 +583,10 @@ def _rank(preset: str, cases: list[Case], methods: list[str], opts: dict, rank_s
     return out
 
 
-def _method(method, trainer, engine, src, dst, tensors, rank, versions, opts, device) -> dict:
+def _method(method, trainer, engine, src, dst, tensors, rank, versions, opts, device, label="") -> dict:
     """One row's measurements on this rank: the engine set to NaN, the first refit, ``warmup`` +
-    ``iters`` timed refits, then the exact check of both models."""
+    ``iters`` timed refits (with ``--profile-dir``, one more under the profiler), then the exact
+    check of both models."""
     from megatron.core.resharding.refit import clear_all_caches, prepare_swap_model_weights, swap_model_weights
 
     from megatron_ext import copy_check
@@ -640,6 +657,8 @@ def _method(method, trainer, engine, src, dst, tensors, rank, versions, opts, de
         for _ in range(opts["warmup"]):
             _timed(refit, device)
         times = [_timed(refit, device) for _ in range(opts["iters"])]
+        if opts.get("profile_dir"):
+            _profiled(refit, device, os.path.join(opts["profile_dir"], f"{label}_{method}_rank{rank}.json"))
     else:
         first = plan_s = None
     peak = torch.cuda.max_memory_allocated(device) - base if gpu else None
@@ -839,6 +858,11 @@ def main(argv=None, *, rank_setup=None) -> int:
     p.add_argument("--no-check-finite", action="store_true", help="ours without its NaN/Inf check per refit")
     p.add_argument("--limit-gib", type=float, default=1.0, help="payload of the link-limit measurement")
     p.add_argument("--timeout-s", type=float, default=900)
+    p.add_argument(
+        "--profile-dir",
+        default=None,
+        help="after the timed refits, one more per row under torch.profiler; each rank writes its chrome trace here",
+    )
     p.add_argument("--out", default="refit_vs_swap.json")
     a = p.parse_args(argv)
     gpus = torch.cuda.device_count()
@@ -876,6 +900,7 @@ def main(argv=None, *, rank_setup=None) -> int:
         check_finite=not a.no_check_finite,
         limit_bytes=int(a.limit_gib * GiB),
         experts=experts,
+        profile_dir=a.profile_dir,
     )
     backend = "nccl" if gpu else "gloo"
     print(
