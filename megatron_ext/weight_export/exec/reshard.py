@@ -263,8 +263,6 @@ class ReshardExecutor:
         )  # per refit, on the wire
         # streaming: the rounds whose zero-copy bytes are written in place, after round 0's headers are checked
         self._in_place = set() if atomic else {k for bs in self.recv.values() for k, b in enumerate(bs) if _direct(b)}
-        # the first round that packs a pair's last bucket after zero-copy rounds (their NaN/Inf flags raised before)
-        self._first_trailer = min((len(bs) - 1 for bs in self.send.values() if any(map(_direct, bs))), default=-1)
         # what each staged bucket's header vouches for: its pieces, and on a pair's first and last bucket its
         # zero-copy transfers (the first one's version is checked before anything is written; the last one
         # carries their NaN/Inf flag)
@@ -362,17 +360,20 @@ class ReshardExecutor:
         unchecked: list = []  # rounds whose headers are checked together later (see _complete)
         inflight: deque = deque()
         local_check = None
-        direct_check = self._check_direct()  # before the first round: a read next to the transfers slows them
+        direct = self._direct_check()
         try:
             for k in range(self.rounds):
                 # a round written in place waits for round 0's headers (checked before anything is written)
                 while inflight and (len(inflight) == self.max_inflight or (k in self._in_place and inflight[0][0] < 1)):
                     self._complete(inflight.popleft(), version, refused, unchecked)
-                if k == self._first_trailer and direct_check is not None:
-                    self._flag_trailers(direct_check)
+                if direct is not None and k in self.staging.trailer_rounds:
+                    self._flag_trailers(direct)
                 inflight.append(self._post(k, refused))
+                if direct is not None and k in self.staging.direct_slices:
+                    self._check_direct(direct, k)  # after its round is posted: next to its transfer
                 if k == 0:
                     local_check = self._check_local()  # atomic: next to the rounds in flight
+            direct_check = torch.cat(direct["flags"]) if direct is not None and direct["flags"] else None
             if not self.rounds:
                 local_check = self._check_local()
             while inflight:
@@ -511,25 +512,34 @@ class ReshardExecutor:
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             return finite_flags(sources)
 
-    def _check_direct(self):
-        """With ``check_finite``: the zero-copy transfers this rank sends (read, not copied: no pass of their own
-        reads them), checked before the first round is posted, queued on the current stream (run next to the
-        transfers on a side stream, the read slowed them more than it cost alone); one flag per
-        :attr:`~.staging.Staging.direct_sources` (or None). Nothing here waits for the device."""
-        sources = self.staging.direct_sources
-        if not (self.check_finite and sources):
+    def _direct_check(self) -> dict | None:
+        """With ``check_finite`` and zero-copy transfers to send: this refit's check of them (:meth:`_check_direct`
+        adds each round's flags, :meth:`_flag_trailers` raises the pairs' last headers from ``raised``)."""
+        if not (self.check_finite and self.staging.direct_sources):
             return None
-        # one multi-tensor reduction (1xH200, TP2 -> TP2 of the 3b preset, 226 sources, 3.4 GB: 1.6 ms on the
-        # device, 0.9 ms of host time; a reduction per large tensor took 2.8 ms of both)
-        return torch.cat([(~finite).to(torch.int64) for _, finite in finite_flags(sources, large=None)])
+        raised = torch.zeros(len(self.staging.trailer_rows), dtype=torch.int64, device=self.device)
+        return {"flags": [], "raised": raised}
 
-    def _flag_trailers(self, flags) -> None:
-        """Raise the non-finite word of each pair's last bucket header whose zero-copy transfers hold a NaN or
-        Inf (before that bucket is packed; queued on the device, no host sync)."""
+    def _check_direct(self, direct: dict, k: int) -> None:
+        """The zero-copy transfers round ``k`` starts to send (read, not copied: no pass of their own reads them),
+        checked for NaN / Inf on the current stream right after the round is posted, so the read runs next to
+        the round's transfer and ends before the next round's (which waits for the current stream); one flag
+        per source of the round (:attr:`~.staging.Staging.direct_slices`). Nothing here waits for the device."""
+        start, end = self.staging.direct_slices[k]
+        sources = self.staging.direct_sources[start:end]
+        # one multi-tensor reduction per round and dtype: a reduction per large tensor costs a launch each
+        # (1xH200, the 226 sources of TP2 -> TP2 of the 3b preset, 3.4 GB, at once: 1.6 ms on the device and
+        # 0.9 ms of host time in one reduction, 2.8 ms of both in one per tensor)
+        flags = torch.cat([(~finite).to(torch.int64) for _, finite in finite_flags(sources, large=None)])
+        direct["flags"].append(flags)
+        direct["raised"].scatter_reduce_(0, self.staging.direct_pairs[start:end], flags, "amax")
+
+    def _flag_trailers(self, direct: dict) -> None:
+        """Raise the non-finite word of each pair's last bucket header whose zero-copy transfers, checked so far,
+        hold a NaN or Inf (before a round that packs such a bucket; every zero-copy round of a pair comes before
+        its last bucket, so its checks are queued by then; on the device, no host sync)."""
         st = self.staging
-        raised = torch.zeros(len(st.trailer_rows), dtype=torch.int64, device=self.device)
-        raised.scatter_reduce_(0, st.direct_pairs, flags, "amax")
-        st.header_rows[st.trailer_rows, NONFINITE_WORD] = raised
+        st.header_rows[st.trailer_rows, NONFINITE_WORD] = direct["raised"]
 
     def _side(self):
         """The side stream of the checks that run next to the rounds (CUDA; None elsewhere), after the work

@@ -70,9 +70,10 @@ class Staging:
     (:attr:`direct_send`: views of its tensors) nor on a streaming receiver (:attr:`direct_recv`: views
     of its tensors, written in place; :meth:`scratch` drains a refused round); an atomic receiver
     stages them like buckets. :attr:`direct_sources` are the sender's zero-copy transfers that
-    :func:`~megatron_ext.copies.finite_flags` checks, in the order of its flags (:attr:`direct_checked`:
-    which transfer each is), whose flags raise the header of each pair's last bucket
-    (:attr:`trailer_rows`; :attr:`direct_pairs`: each source's index there, on the device).
+    :func:`~megatron_ext.copies.finite_flags` checks round by round (:attr:`direct_slices`: each round's
+    sources, in the order of its flags; :attr:`direct_checked`: which transfer each is), whose flags raise
+    the header of each pair's last bucket (:attr:`trailer_rows`, packed in :attr:`trailer_rounds`;
+    :attr:`direct_pairs`: each source's index there, on the device).
 
     Copies per round: :attr:`pack` (every peer's header and pieces of round
     ``k``); on atomic receivers :attr:`apply` (every round and the local copies,
@@ -117,7 +118,9 @@ class Staging:
         self.direct_sources: list[torch.Tensor] = []  # the zero-copy transfers this rank sends, checked
         self.direct_checked: list[Transfer] = []  # ... and which transfer each is
         direct_pair: list[int] = []  # ... and the index of its pair's trailer in trailer_rows
+        direct_round: list[int] = []  # ... and the round that first sends it
         trailers: list[int] = []  # header row of each send peer's last bucket, where zero-copy flags go
+        self.trailer_rounds: set[int] = set()  # the rounds that pack those buckets
         self._scratch: torch.Tensor | None = None
         self._device = device
         self.header_rows = torch.zeros((len(headers), HEADER_WORDS), dtype=torch.int64, device=device)
@@ -126,13 +129,18 @@ class Staging:
         also: dict[int, list] = defaultdict(list)  # the header word each packed piece's flag raises
         self.packed: dict[int, list[Transfer | None]] = defaultdict(list)  # round -> each pack pair's transfer
         for peer, buckets in send.items():
-            ops = [op for b in buckets if isinstance(b, DirectRound) for op in b.ops]
-            if ops:
+            first = {}  # each zero-copy transfer of this peer -> the round of its first op
+            for k, b in enumerate(buckets):
+                if isinstance(b, DirectRound):
+                    first.update((t, k) for op in b.ops for t in op.transfers if t not in first)
+            if first:
                 trailers.append(row[(peer, len(buckets) - 1)])
-                for t in dict.fromkeys(t for op in ops for t in op.transfers):
+                self.trailer_rounds.add(len(buckets) - 1)
+                for t, k in first.items():
                     self.direct_sources.append(view(t.src_run))
                     self.direct_checked.append(t)
                     direct_pair.append(len(trailers) - 1)
+                    direct_round.append(k)
             for k, bucket in enumerate(buckets):
                 if isinstance(bucket, DirectRound):
                     self.direct_send[k] += [(peer, self._side(op, "src")) for op in bucket.ops]
@@ -149,8 +157,15 @@ class Staging:
                     self.packed[k].append(t)
         self.pack = {k: CopyBatch(pairs, check=check, also_flag=also[k]) for k, pairs in pack.items()}
         self.trailer_rows = torch.tensor(trailers, dtype=torch.int64, device=device)
-        # the checked sources in the order of finite_flags' flags (by dtype), so its flags need no reordering
-        order = [i for idx in finite_groups(self.direct_sources) for i in idx]
+        # the checked sources by round, and within a round in the order of finite_flags' flags (by dtype), so
+        # the flags of the rounds' checks, concatenated, need no reordering
+        order: list[int] = []
+        self.direct_slices: dict[int, tuple[int, int]] = {}  # round -> its sources' [start, end) in that order
+        for k in sorted(set(direct_round)):
+            mine = [i for i, r in enumerate(direct_round) if r == k]
+            start = len(order)
+            order += [mine[j] for idx in finite_groups([self.direct_sources[i] for i in mine]) for j in idx]
+            self.direct_slices[k] = (start, len(order))
         self.direct_sources = [self.direct_sources[i] for i in order]
         self.direct_checked = [self.direct_checked[i] for i in order]
         self.direct_pairs = torch.tensor([direct_pair[i] for i in order], dtype=torch.int64, device=device)

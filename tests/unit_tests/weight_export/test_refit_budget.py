@@ -13,6 +13,7 @@ import torch
 
 from megatron_ext.weight_export import ReshardExecutor, build_reshard_plan, gpt_specs, inference_layout, megatron_layout
 from megatron_ext.weight_export.plan.budget import plan_staging
+from megatron_ext.weight_export.plan.direct import DirectRound
 
 from ._reference import SPECS
 
@@ -197,6 +198,14 @@ def test_zero_copy_stages_only_what_an_atomic_receiver_must_keep(name, mode):
         ex._allocate()
         staged._allocate()
         assert ex.sent_bytes + ex.received_bytes < staged.sent_bytes + staged.received_bytes  # less padding
+        if ex.send:  # each zero-copy source is checked in a round before its pair's last header is packed
+            st = ex.staging
+            last = [len(bs) - 1 for bs in ex.send.values() if any(isinstance(b, DirectRound) for b in bs)]
+            assert st.trailer_rounds == set(last) and len(st.trailer_rows) == len(last)
+            checked = [i for a, b in sorted(st.direct_slices.values()) for i in range(a, b)]
+            assert checked == list(range(len(st.direct_sources))) == list(range(len(st.direct_checked)))
+            for k, (a, b) in st.direct_slices.items():
+                assert all(k < last[p] for p in st.direct_pairs[a:b].tolist()), (r, k)
         if ex.recv and mode["atomic"]:  # the host holds every round it receives, zero-copy ones too
             assert ex.staging_host_bytes >= ex.received_bytes > 0
         else:
