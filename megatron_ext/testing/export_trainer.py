@@ -50,6 +50,7 @@ def _args(argv):
     p.add_argument("--transport", default="broadcast")
     p.add_argument("--bucket-size-mb", type=float, default=0.03)
     p.add_argument("--memory-budget-mb", type=memory_budget, default="auto", help="p2p: --refit-memory-budget-mb")
+    p.add_argument("--zero-copy-mb", type=float, default=None, help="p2p: --refit-zero-copy-mb")
     p.add_argument("--timeout-s", type=float, default=60.0)
     p.add_argument("--kill-in-version", type=int, default=None)
     p.add_argument("--kill-after-buckets", type=int, default=1)
@@ -99,6 +100,7 @@ class _P2P:
             store=args.target,
             bucket_size_mb=args.bucket_size_mb,
             memory_budget_mb=args.memory_budget_mb,
+            zero_copy_mb=args.zero_copy_mb,
             timeout_s=args.timeout_s,
         )
         self.refit = wx.TrainerRefit.from_model(model, cfg, vocab_size=spec.hf_vocab_size)

@@ -77,6 +77,7 @@ P2P_ONLY = (
     "atomic",
     "atomic_staging",
     "memory_budget_mb",
+    "zero_copy_mb",
 )
 HOOK_ONLY = ("target", "vocab_size")
 
@@ -104,8 +105,11 @@ class RefitConfig:
     the ``device`` or in pinned ``host`` memory), ``memory_budget_mb`` (p2p: the most
     device staging any rank may hold, whatever its number of peers; ``"auto"`` (default):
     :data:`AUTO_MEMORY_BUDGET_MB`, an atomic receiver's version on the device on top; ``"none"`` /
-    None: no bound, ``max_inflight`` buckets per peer each way), ``check_finite`` (refuse to
-    publish a version with a NaN or Inf weight, checked inside the copies that move the bytes), ``backend``
+    None: no bound, ``max_inflight`` buckets per peer each way), ``zero_copy_mb`` (p2p: contiguous runs of
+    at least this many MiB go from the sender's tensor into a streaming receiver's without staging, see
+    :class:`~.exec.reshard.ReshardExecutor`'s ``zero_copy_bytes``; None (default): every byte staged),
+    ``check_finite`` (refuse to publish a version with a NaN or Inf weight, checked inside the copies that
+    move the bytes), ``backend``
     (of the broadcast group or the refit group; auto: NCCL on GPU) and
     ``timeout_s`` (every wait on a peer). ``quantize``: ``fp8-block`` sends
     decoder-layer linear weights as FP8 with a float32 scale per 128 x 128 block
@@ -128,6 +132,7 @@ class RefitConfig:
     atomic: bool = True
     atomic_staging: str = "device"
     memory_budget_mb: float | str | None = "auto"
+    zero_copy_mb: float | None = None
     check_finite: bool = True
     every_n_steps: int = 0
     backend: str = "auto"
@@ -188,7 +193,12 @@ class RefitConfig:
         if self.store is not None and _host_port(self.store) is None:
             refuse("store", f"'host:port' with a port in {PORTS[0]}..{PORTS[1]} (the refit group's store)")
         smallest = MIN_BUCKET_BYTES / (1 << 20)  # MiB
-        for field, unset in (("bucket_size_mb", "None (automatic)"), ("memory_budget_mb", BUDGET_WORDS)):
+        fields = (
+            ("bucket_size_mb", "None (automatic)"),
+            ("memory_budget_mb", BUDGET_WORDS),
+            ("zero_copy_mb", "None (off: every byte staged)"),
+        )
+        for field, unset in fields:
             mib = getattr(self, field)
             if field == "memory_budget_mb" and mib in BUDGET_KEYWORDS:
                 continue
@@ -233,6 +243,7 @@ class RefitConfig:
             memory_budget_bytes=self.memory_budget_bytes,
             memory_budget_strict=self.memory_budget_mb != "auto",
             atomic_staging=self.atomic_staging,
+            zero_copy_bytes=None if self.zero_copy_mb is None else int(self.zero_copy_mb * (1 << 20)),
         )
 
     @property
@@ -418,6 +429,15 @@ def add_refit_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         f"buckets shrink to fit. auto (default): {AUTO_MEMORY_BUDGET_MB} MiB for the staging of every rank, with an "
         "atomic receiver's version kept on the device on top (stage it on the host, or stream, to bound that "
         "too); none: no bound (every pair's buckets at --refit-bucket-size-mb)",
+    )
+    flag(
+        "zero-copy-mb",
+        hook=False,
+        type=float,
+        help="p2p: contiguous runs of at least this many MiB go from the trainer's tensors into a streaming "
+        "engine's without staging (no pack or unpack copy, almost no staging memory; an atomic engine stages "
+        "them); both jobs must give the same value. Default: off, every byte staged. 1 is a sensible value; "
+        "see docs/weight_export_reshard.md#zero-copy-transfers for when it is faster",
     )
     flag("check-finite", boolean=True, help="refuse to publish a version with NaN/Inf weights (default)")
     flag("every-n-steps", type=int, help="refit after every N optimizer steps (0: only when called)")

@@ -30,8 +30,8 @@ trainer's ranks come first), takes the trainer's layout and model description
 receives its whole HF tensors as a TP1 engine replica
 (engine ranks = world size - trainer ranks, the trainer's ``--refit-engine-dp``)
 straight from the trainer ranks that own them, until the trainer closes.
-``--bucket-size-mb``, ``--memory-budget-mb`` and ``--vocab-padding`` must be the
-trainer's (a mismatch is refused on every rank before a byte moves).
+``--bucket-size-mb``, ``--memory-budget-mb``, ``--zero-copy-mb`` and ``--vocab-padding`` must
+be the trainer's (a mismatch is refused on every rank before a byte moves).
 
 ``--engine megatron`` serves megatron-core's static inference engine
 (:mod:`.megatron_refit`) over the p2p refit: the command is the engine job, one
@@ -140,6 +140,12 @@ def _args(argv, *, megatron_on_cpu: bool = False):
         "rank holds on its device)",
     )
     p.add_argument(
+        "--zero-copy-mb",
+        type=float,
+        default=None,
+        help="p2p: the trainer's --refit-zero-copy-mb (default: off, every byte staged)",
+    )
+    p.add_argument(
         "--atomic-staging",
         choices=ATOMIC_STAGING,
         default="device",
@@ -216,6 +222,7 @@ def _args(argv, *, megatron_on_cpu: bool = False):
                 store=args.refit_store,
                 bucket_size_mb=args.bucket_size_mb,
                 memory_budget_mb=args.memory_budget_mb,
+                zero_copy_mb=args.zero_copy_mb,
                 vocab_padding=64 if megatron else args.vocab_padding,
                 atomic=args.atomic,
                 atomic_staging=args.atomic_staging,
@@ -223,7 +230,7 @@ def _args(argv, *, megatron_on_cpu: bool = False):
             )
         except ValueError as exc:
             text = str(exc).replace("RefitConfig.", "--")
-            for field in ("bucket_size_mb", "memory_budget_mb", "atomic_staging"):
+            for field in ("bucket_size_mb", "memory_budget_mb", "zero_copy_mb", "atomic_staging"):
                 text = text.replace(field, field.replace("_", "-"))
             p.error(text)
     return args

@@ -215,6 +215,7 @@ class MegatronEngineRefit(EngineRefit):
         memory_budget_bytes: int | None = None,
         atomic_staging: str = "device",
         memory_budget_strict: bool = True,
+        zero_copy_bytes: int | None = None,
     ):
         from megatron.core import parallel_state as ps
 
@@ -269,6 +270,7 @@ class MegatronEngineRefit(EngineRefit):
             memory_budget_bytes=memory_budget_bytes,
             atomic_staging=atomic_staging,
             memory_budget_strict=memory_budget_strict,
+            zero_copy_bytes=zero_copy_bytes,
         )
 
     def _model_problem(self) -> str | None:

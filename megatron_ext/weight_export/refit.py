@@ -73,6 +73,7 @@ class _RemoteRefit:
         memory_budget_bytes: int | None = None,
         atomic_staging: str = "device",
         memory_budget_strict: bool = True,
+        zero_copy_bytes: int | None = None,
         refresh: Callable[[], None] | None = None,
         hf_config: dict | None = None,
     ):
@@ -106,6 +107,7 @@ class _RemoteRefit:
             memory_budget_bytes=memory_budget_bytes,
             atomic_staging=atomic_staging,
             memory_budget_strict=memory_budget_strict,
+            zero_copy_bytes=zero_copy_bytes,
             refresh=refresh,
         )
         self.tensors = tensors
@@ -179,6 +181,7 @@ class TrainerRefit(_RemoteRefit):
         memory_budget_bytes: int | None = None,
         atomic_staging: str = "device",
         memory_budget_strict: bool = True,
+        zero_copy_bytes: int | None = None,
         refresh: Callable[[], None] | None = None,
         hf_config: dict | None = None,
     ):
@@ -194,6 +197,7 @@ class TrainerRefit(_RemoteRefit):
             memory_budget_bytes=memory_budget_bytes,
             atomic_staging=atomic_staging,
             memory_budget_strict=memory_budget_strict,
+            zero_copy_bytes=zero_copy_bytes,
             refresh=refresh,
             hf_config=hf_config,
         )
@@ -317,6 +321,7 @@ class EngineRefit(_RemoteRefit):
         memory_budget_bytes: int | None = None,
         atomic_staging: str = "device",
         memory_budget_strict: bool = True,
+        zero_copy_bytes: int | None = None,
     ):
         if consumer is not None:
             if load_weights is not None or expected is not None:
@@ -336,6 +341,7 @@ class EngineRefit(_RemoteRefit):
             memory_budget_bytes=memory_budget_bytes,
             atomic_staging=atomic_staging,
             memory_budget_strict=memory_budget_strict,
+            zero_copy_bytes=zero_copy_bytes,
         )
 
     def _model_problem(self) -> str | None:

@@ -117,7 +117,8 @@ def settle(
         raise RefitRejected(
             f"{who}: {word}s {[r for r, v in codes.items() if v != common]} run another reshard plan or "
             f"bucket_bytes than {word}s {[r for r, v in codes.items() if v == common]}; nothing was sent. Build "
-            "the same layouts (specs, TP/PP/DP/EP, ranks, vocab padding) and the same bucket_bytes "
-            "on every rank",
+            "the same layouts (specs, TP/PP/DP/EP, ranks, vocab padding) and give every rank the same bucket_bytes, "
+            "memory budget, zero_copy_bytes and check_finite (--refit-bucket-size-mb, --refit-memory-budget-mb, "
+            "--refit-zero-copy-mb, --refit-check-finite)",
             reason="plan",
         )

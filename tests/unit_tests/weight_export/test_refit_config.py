@@ -55,7 +55,7 @@ def test_reshard_refit_aliases_select_p2p_and_round_trip():
         "--no-reshard-refit-check-finite", "--reshard-refit-every-n-steps", "10",
         "--reshard-refit-store", "10.0.0.1:29600", "--reshard-refit-backend", "nccl",
         "--reshard-refit-timeout-s", "30", "--reshard-refit-vocab-padding", "128",
-        "--reshard-refit-memory-budget-mb", "512",
+        "--reshard-refit-memory-budget-mb", "512", "--reshard-refit-zero-copy-mb", "2",
     ]  # fmt: skip
     want = RefitConfig(
         transport="p2p",
@@ -72,6 +72,7 @@ def test_reshard_refit_aliases_select_p2p_and_round_trip():
         backend="nccl",
         timeout_s=30,
         memory_budget_mb=512,
+        zero_copy_mb=2,
     )
     assert _parse(argv) == want
     assert _parse([a.replace("reshard-refit-", "refit-") for a in argv] + ["--refit-transport", "p2p"]) == want
@@ -83,6 +84,7 @@ def test_reshard_refit_aliases_select_p2p_and_round_trip():
         memory_budget_bytes=512 << 20,
         atomic_staging="device",
         memory_budget_strict=True,
+        zero_copy_bytes=2 << 20,
     )
     assert want.store_address == ("10.0.0.1", 29600)
     assert [s for s in range(1, 31) if want.due(s)] == [10, 20, 30] and not RefitConfig().due(10)
@@ -137,6 +139,11 @@ def test_reshard_refit_aliases_select_p2p_and_round_trip():
          "(--refit-atomic-staging host) is where an atomic refit keeps the version; with atomic=False"),
         (dict(memory_budget_mb=512), "RefitConfig.memory_budget_mb (--refit-memory-budget-mb) is read by "
          "transport='p2p'"),
+        (dict(transport="p2p", zero_copy_mb=0), "zero_copy_mb (--refit-zero-copy-mb) must be None (off: every byte "
+         "staged) or a finite number of MiB >= 0.00390625 (4 KiB), got 0"),
+        (dict(transport="p2p", zero_copy_mb=float("inf")), "zero_copy_mb (--refit-zero-copy-mb) must be None"),
+        (dict(transport="p2p", zero_copy_mb="1"), "zero_copy_mb (--refit-zero-copy-mb) must be None"),
+        (dict(zero_copy_mb=1), "RefitConfig.zero_copy_mb (--refit-zero-copy-mb) is read by transport='p2p'"),
     ],
 )  # fmt: skip
 def test_bad_values_are_refused_naming_the_field_and_flag(kw, needle):

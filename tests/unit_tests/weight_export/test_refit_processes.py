@@ -298,12 +298,14 @@ def test_p2p_engine_keeps_its_version_when_the_trainer_is_killed_mid_refit(tmp_p
     is not). The streaming engine has no --model: it builds its model from the Hugging Face config the
     trainer publishes with its layout, and the model it saves gives the logits of the trainer's HF model.
     ``atomic-host-budget``: both sides under --memory-budget-mb, the engine keeping each version in host
-    memory (--atomic-staging host) until all of it arrived."""
+    memory (--atomic-staging host) until all of it arrived. The streaming engine and its trainer also send
+    zero-copy (--zero-copy-mb): runs of 4 KiB or more go into the engine's tensors without staging."""
     store = f"127.0.0.1:{free_port()}"
     saved = tmp_path / "after"
     p2p = ["--refit-store", store, "--refit-rank", "1", "--refit-world-size", "2", "--bucket-size-mb", "0.004"]
     budget = ["--memory-budget-mb", "0.016"] if atomic == "host" else []
-    p2p += budget + (["--atomic-staging", "host"] if atomic == "host" else [])
+    zero_copy = [] if atomic else ["--zero-copy-mb", "0.004"]  # 4 KiB and more: most of the tiny model's tensors
+    p2p += budget + zero_copy + (["--atomic-staging", "host"] if atomic == "host" else [])
     model = ["--model", str(model_dir)] if atomic else []
     engine = subprocess.Popen(
         [sys.executable, "-m", "megatron_ext.weight_export.engine", *model, *p2p, "--device",
@@ -316,7 +318,7 @@ def test_p2p_engine_keeps_its_version_when_the_trainer_is_killed_mid_refit(tmp_p
         knocker.start()  # strangers at the trainer's store once it is up; the refit waits for them
         killed, sent, _ = _trainer(
             store, tmp_path / "t.pt", env, "--transport", "p2p", "--bucket-size-mb", "0.004",
-            "--kill-in-version", "2", "--kill-after-buckets", "3", "--hold-until", str(cue), *budget,
+            "--kill-in-version", "2", "--kill-after-buckets", "3", "--hold-until", str(cue), *budget, *zero_copy,
         )  # fmt: skip
         start = time.monotonic()
         try:

@@ -25,6 +25,7 @@ from ._reference import hook_reference
 
 SPEC = tiny_llama.TinyLlamaSpec(arch="qwen2")  # QKV bias: a fused 1-D tensor too
 BUCKET = 4096  # small buckets: many rounds
+ZERO_COPY = 1024  # helper B: contiguous runs of at least this many bytes are sent from the trainer's tensors
 QKV = "model.layers.0.self_attn.qkv_proj.weight"  # an engine tensor (TP-sharded)
 
 
@@ -95,7 +96,8 @@ def _trainer_body(backend, port, n_engine):
         out["tensors"] = None
     except wx.RefitRejected as e:
         out["tensors"] = (e.reason, str(e), time.monotonic() - start)
-    refit_b = wx.TrainerRefit(group, src, dst_b, tensors, bucket_bytes=BUCKET)  # a second helper on the group
+    # a second helper on the group, sending zero-copy (received into staging: the engine loads whole versions)
+    refit_b = wx.TrainerRefit(group, src, dst_b, tensors, bucket_bytes=BUCKET, zero_copy_bytes=ZERO_COPY)
     out["stats5"] = refit_b.refit(5)
     out["acks5"] = refit_b.engine_versions()
     refit_b.close()  # the engine's serve() loop returns
@@ -151,6 +153,7 @@ def _engine_body(backend, port, n_trainer):
         dst_b,
         load_weights=lambda ws: loaded.update({n: t.cpu().clone() for n, t in ws}),
         bucket_bytes=BUCKET,
+        zero_copy_bytes=ZERO_COPY,
     )
     seen = []
     out["served"] = refit_b.serve(on_version=lambda s: seen.append(s.version))
