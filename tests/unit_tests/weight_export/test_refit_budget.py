@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from megatron_ext.weight_export import ReshardExecutor, build_reshard_plan, gpt_specs, inference_layout, megatron_layout
+from megatron_ext.weight_export.exec import staging
 from megatron_ext.weight_export.plan.budget import plan_staging
 from megatron_ext.weight_export.plan.direct import DirectRound
 
@@ -177,11 +178,12 @@ def test_zero_copy_ops_carry_exactly_the_bytes_of_their_transfers(case, max_byte
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 @pytest.mark.parametrize("mode", [dict(atomic=False), dict(atomic=True, atomic_staging="host")])
-def test_zero_copy_stages_only_what_an_atomic_receiver_must_keep(name, mode):
+def test_zero_copy_stages_only_what_an_atomic_receiver_must_keep(name, mode, monkeypatch):
     """With zero-copy runs, every rank allocates what the planner counted (within the budget); without a
     budget, senders and streaming receivers stage less than with every byte staged (none of the zero-copy
     bytes), an atomic receiver stages them (on the host: it holds every round); the plan line says how
     much went zero-copy."""
+    monkeypatch.setattr(staging, "CHECK_CHUNK_BYTES", BUCKET)  # the sender's check in several chunks
     plan = _plan(name)
     for r in sorted({*plan.src.ranks, *plan.dst.ranks}):
         budgeted = _executor(plan, r, memory_budget_bytes=BUDGET, zero_copy_bytes=ZERO_COPY, **mode)
@@ -204,8 +206,12 @@ def test_zero_copy_stages_only_what_an_atomic_receiver_must_keep(name, mode):
             assert st.trailer_rounds == set(last) and len(st.trailer_rows) == len(last)
             checked = [i for a, b in sorted(st.direct_slices.values()) for i in range(a, b)]
             assert checked == list(range(len(st.direct_sources))) == list(range(len(st.direct_checked)))
+            assert len(st.direct_slices) > 1, "the test needs several chunks"
             for k, (a, b) in st.direct_slices.items():
                 assert all(k < last[p] for p in st.direct_pairs[a:b].tolist()), (r, k)
+                groups = st.direct_groups[k]  # one range per dtype, together the chunk
+                assert groups[0][0] == a and groups[-1][1] == b
+                assert all(len({t.dtype for t in st.direct_sources[x:y]}) == 1 for x, y in groups)
         if ex.recv and mode["atomic"]:  # the host holds every round it receives, zero-copy ones too
             assert ex.staging_host_bytes >= ex.received_bytes > 0
         else:

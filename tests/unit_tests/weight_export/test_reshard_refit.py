@@ -49,7 +49,10 @@ def _layouts(cfg):
 
 def _body(backend):
     from megatron_ext import weight_export as wx
+    from megatron_ext.weight_export.exec import staging
     from megatron_ext.weight_export.plan.reshard_plan import ReshardPlan, build_reshard_plan
+
+    staging.CHECK_CHUNK_BYTES = BUCKET  # the zero-copy NaN/Inf check in many chunks, as on a large model
 
     rank, device, cfg, model = tp_job(SPEC, backend, tp=2)
     exporter, got = hook_reference(model, SPEC.hf_vocab_size)
