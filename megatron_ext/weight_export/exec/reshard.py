@@ -60,6 +60,7 @@ from ..engines.gate import RefitGate
 from ..plan.budget import BudgetError, buffer_sizes, keeps_every_round, plan_staging
 from ..plan.direct import DirectRound, round_nbytes
 from ..plan.errors import RefitRejected, RefitStats
+from ..plan.nogc import paused_gc
 from ..plan.reshard_plan import ReshardPlan, Run, Transfer, fanout_plans, run_view
 from ..plan.wire import (
     BAD_TENSORS,
@@ -207,6 +208,7 @@ class ReshardExecutor:
     part of the first refit's plan check).
     """
 
+    @paused_gc()  # (planning: see plan/nogc.py)
     def __init__(
         self,
         plan: ReshardPlan,
@@ -297,6 +299,7 @@ class ReshardExecutor:
         return f"{self.peers.word} {self.rank}"
 
     # ------------------------------------------------------------------ staging
+    @paused_gc()
     def _allocate(self) -> None:
         """The staging buffers and copies (:class:`~.staging.Staging`), with the NaN/Inf check in the copies
         when ``check_finite``."""

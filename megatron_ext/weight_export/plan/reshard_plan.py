@@ -21,6 +21,7 @@ import itertools
 from collections import defaultdict
 
 from ...sharding.geometry import Box, Layout, LocalTensor, Segment
+from .nogc import paused_gc
 
 __all__ = [
     "ReshardPlan",
@@ -130,6 +131,7 @@ def _cells(box: Box, parts: list[Box]) -> list[Box]:
     return [Box(ranges) for ranges in itertools.product(*cuts)]
 
 
+@paused_gc()
 def build_reshard_plan(src: Layout, dst: Layout) -> ReshardPlan:
     """Plan every byte every ``dst`` rank keeps, from the ``src`` ranks that hold it.
 
