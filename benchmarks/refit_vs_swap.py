@@ -79,18 +79,20 @@ Rows per layout (``--methods``):
   names get an ``engine/`` prefix in its layout: colocated, both models' Megatron names would
   otherwise collide in the executor's one ``tensors`` dict.
 
-Columns: seconds per refit (median of ``--iters`` after ``--warmup``; each refit timed on the
-slowest rank, device synchronised), GB/s per GPU (bytes the busiest engine rank must receive from
-other ranks: what it keeps less what its own trainer shard already holds, the same count for every
-row / seconds), the fraction of the measured link limit (GPU: NCCL ``batch_isend_irecv`` over the
-layout's ranks, every rank sending to the next and receiving from the previous at once when
-colocated, trainer rank ``i`` -> engine rank ``|A|+i`` otherwise; CPU: none), peak extra memory on
-trainer and engine ranks (``torch.cuda.max_memory_allocated`` over the method's refits minus what
-was allocated before them; colocated ranks hold both models, so both columns are the same ranks),
-the first refit (plans, services / executors, staging and the first transfer), the plan alone
-(``swap``: ``prepare_swap_model_weights``, timed on its own before its cache is cleared again;
-ours: ``build_reshard_plan`` and the executor, slowest rank) and the speed-up of our rows over the
-best ``swap`` row of the layout.
+Columns: seconds per refit (median of ``--iters`` after ``--warmup``, the timed refits of a layout's
+methods interleaved: each round times one refit of every method, after one untimed round, so that a
+drift of the machine moves every row alike; each refit timed on the slowest rank, device
+synchronised), GB/s per GPU (bytes the busiest engine rank must receive from other ranks: what it
+keeps less what its own trainer shard already holds, the same count for every row / seconds), the
+fraction of the measured link limit (GPU: NCCL ``batch_isend_irecv`` over the layout's ranks, every
+rank sending to the next and receiving from the previous at once when colocated, trainer rank ``i``
+-> engine rank ``|A|+i`` otherwise; CPU: none), peak extra memory on trainer and engine ranks
+(``torch.cuda.max_memory_allocated`` over the method's refits minus what was allocated before them;
+colocated ranks hold both models, so both columns are the same ranks), the first refit (plans,
+services / executors, staging and the first transfer), the plan alone (``swap``:
+``prepare_swap_model_weights``, timed on its own before its cache is cleared again; ours:
+``build_reshard_plan`` and the executor, slowest rank) and the speed-up of our rows over the best
+``swap`` row of the layout.
 
 Correctness: every trainer parameter is filled with values drawn from its global name (layer index
 with the pipeline offset; an expert's index ``ep_rank * local experts + j``: the same global tensor
@@ -570,10 +572,25 @@ def _rank(preset: str, cases: list[Case], methods: list[str], opts: dict, rank_s
             limit_gbps=_link_limit(case, rank, opts["limit_bytes"], device),
             methods={},
         )
+        live = {}  # each method's steady-state refit, kept until the layout's timed rounds
         for method in methods:
-            res["methods"][method] = _method(
-                method, trainer, engine, src, dst, tensors, rank, versions, opts, device, label=case.name
+            res["methods"][method], fn = _method(
+                method, trainer, engine, src, dst, tensors, rank, versions, opts, device
             )
+            if fn is not None:
+                live[method] = fn
+        # the timed refits, interleaved (one refit of each method per round, after a round untimed): a
+        # baseline's drift (swap_model_weights moved by up to 25% between runs) hits every method alike
+        for fn in live.values():
+            _timed(fn, device)
+        for _ in range(opts["iters"]):
+            for method, fn in live.items():
+                res["methods"][method]["times"].append(_timed(fn, device))
+        if opts.get("profile_dir"):
+            for method, fn in live.items():
+                _profiled(fn, device, os.path.join(opts["profile_dir"], f"{case.name}_{method}_rank{rank}.json"))
+        live = None
+        clear_all_caches()
         out.append(res)
         trainer = engine = tensors = None  # this layout's models go before the next one's are built
         gc.collect()
@@ -583,10 +600,11 @@ def _rank(preset: str, cases: list[Case], methods: list[str], opts: dict, rank_s
     return out
 
 
-def _method(method, trainer, engine, src, dst, tensors, rank, versions, opts, device, label="") -> dict:
-    """One row's measurements on this rank: the engine set to NaN, the first refit, ``warmup`` +
-    ``iters`` timed refits (with ``--profile-dir``, one more under the profiler), then the exact
-    check of both models."""
+def _method(method, trainer, engine, src, dst, tensors, rank, versions, opts, device):
+    """One row on this rank, but its timed refits: the engine set to NaN, the first refit, ``warmup``
+    refits (the peak memory), then the exact check of both models. Returns the row (``times`` empty)
+    and the steady-state refit for the layout's interleaved timed rounds (None where the first refit
+    failed on a rank: every rank then returns None)."""
     from megatron.core.resharding.refit import clear_all_caches, prepare_swap_model_weights, swap_model_weights
 
     from megatron_ext import copy_check
@@ -608,7 +626,7 @@ def _method(method, trainer, engine, src, dst, tensors, rank, versions, opts, de
         base = torch.cuda.memory_allocated(device)
     state = {}
     first = plan_s = error = setup = None
-    times = []
+    times = []  # filled by the layout's interleaved timed rounds
     if kind == "swap":
 
         def refit():
@@ -653,16 +671,14 @@ def _method(method, trainer, engine, src, dst, tensors, rank, versions, opts, de
         # the steady state: the checked-copy kernel compiled (in the background since the executor was built;
         # the first refit checks by a second read until then)
         copy_check.prewarm(device, {t.dtype for t in tensors.values()}, wait=True)
-    if slowest(float(error is not None), device) == 0:  # every rank ran the first refit
+    ran = slowest(float(error is not None), device) == 0  # every rank ran the first refit
+    if ran:
         for _ in range(opts["warmup"]):
             _timed(refit, device)
-        times = [_timed(refit, device) for _ in range(opts["iters"])]
-        if opts.get("profile_dir"):
-            _profiled(refit, device, os.path.join(opts["profile_dir"], f"{label}_{method}_rank{rank}.json"))
     else:
         first = plan_s = None
     peak = torch.cuda.max_memory_allocated(device) - base if gpu else None
-    ex = state.pop("ex", None)
+    ex = state.get("ex")
     wrong = (_wrong(engine) if engine is not None else []) + (
         [f"trainer {n}" for n in _wrong(trainer)] if trainer is not None else []
     )
@@ -680,10 +696,7 @@ def _method(method, trainer, engine, src, dst, tensors, rank, versions, opts, de
         staging_bytes=ex.staging_bytes if ex is not None else None,
         staging_host_bytes=ex.staging_host_bytes if ex is not None else None,
     )
-    del ex
-    if kind == "swap":
-        clear_all_caches()
-    return row
+    return row, (refit if ran else None)
 
 
 # --------------------------------------------------------------------------- the table
