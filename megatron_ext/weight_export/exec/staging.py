@@ -6,8 +6,8 @@ slot)`` (:func:`slot`): ``max_inflight`` slots per peer, except that an atomic
 receiver staging on the device keeps every round (nothing is written before the
 last one arrives). An atomic receiver staging on the host (``host=True``) receives
 through ``max_inflight`` slots per peer like a streaming one and copies each bucket
-to its slice of one pinned host buffer (:func:`~..plan.budget.host_spans`); applying the
-version copies each back through the slots and unpacks it.
+to its own pinned host buffer; applying the version copies each back through the
+slots and unpacks it.
 :class:`Staging` allocates them and builds every copy of a refit as
 ``(dst, src)`` views over the fixed buffers and tensors: packing a round (each
 bucket's header row and pieces), unpacking it, and the rank's local copies. A
@@ -23,8 +23,8 @@ from collections.abc import Callable
 import torch
 
 from ...copies import CopyBatch, finite_groups
-from ..plan.budget import Table, buffer_sizes, host_spans, keeps_every_round, slot
-from ..plan.direct import Direct, DirectRound
+from ..plan.budget import Table, buffer_sizes, keeps_every_round, slot
+from ..plan.direct import Direct, DirectRound, staged_nbytes
 from ..plan.reshard_plan import Run, Transfer
 from ..plan.wire import HEADER_BYTES, HEADER_WORDS, NONFINITE_WORD
 
@@ -87,7 +87,7 @@ class Staging:
     which also keeps each bucket's header in :attr:`seen` (its buffer is reused
     ``max_inflight`` rounds later, its header checked after the last round), and
     :attr:`local`. With ``host=True`` (atomic only) :meth:`keep` copies a received
-    round to the host (:attr:`held`, a slice per bucket of one pinned buffer, whose header the
+    round to the host (:attr:`held`, one pinned buffer per bucket, whose header the
     executor reads there) and :meth:`apply` brings every round back through the slots.
     """
 
@@ -111,12 +111,13 @@ class Staging:
         self.keep_all = keeps_every_round(atomic, "host" if host else "device")
         sizes = buffer_sizes(send, recv, keep_all=self.keep_all, max_inflight=max_inflight, stage_direct=atomic)
         self.bufs = {key: torch.empty(n, dtype=torch.uint8, device=device) for key, n in sizes.items()}
-        # host: a slice per received round of one pinned buffer, the whole version (one allocation: PyTorch's
-        # pinned allocator rounds each request up to a power of two, so a buffer per round of a bucket just over
-        # one took up to twice the version, and each took its own pinning call)
-        spans, end = host_spans(recv) if host else ({}, 0)
-        self._host = torch.empty(end, dtype=torch.uint8, pin_memory=device.type == "cuda") if spans else None
-        self.held = {key: self._host[at : at + n] for key, (at, n) in spans.items()}
+        pin = device.type == "cuda"
+        self.held = {  # host: one buffer per received round, the whole version
+            (peer, k): torch.empty(staged_nbytes(b), dtype=torch.uint8, pin_memory=pin)
+            for peer, buckets in recv.items()
+            for k, b in enumerate(buckets)
+            if host
+        }
         self._view = view
         self.direct_send: dict[int, list[tuple[int, torch.Tensor]]] = defaultdict(list)  # round -> (peer, view)
         self.direct_recv: dict[int, list[tuple[int, torch.Tensor]]] = defaultdict(list)
@@ -260,4 +261,4 @@ class Staging:
     @property
     def host_nbytes(self) -> int:
         """Bytes of staging on the host (atomic receivers with ``host=True``)."""
-        return 0 if self._host is None else self._host.numel()
+        return sum(b.numel() for b in self.held.values())

@@ -29,7 +29,6 @@ __all__ = [
     "BudgetError",
     "StagingPlan",
     "buffer_sizes",
-    "host_spans",
     "keeps_every_round",
     "pair_rounds",
     "plan_staging",
@@ -88,18 +87,6 @@ def slot(kind: str, peer: int, k: int, *, keep_all: bool, max_inflight: int) -> 
     """The staging buffer of round ``k`` with ``peer``: receivers that keep every round (atomic,
     staged on the device) have one per round, the rest ``max_inflight`` per peer."""
     return kind, peer, k if (kind == "recv" and keep_all) else k % max_inflight
-
-
-def host_spans(recv: Table) -> tuple[dict[tuple[int, int], tuple[int, int]], int]:
-    """An atomic receiver staged on the host: where each received round ``(peer, k)`` sits in its one pinned
-    buffer, ``(byte offset, bytes)`` (each at a multiple of :data:`~.wire.ALIGN`), and that buffer's size
-    (what :class:`~..exec.staging.Staging` allocates)."""
-    spans, end = {}, 0
-    for peer, buckets in recv.items():
-        for k, b in enumerate(buckets):
-            spans[(peer, k)] = (end, staged_nbytes(b))
-            end = align(end + staged_nbytes(b))
-    return spans, end
 
 
 def buffer_sizes(
@@ -217,7 +204,7 @@ def plan_staging(
         sizes_r = buffer_sizes(send, recv, keep_all=keep_all, max_inflight=max_inflight, stage_direct=atomic)
         device[r] = sum(sizes_r.values())
         if atomic and not keep_all:
-            host[r] = host_spans(recv)[1]
+            host[r] = sum(staged_nbytes(b) for bs in recv.values() for b in bs)
         direct[r] = sum(b.nbytes for t in (send, recv) for bs in t.values() for b in bs if isinstance(b, DirectRound))
     if budget_bytes is not None and strict:
         over = {r: n for r, n in device.items() if n > budget_bytes}

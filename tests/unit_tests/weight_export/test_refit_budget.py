@@ -15,7 +15,6 @@ from megatron_ext.weight_export import ReshardExecutor, build_reshard_plan, gpt_
 from megatron_ext.weight_export.exec import staging
 from megatron_ext.weight_export.plan.budget import plan_staging
 from megatron_ext.weight_export.plan.direct import DirectRound
-from megatron_ext.weight_export.plan.wire import ALIGN
 
 from ._reference import SPECS
 
@@ -65,11 +64,8 @@ def test_every_rank_stages_what_the_planner_counted_within_the_budget(name, mode
         planned = ex.staging_plan
         assert ex.staging_bytes == planned.device_bytes.get(r, 0) <= BUDGET, r
         assert ex.staging_host_bytes == planned.host_bytes.get(r, 0), r
-        if mode["atomic"] and ex.recv:  # the host holds every bucket this rank receives, in one pinned buffer
-            rounds = sum(len(bs) for bs in ex.recv.values())  # each starts at a multiple of ALIGN
-            assert ex.received_bytes <= ex.staging_host_bytes < ex.received_bytes + rounds * ALIGN, r
-            assert ex.staging.held and all(h.untyped_storage() is ex.staging._host.untyped_storage()
-                                           for h in ex.staging.held.values())  # fmt: skip
+        if mode["atomic"] and ex.recv:  # the host holds every bucket this rank receives
+            assert ex.staging_host_bytes == ex.received_bytes > 0
         # the planner counted what the allocator holds: one buffer per slot, each its largest bucket
         assert ex.staging_bytes == sum(b.numel() for b in ex.staging.bufs.values())
         # a pair's bucket is the same on both sides (each side cut it from the plan alone)

@@ -325,11 +325,7 @@ def test_reshard_refit_versions_pipelining_and_gate(backend):
                 assert s.rounds > unbudgeted[r].rounds, (mode, r)
             if r in dst.ranks:
                 _check(res["engine"], ref, dst, r, f"budget {mode}")
-                got, rounds = res["stats"][0].received_bytes, res["stats"][0].rounds
-                if mode == "host":  # each round in one pinned buffer, at a multiple of ALIGN
-                    assert got <= res["host"] < got + rounds * ALIGN, (r, res["host"], got)
-                else:
-                    assert res["host"] == 0
+                assert res["host"] == (res["stats"][0].received_bytes if mode == "host" else 0)
             else:
                 assert res["host"] == 0
     for r in range(4):  # a budget below one row per slot: every rank refuses before anything moves
