@@ -117,7 +117,15 @@ def main(argv=None) -> int:
     for x in patterns:
         if x not in ("pair", "cross") and not (x.startswith("ops") and x[3:].isdigit() and int(x[3:]) > 0):
             p.error(f"--patterns: {x!r} is not pair, cross or ops<N>")
-    sizes = [int(float(x) * MiB) for x in a.sizes_mib.split(",")]
+    try:
+        sizes = [int(float(x) * MiB) for x in a.sizes_mib.split(",")]
+    except ValueError:
+        p.error(f"--sizes-mib must be comma-separated numbers of MiB, got {a.sizes_mib!r}")
+    cuts = [int(x[3:]) for x in patterns if x.startswith("ops")]
+    if any(s < max(cuts, default=1) for s in sizes):
+        p.error(f"--sizes-mib must be > 0 and at least one byte per op ({max(cuts, default=1)} ops per peer)")
+    if a.inflight < 1 or a.iters < 1 or a.total_mib < 1:
+        p.error("--inflight, --iters and --total-mib must be >= 1")
     res = run_on_ranks(
         _rank, world, args=(patterns, sizes, a.total_mib * MiB, a.inflight, a.iters), backend="nccl", timeout=540
     )

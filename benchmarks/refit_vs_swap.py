@@ -474,8 +474,9 @@ def _profiled(fn, device, path: str) -> None:
     with profile(activities=acts) as prof:
         fn()
         sync(device)
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    prof.export_chrome_trace(path.replace(":", "-"))
+    folder, name = os.path.split(path)
+    os.makedirs(folder or ".", exist_ok=True)
+    prof.export_chrome_trace(os.path.join(folder, name.replace(":", "-")))
 
 
 def _link_limit(case: Case, rank: int, nbytes: int, device) -> float | None:
@@ -579,13 +580,15 @@ def _rank(preset: str, cases: list[Case], methods: list[str], opts: dict, rank_s
             )
             if fn is not None:
                 live[method] = fn
-        # the timed refits, interleaved (one refit of each method per round, after a round untimed): a
-        # baseline's drift (swap_model_weights moved by up to 25% between runs) hits every method alike
+        # the timed refits, interleaved (one refit of each method per round, after a round untimed; the order
+        # rotates): a drift of the machine (swap_model_weights moved by up to 25% between runs) hits every
+        # method alike
         for fn in live.values():
             _timed(fn, device)
-        for _ in range(opts["iters"]):
-            for method, fn in live.items():
-                res["methods"][method]["times"].append(_timed(fn, device))
+        order = list(live)
+        for i in range(opts["iters"]):
+            for method in order[i % len(order) :] + order[: i % len(order)]:  # each round starts one further
+                res["methods"][method]["times"].append(_timed(live[method], device))
         if opts.get("profile_dir"):
             for method, fn in live.items():
                 _profiled(fn, device, os.path.join(opts["profile_dir"], f"{case.name}_{method}_rank{rank}.json"))
@@ -619,6 +622,8 @@ def _method(method, trainer, engine, src, dst, tensors, rank, versions, opts, de
         with torch.no_grad():
             for p in engine.parameters():
                 p.fill_(float("nan"))
+    if kind == "swap":  # an earlier swap row's services and plan (kept for the timed rounds) are not this row's
+        clear_all_caches()
     gc.collect()
     if gpu:
         torch.cuda.empty_cache()

@@ -169,11 +169,16 @@ class Staging:
         order: list[int] = []
         self.direct_slices: dict[int, tuple[int, int]] = {}  # a chunk's first round -> its [start, end) in order
         self.direct_groups: dict[int, list[tuple[int, int]]] = {}  # ... -> its dtypes' [start, end)
+        by_round: dict[int, list[int]] = defaultdict(list)
+        for i, k in enumerate(direct_round):
+            by_round[k].append(i)
         chunk: list[int] = []
-        rounds = sorted(set(direct_round))
+        held = 0  # bytes of the chunk
+        rounds = sorted(by_round)
         for n, k in enumerate(rounds):
-            chunk += [i for i, r in enumerate(direct_round) if r == k]
-            if n + 1 < len(rounds) and sum(self.direct_sources[i].nbytes for i in chunk) < CHECK_CHUNK_BYTES:
+            chunk += by_round[k]
+            held += sum(self.direct_sources[i].nbytes for i in by_round[k])
+            if n + 1 < len(rounds) and held < CHECK_CHUNK_BYTES:
                 continue
             first, start, groups = direct_round[chunk[0]], len(order), []
             for idx in finite_groups([self.direct_sources[i] for i in chunk]):
@@ -181,7 +186,7 @@ class Staging:
                 order += [chunk[j] for j in idx]
             if groups:  # (a chunk of no checked dtype has nothing to check)
                 self.direct_slices[first], self.direct_groups[first] = (start, len(order)), groups
-            chunk = []
+            chunk, held = [], 0
         self.direct_sources = [self.direct_sources[i] for i in order]
         self.direct_checked = [self.direct_checked[i] for i in order]
         self.direct_pairs = torch.tensor([direct_pair[i] for i in order], dtype=torch.int64, device=device)

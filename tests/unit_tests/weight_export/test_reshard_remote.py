@@ -100,6 +100,7 @@ def _trainer_body(backend, port, n_engine):
     refit_b = wx.TrainerRefit(group, src, dst_b, tensors, bucket_bytes=BUCKET, zero_copy_bytes=ZERO_COPY)
     out["stats5"] = refit_b.refit(5)
     out["acks5"] = refit_b.engine_versions()
+    out["zero_copy5"] = refit_b.executor.staging_plan.direct_bytes.get(rank, 0)
     refit_b.close()  # the engine's serve() loop returns
     group.close()
     return out
@@ -228,6 +229,7 @@ def test_remote_refit_exact(backend, n_trainer, n_engine):
         assert t["acks1"] == {r: 1 for r in engine_ranks} and t["acks2"] == {r: 2 for r in engine_ranks}
         assert t["acks3"] == {r: 2 for r in engine_ranks}  # refused: still version 2
         assert t["acks5"] == {r: 5 for r in engine_ranks}
+        assert t["zero_copy5"] > 0  # helper B sent runs zero-copy
         assert t["plan"][0] == "plan"
         assert t["stats1"].sent_bytes > 0 and t["stats1"].received_bytes == 0
 
