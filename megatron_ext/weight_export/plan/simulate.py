@@ -17,7 +17,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
+import os
+import platform
+import shlex
+import sys
 import time
 from collections import defaultdict
 
@@ -209,14 +214,15 @@ CONFIGS = {
 }
 
 
-def simulate_config(name: str, links: Links = Links()) -> dict:
-    """Plan and predict one of :data:`CONFIGS` (sampled layers); returns a JSON-able row."""
+def simulate_config(name: str, links: Links = Links(), *, all_layers: bool = False) -> dict:
+    """Plan and predict one of :data:`CONFIGS` (sampled layers, or ``all_layers``: the whole model, as a
+    rank of that job plans it); returns a JSON-able row."""
     model, mk, ek, colocated, published, source = CONFIGS[name]
     specs = gpt_specs(**model)
     pp = mk.get("pp", 1)
-    kept, stage, weight = sample_layers(specs, pp)
+    kept, stage, weight = (specs, None, None) if all_layers else sample_layers(specs, pp)
     t0 = time.perf_counter()
-    src = megatron_layout(kept, layer_stage=stage, **mk)
+    src = megatron_layout(kept, **mk) if all_layers else megatron_layout(kept, layer_stage=stage, **mk)
     world = len(src.ranks)
     n_dst = ek["tp"] * ek.get("dp", 1)
     dst = inference_layout(kept, **ek, ranks=range(n_dst) if colocated else range(world, world + n_dst))
@@ -237,6 +243,7 @@ def simulate_config(name: str, links: Links = Links()) -> dict:
     else:
         pred = predict(build_reshard_plan(src, dst), links, layer_weight=weight)
     model_bytes = sum(s.nbytes for s in specs)
+    plan_s = time.perf_counter() - t0
     return dict(
         config=name,
         trainer=src.description,
@@ -253,7 +260,8 @@ def simulate_config(name: str, links: Links = Links()) -> dict:
         local_gb=pred.local_bytes / 1e9,
         published_s=published,
         published_by=source,
-        plan_s=time.perf_counter() - t0,
+        plan_s=plan_s,
+        all_layers=all_layers,
     )
 
 
@@ -276,17 +284,28 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--nvlink-gbps", type=float, default=Links.nvlink_gbps)
     p.add_argument("--nic-gbps", type=float, default=Links.nic_gbps, help="GB/s per GPU (400 Gb/s = 50)")
     p.add_argument("--gpus-per-node", type=int, default=Links.gpus_per_node)
+    p.add_argument(
+        "--all-layers",
+        action="store_true",
+        help="plan every layer, as each rank of the job does (slow for large models; plan_s is what a rank pays)",
+    )
     p.add_argument("--json", help="write the rows here")
     a = p.parse_args(argv)
     links = Links(nvlink_gbps=a.nvlink_gbps, nic_gbps=a.nic_gbps, gpus_per_node=a.gpus_per_node)
     rows = []
     for name in a.config or list(CONFIGS):
         print(f"planning {name} ...", flush=True)
-        rows.append(simulate_config(name, links))
+        rows.append(simulate_config(name, links, all_layers=a.all_layers))
+        print(f"  planned in {rows[-1]['plan_s']:.1f} s", flush=True)
     print(format_rows(rows))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(dict(links=dataclasses.asdict(links), rows=rows), f, indent=1)
+            machine = dict(host=platform.node(), platform=platform.platform(), cpus=os.cpu_count())
+            when = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+            args = sys.argv[1:] if argv is None else argv
+            command = "python -m megatron_ext.weight_export.simulate " + shlex.join(args)
+            meta = dict(date=when, command=command, machine=machine)
+            json.dump(dict(**meta, links=dataclasses.asdict(links), rows=rows), f, indent=1)
     return rows
 
 
