@@ -803,9 +803,10 @@ def print_table(rows: list[dict]) -> None:
 
 
 def targets(rows: list[dict]) -> list[str]:
-    """The refit budget's targets per layout and row of ours, against the best swap row: extra memory
-    (the larger of trainer and engine) at most swap's, at least 1.5x faster, the first refit no slower.
-    Without device memory (CPU) the memory verdict is n/a."""
+    """The refit budget's targets per layout and row of ours, against the best swap row: extra memory at
+    most swap's on the trainer ranks and on the engine ranks (each side against the same side: a trainer
+    near its memory limit gains nothing from an engine side that holds less), at least 1.5x faster, the
+    first refit no slower. Without device memory (CPU) the memory verdict is n/a."""
     lines = []
     for layout in dict.fromkeys(r["layout"] for r in rows):
         mine = [r for r in rows if r["layout"] == layout]
@@ -813,18 +814,15 @@ def targets(rows: list[dict]) -> list[str]:
         if not swaps:
             continue
         best = min(swaps, key=lambda r: r["seconds"])
-
-        def extra(r):
-            vals = [v for v in (r["peak_extra_trainer_bytes"], r["peak_extra_engine_bytes"]) if v is not None]
-            return max(vals) if vals else None
-
         for r in (r for r in mine if r["method"].startswith("ours") and r["correct"]):
-            ours_mem, swap_mem = extra(r), extra(best)
-            if ours_mem is None or swap_mem is None:
+            key = "peak_extra_{}_bytes".format
+            sides = [(side, r[key(side)], best[key(side)]) for side in ("trainer", "engine")]
+            sides = [(side, a, b) for side, a, b in sides if a is not None and b is not None]
+            if not sides:
                 mem = "n/a"
             else:
-                mem = "met" if ours_mem <= swap_mem else "NOT met"
-                mem += f" ({ours_mem / MiB:.1f} vs {swap_mem / MiB:.1f} MiB)"
+                mem = "met" if all(a <= b for _, a, b in sides) else "NOT met"
+                mem += " (" + ", ".join(f"{side} {a / MiB:.1f} vs {b / MiB:.1f} MiB" for side, a, b in sides) + ")"
             speed = best["seconds"] / r["seconds"]
             first = f"{r['first_refit_s'] * 1e3:.1f} vs {best['first_refit_s'] * 1e3:.1f} ms"
             lines.append(
