@@ -676,3 +676,31 @@ def test_planning_pauses_the_garbage_collector_and_restores_it(monkeypatch):
     with pytest.raises(ValueError, match="model.layers.2"):
         build_reshard_plan(src, inference_layout(gpt_specs(**dict(DENSE, num_layers=3)), tp=1, ranks=[1]))
     assert gc.isenabled()
+
+
+def test_replicated_experts_split_evenly_and_every_process_plans_alike():
+    """Replicated holders are chosen by a rule of the layouts alone: colocated TP2 x EP2 x DP2 -> TP1 x EP4
+    sends within 5% of the same bytes from every rank (least-loaded, the rule before, left one rank 25%
+    above the others on the 3b MoE preset), and two processes with other string hashes plan the same
+    transfers (a rank that planned differently would be refused at the first refit)."""
+    import os
+    import subprocess
+    import sys
+
+    specs = gpt_specs(**MOE)
+    plan = build_reshard_plan(megatron_layout(specs, tp=2, dp=2, ep=2), inference_layout(specs, tp=1, dp=4, ep=4))
+    sent = plan.sent_bytes()
+    assert sorted(sent) == [0, 1, 2, 3] and max(sent.values()) <= 1.05 * min(sent.values()), sent
+    code = (
+        "import torch;"
+        "from megatron_ext.sharding import gpt_specs, megatron_layout;"
+        "from megatron_ext.weight_export.plan.layout import inference_layout;"
+        "from megatron_ext.weight_export.plan.reshard_plan import build_reshard_plan;"
+        f"s = gpt_specs(**{MOE!r});"
+        "src, dst = megatron_layout(s, tp=2, dp=2, ep=2), inference_layout(s, tp=1, dp=4, ep=4);"
+        "print(build_reshard_plan(src, dst).fingerprint)"
+    )
+    for seed in ("1", "2"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert out.stdout.strip() == plan.fingerprint, (seed, out.stderr[-2000:])
