@@ -24,7 +24,7 @@ import torch
 
 from ...copies import CopyBatch, finite_groups
 from ..plan.budget import Table, buffer_sizes, keeps_every_round, slot
-from ..plan.direct import Direct, DirectRound, staged_nbytes
+from ..plan.direct import DirectRound, staged_nbytes
 from ..plan.reshard_plan import Run, Transfer
 from ..plan.wire import HEADER_BYTES, HEADER_WORDS, NONFINITE_WORD
 
@@ -50,12 +50,6 @@ def _same_shape(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.T
     raise ValueError(f"runs of one box with shapes {tuple(a.shape)} and {tuple(b.shape)}")
 
 
-def _run(local: str, byte_offset: int, nbytes: int, itemsize: int) -> Run:
-    """The run of a zero-copy op's bytes in one side's tensor."""
-    n = nbytes // itemsize
-    return Run(local, byte_offset // itemsize, n, n, 1)
-
-
 class Staging:
     """The buffers and copies of one rank's refits.
 
@@ -77,8 +71,8 @@ class Staging:
     of its tensors, written in place; :meth:`scratch` drains a refused round); an atomic receiver
     stages them like buckets. :attr:`direct_sources` are the sender's zero-copy transfers that
     :func:`~megatron_ext.copies.finite_flags` checks in chunks of rounds (:attr:`direct_slices` by the
-    chunk's first round, :attr:`direct_groups` its dtypes; :attr:`direct_checked`: which transfer each
-    is), whose flags raise the header of each pair's last bucket (:attr:`trailer_rows`, packed in
+    chunk's first round, each chunk in the order of that function's flags; :attr:`direct_checked`: which
+    transfer each is), whose flags raise the header of each pair's last bucket (:attr:`trailer_rows`, packed in
     :attr:`trailer_rounds`; :attr:`direct_pairs`: each source's index there, on the device).
 
     Copies per round: :attr:`pack` (every peer's header and pieces of round
@@ -118,7 +112,6 @@ class Staging:
             for k, b in enumerate(buckets)
             if host
         }
-        self._view = view
         self.direct_send: dict[int, list[tuple[int, torch.Tensor]]] = defaultdict(list)  # round -> (peer, view)
         self.direct_recv: dict[int, list[tuple[int, torch.Tensor]]] = defaultdict(list)
         self.direct_sources: list[torch.Tensor] = []  # the zero-copy transfers this rank sends, checked
@@ -149,7 +142,7 @@ class Staging:
                     direct_round.append(k)
             for k, bucket in enumerate(buckets):
                 if isinstance(bucket, DirectRound):
-                    self.direct_send[k] += [(peer, self._side(op, "src")) for op in bucket.ops]
+                    self.direct_send[k] += [(peer, view(op.src_run)) for op in bucket.ops]
                     continue
                 buf = self.buf("send", peer, k)
                 pack[k].append((buf[:HEADER_BYTES].view(torch.int64), self.header_rows[row[(peer, k)]]))
@@ -164,11 +157,9 @@ class Staging:
         self.pack = {k: CopyBatch(pairs, check=check, also_flag=also[k]) for k, pairs in pack.items()}
         self.trailer_rows = torch.tensor(trailers, dtype=torch.int64, device=device)
         # the checked sources in chunks of consecutive rounds (at least CHECK_CHUNK_BYTES each, but the last),
-        # within a chunk by dtype: a contiguous range per dtype, so each chunk's check is one multi-tensor
-        # reduction per dtype and the chunks' flags, concatenated, are in this order
+        # within a chunk in finite_flags' order (by dtype), so the chunks' flags, concatenated, are in this order
         order: list[int] = []
         self.direct_slices: dict[int, tuple[int, int]] = {}  # a chunk's first round -> its [start, end) in order
-        self.direct_groups: dict[int, list[tuple[int, int]]] = {}  # ... -> its dtypes' [start, end)
         by_round: dict[int, list[int]] = defaultdict(list)
         for i, k in enumerate(direct_round):
             by_round[k].append(i)
@@ -180,12 +171,10 @@ class Staging:
             held += sum(self.direct_sources[i].nbytes for i in by_round[k])
             if n + 1 < len(rounds) and held < CHECK_CHUNK_BYTES:
                 continue
-            first, start, groups = direct_round[chunk[0]], len(order), []
-            for idx in finite_groups([self.direct_sources[i] for i in chunk]):
-                groups.append((len(order), len(order) + len(idx)))
-                order += [chunk[j] for j in idx]
-            if groups:  # (a chunk of no checked dtype has nothing to check)
-                self.direct_slices[first], self.direct_groups[first] = (start, len(order)), groups
+            start = len(order)
+            order += [chunk[j] for idx in finite_groups([self.direct_sources[i] for i in chunk]) for j in idx]
+            if len(order) > start:  # (a chunk of no checked dtype has nothing to check)
+                self.direct_slices[direct_round[chunk[0]]] = (start, len(order))
             chunk, held = [], 0
         self.direct_sources = [self.direct_sources[i] for i in order]
         self.direct_checked = [self.direct_checked[i] for i in order]
@@ -198,11 +187,11 @@ class Staging:
             for k, bucket in enumerate(buckets):
                 if isinstance(bucket, DirectRound):
                     if not atomic:  # in place
-                        self.direct_recv[k] += [(peer, self._side(op, "dst")) for op in bucket.ops]
+                        self.direct_recv[k] += [(peer, view(op.dst_run)) for op in bucket.ops]
                         continue
                     buf = self.buf("recv", peer, k)  # staged until the version is applied
                     for op, off in zip(bucket.ops, bucket.offsets):
-                        dst = self._side(op, "dst")
+                        dst = view(op.dst_run)
                         here = buf[off : off + op.nbytes].view(dst.dtype).view(dst.shape)
                         self.direct_recv[k].append((peer, here))
                         unpack[k].append((dst, here))
@@ -220,12 +209,6 @@ class Staging:
             self._apply = CopyBatch([pair for k in sorted(unpack) for pair in unpack[k]] + local_pairs)
         else:
             self.unpack = {k: CopyBatch(pairs) for k, pairs in unpack.items()}
-
-    def _side(self, op: Direct, side: str) -> torch.Tensor:
-        """The ``(1, n)`` view of a zero-copy op's bytes in this rank's tensor (``side``: src or dst)."""
-        if side == "src":
-            return self._view(_run(op.src_local, op.src_offset, op.nbytes, op.itemsize))
-        return self._view(_run(op.dst_local, op.dst_offset, op.nbytes, op.itemsize))
 
     def scratch(self, like: torch.Tensor) -> torch.Tensor:
         """Where a streaming receiver that refused the version drains a zero-copy receive shaped ``like``

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .reshard_plan import Transfer
+from .reshard_plan import Run, Transfer
 from .wire import ALIGN, align, bucket_nbytes
 
 __all__ = [
@@ -52,6 +52,18 @@ class Direct:
     dst_offset: int
     nbytes: int
     itemsize: int
+
+    @property
+    def src_run(self) -> Run:
+        """The op's bytes in the sender's tensor, as one run (:func:`~.reshard_plan.run_view`: a ``(1, n)`` view)."""
+        n = self.nbytes // self.itemsize
+        return Run(self.src_local, self.src_offset // self.itemsize, n, n, 1)
+
+    @property
+    def dst_run(self) -> Run:
+        """The op's bytes in the receiver's tensor, as one run."""
+        n = self.nbytes // self.itemsize
+        return Run(self.dst_local, self.dst_offset // self.itemsize, n, n, 1)
 
 
 @dataclasses.dataclass(frozen=True)
