@@ -91,8 +91,8 @@ rank sending to the next and receiving from the previous at once when colocated,
 colocated ranks hold both models, so both columns are the same ranks), the first refit (plans,
 services / executors, staging and the first transfer), the plan alone (``swap``:
 ``prepare_swap_model_weights``, timed on its own before its cache is cleared again; ours:
-``build_reshard_plan`` and the executor, slowest rank) and the speed-up of our rows over the best
-``swap`` row of the layout.
+``build_reshard_plan(rank=)``, each rank its own part, and the executor, slowest rank) and the
+speed-up of our rows over the best ``swap`` row of the layout.
 
 Correctness: every trainer parameter is filled with values drawn from its global name (layer index
 with the pipeline offset; an expert's index ``ep_rank * local experts + j``: the same global tensor
@@ -652,7 +652,7 @@ def _method(method, trainer, engine, src, dst, tensors, rank, versions, opts, de
         def first_refit():  # the plan, the executor, its staging and the first-refit agreement
             start = time.perf_counter()
             state["ex"] = ReshardExecutor(
-                build_reshard_plan(src, dst),
+                build_reshard_plan(src, dst, rank=rank),  # this rank's transfers, as TrainerRefit / EngineRefit plan
                 rank,
                 tensors,
                 group=DistPeers(),
@@ -664,7 +664,7 @@ def _method(method, trainer, engine, src, dst, tensors, rank, versions, opts, de
                 memory_budget_bytes=budget,
                 check_finite=opts["check_finite"],
             )
-            state["plan_s"] = time.perf_counter() - start  # no communication: every rank plans alone
+            state["plan_s"] = time.perf_counter() - start  # no communication: every rank plans its own part
             state["ex"].refit(next(versions))
 
         def refit():

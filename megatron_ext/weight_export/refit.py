@@ -21,9 +21,10 @@ The trainer's first refit rank announces each version through the store before
 the bytes move; an engine rank that calls :meth:`EngineRefit.refit` without a
 version takes the announced one, and one that names a version refuses any other
 (:class:`~.plan.errors.RefitRejected`, reason ``"version"``, its tensors untouched).
-When the helpers are built, every rank checks that all ranks run the same plan
-and bucket size (:mod:`~.exec.agreement`, through the store) and raises
-:class:`~.plan.errors.RefitRejected` (reason ``"plan"``) on every rank if not; a rank
+Each rank plans only the transfers it sends or receives (``build_reshard_plan(rank=)``).
+When the helpers are built, every rank checks that the two ends of each pair planned
+alike and that all ranks run the same checks (:mod:`~.exec.agreement`, through the
+store) and raises :class:`~.plan.errors.RefitRejected` (reason ``"plan"``) on every rank if not; a rank
 whose tensors are not the layout's publishes why, and every rank raises
 ``"tensors"`` with that reason at once (nobody waits for the timeout).
 After each refit an engine rank acknowledges the version it holds
@@ -94,7 +95,7 @@ class _RemoteRefit:
         if not src.ranks:
             raise ValueError("the trainer layout has no ranks")
         self.group, self.src, self.dst, self.rank = group, src, dst, group.rank
-        self.plan = build_reshard_plan(src, dst)
+        self.plan = build_reshard_plan(src, dst, rank=self.rank)  # this rank's transfers: its share of the work
         self.executor = ReshardExecutor(
             self.plan,
             self.rank,

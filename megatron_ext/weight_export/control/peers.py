@@ -4,7 +4,7 @@
 
 - :meth:`Peers.post`: post a batch of ``("send" | "recv", tensor, peer)`` ops, get waitables;
 - :meth:`Peers.gather_notes`: every rank's int and short note (the first-refit agreement,
-  the NaN/Inf report), in rank order;
+  the NaN/Inf report), in rank order (:meth:`Peers.gather_words`: a few ints per rank, through it);
 - :meth:`Peers.sum`: an int summed over the ranks (the NaN/Inf flag);
 - :meth:`Peers.ranks` / :attr:`Peers.word`: how errors name the ranks.
 
@@ -47,6 +47,11 @@ class Peers:
 
     def sum(self, value: torch.Tensor) -> int:
         raise NotImplementedError
+
+    def gather_words(self, words: list[int], device: torch.device | None = None, *, what: str) -> list[list[int]]:
+        """Every rank's ``words`` (a few ints, as many on every rank), in rank order: one :meth:`gather_notes`."""
+        got = self.gather_notes(len(words), " ".join(str(int(w)) for w in words), device, what=what)
+        return [[int(w) for w in note.split()] for _, note in got]
 
     def start(self) -> None:
         """Called once every rank has arrived, before the first batch of point-to-point ops."""

@@ -1,15 +1,15 @@
 """Before a reshard refit moves a byte, every rank agrees that all of them can take part.
 
 Every rank of the group reports one int64 and a short note
-(:meth:`~..control.peers.Peers.gather_notes`): its wire id (:func:`~..plan.wire.wire_id`: the
-plan's fingerprint, the bucket size and the checks), or a refusal code,
+(:meth:`~..control.peers.Peers.gather_notes`): its wire id (:func:`~..plan.wire.wire_id`: every
+rank's slot size and pairs' digest, gathered just before, and the checks), or a refusal code,
 :data:`~..plan.wire.BAD_TENSORS` (its tensors are not the layout's; the note says
 which and how, from :func:`tensor_problem`) or :data:`~..plan.wire.NO_STAGING` (its
 staging buffers did not fit in device memory or in the memory budget). :func:`settle` turns the
 gathered reports into the same decision on every rank: go on, or raise
 :class:`~..plan.errors.RefitRejected` with reason ``"tensors"``, ``"staging"`` or
-``"plan"``, naming the ranks and quoting their notes, so that no rank waits
-for a peer that will not send.
+``"plan"`` (also when the two ends of some pair planned other transfers), naming the ranks and
+quoting their notes, so that no rank waits for a peer that will not send.
 """
 
 from __future__ import annotations
@@ -90,14 +90,16 @@ def settle(
     word: str,
     problem: str | None = None,
     own: RefitRejected | None = None,
+    pairs_agree: bool = True,
 ) -> None:
     """Raise, on every rank alike, if any rank cannot take part or runs another plan.
 
     ``got``: every rank's ``(code, note)`` in group order, ``ranks`` their plan ranks; ``who``
     names this rank and ``word`` one rank in messages; ``problem``: this rank's own
-    :func:`tensor_problem`; ``own``: this rank's :func:`out_of_memory` error. Checked in order:
-    tensors (``"tensors"``), staging memory (``"staging"``), then that every wire id is the same
-    (``"plan"``, naming the ranks that differ from the most common one)."""
+    :func:`tensor_problem`; ``own``: this rank's :func:`out_of_memory` error; ``pairs_agree``: whether the two
+    ends of every pair planned the same transfers (from digests every rank gathered, so the same on every rank).
+    Checked in order: tensors (``"tensors"``), staging memory (``"staging"``), then the pairs and that every
+    wire id is the same (``"plan"``, naming the ranks that differ from the most common one)."""
     codes = dict(zip(ranks, (v for v, _ in got)))
     bad = [(r, note) for r, (v, note) in zip(ranks, got) if v == BAD_TENSORS]
     if bad:
@@ -110,6 +112,13 @@ def settle(
             f"{who}: {word}s {short} cannot hold their staging buffers (out of device memory or over the memory "
             "budget; their errors say how much); nothing was sent",
             reason="staging",
+        )
+    if not pairs_agree:
+        raise RefitRejected(
+            f"{who}: the two ends of some pair of {word}s planned different transfers; nothing was sent. Build the "
+            "same layouts (specs, TP/PP/DP/EP, ranks, vocab padding) on every rank, with the same release of "
+            "megatron_ext",
+            reason="plan",
         )
     values = list(codes.values())
     if len(set(values)) > 1:

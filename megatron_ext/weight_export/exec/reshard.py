@@ -1,8 +1,9 @@
 """Executes a :class:`~..plan.reshard_plan.ReshardPlan` with batched point-to-point transfers.
 
 Every rank of the plan (trainer and engine ranks in one process group) builds a
-:class:`ReshardExecutor` once and calls :meth:`~ReshardExecutor.refit` for each
-weight version. Transfers between one pair of ranks are packed, in plan order,
+:class:`ReshardExecutor` once, from the whole plan or its own
+(``build_reshard_plan(rank=)``: the same transfers), and calls
+:meth:`~ReshardExecutor.refit` for each weight version. Transfers between one pair of ranks are packed, in plan order,
 into buckets of at most ``bucket_bytes`` (a transfer larger than a bucket is
 cut into rows); round ``k`` moves the ``k``-th round of every pair at once (one
 ``batch_isend_irecv``). Up to ``max_inflight`` rounds are in flight: round
@@ -12,8 +13,8 @@ they go from the sender's tensor straight into a streaming receiver's, in
 rounds of their own after the pair's buckets and before a last header-only
 bucket (an atomic receiver stages them like buckets).
 
-Every bucket starts with a 40-byte header (the sender's version, the plan's
-fingerprint, the sender's rank, the bucket index, the NaN/Inf flag). A receiver refuses the
+Every bucket starts with a 40-byte header (the sender's version, the wire id the
+ranks agreed on, the sender's rank, the bucket index, the NaN/Inf flag). A receiver refuses the
 version (:class:`RefitRejected`) if any source serves another version or
 another plan. With ``atomic=True`` (default) it writes only after every bucket
 has arrived and every header passed, so its tensors keep the previous version;
@@ -45,7 +46,9 @@ refit and records the KL in :class:`RefitStats`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import operator
 import time
 from collections import deque
 from collections.abc import Callable
@@ -57,11 +60,11 @@ from ...copies import finite_flags
 from ...sharding.megatron import megatron_tensors
 from ..control.peers import as_peers
 from ..engines.gate import RefitGate
-from ..plan.budget import BudgetError, buffer_sizes, keeps_every_round, plan_staging
+from ..plan.budget import BudgetError, StagingPlan, buffer_sizes, keeps_every_round, plan_staging, slot_bytes
 from ..plan.direct import DirectRound, round_nbytes
 from ..plan.errors import RefitRejected, RefitStats
 from ..plan.nogc import paused_gc
-from ..plan.reshard_plan import ReshardPlan, Run, Transfer, fanout_plans, run_view
+from ..plan.reshard_plan import ReshardPlan, Run, Transfer, fanout_plans, pair_summary, run_view
 from ..plan.wire import (
     BAD_TENSORS,
     HEADER_BYTES,
@@ -169,7 +172,8 @@ class ReshardExecutor:
 
     ``memory_budget_bytes`` bounds every rank's device staging, whatever its number
     of peers: each pair's bucket shrinks below ``bucket_bytes`` to fit
-    (:func:`~..plan.budget.plan_staging`, the same sizes on every rank). A budget
+    (:func:`~..plan.budget.plan_staging`; each rank's slot size, gathered at the first
+    refit's agreement, so both ends of a pair cut it alike). A budget
     that cannot hold one row of some tensor per slot, or an atomic receiver's
     version staged on the device, is refused at the agreement (the first refit; a
     refit across jobs when it is built) with :class:`RefitRejected` (``"staging"``)
@@ -232,6 +236,8 @@ class ReshardExecutor:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
         if zero_copy_bytes is not None and (not isinstance(zero_copy_bytes, int) or zero_copy_bytes < 1):
             raise ValueError(f"zero_copy_bytes must be None (stage every byte) or an int >= 1, got {zero_copy_bytes!r}")
+        if plan.rank is not None and plan.rank != rank:
+            raise ValueError(f"the plan was built for rank {plan.rank} (build_reshard_plan(rank=)), not rank {rank}")
         self.plan, self.rank, self.group = plan, rank, group
         self.peers = as_peers(group)
         self.tensors, self.atomic, self.max_inflight = tensors, atomic, max_inflight
@@ -239,38 +245,94 @@ class ReshardExecutor:
         self.refresh = refresh
         # why this rank cannot take part (None: it can)
         self.problem: str | None = tensor_problem(plan, rank, tensors, self._who)
-        self.local: list[Transfer] = [t for t in plan.transfers if t.src == rank == t.dst]
+        # this rank's transfers, in plan order (a whole plan's or a rank's plan: the same list)
+        mine = plan.transfers if plan.rank is not None else [t for t in plan.transfers if rank in (t.src, t.dst)]
+        self.transfers = mine
+        self.local: list[Transfer] = [t for t in mine if t.src == rank == t.dst]
         self.local_bytes = sum(t.nbytes for t in self.local)
+        self._sourced = [t for t in mine if t.src == rank]  # what this rank serves, in plan order
         self.atomic_staging = atomic_staging
-        staging = dict(
+        self.check_finite = check_finite
+        self._staging_args = dict(
             bucket_bytes=bucket_bytes,
             max_inflight=max_inflight,
             atomic=atomic,
             rank=rank,
             zero_copy_bytes=zero_copy_bytes,
+            atomic_staging=atomic_staging,
         )
-        # a budget that cannot hold the staging: reported at the agreement, so that every rank refuses at once
-        self.budget_problem: RefitRejected | None = None
+        self._budget = dict(budget_bytes=memory_budget_bytes, strict=memory_budget_strict)
+        self.zero_copy_bytes = zero_copy_bytes
+        # each rank's slot size (a pair's bucket is the smaller of its two ranks') and the digest of its pairs
+        # (both ends of a pair add the same): a whole plan has every rank's; a rank's plan has its own, and the
+        # others' are gathered before the first refit (:meth:`_settle`)
+        self._settled = False
+        self._pairs_agree = True  # whether the two ends of every pair planned alike (a rank's plan: _settle)
+        self._job_ranks = sorted({*plan.src.ranks, *plan.dst.ranks})
+        summary = pair_summary(mine if plan.rank is not None else plan.transfers)
+        size = dict(bucket_bytes=bucket_bytes, max_inflight=max_inflight, budget_bytes=memory_budget_bytes)
+        shares = {r: summary.get(r, (0, 0)) for r in {*self._job_ranks, rank}}
+        self._shares = {r: (slot_bytes(n, **size), digest) for r, (n, digest) in shares.items()}
+        self.staging_plan: StagingPlan | None = None  # each pair's buckets (a rank's plan: from _settle on)
+        self.budget_problem: RefitRejected | None = None  # a budget that cannot hold this rank's staging
+        self.send: dict[int, list] = {}
+        self.recv: dict[int, list] = {}
+        self.rounds = self.sent_bytes = self.received_bytes = 0
+        self.wire_id: int | None = None
+        if plan.rank is None:  # a whole plan: every pair's size and check from it alone, here
+            self._cut(plan.transfers, None)
+        self.device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
+        if check_finite:  # the checked copies' kernel compiles while the plan is agreed on
+            copy_check.prewarm(self.device, {t.dtype for t in tensors.values()})
+        self.staging: Staging | None = None  # buffers and copies, from the first refit on
+        self._side_stream = None  # atomic ranks' check of their local copies' sources (CUDA)
+        self.version: int | None = None  # the version this rank's destination tensors hold (None: none accepted)
+        self.setup_s: dict[str, float] = {}  # the first refit's set-up: staging, agreement, start (seconds)
+
+    @property
+    def _who(self) -> str:
+        return f"{self.peers.word} {self.rank}"
+
+    def _settle(self, what: str) -> None:
+        """Once, before the first refit's agreement: every rank's slot size and pairs' digest, gathered (by every
+        rank, whatever plan it was given, so every rank runs the same exchanges). A rank's plan then cuts its
+        pairs (:meth:`_cut`, a pair's bucket the smaller of its two ranks' slots); :meth:`agree` raises
+        :class:`RefitRejected` (``"plan"``) on every rank alike when the two ends of some pair planned other
+        transfers (their digests do not cancel out) at the agreement, after its checks of tensors and staging.
+        A whole plan was cut when it was built."""
+        if self._settled:
+            return
+        got = self.peers.gather_words(list(self._shares[self.rank]), self.device, what=what)
+        self._settled = True
+        if self.plan.rank is None:
+            return
+        ranks = self.peers.ranks(len(got))
+        self._pairs_agree = functools.reduce(operator.xor, (d for _, d in got), 0) == 0
+        gathered = {r: (b, d) for r, (b, d) in zip(ranks, got)}
+        self._shares = {r: gathered.get(r, share) for r, share in self._shares.items()}
+        self._cut(self.transfers, {r: b for r, (b, _) in self._shares.items()})
+
+    def _cut(self, transfers: list[Transfer], per_slot: dict[int, int] | None) -> None:
+        """This rank's pairs of ``transfers`` cut into rounds (:func:`~..plan.budget.plan_staging`; ``per_slot``:
+        every rank's slot size, None: from ``transfers``, a whole plan), what each bucket's header vouches for,
+        and the wire id (every rank's slot size and pairs' digest, the zero-copy size and the checks)."""
+        kw = dict(self._staging_args, per_slot=per_slot)
         try:
-            self.staging_plan = plan_staging(
-                plan.transfers,
-                atomic_staging=atomic_staging,
-                budget_bytes=memory_budget_bytes,
-                strict=memory_budget_strict,
-                **staging,
-            )
-        except BudgetError as exc:
+            self.staging_plan = plan_staging(transfers, **self._budget, **kw)
+        except BudgetError as exc:  # reported at the agreement, so that every rank refuses at once
             self.budget_problem = RefitRejected(f"{self._who}: {exc}. Nothing was sent", reason="staging")
-            self.staging_plan = plan_staging(plan.transfers, atomic_staging=atomic_staging, **staging)
+            self.staging_plan = plan_staging(transfers, **kw)
         cut = sorted(self.staging_plan.buckets.items())  # this rank's pairs, cut by the planner
-        self.send = {dst: b for (src, dst), b in cut if src == rank}
-        self.recv = {src: b for (src, dst), b in cut if dst == rank}
+        self.send = {dst: b for (src, dst), b in cut if src == self.rank}
+        self.recv = {src: b for (src, dst), b in cut if dst == self.rank}
         self.rounds = max([len(b) for b in (*self.send.values(), *self.recv.values())], default=0)
         self.sent_bytes, self.received_bytes = (
             sum(round_nbytes(b) for bs in table.values() for b in bs) for table in (self.send, self.recv)
         )  # per refit, on the wire
         # streaming: the rounds whose zero-copy bytes are written in place, after round 0's headers are checked
-        self._in_place = set() if atomic else {k for bs in self.recv.values() for k, b in enumerate(bs) if _direct(b)}
+        self._in_place = (
+            set() if self.atomic else {k for bs in self.recv.values() for k, b in enumerate(bs) if _direct(b)}
+        )
         # what each staged bucket's header vouches for: its pieces, and on a pair's first and last bucket its
         # zero-copy transfers (the first one's version is checked before anything is written; the last one
         # carries their NaN/Inf flag)
@@ -280,28 +342,13 @@ class ReshardExecutor:
             for peer, bs in table.items()
             for k, ts in _carried(bs).items()
         }
-        self.device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
-        if check_finite:  # the checked copies' kernel compiles while the plan is agreed on
-            copy_check.prewarm(self.device, {t.dtype for t in tensors.values()})
-        self._sourced = [t for t in plan.transfers if t.src == rank]  # what this rank serves, in plan order
-        # what every header of this plan carries: the plan and the bucket size both sides cut it with
-        self.check_finite = check_finite
-        # what the wire depends on: every pair's bucket size (from bucket_bytes and the budget), not how it was set
-        sizes = ",".join(f"{a}>{b}:{n}" for (a, b), n in sorted(self.staging_plan.pair_bytes.items()))
-        self.wire_id = wire_id(plan.fingerprint, f"{sizes};zero-copy>={zero_copy_bytes}", check_finite)
         self._send_sources = {
             (p, k): sorted({t.src_run.local for t in ts})
             for (side, p, k), ts in self._carried.items()
             if side == "send"
         }
-        self.staging: Staging | None = None  # buffers and copies, from the first refit on
-        self._side_stream = None  # atomic ranks' check of their local copies' sources (CUDA)
-        self.version: int | None = None  # the version this rank's destination tensors hold (None: none accepted)
-        self.setup_s: dict[str, float] = {}  # the first refit's set-up: staging, agreement, start (seconds)
-
-    @property
-    def _who(self) -> str:
-        return f"{self.peers.word} {self.rank}"
+        job = ",".join(f"{r}:{b}:{d}" for r, (b, d) in sorted(self._shares.items()) if r in self._job_ranks)
+        self.wire_id = wire_id(job, f"zero-copy>={self.zero_copy_bytes}", self.check_finite)
 
     # ------------------------------------------------------------------ staging
     @paused_gc()
@@ -467,6 +514,7 @@ class ReshardExecutor:
         reports a rank out of memory to all, so that nobody waits on a peer that will not send; then
         the NCCL communicator, which PyTorch wants before the first batch of P2P ops. A rank whose
         tensors are not the layout's (:attr:`problem`) allocates nothing and reports its problem."""
+        self._settle("reach the refit")
         failed = self.budget_problem
         start = time.perf_counter()
         if self.problem is None and failed is None:
@@ -505,11 +553,20 @@ class ReshardExecutor:
         staging (``"staging"``; ``own``: this rank's error) or runs another plan, bucket size or
         checks (``"plan"``). The first refit runs it; a refit across jobs also runs it when it is
         built (``what`` says what the ranks wait to do, in a timeout's message)."""
+        self._settle(what)
         own = own or self.budget_problem
         code = BAD_TENSORS if self.problem is not None else NO_STAGING if own is not None else self.wire_id
         got = self.peers.gather_notes(code, self.problem or "", self.device, what=what)
         ranks = self.peers.ranks(len(got))
-        settle(got, ranks, who=self._who, word=self.peers.word, problem=self.problem, own=own)
+        settle(
+            got,
+            ranks,
+            who=self._who,
+            word=self.peers.word,
+            problem=self.problem,
+            own=own,
+            pairs_agree=self._pairs_agree,
+        )
 
     def _check_local(self):
         """Atomic ranks with ``check_finite``: the sources of their local copies (which run only when the

@@ -1,12 +1,13 @@
-"""A reshard refit's staging within a memory budget: each pair's bucket size, from the plan alone.
+"""A reshard refit's staging within a memory budget: each pair's bucket size, from the ranks' slot sizes.
 
 Without a budget every pair of ranks cuts its transfers into buckets of ``bucket_bytes``, and a rank
 stages ``max_inflight`` buckets per peer for sending and as many for receiving, so its staging grows
 with its number of peers. With ``budget_bytes`` each rank's share is split evenly over its staging
-slots (``max_inflight`` per peer it sends to and per peer it receives from), and a pair's bucket is
-the smaller of its two ranks' slot sizes (at most ``bucket_bytes``, a multiple of
-:data:`~.wire.ALIGN`). Every rank computes every pair's size from the plan, so sender and receiver
-cut a pair alike and every rank refuses an impossible budget at once, before a byte moves.
+slots (``max_inflight`` per peer it sends to and per peer it receives from, :func:`slot_bytes`), and a
+pair's bucket is the smaller of its two ranks' slot sizes (at most ``bucket_bytes``, a multiple of
+:data:`~.wire.ALIGN`). Each rank reports its slot size before the first refit (a rank plans only its
+own pairs), so sender and receiver cut a pair alike, and a rank whose budget cannot hold its pairs'
+buckets refuses at that agreement, so every rank refuses at once, before a byte moves.
 
 An atomic receiver that keeps the version on the device holds every round it receives until the
 last arrives, so its staging is its whole share of the version, not a slot per peer: with a budget
@@ -33,6 +34,7 @@ __all__ = [
     "pair_rounds",
     "plan_staging",
     "slot",
+    "slot_bytes",
 ]
 
 ATOMIC_STAGING = ("device", "host")  # where an atomic receiver keeps the version until it applies it
@@ -75,6 +77,15 @@ class StagingPlan:
 
 
 Table = dict[int, list]  # peer -> its rounds: buckets of (transfer, byte offset), or DirectRound
+
+
+def slot_bytes(slots: int, *, bucket_bytes: int, max_inflight: int, budget_bytes: int | None) -> int:
+    """The largest bucket of a rank with ``slots`` staging slots (peers it sends to + peers it receives from):
+    ``bucket_bytes``, or with a budget the budget's share of each of its ``max_inflight`` buffers per slot
+    (a multiple of :data:`~.wire.ALIGN`), if smaller."""
+    if budget_bytes is None or slots == 0:
+        return bucket_bytes
+    return min(bucket_bytes, budget_bytes // (max_inflight * slots) // ALIGN * ALIGN)
 
 
 def keeps_every_round(atomic: bool, atomic_staging: str) -> bool:
@@ -139,6 +150,7 @@ def plan_staging(
     rank: int | None = None,
     flag: str = "--refit-memory-budget-mb",
     zero_copy_bytes: int | None = None,
+    per_slot: dict[int, int] | None = None,
 ) -> StagingPlan:
     """Each pair's bucket size and each rank's staging for ``transfers`` (a plan's, in plan order).
 
@@ -149,7 +161,10 @@ def plan_staging(
     holds it on top instead of being refused. ``rank``: count the staging of that rank only (without a
     budget nothing else needs it; with one every rank's is checked). ``zero_copy_bytes``: contiguous runs of
     at least this many bytes go zero-copy (:mod:`.direct`; None: every byte is staged); an atomic receiver
-    stages them like buckets, a streaming one and every sender not at all."""
+    stages them like buckets, a streaming one and every sender not at all. ``per_slot``: every rank's
+    :func:`slot_bytes` as each computed it from its own slot count (``transfers`` then need only hold the pairs
+    counted: a rank's plan, :class:`~..exec.reshard.ReshardExecutor` gathers them); None: from ``transfers``,
+    a whole plan. A pair's bucket is the smaller of its two ranks' slot sizes."""
     if atomic_staging not in ATOMIC_STAGING:
         raise ValueError(f"atomic_staging must be one of {ATOMIC_STAGING}, got {atomic_staging!r}")
     pairs = _pairs(transfers)
@@ -158,11 +173,15 @@ def plan_staging(
     for src, dst in pairs:
         slots[src] += 1
         slots[dst] += 1
-    if budget_bytes is None:
-        sizes = dict.fromkeys(pairs, bucket_bytes)
-    else:
-        per_slot = {r: budget_bytes // (max_inflight * n) // ALIGN * ALIGN for r, n in slots.items()}
-        sizes = {p: min(bucket_bytes, per_slot[p[0]], per_slot[p[1]]) for p in pairs}
+    if per_slot is None:
+        per_slot = {
+            r: slot_bytes(n, bucket_bytes=bucket_bytes, max_inflight=max_inflight, budget_bytes=budget_bytes)
+            for r, n in slots.items()
+        }
+    missing = sorted({r for p in pairs for r in p} - per_slot.keys())
+    if missing:
+        raise ValueError(f"per_slot has no slot size for ranks {missing} of the transfers")
+    sizes = {p: min(per_slot[p[0]], per_slot[p[1]]) for p in pairs}
     split: dict[tuple[int, int], tuple[list[Transfer], list]] = {}
 
     def cut(p: tuple[int, int]) -> tuple[list[Transfer], list]:

@@ -37,9 +37,12 @@ def inference_layout(
     if world % ep:
         raise ValueError(f"ep={ep} must divide tp*dp={world}")
     num_experts = 1 + max((s.expert for s in specs if s.expert is not None), default=0)
-    tensors = {}
+    tensors, built = {}, {}  # replicas share one dict of local tensors: cut once (and the planner's work once)
     for i, g in enumerate(ranks):
         tp_r = i % tp
+        if (tp_r, i % ep) in built:
+            tensors[g] = built[tp_r, i % ep]
+            continue
         boxes = {}
         for s in specs:
             if s.expert is not None and ep > 1:
@@ -49,5 +52,5 @@ def inference_layout(
             b = tp_box(s, tp, tp_r, megatron=False, vocab_padding=vocab_padding)
             if b is not None:
                 boxes[s.name] = b
-        tensors[g] = local_tensors(specs, boxes, megatron=False)
+        tensors[g] = built[tp_r, i % ep] = local_tensors(specs, boxes, megatron=False)
     return Layout(ranks, tensors, {s.name: s for s in specs}, f"engine TP{tp}xDP{dp}" + (f" EP{ep}" if ep > 1 else ""))

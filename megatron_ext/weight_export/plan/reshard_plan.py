@@ -40,6 +40,7 @@ __all__ = [
     "check_reshard_plan",
     "fanout_plans",
     "merge_layouts",
+    "pair_summary",
     "run_view",
     "sub_layout",
 ]
@@ -106,6 +107,7 @@ class ReshardPlan:
     src: Layout
     dst: Layout
     transfers: list[Transfer]
+    rank: int | None = None  # set: only this rank's transfers (build_reshard_plan(..., rank=))
 
     def sent_bytes(self) -> dict[int, int]:
         out: dict[int, int] = defaultdict(int)
@@ -124,11 +126,35 @@ class ReshardPlan:
     @functools.cached_property  # the transfers are not changed after planning
     def fingerprint(self) -> str:
         """16 hex digits of every transfer's name, box, source and destination, in plan order."""
-        ints = array.array("q")
-        for t in self.transfers:  # each field's length first, so no two plans read alike
-            ints.extend((len(t.name), len(t.box.ranges), *(x for r in t.box.ranges for x in r), t.src, t.dst))
-        names = "".join(t.name for t in self.transfers).encode()
-        return hashlib.sha256(ints.tobytes() + names).hexdigest()[:16]
+        return _digest(self.transfers)[:16]
+
+
+def _digest(transfers: list[Transfer]) -> str:
+    """sha256 (hex) of the transfers' names, boxes, sources and destinations, in order."""
+    ints = array.array("q")
+    for t in transfers:  # each field's length first, so no two lists read alike
+        ints.extend((len(t.name), len(t.box.ranges), *(x for r in t.box.ranges for x in r), t.src, t.dst))
+    names = "".join(t.name for t in transfers).encode()
+    return hashlib.sha256(ints.tobytes() + names).hexdigest()
+
+
+def pair_summary(transfers: list[Transfer]) -> dict[int, tuple[int, int]]:
+    """Each rank's ``(slots, digest)`` over the pairs of ``transfers`` (those with ``src != dst``): ``slots``, the
+    peers it sends to plus the peers it receives from; ``digest``, the XOR over its pairs of a 60-bit digest of
+    each pair's transfers in order. Both ends of a pair add the same digest when they planned alike, so over
+    every rank of a job the XOR is 0 exactly when every pair's two ends agree (short of a hash collision):
+    each rank checks its own pairs without planning the others' (a rank's plan gives its own entry exactly)."""
+    pairs: dict[tuple[int, int], list[Transfer]] = defaultdict(list)
+    for t in transfers:
+        if t.src != t.dst:
+            pairs[t.src, t.dst].append(t)
+    out: dict[int, tuple[int, int]] = {}
+    for (a, b), ts in pairs.items():
+        d = int(_digest(ts)[:15], 16)
+        for r in (a, b):
+            slots, digest = out.get(r, (0, 0))
+            out[r] = (slots + 1, digest ^ d)
+    return out
 
 
 def _cells(box: Box, parts: list[Box]) -> list[Box]:
@@ -148,67 +174,169 @@ def _holder(name: str, cell: int, served: int, holders: int) -> int:
     return (zlib.crc32(name.encode()) + cell + served) % holders
 
 
+class _Destinations:
+    """``dst``'s ranks grouped by their local tensors: ranks that share one dict of them (an engine's
+    data-parallel replicas, :func:`~.layout.inference_layout`) are cut and indexed once."""
+
+    def __init__(self, dst: Layout):
+        self.position = {d: i for i, d in enumerate(dst.ranks)}
+        self.group: dict[int, int] = {}  # rank -> its group (the id of its dict of local tensors)
+        self.entries: dict[int, list[tuple[LocalTensor, Segment]]] = {}  # group -> its segments, in order
+        self.ranks: dict[int, list[int]] = defaultdict(list)  # group -> its ranks, in dst order
+        self.occurs: dict[int, dict[tuple[str, Box], list[int]]] = {}  # group -> (name, box) -> entry indices
+        self.groups_of: dict[tuple[str, Box], list[int]] = defaultdict(list)  # (name, box) -> groups keeping it
+        self.boxes: dict[str, set[Box]] = defaultdict(set)  # name -> every box some rank keeps
+        for d in dst.ranks:
+            tensors = dst.tensors.get(d, {})
+            g = self.group[d] = id(tensors)
+            self.ranks[g].append(d)
+            if g in self.entries:
+                continue
+            entries = self.entries[g] = [(lt, seg) for lt in tensors.values() for seg in lt.segments]
+            occurs: dict[tuple[str, Box], list[int]] = defaultdict(list)
+            for i, (_, seg) in enumerate(entries):
+                occurs[seg.name, seg.box].append(i)
+                self.boxes[seg.name].add(seg.box)
+            self.occurs[g] = dict(occurs)
+            for key in occurs:
+                self.groups_of[key].append(g)
+
+    def keepers(self, key: tuple[str, Box]) -> list[tuple[int, int, int]]:
+        """``(position, rank, entry index)`` of every segment that keeps box ``key``, in plan order (by rank in
+        ``dst``, then by the rank's segments)."""
+        out = [
+            (self.position[d], d, i) for g in self.groups_of[key] for d in self.ranks[g] for i in self.occurs[g][key]
+        ]
+        out.sort()
+        return out
+
+
+class _Cells:
+    """Each destination box's cells and their holders (cut once), numbered per tensor over its boxes in a
+    fixed order (the holder rule's cell numbers); a tensor's boxes are cut on first use."""
+
+    def __init__(self, src: Layout, dests: _Destinations):
+        self.src, self.dests = src, dests
+        self.cells: dict[tuple[str, Box], list] = {}
+        self.first: dict[tuple[str, Box], int] = {}
+
+    def of(self, name: str, box: Box) -> tuple[int, list]:
+        """``(number of the first cell, cells)``; a cell is ``(box, holders, {rank: its first holding})``."""
+        if (name, box) not in self.cells:
+            self._cut(name)
+        return self.first[name, box], self.cells[name, box]
+
+    def _cut(self, name: str) -> None:
+        groups: dict[Box, list] = {}
+        for rank, local, seg in self.src.holdings(name):
+            groups.setdefault(seg.box, []).append((rank, self.src.tensors[rank][local], seg))
+        number = 0
+        for box in sorted(self.dests.boxes[name], key=lambda b: b.ranges):
+            found = [(inter, hs) for b, hs in groups.items() if (inter := b.intersect(box)) is not None]
+            cells = []
+            for cell in _cells(box, [inter for inter, _ in found]):
+                holders = [h for inter, hs in found if inter.contains(cell) for h in hs]
+                if not holders:
+                    d = next(d for _, d, _ in self.dests.keepers((name, box)))
+                    raise ValueError(
+                        f"destination rank {d} keeps {name} {cell.ranges} but no rank of the "
+                        f"source layout ({self.src.description}) holds it; build both layouts from "
+                        "the same model specs"
+                    )
+                cells.append((cell, holders, {h[0]: h for h in reversed(holders)}))  # by rank: its first
+            self.cells[name, box], self.first[name, box] = cells, number
+            number += len(cells)
+
+
 @paused_gc()
-def build_reshard_plan(src: Layout, dst: Layout) -> ReshardPlan:
+def build_reshard_plan(src: Layout, dst: Layout, *, rank: int | None = None) -> ReshardPlan:
     """Plan every byte every ``dst`` rank keeps, from the ``src`` ranks that hold it.
+
+    ``rank``: only the transfers that ``rank`` sends or receives (or copies locally), in the whole plan's
+    order: what that rank of the job needs (:attr:`ReshardPlan.rank`). It cuts only the tensors that rank
+    holds or keeps and walks only their destinations, so its cost follows the rank's share, not the job's.
 
     Raises ``ValueError`` naming the first HF tensor of ``dst`` that no source
     holds (e.g. the two layouts were built from different models).
     """
-    pieces: dict[str, list[tuple[Box, list[tuple[int, LocalTensor, Segment]]]]] = {}
-    for name in dst.specs:
-        groups: dict[Box, list] = {}
-        for rank, local, seg in src.holdings(name):
-            groups.setdefault(seg.box, []).append((rank, src.tensors[rank][local], seg))
-        pieces[name] = list(groups.items())
-    # every destination box's cells and their holders, cut once (data-parallel engine replicas keep the same
-    # boxes), numbered per tensor over its boxes in a fixed order (the holder rule's cell numbers)
-    cells_of: dict[tuple[str, Box], list] = {}
-    first_number: dict[tuple[str, Box], int] = {}
-    for d in dst.ranks:
-        for _, seg in dst.segments(d):
-            if (seg.name, seg.box) in cells_of:
-                continue
-            found = [
-                (inter, holders)
-                for box, holders in pieces.get(seg.name, [])
-                if (inter := box.intersect(seg.box)) is not None
-            ]
-            cells = []
-            for cell in _cells(seg.box, [inter for inter, _ in found]):
-                holders = [h for inter, hs in found if inter.contains(cell) for h in hs]
-                if not holders:
-                    raise ValueError(
-                        f"destination rank {d} keeps {seg.name} {cell.ranges} but no rank of the "
-                        f"source layout ({src.description}) holds it; build both layouts from "
-                        "the same model specs"
-                    )
-                cells.append((cell, holders, {h[0]: h for h in reversed(holders)}))  # by rank: its first
-            cells_of[seg.name, seg.box] = cells
-    count: dict[str, int] = defaultdict(int)
-    for name, box in sorted(cells_of, key=lambda nb: (nb[0], nb[1].ranges)):
-        first_number[name, box] = count[name]
-        count[name] += len(cells_of[name, box])
+    dests = _Destinations(dst)
+    cells = _Cells(src, dests)
+    if rank is None:
+        for name in sorted(dests.boxes):  # every box cut up front: a tensor no source holds is named at once
+            cells.of(name, next(iter(dests.boxes[name])))
+        return ReshardPlan(src, dst, _all_transfers(src, dst, dests, cells))
+    return ReshardPlan(src, dst, _rank_transfers(src, dst, dests, cells, rank), rank=rank)
+
+
+class _Emit:
+    """Builds transfers, each source run once (a fused local tensor holds several HF tensors' boxes)."""
+
+    def __init__(self, dst: Layout):
+        self.dst, self.runs = dst, {}
+
+    def __call__(self, lt: LocalTensor, seg: Segment, cell: Box, choice, d: int) -> Transfer:
+        r, slt, sseg = choice
+        key = (r, slt.name, seg.name, cell)
+        run = self.runs.get(key)
+        if run is None:
+            run = self.runs[key] = _run(slt, sseg, cell)
+        return Transfer(seg.name, cell, r, d, run, _run(lt, seg, cell), self.dst.specs[seg.name].dtype.itemsize)
+
+
+def _all_transfers(src: Layout, dst: Layout, dests: _Destinations, cells: _Cells) -> list[Transfer]:
     served: dict[tuple[str, Box, int], int] = defaultdict(int)  # destinations given each cell from another rank
-    transfers = []
-    src_runs: dict[tuple[int, str, str, Box], Run] = {}  # each source run once
+    emit, transfers = _Emit(dst), []
     for d in dst.ranks:
-        for lt, seg in dst.segments(d):
-            itemsize = dst.specs[seg.name].dtype.itemsize
-            first = first_number[seg.name, seg.box]
-            for ci, (cell, holders, by_rank) in enumerate(cells_of[seg.name, seg.box]):
+        for lt, seg in dests.entries[dests.group[d]]:
+            first, cs = cells.of(seg.name, seg.box)
+            for ci, (cell, holders, by_rank) in enumerate(cs):
                 choice = by_rank.get(d)
                 if choice is None:  # another rank's: the holder rule (module docstring)
                     key = (seg.name, seg.box, ci)
                     choice = holders[_holder(seg.name, first + ci, served[key], len(holders))]
                     served[key] += 1
-                r, slt, sseg = choice
-                key = (r, slt.name, seg.name, cell)  # (a fused local tensor holds several HF tensors' boxes)
-                run = src_runs.get(key)
-                if run is None:
-                    run = src_runs[key] = _run(slt, sseg, cell)
-                transfers.append(Transfer(seg.name, cell, r, d, run, _run(lt, seg, cell), itemsize))
-    return ReshardPlan(src, dst, transfers)
+                transfers.append(emit(lt, seg, cell, choice, d))
+    return transfers
+
+
+def _rank_transfers(src: Layout, dst: Layout, dests: _Destinations, cells: _Cells, rank: int) -> list[Transfer]:
+    """The transfers of the whole plan that ``rank`` sends or receives, in its order (the same holder rule:
+    a destination's ``served`` count is the number of keepers of the box before it that need the cell from
+    another rank)."""
+    emit, found = _Emit(dst), []  # (plan order key, transfer)
+    if rank in dests.group:  # what this rank keeps
+        g, pos = dests.group[rank], dests.position[rank]
+        for si, (lt, seg) in enumerate(dests.entries[g]):
+            first, cs = cells.of(seg.name, seg.box)
+            keepers = None
+            for ci, (cell, holders, by_rank) in enumerate(cs):
+                choice = by_rank.get(rank)
+                if choice is None:
+                    keepers = keepers or dests.keepers((seg.name, seg.box))
+                    served = sum(1 for p, d, i in keepers if (p, i) < (pos, si) and d not in by_rank)
+                    choice = holders[_holder(seg.name, first + ci, served, len(holders))]
+                found.append(((pos, si, ci), emit(lt, seg, cell, choice, rank)))
+    held = {seg.name for lt in src.tensors.get(rank, {}).values() for seg in lt.segments}
+    for name in sorted(held & dests.boxes.keys()):  # what this rank serves to others
+        for box in dests.boxes[name]:
+            first, cs = cells.of(name, box)
+            mine = [ci for ci, (_, _, by_rank) in enumerate(cs) if rank in by_rank]
+            if not mine:
+                continue
+            keepers = dests.keepers((name, box))
+            for ci in mine:
+                cell, holders, by_rank = cs[ci]
+                served = 0
+                for p, d, si in keepers:
+                    if d in by_rank:
+                        continue
+                    choice = holders[_holder(name, first + ci, served, len(holders))]
+                    served += 1
+                    if choice[0] == rank:
+                        lt, seg = dests.entries[dests.group[d]][si]
+                        found.append(((p, si, ci), emit(lt, seg, cell, choice, d)))
+    found.sort(key=lambda kt: kt[0])
+    return [t for _, t in found]
 
 
 def check_reshard_plan(plan: ReshardPlan) -> None:

@@ -244,6 +244,12 @@ def simulate_config(name: str, links: Links = Links(), *, all_layers: bool = Fal
         pred = predict(build_reshard_plan(src, dst), links, layer_weight=weight)
     model_bytes = sum(s.nbytes for s in specs)
     plan_s = time.perf_counter() - t0
+    rank_plan_s = {}  # what a rank of the job plans: its own transfers (the first rank of each side)
+    if all_layers:
+        for r in sorted({src.ranks[0], dst.ranks[0]}):
+            t0 = time.perf_counter()
+            n = len(build_reshard_plan(src, dst, rank=r).transfers)
+            rank_plan_s[r] = dict(seconds=time.perf_counter() - t0, transfers=n)
     return dict(
         config=name,
         trainer=src.description,
@@ -261,6 +267,7 @@ def simulate_config(name: str, links: Links = Links(), *, all_layers: bool = Fal
         published_s=published,
         published_by=source,
         plan_s=plan_s,
+        rank_plan_s=rank_plan_s,
         all_layers=all_layers,
     )
 
@@ -287,7 +294,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument(
         "--all-layers",
         action="store_true",
-        help="plan every layer, as each rank of the job does (slow for large models; plan_s is what a rank pays)",
+        help="plan every layer (slow for large models: plan_s is the layouts and the whole plan; rank_plan_s what "
+        "the first trainer and engine rank each plan, their own transfers, as in a job)",
     )
     p.add_argument("--json", help="write the rows here")
     a = p.parse_args(argv)
@@ -296,7 +304,9 @@ def main(argv=None) -> list[dict]:
     for name in a.config or list(CONFIGS):
         print(f"planning {name} ...", flush=True)
         rows.append(simulate_config(name, links, all_layers=a.all_layers))
-        print(f"  planned in {rows[-1]['plan_s']:.1f} s", flush=True)
+        print(f"  planned in {rows[-1]['plan_s']:.1f} s (layouts and the whole plan)", flush=True)
+        for r, got in rows[-1]["rank_plan_s"].items():
+            print(f"  rank {r}'s own plan: {got['transfers']} transfers in {got['seconds']:.2f} s", flush=True)
     print(format_rows(rows))
     if a.json:
         with open(a.json, "w") as f:

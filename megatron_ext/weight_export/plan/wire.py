@@ -5,9 +5,9 @@ x 5: version, wire id, sender rank, bucket index, and whether the bucket carries
 NaN or Inf, raised by the copies that pack it) that the receiver checks
 before it keeps the bucket, so a stale, foreign or non-finite source is refused by name
 (:func:`header_rows` writes them, :func:`header_refusals` reads them). The wire
-id is the plan's fingerprint with every pair's bucket size and the check flag
-(:func:`wire_id`); before the first refit every rank also reports its wire id
-or a refusal code (:data:`NO_STAGING`, :data:`BAD_TENSORS`; :mod:`..exec.agreement`)
+id hashes what every rank's cut of its pairs depends on (each rank's slot size and pairs'
+digest, the zero-copy size) and the check flag (:func:`wire_id`); before the first refit
+every rank also reports its wire id or a refusal code (:data:`NO_STAGING`, :data:`BAD_TENSORS`; :mod:`..exec.agreement`)
 so that all ranks agree before a byte moves. :func:`bucketize` lays a peer's
 transfers out behind the header, cutting transfers larger than a bucket into rows.
 
@@ -47,7 +47,7 @@ __all__ = [
 
 ALIGN = 256  # byte alignment of every tensor or transfer in a bucket (export and reshard): aligned views
 # for vectorised copies and NCCL
-HEADER_WORDS = 5  # int64: version, plan fingerprint, sender rank, bucket index, non-finite flag
+HEADER_WORDS = 5  # int64: version, wire id, sender rank, bucket index, non-finite flag
 NONFINITE_WORD = 4  # its low int32 half is raised by the packing copies (CopyBatch also_flag)
 HEADER_BYTES = 8 * HEADER_WORDS
 NO_VERSION = -1  # what a rank that holds no valid version sends
@@ -64,8 +64,8 @@ PAYLOAD_OFFSET = align(HEADER_BYTES)  # where a reshard bucket's first transfer 
 
 
 def wire_id(fingerprint: str, buckets: str, check_finite: bool) -> int:
-    """The int64 every rank of one refit must share: plan, how each pair is cut into buckets (``buckets``:
-    its pairs' bucket sizes, however they were chosen) and checks."""
+    """The int64 every rank of one refit must share: the plan (``fingerprint``: every rank's slot size and pairs'
+    digest), how pairs are cut (``buckets``: the zero-copy size) and checks."""
     v = int(hashlib.sha256(f"{fingerprint}:{buckets}:{check_finite}".encode()).hexdigest()[:16], 16)
     return v - (1 << 64) if v >= 1 << 63 else v
 

@@ -704,3 +704,41 @@ def test_replicated_experts_split_evenly_and_every_process_plans_alike():
         env = dict(os.environ, PYTHONHASHSEED=seed)
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
         assert out.stdout.strip() == plan.fingerprint, (seed, out.stderr[-2000:])
+
+
+def test_a_ranks_plan_is_the_whole_plans_transfers_of_that_rank():
+    """``build_reshard_plan(src, dst, rank=r)`` (what rank ``r`` of the job plans) holds exactly the whole plan's
+    transfers that ``r`` sends, receives or copies, in the whole plan's order, for every rank of every layout
+    pair here: the test cases on separate ranks and colocated, replicated holders (data-parallel trainers, expert
+    replicas, colocated engines), engine replicas that share their local tensors, and a fan-out wave's merged
+    sources."""
+    from megatron_ext.weight_export.plan.reshard_plan import fanout_plans
+
+    pairs = []
+    for spec_kw, mkw, ekw in CASES.values():
+        specs = gpt_specs(**spec_kw)
+        src = megatron_layout(specs, **mkw)
+        n = ekw["tp"] * ekw.get("dp", 1)
+        pairs.append((src, inference_layout(specs, **ekw, ranks=range(len(src.ranks), len(src.ranks) + n))))
+        pairs.append((src, inference_layout(specs, **ekw, ranks=range(n))))  # colocated on the first ranks
+    specs = gpt_specs(**MOE)
+    pairs.append((megatron_layout(specs, tp=2, dp=2, ep=2), inference_layout(specs, tp=1, dp=4, ep=4)))
+    pairs.append((megatron_layout(specs, tp=1, dp=4), inference_layout(specs, tp=2, dp=3, ranks=range(1, 7))))
+    dense = gpt_specs(**DENSE)
+    dst = inference_layout(dense, tp=2, dp=4, ranks=range(2, 10))
+    pairs += [(p.src, p.dst) for p in fanout_plans(megatron_layout(dense, tp=2), dst, [[2, 3], [4, 5], [6, 7], [8, 9]])]
+    checked = expected = 0
+    for src, dst in pairs:
+        whole = build_reshard_plan(src, dst)
+        expected += sum(1 if t.src == t.dst else 2 for t in whole.transfers)  # in its sender's and receiver's plan
+        for r in sorted({*src.ranks, *dst.ranks, max(*src.ranks, *dst.ranks) + 1}):
+            mine = build_reshard_plan(src, dst, rank=r)
+            assert mine.rank == r
+            assert mine.transfers == [t for t in whole.transfers if r in (t.src, t.dst)], (src.description, r)
+            checked += len(mine.transfers)
+    assert checked == expected > 3000
+    # a rank's plan of layouts no source completes is refused by name as the whole plan is
+    with pytest.raises(ValueError, match="model.layers.2"):
+        build_reshard_plan(
+            megatron_layout(dense, tp=1), inference_layout(gpt_specs(**dict(DENSE, num_layers=3)), ranks=[1]), rank=1
+        )

@@ -59,6 +59,7 @@ def _body(backend):
     exporter.export()
     src, dst = _layouts(cfg)
     plan = build_reshard_plan(src, dst)
+    mine = build_reshard_plan(src, dst, rank=rank)  # this rank's transfers only (slot sizes gathered)
     out = {
         "reference": got if rank == 0 else None,
         "specs_from_model": wx.specs_from_model(model, vocab_size=SPEC.hf_vocab_size) == list(src.specs.values()),
@@ -98,20 +99,21 @@ def _body(backend):
                 recv_pieces=sum(len(k) for b in ex.recv.values() for k in b),
             )
 
-    # 1a. zero-copy runs: in place (streaming) or staged (atomic), at two depths
+    # 1a. zero-copy runs: in place (streaming) or staged (atomic), at two depths; each rank with its own plan
     for mode in ("zero-copy", "zero-copy atomic"):
         for depth in (1, 2):
             e = engine()
             kw = MODES[mode] | {"max_inflight": depth}
-            ex = wx.ReshardExecutor(plan, rank, {**trainer(), **e}, bucket_bytes=BUCKET, **kw)
+            ex = wx.ReshardExecutor(mine, rank, {**trainer(), **e}, bucket_bytes=BUCKET, **kw)
             stats = [ex.refit(v) for v in (1, 2)]
             out[("zero_copy", mode, depth)] = dict(engine=snap(e), stats=stats, direct=ex.staging_plan.direct_bytes)
 
-    # 1b. within the memory budget: streaming, and atomic staged on the host
+    # 1b. within the memory budget: streaming, and atomic staged on the host; even ranks with their own plan
+    # (their peers' slot sizes gathered), odd ranks with the whole plan: every pair cut alike
     for mode in (False, "host"):
         e = engine()
         kw = MODES[mode] | {"memory_budget_bytes": BUDGET}
-        ex = wx.ReshardExecutor(plan, rank, {**trainer(), **e}, bucket_bytes=BUCKET, **kw)
+        ex = wx.ReshardExecutor(plan if rank % 2 else mine, rank, {**trainer(), **e}, bucket_bytes=BUCKET, **kw)
         stats = [ex.refit(v) for v in (1, 2)]  # buffers reused
         out[("budget", mode)] = dict(
             engine=snap(e), stats=stats, host=ex.staging_host_bytes, planned=ex.staging_plan.device_bytes[rank]
@@ -154,11 +156,15 @@ def _body(backend):
             out[(case, atomic)] = faulty_second_version(
                 atomic, lambda ex, tr, served=served: attempt(lambda: ex.refit(2, source_version=served(ex)))
             )
-    # 3. another plan on rank 0 (same transfers per pair, another order: the same buckets, another fingerprint)
-    other = ReshardPlan(plan.src, plan.dst, sorted(plan.transfers, key=lambda t: -t.dst))
+    # 3. another plan on rank 0 (every pair's transfers in the other order: other buckets)
+    other = ReshardPlan(plan.src, plan.dst, plan.transfers[::-1])
     tr, e = trainer(), engine()
     ex = wx.ReshardExecutor(other if rank == 0 else plan, rank, {**tr, **e}, bucket_bytes=BUCKET)
     out["other_plan"] = dict(refused=attempt(lambda: ex.refit(1)), engine=snap(e), version=ex.version)
+    # 3a. the same with each rank's own plan: the two ends of rank 0's pairs do not agree
+    other = ReshardPlan(plan.src, plan.dst, mine.transfers[::-1], rank=rank)
+    ex = wx.ReshardExecutor(other if rank == 0 else mine, rank, {**tr, **e}, bucket_bytes=BUCKET)
+    out["other_rank_plan"] = dict(refused=attempt(lambda: ex.refit(1)), engine=snap(e), version=ex.version)
     # 3b. another bucket size on rank 3 (its buckets would not match on the wire; gloo raised, NCCL undefined)
     ex = wx.ReshardExecutor(plan, rank, {**tr, **e}, bucket_bytes=BUCKET * 2 if rank == 3 else BUCKET)
     out["other_bucket"] = dict(refused=attempt(lambda: ex.refit(1)), engine=snap(e), version=ex.version)
@@ -371,6 +377,11 @@ def test_reshard_refit_versions_pipelining_and_gate(backend):
             reason, msg, _ = res["refused"]
             assert reason == "plan" and f"ranks [{odd}] run another reshard plan or bucket_bytes" in msg, msg
             assert res["version"] is None and all(t.isnan().all() for t in res["engine"].values())
+    for r in range(4):
+        res = results[r]["other_rank_plan"]
+        reason, msg, _ = res["refused"]
+        assert reason == "plan" and "the two ends of some pair of ranks planned different transfers" in msg, msg
+        assert res["version"] is None and all(t.isnan().all() for t in res["engine"].values())
     for r in range(4):  # wrong tensors on rank 3: every rank refuses at once, naming rank 3 and the problem
         res = results[r]["bad_tensors"]
         reason, msg, _ = res["refused"]

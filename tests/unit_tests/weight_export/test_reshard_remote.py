@@ -85,7 +85,7 @@ def _trainer_body(backend, port, n_engine):
         out[f"acks{v}"] = refit.engine_versions()
     out["stats3"] = refit.refit(3)  # the engine expects version 4: refused
     out["acks3"] = refit.engine_versions()
-    try:  # the engine cuts its buckets differently: refused on every rank before a byte moves
+    try:  # the engine asks for zero-copy transfers, the trainer stages: refused on every rank before a byte moves
         wx.TrainerRefit(group, src, dst_a, tensors, bucket_bytes=BUCKET)
         out["plan"] = None
     except wx.RefitRejected as e:
@@ -133,7 +133,7 @@ def _engine_body(backend, port, n_trainer):
         out["refused"] = (e.reason, str(e))
     out["engine3"], out["version3"] = snap(own), refit.version
     try:
-        wx.EngineRefit(group, src, dst_a, own, bucket_bytes=2 * BUCKET)
+        wx.EngineRefit(group, src, dst_a, own, bucket_bytes=BUCKET, zero_copy_bytes=4096)
         out["plan"] = None
     except wx.RefitRejected as e:
         out["plan"] = (e.reason, str(e))
@@ -203,7 +203,8 @@ def test_remote_refit_exact(backend, n_trainer, n_engine):
         assert res["version3"] == 2
         for n, t in res["engine3"].items():
             assert torch.equal(t, res["engine2"][n]), n
-        # another bucket size: every rank refuses the plan when the helpers are built
+        # another zero-copy setting: every rank refuses the plan when the helpers are built (another bucket size
+        # is not refused: each rank plans its own pairs and a pair takes the smaller of its two ranks' slots)
         reason, msg = res["plan"]
         assert reason == "plan" and f"refit ranks {engine_ranks}" in msg, msg
     # wrong tensors on the last engine rank: every rank of both jobs refuses within seconds, naming it
