@@ -148,26 +148,32 @@ def split_range(n: int, parts: int, i: int) -> tuple[int, int]:
 
 def tp_box(spec: TensorSpec, tp: int, r: int, *, megatron: bool, vocab_padding: int = 1) -> Box | None:
     """The box of ``spec`` on TP rank ``r`` of ``tp`` (None: nothing, e.g. padded rows only)."""
-    box = Box.full(spec.shape)
-    if spec.tp_dim is None or tp == 1:
+    kv = bool(spec.fused and spec.fused[0] == "qkv" and spec.fused[1] > 0)
+    if kv and megatron and spec.tp_dim is not None and 1 < tp and spec.num_groups < tp:
+        raise ValueError(f"{spec.name}: Megatron needs num_query_groups ({spec.num_groups}) divisible by TP ({tp})")
+    return _tp_box(spec.shape, spec.tp_dim, kv, spec.num_groups, spec.padded_rows, tp, r, megatron, vocab_padding)
+
+
+@functools.lru_cache(maxsize=1 << 14)  # a model's tensors share a few shapes: one Box each (frozen, shared)
+def _tp_box(shape, tp_dim, kv: bool, num_groups: int, padded_rows, tp: int, r: int, megatron: bool, vocab_padding: int):
+    box = Box.full(shape)
+    if tp_dim is None or tp == 1:
         return box
-    d = spec.tp_dim
-    if spec.fused and spec.fused[0] == "qkv" and spec.fused[1] > 0:
+    d = tp_dim
+    if kv:
         # k / v: whole query groups per rank; an engine with tp > groups repeats them.
-        head_dim = spec.shape[0] // spec.num_groups
-        if tp <= spec.num_groups:
-            g0, g1 = split_range(spec.num_groups, tp, r)
-        elif megatron:
-            raise ValueError(f"{spec.name}: Megatron needs num_query_groups ({spec.num_groups}) divisible by TP ({tp})")
+        head_dim = shape[0] // num_groups
+        if tp <= num_groups:
+            g0, g1 = split_range(num_groups, tp, r)
         else:
-            g0 = r * spec.num_groups // tp
+            g0 = r * num_groups // tp
             g1 = g0 + 1
         return box.replace(0, g0 * head_dim, g1 * head_dim)
-    n = spec.shape[d]
-    if d == 0 and spec.padded_rows:  # vocabulary rows
-        n = spec.padded_rows if megatron else -(-n // vocab_padding) * vocab_padding
+    n = shape[d]
+    if d == 0 and padded_rows:  # vocabulary rows
+        n = padded_rows if megatron else -(-n // vocab_padding) * vocab_padding
     a, b = split_range(n, tp, r)
-    b = min(b, spec.shape[d])
+    b = min(b, shape[d])
     return box.replace(d, a, b) if a < b else None
 
 
