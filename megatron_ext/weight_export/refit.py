@@ -54,7 +54,7 @@ from .engines.hf_model import hf_model_config
 from .exec.reshard import RefitStats, ReshardExecutor
 from .plan.errors import PlanMismatch
 from .plan.fp8 import Fp8Sources, dequantized
-from .plan.reshard_plan import build_reshard_plan
+from .plan.reshard_plan import ReshardPlan, build_reshard_plan
 
 __all__ = ["EngineRefit", "TrainerRefit"]
 
@@ -95,7 +95,11 @@ class _RemoteRefit:
         if not src.ranks:
             raise ValueError("the trainer layout has no ranks")
         self.group, self.src, self.dst, self.rank = group, src, dst, group.rank
-        self.plan = build_reshard_plan(src, dst, rank=self.rank)  # this rank's transfers: its share of the work
+        try:  # this rank's transfers: its share of the work
+            self.plan, plan_problem = build_reshard_plan(src, dst, rank=self.rank), None
+        except ValueError as exc:  # layouts no source completes: only ranks that touch the tensor see it
+            self.plan = ReshardPlan(src, dst, [], rank=self.rank)
+            plan_problem = f"{group.word} {self.rank}: {exc}"  # reported at the agreement: every rank raises at once
         self.executor = ReshardExecutor(
             self.plan,
             self.rank,
@@ -114,8 +118,7 @@ class _RemoteRefit:
         self.tensors = tensors
         self.announcer = min(src.ranks)  # the trainer rank that announces versions
         self.seq = 0  # refits so far: the same count on every rank
-        if self.executor.problem is None:
-            self.executor.problem = self._model_problem()
+        self.executor.problem = self.executor.problem or self._model_problem() or plan_problem
         self.executor.agree(what="build its reshard plan")  # every rank runs the same plan, or all raise
 
     def _model_problem(self) -> str | None:

@@ -126,8 +126,9 @@ def settle(
         raise RefitRejected(
             f"{who}: {word}s {[r for r, v in codes.items() if v != common]} run another reshard plan or "
             f"bucket_bytes than {word}s {[r for r, v in codes.items() if v == common]}; nothing was sent. Build "
-            "the same layouts (specs, TP/PP/DP/EP, ranks, vocab padding) and give every rank the same bucket_bytes, "
-            "memory budget, zero_copy_bytes and check_finite (--refit-bucket-size-mb, --refit-memory-budget-mb, "
-            "--refit-zero-copy-mb, --refit-check-finite)",
+            "the same layouts (specs, TP/PP/DP/EP, ranks, vocab padding) and give every rank the same "
+            "zero_copy_bytes and check_finite (--refit-zero-copy-mb, --refit-check-finite), and where a rank was "
+            "given the whole plan also the same bucket_bytes and memory budget (--refit-bucket-size-mb, "
+            "--refit-memory-budget-mb)",
             reason="plan",
         )

@@ -272,7 +272,7 @@ class ReshardExecutor:
         summary = pair_summary(mine if plan.rank is not None else plan.transfers)
         size = dict(bucket_bytes=bucket_bytes, max_inflight=max_inflight, budget_bytes=memory_budget_bytes)
         shares = {r: summary.get(r, (0, 0)) for r in {*self._job_ranks, rank}}
-        self._shares = {r: (slot_bytes(n, **size), digest) for r, (n, digest) in shares.items()}
+        self._shares = {r: (slot_bytes(n, **size), n, digest) for r, (n, digest) in shares.items()}
         self.staging_plan: StagingPlan | None = None  # each pair's buckets (a rank's plan: from _settle on)
         self.budget_problem: RefitRejected | None = None  # a budget that cannot hold this rank's staging
         self.send: dict[int, list] = {}
@@ -303,20 +303,22 @@ class ReshardExecutor:
         if self._settled:
             return
         got = self.peers.gather_words(list(self._shares[self.rank]), self.device, what=what)
-        self._settled = True
+        self._settled = True  # every rank gathered once: a later refit does not gather again
         if self.plan.rank is None:
             return
-        ranks = self.peers.ranks(len(got))
-        self._pairs_agree = functools.reduce(operator.xor, (d for _, d in got), 0) == 0
-        gathered = {r: (b, d) for r, (b, d) in zip(ranks, got)}
-        self._shares = {r: gathered.get(r, share) for r, share in self._shares.items()}
-        self._cut(self.transfers, {r: b for r, (b, _) in self._shares.items()})
+        self._pairs_agree = functools.reduce(operator.xor, (d for *_, d in got), 0) == 0
+        self._shares.update((r, tuple(w)) for r, w in zip(self.peers.ranks(len(got)), got))
+        try:
+            self._cut(self.transfers, {r: b for r, (b, _, _) in self._shares.items()})
+        except Exception as exc:  # noqa: BLE001 - reported at the agreement, so that no peer waits on this rank
+            self.problem = self.problem or f"{self._who}: cannot cut its pairs into buckets: {exc}"
 
     def _cut(self, transfers: list[Transfer], per_slot: dict[int, int] | None) -> None:
         """This rank's pairs of ``transfers`` cut into rounds (:func:`~..plan.budget.plan_staging`; ``per_slot``:
         every rank's slot size, None: from ``transfers``, a whole plan), what each bucket's header vouches for,
         and the wire id (every rank's slot size and pairs' digest, the zero-copy size and the checks)."""
-        kw = dict(self._staging_args, per_slot=per_slot)
+        counts = None if per_slot is None else {r: n for r, (_, n, _) in self._shares.items()}
+        kw = dict(self._staging_args, per_slot=per_slot, slot_counts=counts)
         try:
             self.staging_plan = plan_staging(transfers, **self._budget, **kw)
         except BudgetError as exc:  # reported at the agreement, so that every rank refuses at once
@@ -347,7 +349,7 @@ class ReshardExecutor:
             for (side, p, k), ts in self._carried.items()
             if side == "send"
         }
-        job = ",".join(f"{r}:{b}:{d}" for r, (b, d) in sorted(self._shares.items()) if r in self._job_ranks)
+        job = ",".join(f"{r}:{b}:{d}" for r, (b, _, d) in sorted(self._shares.items()) if r in self._job_ranks)
         self.wire_id = wire_id(job, f"zero-copy>={self.zero_copy_bytes}", self.check_finite)
 
     # ------------------------------------------------------------------ staging

@@ -151,6 +151,7 @@ def plan_staging(
     flag: str = "--refit-memory-budget-mb",
     zero_copy_bytes: int | None = None,
     per_slot: dict[int, int] | None = None,
+    slot_counts: dict[int, int] | None = None,
 ) -> StagingPlan:
     """Each pair's bucket size and each rank's staging for ``transfers`` (a plan's, in plan order).
 
@@ -164,7 +165,8 @@ def plan_staging(
     stages them like buckets, a streaming one and every sender not at all. ``per_slot``: every rank's
     :func:`slot_bytes` as each computed it from its own slot count (``transfers`` then need only hold the pairs
     counted: a rank's plan, :class:`~..exec.reshard.ReshardExecutor` gathers them); None: from ``transfers``,
-    a whole plan. A pair's bucket is the smaller of its two ranks' slot sizes."""
+    a whole plan. A pair's bucket is the smaller of its two ranks' slot sizes. ``slot_counts``: every rank's
+    number of slots, gathered with them (for what a refusal names; None: counted from ``transfers``)."""
     if atomic_staging not in ATOMIC_STAGING:
         raise ValueError(f"atomic_staging must be one of {ATOMIC_STAGING}, got {atomic_staging!r}")
     pairs = _pairs(transfers)
@@ -173,6 +175,8 @@ def plan_staging(
     for src, dst in pairs:
         slots[src] += 1
         slots[dst] += 1
+    if slot_counts is not None:
+        slots.update(slot_counts)
     if per_slot is None:
         per_slot = {
             r: slot_bytes(n, bucket_bytes=bucket_bytes, max_inflight=max_inflight, budget_bytes=budget_bytes)

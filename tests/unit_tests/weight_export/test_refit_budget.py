@@ -114,6 +114,54 @@ def test_a_budget_below_one_row_per_slot_is_refused_naming_the_tensor_and_the_le
     assert getattr(err.value, "reason", None) == "staging" and ex.staging is None, err.value
 
 
+def test_a_ranks_own_plan_refuses_with_its_peers_gathered_slots():
+    """Ranks that plan only their own transfers learn their peers' slot sizes and counts at the agreement (here a
+    stand-in group hands every rank's words back): engine rank 3 of TP1 -> 7 replicas has one peer, the trainer
+    rank seven, so the pair 0 -> 3 gets rank 0's smaller slot, and a budget one byte short of rank 0's need is
+    refused on rank 3 too, with rank 0's seven slots in the least budget (counted from rank 3's own pairs, it
+    would be 7x too small)."""
+    from megatron_ext.weight_export.control.peers import Peers
+
+    specs = gpt_specs(**SPECS)
+    mk, ek = LAYOUTS["tp1_to_dp7 [7]"]
+    src, dst = megatron_layout(specs, **mk), inference_layout(specs, **ek)
+    least = (256 + 256) * 2 * 7  # as in the test above
+
+    def executors(budget, peers=None):
+        out = {}
+        for r in range(8):
+            plan = build_reshard_plan(src, dst, rank=r)
+            out[r] = ReshardExecutor(
+                plan, r, _tensors(plan, r), bucket_bytes=BUCKET, group=peers, memory_budget_bytes=budget, atomic=False
+            )
+        return out
+
+    class Gathered(Peers):  # what every rank reported, in rank order
+        def __init__(self, words):
+            self.words = words
+
+        def ranks(self, n):
+            return list(range(n))
+
+        def gather_words(self, words, device=None, *, what):
+            return [self.words[r] for r in range(8)]
+
+    for budget in (least, least - 1):
+        words = {r: list(ex._shares[r]) for r, ex in executors(budget).items()}
+        for r, ex in executors(budget, Gathered(words)).items():
+            assert ex.staging_plan is None  # a rank's plan is cut once its peers' slots are known
+            ex._settle("test")
+            assert ex._pairs_agree, r
+            if budget == least:
+                assert ex.budget_problem is None, (r, ex.budget_problem)
+                assert set(ex.staging_plan.pair_bytes.values()) == {(least // 2 // 7) // 256 * 256}, r
+            else:
+                msg = str(ex.budget_problem)
+                assert f"at least {least} bytes" in msg, (r, msg)
+                if r == 3:
+                    assert "a bucket of rank 0 -> 3 must hold one row" in msg, msg
+
+
 def test_the_plan_line_says_what_was_chosen():
     plan = _plan("tp2_to_dp3 [3]")
     ex = _executor(plan, 0, memory_budget_bytes=BUDGET, atomic=False)

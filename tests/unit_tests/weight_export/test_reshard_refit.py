@@ -122,6 +122,10 @@ def _body(backend):
         plan, rank, {**trainer(), **engine()}, bucket_bytes=BUCKET, memory_budget_bytes=BUDGET // 2 - 1
     )
     out["tiny_budget"] = attempt(lambda: ex.refit(1))
+    ex = wx.ReshardExecutor(
+        mine, rank, {**trainer(), **engine()}, bucket_bytes=BUCKET, memory_budget_bytes=BUDGET // 2 - 1
+    )  # the same with each rank's own plan: its peers' slot counts gathered, the same refusal
+    out["tiny_budget_rank_plan"] = attempt(lambda: ex.refit(1))
 
     # 2. a stale source: rank 1 serves version 1 while version 2 is applied ("stale"), or (2b,
     # "late_stale") only in tensors that none of its first buckets carries: a streaming receiver has
@@ -336,6 +340,12 @@ def test_reshard_refit_versions_pipelining_and_gate(backend):
                 assert res["host"] == 0
     for r in range(4):  # a budget below one row per slot: every rank refuses before anything moves
         reason, msg, _ = results[r]["tiny_budget"]
+        assert reason == "staging", msg
+        if r == 0:
+            assert "cannot stage model.embed_tokens.weight" in msg and "at least 2048 bytes" in msg, msg
+        # with its own plan a rank names its own pairs (the whole plan: the job's worst), the least budget counted
+        # with its peers' gathered slots
+        reason, msg, _ = results[r]["tiny_budget_rank_plan"]
         assert reason == "staging", msg
         if r == 0:
             assert "cannot stage model.embed_tokens.weight" in msg and "at least 2048 bytes" in msg, msg

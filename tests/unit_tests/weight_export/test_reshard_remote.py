@@ -505,3 +505,32 @@ def test_store_listens_only_on_the_address_given():
         for g in groups:
             if isinstance(g, wx.RefitGroup):
                 g.close()
+
+
+def test_layouts_that_no_source_completes_stop_both_jobs_at_once():
+    """Each rank plans only its own transfers, so a tensor the engine keeps and no trainer rank holds is found by
+    the engine rank alone; it reports it at the agreement and the trainer rank raises too, within seconds (it
+    would otherwise wait for the refit group's timeout)."""
+    from megatron_ext import weight_export as wx
+    from megatron_ext.sharding import gpt_specs
+    from megatron_ext.weight_export.plan.layout import inference_layout
+
+    src, dst = _tiny_layouts()
+    model = dict(num_layers=2, hidden_size=8, num_heads=2, num_groups=1, head_dim=4, ffn_hidden_size=8, vocab_size=16)
+    more = inference_layout(gpt_specs(**model, dtype=torch.float32), ranks=[1])  # one layer more than the trainer's
+    port, start = free_port(), time.monotonic()
+
+    def trainer():
+        group = wx.RefitGroup.join("127.0.0.1", port, 0, 2, timeout_s=30)
+        return wx.TrainerRefit(group, src, more, {n: torch.zeros(lt.shape) for n, lt in src.tensors[0].items()})
+
+    def engine():
+        group = wx.RefitGroup.join("127.0.0.1", port, 1, 2, timeout_s=30)
+        return wx.EngineRefit(group, src, more, {n: torch.zeros(lt.shape) for n, lt in more.tensors[1].items()})
+
+    got = _in_threads(trainer, engine)
+    assert time.monotonic() - start < 20, "a rank waited for the refit group's timeout"
+    for err in got:
+        assert isinstance(err, wx.RefitRejected) and err.reason == "tensors", err
+    assert "refit rank 1: destination rank 1 keeps model.layers.1." in str(got[1]), got[1]
+    assert "no rank of the source layout" in str(got[0]) and "refit ranks [1] cannot take part" in str(got[0]), got[0]
