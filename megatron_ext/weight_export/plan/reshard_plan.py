@@ -257,7 +257,8 @@ def build_reshard_plan(src: Layout, dst: Layout, *, rank: int | None = None) -> 
     holds or keeps and walks only their destinations, so its cost follows the rank's share, not the job's.
 
     Raises ``ValueError`` naming the first HF tensor of ``dst`` that no source
-    holds (e.g. the two layouts were built from different models).
+    holds (e.g. the two layouts were built from different models); with ``rank``, only on the ranks that keep
+    or hold that tensor, so a job reports it to the others (``TrainerRefit`` / ``EngineRefit``: at the agreement).
     """
     dests = _Destinations(dst)
     cells = _Cells(src, dests)
