@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import hashlib
 import itertools
+import math
 import zlib
 from collections import defaultdict
 
@@ -157,13 +158,18 @@ def pair_summary(transfers: list[Transfer]) -> dict[int, tuple[int, int]]:
     return out
 
 
-def _cells(box: Box, parts: list[Box]) -> list[Box]:
-    """``box`` cut at every boundary of ``parts`` (so each cell lies inside or outside each part)."""
+def _cuts(box: Box, parts: list[Box]) -> list[list[tuple[int, int]]]:
+    """Per dim, ``box``'s range cut at every boundary of ``parts`` inside it."""
     cuts = []
     for dim, (a, b) in enumerate(box.ranges):
         points = sorted({a, b, *(p.ranges[dim][i] for p in parts for i in (0, 1))})
         cuts.append([(x, y) for x, y in zip(points, points[1:]) if a <= x < y <= b])
-    return [Box(ranges) for ranges in itertools.product(*cuts)]
+    return cuts
+
+
+def _cells(box: Box, parts: list[Box]) -> list[Box]:
+    """``box`` cut at every boundary of ``parts`` (so each cell lies inside or outside each part)."""
+    return [Box(ranges) for ranges in itertools.product(*_cuts(box, parts))]
 
 
 def _holder(name: str, cell: int, served: int, holders: int) -> int:
@@ -212,40 +218,50 @@ class _Destinations:
 
 
 class _Cells:
-    """Each destination box's cells and their holders (cut once), numbered per tensor over its boxes in a
-    fixed order (the holder rule's cell numbers); a tensor's boxes are cut on first use."""
+    """Each destination box's cells and their holders, numbered per tensor over its boxes in a fixed order (the
+    holder rule's cell numbers). A tensor's boxes are numbered on first use (counting cells needs no holders); a
+    box is cut into its cells only when asked for."""
 
     def __init__(self, src: Layout, dests: _Destinations):
         self.src, self.dests = src, dests
+        self.pieces: dict[str, dict[Box, list]] = {}  # name -> source box -> its holdings
         self.cells: dict[tuple[str, Box], list] = {}
         self.first: dict[tuple[str, Box], int] = {}
 
     def of(self, name: str, box: Box) -> tuple[int, list]:
         """``(number of the first cell, cells)``; a cell is ``(box, holders, {rank: its first holding})``."""
-        if (name, box) not in self.cells:
-            self._cut(name)
-        return self.first[name, box], self.cells[name, box]
+        key = (name, box)
+        if key not in self.first:
+            self._number(name)
+        cells = self.cells.get(key)
+        if cells is None:
+            cells = self.cells[key] = self._cut(name, box)
+        return self.first[key], cells
 
-    def _cut(self, name: str) -> None:
-        groups: dict[Box, list] = {}
+    def _number(self, name: str) -> None:
+        pieces = self.pieces[name] = {}
         for rank, local, seg in self.src.holdings(name):
-            groups.setdefault(seg.box, []).append((rank, self.src.tensors[rank][local], seg))
+            pieces.setdefault(seg.box, []).append((rank, self.src.tensors[rank][local], seg))
         number = 0
         for box in sorted(self.dests.boxes[name], key=lambda b: b.ranges):
-            found = [(inter, hs) for b, hs in groups.items() if (inter := b.intersect(box)) is not None]
-            cells = []
-            for cell in _cells(box, [inter for inter, _ in found]):
-                holders = [h for inter, hs in found if inter.contains(cell) for h in hs]
-                if not holders:
-                    d = next(d for _, d, _ in self.dests.keepers((name, box)))
-                    raise ValueError(
-                        f"destination rank {d} keeps {name} {cell.ranges} but no rank of the "
-                        f"source layout ({self.src.description}) holds it; build both layouts from "
-                        "the same model specs"
-                    )
-                cells.append((cell, holders, {h[0]: h for h in reversed(holders)}))  # by rank: its first
-            self.cells[name, box], self.first[name, box] = cells, number
-            number += len(cells)
+            self.first[name, box] = number
+            parts = [inter for b in pieces if (inter := b.intersect(box)) is not None]
+            number += math.prod(len(c) for c in _cuts(box, parts))
+
+    def _cut(self, name: str, box: Box) -> list:
+        found = [(inter, hs) for b, hs in self.pieces[name].items() if (inter := b.intersect(box)) is not None]
+        cells = []
+        for cell in _cells(box, [inter for inter, _ in found]):
+            holders = [h for inter, hs in found if inter.contains(cell) for h in hs]
+            if not holders:
+                d = next(d for _, d, _ in self.dests.keepers((name, box)))
+                raise ValueError(
+                    f"destination rank {d} keeps {name} {cell.ranges} but no rank of the "
+                    f"source layout ({self.src.description}) holds it; build both layouts from "
+                    "the same model specs"
+                )
+            cells.append((cell, holders, {h[0]: h for h in reversed(holders)}))  # by rank: its first
+        return cells
 
 
 @paused_gc()
@@ -264,7 +280,8 @@ def build_reshard_plan(src: Layout, dst: Layout, *, rank: int | None = None) -> 
     cells = _Cells(src, dests)
     if rank is None:
         for name in sorted(dests.boxes):  # every box cut up front: a tensor no source holds is named at once
-            cells.of(name, next(iter(dests.boxes[name])))
+            for box in sorted(dests.boxes[name], key=lambda b: b.ranges):
+                cells.of(name, box)
         return ReshardPlan(src, dst, _all_transfers(src, dst, dests, cells))
     return ReshardPlan(src, dst, _rank_transfers(src, dst, dests, cells, rank), rank=rank)
 
