@@ -32,6 +32,13 @@ class Box:
 
     ranges: tuple[tuple[int, int], ...]
 
+    def __hash__(self) -> int:  # boxes key the planner's dicts: hashed once
+        return self._hash
+
+    @functools.cached_property
+    def _hash(self) -> int:
+        return hash(self.ranges)
+
     @classmethod
     def full(cls, shape: Sequence[int]) -> "Box":
         return cls(tuple((0, s) for s in shape))

@@ -246,7 +246,8 @@ class _Cells:
         for box in sorted(self.dests.boxes[name], key=lambda b: b.ranges):
             self.first[name, box] = number
             parts = [inter for b in pieces if (inter := b.intersect(box)) is not None]
-            number += math.prod(len(c) for c in _cuts(box, parts))
+            # one cell where every part covers the box (most boxes: held whole by each of their holders)
+            number += 1 if all(p == box for p in parts) else math.prod(len(c) for c in _cuts(box, parts))
 
     def _cut(self, name: str, box: Box) -> list:
         found = [(inter, hs) for b, hs in self.pieces[name].items() if (inter := b.intersect(box)) is not None]
