@@ -74,8 +74,11 @@ Rows per layout (``--methods``):
   ``stream-zero-copy`` (only when named) sends contiguous runs of at least ``ZERO_COPY_MIN_BYTES``
   zero-copy, tensor to tensor (``zero_copy_bytes``; ``stream`` stages every byte, the default);
   ``atomic-host`` keeps the version in pinned host memory until it is applied
-  (``atomic_staging="host"``); with ``--memory-budget-mb`` the ``stream`` and ``atomic-host`` rows keep
-  every rank's device staging within it (``atomic`` stages the whole version on the device). The engine's local tensor
+  (``atomic_staging="host"``); ``--memory-budget-mb`` bounds every rank's device staging as
+  ``--refit-memory-budget-mb`` does: ``auto`` (default, what a refit gets) cuts every row's buckets to
+  512 MiB of staging per rank, an atomic receiver's version on the device on top; a number of MiB is strict
+  (the ``stream`` and ``atomic-host`` rows within it; ``atomic``, which stages the whole version on the
+  device, goes without it); ``none``: no bound. The engine's local tensor
   names get an ``engine/`` prefix in its layout: colocated, both models' Megatron names would
   otherwise collide in the executor's one ``tensors`` dict.
 
@@ -128,6 +131,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import MOE_PRESETS, PRESETS, provenance, slowest, sync  # noqa: E402
 
 from megatron_ext.testing.multirank import run_on_ranks  # noqa: E402
+from megatron_ext.weight_export.config import AUTO_MEMORY_BUDGET_MB, memory_budget  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -647,7 +651,8 @@ def _method(method, trainer, engine, src, dst, tensors, rank, versions, opts, de
     else:
         streaming = what.startswith("stream")
         bucket = opts["stream_bucket"] if streaming else opts["atomic_bucket"]
-        budget = opts.get("memory_budget") if what != "atomic" else None  # atomic: the version on the device
+        # a strict budget would refuse the atomic row's version on the device: that row goes without it
+        budget = opts.get("memory_budget") if what != "atomic" or not opts["memory_budget_strict"] else None
 
         def first_refit():  # the plan, the executor, its staging and the first-refit agreement
             start = time.perf_counter()
@@ -662,6 +667,7 @@ def _method(method, trainer, engine, src, dst, tensors, rank, versions, opts, de
                 zero_copy_bytes=ZERO_COPY_MIN_BYTES if what == "stream-zero-copy" else None,
                 atomic_staging="host" if what == "atomic-host" else "device",
                 memory_budget_bytes=budget,
+                memory_budget_strict=opts["memory_budget_strict"],
                 check_finite=opts["check_finite"],
             )
             state["plan_s"] = time.perf_counter() - start  # no communication: every rank plans its own part
@@ -867,9 +873,11 @@ def main(argv=None, *, rank_setup=None) -> int:
     p.add_argument("--max-inflight", type=int, default=2)
     p.add_argument(
         "--memory-budget-mb",
-        type=float,
-        default=None,
-        help="ours: the most device staging any rank holds (--refit-memory-budget-mb; default: no bound)",
+        type=memory_budget,
+        default="auto",
+        help="ours: the most device staging any rank holds, as --refit-memory-budget-mb: auto (default, what a "
+        f"refit gets: {AUTO_MEMORY_BUDGET_MB} MiB, an atomic receiver's version on the device on top), none, or "
+        "a number of MiB (strict: the atomic row, which keeps the version on the device, goes without it)",
     )
     p.add_argument("--no-check-finite", action="store_true", help="ours without its NaN/Inf check per refit")
     p.add_argument("--limit-gib", type=float, default=1.0, help="payload of the link-limit measurement")
@@ -912,7 +920,10 @@ def main(argv=None, *, rank_setup=None) -> int:
         stream_bucket=int(a.stream_bucket_mb * MiB),
         atomic_bucket=int(a.atomic_bucket_mb * MiB),
         max_inflight=a.max_inflight,
-        memory_budget=None if a.memory_budget_mb is None else int(a.memory_budget_mb * MiB),
+        memory_budget=None
+        if a.memory_budget_mb == "none"
+        else int((AUTO_MEMORY_BUDGET_MB if a.memory_budget_mb == "auto" else a.memory_budget_mb) * MiB),
+        memory_budget_strict=a.memory_budget_mb != "auto",
         check_finite=not a.no_check_finite,
         limit_bytes=int(a.limit_gib * GiB),
         experts=experts,
