@@ -88,17 +88,21 @@ def megatron_layout(
     if (tp * dp) % (ep * etp):
         raise ValueError(f"ep={ep} x etp={etp} must divide tp*dp={tp * dp}")
     layer_stage = _layer_stages(specs, pp) if layer_stage is None else list(layer_stage)
+    outside = [st for st in layer_stage if not 0 <= st < pp]
+    if outside:
+        raise ValueError(f"layer_stage holds stages {sorted(set(outside))} outside 0..{pp - 1} (pp={pp})")
     num_experts = 1 + max((s.expert for s in specs if s.expert is not None), default=0)
     if num_experts % ep:
         raise ValueError(f"ep={ep} must divide the number of experts ({num_experts})")
+    by_stage: list[list[TensorSpec]] = [[] for _ in range(pp)]  # each stage's specs, in order (sorted out once)
+    for s in specs:
+        by_stage[_stage_of(s, layer_stage, pp)].append(s)
     tensors = {}
     for i, g in enumerate(ranks):
         tp_r, pp_r = i % tp, i // (tp * dp)
         ep_r, etp_r = megatron_expert_coords(i, tp=tp, dp=dp, ep=ep, etp=etp)
         boxes, mine = {}, []
-        for s in specs:
-            if _stage_of(s, layer_stage, pp) != pp_r:
-                continue
+        for s in by_stage[pp_r]:
             if s.expert is not None:
                 if s.expert * ep // num_experts == ep_r:
                     b = tp_box(s, etp, etp_r, megatron=True)

@@ -287,6 +287,8 @@ def test_mismatched_layouts_name_the_tensor():
         megatron_layout(gpt_specs(**MOE), tp=2, ep=2)  # Megatron's default: expert TP = TP
     with pytest.raises(ValueError, match=r"k_proj.weight: Megatron needs num_query_groups \(2\) divisible by TP \(4\)"):
         megatron_layout(gpt_specs(**DENSE), tp=4)  # an engine repeats k / v heads instead (kv_repeat case)
+    with pytest.raises(ValueError, match=r"layer_stage holds stages \[2\] outside 0..1 \(pp=2\)"):
+        megatron_layout(gpt_specs(**DENSE), pp=2, layer_stage=[0, 2])
 
 
 def test_fanout_waves_double_and_serve_from_updated_replicas():
