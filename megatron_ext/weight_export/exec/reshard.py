@@ -262,7 +262,6 @@ class ReshardExecutor:
             atomic_staging=atomic_staging,
         )
         self._budget = dict(budget_bytes=memory_budget_bytes, strict=memory_budget_strict)
-        self.zero_copy_bytes = zero_copy_bytes
         # each rank's slot size (a pair's bucket is the smaller of its two ranks') and the digest of its pairs
         # (both ends of a pair add the same): a whole plan has every rank's; a rank's plan has its own, and the
         # others' are gathered before the first refit (:meth:`_settle`)
@@ -350,7 +349,7 @@ class ReshardExecutor:
             if side == "send"
         }
         job = ",".join(f"{r}:{b}:{d}" for r, (b, _, d) in sorted(self._shares.items()) if r in self._job_ranks)
-        self.wire_id = wire_id(job, f"zero-copy>={self.zero_copy_bytes}", self.check_finite)
+        self.wire_id = wire_id(job, f"zero-copy>={self._staging_args['zero_copy_bytes']}", self.check_finite)
 
     # ------------------------------------------------------------------ staging
     @paused_gc()

@@ -283,7 +283,7 @@ def build_reshard_plan(src: Layout, dst: Layout, *, rank: int | None = None) -> 
         for name in sorted(dests.boxes):  # every box cut up front: a tensor no source holds is named at once
             for box in sorted(dests.boxes[name], key=lambda b: b.ranges):
                 cells.of(name, box)
-        return ReshardPlan(src, dst, _all_transfers(src, dst, dests, cells))
+        return ReshardPlan(src, dst, _all_transfers(dst, dests, cells))
     return ReshardPlan(src, dst, _rank_transfers(src, dst, dests, cells, rank), rank=rank)
 
 
@@ -302,7 +302,7 @@ class _Emit:
         return Transfer(seg.name, cell, r, d, run, _run(lt, seg, cell), self.dst.specs[seg.name].dtype.itemsize)
 
 
-def _all_transfers(src: Layout, dst: Layout, dests: _Destinations, cells: _Cells) -> list[Transfer]:
+def _all_transfers(dst: Layout, dests: _Destinations, cells: _Cells) -> list[Transfer]:
     served: dict[tuple[str, Box, int], int] = defaultdict(int)  # destinations given each cell from another rank
     emit, transfers = _Emit(dst), []
     for d in dst.ranks:
