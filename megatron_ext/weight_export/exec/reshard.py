@@ -60,7 +60,18 @@ from ...copies import finite_flags
 from ...sharding.megatron import megatron_tensors
 from ..control.peers import as_peers
 from ..engines.gate import RefitGate
-from ..plan.budget import BudgetError, StagingPlan, buffer_sizes, keeps_every_round, plan_staging, slot_bytes
+from ..plan.budget import (
+    MIN_OP_BYTES,
+    PHASES,
+    BudgetError,
+    StagingPlan,
+    buffer_sizes,
+    choose_phases,
+    keeps_every_round,
+    peer_lanes,
+    plan_staging,
+    rank_slot,
+)
 from ..plan.direct import DirectRound, round_nbytes
 from ..plan.errors import RefitRejected, RefitStats
 from ..plan.nogc import paused_gc
@@ -127,14 +138,40 @@ def _direct(r) -> bool:
     return isinstance(r, DirectRound)
 
 
-def _carried(rounds: list) -> dict[int, list[Transfer]]:
+def _carried(rounds: list, *, whole_first: bool = False) -> dict[int, list[Transfer]]:
     """What the header of each staged bucket of one pair vouches for (by round): its pieces; the pair's first
-    and last bucket also its zero-copy transfers."""
+    and last bucket also its zero-copy transfers; ``whole_first`` (pairs in phases: the first bucket is round
+    0's header alone) the first one every transfer of the pair."""
     direct = [t for r in rounds if _direct(r) for t in r.transfers]
+    staged = [t for r in rounds if r is not None and not _direct(r) for t, _ in r] if whole_first else []
     out = {}
     for k, r in enumerate(rounds):
-        if not _direct(r):
-            out[k] = [t for t, _ in r] + (direct if k in (0, len(rounds) - 1) else [])
+        if r is not None and not _direct(r):
+            out[k] = [t for t, _ in r] + (direct if k in (0, len(rounds) - 1) else []) + (staged if k == 0 else [])
+    return out
+
+
+_NO_WORDS = (0,) + (0, 0) * len(PHASES)  # a rank's words before they are gathered
+
+
+def _words(transfers: list[Transfer], ranks, size: dict) -> dict[int, tuple[int, ...]]:
+    """The words of each of ``ranks`` over the pairs of ``transfers``: the digest of its pairs
+    (:func:`~..plan.reshard_plan.pair_summary`), then its slot size and slot count in each of
+    :data:`~..plan.budget.PHASES` (:func:`~..plan.budget.rank_slot`)."""
+    summary = pair_summary(transfers)
+    peers: dict[int, tuple[set, set]] = {r: (set(), set()) for r in ranks}
+    for t in transfers:
+        if t.src != t.dst:
+            if t.src in peers:
+                peers[t.src][0].add(t.dst)
+            if t.dst in peers:
+                peers[t.dst][1].add(t.src)
+    out = {}
+    for r, (sends, recvs) in peers.items():
+        words = [summary.get(r, (0, 0))[1]]
+        for phases in PHASES:
+            words += rank_slot(r, sends, recvs, phases, **size)
+        out[r] = tuple(words)
     return out
 
 
@@ -181,6 +218,12 @@ class ReshardExecutor:
     ``memory_budget_strict=False`` (``--refit-memory-budget-mb auto``) cuts the buckets the
     same way but lets an atomic receiver keep the version on the device on top of it.
     :attr:`staging_plan` says what was chosen (logged at INFO on the first refit).
+    When the budget split over many peers would make a pair's bucket smaller than
+    ``min_op_bytes`` (NCCL moves small ops far below the link), the job's pairs are
+    split into phases (:mod:`~..plan.budget`): a round carries the pairs of one
+    phase, so each rank stages buffers for the peers of one phase only, and
+    larger ones (a header-only round 0 carries every pair's first header).
+    ``min_op_bytes=None``: one phase whatever the buckets. Every rank must give the same.
 
     ``zero_copy_bytes``: contiguous runs (merged within a pair) of at least this many bytes
     go zero-copy: no send staging, no pack copy; a streaming receiver writes them in place
@@ -229,6 +272,7 @@ class ReshardExecutor:
         atomic_staging: str = "device",
         memory_budget_strict: bool = True,
         zero_copy_bytes: int | None = None,
+        min_op_bytes: int | None = MIN_OP_BYTES,
     ):
         if bucket_bytes <= PAYLOAD_OFFSET:
             raise ValueError(f"bucket_bytes must be > {PAYLOAD_OFFSET} (the aligned bucket header), got {bucket_bytes}")
@@ -262,24 +306,28 @@ class ReshardExecutor:
             atomic_staging=atomic_staging,
         )
         self._budget = dict(budget_bytes=memory_budget_bytes, strict=memory_budget_strict)
-        # each rank's slot size (a pair's bucket is the smaller of its two ranks') and the digest of its pairs
-        # (both ends of a pair add the same): a whole plan has every rank's; a rank's plan has its own, and the
+        self.min_op_bytes = min_op_bytes
+        # each rank's words (:meth:`_words`): the digest of its pairs (both ends of a pair add the same), then its
+        # slot size and slot count with its pairs in each number of phases (a pair's bucket is the smaller of
+        # its two ranks' slot sizes): a whole plan has every rank's; a rank's plan has its own, and the
         # others' are gathered before the first refit (:meth:`_settle`)
         self._settled = False
         self._pairs_agree = True  # whether the two ends of every pair planned alike (a rank's plan: _settle)
         self._job_ranks = sorted({*plan.src.ranks, *plan.dst.ranks})
-        summary = pair_summary(mine if plan.rank is not None else plan.transfers)
         size = dict(bucket_bytes=bucket_bytes, max_inflight=max_inflight, budget_bytes=memory_budget_bytes)
-        shares = {r: summary.get(r, (0, 0)) for r in {*self._job_ranks, rank}}
-        self._shares = {r: (slot_bytes(n, **size), n, digest) for r, (n, digest) in shares.items()}
+        counted = [rank] if plan.rank is not None else {*self._job_ranks, rank}
+        self._shares = {r: _NO_WORDS for r in {*self._job_ranks, rank}}
+        self._shares.update(_words(mine if plan.rank is not None else plan.transfers, counted, size))
         self.staging_plan: StagingPlan | None = None  # each pair's buckets (a rank's plan: from _settle on)
         self.budget_problem: RefitRejected | None = None  # a budget that cannot hold this rank's staging
         self.send: dict[int, list] = {}
         self.recv: dict[int, list] = {}
         self.rounds = self.sent_bytes = self.received_bytes = 0
+        self.phases = 1  # the job's pairs in this many phases (:meth:`_cut`)
+        self._lanes: dict[tuple[str, int], int] = {}  # each peer's staging lane, pairs in phases
         self.wire_id: int | None = None
         if plan.rank is None:  # a whole plan: every pair's size and check from it alone, here
-            self._cut(plan.transfers, None)
+            self._cut(plan.transfers)
         self.device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
         if check_finite:  # the checked copies' kernel compiles while the plan is agreed on
             copy_check.prewarm(self.device, {t.dtype for t in tensors.values()})
@@ -305,19 +353,29 @@ class ReshardExecutor:
         self._settled = True  # every rank gathered once: a later refit does not gather again
         if self.plan.rank is None:
             return
-        self._pairs_agree = functools.reduce(operator.xor, (d for *_, d in got), 0) == 0
+        self._pairs_agree = functools.reduce(operator.xor, (w[0] for w in got), 0) == 0
         self._shares.update((r, tuple(w)) for r, w in zip(self.peers.ranks(len(got)), got))
         try:
-            self._cut(self.transfers, {r: b for r, (b, _, _) in self._shares.items()})
+            self._cut(self.transfers)
         except Exception as exc:  # noqa: BLE001 - reported at the agreement, so that no peer waits on this rank
             self.problem = self.problem or f"{self._who}: cannot cut its pairs into buckets: {exc}"
 
-    def _cut(self, transfers: list[Transfer], per_slot: dict[int, int] | None) -> None:
-        """This rank's pairs of ``transfers`` cut into rounds (:func:`~..plan.budget.plan_staging`; ``per_slot``:
-        every rank's slot size, None: from ``transfers``, a whole plan), what each bucket's header vouches for,
-        and the wire id (every rank's slot size and pairs' digest, the zero-copy size and the checks)."""
-        counts = None if per_slot is None else {r: n for r, (_, n, _) in self._shares.items()}
-        kw = dict(self._staging_args, per_slot=per_slot, slot_counts=counts)
+    def _cut(self, transfers: list[Transfer]) -> None:
+        """This rank's pairs of ``transfers`` cut into rounds (:func:`~..plan.budget.plan_staging`, in the
+        phases :func:`~..plan.budget.choose_phases` picks from every rank's words), what each bucket's header
+        vouches for, and the wire id (every rank's slot size and pairs' digest, the phases, the zero-copy size and
+        the checks)."""
+        job = {r: w for r, w in self._shares.items() if r in self._job_ranks or r == self.rank}
+        i = choose_phases([w[1::2] for w in job.values() if w[2]], self.min_op_bytes)
+        self.phases = PHASES[i]
+        per_slot = {r: w[1 + 2 * i] for r, w in job.items()}
+        kw = dict(
+            self._staging_args,
+            per_slot=per_slot,
+            slot_counts={r: w[2 + 2 * i] for r, w in job.items()},
+            peer_counts={r: w[2] for r, w in job.items()},
+            phases=self.phases,
+        )
         try:
             self.staging_plan = plan_staging(transfers, **self._budget, **kw)
         except BudgetError as exc:  # reported at the agreement, so that every rank refuses at once
@@ -328,8 +386,10 @@ class ReshardExecutor:
         self.recv = {src: b for (src, dst), b in cut if dst == self.rank}
         self.rounds = max([len(b) for b in (*self.send.values(), *self.recv.values())], default=0)
         self.sent_bytes, self.received_bytes = (
-            sum(round_nbytes(b) for bs in table.values() for b in bs) for table in (self.send, self.recv)
+            sum(round_nbytes(b) for bs in table.values() for b in bs if b is not None)
+            for table in (self.send, self.recv)
         )  # per refit, on the wire
+        self._lanes = peer_lanes(self.rank, self.send, self.recv, self.phases)
         # streaming: the rounds whose zero-copy bytes are written in place, after round 0's headers are checked
         self._in_place = (
             set() if self.atomic else {k for bs in self.recv.values() for k, b in enumerate(bs) if _direct(b)}
@@ -341,15 +401,17 @@ class ReshardExecutor:
             (side, peer, k): ts
             for side, table in (("send", self.send), ("recv", self.recv))
             for peer, bs in table.items()
-            for k, ts in _carried(bs).items()
+            for k, ts in _carried(bs, whole_first=self.phases > 1).items()
         }
         self._send_sources = {
             (p, k): sorted({t.src_run.local for t in ts})
             for (side, p, k), ts in self._carried.items()
             if side == "send"
         }
-        job = ",".join(f"{r}:{b}:{d}" for r, (b, _, d) in sorted(self._shares.items()) if r in self._job_ranks)
-        self.wire_id = wire_id(job, f"zero-copy>={self._staging_args['zero_copy_bytes']}", self.check_finite)
+        words = ",".join(f"{r}:{per_slot[r]}:{w[0]}" for r, w in sorted(job.items()) if r in self._job_ranks)
+        self.wire_id = wire_id(
+            f"{words};phases={self.phases}", f"zero-copy>={self._staging_args['zero_copy_bytes']}", self.check_finite
+        )
 
     # ------------------------------------------------------------------ staging
     @paused_gc()
@@ -367,6 +429,7 @@ class ReshardExecutor:
             device=self.device,
             host=self.atomic and self.atomic_staging == "host",
             check=self.check_finite,
+            lanes=self._lanes,
         )
         if self.send or self.recv:
             log.info("reshard refit: %s: %s", self._who, self.staging_plan.line(self.rank))
@@ -525,7 +588,12 @@ class ReshardExecutor:
                 self.staging = None
                 keep_all = keeps_every_round(self.atomic, self.atomic_staging)
                 need = buffer_sizes(
-                    self.send, self.recv, keep_all=keep_all, max_inflight=self.max_inflight, stage_direct=self.atomic
+                    self.send,
+                    self.recv,
+                    keep_all=keep_all,
+                    max_inflight=self.max_inflight,
+                    stage_direct=self.atomic,
+                    lanes=self._lanes,
                 )
                 failed = out_of_memory(
                     exc,
@@ -692,7 +760,7 @@ class ReshardExecutor:
             st.pack[k].run()  # every peer's header and pieces of this round: batched copies
         for kind, table in (("send", self.send), ("recv", self.recv)):
             for peer, buckets in table.items():
-                if k < len(buckets) and not _direct(buckets[k]):
+                if k < len(buckets) and buckets[k] is not None and not _direct(buckets[k]):
                     n, buf = bucket_nbytes(buckets[k]), st.buf(kind, peer, k)
                     ops.append((kind, buf[:n], peer))
                     if kind == "recv":

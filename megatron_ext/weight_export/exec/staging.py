@@ -83,6 +83,10 @@ class Staging:
     :attr:`local`. With ``host=True`` (atomic only) :meth:`keep` copies a received
     round to the host (:attr:`held`, one pinned buffer per bucket, whose header the
     executor reads there) and :meth:`apply` brings every round back through the slots.
+
+    ``lanes`` (:func:`~..plan.budget.peer_lanes`, the job's pairs in phases): the buffers of a round after
+    round 0 belong to a lane, which the peers of other phases share, instead of a peer; a pair's rounds
+    then hold None where it posts nothing.
     """
 
     def __init__(
@@ -98,19 +102,22 @@ class Staging:
         device: torch.device,
         host: bool = False,
         check: bool = False,
+        lanes: dict | None = None,
     ):
         if host and not atomic:
             raise ValueError("host staging is for atomic receivers (a streaming one writes each round as it arrives)")
-        self.atomic, self.max_inflight, self.host = atomic, max_inflight, host
+        self.atomic, self.max_inflight, self.host, self.lanes = atomic, max_inflight, host, lanes
         self.keep_all = keeps_every_round(atomic, "host" if host else "device")
-        sizes = buffer_sizes(send, recv, keep_all=self.keep_all, max_inflight=max_inflight, stage_direct=atomic)
+        sizes = buffer_sizes(
+            send, recv, keep_all=self.keep_all, max_inflight=max_inflight, stage_direct=atomic, lanes=lanes
+        )
         self.bufs = {key: torch.empty(n, dtype=torch.uint8, device=device) for key, n in sizes.items()}
         pin = device.type == "cuda"
         self.held = {  # host: one buffer per received round, the whole version
             (peer, k): torch.empty(staged_nbytes(b), dtype=torch.uint8, pin_memory=pin)
             for peer, buckets in recv.items()
             for k, b in enumerate(buckets)
-            if host
+            if host and b is not None
         }
         self.direct_send: dict[int, list[tuple[int, torch.Tensor]]] = defaultdict(list)  # round -> (peer, view)
         self.direct_recv: dict[int, list[tuple[int, torch.Tensor]]] = defaultdict(list)
@@ -141,6 +148,8 @@ class Staging:
                     direct_pair.append(len(trailers) - 1)
                     direct_round.append(k)
             for k, bucket in enumerate(buckets):
+                if bucket is None:
+                    continue
                 if isinstance(bucket, DirectRound):
                     self.direct_send[k] += [(peer, view(op.src_run)) for op in bucket.ops]
                     continue
@@ -180,11 +189,14 @@ class Staging:
         self.direct_checked = [self.direct_checked[i] for i in order]
         self.direct_pairs = torch.tensor([direct_pair[i] for i in order], dtype=torch.int64, device=device)
         keys = [(peer, k) for peer, buckets in recv.items() for k, b in enumerate(buckets) if isinstance(b, list)]
+        # (None: a round in which the pair, in another phase, posts nothing)
         self._seen_rows = torch.zeros((len(keys), HEADER_WORDS), dtype=torch.int64, device=device)
         self.seen = {key: self._seen_rows[i] for i, key in enumerate(keys)}
         unpack: dict[int, list] = defaultdict(list)
         for peer, buckets in recv.items():
             for k, bucket in enumerate(buckets):
+                if bucket is None:
+                    continue
                 if isinstance(bucket, DirectRound):
                     if not atomic:  # in place
                         self.direct_recv[k] += [(peer, view(op.dst_run)) for op in bucket.ops]
@@ -220,7 +232,7 @@ class Staging:
 
     def buf(self, kind: str, peer: int, k: int) -> torch.Tensor:
         """The device buffer of round ``k`` of ``kind`` (send|recv) with ``peer``."""
-        return self.bufs[slot(kind, peer, k, keep_all=self.keep_all, max_inflight=self.max_inflight)]
+        return self.bufs[slot(kind, peer, k, keep_all=self.keep_all, max_inflight=self.max_inflight, lanes=self.lanes)]
 
     def keep(self, k: int, peer: int) -> torch.Tensor:
         """Host staging: copy round ``k``'s bucket from ``peer`` to its host buffer (queued on the current

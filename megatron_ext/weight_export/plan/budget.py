@@ -14,24 +14,45 @@ last arrives, so its staging is its whole share of the version, not a slot per p
 given it is refused unless that fits (stage on the host instead, or stream); under the ``auto``
 budget (``strict=False``) it keeps that copy on top. Staged on the host it
 receives through the same slots as a streaming receiver.
+
+**Phases.** A budget split over many peers makes small buckets (512 MiB over 128 peers, 2 in flight:
+2 MiB), and NCCL moves small ops far below the link (4xH200: 16 ops of 1 MiB per round reached 41 GB/s,
+of 16 MiB 313 GB/s; ``benchmarks/p2p_rounds.py``). So a rank's pairs can be split into ``phases``: pair
+``(src, dst)`` is in phase :func:`pair_phase`, and its ``j``-th round is posted in round
+``1 + j * phases + phase`` of both ranks (round 0 carries a header-only bucket of every pair, which
+vouches for all its transfers, so that a streaming receiver checks every source's version before it
+writes anything). A round then holds the pairs of one phase only, and a rank stages ``max_inflight``
+buffers per *lane* (:func:`peer_lanes`: its peers of one phase, sending and receiving counted apart)
+instead of per peer. Both ends of a pair post each of its rounds in the same round index, so ranks that
+post their rounds in order never wait on each other in a cycle. :func:`choose_phases` picks the number
+of phases from every rank's slot size under each candidate (:data:`PHASES`): the fewest that bring the
+smallest slot of the job to :data:`MIN_OP_BYTES` or as near as they can.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
+from collections.abc import Iterable
 
 from .direct import DirectRound, direct_rounds, split_direct, staged_nbytes
 from .reshard_plan import Transfer
-from .wire import ALIGN, PAYLOAD_OFFSET, align, bucketize
+from .wire import ALIGN, HEADER_BYTES, PAYLOAD_OFFSET, align, bucketize
 
 __all__ = [
     "ATOMIC_STAGING",
+    "MIN_OP_BYTES",
+    "PHASES",
     "BudgetError",
     "StagingPlan",
     "buffer_sizes",
+    "choose_phases",
     "keeps_every_round",
+    "pair_phase",
     "pair_rounds",
+    "peer_lanes",
+    "phase_rounds",
+    "phase_slots",
     "plan_staging",
     "slot",
     "slot_bytes",
@@ -39,6 +60,10 @@ __all__ = [
 
 ATOMIC_STAGING = ("device", "host")  # where an atomic receiver keeps the version until it applies it
 MIB = 1 << 20
+PHASES = (1, 2, 4, 8, 16, 32, 64)  # the numbers of phases a job may split its pairs into
+# The op size a job splits its pairs into phases to reach (4xH200, benchmarks/p2p_rounds.py: rounds of 16
+# ops per receiver moved 313 GB/s at 16 MiB per op, 286 at 8, 162 at 4, 82 at 2, 41 at 1)
+MIN_OP_BYTES = 16 * MIB
 
 
 class BudgetError(ValueError):
@@ -60,6 +85,7 @@ class StagingPlan:
     budget_bytes: int | None
     strict: bool = True
     direct_bytes: dict[int, int] = dataclasses.field(default_factory=dict)
+    phases: int = 1
 
     def line(self, rank: int) -> str:
         """What the planner chose for ``rank``, for the INFO log."""
@@ -73,6 +99,8 @@ class StagingPlan:
         limit = "no budget" if self.budget_bytes is None else f"budget {self.budget_bytes / MIB:.1f} MiB"
         if self.budget_bytes is not None and not self.strict:
             limit += " (auto: an atomic receiver's version on the device comes on top)"
+        if self.phases > 1:
+            limit += f"; the pairs in {self.phases} phases"
         return f"{text} ({limit}; bucket MiB per pair: {sizes})"
 
 
@@ -88,31 +116,120 @@ def slot_bytes(slots: int, *, bucket_bytes: int, max_inflight: int, budget_bytes
     return min(bucket_bytes, budget_bytes // (max_inflight * slots) // ALIGN * ALIGN)
 
 
+def pair_phase(src: int, dst: int, phases: int) -> int:
+    """The phase of pair ``(src, dst)`` among ``phases``: both ends compute it alike. It spreads alike the
+    peers that are consecutive ranks and the peers ``phases`` ranks apart (one TP rank of each replica)."""
+    return (src + dst + src // phases + dst // phases) % phases
+
+
+def peer_lanes(rank: int, sends: Iterable[int], recvs: Iterable[int], phases: int) -> dict[tuple[str, int], int]:
+    """Each peer's lane on ``rank`` (``("send"|"recv", peer)`` -> its index among the peers of its phase
+    that ``rank`` sends to, or receives from): the staging buffers the peer's rounds use. Empty with one
+    phase (each peer its own buffers)."""
+    if phases == 1:
+        return {}
+    lanes: dict[tuple[str, int], int] = {}
+    for kind, peers in (("send", sends), ("recv", recvs)):
+        used: dict[int, int] = defaultdict(int)
+        for p in sorted(peers):
+            phase = pair_phase(*((rank, p) if kind == "send" else (p, rank)), phases)
+            lanes[(kind, p)] = used[phase]
+            used[phase] += 1
+    return lanes
+
+
+def phase_slots(rank: int, sends: Iterable[int], recvs: Iterable[int], phases: int) -> int:
+    """The staging slots of ``rank`` with its pairs in ``phases`` (per buffer in flight): the most peers it
+    sends to in one phase plus the most it receives from in one; with one phase, all its peers."""
+    sends, recvs = list(sends), list(recvs)
+    if phases == 1:
+        return len(sends) + len(recvs)
+    lanes = peer_lanes(rank, sends, recvs, phases)
+    return sum(1 + max((n for (k, _), n in lanes.items() if k == kind), default=-1) for kind in ("send", "recv"))
+
+
+def rank_slot(
+    rank: int,
+    sends: Iterable[int],
+    recvs: Iterable[int],
+    phases: int,
+    *,
+    bucket_bytes: int,
+    max_inflight: int,
+    budget_bytes: int | None,
+) -> tuple[int, int]:
+    """``rank``'s slot size (:func:`slot_bytes`) and slot count (:func:`phase_slots`) with its pairs in
+    ``phases``; in more than one, the budget first keeps room for round 0's header-only buckets (one per peer)."""
+    sends, recvs = list(sends), list(recvs)
+    n = phase_slots(rank, sends, recvs, phases)
+    if budget_bytes is not None and phases > 1:
+        budget_bytes = max(0, budget_bytes - (len(sends) + len(recvs)) * HEADER_BYTES)
+    return slot_bytes(n, bucket_bytes=bucket_bytes, max_inflight=max_inflight, budget_bytes=budget_bytes), n
+
+
+def choose_phases(slots: Iterable[tuple[int, ...]], min_op_bytes: int | None = MIN_OP_BYTES) -> int:
+    """The index in :data:`PHASES` of the fewest phases that bring the smallest of the job's slot sizes
+    (``slots``: each rank's slot size under each of :data:`PHASES`) to ``min_op_bytes``, or nearest to it
+    (0, one phase, when ``min_op_bytes`` is None or no rank stages anything)."""
+    slots = list(slots)
+    if min_op_bytes is None or not slots:
+        return 0
+    score = [min(min(s[i], min_op_bytes) for s in slots) for i in range(len(PHASES))]
+    return score.index(max(score))
+
+
+def phase_rounds(rounds: list, phase: int, phases: int) -> list:
+    """One pair's rounds placed in the job's rounds: a header-only bucket in round 0, then its ``j``-th
+    round in round ``1 + j * phases + phase`` (None in the rounds between, where the pair posts nothing);
+    unchanged with one phase."""
+    if phases == 1:
+        return rounds
+    out: list = [[]]
+    for j, r in enumerate(rounds):
+        out += [None] * (1 + j * phases + phase - len(out))
+        out.append(r)
+    return out
+
+
 def keeps_every_round(atomic: bool, atomic_staging: str) -> bool:
     """Whether a receiver holds every round it receives on the device until the last arrives (atomic, staged on
     the device); the others receive through ``max_inflight`` slots per peer."""
     return atomic and atomic_staging == "device"
 
 
-def slot(kind: str, peer: int, k: int, *, keep_all: bool, max_inflight: int) -> tuple[str, int, int]:
+def slot(
+    kind: str, peer: int, k: int, *, keep_all: bool, max_inflight: int, lanes: dict | None = None
+) -> tuple[str, int, int]:
     """The staging buffer of round ``k`` with ``peer``: receivers that keep every round (atomic,
-    staged on the device) have one per round, the rest ``max_inflight`` per peer."""
-    return kind, peer, k if (kind == "recv" and keep_all) else k % max_inflight
+    staged on the device) have one per round, the rest ``max_inflight`` per peer, or with ``lanes``
+    (:func:`peer_lanes`, pairs in phases) per lane, which the peers of other phases share (round 0, every
+    pair's header-only bucket, has one per peer)."""
+    if kind == "recv" and keep_all:
+        return kind, peer, k
+    if lanes and k > 0:
+        return kind, -1 - lanes[(kind, peer)], k % max_inflight
+    return kind, peer, k % max_inflight
 
 
 def buffer_sizes(
-    send: Table, recv: Table, *, keep_all: bool, max_inflight: int, stage_direct: bool = False
+    send: Table,
+    recv: Table,
+    *,
+    keep_all: bool,
+    max_inflight: int,
+    stage_direct: bool = False,
+    lanes: dict | None = None,
 ) -> dict[tuple[str, int, int], int]:
-    """Bytes of each device staging buffer, by ``(send|recv, peer, slot)``: each as large as the
-    largest round it carries (what :class:`~..exec.staging.Staging` allocates). Zero-copy rounds are
-    never staged by their sender, and by their receiver only with ``stage_direct`` (atomic)."""
+    """Bytes of each device staging buffer, by :func:`slot`: each as large as the largest round it
+    carries (what :class:`~..exec.staging.Staging` allocates). Zero-copy rounds are never staged by
+    their sender, and by their receiver only with ``stage_direct`` (atomic)."""
     sizes: dict[tuple[str, int, int], int] = {}
     for kind, table in (("send", send), ("recv", recv)):
         for peer, buckets in table.items():
             for k, bucket in enumerate(buckets):
-                if isinstance(bucket, DirectRound) and not (kind == "recv" and stage_direct):
+                if bucket is None or (isinstance(bucket, DirectRound) and not (kind == "recv" and stage_direct)):
                     continue
-                key = slot(kind, peer, k, keep_all=keep_all, max_inflight=max_inflight)
+                key = slot(kind, peer, k, keep_all=keep_all, max_inflight=max_inflight, lanes=lanes)
                 sizes[key] = max(sizes.get(key, 0), staged_nbytes(bucket))
     return sizes
 
@@ -152,6 +269,8 @@ def plan_staging(
     zero_copy_bytes: int | None = None,
     per_slot: dict[int, int] | None = None,
     slot_counts: dict[int, int] | None = None,
+    peer_counts: dict[int, int] | None = None,
+    phases: int = 1,
 ) -> StagingPlan:
     """Each pair's bucket size and each rank's staging for ``transfers`` (a plan's, in plan order).
 
@@ -166,22 +285,24 @@ def plan_staging(
     :func:`slot_bytes` as each computed it from its own slot count (``transfers`` then need only hold the pairs
     counted: a rank's plan, :class:`~..exec.reshard.ReshardExecutor` gathers them); None: from ``transfers``,
     a whole plan. A pair's bucket is the smaller of its two ranks' slot sizes. ``slot_counts``: every rank's
-    number of slots, gathered with them (for what a refusal names; None: counted from ``transfers``)."""
+    number of slots, gathered with them (for what a refusal names; None: counted from ``transfers``).
+    ``phases``: the pairs' phases (:func:`choose_phases`; the slots counted per lane, :func:`rank_slot`), and
+    ``peer_counts`` every rank's number of peers, gathered (None: counted from ``transfers``)."""
     if atomic_staging not in ATOMIC_STAGING:
         raise ValueError(f"atomic_staging must be one of {ATOMIC_STAGING}, got {atomic_staging!r}")
     pairs = _pairs(transfers)
     keep_all = keeps_every_round(atomic, atomic_staging)
-    slots: dict[int, int] = defaultdict(int)  # per rank: peers it sends to + peers it receives from
+    peers: dict[int, tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))  # rank -> (sends, recvs)
     for src, dst in pairs:
-        slots[src] += 1
-        slots[dst] += 1
+        peers[src][0].append(dst)
+        peers[dst][1].append(src)
+    size = dict(bucket_bytes=bucket_bytes, max_inflight=max_inflight, budget_bytes=budget_bytes)
+    counted = {r: rank_slot(r, *ps, phases, **size) for r, ps in peers.items()}  # per rank: (slot bytes, slots)
+    slots = {r: n for r, (_, n) in counted.items()}  # peers it sends to + receives from (in one phase)
     if slot_counts is not None:
         slots.update(slot_counts)
     if per_slot is None:
-        per_slot = {
-            r: slot_bytes(n, bucket_bytes=bucket_bytes, max_inflight=max_inflight, budget_bytes=budget_bytes)
-            for r, n in slots.items()
-        }
+        per_slot = {r: b for r, (b, _) in counted.items()}
     missing = sorted({r for p in pairs for r in p} - per_slot.keys())
     if missing:
         raise ValueError(f"per_slot has no slot size for ranks {missing} of the transfers")
@@ -202,7 +323,9 @@ def plan_staging(
         need = {p: PAYLOAD_OFFSET + (align(_row(max(ts, key=_row))) if ts else 0) for p, ts in staged.items()}
         short = [p for p in pairs if sizes[p] < need[p]]
         if short:
-            least = max(need[p] * max_inflight * max(slots[p[0]], slots[p[1]]) for p in pairs)
+            npeers = {r: len(ps[0]) + len(ps[1]) for r, ps in peers.items()} | (peer_counts or {})
+            heads = {r: n * HEADER_BYTES if phases > 1 else 0 for r, n in npeers.items()}  # round 0's buffers
+            least = max(need[p] * max_inflight * slots[r] + heads[r] for p in pairs for r in p)
             src, dst = max(short, key=lambda p: need[p] * max(slots[p[0]], slots[p[1]]))
             r = src if slots[src] >= slots[dst] else dst
             widest = max(staged[(src, dst)], key=_row)
@@ -210,7 +333,8 @@ def plan_staging(
                 f"{flag} {budget_bytes / MIB:g} MiB cannot stage {widest.name}: a bucket of rank {src} -> {dst} "
                 f"must hold one row of it ({need[(src, dst)]} bytes with the header), and rank {r} stages "
                 f"{max_inflight} buckets (--refit-max-inflight) for each of its {slots[r]} peer slots (peers it "
-                f"sends to and receives from); this plan needs a budget of at least {least} bytes "
+                f"sends to and receives from{f' in one of {phases} phases' if phases > 1 else ''}); this plan "
+                f"needs a budget of at least {least} bytes "
                 f"({least / MIB:.4f} MiB): raise the budget or lower --refit-max-inflight"
             )
     buckets = {}
@@ -218,16 +342,19 @@ def plan_staging(
     for src, dst in pairs:
         if rank is not None and rank not in (src, dst):
             continue
-        rounds = pair_rounds(*cut((src, dst)), sizes[(src, dst)])
+        rounds = phase_rounds(pair_rounds(*cut((src, dst)), sizes[(src, dst)]), pair_phase(src, dst, phases), phases)
         buckets[(src, dst)] = tables[src][0][dst] = tables[dst][1][src] = rounds
     device, host, direct = {}, {}, {}
     for r, (send, recv) in tables.items():
         if rank is not None and r != rank:
             continue
-        sizes_r = buffer_sizes(send, recv, keep_all=keep_all, max_inflight=max_inflight, stage_direct=atomic)
+        lanes = peer_lanes(r, send, recv, phases)
+        sizes_r = buffer_sizes(
+            send, recv, keep_all=keep_all, max_inflight=max_inflight, stage_direct=atomic, lanes=lanes
+        )
         device[r] = sum(sizes_r.values())
         if atomic and not keep_all:
-            host[r] = sum(staged_nbytes(b) for bs in recv.values() for b in bs)
+            host[r] = sum(staged_nbytes(b) for bs in recv.values() for b in bs if b is not None)
         direct[r] = sum(b.nbytes for t in (send, recv) for bs in t.values() for b in bs if isinstance(b, DirectRound))
     if budget_bytes is not None and strict:
         over = {r: n for r, n in device.items() if n > budget_bytes}
@@ -239,4 +366,4 @@ def plan_staging(
                 "the last round; stage it on the host (--refit-atomic-staging host), stream (--no-refit-atomic), "
                 "or raise the budget above it"
             )
-    return StagingPlan(sizes, buckets, device, host, budget_bytes, strict, direct)
+    return StagingPlan(sizes, buckets, device, host, budget_bytes, strict, direct, phases)

@@ -49,7 +49,8 @@ def _executor(plan, rank, **kw):
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 @pytest.mark.parametrize("mode", [dict(atomic=False), dict(atomic=True, atomic_staging="host")])
-def test_every_rank_stages_what_the_planner_counted_within_the_budget(name, mode):
+@pytest.mark.parametrize("phased", [True, False], ids=["phases", "one-phase"])
+def test_every_rank_stages_what_the_planner_counted_within_the_budget(name, mode, phased):
     plan = _plan(name)
     ranks = sorted({*plan.src.ranks, *plan.dst.ranks})
     peers = {r: len({t.dst for t in plan.transfers if t.src == r} - {r}) for r in ranks}
@@ -58,9 +59,19 @@ def test_every_rank_stages_what_the_planner_counted_within_the_budget(name, mode
     unbudgeted = _executor(plan, busiest, **mode)
     unbudgeted._allocate()
     assert unbudgeted.staging_bytes > BUDGET, "the budget must bind for the test to mean anything"
+    # phases: the budget's buckets are far below MIN_OP_BYTES, so the pairs go in phases, each pair of the busiest
+    # rank gets a larger bucket than in one phase, and the staging is still within the budget
+    one = dict(min_op_bytes=None)
     for r in ranks:
-        ex = _executor(plan, r, memory_budget_bytes=BUDGET, **mode)
+        ex = _executor(plan, r, memory_budget_bytes=BUDGET, **mode, **({} if phased else one))
         assert ex.budget_problem is None
+        assert (ex.phases > 1) == phased, (r, ex.phases)
+        if phased and r == busiest:
+            single = _executor(plan, r, memory_budget_bytes=BUDGET, **mode, **one).staging_plan.pair_bytes
+            assert all(b > single[p] for p, b in ex.staging_plan.pair_bytes.items()), (
+                ex.staging_plan.pair_bytes,
+                single,
+            )
         ex._allocate()
         planned = ex.staging_plan
         assert ex.staging_bytes == planned.device_bytes.get(r, 0) <= BUDGET, r
@@ -72,7 +83,12 @@ def test_every_rank_stages_what_the_planner_counted_within_the_budget(name, mode
         # a pair's bucket is the same on both sides (each side cut it from the plan alone)
         for p in ex.send:
             theirs = plan_staging(
-                plan.transfers, bucket_bytes=BUCKET, max_inflight=2, atomic=False, budget_bytes=BUDGET
+                plan.transfers,
+                bucket_bytes=BUCKET,
+                max_inflight=2,
+                atomic=False,
+                budget_bytes=BUDGET,
+                phases=ex.phases,
             )
             assert ex.staging_plan.pair_bytes[(r, p)] == theirs.pair_bytes[(r, p)]
 
@@ -99,15 +115,27 @@ def test_an_atomic_receiver_on_the_device_that_does_not_fit_is_refused_by_name()
 
 def test_a_budget_below_one_row_per_slot_is_refused_naming_the_tensor_and_the_least_budget():
     plan = _plan("tp1_to_dp7 [7]")
-    ex = _executor(plan, 0, memory_budget_bytes=4096, atomic=False)
+    ex = _executor(plan, 0, memory_budget_bytes=4096, atomic=False, min_op_bytes=None)
     msg = str(ex.budget_problem)
     # the widest row: down_proj's (ffn 48 floats = 192 bytes, 256 aligned); rank 0 stages 2 buckets x 7 peers
     assert "cannot stage model.layers.0.mlp.down_proj.weight: a bucket of rank 0 -> 1 must hold one row" in msg, msg
     least = int(re.search(r"at least (\d+) bytes", msg).group(1))
     assert least == (256 + 256) * 2 * 7, msg  # header + one aligned row, per slot
     # the least budget works, one byte less does not (every rank computes the same from the plan)
-    assert _executor(plan, 0, memory_budget_bytes=least, atomic=False).budget_problem is None
-    assert _executor(plan, 3, memory_budget_bytes=least - 1, atomic=False).budget_problem is not None
+    one = dict(atomic=False, min_op_bytes=None)
+    assert _executor(plan, 0, memory_budget_bytes=least, **one).budget_problem is None
+    assert _executor(plan, 3, memory_budget_bytes=least - 1, **one).budget_problem is not None
+    # in phases (the default) the trainer rank's seven peers fall in seven phases, one slot each way per round,
+    # and the budget keeps room for round 0's seven header-only buckets: 4096 bytes fit
+    assert _executor(plan, 0, memory_budget_bytes=4096, atomic=False).budget_problem is None
+    phased = (256 + 256) * 2 * 1 + 7 * 40
+    short = _executor(plan, 0, memory_budget_bytes=phased - 1, atomic=False)
+    assert short.phases == 8, short.phases
+    assert f"at least {phased} bytes" in str(short.budget_problem), short.budget_problem
+    assert "peers it sends to and receives from in one of 8 phases" in str(short.budget_problem)
+    ok = {r: _executor(plan, r, memory_budget_bytes=phased, atomic=False) for r in range(8)}
+    assert all(e.budget_problem is None and e.phases == 8 for e in ok.values())
+    assert ok[0].staging_plan.pair_bytes[(0, 1)] == 512 and ok[0].staging_plan.device_bytes[0] <= phased
     # and the refit refuses it on every rank before anything is allocated or sent
     with pytest.raises(Exception) as err:
         ex.refit(1)
@@ -132,7 +160,14 @@ def test_a_ranks_own_plan_refuses_with_its_peers_gathered_slots():
         for r in range(8):
             plan = build_reshard_plan(src, dst, rank=r)
             out[r] = ReshardExecutor(
-                plan, r, _tensors(plan, r), bucket_bytes=BUCKET, group=peers, memory_budget_bytes=budget, atomic=False
+                plan,
+                r,
+                _tensors(plan, r),
+                bucket_bytes=BUCKET,
+                group=peers,
+                memory_budget_bytes=budget,
+                atomic=False,
+                min_op_bytes=None,  # one phase: rank 0's seven peers in every round
             )
         return out
 
@@ -167,7 +202,10 @@ def test_the_plan_line_says_what_was_chosen():
     ex = _executor(plan, 0, memory_budget_bytes=BUDGET, atomic=False)
     line = ex.staging_plan.line(0)
     assert line.startswith(f"staging {ex.staging_plan.device_bytes[0] / MIB:.1f} MiB on the device"), line
-    assert "budget 0.0 MiB; bucket MiB per pair:" in line, line
+    assert f"budget 0.0 MiB; the pairs in {ex.phases} phases; bucket MiB per pair:" in line, line
+    assert ex.phases > 1
+    one = _executor(plan, 0, memory_budget_bytes=BUDGET, atomic=False, min_op_bytes=None).staging_plan.line(0)
+    assert "budget 0.0 MiB; bucket MiB per pair:" in one, one
 
 
 ZERO_COPY = 512  # bytes: the tiny model's runs of at least this many go zero-copy

@@ -26,12 +26,14 @@ DEPTHS = (1, 2, 4)
 # every pair's bucket halves; the least this plan takes is 2048 (a header and the widest row per slot)
 BUDGET = 4096
 ZERO_COPY = 512  # bytes: contiguous runs of at least this many go from tensor to tensor (zero-copy modes)
-# how a receiver stages: atomic on the device, streaming, atomic on the host within the budget; and the
-# zero-copy runs taken in place (streaming) or staged (atomic)
+# how a receiver stages: atomic on the device, streaming, atomic on the host within the budget, streaming within
+# the budget (whose buckets are far below MIN_OP_BYTES: the pairs go in phases, round 0 a header alone per pair);
+# and the zero-copy runs taken in place (streaming) or staged (atomic)
 MODES = {
     True: dict(atomic=True),
     False: dict(atomic=False),
     "host": dict(atomic=True, atomic_staging="host", memory_budget_bytes=BUDGET),
+    "phases": dict(atomic=False, memory_budget_bytes=BUDGET),
     "zero-copy": dict(atomic=False, zero_copy_bytes=ZERO_COPY, max_inflight=64),  # all rounds in round 0's flight
     "zero-copy atomic": dict(atomic=True, zero_copy_bytes=ZERO_COPY),
 }
@@ -118,24 +120,28 @@ def _body(backend):
         out[("budget", mode)] = dict(
             engine=snap(e), stats=stats, host=ex.staging_host_bytes, planned=ex.staging_plan.device_bytes[rank]
         )
-    ex = wx.ReshardExecutor(
-        plan, rank, {**trainer(), **engine()}, bucket_bytes=BUCKET, memory_budget_bytes=BUDGET // 2 - 1
-    )
+    one = dict(bucket_bytes=BUCKET, memory_budget_bytes=BUDGET // 2 - 1, min_op_bytes=None)  # one phase
+    ex = wx.ReshardExecutor(plan, rank, {**trainer(), **engine()}, **one)
     out["tiny_budget"] = attempt(lambda: ex.refit(1))
     ex = wx.ReshardExecutor(
-        mine, rank, {**trainer(), **engine()}, bucket_bytes=BUCKET, memory_budget_bytes=BUDGET // 2 - 1
+        mine, rank, {**trainer(), **engine()}, **one
     )  # the same with each rank's own plan: its peers' slot counts gathered, the same refusal
     out["tiny_budget_rank_plan"] = attempt(lambda: ex.refit(1))
 
     # 2. a stale source: rank 1 serves version 1 while version 2 is applied ("stale"), or (2b,
     # "late_stale") only in tensors that none of its first buckets carries: a streaming receiver has
-    # written round 0 by then and refuses at the end (mixed tensors: no version); an atomic one keeps 1
+    # written round 0 by then and refuses at the end (mixed tensors: no version); an atomic one keeps 1, and so
+    # does a streaming one in phases (round 0's header-only bucket vouches for every transfer of its pair)
     def late_only(ex):
         if rank != 1:
             return None
-        # what round 0's headers vouch for (zero-copy: the pair's zero-copy sources too), and the last bucket
-        # with pieces
-        early = {t.src_run.local for (side, _, k), ts in ex._carried.items() if side == "send" and k == 0 for t in ts}
+
+        def first(bs):  # a pair's first round with pieces (in phases round 0 is a header alone)
+            return next(k for k, b in enumerate(bs) if b is not None and (ex.phases == 1 or k > 0))
+
+        # what the first buckets' headers vouch for (zero-copy: the pair's zero-copy sources too), and the last
+        # bucket with pieces
+        early = {t.src_run.local for p, bs in ex.send.items() for t in ex._carried[("send", p, first(bs))]}
         last = [[r for r in b if isinstance(r, list) and r][-1] for b in ex.send.values()]
         late = {t.src_run.local: 1 for b in last for t, _ in b if t.src_run.local not in early}
         assert late, "the test needs a tensor that only a later bucket of rank 1 carries"
@@ -153,7 +159,9 @@ def _body(backend):
         refused = refit2(ex, tr)
         after, held = snap(e), ex.version
         ex.refit(3)  # every rank stayed in step: the next version applies
-        return dict(before=before, after=after, held=held, refused=refused, final=snap(e), version=ex.version)
+        return dict(
+            before=before, after=after, held=held, refused=refused, final=snap(e), version=ex.version, phases=ex.phases
+        )
 
     for case, served in (("stale", lambda ex: 1 if rank == 1 else None), ("late_stale", late_only)):
         for atomic in MODES:
@@ -354,6 +362,7 @@ def test_reshard_refit_versions_pipelining_and_gate(backend):
         for r in range(4):
             res = results[r][("stale", atomic)]
             assert res["version"] == 3
+            assert (res["phases"] > 1) == ("memory_budget_bytes" in MODES[atomic]), (atomic, res["phases"])
             if r in src.ranks:
                 assert res["refused"] is None
                 continue
@@ -373,8 +382,8 @@ def test_reshard_refit_versions_pipelining_and_gate(backend):
             assert reason == "version" and "rank 1 serves version 1" in msg, msg
             assert res["version"] == 3
             _check(res["final"], ref, dst, r, "version 3", scale=2.0)
-            if MODES[atomic]["atomic"]:
-                assert res["held"] == 1
+            if MODES[atomic]["atomic"] or atomic == "phases":
+                assert res["held"] == 1, (atomic, r)
                 _check(res["after"], ref, dst, r, "version 1 kept")
             else:
                 assert res["held"] is None  # mixed: round 0 of version 2 is written
