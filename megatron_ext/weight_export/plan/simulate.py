@@ -10,7 +10,10 @@ every byte it keeps over its fastest path (nothing if it already holds it, else
 NVLink if any GPU of its node holds it, else its NIC).
 
 ``python -m megatron_ext.weight_export.simulate`` prints the large
-configurations (see :data:`CONFIGS`) next to published figures.
+configurations (see :data:`CONFIGS`) next to published figures; with
+``--all-layers`` also what the first rank of each side plans and stages under a
+memory budget (:func:`rank_staging`: its peers, and its buckets and rounds in one
+phase and in the phases the budget's planner picks).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import time
 from collections import defaultdict
 
 from ...sharding import TensorSpec, gpt_specs, megatron_layout
+from .budget import PHASES, choose_phases, plan_staging, rank_slot
 from .layout import inference_layout
 from .reshard_plan import ReshardPlan, build_reshard_plan, fanout_plans
 
@@ -214,7 +218,56 @@ CONFIGS = {
 }
 
 
-def simulate_config(name: str, links: Links = Links(), *, all_layers: bool = False) -> dict:
+def rank_staging(
+    plans: dict[int, ReshardPlan],
+    sides: dict[int, list[int]],
+    *,
+    budget_bytes: int,
+    bucket_bytes: int,
+    max_inflight: int,
+) -> dict[int, dict]:
+    """What each rank of ``plans`` (its own plan) stages under ``budget_bytes``, streaming: its peers, and the
+    smallest bucket of its pairs and its rounds per refit in one phase and in the phases
+    :func:`~.budget.choose_phases` picks. Each rank stands for the ranks of its side (``sides``: rank ->
+    the ranks it stands for; a job whose ranks of one side stage alike), so the phases are chosen from these
+    ranks' slot sizes and every peer's slot is its side's."""
+    size = dict(bucket_bytes=bucket_bytes, max_inflight=max_inflight, budget_bytes=budget_bytes)
+    peers = {}
+    for r, plan in plans.items():
+        moved = [t for t in plan.transfers if t.src != t.dst]
+        peers[r] = ({t.dst for t in moved if t.src == r}, {t.src for t in moved if t.dst == r})
+    words = {r: [rank_slot(r, *peers[r], p, **size) for p in PHASES] for r in plans}
+    chosen = choose_phases([tuple(b for b, _ in w) for w in words.values()])
+    out = {}
+    for r, plan in plans.items():
+        row = dict(peers=len(peers[r][0] | peers[r][1]))
+        for label, i in (("one_phase", 0), ("phases", chosen)):
+            stand = {q: words[s][i] for s, ranks in sides.items() for q in ranks}
+            staged = plan_staging(
+                plan.transfers,
+                **size,
+                atomic=False,
+                strict=False,
+                rank=r,
+                per_slot={q: b for q, (b, _) in stand.items()},
+                slot_counts={q: n for q, (_, n) in stand.items()},
+                phases=PHASES[i],
+            )
+            mine = [b for (a, d), b in staged.pair_bytes.items() if r in (a, d)]
+            rounds = max((len(bs) for (a, d), bs in staged.buckets.items() if r in (a, d)), default=0)
+            row[label] = dict(
+                phases=PHASES[i],
+                bucket_mib=min(mine, default=0) / (1 << 20),
+                rounds=rounds,
+                staging_mib=staged.device_bytes.get(r, 0) / (1 << 20),
+            )
+        out[r] = row
+    return out
+
+
+def simulate_config(
+    name: str, links: Links = Links(), *, all_layers: bool = False, staging: dict | None = None
+) -> dict:
     """Plan and predict one of :data:`CONFIGS` (sampled layers, or ``all_layers``: the whole model, as a
     rank of that job plans it); returns a JSON-able row."""
     model, mk, ek, colocated, published, source = CONFIGS[name]
@@ -245,11 +298,16 @@ def simulate_config(name: str, links: Links = Links(), *, all_layers: bool = Fal
     model_bytes = sum(s.nbytes for s in specs)
     plan_s = time.perf_counter() - t0
     rank_plan_s = {}  # what a rank of the job plans: its own transfers (the first rank of each side)
+    staged = {}
     if all_layers:
+        plans = {}
         for r in sorted({src.ranks[0], dst.ranks[0]}):
             t0 = time.perf_counter()
-            n = len(build_reshard_plan(src, dst, rank=r).transfers)
-            rank_plan_s[r] = dict(seconds=time.perf_counter() - t0, transfers=n)
+            plans[r] = build_reshard_plan(src, dst, rank=r)
+            rank_plan_s[r] = dict(seconds=time.perf_counter() - t0, transfers=len(plans[r].transfers))
+        if staging is not None:
+            sides = {src.ranks[0]: list(src.ranks), dst.ranks[0]: [q for q in dst.ranks if q not in src.ranks]}
+            staged = rank_staging(plans, sides, **staging)
     return dict(
         config=name,
         trainer=src.description,
@@ -268,6 +326,7 @@ def simulate_config(name: str, links: Links = Links(), *, all_layers: bool = Fal
         published_by=source,
         plan_s=plan_s,
         rank_plan_s=rank_plan_s,
+        rank_staging=staged,
         all_layers=all_layers,
     )
 
@@ -285,7 +344,8 @@ def format_rows(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> list[dict]:
+def main(argv=None, *, budget_mb: float = 512, bucket_mb: float = 64, max_inflight: int = 2) -> list[dict]:
+    """The command; the defaults of the staging flags are the refit's (the front door passes them)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", action="append", choices=sorted(CONFIGS), help="default: all")
     p.add_argument("--nvlink-gbps", type=float, default=Links.nvlink_gbps)
@@ -297,16 +357,32 @@ def main(argv=None) -> list[dict]:
         help="plan every layer (slow for large models: plan_s is the layouts and the whole plan; rank_plan_s what "
         "the first trainer and engine rank each plan, their own transfers, as in a job)",
     )
+    p.add_argument("--budget-mb", type=float, default=budget_mb, help="--all-layers: the staging budget per rank")
+    p.add_argument("--bucket-mb", type=float, default=bucket_mb, help="--all-layers: the bucket per peer")
+    p.add_argument("--max-inflight", type=int, default=max_inflight, help="--all-layers: rounds in flight")
     p.add_argument("--json", help="write the rows here")
     a = p.parse_args(argv)
+    mib = 1 << 20
+    staging = dict(
+        budget_bytes=int(a.budget_mb * mib), bucket_bytes=int(a.bucket_mb * mib), max_inflight=a.max_inflight
+    )
     links = Links(nvlink_gbps=a.nvlink_gbps, nic_gbps=a.nic_gbps, gpus_per_node=a.gpus_per_node)
     rows = []
     for name in a.config or list(CONFIGS):
         print(f"planning {name} ...", flush=True)
-        rows.append(simulate_config(name, links, all_layers=a.all_layers))
+        rows.append(simulate_config(name, links, all_layers=a.all_layers, staging=staging))
         print(f"  planned in {rows[-1]['plan_s']:.1f} s (layouts and the whole plan)", flush=True)
         for r, got in rows[-1]["rank_plan_s"].items():
             print(f"  rank {r}'s own plan: {got['transfers']} transfers in {got['seconds']:.2f} s", flush=True)
+        for r, got in rows[-1]["rank_staging"].items():
+            one, ph = got["one_phase"], got["phases"]
+            print(
+                f"  rank {r}, {got['peers']} peers, within {a.budget_mb:g} MiB at {a.max_inflight} in flight: "
+                f"buckets of {one['bucket_mib']:.2f} MiB in {one['rounds']} rounds in one phase; "
+                f"{ph['bucket_mib']:.2f} MiB in {ph['rounds']} rounds in {ph['phases']} phases "
+                f"(staging {one['staging_mib']:.0f} / {ph['staging_mib']:.0f} MiB)",
+                flush=True,
+            )
     print(format_rows(rows))
     if a.json:
         with open(a.json, "w") as f:

@@ -60,3 +60,26 @@ def test_cli_prints_a_row(capsys, tmp_path):
     rows = main(["--config", "qwen3-4b dp8->tp8", "--json", str(tmp_path / "sim.json")])
     assert rows[0]["model_gb"] == pytest.approx(8.05, abs=0.05)  # Qwen3-4B in bf16
     assert "qwen3-4b" in capsys.readouterr().out and (tmp_path / "sim.json").exists()
+
+
+def test_rank_staging_in_phases_keeps_the_budget_with_larger_buckets():
+    """Qwen3-4B, one trainer node (TP1 x DP8) -> 32 TP2 replicas on other nodes, within a 64 MiB budget at 2 in
+    flight: the first trainer rank feeds every engine rank, so one phase cuts its buckets to the budget's share
+    per peer; the planner's phases give buckets at least twice as large, within the same budget."""
+    from megatron_ext.weight_export.plan.simulate import CONFIGS, rank_staging
+
+    model, mk, ek, *_ = CONFIGS["qwen3-4b tp1dp8 -> 32 replicas tp2, separate nodes"]
+    specs = gpt_specs(**model)
+    src = megatron_layout(specs, **mk)
+    dst = inference_layout(specs, **ek, ranks=range(8, 8 + ek["tp"] * ek["dp"]))
+    plans = {r: build_reshard_plan(src, dst, rank=r) for r in (0, 8)}
+    budget = 64 << 20
+    got = rank_staging(
+        plans, {0: list(src.ranks), 8: list(dst.ranks)}, budget_bytes=budget, bucket_bytes=64 << 20, max_inflight=2
+    )
+    trainer = got[0]
+    assert trainer["peers"] == 64, trainer  # each engine rank takes an eighth of its share from each trainer rank
+    one, phased = trainer["one_phase"], trainer["phases"]
+    assert one["phases"] == 1 and one["bucket_mib"] == 0.5, one  # 64 MiB / (2 in flight x 64 peers)
+    assert phased["phases"] > 1 and phased["bucket_mib"] >= 2 * one["bucket_mib"], phased
+    assert max(one["staging_mib"], phased["staging_mib"]) <= budget / (1 << 20)
