@@ -2,7 +2,7 @@
 
 Every rank of the group reports one int64 and a short note
 (:meth:`~..control.peers.Peers.gather_notes`): its wire id (:func:`~..plan.wire.wire_id`: every
-rank's slot size and pairs' digest, gathered just before, and the checks), or a refusal code,
+rank's slot size and pairs' digest, gathered just before, the pairs' phases and the checks), or a refusal code,
 :data:`~..plan.wire.BAD_TENSORS` (its tensors are not the layout's; the note says
 which and how, from :func:`tensor_problem`) or :data:`~..plan.wire.NO_STAGING` (its
 staging buffers did not fit in device memory or in the memory budget). :func:`settle` turns the
@@ -127,7 +127,8 @@ def settle(
             f"{who}: {word}s {[r for r, v in codes.items() if v != common]} run another reshard plan or "
             f"bucket_bytes than {word}s {[r for r, v in codes.items() if v == common]}; nothing was sent. Build "
             "the same layouts (specs, TP/PP/DP/EP, ranks, vocab padding) and give every rank the same "
-            "zero_copy_bytes and check_finite (--refit-zero-copy-mb, --refit-check-finite), and where a rank was "
+            "zero_copy_bytes, check_finite and min_op_bytes (--refit-zero-copy-mb, --refit-check-finite; the "
+            "executor's min_op_bytes sets the pairs' phases), and where a rank was "
             "given the whole plan also the same bucket_bytes and memory budget (--refit-bucket-size-mb, "
             "--refit-memory-budget-mb)",
             reason="plan",

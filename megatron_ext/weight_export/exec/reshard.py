@@ -6,7 +6,8 @@ Every rank of the plan (trainer and engine ranks in one process group) builds a
 :meth:`~ReshardExecutor.refit` for each weight version. Transfers between one pair of ranks are packed, in plan order,
 into buckets of at most ``bucket_bytes`` (a transfer larger than a bucket is
 cut into rows); round ``k`` moves the ``k``-th round of every pair at once (one
-``batch_isend_irecv``). Up to ``max_inflight`` rounds are in flight: round
+``batch_isend_irecv``), or with the pairs in phases (many peers within a memory budget,
+:mod:`..plan.budget`) the rounds of one phase's pairs. Up to ``max_inflight`` rounds are in flight: round
 ``k + 1`` is posted before round ``k`` is waited on and unpacked. Contiguous
 runs of at least ``zero_copy_bytes`` skip the buckets (:mod:`..plan.direct`):
 they go from the sender's tensor straight into a streaming receiver's, in
@@ -202,7 +203,9 @@ class ReshardExecutor:
     written as it arrives; the headers of round 0, which carries a bucket of
     every source, are still checked before the first write, later rounds' at
     the end: a source stale only in a later bucket leaves the tensors mixed
-    and :attr:`version` None). ``atomic_staging="host"`` keeps an atomic
+    and :attr:`version` None; with the pairs in phases, round 0 is a header alone per
+    pair that vouches for all its transfers, so such a source is refused before
+    anything is written). ``atomic_staging="host"`` keeps an atomic
     receiver's version in pinned host memory instead (:attr:`staging_host_bytes`):
     it receives through ``max_inflight`` buffers per peer, as a streaming one, and
     applies the version with one host-to-device pass through them.
@@ -341,9 +344,10 @@ class ReshardExecutor:
         return f"{self.peers.word} {self.rank}"
 
     def _settle(self, what: str) -> None:
-        """Once, before the first refit's agreement: every rank's slot size and pairs' digest, gathered (by every
-        rank, whatever plan it was given, so every rank runs the same exchanges). A rank's plan then cuts its
-        pairs (:meth:`_cut`, a pair's bucket the smaller of its two ranks' slots); :meth:`agree` raises
+        """Once, before the first refit's agreement: every rank's words (its pairs' digest, its slot size and count
+        in each number of phases), gathered (by every rank, whatever plan it was given, so every rank runs the same
+        exchanges). A rank's plan then cuts its pairs (:meth:`_cut`: the phases from every rank's words, a pair's
+        bucket the smaller of its two ranks' slots); :meth:`agree` raises
         :class:`RefitRejected` (``"plan"``) on every rank alike when the two ends of some pair planned other
         transfers (their digests do not cancel out) at the agreement, after its checks of tensors and staging.
         A whole plan was cut when it was built."""
@@ -366,7 +370,7 @@ class ReshardExecutor:
         vouches for, and the wire id (every rank's slot size and pairs' digest, the phases, the zero-copy size and
         the checks)."""
         job = {r: w for r, w in self._shares.items() if r in self._job_ranks or r == self.rank}
-        i = choose_phases([w[1::2] for w in job.values() if w[2]], self.min_op_bytes)
+        i = choose_phases([w[1:] for w in job.values() if w[2]], self.min_op_bytes)
         self.phases = PHASES[i]
         per_slot = {r: w[1 + 2 * i] for r, w in job.items()}
         kw = dict(

@@ -2,7 +2,7 @@
 
 A rank sends each peer its buckets (:func:`~..plan.wire.bucketize`) from send buffers
 and receives theirs into receive buffers, one buffer per ``(send|recv, peer,
-slot)`` (:func:`slot`): ``max_inflight`` slots per peer, except that an atomic
+slot)`` (:func:`slot`): ``max_inflight`` slots per peer (per lane, with the pairs in phases), except that an atomic
 receiver staging on the device keeps every round (nothing is written before the
 last one arrives). An atomic receiver staging on the host (``host=True``) receives
 through ``max_inflight`` slots per peer like a streaming one and copies each bucket

@@ -167,14 +167,21 @@ def rank_slot(
     return slot_bytes(n, bucket_bytes=bucket_bytes, max_inflight=max_inflight, budget_bytes=budget_bytes), n
 
 
-def choose_phases(slots: Iterable[tuple[int, ...]], min_op_bytes: int | None = MIN_OP_BYTES) -> int:
-    """The index in :data:`PHASES` of the fewest phases that bring the smallest of the job's slot sizes
-    (``slots``: each rank's slot size under each of :data:`PHASES`) to ``min_op_bytes``, or nearest to it
-    (0, one phase, when ``min_op_bytes`` is None or no rank stages anything)."""
-    slots = list(slots)
-    if min_op_bytes is None or not slots:
+def choose_phases(words: Iterable[tuple[int, ...]], min_op_bytes: int | None = MIN_OP_BYTES) -> int:
+    """The index in :data:`PHASES` of the fewest phases that bring the smallest of the job's slot sizes to
+    ``min_op_bytes`` (within 1/64: round 0's headers take a little of each budget), or nearest to it (0, one
+    phase, when ``min_op_bytes`` is None or no rank stages anything). ``words``: each rank's slot size and slot
+    count under each of :data:`PHASES`, interleaved (:func:`rank_slot`). When no number of phases leaves any
+    slot at all (a budget too small for the job), the one with the fewest slots on the most crowded rank, so that
+    the refusal names the least budget that works."""
+    words = [tuple(w) for w in words]
+    if min_op_bytes is None or not words:
         return 0
-    score = [min(min(s[i], min_op_bytes) for s in slots) for i in range(len(PHASES))]
+    target = min_op_bytes - min_op_bytes // 64
+    score = [min(min(w[2 * i], target) for w in words) for i in range(len(PHASES))]
+    if max(score) == 0:
+        crowded = [max(w[2 * i + 1] for w in words) for i in range(len(PHASES))]
+        return crowded.index(min(crowded))
     return score.index(max(score))
 
 

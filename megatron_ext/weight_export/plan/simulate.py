@@ -237,7 +237,7 @@ def rank_staging(
         moved = [t for t in plan.transfers if t.src != t.dst]
         peers[r] = ({t.dst for t in moved if t.src == r}, {t.src for t in moved if t.dst == r})
     words = {r: [rank_slot(r, *peers[r], p, **size) for p in PHASES] for r in plans}
-    chosen = choose_phases([tuple(b for b, _ in w) for w in words.values()])
+    chosen = choose_phases([tuple(x for pair in w for x in pair) for w in words.values()])
     out = {}
     for r, plan in plans.items():
         row = dict(peers=len(peers[r][0] | peers[r][1]))

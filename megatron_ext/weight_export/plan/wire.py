@@ -6,7 +6,7 @@ NaN or Inf, raised by the copies that pack it) that the receiver checks
 before it keeps the bucket, so a stale, foreign or non-finite source is refused by name
 (:func:`header_rows` writes them, :func:`header_refusals` reads them). The wire
 id hashes what every rank's cut of its pairs depends on (each rank's slot size and pairs'
-digest, the zero-copy size) and the check flag (:func:`wire_id`); before the first refit
+digest, the pairs' phases, the zero-copy size) and the check flag (:func:`wire_id`); before the first refit
 every rank also reports its wire id or a refusal code (:data:`NO_STAGING`, :data:`BAD_TENSORS`; :mod:`..exec.agreement`)
 so that all ranks agree before a byte moves. :func:`bucketize` lays a peer's
 transfers out behind the header, cutting transfers larger than a bucket into rows.
@@ -65,7 +65,7 @@ PAYLOAD_OFFSET = align(HEADER_BYTES)  # where a reshard bucket's first transfer 
 
 def wire_id(fingerprint: str, buckets: str, check_finite: bool) -> int:
     """The int64 every rank of one refit must share: the plan (``fingerprint``: every rank's slot size and pairs'
-    digest), how pairs are cut (``buckets``: the zero-copy size) and checks."""
+    digest, the phases), how pairs are cut (``buckets``: the zero-copy size) and checks."""
     v = int(hashlib.sha256(f"{fingerprint}:{buckets}:{check_finite}".encode()).hexdigest()[:16], 16)
     return v - (1 << 64) if v >= 1 << 63 else v
 

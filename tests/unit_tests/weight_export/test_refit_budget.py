@@ -133,6 +133,13 @@ def test_a_budget_below_one_row_per_slot_is_refused_naming_the_tensor_and_the_le
     assert short.phases == 8, short.phases
     assert f"at least {phased} bytes" in str(short.budget_problem), short.budget_problem
     assert "peers it sends to and receives from in one of 8 phases" in str(short.budget_problem)
+    # a budget that leaves no slot in any number of phases: the refusal names the least of the phases with the
+    # fewest slots (8: one per round each way), which then fits, at 3 in flight
+    tiny = _executor(plan, 0, memory_budget_bytes=1024, atomic=False, max_inflight=3)
+    least3 = (256 + 256) * 3 * 1 + 7 * 40
+    assert tiny.phases == 8 and f"at least {least3} bytes" in str(tiny.budget_problem), tiny.budget_problem
+    fits = [_executor(plan, r, memory_budget_bytes=least3, atomic=False, max_inflight=3) for r in range(8)]
+    assert all(e.budget_problem is None for e in fits), [str(e.budget_problem) for e in fits]
     ok = {r: _executor(plan, r, memory_budget_bytes=phased, atomic=False) for r in range(8)}
     assert all(e.budget_problem is None and e.phases == 8 for e in ok.values())
     assert ok[0].staging_plan.pair_bytes[(0, 1)] == 512 and ok[0].staging_plan.device_bytes[0] <= phased
