@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 
 from ...copies import CopyBatch, finite_groups
-from ..plan.budget import Table, buffer_sizes, keeps_every_round, slot
+from ..plan.budget import Table, buffer_sizes, host_slabs, keeps_every_round, slot
 from ..plan.direct import DirectRound, staged_nbytes
 from ..plan.reshard_plan import Run, Transfer
 from ..plan.wire import HEADER_BYTES, HEADER_WORDS, NONFINITE_WORD
@@ -113,11 +113,12 @@ class Staging:
         )
         self.bufs = {key: torch.empty(n, dtype=torch.uint8, device=device) for key, n in sizes.items()}
         pin = device.type == "cuda"
-        self.held = {  # host: one buffer per received round, the whole version
-            (peer, k): torch.empty(staged_nbytes(b), dtype=torch.uint8, pin_memory=pin)
-            for peer, buckets in recv.items()
-            for k, b in enumerate(buckets)
-            if host and b is not None
+        # host: one buffer per received round, the whole version, in pinned slabs of power-of-two sizes
+        kept = [(peer, k, staged_nbytes(b)) for peer, bs in recv.items() for k, b in enumerate(bs) if b is not None]
+        slabs, where = host_slabs([n for *_, n in kept] if host else [])
+        self._slabs = [torch.empty(n, dtype=torch.uint8, pin_memory=pin) for n in slabs]
+        self.held = {
+            (peer, k): self._slabs[s][off : off + n] for (peer, k, n), (s, off) in zip(kept if host else [], where)
         }
         self.direct_send: dict[int, list[tuple[int, torch.Tensor]]] = defaultdict(list)  # round -> (peer, view)
         self.direct_recv: dict[int, list[tuple[int, torch.Tensor]]] = defaultdict(list)
@@ -260,5 +261,5 @@ class Staging:
 
     @property
     def host_nbytes(self) -> int:
-        """Bytes of staging on the host (atomic receivers with ``host=True``)."""
-        return sum(b.numel() for b in self.held.values())
+        """Bytes of staging on the host (atomic receivers with ``host=True``): its pinned slabs."""
+        return sum(b.numel() for b in self._slabs)

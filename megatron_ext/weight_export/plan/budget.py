@@ -47,6 +47,7 @@ __all__ = [
     "StagingPlan",
     "buffer_sizes",
     "choose_phases",
+    "host_slabs",
     "keeps_every_round",
     "pair_phase",
     "pair_rounds",
@@ -196,6 +197,30 @@ def phase_rounds(rounds: list, phase: int, phases: int) -> list:
         out += [None] * (1 + j * phases + phase - len(out))
         out.append(r)
     return out
+
+
+def host_slabs(sizes: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
+    """Pinned host slabs for buffers of ``sizes`` bytes, in order: each slab a power of two (PyTorch's pinned
+    allocator rounds every allocation up to one: a buffer of its own would take up to twice its bytes), filled
+    with consecutive buffers at :data:`~.wire.ALIGN` offsets; each slab the largest power of two within the
+    bytes left, but at least the next buffer's; or a slab per buffer where that pins less (buffers of a power
+    of two each). Returns the slab sizes and each buffer's ``(slab, offset)``."""
+    alone = [1 << max(n - 1, 0).bit_length() for n in sizes]
+    slabs: list[int] = []
+    where: list[tuple[int, int]] = []
+    left = sum(align(n) for n in sizes)
+    used = 0
+    for n in sizes:
+        if not slabs or used + n > slabs[-1]:
+            size = max(1 << max(left.bit_length() - 1, 0), 1 << max(n - 1, 0).bit_length())
+            slabs.append(size)
+            used = 0
+        where.append((len(slabs) - 1, used))
+        used += align(n)
+        left -= align(n)
+    if sum(alone) <= sum(slabs):
+        return alone, [(i, 0) for i in range(len(sizes))]
+    return slabs, where
 
 
 def keeps_every_round(atomic: bool, atomic_staging: str) -> bool:
@@ -360,8 +385,8 @@ def plan_staging(
             send, recv, keep_all=keep_all, max_inflight=max_inflight, stage_direct=atomic, lanes=lanes
         )
         device[r] = sum(sizes_r.values())
-        if atomic and not keep_all:
-            host[r] = sum(staged_nbytes(b) for bs in recv.values() for b in bs if b is not None)
+        if atomic and not keep_all:  # pinned slabs of the rounds it receives (exec/staging.py allocates them)
+            host[r] = sum(host_slabs([staged_nbytes(b) for bs in recv.values() for b in bs if b is not None])[0])
         direct[r] = sum(b.nbytes for t in (send, recv) for bs in t.values() for b in bs if isinstance(b, DirectRound))
     if budget_bytes is not None and strict:
         over = {r: n for r, n in device.items() if n > budget_bytes}

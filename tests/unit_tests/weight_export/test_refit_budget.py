@@ -76,8 +76,13 @@ def test_every_rank_stages_what_the_planner_counted_within_the_budget(name, mode
         planned = ex.staging_plan
         assert ex.staging_bytes == planned.device_bytes.get(r, 0) <= BUDGET, r
         assert ex.staging_host_bytes == planned.host_bytes.get(r, 0), r
-        if mode["atomic"] and ex.recv:  # the host holds every bucket this rank receives
-            assert ex.staging_host_bytes == ex.received_bytes > 0
+        if mode["atomic"] and ex.recv:  # the host holds every bucket this rank receives, in pinned slabs whose
+            # sizes are powers of two (PyTorch's pinned allocator rounds each allocation up to one)
+            held = ex.staging.held
+            assert sum(h.numel() for h in held.values()) == ex.received_bytes > 0
+            slabs = [s.numel() for s in ex.staging._slabs]
+            assert all(n & (n - 1) == 0 for n in slabs) and ex.staging_host_bytes == sum(slabs), slabs
+            assert all(h.storage_offset() % 256 == 0 for h in held.values())  # aligned: headers read as int64
         # the planner counted what the allocator holds: one buffer per slot, each its largest bucket
         assert ex.staging_bytes == sum(b.numel() for b in ex.staging.bufs.values())
         # a pair's bucket is the same on both sides (each side cut it from the plan alone)
@@ -309,3 +314,26 @@ def test_zero_copy_stages_only_what_an_atomic_receiver_must_keep(name, mode, mon
             assert ex.staging_host_bytes >= ex.received_bytes > 0
         else:
             assert ex.staging_bytes < staged.staging_bytes, r
+
+
+@pytest.mark.parametrize(
+    "sizes, most",
+    [
+        ([(42 << 20) + 4096] * 130, 1.05),  # the auto budget's buckets (4xH200 colocated TP4 -> TP1xDP4): 1.5x alone
+        ([128 << 20] * 58, 1.0),  # powers of two: a slab per buffer is exact
+        ([1000, 5000, 300], 2.0),
+    ],
+)
+def test_host_slabs_pin_powers_of_two_holding_every_buffer(sizes, most):
+    """An atomic receiver staged on the host pins its rounds in slabs whose sizes are powers of two (PyTorch's
+    pinned allocator rounds each allocation up to one), each buffer inside one slab at an aligned offset, no two
+    overlapping, in at most ``most`` times their bytes."""
+    from megatron_ext.weight_export.plan.budget import host_slabs
+
+    slabs, where = host_slabs(sizes)
+    assert all(n & (n - 1) == 0 for n in slabs), slabs
+    spans = sorted((s, off, off + n) for (s, off), n in zip(where, sizes))
+    assert all(off % 256 == 0 and end <= slabs[s] for s, off, end in spans), spans
+    assert all(a[0] != b[0] or a[2] <= b[1] for a, b in zip(spans, spans[1:])), "buffers overlap"
+    assert sum(slabs) <= most * sum(sizes), (sum(slabs) / sum(sizes), slabs)
+    assert sum(slabs) <= sum(1 << (n - 1).bit_length() for n in sizes)  # never more than a buffer each

@@ -343,7 +343,8 @@ def test_reshard_refit_versions_pipelining_and_gate(backend):
                 assert s.rounds > unbudgeted[r].rounds, (mode, r)
             if r in dst.ranks:
                 _check(res["engine"], ref, dst, r, f"budget {mode}")
-                assert res["host"] == (res["stats"][0].received_bytes if mode == "host" else 0)
+                received = res["stats"][0].received_bytes
+                assert (res["host"] >= received > 0) if mode == "host" else res["host"] == 0  # pinned slabs
             else:
                 assert res["host"] == 0
     for r in range(4):  # a budget below one row per slot: every rank refuses before anything moves
