@@ -704,6 +704,7 @@ def _method(method, trainer, engine, src, dst, tensors, rank, versions, opts, de
         wrong_count=len(wrong),
         checked=(trainer is not None) + (engine is not None),
         rounds=ex.rounds if ex is not None else None,
+        phases=ex.phases if ex is not None else None,  # the pairs' phases (plan/budget.py; 1 unless many peers)
         staging_bytes=ex.staging_bytes if ex is not None else None,
         staging_host_bytes=ex.staging_host_bytes if ex is not None else None,
     )
@@ -753,6 +754,7 @@ def _rows(cases: list[Case], methods: list[str], res: list[list[dict]], experts:
                     wrong=[w for m in ms for w in m["wrong"]][:5],
                     times_s=ms[0]["times"] if correct else None,
                     rounds=max((m["rounds"] or 0 for m in ms), default=0) if method.startswith("ours") else None,
+                    phases=max((m.get("phases") or 0 for m in ms), default=0) if method.startswith("ours") else None,
                     staging_bytes=max((m["staging_bytes"] or 0 for m in ms), default=0)
                     if method.startswith("ours")
                     else None,

@@ -111,9 +111,12 @@ def test_refit_vs_swap_benchmark_cpu_smoke(tmp_path):
     # non-colocated: everything it keeps crosses a link
     assert 0 < rows[(LAYOUTS[0], "ours:atomic")]["link_bytes"] < rows[(LAYOUTS[1], "ours:atomic")]["link_bytes"]
     assert rows[(LAYOUTS[0], "ours:stream")]["rounds"] > rows[(LAYOUTS[0], "ours:atomic")]["rounds"]
+    # the 1 MiB budget over a colocated rank's peers leaves buckets far below MIN_OP_BYTES: the pairs in phases
+    assert rows[(LAYOUTS[0], "ours:stream")]["phases"] > 1
     for layout in LAYOUTS:  # every rank's device staging within the 1 MiB budget; atomic-host keeps the version
         for m in ("ours:stream", "ours:atomic-host"):  # on the host
             assert 0 < rows[(layout, m)]["staging_bytes"] <= 1 << 20, (layout, m)
+        assert rows[(layout, "ours:atomic")]["phases"] == 1  # no budget on the device-atomic row: one phase
         host = rows[(layout, "ours:atomic-host")]["staging_host_bytes"]
         assert host >= rows[(layout, "ours:atomic")]["link_bytes"] > 0, layout
     # one verdict line per layout and row of ours; no device memory on CPU
