@@ -63,6 +63,7 @@ from ..control.peers import as_peers
 from ..engines.gate import RefitGate
 from ..plan.budget import (
     MIN_OP_BYTES,
+    NO_WORDS,
     PHASES,
     BudgetError,
     StagingPlan,
@@ -70,13 +71,14 @@ from ..plan.budget import (
     choose_phases,
     keeps_every_round,
     peer_lanes,
+    phase_words,
     plan_staging,
-    rank_slot,
+    rank_words,
 )
 from ..plan.direct import DirectRound, round_nbytes
 from ..plan.errors import RefitRejected, RefitStats
 from ..plan.nogc import paused_gc
-from ..plan.reshard_plan import ReshardPlan, Run, Transfer, fanout_plans, pair_summary, run_view
+from ..plan.reshard_plan import ReshardPlan, Run, Transfer, fanout_plans, run_view
 from ..plan.wire import (
     BAD_TENSORS,
     HEADER_BYTES,
@@ -149,30 +151,6 @@ def _carried(rounds: list, *, whole_first: bool = False) -> dict[int, list[Trans
     for k, r in enumerate(rounds):
         if r is not None and not _direct(r):
             out[k] = [t for t, _ in r] + (direct if k in (0, len(rounds) - 1) else []) + (staged if k == 0 else [])
-    return out
-
-
-_NO_WORDS = (0,) + (0, 0) * len(PHASES)  # a rank's words before they are gathered
-
-
-def _words(transfers: list[Transfer], ranks, size: dict) -> dict[int, tuple[int, ...]]:
-    """The words of each of ``ranks`` over the pairs of ``transfers``: the digest of its pairs
-    (:func:`~..plan.reshard_plan.pair_summary`), then its slot size and slot count in each of
-    :data:`~..plan.budget.PHASES` (:func:`~..plan.budget.rank_slot`)."""
-    summary = pair_summary(transfers)
-    peers: dict[int, tuple[set, set]] = {r: (set(), set()) for r in ranks}
-    for t in transfers:
-        if t.src != t.dst:
-            if t.src in peers:
-                peers[t.src][0].add(t.dst)
-            if t.dst in peers:
-                peers[t.dst][1].add(t.src)
-    out = {}
-    for r, (sends, recvs) in peers.items():
-        words = [summary.get(r, (0, 0))[1]]
-        for phases in PHASES:
-            words += rank_slot(r, sends, recvs, phases, **size)
-        out[r] = tuple(words)
     return out
 
 
@@ -310,17 +288,16 @@ class ReshardExecutor:
         )
         self._budget = dict(budget_bytes=memory_budget_bytes, strict=memory_budget_strict)
         self.min_op_bytes = min_op_bytes
-        # each rank's words (:meth:`_words`): the digest of its pairs (both ends of a pair add the same), then its
-        # slot size and slot count with its pairs in each number of phases (a pair's bucket is the smaller of
-        # its two ranks' slot sizes): a whole plan has every rank's; a rank's plan has its own, and the
-        # others' are gathered before the first refit (:meth:`_settle`)
+        # each rank's words (:func:`~..plan.budget.rank_words`: its pairs' digest, its slot size and count in each
+        # number of phases; a pair's bucket is the smaller of its two ranks' slot sizes): a whole plan has every
+        # rank's; a rank's plan has its own, and the others' are gathered before the first refit (:meth:`_settle`)
         self._settled = False
         self._pairs_agree = True  # whether the two ends of every pair planned alike (a rank's plan: _settle)
         self._job_ranks = sorted({*plan.src.ranks, *plan.dst.ranks})
         size = dict(bucket_bytes=bucket_bytes, max_inflight=max_inflight, budget_bytes=memory_budget_bytes)
         counted = [rank] if plan.rank is not None else {*self._job_ranks, rank}
-        self._shares = {r: _NO_WORDS for r in {*self._job_ranks, rank}}
-        self._shares.update(_words(mine if plan.rank is not None else plan.transfers, counted, size))
+        self._shares = {r: NO_WORDS for r in {*self._job_ranks, rank}}
+        self._shares.update(rank_words(mine if plan.rank is not None else plan.transfers, counted, **size))
         self.staging_plan: StagingPlan | None = None  # each pair's buckets (a rank's plan: from _settle on)
         self.budget_problem: RefitRejected | None = None  # a budget that cannot hold this rank's staging
         self.send: dict[int, list] = {}
@@ -370,14 +347,14 @@ class ReshardExecutor:
         vouches for, and the wire id (every rank's slot size and pairs' digest, the phases, the zero-copy size and
         the checks)."""
         job = {r: w for r, w in self._shares.items() if r in self._job_ranks or r == self.rank}
-        i = choose_phases([w[1:] for w in job.values() if w[2]], self.min_op_bytes)
+        i = choose_phases(job.values(), self.min_op_bytes)
         self.phases = PHASES[i]
-        per_slot = {r: w[1 + 2 * i] for r, w in job.items()}
+        per_slot = {r: phase_words(w, i)[0] for r, w in job.items()}
         kw = dict(
             self._staging_args,
             per_slot=per_slot,
-            slot_counts={r: w[2 + 2 * i] for r, w in job.items()},
-            peer_counts={r: w[2] for r, w in job.items()},
+            slot_counts={r: phase_words(w, i)[1] for r, w in job.items()},
+            peer_counts={r: phase_words(w, 0)[1] for r, w in job.items()},  # one phase: every peer a slot
             phases=self.phases,
         )
         try:

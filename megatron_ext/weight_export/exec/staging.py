@@ -114,12 +114,14 @@ class Staging:
         self.bufs = {key: torch.empty(n, dtype=torch.uint8, device=device) for key, n in sizes.items()}
         pin = device.type == "cuda"
         # host: one buffer per received round, the whole version, in pinned slabs of power-of-two sizes
-        kept = [(peer, k, staged_nbytes(b)) for peer, bs in recv.items() for k, b in enumerate(bs) if b is not None]
-        slabs, where = host_slabs([n for *_, n in kept] if host else [])
+        kept = (
+            [(p, k, staged_nbytes(b)) for p, bs in recv.items() for k, b in enumerate(bs) if b is not None]
+            if host
+            else []
+        )
+        slabs, where = host_slabs([n for *_, n in kept])
         self._slabs = [torch.empty(n, dtype=torch.uint8, pin_memory=pin) for n in slabs]
-        self.held = {
-            (peer, k): self._slabs[s][off : off + n] for (peer, k, n), (s, off) in zip(kept if host else [], where)
-        }
+        self.held = {(peer, k): self._slabs[s][off : off + n] for (peer, k, n), (s, off) in zip(kept, where)}
         self.direct_send: dict[int, list[tuple[int, torch.Tensor]]] = defaultdict(list)  # round -> (peer, view)
         self.direct_recv: dict[int, list[tuple[int, torch.Tensor]]] = defaultdict(list)
         self.direct_sources: list[torch.Tensor] = []  # the zero-copy transfers this rank sends, checked

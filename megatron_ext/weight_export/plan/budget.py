@@ -36,12 +36,13 @@ from collections import defaultdict
 from collections.abc import Iterable
 
 from .direct import DirectRound, direct_rounds, split_direct, staged_nbytes
-from .reshard_plan import Transfer
+from .reshard_plan import Transfer, pair_summary
 from .wire import ALIGN, HEADER_BYTES, PAYLOAD_OFFSET, align, bucketize
 
 __all__ = [
     "ATOMIC_STAGING",
     "MIN_OP_BYTES",
+    "NO_WORDS",
     "PHASES",
     "BudgetError",
     "StagingPlan",
@@ -54,7 +55,9 @@ __all__ = [
     "peer_lanes",
     "phase_rounds",
     "phase_slots",
+    "phase_words",
     "plan_staging",
+    "rank_words",
     "slot",
     "slot_bytes",
 ]
@@ -168,20 +171,49 @@ def rank_slot(
     return slot_bytes(n, bucket_bytes=bucket_bytes, max_inflight=max_inflight, budget_bytes=budget_bytes), n
 
 
+NO_WORDS = (0,) + (0, 0) * len(PHASES)  # a rank's words (:func:`rank_words`) before they are known
+
+
+def rank_words(
+    transfers: list[Transfer], ranks: Iterable[int], *, bucket_bytes: int, max_inflight: int, budget_bytes: int | None
+) -> dict[int, tuple[int, ...]]:
+    """The words of each of ``ranks`` over the pairs of ``transfers``, what a rank reports before the first
+    refit: the digest of its pairs (:func:`~.reshard_plan.pair_summary`), then its slot size and slot count
+    (:func:`rank_slot`) in each of :data:`PHASES` (:func:`phase_words` reads them); :data:`NO_WORDS` for a
+    rank without pairs."""
+    summary = pair_summary(transfers)
+    out = {}
+    for r in ranks:
+        sends, recvs, digest = summary.get(r, (set(), set(), 0))
+        words = [digest]
+        for phases in PHASES:
+            words += rank_slot(
+                r, sends, recvs, phases, bucket_bytes=bucket_bytes, max_inflight=max_inflight, budget_bytes=budget_bytes
+            )
+        out[r] = tuple(words)
+    return out
+
+
+def phase_words(words: tuple[int, ...], i: int) -> tuple[int, int]:
+    """A rank's slot size and slot count with the pairs in ``PHASES[i]`` phases, from its :func:`rank_words`."""
+    return words[1 + 2 * i], words[2 + 2 * i]
+
+
 def choose_phases(words: Iterable[tuple[int, ...]], min_op_bytes: int | None = MIN_OP_BYTES) -> int:
     """The index in :data:`PHASES` of the fewest phases that bring the smallest of the job's slot sizes to
     ``min_op_bytes`` (within 1/64: round 0's headers take a little of each budget), or nearest to it (0, one
-    phase, when ``min_op_bytes`` is None or no rank stages anything). ``words``: each rank's slot size and slot
-    count under each of :data:`PHASES`, interleaved (:func:`rank_slot`). When no number of phases leaves any
-    slot at all (a budget too small for the job), the one with the fewest slots on the most crowded rank, so that
-    the refusal names the least budget that works."""
-    words = [tuple(w) for w in words]
+    phase, when ``min_op_bytes`` is None or no rank stages anything). ``words``: every rank's
+    :func:`rank_words` (ranks without pairs count for nothing). When no number of phases leaves any slot at all
+    (a budget too small for the job), the one with the fewest slots on the most crowded rank, so that the
+    refusal names the least budget that works."""
+    words = [w for w in words if phase_words(w, 0)[1]]
     if min_op_bytes is None or not words:
         return 0
     target = min_op_bytes - min_op_bytes // 64
-    score = [min(min(w[2 * i], target) for w in words) for i in range(len(PHASES))]
+    at = [[phase_words(w, i) for w in words] for i in range(len(PHASES))]
+    score = [min(min(b, target) for b, _ in ws) for ws in at]
     if max(score) == 0:
-        crowded = [max(w[2 * i + 1] for w in words) for i in range(len(PHASES))]
+        crowded = [max(n for _, n in ws) for ws in at]
         return crowded.index(min(crowded))
     return score.index(max(score))
 
@@ -199,20 +231,24 @@ def phase_rounds(rounds: list, phase: int, phases: int) -> list:
     return out
 
 
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def host_slabs(sizes: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
     """Pinned host slabs for buffers of ``sizes`` bytes, in order: each slab a power of two (PyTorch's pinned
     allocator rounds every allocation up to one: a buffer of its own would take up to twice its bytes), filled
     with consecutive buffers at :data:`~.wire.ALIGN` offsets; each slab the largest power of two within the
     bytes left, but at least the next buffer's; or a slab per buffer where that pins less (buffers of a power
     of two each). Returns the slab sizes and each buffer's ``(slab, offset)``."""
-    alone = [1 << max(n - 1, 0).bit_length() for n in sizes]
+    alone = [_pow2_at_least(n) for n in sizes]
     slabs: list[int] = []
     where: list[tuple[int, int]] = []
     left = sum(align(n) for n in sizes)
     used = 0
     for n in sizes:
         if not slabs or used + n > slabs[-1]:
-            size = max(1 << max(left.bit_length() - 1, 0), 1 << max(n - 1, 0).bit_length())
+            size = max(1 << max(left.bit_length() - 1, 0), _pow2_at_least(n))
             slabs.append(size)
             used = 0
         where.append((len(slabs) - 1, used))

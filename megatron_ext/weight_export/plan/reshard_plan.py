@@ -139,22 +139,23 @@ def _digest(transfers: list[Transfer]) -> str:
     return hashlib.sha256(ints.tobytes() + names).hexdigest()
 
 
-def pair_summary(transfers: list[Transfer]) -> dict[int, tuple[int, int]]:
-    """Each rank's ``(slots, digest)`` over the pairs of ``transfers`` (those with ``src != dst``): ``slots``, the
-    peers it sends to plus the peers it receives from; ``digest``, the XOR over its pairs of a 60-bit digest of
-    each pair's transfers in order. Both ends of a pair add the same digest when they planned alike, so over
+def pair_summary(transfers: list[Transfer]) -> dict[int, tuple[set[int], set[int], int]]:
+    """Each rank's ``(sends, recvs, digest)`` over the pairs of ``transfers`` (those with ``src != dst``): the
+    peers it sends to, the peers it receives from, and the XOR over its pairs of a 60-bit digest of each pair's
+    transfers in order. Both ends of a pair add the same digest when they planned alike, so over
     every rank of a job the XOR is 0 exactly when every pair's two ends agree (short of a hash collision):
     each rank checks its own pairs without planning the others' (a rank's plan gives its own entry exactly)."""
     pairs: dict[tuple[int, int], list[Transfer]] = defaultdict(list)
     for t in transfers:
         if t.src != t.dst:
             pairs[t.src, t.dst].append(t)
-    out: dict[int, tuple[int, int]] = {}
+    out: dict[int, tuple[set[int], set[int], int]] = {}
     for (a, b), ts in pairs.items():
         d = int(_digest(ts)[:15], 16)
-        for r in (a, b):
-            slots, digest = out.get(r, (0, 0))
-            out[r] = (slots + 1, digest ^ d)
+        for r, side, peer in ((a, 0, b), (b, 1, a)):
+            sends, recvs, digest = out.get(r, (set(), set(), 0))
+            (sends, recvs)[side].add(peer)
+            out[r] = (sends, recvs, digest ^ d)
     return out
 
 

@@ -30,7 +30,7 @@ import time
 from collections import defaultdict
 
 from ...sharding import TensorSpec, gpt_specs, megatron_layout
-from .budget import PHASES, choose_phases, plan_staging, rank_slot
+from .budget import PHASES, choose_phases, phase_words, plan_staging, rank_words
 from .layout import inference_layout
 from .reshard_plan import ReshardPlan, build_reshard_plan, fanout_plans
 
@@ -232,17 +232,13 @@ def rank_staging(
     the ranks it stands for; a job whose ranks of one side stage alike), so the phases are chosen from these
     ranks' slot sizes and every peer's slot is its side's."""
     size = dict(bucket_bytes=bucket_bytes, max_inflight=max_inflight, budget_bytes=budget_bytes)
-    peers = {}
-    for r, plan in plans.items():
-        moved = [t for t in plan.transfers if t.src != t.dst]
-        peers[r] = ({t.dst for t in moved if t.src == r}, {t.src for t in moved if t.dst == r})
-    words = {r: [rank_slot(r, *peers[r], p, **size) for p in PHASES] for r in plans}
-    chosen = choose_phases([tuple(x for pair in w for x in pair) for w in words.values()])
+    words = {r: rank_words(plan.transfers, [r], **size)[r] for r, plan in plans.items()}
+    chosen = choose_phases(words.values())
     out = {}
     for r, plan in plans.items():
-        row = dict(peers=len(peers[r][0] | peers[r][1]))
+        row = dict(peers=len({p for t in plan.transfers if t.src != t.dst for p in (t.src, t.dst)} - {r}))
         for label, i in (("one_phase", 0), ("phases", chosen)):
-            stand = {q: words[s][i] for s, ranks in sides.items() for q in ranks}
+            stand = {q: phase_words(words[s], i) for s, ranks in sides.items() for q in ranks}
             staged = plan_staging(
                 plan.transfers,
                 **size,
