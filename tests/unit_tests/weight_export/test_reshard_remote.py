@@ -26,6 +26,9 @@ from ._reference import hook_reference
 SPEC = tiny_llama.TinyLlamaSpec(arch="qwen2")  # QKV bias: a fused 1-D tensor too
 BUCKET = 4096  # small buckets: many rounds
 ZERO_COPY = 1024  # helper B: contiguous runs of at least this many bytes are sent from the trainer's tensors
+# the phased helper: 2 peers per rank of the 2 x 2 jobs split 8 KiB into 2 KiB buckets in one round; in 2 phases
+# (one peer per round) 3.75 KiB ones (plan/budget.py); with 1 peer each, one phase
+PHASED_BUDGET = 8192
 QKV = "model.layers.0.self_attn.qkv_proj.weight"  # an engine tensor (TP-sharded)
 
 
@@ -85,6 +88,9 @@ def _trainer_body(backend, port, n_engine):
         out[f"acks{v}"] = refit.engine_versions()
     out["stats3"] = refit.refit(3)  # the engine expects version 4: refused
     out["acks3"] = refit.engine_versions()
+    # within a budget that puts the pairs in phases: the words gathered through the store, across the two jobs
+    phased = wx.TrainerRefit(group, src, dst_a, tensors, bucket_bytes=BUCKET, memory_budget_bytes=PHASED_BUDGET)
+    out["stats6"], out["phases6"] = phased.refit(6), phased.executor.phases
     try:  # the engine asks for zero-copy transfers, the trainer stages: refused on every rank before a byte moves
         wx.TrainerRefit(group, src, dst_a, tensors, bucket_bytes=BUCKET)
         out["plan"] = None
@@ -132,6 +138,12 @@ def _engine_body(backend, port, n_trainer):
     except wx.RefitRejected as e:
         out["refused"] = (e.reason, str(e))
     out["engine3"], out["version3"] = snap(own), refit.version
+    fresh = {n: torch.full(lt.shape, float("nan"), device=group.device) for n, lt in dst_a.tensors[rank].items()}
+    phased = wx.EngineRefit(
+        group, src, dst_a, fresh, bucket_bytes=BUCKET, atomic=False, memory_budget_bytes=PHASED_BUDGET
+    )
+    out["stats6"], out["phases6"] = phased.refit(), phased.executor.phases
+    out["engine6"], out["version6"] = snap(fresh), phased.version
     try:
         wx.EngineRefit(group, src, dst_a, own, bucket_bytes=BUCKET, zero_copy_bytes=4096)
         out["plan"] = None
@@ -200,6 +212,9 @@ def test_remote_refit_exact(backend, n_trainer, n_engine):
         # a version the engine did not ask for: refused, tensors still version 2
         reason, msg = res["refused"]
         assert reason == "version" and "serves version 3" in msg, msg
+        # the phased helper: version 2's weights, served as 6, exactly, into tensors that held NaN
+        assert res["version6"] == 6 and res["phases6"] == (2 if n_engine > 1 else 1), res["phases6"]
+        _check(res["engine6"], ref2, dst_a, r, "version 6 in phases")
         assert res["version3"] == 2
         for n, t in res["engine3"].items():
             assert torch.equal(t, res["engine2"][n]), n
@@ -229,6 +244,7 @@ def test_remote_refit_exact(backend, n_trainer, n_engine):
     for t in trainer:
         assert t["acks1"] == {r: 1 for r in engine_ranks} and t["acks2"] == {r: 2 for r in engine_ranks}
         assert t["acks3"] == {r: 2 for r in engine_ranks}  # refused: still version 2
+        assert t["phases6"] == (2 if n_engine > 1 else 1) and t["stats6"].sent_bytes > 0
         assert t["acks5"] == {r: 5 for r in engine_ranks}
         assert t["zero_copy5"] > 0  # helper B sent runs zero-copy
         assert t["plan"][0] == "plan"
