@@ -183,16 +183,17 @@ def _holder(name: str, cell: int, served: int, holders: int) -> int:
 
 class _Destinations:
     """``dst``'s ranks grouped by their local tensors: ranks that share one dict of them (an engine's
-    data-parallel replicas, :func:`~.layout.inference_layout`) are cut and indexed once."""
+    data-parallel replicas, :func:`~.layout.inference_layout`) are indexed once. A tensor's boxes and keepers
+    are gathered from the groups when a plan first asks for them, so a rank's plan reads only the tensors it
+    keeps or holds."""
 
     def __init__(self, dst: Layout):
         self.position = {d: i for i, d in enumerate(dst.ranks)}
         self.group: dict[int, int] = {}  # rank -> its group (the id of its dict of local tensors)
         self.entries: dict[int, list[tuple[LocalTensor, Segment]]] = {}  # group -> its segments, in order
         self.ranks: dict[int, list[int]] = defaultdict(list)  # group -> its ranks, in dst order
-        self.occurs: dict[int, dict[tuple[str, Box], list[int]]] = {}  # group -> (name, box) -> entry indices
-        self.groups_of: dict[tuple[str, Box], list[int]] = defaultdict(list)  # (name, box) -> groups keeping it
-        self.boxes: dict[str, set[Box]] = defaultdict(set)  # name -> every box some rank keeps
+        self._by_name: dict[int, dict[str, list[int]]] = {}  # group -> name -> its entry indices
+        self._named: dict[str, dict[Box, list[tuple[int, list[int]]]]] = {}  # name -> box -> (group, entries)
         for d in dst.ranks:
             tensors = dst.tensors.get(d, {})
             g = self.group[d] = id(tensors)
@@ -200,61 +201,108 @@ class _Destinations:
             if g in self.entries:
                 continue
             entries = self.entries[g] = [(lt, seg) for lt in tensors.values() for seg in lt.segments]
-            occurs: dict[tuple[str, Box], list[int]] = defaultdict(list)
+            by_name: dict[str, list[int]] = {}
             for i, (_, seg) in enumerate(entries):
-                occurs[seg.name, seg.box].append(i)
-                self.boxes[seg.name].add(seg.box)
-            self.occurs[g] = dict(occurs)
-            for key in occurs:
-                self.groups_of[key].append(g)
+                got = by_name.get(seg.name)
+                if got is None:
+                    by_name[seg.name] = [i]
+                else:
+                    got.append(i)
+            self._by_name[g] = by_name
+        self.names: set[str] = set().union(*self._by_name.values())  # every tensor some rank keeps
+
+    def _where(self, name: str) -> dict[Box, list[tuple[int, list[int]]]]:
+        got = self._named.get(name)
+        if got is None:
+            got = self._named[name] = {}
+            for g, by_name in self._by_name.items():
+                entries = self.entries[g]
+                for i in by_name.get(name, ()):
+                    at = got.setdefault(entries[i][1].box, [])
+                    if at and at[-1][0] == g:
+                        at[-1][1].append(i)
+                    else:
+                        at.append((g, [i]))
+        return got
+
+    def boxes(self, name: str):
+        """Every box of tensor ``name`` that some rank keeps."""
+        return self._where(name).keys()
 
     def keepers(self, key: tuple[str, Box]) -> list[tuple[int, int, int]]:
         """``(position, rank, entry index)`` of every segment that keeps box ``key``, in plan order (by rank in
         ``dst``, then by the rank's segments)."""
         out = [
-            (self.position[d], d, i) for g in self.groups_of[key] for d in self.ranks[g] for i in self.occurs[g][key]
+            (self.position[d], d, i) for g, found in self._where(key[0])[key[1]] for d in self.ranks[g] for i in found
         ]
         out.sort()
         return out
 
 
+class _Shape:
+    """How the destination boxes of a tensor are cut by the boxes its sources hold, in the tensor's own
+    coordinates (no ranks): the same for every tensor whose sources hold the same boxes in the same order and
+    whose destinations keep the same boxes (every expert of a layer kind, every layer's weight of a kind), so a
+    plan works each one out once. ``first``: each destination box's first cell number (boxes in a fixed order);
+    :meth:`cells`: a box's cells, each with the indices of the source boxes that contain it."""
+
+    def __init__(self, parts: tuple[Box, ...], boxes):
+        self.parts, self.first, self._cells = parts, {}, {}
+        number = 0
+        for box in sorted(boxes, key=lambda b: b.ranges):
+            self.first[box] = number
+            inters = [inter for b in parts if (inter := b.intersect(box)) is not None]
+            # one cell where every part covers the box (most boxes: held whole by each of their holders)
+            number += 1 if all(p == box for p in inters) else math.prod(len(c) for c in _cuts(box, inters))
+
+    def cells(self, box: Box) -> list[tuple[Box, list[int]]]:
+        got = self._cells.get(box)
+        if got is None:
+            found = [(i, inter) for i, b in enumerate(self.parts) if (inter := b.intersect(box)) is not None]
+            cells = _cells(box, [inter for _, inter in found])
+            got = self._cells[box] = [(cell, [i for i, inter in found if inter.contains(cell)]) for cell in cells]
+        return got
+
+
 class _Cells:
     """Each destination box's cells and their holders, numbered per tensor over its boxes in a fixed order (the
     holder rule's cell numbers). A tensor's boxes are numbered on first use (counting cells needs no holders); a
-    box is cut into its cells only when asked for."""
+    box is cut into its cells only when asked for. Tensors cut alike share one :class:`_Shape`."""
 
     def __init__(self, src: Layout, dests: _Destinations):
         self.src, self.dests = src, dests
-        self.pieces: dict[str, dict[Box, list]] = {}  # name -> source box -> its holdings
+        self.named: dict[str, tuple[_Shape, list[list]]] = {}  # name -> its shape, each source box's holdings
+        self.shapes: dict[tuple, _Shape] = {}  # (source boxes, destination boxes) -> their shape
         self.cells: dict[tuple[str, Box], list] = {}
-        self.first: dict[tuple[str, Box], int] = {}
 
     def of(self, name: str, box: Box) -> tuple[int, list]:
         """``(number of the first cell, cells)``; a cell is ``(box, holders, {rank: its first holding})``."""
+        got = self.named.get(name)
+        if got is None:
+            got = self.named[name] = self._number(name)
+        shape, holdings = got
         key = (name, box)
-        if key not in self.first:
-            self._number(name)
         cells = self.cells.get(key)
         if cells is None:
-            cells = self.cells[key] = self._cut(name, box)
-        return self.first[key], cells
+            cells = self.cells[key] = self._cut(name, box, shape, holdings)
+        return shape.first[box], cells
 
-    def _number(self, name: str) -> None:
-        pieces = self.pieces[name] = {}
+    def _number(self, name: str) -> tuple[_Shape, list[list]]:
+        pieces: dict[Box, list] = {}
+        tensors = self.src.tensors
         for rank, local, seg in self.src.holdings(name):
-            pieces.setdefault(seg.box, []).append((rank, self.src.tensors[rank][local], seg))
-        number = 0
-        for box in sorted(self.dests.boxes[name], key=lambda b: b.ranges):
-            self.first[name, box] = number
-            parts = [inter for b in pieces if (inter := b.intersect(box)) is not None]
-            # one cell where every part covers the box (most boxes: held whole by each of their holders)
-            number += 1 if all(p == box for p in parts) else math.prod(len(c) for c in _cuts(box, parts))
+            pieces.setdefault(seg.box, []).append((rank, tensors[rank][local], seg))
+        boxes = self.dests.boxes(name)
+        key = (tuple(pieces), frozenset(boxes))
+        shape = self.shapes.get(key)
+        if shape is None:
+            shape = self.shapes[key] = _Shape(key[0], boxes)
+        return shape, list(pieces.values())
 
-    def _cut(self, name: str, box: Box) -> list:
-        found = [(inter, hs) for b, hs in self.pieces[name].items() if (inter := b.intersect(box)) is not None]
+    def _cut(self, name: str, box: Box, shape: _Shape, holdings: list[list]) -> list:
         cells = []
-        for cell in _cells(box, [inter for inter, _ in found]):
-            holders = [h for inter, hs in found if inter.contains(cell) for h in hs]
+        for cell, parts in shape.cells(box):
+            holders = [h for i in parts for h in holdings[i]]
             if not holders:
                 d = next(d for _, d, _ in self.dests.keepers((name, box)))
                 raise ValueError(
@@ -281,8 +329,8 @@ def build_reshard_plan(src: Layout, dst: Layout, *, rank: int | None = None) -> 
     dests = _Destinations(dst)
     cells = _Cells(src, dests)
     if rank is None:
-        for name in sorted(dests.boxes):  # every box cut up front: a tensor no source holds is named at once
-            for box in sorted(dests.boxes[name], key=lambda b: b.ranges):
+        for name in sorted(dests.names):  # every box cut up front: a tensor no source holds is named at once
+            for box in sorted(dests.boxes(name), key=lambda b: b.ranges):
                 cells.of(name, box)
         return ReshardPlan(src, dst, _all_transfers(dst, dests, cells))
     return ReshardPlan(src, dst, _rank_transfers(src, dst, dests, cells, rank), rank=rank)
@@ -337,8 +385,8 @@ def _rank_transfers(src: Layout, dst: Layout, dests: _Destinations, cells: _Cell
                     choice = holders[_holder(seg.name, first + ci, served, len(holders))]
                 found.append(((pos, si, ci), emit(lt, seg, cell, choice, rank)))
     held = {seg.name for lt in src.tensors.get(rank, {}).values() for seg in lt.segments}
-    for name in sorted(held & dests.boxes.keys()):  # what this rank serves to others
-        for box in dests.boxes[name]:
+    for name in sorted(held & dests.names):  # what this rank serves to others
+        for box in dests.boxes(name):
             first, cs = cells.of(name, box)
             mine = [ci for ci, (_, _, by_rank) in enumerate(cs) if rank in by_rank]
             if not mine:
