@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..nogc import paused_gc
 from .fp8 import fp8_layout
 from .geometry import Layout, local_tensors, tp_box
 from .names import global_layer_names, global_name, unwrap
@@ -61,6 +62,7 @@ def _stage_of(spec: TensorSpec, layer_stage: list[int], pp: int) -> int:
     return 0 if "embed_tokens" in spec.name else pp - 1
 
 
+@paused_gc()  # tens of thousands of boxes and segments at scale (see megatron_ext/nogc.py)
 def megatron_layout(
     specs: list[TensorSpec],
     *,

@@ -77,7 +77,7 @@ from ..plan.budget import (
 )
 from ..plan.direct import DirectRound, round_nbytes
 from ..plan.errors import RefitRejected, RefitStats
-from ..plan.nogc import paused_gc
+from ...nogc import paused_gc
 from ..plan.reshard_plan import ReshardPlan, Run, Transfer, fanout_plans, run_view
 from ..plan.wire import (
     BAD_TENSORS,
@@ -236,7 +236,7 @@ class ReshardExecutor:
     part of the first refit's plan check).
     """
 
-    @paused_gc()  # (planning: see plan/nogc.py)
+    @paused_gc()  # (planning: see megatron_ext/nogc.py)
     def __init__(
         self,
         plan: ReshardPlan,

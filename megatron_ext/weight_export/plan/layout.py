@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ...nogc import paused_gc
 from ...sharding.geometry import Box, Layout, local_tensors, tp_box
 from ...sharding.spec import TensorSpec
 
 __all__ = ["inference_layout"]
 
 
+@paused_gc()  # tens of thousands of boxes and segments at scale (see megatron_ext/nogc.py)
 def inference_layout(
     specs: list[TensorSpec],
     *,

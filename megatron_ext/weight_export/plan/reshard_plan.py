@@ -31,7 +31,7 @@ import zlib
 from collections import defaultdict
 
 from ...sharding.geometry import Box, Layout, LocalTensor, Segment
-from .nogc import paused_gc
+from ...nogc import paused_gc
 
 __all__ = [
     "ReshardPlan",

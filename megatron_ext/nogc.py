@@ -1,6 +1,6 @@
-"""Python's cyclic garbage collector paused while a refit plans and builds its staging.
+"""Python's cyclic garbage collector paused while layouts are built, a refit plans and builds its staging.
 
-Planning creates thousands of small objects (boxes, runs, transfers, views), which trigger the
+Building layouts and planning create thousands of small objects (boxes, runs, transfers, views), which trigger the
 collector's full passes over every object of the process; in a training process that heap is large.
 With a heap of a million small objects (CPU, the 3b preset, colocated TP4 -> TP1xDP4, 4740
 transfers), the plan took 42-50 ms, and 307-325 ms when a full pass fell inside it; with the
