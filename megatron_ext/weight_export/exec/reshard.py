@@ -72,7 +72,7 @@ from ..plan.budget import (
     keeps_every_round,
     peer_lanes,
     phase_words,
-    plan_staging,
+    plan_in_phases,
     rank_words,
 )
 from ..plan.direct import DirectRound, round_nbytes
@@ -342,26 +342,18 @@ class ReshardExecutor:
             self.problem = self.problem or f"{self._who}: cannot cut its pairs into buckets: {exc}"
 
     def _cut(self, transfers: list[Transfer]) -> None:
-        """This rank's pairs of ``transfers`` cut into rounds (:func:`~..plan.budget.plan_staging`, in the
+        """This rank's pairs of ``transfers`` cut into rounds (:func:`~..plan.budget.plan_in_phases`, in the
         phases :func:`~..plan.budget.choose_phases` picks from every rank's words), what each bucket's header
         vouches for, and the wire id (every rank's slot size and pairs' digest, the phases, the zero-copy size and
         the checks)."""
         job = {r: w for r, w in self._shares.items() if r in self._job_ranks or r == self.rank}
         i = choose_phases(job.values(), self.min_op_bytes)
         self.phases = PHASES[i]
-        per_slot = {r: phase_words(w, i)[0] for r, w in job.items()}
-        kw = dict(
-            self._staging_args,
-            per_slot=per_slot,
-            slot_counts={r: phase_words(w, i)[1] for r, w in job.items()},
-            peer_counts={r: phase_words(w, 0)[1] for r, w in job.items()},  # one phase: every peer a slot
-            phases=self.phases,
-        )
         try:
-            self.staging_plan = plan_staging(transfers, **self._budget, **kw)
+            self.staging_plan = plan_in_phases(transfers, job, i, **self._staging_args, **self._budget)
         except BudgetError as exc:  # reported at the agreement, so that every rank refuses at once
             self.budget_problem = RefitRejected(f"{self._who}: {exc}. Nothing was sent", reason="staging")
-            self.staging_plan = plan_staging(transfers, **kw)
+            self.staging_plan = plan_in_phases(transfers, job, i, **self._staging_args)
         cut = sorted(self.staging_plan.buckets.items())  # this rank's pairs, cut by the planner
         self.send = {dst: b for (src, dst), b in cut if src == self.rank}
         self.recv = {src: b for (src, dst), b in cut if dst == self.rank}
@@ -389,7 +381,7 @@ class ReshardExecutor:
             for (side, p, k), ts in self._carried.items()
             if side == "send"
         }
-        words = ",".join(f"{r}:{per_slot[r]}:{w[0]}" for r, w in sorted(job.items()) if r in self._job_ranks)
+        words = ",".join(f"{r}:{phase_words(w, i)[0]}:{w[0]}" for r, w in sorted(job.items()) if r in self._job_ranks)
         self.wire_id = wire_id(
             f"{words};phases={self.phases}", f"zero-copy>={self._staging_args['zero_copy_bytes']}", self.check_finite
         )

@@ -56,6 +56,7 @@ __all__ = [
     "phase_rounds",
     "phase_slots",
     "phase_words",
+    "plan_in_phases",
     "plan_staging",
     "rank_words",
     "slot",
@@ -435,3 +436,17 @@ def plan_staging(
                 "or raise the budget above it"
             )
     return StagingPlan(sizes, buckets, device, host, budget_bytes, strict, direct, phases)
+
+
+def plan_in_phases(transfers: list[Transfer], words: dict[int, tuple[int, ...]], i: int, **kwargs) -> StagingPlan:
+    """:func:`plan_staging` with the pairs in ``PHASES[i]`` phases (:func:`choose_phases`), every rank's slot size
+    and slot count, and its peers (its slots in one phase), read from its :func:`rank_words` (``words``: rank ->
+    its words); ``kwargs`` go to :func:`plan_staging`."""
+    return plan_staging(
+        transfers,
+        per_slot={r: phase_words(w, i)[0] for r, w in words.items()},
+        slot_counts={r: phase_words(w, i)[1] for r, w in words.items()},
+        peer_counts={r: phase_words(w, 0)[1] for r, w in words.items()},  # one phase: every peer a slot
+        phases=PHASES[i],
+        **kwargs,
+    )

@@ -30,7 +30,7 @@ import time
 from collections import defaultdict
 
 from ...sharding import TensorSpec, gpt_specs, megatron_layout
-from .budget import PHASES, choose_phases, phase_words, plan_staging, rank_words
+from .budget import PHASES, choose_phases, plan_in_phases, rank_words
 from .layout import inference_layout
 from .reshard_plan import ReshardPlan, build_reshard_plan, fanout_plans
 
@@ -238,17 +238,8 @@ def rank_staging(
     for r, plan in plans.items():
         row = dict(peers=len({p for t in plan.transfers if t.src != t.dst for p in (t.src, t.dst)} - {r}))
         for label, i in (("one_phase", 0), ("phases", chosen)):
-            stand = {q: phase_words(words[s], i) for s, ranks in sides.items() for q in ranks}
-            staged = plan_staging(
-                plan.transfers,
-                **size,
-                atomic=False,
-                strict=False,
-                rank=r,
-                per_slot={q: b for q, (b, _) in stand.items()},
-                slot_counts={q: n for q, (_, n) in stand.items()},
-                phases=PHASES[i],
-            )
+            stand = {q: words[s] for s, ranks in sides.items() for q in ranks}
+            staged = plan_in_phases(plan.transfers, stand, i, **size, atomic=False, strict=False, rank=r)
             mine = [b for (a, d), b in staged.pair_bytes.items() if r in (a, d)]
             rounds = max((len(bs) for (a, d), bs in staged.buckets.items() if r in (a, d)), default=0)
             row[label] = dict(
