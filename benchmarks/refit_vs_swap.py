@@ -92,7 +92,9 @@ rank sending to the next and receiving from the previous at once when colocated,
 -> engine rank ``|A|+i`` otherwise; CPU: none), peak extra memory on trainer and engine ranks
 (``torch.cuda.max_memory_allocated`` over the method's refits minus what was allocated before them;
 colocated ranks hold both models, so both columns are the same ranks), the first refit (plans,
-services / executors, staging and the first transfer), the plan alone (``swap``:
+services / executors, staging and the first transfer; our NaN/Inf check's kernel is compiled once per
+process before the first layout, as a job's refit built at set-up has it before its first refit, and
+its compile is reported on its own as ``kernel_compile_s``), the plan alone (``swap``:
 ``prepare_swap_model_weights``, timed on its own before its cache is cleared again; ours:
 ``build_reshard_plan(rank=)``, each rank its own part, and the executor, slowest rank) and the
 speed-up of our rows over the best ``swap`` row of the layout.
@@ -468,19 +470,27 @@ def _timed(fn, device) -> float:
     return slowest(time.perf_counter() - start, device)
 
 
-def _profiled(fn, device, path: str) -> None:
-    """One more refit under ``torch.profiler`` (host and device), its trace written to ``path``
-    (chrome trace format, for chrome://tracing or Perfetto)."""
+def _profiled(fn, device, path: str) -> float:
+    """``fn`` (a refit) under ``torch.profiler`` (host and device): its chrome trace written to ``path``
+    (for chrome://tracing or Perfetto) and, beside it (``.txt``), the 40 operators of most host time.
+    Returns the seconds it took, profiler included."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     sync(device)
+    start = time.perf_counter()
     with profile(activities=acts) as prof:
         fn()
         sync(device)
+    took = time.perf_counter() - start
     folder, name = os.path.split(path)
     os.makedirs(folder or ".", exist_ok=True)
-    prof.export_chrome_trace(os.path.join(folder, name.replace(":", "-")))
+    name = name.replace(":", "-")
+    prof.export_chrome_trace(os.path.join(folder, name))
+    with open(os.path.join(folder, os.path.splitext(name)[0] + ".txt"), "w") as f:
+        f.write(f"{took * 1e3:.1f} ms under the profiler\n")
+        f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=40))
+    return took
 
 
 def _link_limit(case: Case, rank: int, nbytes: int, device) -> float | None:
@@ -521,6 +531,7 @@ def _rank(preset: str, cases: list[Case], methods: list[str], opts: dict, rank_s
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from benchmarks.common import megatron_config, spec_for
+    from megatron_ext import copy_check
     from megatron_ext.sharding import megatron_layout, specs_from_config
     from megatron_ext.weight_export.megatron_refit import megatron_engine_layout, megatron_engine_specs
     from megatron_ext.weight_export.exec.reshard import megatron_tensors
@@ -547,6 +558,14 @@ def _rank(preset: str, cases: list[Case], methods: list[str], opts: dict, rank_s
         grouped_gemm=grouped,
     )
     versions = iter(range(1, 10**9))
+    # the checked copy's kernel, compiled once per process: a job starts it when it builds its refit (at set-up,
+    # before training) and it ends long before the first refit; here it ends before the first layout, so a
+    # first refit measures the layout's own cost, not a compiler next to it in the process (timed apart)
+    compile_s = None
+    if gpu and opts["check_finite"] and any(m.startswith("ours") for m in methods) and copy_check.available():
+        start = time.perf_counter()
+        copy_check.prewarm(device, (torch.bfloat16, torch.float32), wait=True)
+        compile_s = slowest(time.perf_counter() - start, device)
     out = []
     for case in cases:
         t_pgc = _pg_collection(case.trainer.size, case.trainer, 0)
@@ -571,6 +590,7 @@ def _rank(preset: str, cases: list[Case], methods: list[str], opts: dict, rank_s
         del plan
         res = dict(
             case=case.name,
+            kernel_compile_s=compile_s,
             trainer=is_trainer,
             engine=is_engine,
             link_bytes=link_bytes,
@@ -580,7 +600,7 @@ def _rank(preset: str, cases: list[Case], methods: list[str], opts: dict, rank_s
         live = {}  # each method's steady-state refit, kept until the layout's timed rounds
         for method in methods:
             res["methods"][method], fn = _method(
-                method, trainer, engine, src, dst, tensors, rank, versions, opts, device
+                method, trainer, engine, src, dst, tensors, rank, versions, dict(opts, case=case.name), device
             )
             if fn is not None:
                 live[method] = fn
@@ -676,11 +696,14 @@ def _method(method, trainer, engine, src, dst, tensors, rank, versions, opts, de
         def refit():
             state["ex"].refit(next(versions))
 
-        first = _timed(first_refit, device)
+        if opts.get("profile_first"):  # the first refit under the profiler
+            name = f"{opts['case']}_{method}_first_rank{rank}.json"
+            first = slowest(_profiled(first_refit, device, os.path.join(opts["profile_dir"], name)), device)
+        else:
+            first = _timed(first_refit, device)
         plan_s = slowest(state["plan_s"], device)
         setup = {k: slowest(v, device) for k, v in sorted(state["ex"].setup_s.items())}
-        # the steady state: the checked-copy kernel compiled (in the background since the executor was built;
-        # the first refit checks by a second read until then)
+        # the steady state: the checked-copy kernel compiled (before the first layout; a no-op here)
         copy_check.prewarm(device, {t.dtype for t in tensors.values()}, wait=True)
     ran = slowest(float(error is not None), device) == 0  # every rank ran the first refit
     if ran:
@@ -893,7 +916,14 @@ def main(argv=None, *, rank_setup=None) -> int:
     p.add_argument(
         "--profile-dir",
         default=None,
-        help="after the timed refits, one more per row under torch.profiler; each rank writes its chrome trace here",
+        help="after the timed refits, one more per row under torch.profiler; each rank writes its chrome trace "
+        "and a table of the operators of most host time here",
+    )
+    p.add_argument(
+        "--profile-first",
+        action="store_true",
+        help="with --profile-dir: our rows' first refit (plan, staging, first transfer) runs under the profiler too "
+        "(its first_refit_s then includes the profiler's cost)",
     )
     p.add_argument("--out", default="refit_vs_swap.json")
     a = p.parse_args(argv)
@@ -904,6 +934,8 @@ def main(argv=None, *, rank_setup=None) -> int:
         p.error(f"--world {world} needs {world} GPUs, found {gpus}")
     if a.iters < 1 or a.warmup < 0:
         p.error("--iters must be >= 1 and --warmup >= 0")
+    if a.profile_first and not a.profile_dir:
+        p.error("--profile-first writes its traces under --profile-dir: give one")
     moe = a.preset in MOE_PRESETS
     if a.experts and not moe:
         p.error(f"--experts names expert parameters: pick a MoE --preset ({', '.join(sorted(MOE_PRESETS))})")
@@ -936,6 +968,7 @@ def main(argv=None, *, rank_setup=None) -> int:
         limit_bytes=int(a.limit_gib * GiB),
         experts=experts,
         profile_dir=a.profile_dir,
+        profile_first=a.profile_first,
     )
     backend = "nccl" if gpu else "gloo"
     print(
@@ -965,8 +998,15 @@ def main(argv=None, *, rank_setup=None) -> int:
         rows=rows,
         targets=verdicts,
         all_correct=all(r["correct"] for r in rows if not r["unsupported"]),
+        # the copy-and-check kernel's compile (Triton), before the first layout (None: not compiled: CPU, no check)
+        kernel_compile_s=res[0][0]["kernel_compile_s"] if res and res[0] else None,
         ranks=res,
     )
+    if result["kernel_compile_s"] is not None:
+        print(
+            f"\nthe copy-and-check kernel compiled in {result['kernel_compile_s'] * 1e3:.0f} ms before the first "
+            "layout (once per process, in the background from when a refit is built; not in any first refit)"
+        )
     with open(a.out, "w") as f:
         json.dump(result, f, indent=2, default=str)
     print(f"\nwrote {a.out}")

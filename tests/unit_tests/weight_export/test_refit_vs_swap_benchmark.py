@@ -117,9 +117,19 @@ def test_refit_vs_swap_benchmark_cpu_smoke(tmp_path):
     argv = ["--preset", "tiny", "--device", "cpu", "--world", "4", "--layouts", ",".join(LAYOUTS)]
     argv += ["--methods", "swap:gloo,ours:stream,ours:atomic,ours:atomic-host", "--iters", "2", "--warmup", "1"]
     argv += ["--stream-bucket-mb", "0.25", "--atomic-bucket-mb", "1", "--memory-budget-mb", "1"]
+    argv += ["--profile-dir", str(tmp_path / "prof"), "--profile-first"]
     assert bench.main([*argv, "--out", str(out)], rank_setup=unpinned_gloo_copy_service) == 0
     result = json.loads(out.read_text())
     assert result["all_correct"] is True and result["backend"] == "gloo"
+    # every row's refit after the timed ones under the profiler, and our rows' first refit: a trace per rank,
+    # and a table of the operators of most host time beside it
+    traces = {p.name for p in (tmp_path / "prof").iterdir()}
+    for layout in LAYOUTS:
+        assert f"{layout}_swap-gloo_rank3.json".replace(":", "-") in traces
+        for m in ("ours-stream", "ours-atomic"):
+            first = f"{layout}_{m}_first_rank0".replace(":", "-")
+            assert {first + ".json", first + ".txt"} <= traces, (layout, m)
+            assert "under the profiler" in (tmp_path / "prof" / (first + ".txt")).read_text()
     rows = {(r["layout"], r["method"]): r for r in result["rows"]}
     methods = ("swap:gloo", "ours:stream", "ours:atomic", "ours:atomic-host")
     assert set(rows) == {(lay, m) for lay in LAYOUTS for m in methods}
