@@ -65,14 +65,15 @@ Rows per layout (``--methods``):
   when their packages import, ``gloo`` only when named; ``gloo`` with ``--device cpu`` where the CUDA
   driver is installed: its staging buffers are pinned host memory). Its plan cache is cleared
   before the first refit.
-- ``ours:stream`` / ``ours:stream-zero-copy`` / ``ours:atomic`` / ``ours:atomic-host``:
+- ``ours:stream`` / ``ours:stream-zero-copy`` / ``ours:atomic`` / ``ours:atomic-zero-copy`` / ``ours:atomic-host``:
   :class:`~megatron_ext.weight_export.exec.reshard.ReshardExecutor` over
   :class:`~megatron_ext.weight_export.control.peers.DistPeers` (the job's world), from
   ``megatron_layout`` of the trainer to ``megatron_engine_layout`` of the engine (the Megatron ->
   Megatron layouts of ``megatron_engine.py``: padded vocabulary rows copied too), streaming
   ``--stream-bucket-mb`` / atomic ``--atomic-bucket-mb`` buckets, ``--max-inflight`` rounds;
-  ``stream-zero-copy`` (only when named) sends contiguous runs of at least ``ZERO_COPY_MIN_BYTES``
-  zero-copy, tensor to tensor (``zero_copy_bytes``; ``stream`` stages every byte, the default);
+  ``stream-zero-copy`` and ``atomic-zero-copy`` (only when named) send contiguous runs of at least
+  ``ZERO_COPY_MIN_BYTES`` zero-copy (``zero_copy_bytes``: from the trainer's tensor, into the engine's when
+  streaming, into the atomic receiver's staging otherwise; ``stream`` and ``atomic`` stage every byte);
   ``atomic-host`` keeps the version in pinned host memory until it is applied
   (``atomic_staging="host"``); ``--memory-budget-mb`` bounds every rank's device staging as
   ``--refit-memory-budget-mb`` does: ``auto`` (default, what a refit gets) cuts every row's buckets to
@@ -138,8 +139,8 @@ from megatron_ext.weight_export.config import AUTO_MEMORY_BUDGET_MB, memory_budg
 MiB = 1 << 20
 GiB = 1 << 30
 SWAP_SERVICES = ("nccl", "gloo", "nvshmem", "nixl")
-OURS = ("stream", "stream-zero-copy", "atomic", "atomic-host")
-DEFAULT_OURS = ("stream", "atomic", "atomic-host")  # stream-zero-copy runs when named
+OURS = ("stream", "stream-zero-copy", "atomic", "atomic-zero-copy", "atomic-host")
+DEFAULT_OURS = ("stream", "atomic", "atomic-host")  # the zero-copy rows run when named
 ENGINE_PREFIX = "engine/"  # the engine's local tensor names in our layout (colocated: distinct from the trainer's)
 SEED = 1234
 
@@ -672,7 +673,11 @@ def _method(method, trainer, engine, src, dst, tensors, rank, versions, opts, de
         streaming = what.startswith("stream")
         bucket = opts["stream_bucket"] if streaming else opts["atomic_bucket"]
         # a strict budget would refuse the atomic row's version on the device: that row goes without it
-        budget = opts.get("memory_budget") if what != "atomic" or not opts["memory_budget_strict"] else None
+        budget = (
+            opts.get("memory_budget")
+            if what not in ("atomic", "atomic-zero-copy") or not opts["memory_budget_strict"]
+            else None
+        )
 
         def first_refit():  # the plan, the executor, its staging and the first-refit agreement
             start = time.perf_counter()
@@ -684,7 +689,7 @@ def _method(method, trainer, engine, src, dst, tensors, rank, versions, opts, de
                 bucket_bytes=bucket,
                 max_inflight=opts["max_inflight"],
                 atomic=not streaming,
-                zero_copy_bytes=ZERO_COPY_MIN_BYTES if what == "stream-zero-copy" else None,
+                zero_copy_bytes=ZERO_COPY_MIN_BYTES if what.endswith("zero-copy") else None,
                 atomic_staging="host" if what == "atomic-host" else "device",
                 memory_budget_bytes=budget,
                 memory_budget_strict=opts["memory_budget_strict"],
@@ -895,7 +900,8 @@ def main(argv=None, *, rank_setup=None) -> int:
     p.add_argument(
         "--methods",
         default=None,
-        help="comma-separated swap:nccl|gloo|nvshmem|nixl, ours:stream|stream-zero-copy|atomic|atomic-host",
+        help="comma-separated swap:nccl|gloo|nvshmem|nixl, ours:stream|stream-zero-copy|atomic|atomic-zero-copy|"
+        "atomic-host",
     )
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
