@@ -25,6 +25,7 @@ import math
 import threading
 import warnings
 
+import numpy as np
 import torch
 
 __all__ = ["CHUNK", "MIN_RUN", "FusedCopyCheck", "available", "prewarm", "raise_words", "runs", "shared_words"]
@@ -54,18 +55,20 @@ def _imports() -> bool:
     return True
 
 
-def runs(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor | None:
+def runs(dst: torch.Tensor, src: torch.Tensor) -> np.ndarray | None:
     """The pair's contiguous runs, one int64 row each: ``(source element offset, destination element
-    offset, length)`` from the two views' storage offsets (a ``(runs, 3)`` CPU tensor, built without a
+    offset, length)`` from the two views' storage offsets (a ``(runs, 3)`` numpy array, built without a
     Python loop per run: a strided view has a run per row), or None when its runs would be shorter than
-    :data:`MIN_RUN` elements or more than :data:`MAX_RUNS` (then a plain ``copy_`` is better)."""
+    :data:`MIN_RUN` elements or more than :data:`MAX_RUNS` (then a plain ``copy_`` is better). numpy, not
+    torch: a refit's first copies cut about a thousand pairs, and a torch operation costs several times a
+    numpy one's host time at these sizes."""
     if dst.shape != src.shape or dst.dtype != src.dtype:
         return None
     n = dst.numel()
     if n == 0:
-        return torch.empty((0, 3), dtype=torch.int64)
-    shape = list(dst.shape)
-    ds, ss = list(dst.stride()), list(src.stride())
+        return np.empty((0, 3), dtype=np.int64)
+    shape = dst.shape
+    ds, ss = dst.stride(), src.stride()
     # drop size-1 dims, then merge the innermost dims that are contiguous in both views
     dims = [(size, a, b) for size, a, b in zip(shape, ds, ss) if size != 1]
     inner, k = 1, len(dims)
@@ -80,14 +83,13 @@ def runs(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor | None:
         return None
     d0, s0 = dst.storage_offset(), src.storage_offset()
     if not outer:
-        return torch.tensor([[s0, d0, inner]], dtype=torch.int64)
-    idx = torch.zeros(1, dtype=torch.int64)
-    d_off, s_off = idx + d0, idx + s0
+        return np.array([[s0, d0, inner]], dtype=np.int64)
+    d_off, s_off = np.array([d0], dtype=np.int64), np.array([s0], dtype=np.int64)
     for size, a, b in outer:  # row-major over the outer dims
-        steps = torch.arange(size, dtype=torch.int64)
+        steps = np.arange(size, dtype=np.int64)
         d_off = (d_off[:, None] + steps[None, :] * a).reshape(-1)
         s_off = (s_off[:, None] + steps[None, :] * b).reshape(-1)
-    return torch.stack([s_off, d_off, torch.full_like(s_off, inner)], dim=1)
+    return np.stack([s_off, d_off, np.full_like(s_off, inner)], axis=1)
 
 
 @functools.cache
@@ -211,8 +213,7 @@ class FusedCopyCheck:
                 if t is not None:
                     watch.setdefault(id(t), t)
         self._watch = list(watch.values())
-        device = pairs[0][2].device if pairs else torch.device("cpu")
-        self._words = shared_words([also for _, also, _, _, _ in pairs], device)  # for the fallback's flags
+        self._words: list | None = None  # the fallback's second words (shared_words), at its first run
         self._where: list[int] = []
         self.rebuilds = 0
         self._build()
@@ -228,10 +229,10 @@ class FusedCopyCheck:
         _, _, dst0, _, _ = self.pairs[0]
         size, device = dst0.element_size(), dst0.device
         # one row per run: its two base addresses in bytes, its length, the flag's and the second word's address;
-        # a few tensor operations over all runs (a strided view has a run per row: hundreds of thousands of them
-        # in a colocated refit's local copies, too many for a Python loop per run)
-        pieces = [torch.as_tensor(p, dtype=torch.int64).view(-1, 3) for *_, p in self.pairs]
-        bases = torch.tensor(
+        # a few numpy operations over all runs (a strided view has a run per row: hundreds of thousands of them
+        # in a colocated refit's local copies, too many for a Python loop per run), one upload per launch
+        pieces = [np.asarray(p, dtype=np.int64).reshape(-1, 3) for *_, p in self.pairs]
+        bases = np.array(
             [
                 (
                     src.untyped_storage().data_ptr(),
@@ -241,10 +242,10 @@ class FusedCopyCheck:
                 )
                 for flag, also, dst, src, _ in self.pairs
             ],
-            dtype=torch.int64,
-        ).repeat_interleave(torch.tensor([p.shape[0] for p in pieces]), dim=0)
-        offsets = torch.cat(pieces)
-        per_run = torch.stack(
+            dtype=np.int64,
+        ).repeat([p.shape[0] for p in pieces], axis=0)
+        offsets = np.concatenate(pieces)
+        per_run = np.stack(
             [
                 bases[:, 0] + offsets[:, 0] * size,
                 bases[:, 1] + offsets[:, 1] * size,
@@ -252,21 +253,21 @@ class FusedCopyCheck:
                 bases[:, 2],
                 bases[:, 3],
             ],
-            dim=1,
+            axis=1,
         )
         # each run cut into chunks of CHUNK elements: a row per chunk, built without a Python loop per chunk
         counts = (per_run[:, 2] + CHUNK - 1) // CHUNK
-        rows = per_run.repeat_interleave(counts, dim=0)
-        first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-        start = (torch.arange(rows.shape[0], dtype=torch.int64) - first) * CHUNK
+        rows = per_run.repeat(counts, axis=0)
+        first = np.repeat(np.cumsum(counts) - counts, counts)
+        start = (np.arange(rows.shape[0], dtype=np.int64) - first) * CHUNK
         rows[:, 0] += start * size
         rows[:, 1] += start * size
-        rows[:, 2] = torch.clamp(rows[:, 2] - start, max=CHUNK)
+        rows[:, 2] = np.minimum(rows[:, 2] - start, CHUNK)
         aligned = (rows[:, 0] % ALIGN == 0) & (rows[:, 1] % ALIGN == 0)
         for flag in (True, False):
             table = rows[aligned == flag]
             if table.shape[0]:
-                self.launches.append((table.contiguous().to(device), _tl_dtype(dst0.dtype), flag))
+                self.launches.append((torch.from_numpy(table).to(device), _tl_dtype(dst0.dtype), flag))
         self._keys = [(device.index, dst0.dtype, flag) for _, _, flag in self.launches] if device.type == "cuda" else []
 
     def refresh(self) -> bool:
@@ -310,6 +311,8 @@ class FusedCopyCheck:
         torch._foreach_copy_(dsts, [src for _, _, _, src, _ in self.pairs])
         bad = (~torch.stack(torch._foreach_norm(dsts, float("inf"))).isfinite()).to(torch.int32)
         torch._foreach_maximum_([flag for flag, _, _, _, _ in self.pairs], list(bad.unbind()))
+        if self._words is None:
+            self._words = shared_words([also for _, also, _, _, _ in self.pairs], bad.device)
         raise_words(self._words, bad)
 
 

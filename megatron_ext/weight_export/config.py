@@ -436,8 +436,9 @@ def add_refit_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         type=float,
         help="p2p: contiguous runs of at least this many MiB go from the trainer's tensors into a streaming "
         "engine's without staging (no pack or unpack copy, almost no staging memory; an atomic engine stages "
-        "them); both jobs must give the same value. Default: off, every byte staged. 1 is a sensible value; "
-        "see docs/weight_export_reshard.md#zero-copy-transfers for when it is faster",
+        "them); both jobs must give the same value. Default: off, every byte staged (right for atomic engines, "
+        "which stage these runs too); with --no-refit-atomic, 1 keeps the extra memory near swap_model_weights' "
+        "(docs/weight_export_reshard.md#zero-copy-transfers)",
     )
     flag("check-finite", boolean=True, help="refuse to publish a version with NaN/Inf weights (default)")
     flag("every-n-steps", type=int, help="refit after every N optimizer steps (0: only when called)")

@@ -206,7 +206,7 @@ def test_without_a_usable_kernel_the_copies_are_checked_by_a_second_read(monkeyp
 
 
 def test_fused_table_has_a_row_per_chunk_of_every_run():
-    """The kernel's table, built with tensor operations over all runs at once, holds for every run of every pair
+    """The kernel's table, built with numpy operations over all runs at once, holds for every run of every pair
     (strided views: a run per row) its chunks of CHUNK elements: both addresses, the length, the pair's flag and
     second word (0 without one), split by 16-byte alignment. Checked against the rows written out run by run."""
     from megatron_ext import copy_check

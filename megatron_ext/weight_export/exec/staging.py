@@ -132,6 +132,7 @@ class Staging:
         self.trailer_rounds: set[int] = set()  # the rounds that pack those buckets
         self._scratch: torch.Tensor | None = None
         self._device = device
+        self._typed: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}  # (buffer, dtype) -> view
         self.header_rows = torch.zeros((len(headers), HEADER_WORDS), dtype=torch.int64, device=device)
         row = {key: i for i, key in enumerate(headers)}
         pack: dict[int, list] = defaultdict(list)
@@ -163,7 +164,7 @@ class Staging:
                 word = buf[:HEADER_BYTES].view(torch.int32)[2 * NONFINITE_WORD]  # little-endian: the low half
                 for t, off in bucket:
                     src = view(t.src_run)
-                    pack[k].append((buf[off : off + t.nbytes].view(src.dtype).view(src.shape), src))
+                    pack[k].append((self._piece(buf, off, src), src))
                     also[k].append(word)
                     self.packed[k].append(t)
         self.pack = {k: CopyBatch(pairs, check=check, also_flag=also[k]) for k, pairs in pack.items()}
@@ -207,7 +208,7 @@ class Staging:
                     buf = self.buf("recv", peer, k)  # staged until the version is applied
                     for op, off in zip(bucket.ops, bucket.offsets):
                         dst = view(op.dst_run)
-                        here = buf[off : off + op.nbytes].view(dst.dtype).view(dst.shape)
+                        here = self._piece(buf, off, dst)
                         self.direct_recv[k].append((peer, here))
                         unpack[k].append((dst, here))
                     continue
@@ -216,7 +217,7 @@ class Staging:
                     unpack[k].append((self.seen[(peer, k)], buf[:HEADER_BYTES].view(torch.int64)))
                 for t, off in bucket:
                     dst = view(t.dst_run)
-                    unpack[k].append((dst, buf[off : off + t.nbytes].view(dst.dtype).view(dst.shape)))
+                    unpack[k].append((dst, self._piece(buf, off, dst)))
         local_pairs = [_same_shape(view(t.dst_run), view(t.src_run)) for t in local]
         self.local = CopyBatch(local_pairs, check=check and not atomic)
         self.local_sources = [src for _, src in local_pairs] if check and atomic else []
@@ -232,6 +233,22 @@ class Staging:
             most = max(t.numel() * t.element_size() for ts in self.direct_recv.values() for _, t in ts)
             self._scratch = torch.empty(most, dtype=torch.uint8, device=self._device)
         return self._scratch[: like.numel() * like.element_size()].view(like.dtype).view(like.shape)
+
+    def _piece(self, buf: torch.Tensor, off: int, like: torch.Tensor) -> torch.Tensor:
+        """The bytes ``off..`` of ``buf`` (a byte buffer) as a tensor of ``like``'s dtype and shape, contiguous:
+        one ``as_strided`` of the buffer's view in that dtype, made once per buffer and dtype (slicing and
+        viewing each piece would cost three operations; a refit's first copies take thousands of pieces).
+        ``off`` is a multiple of the dtype's size (pieces start at ``ALIGN``)."""
+        typed = self._typed.get((id(buf), like.dtype))
+        if typed is None:
+            size = like.element_size()
+            whole = buf[: buf.numel() // size * size].view(like.dtype)
+            typed = self._typed[(id(buf), like.dtype)] = (buf, whole)  # (the buffer kept: its id stays its own)
+        whole = typed[1]
+        stride = [1] * like.dim()
+        for d in range(like.dim() - 2, -1, -1):
+            stride[d] = stride[d + 1] * like.shape[d + 1]
+        return whole.as_strided(like.shape, stride, whole.storage_offset() + off // like.element_size())
 
     def buf(self, kind: str, peer: int, k: int) -> torch.Tensor:
         """The device buffer of round ``k`` of ``kind`` (send|recv) with ``peer``."""

@@ -753,3 +753,18 @@ def test_a_ranks_plan_is_the_whole_plans_transfers_of_that_rank():
         build_reshard_plan(
             megatron_layout(dense, tp=1), inference_layout(gpt_specs(**dict(DENSE, num_layers=3)), ranks=[1]), rank=1
         )
+
+
+def test_a_runs_view_is_placed_by_the_tensors_own_offset_and_refuses_a_strided_tensor():
+    """``run_view`` is one ``as_strided`` over the storage: a tensor that starts inside its storage (a slice of
+    a larger one) gives the run's elements of that tensor, not of the storage's start; a tensor that is not
+    contiguous is refused (its flat offsets would name other elements)."""
+    from megatron_ext.weight_export.plan.reshard_plan import Run
+
+    storage = torch.arange(100.0)
+    tensor = storage[10:70].view(6, 10)  # storage offset 10
+    run = Run("w", offset=12, length=3, stride=10, count=4)  # rows 1..4, columns 2..4
+    got = run_view(tensor, run)
+    assert torch.equal(got, tensor[1:5, 2:5]) and got.data_ptr() == tensor[1, 2].data_ptr()
+    with pytest.raises(ValueError, match="w: a run's view needs a contiguous tensor"):
+        run_view(tensor.t(), run)
