@@ -635,7 +635,6 @@ def _method(method, trainer, engine, src, dst, tensors, rank, versions, opts, de
     failed on a rank: every rank then returns None)."""
     from megatron.core.resharding.refit import clear_all_caches, prepare_swap_model_weights, swap_model_weights
 
-    from megatron_ext import copy_check
     from megatron_ext.weight_export.control.peers import DistPeers
     from megatron_ext.weight_export.exec.reshard import ReshardExecutor
     from megatron_ext.weight_export.plan.direct import ZERO_COPY_MIN_BYTES
@@ -708,8 +707,6 @@ def _method(method, trainer, engine, src, dst, tensors, rank, versions, opts, de
             first = _timed(first_refit, device)
         plan_s = slowest(state["plan_s"], device)
         setup = {k: slowest(v, device) for k, v in sorted(state["ex"].setup_s.items())}
-        # the steady state: the checked-copy kernel compiled (before the first layout; a no-op here)
-        copy_check.prewarm(device, {t.dtype for t in tensors.values()}, wait=True)
     ran = slowest(float(error is not None), device) == 0  # every rank ran the first refit
     if ran:
         for _ in range(opts["warmup"]):

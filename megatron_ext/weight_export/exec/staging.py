@@ -232,7 +232,7 @@ class Staging:
         if self._scratch is None:
             most = max(t.numel() * t.element_size() for ts in self.direct_recv.values() for _, t in ts)
             self._scratch = torch.empty(most, dtype=torch.uint8, device=self._device)
-        return self._scratch[: like.numel() * like.element_size()].view(like.dtype).view(like.shape)
+        return self._piece(self._scratch, 0, like)
 
     def _piece(self, buf: torch.Tensor, off: int, like: torch.Tensor) -> torch.Tensor:
         """The bytes ``off..`` of ``buf`` (a byte buffer) as a tensor of ``like``'s dtype and shape, contiguous:
