@@ -57,7 +57,7 @@ class CopyBatch:
             if is_checked and dst.is_cuda and src.device == dst.device == self.device and copy_check.available():
                 pieces = copy_check.runs(dst, src)
                 if pieces is not None:
-                    fusable.setdefault(dst.dtype, []).append((self.bad[i], also_flag[i], dst, src, pieces))
+                    fusable.setdefault(dst.dtype, []).append((i, also_flag[i], dst, src, pieces))
                     continue
             if is_checked:  # checked after the copy, by a reduction over the destination
                 idx, views = checked.setdefault(dst.dtype, ([], []))
@@ -78,7 +78,7 @@ class CopyBatch:
             else:
                 self.single.append((dst, src))
         self.groups = list(groups.values())
-        self.fused = [copy_check.FusedCopyCheck(p) for p in fusable.values()]
+        self.fused = [copy_check.FusedCopyCheck(self.bad, p) for p in fusable.values()]
         self.checked = [
             (torch.tensor(idx, dtype=torch.int64, device=self.device), views) for idx, views in checked.values()
         ]

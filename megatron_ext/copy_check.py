@@ -5,17 +5,19 @@ The refit's copies already read every byte of a version (the pack into a bucket,
 the engine's weights, the engine's copy out of the trainer's storage); a separate NaN/Inf check
 reads them all again, which on one GPU costs half a copy more. :class:`FusedCopyCheck` is what
 :class:`~megatron_ext.copies.CopyBatch` runs with ``check=True`` on a CUDA device when Triton
-imports: the pairs' views are cut into contiguous runs of at most :data:`CHUNK` elements, listed
-once in a device table (source address, destination address, length, the address of the pair's
-flag and of a second word to raise with it), and each program of the kernel moves one run. A NaN or
+imports: the pairs' views are cut into blocks of equally spaced contiguous runs (a strided view's rows: a
+column slice of a weight is one block), and the blocks into programs of at most :data:`CHUNK` elements
+each (several short runs, or a chunk of a long one), listed once in a device table (source and
+destination addresses, runs, run length, the two steps between runs, the address of the pair's flag and
+of a second word to raise with it); each program of the kernel moves its runs. A NaN or
 Inf ``x`` is caught by ``x - x != 0`` (NaN for both, 0 for every finite value). Pairs it cannot cut
-into runs of at least :data:`MIN_RUN` elements (column slices, overlapping strides) are left to the
-caller.
+into runs of at least :data:`MIN_RUN` elements (narrow column slices, overlapping strides) are left to
+the caller.
 
-The kernel compiles (Triton, about a second with a cold cache) in a background thread: :func:`prewarm`
-starts it early (the refit's executors and the export hook call it when they are built), and until a
-specialization is compiled a :class:`FusedCopyCheck` runs the same copies checked by a second read, so
-the first refit of a process does not wait for the compiler.
+The kernel compiles (Triton, about a second with a cold cache) and is launched once on no runs (which
+loads it) in a background thread: :func:`prewarm` starts it early (the refit's executors and the export
+hook call it when they are built), and until a specialization is compiled a :class:`FusedCopyCheck` runs
+the same copies checked by a second read, so the first refit of a process does not wait for the compiler.
 """
 
 from __future__ import annotations
@@ -31,11 +33,12 @@ import torch
 __all__ = ["CHUNK", "MIN_RUN", "FusedCopyCheck", "available", "prewarm", "raise_words", "runs", "shared_words"]
 
 # Elements one program moves at most: 7.2 GB of bf16 is about 110k programs, many per SM, so the
-# last wave is short; long enough that the table (32 bytes a run) is 1/4096 of the data.
-CHUNK = 1 << 15
+# last wave is short; long enough that the table (64 bytes a program) is 1/1024 of the data.
+CHUNK = 1 << 17
 BLOCK = 2048  # elements per loop step of one program
 MIN_RUN = 256  # shorter contiguous runs go to the caller's copy_ (one launch per pair)
-MAX_RUNS = 1 << 16  # more runs than this in one pair: also the caller's
+MAX_RUNS = 1 << 16  # more blocks of runs than this in one pair: also the caller's
+RUNS_PER_PROGRAM = 32  # short runs of one block: a program takes this many at most (runs are moved one by one)
 ALIGN = 16  # bytes; runs whose two addresses are multiples get vector loads and stores
 
 
@@ -56,17 +59,18 @@ def _imports() -> bool:
 
 
 def runs(dst: torch.Tensor, src: torch.Tensor) -> np.ndarray | None:
-    """The pair's contiguous runs, one int64 row each: ``(source element offset, destination element
-    offset, length)`` from the two views' storage offsets (a ``(runs, 3)`` numpy array, built without a
-    Python loop per run: a strided view has a run per row), or None when its runs would be shorter than
-    :data:`MIN_RUN` elements or more than :data:`MAX_RUNS` (then a plain ``copy_`` is better). numpy, not
-    torch: a refit's first copies cut about a thousand pairs, and a torch operation costs several times a
-    numpy one's host time at these sizes."""
+    """The pair's runs as blocks of equally spaced contiguous runs (a strided view's rows), one int64 row per
+    block: ``(source element offset, destination element offset, runs, run length, source run stride, destination
+    run stride)`` from the two views' storage offsets and strides (a ``(blocks, 6)`` numpy array; a view with one
+    strided dimension, e.g. a column slice of a weight, is one block whatever its number of rows), or None when its
+    runs would be shorter than :data:`MIN_RUN` elements or its blocks more than :data:`MAX_RUNS` (then a plain
+    ``copy_`` is better). numpy, not torch: a refit's first copies cut about a thousand pairs, and a torch operation
+    costs several times a numpy one's host time at these sizes."""
     if dst.shape != src.shape or dst.dtype != src.dtype:
         return None
     n = dst.numel()
     if n == 0:
-        return np.empty((0, 3), dtype=np.int64)
+        return np.empty((0, 6), dtype=np.int64)
     shape = dst.shape
     ds, ss = dst.stride(), src.stride()
     # drop size-1 dims, then merge the innermost dims that are contiguous in both views
@@ -77,19 +81,22 @@ def runs(dst: torch.Tensor, src: torch.Tensor) -> np.ndarray | None:
         k -= 1
     if inner < MIN_RUN and inner != n:
         return None
-    outer = dims[:k]
-    count = math.prod(size for size, _, _ in outer)
-    if count > MAX_RUNS:
-        return None
     d0, s0 = dst.storage_offset(), src.storage_offset()
+    if k == 0:
+        return np.array([[s0, d0, 1, inner, 0, 0]], dtype=np.int64)
+    rows, d_step, s_step = dims[k - 1]  # the innermost strided dim: the runs of one block
+    outer = dims[: k - 1]  # the blocks, row-major
     if not outer:
-        return np.array([[s0, d0, inner]], dtype=np.int64)
+        return np.array([[s0, d0, rows, inner, s_step, d_step]], dtype=np.int64)
+    if math.prod(size for size, _, _ in outer) > MAX_RUNS:
+        return None
     d_off, s_off = np.array([d0], dtype=np.int64), np.array([s0], dtype=np.int64)
-    for size, a, b in outer:  # row-major over the outer dims
+    for size, a, b in outer:
         steps = np.arange(size, dtype=np.int64)
         d_off = (d_off[:, None] + steps[None, :] * a).reshape(-1)
         s_off = (s_off[:, None] + steps[None, :] * b).reshape(-1)
-    return np.stack([s_off, d_off, np.full_like(s_off, inner)], axis=1)
+    block = np.array([rows, inner, s_step, d_step], dtype=np.int64)
+    return np.concatenate([s_off[:, None], d_off[:, None], np.broadcast_to(block, (s_off.shape[0], 4))], axis=1)
 
 
 @functools.cache
@@ -99,27 +106,33 @@ def _kernel():
 
     @triton.jit
     def copy_check(table, DTYPE: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
-        row = table + tl.program_id(0).to(tl.int64) * 5
+        row = table + tl.program_id(0).to(tl.int64) * 8
         src = tl.load(row).to(tl.pointer_type(DTYPE))
         dst = tl.load(row + 1).to(tl.pointer_type(DTYPE))
-        n = tl.load(row + 2).to(tl.int32)
-        flag = tl.load(row + 3).to(tl.pointer_type(tl.int32))
-        also = tl.load(row + 4)
-        if ALIGNED:
-            src = tl.multiple_of(src, 16)
-            dst = tl.multiple_of(dst, 16)
+        count = tl.load(row + 2).to(tl.int32)  # runs, each `n` elements, `src_step` / `dst_step` apart
+        n = tl.load(row + 3).to(tl.int32)
+        src_step = tl.load(row + 4)
+        dst_step = tl.load(row + 5)
+        flag = tl.load(row + 6).to(tl.pointer_type(tl.int32))
+        also = tl.load(row + 7)
         lanes = tl.arange(0, BLOCK)
         acc = tl.zeros([BLOCK], dtype=tl.int32)
         full = n // BLOCK
-        for i in range(full):
-            x = tl.load(src + i * BLOCK + lanes)
-            tl.store(dst + i * BLOCK + lanes, x)
-            acc = acc | ((x - x) != 0).to(tl.int32)
         offs = full * BLOCK + lanes
         mask = offs < n
-        x = tl.load(src + offs, mask=mask, other=0)
-        tl.store(dst + offs, x, mask=mask)
-        acc = acc | ((x - x) != 0).to(tl.int32)
+        for r in range(count):
+            s = src + r * src_step
+            d = dst + r * dst_step
+            if ALIGNED:
+                s = tl.multiple_of(s, 16)
+                d = tl.multiple_of(d, 16)
+            for i in range(full):
+                x = tl.load(s + i * BLOCK + lanes)
+                tl.store(d + i * BLOCK + lanes, x)
+                acc = acc | ((x - x) != 0).to(tl.int32)
+            x = tl.load(s + offs, mask=mask, other=0)
+            tl.store(d + offs, x, mask=mask)
+            acc = acc | ((x - x) != 0).to(tl.int32)
         bad = tl.max(acc, 0)
         tl.atomic_max(flag, bad)
         if also != 0:
@@ -141,8 +154,20 @@ def _compiling(key: tuple) -> threading.Event:
         def compile_() -> None:
             try:
                 torch.cuda.set_device(index)  # a new thread starts on device 0; compile for this rank's
-                table = torch.zeros((1, 5), dtype=torch.int64, device=torch.device("cuda", index))
-                _kernel().warmup(table, DTYPE=_tl_dtype(dtype), BLOCK=BLOCK, ALIGNED=aligned, num_warps=8, grid=(1,))
+                device = torch.device("cuda", index)
+                stream = torch.cuda.Stream(device)  # not the legacy default stream, which waits on every other
+                with torch.cuda.stream(stream):
+                    kernel, dtype_ = _kernel(), _tl_dtype(dtype)
+                    table = torch.zeros((1, 8), dtype=torch.int64, device=device)
+                    kernel.warmup(table, DTYPE=dtype_, BLOCK=BLOCK, ALIGNED=aligned, num_warps=8, grid=(1,))
+                    # warmup only compiles: the first launch loads the module and builds its launcher. Launch it
+                    # here, on no runs, with a flag (and source and destination) of its own that it raises by 0, so
+                    # that the refit's first launch does not pay for that
+                    word = torch.zeros(1, dtype=torch.int32, device=device)
+                    at = word.data_ptr()
+                    table.copy_(torch.tensor([[at, at, 0, 0, 0, 0, at, 0]], dtype=torch.int64))
+                    kernel[(1,)](table, DTYPE=dtype_, BLOCK=BLOCK, ALIGNED=aligned, num_warps=8)
+                stream.synchronize()
             except Exception:  # the first launch raises it again and falls back for the process (run)
                 pass
             finally:
@@ -193,10 +218,10 @@ def _tl_dtype(dtype: torch.dtype):
 
 
 class FusedCopyCheck:
-    """The copies of ``pairs`` (``(flag, also, dst, src, runs)``: CUDA tensors of one checked dtype, cut by
-    :func:`runs`; ``flag`` and ``also`` int32 words, ``also`` may be None) as one or two kernel launches:
-    :meth:`run` sets ``flag`` (and ``also``) to 1 when the pair's values hold a NaN or Inf, and leaves
-    them as they are otherwise.
+    """The copies of ``pairs`` (``(index, also, dst, src, runs)``: CUDA tensors of one checked dtype, cut by
+    :func:`runs`; ``index`` the pair's word in ``flags``, an int32 tensor; ``also`` an int32 word or None) as one
+    or two kernel launches: :meth:`run` sets ``flags[index]`` (and ``also``) to 1 when the pair's values hold a
+    NaN or Inf, and leaves them as they are otherwise.
 
     The table of addresses is built once and kept while the storages stay where they are. It holds the
     tensors (so their storages live as long as it does), and before each run it compares each storage's
@@ -204,16 +229,17 @@ class FusedCopyCheck:
     into its pool and back, keeping every view valid) rebuilds the table instead of copying from where the
     storage was."""
 
-    def __init__(self, pairs):
-        self.pairs = pairs
+    def __init__(self, flags: torch.Tensor, pairs):
+        self.flags, self.pairs = flags, pairs
         self.launches: list[tuple[torch.Tensor, object, bool]] = []
-        watch: dict[int, torch.Tensor] = {}  # every tensor once: its address tells whether its storage moved
-        for flag, also, dst, src, _ in pairs:
-            for t in (flag, also, dst, src):
-                if t is not None:
-                    watch.setdefault(id(t), t)
+        watch: dict[int, torch.Tensor] = {id(flags): flags}  # every tensor once: its address tells if it moved
+        for _, also, dst, src, _ in pairs:
+            watch.setdefault(id(dst), dst)
+            watch.setdefault(id(src), src)
+            if also is not None:
+                watch.setdefault(id(also), also)
         self._watch = list(watch.values())
-        self._words: list | None = None  # the fallback's second words (shared_words), at its first run
+        self._fallback: tuple | None = None  # the fallback's indices and second words, at its first run
         self._where: list[int] = []
         self.rebuilds = 0
         self._build()
@@ -228,42 +254,47 @@ class FusedCopyCheck:
             return
         _, _, dst0, _, _ = self.pairs[0]
         size, device = dst0.element_size(), dst0.device
-        # one row per run: its two base addresses in bytes, its length, the flag's and the second word's address;
-        # a few numpy operations over all runs (a strided view has a run per row: hundreds of thousands of them
-        # in a colocated refit's local copies, too many for a Python loop per run), one upload per launch
-        pieces = [np.asarray(p, dtype=np.int64).reshape(-1, 3) for *_, p in self.pairs]
-        bases = np.array(
+        # a few numpy operations over all blocks of runs (a Python loop per block or per run would cost the host
+        # more than the copies: a colocated refit's local copies have hundreds of thousands of runs), one upload
+        # per launch
+        pieces = [np.asarray(p, dtype=np.int64).reshape(-1, 6) for *_, p in self.pairs]
+        flags = self.flags.data_ptr()
+        bases = np.array(  # where each pair's two storages start (runs() gives offsets in them), its flag, its word
             [
                 (
-                    src.untyped_storage().data_ptr(),
-                    dst.untyped_storage().data_ptr(),
-                    flag.data_ptr(),
+                    src.data_ptr() - src.storage_offset() * size,
+                    dst.data_ptr() - dst.storage_offset() * size,
+                    flags + 4 * index,
                     0 if also is None else also.data_ptr(),
                 )
-                for flag, also, dst, src, _ in self.pairs
+                for index, also, dst, src, _ in self.pairs
             ],
             dtype=np.int64,
         ).repeat([p.shape[0] for p in pieces], axis=0)
-        offsets = np.concatenate(pieces)
-        per_run = np.stack(
-            [
-                bases[:, 0] + offsets[:, 0] * size,
-                bases[:, 1] + offsets[:, 1] * size,
-                offsets[:, 2],
-                bases[:, 2],
-                bases[:, 3],
-            ],
-            axis=1,
-        )
-        # each run cut into chunks of CHUNK elements: a row per chunk, built without a Python loop per chunk
-        counts = (per_run[:, 2] + CHUNK - 1) // CHUNK
-        rows = per_run.repeat(counts, axis=0)
-        first = np.repeat(np.cumsum(counts) - counts, counts)
-        start = (np.arange(rows.shape[0], dtype=np.int64) - first) * CHUNK
-        rows[:, 0] += start * size
-        rows[:, 1] += start * size
-        rows[:, 2] = np.minimum(rows[:, 2] - start, CHUNK)
-        aligned = (rows[:, 0] % ALIGN == 0) & (rows[:, 1] % ALIGN == 0)
+        blocks = np.concatenate(pieces)
+        count, length = blocks[:, 2], blocks[:, 3]
+        # a program takes up to CHUNK elements: whole runs of a block (up to RUNS_PER_PROGRAM of them), or one
+        # CHUNK of a longer run
+        cuts = -(-length // CHUNK)
+        group = np.where(cuts == 1, np.clip(CHUNK // np.maximum(length, 1), 1, RUNS_PER_PROGRAM), 1)
+        programs = -(-count // group) * cuts
+        which = np.repeat(np.arange(blocks.shape[0]), programs)
+        q = np.arange(which.shape[0], dtype=np.int64) - np.repeat(np.cumsum(programs) - programs, programs)
+        cut, first_run = q % cuts[which], (q // cuts[which]) * group[which]
+        col = cut * CHUNK
+        b = blocks[which]
+        rows = np.empty((which.shape[0], 8), dtype=np.int64)
+        rows[:, 0] = bases[which, 0] + (b[:, 0] + first_run * b[:, 4] + col) * size
+        rows[:, 1] = bases[which, 1] + (b[:, 1] + first_run * b[:, 5] + col) * size
+        rows[:, 2] = np.minimum(group[which], count[which] - first_run)
+        rows[:, 3] = np.minimum(CHUNK, length[which] - col)
+        rows[:, 4] = b[:, 4]
+        rows[:, 5] = b[:, 5]
+        rows[:, 6] = bases[which, 2]
+        rows[:, 7] = bases[which, 3]
+        # vector loads and stores where both first addresses are aligned and so are the steps to the next run
+        steps = (rows[:, 2] == 1) | ((rows[:, 4] * size % ALIGN == 0) & (rows[:, 5] * size % ALIGN == 0))
+        aligned = (rows[:, 0] % ALIGN == 0) & (rows[:, 1] % ALIGN == 0) & steps
         for flag in (True, False):
             table = rows[aligned == flag]
             if table.shape[0]:
@@ -310,10 +341,12 @@ class FusedCopyCheck:
         dsts = [dst for _, _, dst, _, _ in self.pairs]  # one dtype, none empty (runs() cut them)
         torch._foreach_copy_(dsts, [src for _, _, _, src, _ in self.pairs])
         bad = (~torch.stack(torch._foreach_norm(dsts, float("inf"))).isfinite()).to(torch.int32)
-        torch._foreach_maximum_([flag for flag, _, _, _, _ in self.pairs], list(bad.unbind()))
-        if self._words is None:
-            self._words = shared_words([also for _, also, _, _, _ in self.pairs], bad.device)
-        raise_words(self._words, bad)
+        if self._fallback is None:
+            index = torch.tensor([i for i, *_ in self.pairs], dtype=torch.int64, device=self.flags.device)
+            self._fallback = index, shared_words([also for _, also, _, _, _ in self.pairs], bad.device)
+        index, words = self._fallback
+        self.flags.index_copy_(0, index, torch.maximum(self.flags.index_select(0, index), bad.to(self.flags.device)))
+        raise_words(words, bad)
 
 
 _UNUSABLE: str | None = None  # why the kernel cannot run in this process (None: it can, or was not tried)

@@ -1,6 +1,7 @@
 """CopyBatch: dense same-dtype floating pairs go to one foreach call per dtype, the rest (strided, integer,
 LARGE) one by one; finite_flags: one flag per tensor, in order, whichever reduction checked it."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -115,10 +116,16 @@ def test_runs_cut_views_into_contiguous_runs():
 
     fused = torch.empty(4, 6 * 64, 256)
     dst = torch.empty(4, 64, 256)
-    got = runs(dst, fused[:, 5 * 64 :])
-    assert got.tolist() == [[k * 6 * 64 * 256 + 5 * 64 * 256, k * 64 * 256, 64 * 256] for k in range(4)]
+    # (source offset, destination offset, runs, run length, source step, destination step) per block of runs
+    got = runs(dst, fused[:, 5 * 64 :])  # a row block of a fused weight: the source strided, one block of 4 runs
+    assert got.tolist() == [[5 * 64 * 256, 0, 4, 64 * 256, 6 * 64 * 256, 64 * 256]]
+    weight = torch.empty(6, 4, 3 * MIN_RUN)  # a column slice of a 3-D weight: a block of 4 runs per leading index
+    got = runs(torch.empty(6, 4, MIN_RUN), weight[:, :, MIN_RUN : 2 * MIN_RUN])
+    want = [[MIN_RUN + i * 12 * MIN_RUN, i * 4 * MIN_RUN, 4, MIN_RUN, 3 * MIN_RUN, MIN_RUN] for i in range(6)]
+    assert got.tolist() == want
     assert runs(torch.empty(10, 3), torch.empty(10, 8)[:, 2:5]) is None  # runs of 3 elements
-    assert runs(torch.empty(MIN_RUN - 1), torch.empty(MIN_RUN - 1)).tolist() == [[0, 0, MIN_RUN - 1]]  # whole: one run
+    whole = [[0, 0, 1, MIN_RUN - 1, 0, 0]]  # short, but the whole tensor: one run
+    assert runs(torch.empty(MIN_RUN - 1), torch.empty(MIN_RUN - 1)).tolist() == whole
     assert runs(torch.empty(3, 4), torch.empty(3, 4, dtype=torch.float64)) is None
 
 
@@ -150,8 +157,8 @@ def test_fused_table_follows_a_storage_that_moved():
         pytest.skip("Triton does not import")
     fused_weight = torch.randn(4, 6 * 64, 256)
     src, dst = fused_weight[:, 5 * 64 :], torch.empty(4, 64, 256)
-    flag = torch.zeros((), dtype=torch.int32)
-    fused = copy_check.FusedCopyCheck([(flag, None, dst, src, copy_check.runs(dst, src))])
+    flags = torch.zeros(1, dtype=torch.int32)
+    fused = copy_check.FusedCopyCheck(flags, [(0, None, dst, src, copy_check.runs(dst, src))])
     (table, _, _), *_ = fused.launches
     assert int(table[0, 0]) == src.data_ptr() and int(table[0, 1]) == dst.data_ptr()
     assert not fused.refresh() and fused.rebuilds == 0
@@ -177,8 +184,8 @@ def test_without_a_usable_kernel_the_copies_are_checked_by_a_second_read(monkeyp
         pytest.skip("Triton does not import")
     monkeypatch.setattr(copy_check, "_UNUSABLE", None)
     src, dst = torch.randn(3000), torch.empty(3000)
-    flag, word = torch.zeros((), dtype=torch.int32), torch.zeros((), dtype=torch.int32)
-    fused = copy_check.FusedCopyCheck([(flag, word, dst, src, copy_check.runs(dst, src))])
+    flag, word = torch.zeros(1, dtype=torch.int32), torch.zeros((), dtype=torch.int32)
+    fused = copy_check.FusedCopyCheck(flag, [(0, word, dst, src, copy_check.runs(dst, src))])
     with pytest.warns(RuntimeWarning, match="checked by a second read instead"):
         fused.run()
     assert torch.equal(dst, src) and int(flag) == int(word) == 0
@@ -194,8 +201,9 @@ def test_without_a_usable_kernel_the_copies_are_checked_by_a_second_read(monkeyp
         srcs = [base[i, ::2] for i in range(10)]
         dsts = [torch.empty(MIN_RUN, dtype=dtype) for _ in range(10)]
         flags, words = torch.zeros(10, dtype=torch.int32), torch.zeros(3, dtype=torch.int32)
+        whole = [(0, 0, 1, MIN_RUN, 0, 0)]  # (the fallback copies the views; no kernel reads this)
         fused = copy_check.FusedCopyCheck(
-            [(flags[i], words[i % 3] if i % 2 == 0 else None, dsts[i], srcs[i], [(0, 0, MIN_RUN)]) for i in range(10)]
+            flags, [(i, words[i % 3] if i % 2 == 0 else None, dsts[i], srcs[i], whole) for i in range(10)]
         )
         fused.run()
         assert all(torch.equal(d, s) for d, s in zip(dsts, srcs)) and not flags.any() and not words.any()
@@ -205,36 +213,59 @@ def test_without_a_usable_kernel_the_copies_are_checked_by_a_second_read(monkeyp
         assert torch.equal(dsts[3].isnan(), srcs[3].isnan()) and dsts[4][0] == float("inf")
 
 
-def test_fused_table_has_a_row_per_chunk_of_every_run():
-    """The kernel's table, built with numpy operations over all runs at once, holds for every run of every pair
-    (strided views: a run per row) its chunks of CHUNK elements: both addresses, the length, the pair's flag and
-    second word (0 without one), split by 16-byte alignment. Checked against the rows written out run by run."""
+def test_fused_table_has_a_row_per_program():
+    """The kernel's table, built with numpy operations over all blocks at once, holds a row per program: both
+    addresses, the number of runs, their length, the two steps between runs, the pair's flag and second word (0
+    without one); a program takes whole runs of a block (up to RUNS_PER_PROGRAM, at most CHUNK elements) or one
+    CHUNK of a longer run. Split by 16-byte alignment (of both addresses and both steps). Checked against rows
+    written out run by run, which together cover every element of every pair exactly once."""
     from megatron_ext import copy_check
 
     if not copy_check.available():
         pytest.skip("Triton does not import")
-    size, chunk = 4, copy_check.CHUNK
-    fused_w = torch.randn(6, 3 * chunk // 2)  # rows longer than a chunk: two chunks per run
+    size, chunk, most = 4, copy_check.CHUNK, copy_check.RUNS_PER_PROGRAM
+    fused_w = torch.randn(6, 3 * chunk // 2)  # rows longer than a chunk: two programs per run
+    short = torch.randn(3 * most + 5, 2 * copy_check.MIN_RUN)  # short runs: RUNS_PER_PROGRAM of them per program
+    mid = torch.randn(40, 3 * chunk // 8 + 4)  # runs of 3/8 of a chunk: two per program
     pairs = [
-        (torch.empty(6, chunk // 2), fused_w[:, chunk // 2 : chunk]),  # strided: a run per row
-        (torch.empty(2 * chunk + 5), torch.randn(2 * chunk + 5)),  # contiguous: one run, three chunks
+        (torch.empty(6, chunk // 2), fused_w[:, chunk // 2 : chunk]),  # strided, 2 runs of half a chunk a program
+        (torch.empty(2 * chunk + 5), torch.randn(2 * chunk + 5)),  # contiguous: one run, three programs
         (torch.empty(6, 3 * chunk // 2 - 1), fused_w[:, 1:]),  # strided, source 4 bytes off: unaligned
+        (torch.empty(3 * most + 5, copy_check.MIN_RUN), short[:, : copy_check.MIN_RUN]),
+        (torch.empty(40, 3 * chunk // 8), mid[:, 4:]),  # 16-byte aligned addresses and steps
+        (torch.empty(40, 3 * chunk // 8 + 1), mid[:, 3:]),  # steps of an odd number of elements: unaligned
     ]
-    flags, word = torch.zeros(3, dtype=torch.int32), torch.zeros((), dtype=torch.int32)
-    entries = [(flags[i], word if i == 1 else None, d, s, copy_check.runs(d, s)) for i, (d, s) in enumerate(pairs)]
-    fused = copy_check.FusedCopyCheck(entries)
+    flags, word = torch.zeros(len(pairs), dtype=torch.int32), torch.zeros((), dtype=torch.int32)
+    entries = [(i, word if i == 1 else None, d, s, copy_check.runs(d, s)) for i, (d, s) in enumerate(pairs)]
+    fused = copy_check.FusedCopyCheck(flags, entries)
     want = {True: [], False: []}
-    for flag, also, dst, src, pieces in entries:
-        for s_off, d_off, n in pieces.tolist():
-            for start in range(0, n, chunk):
-                row = [
-                    src.untyped_storage().data_ptr() + (s_off + start) * size,
-                    dst.untyped_storage().data_ptr() + (d_off + start) * size,
-                    min(chunk, n - start),
-                    flag.data_ptr(),
-                    0 if also is None else also.data_ptr(),
-                ]
-                want[row[0] % copy_check.ALIGN == 0 and row[1] % copy_check.ALIGN == 0].append(row)
+    for i, also, dst, src, pieces in entries:
+        for s_off, d_off, count, n, s_step, d_step in pieces.tolist():
+            group = max(1, min(most, chunk // n)) if n <= chunk else 1
+            for first in range(0, count, group):
+                for start in range(0, n, chunk):
+                    row = [
+                        src.untyped_storage().data_ptr() + (s_off + first * s_step + start) * size,
+                        dst.untyped_storage().data_ptr() + (d_off + first * d_step + start) * size,
+                        min(group, count - first),
+                        min(chunk, n - start),
+                        s_step,
+                        d_step,
+                        flags.data_ptr() + 4 * i,
+                        0 if also is None else also.data_ptr(),
+                    ]
+                    steps = row[2] == 1 or (s_step * size % 16 == 0 and d_step * size % 16 == 0)
+                    want[row[0] % 16 == 0 and row[1] % 16 == 0 and steps].append(row)
     got = {aligned: table.tolist() for table, _, aligned in fused.launches}
     assert got == {k: v for k, v in want.items() if v}
+    # every element of every pair in exactly one program: the source addresses the rows cover, per pair
+    covered = {}
+    for rows in want.values():
+        for src0, _, count, n, s_step, _, flag, _ in rows:
+            starts = src0 + np.arange(count)[:, None] * s_step * size
+            covered.setdefault(flag, []).append((starts + np.arange(n)[None, :] * size).reshape(-1))
+    for i, (_, src) in enumerate(pairs):
+        addrs = np.concatenate(covered[flags.data_ptr() + 4 * i])
+        assert addrs.size == np.unique(addrs).size == src.numel(), i
+    assert any(r[2] == most for r in want[True]) and any(1 < r[2] < most for r in want[True])
     assert want[True] and want[False], "the test needs aligned and unaligned runs"

@@ -618,7 +618,7 @@ class ReshardExecutor:
             return None
         side = self._side()
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            return finite_flags(sources)
+            return finite_flags(sources, large=None)  # one reduction per dtype, as _check_direct's (its numbers)
 
     def _direct_check(self) -> dict | None:
         """With ``check_finite`` and zero-copy transfers to send: this refit's check of them (:meth:`_check_direct`

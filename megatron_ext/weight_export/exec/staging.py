@@ -11,14 +11,16 @@ slots and unpacks it.
 :class:`Staging` allocates them and builds every copy of a refit as
 ``(dst, src)`` views over the fixed buffers and tensors: packing a round (each
 bucket's header row and pieces), unpacking it, and the rank's local copies. A
-refit then issues batched copies (:class:`~megatron_ext.copies.CopyBatch`)
+refit then issues batched copies (:class:`~megatron_ext.copies.CopyBatch`, each built
+at its first run: the first refit builds a round's while earlier rounds are in flight)
 without rebuilding hundreds of views, so the tensors must be updated in place.
 """
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -35,6 +37,28 @@ from ..plan.wire import HEADER_BYTES, HEADER_WORDS, NONFINITE_WORD
 CHECK_CHUNK_BYTES = 256 << 20
 
 __all__ = ["Staging"]
+
+
+class _Built(Mapping):
+    """Round -> :class:`~megatron_ext.copies.CopyBatch`, each built when it is first asked for: the first refit
+    builds a round's copies (sorting the pairs, cutting the checked ones into the kernel's table) while the
+    rounds before it are in flight, instead of all of them before anything is sent."""
+
+    def __init__(self, pairs: dict[int, list], **kw):
+        self._pairs, self._kw, self._built = pairs, kw, {}
+
+    def __getitem__(self, k: int) -> CopyBatch:
+        got = self._built.get(k)
+        if got is None:
+            kw = {key: v[k] if isinstance(v, dict) else v for key, v in self._kw.items()}
+            got = self._built[k] = CopyBatch(self._pairs[k], **kw)
+        return got
+
+    def __iter__(self):
+        return iter(self._pairs)
+
+    def __len__(self) -> int:
+        return len(self._pairs)
 
 
 def _same_shape(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,7 +191,7 @@ class Staging:
                     pack[k].append((self._piece(buf, off, src), src))
                     also[k].append(word)
                     self.packed[k].append(t)
-        self.pack = {k: CopyBatch(pairs, check=check, also_flag=also[k]) for k, pairs in pack.items()}
+        self.pack = _Built(dict(pack), check=check, also_flag=also)
         self.trailer_rows = torch.tensor(trailers, dtype=torch.int64, device=device)
         # the checked sources in chunks of consecutive rounds (at least CHECK_CHUNK_BYTES each, but the last),
         # within a chunk in finite_flags' order (by dtype), so the chunks' flags, concatenated, are in this order
@@ -219,12 +243,18 @@ class Staging:
                     dst = view(t.dst_run)
                     unpack[k].append((dst, self._piece(buf, off, dst)))
         local_pairs = [_same_shape(view(t.dst_run), view(t.src_run)) for t in local]
-        self.local = CopyBatch(local_pairs, check=check and not atomic)
+        self._local = (local_pairs, check and not atomic)
         self.local_sources = [src for _, src in local_pairs] if check and atomic else []
         if atomic and not host:  # the whole version at once, after the last round's headers are checked
-            self._apply = CopyBatch([pair for k in sorted(unpack) for pair in unpack[k]] + local_pairs)
+            self._apply = _Built({0: [pair for k in sorted(unpack) for pair in unpack[k]] + local_pairs})
         else:
-            self.unpack = {k: CopyBatch(pairs) for k, pairs in unpack.items()}
+            self.unpack = _Built(dict(unpack))
+
+    @functools.cached_property
+    def local(self) -> CopyBatch:
+        """The rank's copies to itself (built at their first run, as a round's copies are)."""
+        pairs, check = self._local
+        return CopyBatch(pairs, check=check)
 
     def scratch(self, like: torch.Tensor) -> torch.Tensor:
         """Where a streaming receiver that refused the version drains a zero-copy receive shaped ``like``
@@ -264,7 +294,7 @@ class Staging:
     def apply(self) -> None:
         """Atomic: write the whole version (every round, then the local copies)."""
         if not self.host:
-            self._apply.run()
+            self._apply[0].run()
             return
         for k in sorted(self.unpack):  # through the receive slots, as a streaming receiver unpacks
             for (peer, j), held in self.held.items():

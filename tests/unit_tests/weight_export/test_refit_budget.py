@@ -337,3 +337,20 @@ def test_host_slabs_pin_powers_of_two_holding_every_buffer(sizes, most):
     assert all(a[0] != b[0] or a[2] <= b[1] for a, b in zip(spans, spans[1:])), "buffers overlap"
     assert sum(slabs) <= most * sum(sizes), (sum(slabs) / sum(sizes), slabs)
     assert sum(slabs) <= sum(1 << (n - 1).bit_length() for n in sizes)  # never more than a buffer each
+
+
+def test_a_rounds_copies_are_built_at_their_first_run():
+    """The staging allocates its buffers and cuts every piece's view up front (what the agreement checks), but
+    sorts each round's copies (and cuts the checked ones into the kernel's table) only when the round first runs,
+    so the first refit builds a round's copies while earlier rounds are in flight: nothing is built before then,
+    and a round is built once."""
+    plan = _plan("tp1_to_dp2 [2]")
+    sender, receiver = _executor(plan, 0, check_finite=True), _executor(plan, 1, atomic=False)
+    for ex in (sender, receiver):
+        ex._allocate()
+    pack, unpack = sender.staging.pack, receiver.staging.unpack
+    assert len(pack) == sender.rounds > 1 and len(unpack) == receiver.rounds
+    assert not pack._built and not unpack._built and "local" not in vars(receiver.staging)
+    first = pack[1]
+    assert pack[1] is first and list(pack._built) == [1] and first.check and len(first) > 1
+    assert receiver.staging.local is receiver.staging.local and "local" in vars(receiver.staging)
