@@ -477,8 +477,12 @@ def _profiled(fn, device, path: str) -> float:
     Returns the seconds it took, profiler included."""
     from torch.profiler import ProfilerActivity, profile
 
+    import torch.distributed as dist
+
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     sync(device)
+    if dist.is_initialized():  # as _timed: every rank starts together (a wait for a late peer is not the refit's)
+        dist.barrier()
     start = time.perf_counter()
     with profile(activities=acts) as prof:
         fn()
@@ -491,6 +495,35 @@ def _profiled(fn, device, path: str) -> float:
     with open(os.path.join(folder, os.path.splitext(name)[0] + ".txt"), "w") as f:
         f.write(f"{took * 1e3:.1f} ms under the profiler\n")
         f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=40))
+    return took
+
+
+def _python_profiled(fn, device, path: str) -> float:
+    """``fn`` (a refit) under ``cProfile``: the host's Python functions, 40 by own time and 40 by cumulative
+    time, written to ``path`` (text). Returns the seconds it took, profiler included."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch.distributed as dist
+
+    sync(device)
+    if dist.is_initialized():
+        dist.barrier()
+    start = time.perf_counter()
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    sync(device)
+    prof.disable()
+    took = time.perf_counter() - start
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    for key in ("tottime", "cumulative"):
+        stats.sort_stats(key).print_stats(40)
+    with open(path, "w") as f:
+        f.write(f"{took * 1e3:.1f} ms under cProfile\n{text.getvalue()}")
     return took
 
 
@@ -700,9 +733,14 @@ def _method(method, trainer, engine, src, dst, tensors, rank, versions, opts, de
         def refit():
             state["ex"].refit(next(versions))
 
-        if opts.get("profile_first"):  # the first refit under the profiler
-            name = f"{opts['case']}_{method}_first_rank{rank}.json"
-            first = slowest(_profiled(first_refit, device, os.path.join(opts["profile_dir"], name)), device)
+        if opts.get("profile_first"):  # the first refit under a profiler
+            name = f"{opts['case']}_{method}_first_rank{rank}".replace(":", "-")
+            where = os.path.join(opts["profile_dir"], name)
+            if opts["profile_first"] == "python":
+                took = _python_profiled(first_refit, device, where + ".pstats.txt")
+            else:
+                took = _profiled(first_refit, device, where + ".json")
+            first = slowest(took, device)
         else:
             first = _timed(first_refit, device)
         plan_s = slowest(state["plan_s"], device)
@@ -924,9 +962,13 @@ def main(argv=None, *, rank_setup=None) -> int:
     )
     p.add_argument(
         "--profile-first",
-        action="store_true",
-        help="with --profile-dir: our rows' first refit (plan, staging, first transfer) runs under the profiler too "
-        "(its first_refit_s then includes the profiler's cost)",
+        nargs="?",
+        const="torch",
+        default=None,
+        choices=["torch", "python"],
+        help="with --profile-dir: our rows' first refit (plan, staging, first transfer) runs under a profiler too "
+        "(its first_refit_s then includes the profiler's cost): torch (default: torch.profiler, operators and "
+        "kernels) or python (cProfile: the host's Python functions, a text file per rank)",
     )
     p.add_argument("--out", default="refit_vs_swap.json")
     a = p.parse_args(argv)

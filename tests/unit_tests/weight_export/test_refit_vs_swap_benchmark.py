@@ -202,3 +202,18 @@ def test_refit_vs_swap_benchmark_reports_no_time_for_a_wrong_or_failed_swap(tmp_
     for layout in ("nc:tp1:tp1", "co:tp1ep2:tp1dp2"):
         ours = rows[(layout, "ours:atomic")]
         assert ours["correct"] is True and ours["seconds"] > 0 and ours["speedup_vs_best_swap"] is None
+
+
+def test_first_refit_python_profile_names_the_functions(tmp_path):
+    # --profile-first python: the first refit under cProfile, its functions by own and cumulative time in a text file
+    def slow_part():
+        return sum(i * i for i in range(20000))
+
+    def first_refit():
+        slow_part()
+
+    path = tmp_path / "prof" / "co-tp2-tp1_ours-stream_first_rank0.pstats.txt"
+    took = bench._python_profiled(first_refit, torch.device("cpu"), str(path))
+    text = path.read_text()
+    assert took > 0 and text.startswith(f"{took * 1e3:.1f} ms under cProfile")
+    assert text.count("slow_part") >= 2 and "tottime" in text and "cumulative" in text
