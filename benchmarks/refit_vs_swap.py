@@ -459,13 +459,20 @@ def _prefixed(layout, prefix: str):
 # --------------------------------------------------------------------------- timing
 
 
-def _timed(fn, device) -> float:
-    """One call of ``fn`` on every rank, timed on the slowest rank (devices synchronised around it)."""
+def _together(device) -> float:
+    """Every rank here, its device idle: the start of a timed or profiled refit (a wait for a late peer is not
+    the refit's). Returns the time."""
     import torch.distributed as dist
 
     sync(device)
-    dist.barrier()
-    start = time.perf_counter()
+    if dist.is_initialized():
+        dist.barrier()
+    return time.perf_counter()
+
+
+def _timed(fn, device) -> float:
+    """One call of ``fn`` on every rank, timed on the slowest rank (devices synchronised around it)."""
+    start = _together(device)
     fn()
     sync(device)
     return slowest(time.perf_counter() - start, device)
@@ -477,13 +484,8 @@ def _profiled(fn, device, path: str) -> float:
     Returns the seconds it took, profiler included."""
     from torch.profiler import ProfilerActivity, profile
 
-    import torch.distributed as dist
-
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    sync(device)
-    if dist.is_initialized():  # as _timed: every rank starts together (a wait for a late peer is not the refit's)
-        dist.barrier()
-    start = time.perf_counter()
+    start = _together(device)
     with profile(activities=acts) as prof:
         fn()
         sync(device)
@@ -505,12 +507,7 @@ def _python_profiled(fn, device, path: str) -> float:
     import io
     import pstats
 
-    import torch.distributed as dist
-
-    sync(device)
-    if dist.is_initialized():
-        dist.barrier()
-    start = time.perf_counter()
+    start = _together(device)
     prof = cProfile.Profile()
     prof.enable()
     fn()

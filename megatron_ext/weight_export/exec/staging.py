@@ -40,18 +40,17 @@ __all__ = ["Staging"]
 
 
 class _Built(Mapping):
-    """Round -> :class:`~megatron_ext.copies.CopyBatch`, each built when it is first asked for: the first refit
-    builds a round's copies (sorting the pairs, cutting the checked ones into the kernel's table) while the
-    rounds before it are in flight, instead of all of them before anything is sent."""
+    """Round -> :class:`~megatron_ext.copies.CopyBatch` of its pairs (``build(k, pairs)``), each built when it is
+    first asked for: the first refit builds a round's copies (sorting the pairs, cutting the checked ones into the
+    kernel's table) while the rounds before it are in flight, instead of all of them before anything is sent."""
 
-    def __init__(self, pairs: dict[int, list], **kw):
-        self._pairs, self._kw, self._built = pairs, kw, {}
+    def __init__(self, pairs: dict[int, list], build: Callable[[int, list], CopyBatch]):
+        self._pairs, self._build, self._built = pairs, build, {}
 
     def __getitem__(self, k: int) -> CopyBatch:
         got = self._built.get(k)
         if got is None:
-            kw = {key: v[k] if isinstance(v, dict) else v for key, v in self._kw.items()}
-            got = self._built[k] = CopyBatch(self._pairs[k], **kw)
+            got = self._built[k] = self._build(k, self._pairs[k])
         return got
 
     def __iter__(self):
@@ -191,7 +190,7 @@ class Staging:
                     pack[k].append((self._piece(buf, off, src), src))
                     also[k].append(word)
                     self.packed[k].append(t)
-        self.pack = _Built(dict(pack), check=check, also_flag=also)
+        self.pack = _Built(dict(pack), lambda k, pairs: CopyBatch(pairs, check=check, also_flag=also[k]))
         self.trailer_rows = torch.tensor(trailers, dtype=torch.int64, device=device)
         # the checked sources in chunks of consecutive rounds (at least CHECK_CHUNK_BYTES each, but the last),
         # within a chunk in finite_flags' order (by dtype), so the chunks' flags, concatenated, are in this order
@@ -243,18 +242,22 @@ class Staging:
                     dst = view(t.dst_run)
                     unpack[k].append((dst, self._piece(buf, off, dst)))
         local_pairs = [_same_shape(view(t.dst_run), view(t.src_run)) for t in local]
-        self._local = (local_pairs, check and not atomic)
+        self._local_pairs, self._local_check = local_pairs, check and not atomic
         self.local_sources = [src for _, src in local_pairs] if check and atomic else []
         if atomic and not host:  # the whole version at once, after the last round's headers are checked
-            self._apply = _Built({0: [pair for k in sorted(unpack) for pair in unpack[k]] + local_pairs})
+            self._version_pairs = [pair for k in sorted(unpack) for pair in unpack[k]] + local_pairs
         else:
-            self.unpack = _Built(dict(unpack))
+            self.unpack = _Built(dict(unpack), lambda k, pairs: CopyBatch(pairs))
 
     @functools.cached_property
     def local(self) -> CopyBatch:
         """The rank's copies to itself (built at their first run, as a round's copies are)."""
-        pairs, check = self._local
-        return CopyBatch(pairs, check=check)
+        return CopyBatch(self._local_pairs, check=self._local_check)
+
+    @functools.cached_property
+    def _apply(self) -> CopyBatch:
+        """An atomic receiver's copies of the whole version (staged on the device), built at the first apply."""
+        return CopyBatch(self._version_pairs)
 
     def scratch(self, like: torch.Tensor) -> torch.Tensor:
         """Where a streaming receiver that refused the version drains a zero-copy receive shaped ``like``
@@ -294,7 +297,7 @@ class Staging:
     def apply(self) -> None:
         """Atomic: write the whole version (every round, then the local copies)."""
         if not self.host:
-            self._apply[0].run()
+            self._apply.run()
             return
         for k in sorted(self.unpack):  # through the receive slots, as a streaming receiver unpacks
             for (peer, j), held in self.held.items():
