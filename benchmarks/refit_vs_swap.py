@@ -502,7 +502,8 @@ def _profiled(fn, device, path: str) -> float:
 
 def _python_profiled(fn, device, path: str) -> float:
     """``fn`` (a refit) under ``cProfile``: the host's Python functions, 40 by own time and 40 by cumulative
-    time, written to ``path`` (text). Returns the seconds it took, profiler included."""
+    time, written to ``path`` (text; the whole profile beside it, for ``pstats``, where ``path`` ends in ``.txt``
+    without it). Returns the seconds it took, profiler included."""
     import cProfile
     import io
     import pstats
@@ -521,6 +522,8 @@ def _python_profiled(fn, device, path: str) -> float:
         stats.sort_stats(key).print_stats(40)
     with open(path, "w") as f:
         f.write(f"{took * 1e3:.1f} ms under cProfile\n{text.getvalue()}")
+    if path.endswith(".txt"):
+        prof.dump_stats(path.removesuffix(".txt"))
     return took
 
 

@@ -217,3 +217,6 @@ def test_first_refit_python_profile_names_the_functions(tmp_path):
     text = path.read_text()
     assert took > 0 and text.startswith(f"{took * 1e3:.1f} ms under cProfile")
     assert text.count("slow_part") >= 2 and "tottime" in text and "cumulative" in text
+    import pstats  # the whole profile beside it, for callers and callees
+
+    assert any("slow_part" in name for _, _, name in pstats.Stats(str(path)[: -len(".txt")]).stats)
