@@ -93,7 +93,10 @@ rank sending to the next and receiving from the previous at once when colocated,
 -> engine rank ``|A|+i`` otherwise; CPU: none), peak extra memory on trainer and engine ranks
 (``torch.cuda.max_memory_allocated`` over the method's refits minus what was allocated before them;
 colocated ranks hold both models, so both columns are the same ranks), the first refit (plans,
-services / executors, staging and the first transfer; our NaN/Inf check's kernel is compiled once per
+services / executors, staging and the first transfer; the median of ``--first-repeats`` cold ones, each
+after the last one's buffers were freed and given back to the device, ``first_refit_each_s`` in the JSON:
+swap's caches cleared, ours a new executor; the first of them also pays what a process does once. Our
+NaN/Inf check's kernel is compiled once per
 process before the first layout, as a job's refit built at set-up has it before its first refit, and
 its compile is reported on its own as ``kernel_compile_s``), the plan alone (``swap``:
 ``prepare_swap_model_weights``, timed on its own before its cache is cleared again; ours:
@@ -470,6 +473,14 @@ def _together(device) -> float:
     return time.perf_counter()
 
 
+def _cold(device) -> None:
+    """Before a cold first refit: what the last one left freed, and its memory given back to the device (so the
+    refit allocates its buffers as a new job's first one does)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def _timed(fn, device) -> float:
     """One call of ``fn`` on every rank, timed on the slowest rank (devices synchronised around it)."""
     start = _together(device)
@@ -687,7 +698,7 @@ def _method(method, trainer, engine, src, dst, tensors, rank, versions, opts, de
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
     state = {}
-    first = plan_s = error = setup = None
+    first = plan_s = error = setup = first_each = None
     times = []  # filled by the layout's interleaved timed rounds
     if kind == "swap":
 
@@ -697,8 +708,12 @@ def _method(method, trainer, engine, src, dst, tensors, rank, versions, opts, de
         try:
             clear_all_caches()  # the plan alone (collective: an all-gather of every rank's metadata) ...
             plan_s = _timed(lambda: prepare_swap_model_weights(trainer, engine), device)
-            clear_all_caches()  # ... and again within the first refit
-            first = _timed(refit, device)
+            firsts = []
+            for _ in range(opts["first_repeats"]):
+                clear_all_caches()  # ... and again within each first refit
+                _cold(device)
+                firsts.append(_timed(refit, device))
+            first, first_each = statistics.median(firsts), firsts
         except Exception as exc:  # megatron-core's planner replays the whole plan on every rank: all raise alike
             error = f"{type(exc).__name__}: {exc}"
     else:
@@ -733,18 +748,25 @@ def _method(method, trainer, engine, src, dst, tensors, rank, versions, opts, de
         def refit():
             state["ex"].refit(next(versions))
 
-        if opts.get("profile_first"):  # the first refit under a profiler
+        if opts.get("profile_first"):  # the first refit under a profiler (once)
             name = f"{opts['case']}_{method}_first_rank{rank}".replace(":", "-")
             where = os.path.join(opts["profile_dir"], name)
             if opts["profile_first"] == "python":
                 took = _python_profiled(first_refit, device, where + ".pstats.txt")
             else:
                 took = _profiled(first_refit, device, where + ".json")
-            first = slowest(took, device)
+            first_each = [slowest(took, device)]
+            plans, setups = [slowest(state["plan_s"], device)], [state["ex"].setup_s]
         else:
-            first = _timed(first_refit, device)
-        plan_s = slowest(state["plan_s"], device)
-        setup = {k: slowest(v, device) for k, v in sorted(state["ex"].setup_s.items())}
+            first_each, plans, setups = [], [], []
+            for _ in range(opts["first_repeats"]):  # each a new executor: plan, staging, agreement, first transfer
+                state["ex"] = None  # the previous one's staging freed first
+                _cold(device)
+                first_each.append(_timed(first_refit, device))
+                plans.append(slowest(state["plan_s"], device))
+                setups.append(state["ex"].setup_s)
+        first, plan_s = statistics.median(first_each), statistics.median(plans)
+        setup = {k: slowest(statistics.median(s[k] for s in setups), device) for k in sorted(setups[0])}
     ran = slowest(float(error is not None), device) == 0  # every rank ran the first refit
     if ran:
         for _ in range(opts["warmup"]):
@@ -757,7 +779,8 @@ def _method(method, trainer, engine, src, dst, tensors, rank, versions, opts, de
         [f"trainer {n}" for n in _wrong(trainer)] if trainer is not None else []
     )
     row = dict(
-        first_s=first,
+        first_s=first,  # the median of first_each_s
+        first_each_s=first_each,  # each cold first refit (the first of them also pays the process's first times)
         plan_s=plan_s,
         first_setup_s=setup,  # ours: the first refit's staging, agreement and start (seconds, slowest rank)
         times=times,
@@ -806,6 +829,7 @@ def _rows(cases: list[Case], methods: list[str], res: list[list[dict]], experts:
                     gbps_per_gpu=gbps,
                     fraction_of_limit=gbps / limit if gbps is not None and limit else None,
                     first_refit_s=ms[0]["first_s"] if correct else None,
+                    first_refit_each_s=ms[0]["first_each_s"] if correct else None,
                     plan_s=ms[0]["plan_s"],
                     first_setup_s=ms[0]["first_setup_s"],
                     peak_extra_trainer_bytes=peak("trainer"),
@@ -939,6 +963,13 @@ def main(argv=None, *, rank_setup=None) -> int:
         "atomic-host",
     )
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument(
+        "--first-repeats",
+        type=int,
+        default=3,
+        help="cold first refits per row (swap: its caches cleared; ours: a new executor), the first refit column "
+        "their median: one sample moved by up to 2x between runs on a shared host",
+    )
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--stream-bucket-mb", type=float, default=512)
     p.add_argument("--atomic-bucket-mb", type=float, default=256)
@@ -977,8 +1008,8 @@ def main(argv=None, *, rank_setup=None) -> int:
     world = a.world or (gpus if gpu else 4)
     if gpu and gpus < world:
         p.error(f"--world {world} needs {world} GPUs, found {gpus}")
-    if a.iters < 1 or a.warmup < 0:
-        p.error("--iters must be >= 1 and --warmup >= 0")
+    if a.iters < 1 or a.warmup < 0 or a.first_repeats < 1:
+        p.error("--iters and --first-repeats must be >= 1 and --warmup >= 0")
     if a.profile_first and not a.profile_dir:
         p.error("--profile-first writes its traces under --profile-dir: give one")
     moe = a.preset in MOE_PRESETS
@@ -1002,6 +1033,7 @@ def main(argv=None, *, rank_setup=None) -> int:
     opts = dict(
         iters=a.iters,
         warmup=a.warmup,
+        first_repeats=a.first_repeats,
         stream_bucket=int(a.stream_bucket_mb * MiB),
         atomic_bucket=int(a.atomic_bucket_mb * MiB),
         max_inflight=a.max_inflight,
