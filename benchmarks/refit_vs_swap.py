@@ -782,7 +782,7 @@ def _method(method, trainer, engine, src, dst, tensors, rank, versions, opts, de
         first_s=first,  # the median of first_each_s
         first_each_s=first_each,  # each cold first refit (the first of them also pays the process's first times)
         plan_s=plan_s,
-        first_setup_s=setup,  # ours: the first refit's staging, agreement and start (seconds, slowest rank)
+        first_setup_s=setup,  # ours: the first refit's settle, staging, agreement and start (s, slowest rank)
         times=times,
         error=error,
         peak_extra_bytes=peak,

@@ -314,7 +314,9 @@ class ReshardExecutor:
         self.staging: Staging | None = None  # buffers and copies, from the first refit on
         self._side_stream = None  # atomic ranks' check of their local copies' sources (CUDA)
         self.version: int | None = None  # the version this rank's destination tensors hold (None: none accepted)
-        self.setup_s: dict[str, float] = {}  # the first refit's set-up: staging, agreement, start (seconds)
+        # the first refit's set-up (seconds): settle (every rank's words gathered: with a rank's plan, also the wait
+        # for the slowest rank's plan), staging, agreement, start
+        self.setup_s: dict[str, float] = {}
 
     @property
     def _who(self) -> str:
@@ -551,6 +553,7 @@ class ReshardExecutor:
         reports a rank out of memory to all, so that nobody waits on a peer that will not send; then
         the NCCL communicator, which PyTorch wants before the first batch of P2P ops. A rank whose
         tensors are not the layout's (:attr:`problem`) allocates nothing and reports its problem."""
+        began = time.perf_counter()
         self._settle("reach the refit")
         failed = self.budget_problem
         start = time.perf_counter()
@@ -585,7 +588,12 @@ class ReshardExecutor:
             raise
         agreed = time.perf_counter()
         self.peers.start()  # every rank arrived
-        self.setup_s = dict(staging=allocated - start, agreement=agreed - allocated, start=time.perf_counter() - agreed)
+        self.setup_s = dict(
+            settle=start - began,
+            staging=allocated - start,
+            agreement=agreed - allocated,
+            start=time.perf_counter() - agreed,
+        )
         parts = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.setup_s.items())
         log.debug("reshard refit: %s: first refit set-up: %s", self._who, parts)
 

@@ -179,6 +179,9 @@ def test_refit_vs_swap_benchmark_moe_ep_changes_cpu_smoke(tmp_path):
         # cleared), each kept
         each = r["first_refit_each_s"]
         assert len(each) == 3 and r["first_refit_s"] == sorted(each)[1] and min(each) > 0
+        if r["method"].startswith("ours"):  # its set-up's parts, each timed
+            setup = r["first_setup_s"]
+            assert set(setup) == {"settle", "staging", "agreement", "start"} and min(setup.values()) >= 0
     # colocated EP4 -> EP2: the dense tensors are whole on every rank (TP1) and stay; engine rank 1 keeps
     # experts 4-7, none of which its trainer shard (experts 2-3) holds: 4 experts per layer cross a link
     spec = spec_for("moe-tiny")
