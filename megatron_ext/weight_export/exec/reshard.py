@@ -516,7 +516,7 @@ class ReshardExecutor:
                     stats.seconds = time.perf_counter() - start
                     raise RefitRejected(
                         f"rank {self.rank} refused version {version} and holds no complete version: "
-                        + "; ".join(self._nonfinite_in(bad.tolist(), self.local, "copies")),
+                        + "; ".join(self._nonfinite_in(bad.tolist(), self.staging.local_groups, "copies")),
                         reason="nonfinite",
                         stats=stats,
                     )
@@ -706,15 +706,30 @@ class ReshardExecutor:
             n = len(self.staging.packed[k])
             out += [
                 f"nonfinite: this rank sent a NaN or Inf in {self._piece(t)}"
-                for t, f in zip(self.staging.packed[k], flags[at : at + n])
-                if f and t is not None and held(t.src_run.local) == version
+                for ts, f in zip(self.staging.packed[k], flags[at : at + n])
+                if f and ts is not None
+                for t in self._which(ts)
+                if held(t.src_run.local) == version
             ]
             at += n
-        out += self._nonfinite_in(flags[at:], self.local, "copies")
+        out += self._nonfinite_in(flags[at:], self.staging.local_groups, "copies")
         return list(dict.fromkeys(out))
 
-    def _nonfinite_in(self, flags: list[int], transfers: list[Transfer], verb: str) -> list[str]:
-        return [f"nonfinite: this rank {verb} a NaN or Inf in {self._piece(t)}" for t, f in zip(transfers, flags) if f]
+    def _nonfinite_in(self, flags: list[int], groups: list[tuple[Transfer, ...]], verb: str) -> list[str]:
+        return [
+            f"nonfinite: this rank {verb} a NaN or Inf in {self._piece(t)}"
+            for ts, f in zip(groups, flags)
+            if f
+            for t in self._which(ts)
+        ]
+
+    def _which(self, transfers: tuple[Transfer, ...]) -> tuple[Transfer, ...]:
+        """Of the transfers of one flagged copy (several make one copy where they are one range), those whose
+        source holds a NaN or Inf, read again (a refusal's message only; all of them if none does any more)."""
+        if len(transfers) == 1:
+            return transfers
+        bad = tuple(t for t in transfers if not bool(torch.isfinite(self._view(t.src_run)).all()))
+        return bad or transfers
 
     @staticmethod
     def _piece(t: Transfer) -> str:

@@ -339,6 +339,46 @@ def test_host_slabs_pin_powers_of_two_holding_every_buffer(sizes, most):
     assert sum(slabs) <= sum(1 << (n - 1).bit_length() for n in sizes)  # never more than a buffer each
 
 
+def test_pieces_that_are_one_range_are_one_copy():
+    """TP1 -> TP1 of the 3.6B preset (meta tensors; the refit_vs_swap benchmark's layouts): each fused QKV's 24
+    pieces (q, k and v of 8 query groups) and each [gate; up]'s two are one range of the trainer's tensor, of the
+    bucket and of the engine's tensor, so the sender packs and the receiver unpacks one copy per parameter (171, as
+    swap_model_weights moves them; the embedding and the output layer, larger than a 512 MiB bucket, in two each:
+    173) of the plan's 843 transfers; every transfer in exactly one copy, in order."""
+    from benchmarks.common import megatron_config, spec_for
+    from benchmarks.refit_vs_swap import ENGINE_PREFIX, _prefixed
+    from megatron_ext.sharding import specs_from_config
+    from megatron_ext.weight_export.megatron_refit import megatron_engine_layout, megatron_engine_specs
+
+    spec = spec_for("3b")
+    specs = specs_from_config(
+        megatron_config(spec, False),
+        vocab_size=spec.hf_vocab_size,
+        padded_vocab_size=spec.vocab_size,
+        tie_embeddings=spec.tie_embeddings,
+        dtype=torch.bfloat16,
+    )
+    src = megatron_layout(megatron_engine_specs(specs), tp=1, ranks=[0])
+    dst = _prefixed(megatron_engine_layout(specs, tp=1, dp=1, ep=1, etp=1, ranks=range(1, 2)), ENGINE_PREFIX)
+    plan = build_reshard_plan(src, dst)
+    meta = {
+        n: torch.empty(lt.shape, dtype=lt.dtype, device="meta")
+        for lay in (src, dst)
+        for n, lt in lay.tensors[0 if lay is src else 1].items()
+    }
+    sender = ReshardExecutor(plan, 0, meta, bucket_bytes=512 << 20, atomic=False, check_finite=True)
+    receiver = ReshardExecutor(plan, 1, meta, bucket_bytes=512 << 20, atomic=False)
+    for ex in (sender, receiver):
+        ex._allocate()
+    groups = [ts for k in sorted(sender.staging.packed) for ts in sender.staging.packed[k] if ts is not None]
+    assert len(plan.transfers) == 843 and len(groups) == 173
+    assert [t for ts in groups for t in ts] == [
+        t for _, bucket in sorted(sender.send.items()) for b in bucket for t, _ in b
+    ]
+    unpacked = sum(len(pairs) for pairs in receiver.staging.unpack._pairs.values())
+    assert unpacked == 173 + receiver.rounds  # and each bucket's header
+
+
 def test_a_rounds_copies_are_built_at_their_first_run():
     """The staging allocates its buffers and cuts every piece's view up front (what the agreement checks), but
     sorts each round's copies (and cuts the checked ones into the kernel's table) only when the round first runs,

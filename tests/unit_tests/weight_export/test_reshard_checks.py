@@ -74,6 +74,22 @@ def test_nonfinite_version_is_refused_naming_the_tensor(atomic):
         fc2[5, 7] = 0.0
         for t in trainer.values():
             t.div_(2)
+    # [gate; up] is one range on both sides, so one copy: a NaN in its up half names up_proj alone
+    assert any([t.name.split(".")[-2] for t in ts] == ["gate_proj", "up_proj"] for ts in ex.staging.local_groups), (
+        ex.staging.local_groups
+    )
+    fc1 = trainer["decoder.layers.1.mlp.linear_fc1.weight"]
+    ffn = fc1.shape[0] // 2
+    fc1[ffn + 3, 5] = float("nan")
+    for t in trainer.values():
+        t.mul_(2)
+    with pytest.raises(RefitRejected) as err:
+        ex.refit(2)
+    msg = str(err.value)
+    assert f"a NaN or Inf in model.layers.1.mlp.up_proj.weight[0:{ffn}, 0:" in msg and "gate_proj" not in msg, msg
+    fc1[ffn + 3, 5] = 0.0
+    for t in trainer.values():
+        t.div_(2)
     # a NaN in Megatron's padded vocabulary rows (never sent) is not the version's: it applies
     trainer["embedding.word_embeddings.weight"][120, 3] = float("nan")
     for t in trainer.values():
