@@ -71,36 +71,30 @@ def _joined(a: Run, b: Run) -> Run:
     return Run(a.local, a.offset, n, n, 1)
 
 
-def _coalesced(pieces, side: str) -> list[tuple[tuple[Transfer, ...], Run, int]]:
-    """A bucket's ``(transfer, byte offset)`` pieces, in order, as ``(transfers, run, offset)`` copies: consecutive
-    pieces whose ``side`` runs (``"src_run"`` or ``"dst_run"``) continue each other and whose bytes follow each other
-    in the bucket are one copy (the q, k, v rows of each query group of a fused QKV weight held alike on both sides
-    are one range: 24 pieces, one copy; TP1 -> TP1 of the 3.6B preset in 512 MiB buckets: 843 pieces, 173
-    copies)."""
-    out: list[tuple[tuple[Transfer, ...], Run, int]] = []
-    for t, off in pieces:
-        run = getattr(t, side)
-        if out:
-            group, last, start = out[-1]
-            if group[-1].itemsize == t.itemsize and start + last.length * t.itemsize == off and _meet(last, run):
-                out[-1] = (group + (t,), _joined(last, run), start)
-                continue
-        out.append(((t,), run, off))
-    return out
-
-
-def _coalesced_local(local: list[Transfer]) -> list[tuple[tuple[Transfer, ...], Run, Run]]:
-    """A rank's copies to itself as ``(transfers, source run, destination run)``: consecutive transfers whose runs
-    continue each other on both sides are one copy."""
+def _coalesced(items) -> list[tuple[tuple[Transfer, ...], Run, Run]]:
+    """``(transfer, run, run)`` copies, in order, as ``(transfers, run, run)``: consecutive items whose runs both
+    continue the last one's are one copy (the q, k, v rows of each query group of a fused QKV weight held alike on
+    both sides are one range: 24 pieces, one copy; TP1 -> TP1 of the 3.6B preset in 512 MiB buckets: 843 pieces,
+    173 copies)."""
     out: list[tuple[tuple[Transfer, ...], Run, Run]] = []
-    for t in local:
+    for t, a, b in items:
         if out:
-            group, src, dst = out[-1]
-            if group[-1].itemsize == t.itemsize and _meet(src, t.src_run) and _meet(dst, t.dst_run):
-                out[-1] = (group + (t,), _joined(src, t.src_run), _joined(dst, t.dst_run))
+            group, x, y = out[-1]
+            if group[-1].itemsize == t.itemsize and _meet(x, a) and _meet(y, b):
+                out[-1] = (group + (t,), _joined(x, a), _joined(y, b))
                 continue
-        out.append(((t,), t.src_run, t.dst_run))
+        out.append(((t,), a, b))
     return out
+
+
+def _in_bucket(bucket, side: str):
+    """A bucket's ``(transfer, byte offset)`` pieces as :func:`_coalesced`'s items: the transfer's ``side`` run
+    (``"src_run"`` or ``"dst_run"``) and its bytes' run in the bucket, in elements (pieces start at ``ALIGN``, a
+    multiple of every itemsize). A copy's byte offset is its bucket run's offset times the itemsize."""
+    return [
+        (t, getattr(t, side), Run("", off // t.itemsize, t.nbytes // t.itemsize, t.nbytes // t.itemsize, 1))
+        for t, off in bucket
+    ]
 
 
 def _same_shape(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,9 +227,9 @@ class Staging:
                 also[k].append(None)
                 self.packed[k].append(None)
                 word = buf[:HEADER_BYTES].view(torch.int32)[2 * NONFINITE_WORD]  # little-endian: the low half
-                for ts, run, off in _coalesced(bucket, "src_run"):
+                for ts, run, at in _coalesced(_in_bucket(bucket, "src_run")):
                     src = view(run)
-                    pack[k].append((self._piece(buf, off, src), src))
+                    pack[k].append((self._piece(buf, at.offset * ts[0].itemsize, src), src))
                     also[k].append(word)
                     self.packed[k].append(ts)
         self.pack = _Built(dict(pack), lambda k, pairs: CopyBatch(pairs, check=check, also_flag=also[k]))
@@ -286,10 +280,10 @@ class Staging:
                 buf = self.buf("recv", peer, k)
                 if not atomic:
                     unpack[k].append((self.seen[(peer, k)], buf[:HEADER_BYTES].view(torch.int64)))
-                for _, run, off in _coalesced(bucket, "dst_run"):
+                for ts, run, at in _coalesced(_in_bucket(bucket, "dst_run")):
                     dst = view(run)
-                    unpack[k].append((dst, self._piece(buf, off, dst)))
-        coalesced = _coalesced_local(local)
+                    unpack[k].append((dst, self._piece(buf, at.offset * ts[0].itemsize, dst)))
+        coalesced = _coalesced([(t, t.src_run, t.dst_run) for t in local])
         self.local_groups = [ts for ts, _, _ in coalesced]  # the transfers of each local copy, in order
         local_pairs = [_same_shape(view(dst), view(src)) for _, src, dst in coalesced]
         self._local_pairs, self._local_check = local_pairs, check and not atomic
