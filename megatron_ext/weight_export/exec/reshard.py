@@ -71,9 +71,10 @@ from ..plan.budget import (
     choose_phases,
     keeps_every_round,
     peer_lanes,
-    phase_words,
+    job_slots,
     plan_in_phases,
     rank_words,
+    small_pairs,
 )
 from ..plan.direct import DirectRound, round_nbytes
 from ..plan.errors import RefitRejected, RefitStats
@@ -383,9 +384,12 @@ class ReshardExecutor:
             for (side, p, k), ts in self._carried.items()
             if side == "send"
         }
-        words = ",".join(f"{r}:{phase_words(w, i)[0]}:{w[0]}" for r, w in sorted(job.items()) if r in self._job_ranks)
+        slots = job_slots(job, i)
+        words = ",".join(f"{r}:{slots[r]}:{w[0]}" for r, w in sorted(job.items()) if r in self._job_ranks)
         self.wire_id = wire_id(
-            f"{words};phases={self.phases}", f"zero-copy>={self._staging_args['zero_copy_bytes']}", self.check_finite
+            f"{words};phases={self.phases};small={i == 0 and small_pairs(job.values())}",
+            f"zero-copy>={self._staging_args['zero_copy_bytes']}",
+            self.check_finite,
         )
 
     # ------------------------------------------------------------------ staging

@@ -15,6 +15,14 @@ given it is refused unless that fits (stage on the host instead, or stream); und
 budget (``strict=False``) it keeps that copy on top. Staged on the host it
 receives through the same slots as a streaming receiver.
 
+**Small pairs.** A pair that stages little in all (the norms a TP rank takes from the other TP ranks of a
+layout cut alike: 28 transfers, 0.16 MiB, next to 3.4 GiB from its own TP rank) would halve the slot of its
+ranks' other pairs, and NCCL moves one peer's ops of 128 MiB at 257 GB/s, of 256 MiB at 354 (4xH200,
+``benchmarks/p2p_rounds.py``). So in one phase a pair whose bucket would hold all it stages in at most
+:data:`SMALL_PAIR_BYTES` (:func:`whole_nbytes`, the same on both ends) goes in one bucket of that size, taken
+off the budget before it is split over the other pairs' slots, when every rank of the job can afford it (its
+small pairs take at most :data:`SMALL_SHARE` of its budget and its other slots grow: :func:`small_pairs`).
+
 **Phases.** A budget split over many peers makes small buckets (512 MiB over 128 peers, 2 in flight:
 2 MiB), and NCCL moves small ops far below the link (4xH200: 16 ops of 1 MiB per round reached 41 GB/s,
 of 16 MiB 313 GB/s; ``benchmarks/p2p_rounds.py``). So a rank's pairs can be split into ``phases``: pair
@@ -44,11 +52,14 @@ __all__ = [
     "MIN_OP_BYTES",
     "NO_WORDS",
     "PHASES",
+    "SMALL_PAIR_BYTES",
+    "SMALL_SHARE",
     "BudgetError",
     "StagingPlan",
     "buffer_sizes",
     "choose_phases",
     "host_slabs",
+    "job_slots",
     "keeps_every_round",
     "pair_phase",
     "pair_rounds",
@@ -61,6 +72,8 @@ __all__ = [
     "rank_words",
     "slot",
     "slot_bytes",
+    "small_pairs",
+    "whole_nbytes",
 ]
 
 ATOMIC_STAGING = ("device", "host")  # where an atomic receiver keeps the version until it applies it
@@ -69,6 +82,9 @@ PHASES = (1, 2, 4, 8, 16, 32, 64)  # the numbers of phases a job may split its p
 # The op size a job splits its pairs into phases to reach (4xH200, benchmarks/p2p_rounds.py: rounds of 16
 # ops per receiver moved 313 GB/s at 16 MiB per op, 286 at 8, 162 at 4, 82 at 2, 41 at 1)
 MIN_OP_BYTES = 16 * MIB
+# A pair that stages at most this many bytes in all goes in one bucket of its own (module docstring), ...
+SMALL_PAIR_BYTES = 1 * MIB
+SMALL_SHARE = 0.25  # ... when a rank's small pairs take at most this share of its budget
 
 
 class BudgetError(ValueError):
@@ -91,6 +107,7 @@ class StagingPlan:
     strict: bool = True
     direct_bytes: dict[int, int] = dataclasses.field(default_factory=dict)
     phases: int = 1
+    small: frozenset = frozenset()  # the pairs that stage all their bytes in one bucket of their own
 
     def line(self, rank: int) -> str:
         """What the planner chose for ``rank``, for the INFO log."""
@@ -106,6 +123,9 @@ class StagingPlan:
             limit += " (auto: an atomic receiver's version on the device comes on top)"
         if self.phases > 1:
             limit += f"; the pairs in {self.phases} phases"
+        small = sum(1 for p in self.small if rank in p)
+        if small:
+            limit += f"; {small} small pair{'s' if small > 1 else ''} in one bucket each"
         return f"{text} ({limit}; bucket MiB per pair: {sizes})"
 
 
@@ -172,7 +192,29 @@ def rank_slot(
     return slot_bytes(n, bucket_bytes=bucket_bytes, max_inflight=max_inflight, budget_bytes=budget_bytes), n
 
 
-NO_WORDS = (0,) + (0, 0) * len(PHASES)  # a rank's words (:func:`rank_words`) before they are known
+NO_WORDS = (0,) + (0, 0) * len(PHASES) + (0,)  # a rank's words (:func:`rank_words`) before they are known
+
+
+def whole_nbytes(transfers: list[Transfer]) -> int:
+    """Bytes of one bucket that holds all of ``transfers`` (header, then each at an aligned offset): what a
+    small pair stages (:func:`~.wire.bucketize` with this size cuts nothing)."""
+    used = end = PAYLOAD_OFFSET
+    for t in transfers:
+        end = used + t.nbytes
+        used = align(end)
+    return end
+
+
+def _small_slot(pairs: list[int], one_phase: int, *, bucket_bytes: int, max_inflight: int, budget_bytes) -> int:
+    """A rank's slot size in one phase with its small pairs (``pairs``: each pair's :func:`whole_nbytes`) in a
+    bucket of their own, off the budget; 0 where that is not allowed (no budget, no small pair, small pairs
+    over :data:`SMALL_SHARE` of the budget) or gives its other slots nothing more than ``one_phase``."""
+    small = [n for n in pairs if n <= SMALL_PAIR_BYTES]
+    if budget_bytes is None or not small or sum(small) > SMALL_SHARE * budget_bytes:
+        return 0
+    left = budget_bytes - sum(small)
+    got = slot_bytes(len(pairs) - len(small), bucket_bytes=bucket_bytes, max_inflight=max_inflight, budget_bytes=left)
+    return got if got > one_phase else 0
 
 
 def rank_words(
@@ -180,9 +222,11 @@ def rank_words(
 ) -> dict[int, tuple[int, ...]]:
     """The words of each of ``ranks`` over the pairs of ``transfers``, what a rank reports before the first
     refit: the digest of its pairs (:func:`~.reshard_plan.pair_summary`), then its slot size and slot count
-    (:func:`rank_slot`) in each of :data:`PHASES` (:func:`phase_words` reads them); :data:`NO_WORDS` for a
-    rank without pairs."""
+    (:func:`rank_slot`) in each of :data:`PHASES` (:func:`phase_words` reads them), then its slot size in one
+    phase with its small pairs whole (:func:`_small_slot`; 0: it cannot); :data:`NO_WORDS` for a rank without
+    pairs."""
     summary = pair_summary(transfers)
+    pairs = _pairs(transfers)
     out = {}
     for r in ranks:
         sends, recvs, digest = summary.get(r, (set(), set(), 0))
@@ -191,6 +235,9 @@ def rank_words(
             words += rank_slot(
                 r, sends, recvs, phases, bucket_bytes=bucket_bytes, max_inflight=max_inflight, budget_bytes=budget_bytes
             )
+        mine = [whole_nbytes(ts) for p, ts in pairs.items() if r in p]
+        size = dict(bucket_bytes=bucket_bytes, max_inflight=max_inflight, budget_bytes=budget_bytes)
+        words.append(_small_slot(mine, words[1], **size))
         out[r] = tuple(words)
     return out
 
@@ -200,10 +247,25 @@ def phase_words(words: tuple[int, ...], i: int) -> tuple[int, int]:
     return words[1 + 2 * i], words[2 + 2 * i]
 
 
+def small_pairs(words: Iterable[tuple[int, ...]]) -> bool:
+    """Whether the job's small pairs go in a bucket of their own in one phase: every rank with pairs can
+    (its last word, :func:`rank_words`)."""
+    words = [w for w in words if phase_words(w, 0)[1]]
+    return bool(words) and all(w[-1] > 0 for w in words)
+
+
+def job_slots(words: dict[int, tuple[int, ...]], i: int) -> dict[int, int]:
+    """Each rank's slot size with the pairs in ``PHASES[i]`` phases, from every rank's words: in one phase, with
+    the small pairs in their own buckets where :func:`small_pairs`."""
+    small = i == 0 and small_pairs(words.values())
+    return {r: w[-1] if small and phase_words(w, 0)[1] else phase_words(w, i)[0] for r, w in words.items()}
+
+
 def choose_phases(words: Iterable[tuple[int, ...]], min_op_bytes: int | None = MIN_OP_BYTES) -> int:
     """The index in :data:`PHASES` of the fewest phases that bring the smallest of the job's slot sizes to
-    ``min_op_bytes`` (within 1/64: round 0's headers take a little of each budget), or nearest to it (0, one
-    phase, when ``min_op_bytes`` is None or no rank stages anything). ``words``: every rank's
+    ``min_op_bytes``, or nearest to it, within 1/64 (round 0's headers and small pairs take a little of each
+    budget); 0 (one phase) when ``min_op_bytes`` is None or no rank stages anything; in one phase, with the
+    small pairs apart where :func:`small_pairs`. ``words``: every rank's
     :func:`rank_words` (ranks without pairs count for nothing). When no number of phases leaves any slot at all
     (a budget too small for the job), the one with the fewest slots on the most crowded rank, so that the
     refusal names the least budget that works."""
@@ -212,11 +274,14 @@ def choose_phases(words: Iterable[tuple[int, ...]], min_op_bytes: int | None = M
         return 0
     target = min_op_bytes - min_op_bytes // 64
     at = [[phase_words(w, i) for w in words] for i in range(len(PHASES))]
+    if small_pairs(words):  # one phase, small pairs apart: larger slots
+        at[0] = [(w[-1], n) for w, (_, n) in zip(words, at[0])]
     score = [min(min(b, target) for b, _ in ws) for ws in at]
     if max(score) == 0:
         crowded = [max(n for _, n in ws) for ws in at]
         return crowded.index(min(crowded))
-    return score.index(max(score))
+    best = max(score)  # the fewest phases within 1/64 of the best (what headers or a small pair's bucket take)
+    return next(i for i, v in enumerate(score) if v >= best - best // 64)
 
 
 def phase_rounds(rounds: list, phase: int, phases: int) -> list:
@@ -340,6 +405,7 @@ def plan_staging(
     slot_counts: dict[int, int] | None = None,
     peer_counts: dict[int, int] | None = None,
     phases: int = 1,
+    small_bytes: int | None = None,
 ) -> StagingPlan:
     """Each pair's bucket size and each rank's staging for ``transfers`` (a plan's, in plan order).
 
@@ -356,7 +422,9 @@ def plan_staging(
     a whole plan. A pair's bucket is the smaller of its two ranks' slot sizes. ``slot_counts``: every rank's
     number of slots, gathered with them (for what a refusal names; None: counted from ``transfers``).
     ``phases``: the pairs' phases (:func:`choose_phases`; the slots counted per lane, :func:`rank_slot`), and
-    ``peer_counts`` every rank's number of peers, gathered (None: counted from ``transfers``)."""
+    ``peer_counts`` every rank's number of peers, gathered (None: counted from ``transfers``). ``small_bytes``
+    (one phase, :func:`small_pairs`): a pair whose :func:`whole_nbytes` is at most this goes in one bucket of
+    that size, staged whole (no zero-copy ops), whatever the slot sizes."""
     if atomic_staging not in ATOMIC_STAGING:
         raise ValueError(f"atomic_staging must be one of {ATOMIC_STAGING}, got {atomic_staging!r}")
     pairs = _pairs(transfers)
@@ -375,14 +443,18 @@ def plan_staging(
     missing = sorted({r for p in pairs for r in p} - per_slot.keys())
     if missing:
         raise ValueError(f"per_slot has no slot size for ranks {missing} of the transfers")
-    sizes = {p: min(per_slot[p[0]], per_slot[p[1]]) for p in pairs}
+    if small_bytes is not None and phases != 1:
+        raise ValueError(f"small pairs go in a bucket of their own in one phase only, got phases={phases}")
+    small = {p: n for p, ts in pairs.items() if small_bytes is not None and (n := whole_nbytes(ts)) <= small_bytes}
+    sizes = {p: small.get(p) or min(per_slot[p[0]], per_slot[p[1]]) for p in pairs}
     split: dict[tuple[int, int], tuple[list[Transfer], list]] = {}
 
     def cut(p: tuple[int, int]) -> tuple[list[Transfer], list]:
         """The pair's staged transfers and zero-copy ops, cut at its bucket size (once)."""
         if p not in split:
             ts = pairs[p]
-            split[p] = split_direct(ts, min_bytes=zero_copy_bytes, max_bytes=sizes[p]) if zero_copy_bytes else (ts, [])
+            zero_copy = zero_copy_bytes and p not in small
+            split[p] = split_direct(ts, min_bytes=zero_copy_bytes, max_bytes=sizes[p]) if zero_copy else (ts, [])
         return split[p]
 
     if budget_bytes is not None:
@@ -390,7 +462,7 @@ def plan_staging(
         # to any size)
         staged = {p: cut(p)[0] for p in pairs}
         need = {p: PAYLOAD_OFFSET + (align(_row(max(ts, key=_row))) if ts else 0) for p, ts in staged.items()}
-        short = [p for p in pairs if sizes[p] < need[p]]
+        short = [p for p in pairs if sizes[p] < need[p] and p not in small]
         if short:
             npeers = {r: len(ps[0]) + len(ps[1]) for r, ps in peers.items()} | (peer_counts or {})
             heads = {r: n * HEADER_BYTES if phases > 1 else 0 for r, n in npeers.items()}  # round 0's buffers
@@ -435,18 +507,21 @@ def plan_staging(
                 "the last round; stage it on the host (--refit-atomic-staging host), stream (--no-refit-atomic), "
                 "or raise the budget above it"
             )
-    return StagingPlan(sizes, buckets, device, host, budget_bytes, strict, direct, phases)
+    return StagingPlan(sizes, buckets, device, host, budget_bytes, strict, direct, phases, frozenset(small))
 
 
 def plan_in_phases(transfers: list[Transfer], words: dict[int, tuple[int, ...]], i: int, **kwargs) -> StagingPlan:
     """:func:`plan_staging` with the pairs in ``PHASES[i]`` phases (:func:`choose_phases`), every rank's slot size
-    and slot count, and its peers (its slots in one phase), read from its :func:`rank_words` (``words``: rank ->
+    (:func:`job_slots`: in one phase, with the small pairs in their own buckets where :func:`small_pairs`) and
+    slot count, and its peers (its slots in one phase), read from its :func:`rank_words` (``words``: rank ->
     its words); ``kwargs`` go to :func:`plan_staging`."""
+    small = i == 0 and small_pairs(words.values())
     return plan_staging(
         transfers,
-        per_slot={r: phase_words(w, i)[0] for r, w in words.items()},
+        per_slot=job_slots(words, i),
         slot_counts={r: phase_words(w, i)[1] for r, w in words.items()},
         peer_counts={r: phase_words(w, 0)[1] for r, w in words.items()},  # one phase: every peer a slot
         phases=PHASES[i],
+        small_bytes=SMALL_PAIR_BYTES if small else None,
         **kwargs,
     )

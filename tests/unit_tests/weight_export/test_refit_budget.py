@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from megatron_ext.copies import finite_groups
+from megatron_ext.weight_export.control.peers import Peers
 from megatron_ext.weight_export import ReshardExecutor, build_reshard_plan, gpt_specs, inference_layout, megatron_layout
 from megatron_ext.weight_export.exec import staging
-from megatron_ext.weight_export.plan.budget import plan_staging
+from megatron_ext.weight_export.plan.budget import SMALL_PAIR_BYTES, SMALL_SHARE, plan_staging, whole_nbytes
 from megatron_ext.weight_export.plan.direct import DirectRound
 
 from ._reference import SPECS
@@ -43,8 +44,21 @@ def _tensors(plan, rank):
     return out
 
 
+class Gathered(Peers):
+    """A stand-in group that hands every rank's words back, in rank order (what the agreement gathers)."""
+
+    def __init__(self, words):
+        self.words = words
+
+    def ranks(self, n):
+        return list(range(n))
+
+    def gather_words(self, words, device=None, *, what):
+        return self.words
+
+
 def _executor(plan, rank, **kw):
-    return ReshardExecutor(plan, rank, _tensors(plan, rank), bucket_bytes=BUCKET, **kw)
+    return ReshardExecutor(plan, rank, _tensors(plan, rank), **{"bucket_bytes": BUCKET, **kw})
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
@@ -160,8 +174,6 @@ def test_a_ranks_own_plan_refuses_with_its_peers_gathered_slots():
     rank seven, so the pair 0 -> 3 gets rank 0's smaller slot, and a budget one byte short of rank 0's need is
     refused on rank 3 too, with rank 0's seven slots in the least budget (counted from rank 3's own pairs, it
     would be 7x too small)."""
-    from megatron_ext.weight_export.control.peers import Peers
-
     specs = gpt_specs(**SPECS)
     mk, ek = LAYOUTS["tp1_to_dp7 [7]"]
     src, dst = megatron_layout(specs, **mk), inference_layout(specs, **ek)
@@ -183,19 +195,9 @@ def test_a_ranks_own_plan_refuses_with_its_peers_gathered_slots():
             )
         return out
 
-    class Gathered(Peers):  # what every rank reported, in rank order
-        def __init__(self, words):
-            self.words = words
-
-        def ranks(self, n):
-            return list(range(n))
-
-        def gather_words(self, words, device=None, *, what):
-            return [self.words[r] for r in range(8)]
-
     for budget in (least, least - 1):
         words = {r: list(ex._shares[r]) for r, ex in executors(budget).items()}
-        for r, ex in executors(budget, Gathered(words)).items():
+        for r, ex in executors(budget, Gathered([words[r] for r in range(8)])).items():
             assert ex.staging_plan is None  # a rank's plan is cut once its peers' slots are known
             ex._settle("test")
             assert ex._pairs_agree, r
@@ -207,6 +209,65 @@ def test_a_ranks_own_plan_refuses_with_its_peers_gathered_slots():
                 assert f"at least {least} bytes" in msg, (r, msg)
                 if r == 3:
                     assert "a bucket of rank 0 -> 3 must hold one row" in msg, msg
+
+
+# MiBs per TP rank: a pair of the TP ranks of one index is far above SMALL_PAIR_BYTES, the norms the holder rule
+# takes from the other TP rank far below it
+WIDE = dict(SPECS, hidden_size=256, num_heads=8, head_dim=32, ffn_hidden_size=512, vocab_size=4096)
+WIDE["padded_vocab_size"] = 4096
+
+
+def test_a_small_pair_goes_in_one_bucket_and_leaves_the_budget_to_the_others():
+    """TP2 -> TP2 on other ranks: each engine rank takes its TP rank's shards (MiBs) and, by the holder rule,
+    some norms from the other TP rank (KiBs). In one phase that pair goes in one bucket of its own size, taken
+    off the budget, so the large pair's bucket is the rest over 2 buffers instead of the budget over 2 peers x 2
+    buffers; every rank allocates what the planner counted, within the budget, both ends cut each pair alike and
+    agree on the wire id, whether a rank plans the whole job or its own pairs. A rank whose small pairs take more
+    than SMALL_SHARE of its budget turns it off for the whole job (each pair is cut alike on both ends)."""
+    specs = gpt_specs(**WIDE)
+    src, dst = megatron_layout(specs, tp=2, ranks=[0, 1]), inference_layout(specs, tp=2, ranks=[2, 3])
+    plan = build_reshard_plan(src, dst)
+    pairs = {}
+    for t in plan.transfers:
+        pairs.setdefault((t.src, t.dst), []).append(t)
+    whole = {p: whole_nbytes(ts) for p, ts in pairs.items()}
+    small = {p for p, n in whole.items() if n <= SMALL_PAIR_BYTES}
+    assert small == {(0, 3), (1, 2)} and min(whole[(0, 2)], whole[(1, 3)]) > 2 * SMALL_PAIR_BYTES, whole
+    budget = 2 * MIB
+    rest = (budget - whole[(0, 3)]) // 2 // 256 * 256  # each rank: one small pair, one large pair in 2 buffers
+    old = plan_staging(plan.transfers, bucket_bytes=budget, max_inflight=2, atomic=False, budget_bytes=budget)
+    assert old.pair_bytes[(0, 2)] == budget // 4 and not old.small  # counted as a slot: a quarter of the budget
+    words = {}
+    for r in range(4):
+        ex = _executor(plan, r, bucket_bytes=budget, memory_budget_bytes=budget, atomic=False)
+        got = ex.staging_plan
+        assert ex.budget_problem is None and ex.phases == 1 and got.small == small, (r, got.small)
+        assert got.pair_bytes == {p: whole[p] if p in small else rest for p in pairs}, (r, got.pair_bytes)
+        assert all(len(got.buckets[p]) == 1 for p in small if r in p)  # one round, whole
+        assert "1 small pair in one bucket each" in got.line(r), got.line(r)
+        ex._allocate()
+        assert ex.staging_bytes == got.device_bytes[r] <= budget, r
+        assert ex.staging_bytes == sum(b.numel() for b in ex.staging.bufs.values())
+        words[r] = ex.wire_id
+    # each rank with its own plan: the same buckets and wire id once the words are gathered
+    own = {r: build_reshard_plan(src, dst, rank=r) for r in range(4)}
+    kw = dict(bucket_bytes=budget, memory_budget_bytes=budget, atomic=False)
+    gathered = [list(ReshardExecutor(own[r], r, _tensors(plan, r), **kw)._shares[r]) for r in range(4)]
+    for r in range(4):
+        ex = ReshardExecutor(own[r], r, _tensors(plan, r), group=Gathered(gathered), **kw)
+        ex._settle("test")
+        assert ex._pairs_agree and ex.staging_plan.small == {p for p in small if r in p}, r
+        assert (
+            ex.wire_id == words[r]
+            and ex.staging_plan.pair_bytes[next(p for p in small if r in p)] == whole[next(p for p in small if r in p)]
+        )
+    assert len(set(words.values())) == 1
+    # a budget whose share for small pairs cannot hold rank 0's: one phase as before on every rank (rank 2's
+    # own small pair would fit, but a pair is cut alike on both ends only if the job decides as one)
+    tight = int(whole[(0, 3)] / SMALL_SHARE) - 256
+    for r in range(4):
+        got = _executor(plan, r, bucket_bytes=budget, memory_budget_bytes=tight, atomic=False, min_op_bytes=None)
+        assert not got.staging_plan.small and got.staging_plan.pair_bytes[(0, 3)] == tight // 4 // 256 * 256, r
 
 
 def test_the_plan_line_says_what_was_chosen():

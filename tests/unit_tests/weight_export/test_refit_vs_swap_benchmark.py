@@ -21,7 +21,7 @@ import torch
 
 from benchmarks import refit_vs_swap as bench
 
-LAYOUTS = ["co:tp2dp2:tp1dp4", "nc:tp2:tp1dp2"]
+LAYOUTS = ["co:tp2dp2:tp1dp4", "nc:tp2:tp1dp2", "nc:tp2:tp2"]
 # MoE (8 experts per layer, whole on each EP rank): trainer EP4 -> engine EP2 x expert-DP2 on the same
 # 4 ranks; trainer TP2 x EP2 on ranks 0-1 -> engine TP1 x DP2 without EP (every expert) on ranks 2-3
 MOE_LAYOUTS = ["co:tp1ep4:tp1ep2dp4", "nc:tp2ep2:tp1dp2"]
@@ -116,7 +116,7 @@ def test_refit_vs_swap_benchmark_cpu_smoke(tmp_path):
     out = tmp_path / "rvs.json"
     argv = ["--preset", "tiny", "--device", "cpu", "--world", "4", "--layouts", ",".join(LAYOUTS)]
     argv += ["--methods", "swap:gloo,ours:stream,ours:atomic,ours:atomic-host", "--iters", "2", "--warmup", "1"]
-    argv += ["--stream-bucket-mb", "0.25", "--atomic-bucket-mb", "1", "--memory-budget-mb", "1"]
+    argv += ["--stream-bucket-mb", "1", "--atomic-bucket-mb", "1", "--memory-budget-mb", "1"]
     argv += ["--profile-dir", str(tmp_path / "prof"), "--profile-first"]
     assert bench.main([*argv, "--out", str(out)], rank_setup=unpinned_gloo_copy_service) == 0
     result = json.loads(out.read_text())
@@ -153,6 +153,10 @@ def test_refit_vs_swap_benchmark_cpu_smoke(tmp_path):
         assert rows[(layout, "ours:atomic")]["phases"] == 1  # no budget on the device-atomic row: one phase
         host = rows[(layout, "ours:atomic-host")]["staging_host_bytes"]
         assert host >= rows[(layout, "ours:atomic")]["link_bytes"] > 0, layout
+    # TP2 -> TP2: each engine rank takes some norms from the other TP rank, a small pair that goes in one bucket of
+    # its own: the large pair's buckets are half the budget, not a quarter (a slot per peer, 2 in flight)
+    same, MiB = rows[("nc:tp2:tp2", "ours:stream")], 1 << 20
+    assert same["phases"] == 1 and same["rounds"] < same["link_bytes"] / (MiB / 4) < 2 * same["rounds"], same
     # one verdict line per layout and row of ours; no device memory on CPU
     assert len(result["targets"]) == 3 * len(LAYOUTS) and all("n/a" in t for t in result["targets"])
     assert result["command"] and result["versions"]["torch"] == torch.__version__
