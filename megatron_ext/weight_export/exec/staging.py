@@ -25,10 +25,10 @@ from collections.abc import Callable, Mapping
 import torch
 
 from ...copies import CopyBatch, finite_groups
-from ..plan.budget import Table, buffer_sizes, host_slabs, keeps_every_round, slot
+from ..plan.budget import Table, buffer_sizes, device_slabs, host_slabs, keeps_every_round, slot
 from ..plan.direct import DirectRound, staged_nbytes
 from ..plan.reshard_plan import Run, Transfer
-from ..plan.wire import HEADER_BYTES, HEADER_WORDS, NONFINITE_WORD
+from ..plan.wire import ALIGN, HEADER_BYTES, HEADER_WORDS, NONFINITE_WORD
 
 # The zero-copy sources a sender checks for NaN/Inf at once, after posting the first round of a chunk: each
 # check costs the host some launches (a check per 64 MiB round kept a sender of TP2 -> TP2 on 4xH200 from
@@ -175,7 +175,11 @@ class Staging:
         sizes = buffer_sizes(
             send, recv, keep_all=self.keep_all, max_inflight=max_inflight, stage_direct=atomic, lanes=lanes
         )
-        self.bufs = {key: torch.empty(n, dtype=torch.uint8, device=device) for key, n in sizes.items()}
+        # a few allocations, not one per buffer; the whole ALIGN units first, so every buffer starts aligned
+        order = sorted(sizes, key=lambda key: sizes[key] % ALIGN != 0)
+        slabs, at = device_slabs([sizes[key] for key in order])
+        self._device_slabs = [torch.empty(n, dtype=torch.uint8, device=device) for n in slabs]
+        self.bufs = {key: self._device_slabs[s][off : off + sizes[key]] for key, (s, off) in zip(order, at)}
         pin = device.type == "cuda"
         # host: one buffer per received round, the whole version, in pinned slabs of power-of-two sizes
         kept = (

@@ -248,6 +248,8 @@ def test_a_small_pair_goes_in_one_bucket_and_leaves_the_budget_to_the_others():
         ex._allocate()
         assert ex.staging_bytes == got.device_bytes[r] <= budget, r
         assert ex.staging_bytes == sum(b.numel() for b in ex.staging.bufs.values())
+        assert len(ex.staging._device_slabs) == 1  # one allocation, each buffer at an aligned offset
+        assert all(b.storage_offset() % 256 == 0 for b in ex.staging.bufs.values())
         words[r] = ex.wire_id
     # each rank with its own plan: the same buckets and wire id once the words are gathered
     own = {r: build_reshard_plan(src, dst, rank=r) for r in range(4)}
@@ -398,6 +400,28 @@ def test_host_slabs_pin_powers_of_two_holding_every_buffer(sizes, most):
     assert all(a[0] != b[0] or a[2] <= b[1] for a, b in zip(spans, spans[1:])), "buffers overlap"
     assert sum(slabs) <= most * sum(sizes), (sum(slabs) / sum(sizes), slabs)
     assert sum(slabs) <= sum(1 << (n - 1).bit_length() for n in sizes)  # never more than a buffer each
+
+
+@pytest.mark.parametrize(
+    "sizes, most, count",
+    [
+        ([42 << 20] * 12, 1 << 30, 1),  # a colocated rank's streaming buffers within the auto budget: one allocation
+        ([120 << 20] * 45, 1 << 30, 6),  # an atomic receiver's rounds on the device: 8 per GiB
+        ([3 << 30, 256, 512, 40, 40], 1 << 30, 2),  # a buffer above the cap alone, then the rest (headers: 40)
+    ],
+)
+def test_device_slabs_hold_every_buffer_in_a_few_allocations(sizes, most, count):
+    """Staging buffers are carved from a few device allocations (each costs the first refit about a millisecond of
+    host time): consecutive buffers, no two overlapping, each allocation at most ``most`` bytes unless one buffer
+    is larger, and nothing between them (the planner counts what is allocated)."""
+    from megatron_ext.weight_export.plan.budget import device_slabs
+
+    slabs, where = device_slabs(sizes, most)
+    assert len(slabs) == count and sum(slabs) == sum(sizes), slabs
+    spans = [(s, off, off + n) for (s, off), n in zip(where, sizes)]
+    assert all(end <= slabs[s] for s, _, end in spans)
+    assert all(a[0] != b[0] or a[2] == b[1] for a, b in zip(spans, spans[1:])), "buffers overlap or leave gaps"
+    assert all(n <= most or sum(1 for s, *_ in spans if s == i) == 1 for i, n in enumerate(slabs)), slabs
 
 
 def test_pieces_that_are_one_range_are_one_copy():
