@@ -452,10 +452,12 @@ def _wrong(model) -> list[str]:
 
 def _prefixed(layout, prefix: str):
     """``layout`` with every local tensor renamed ``prefix + name`` (the plan names tensors by these)."""
-    tensors = {
-        r: {prefix + n: dataclasses.replace(lt, name=prefix + n) for n, lt in locs.items()}
-        for r, locs in layout.tensors.items()
-    }
+    renamed: dict[int, dict] = {}  # replicas that share one dict of local tensors keep sharing it
+    tensors = {}
+    for r, locs in layout.tensors.items():
+        if id(locs) not in renamed:
+            renamed[id(locs)] = {prefix + n: dataclasses.replace(lt, name=prefix + n) for n, lt in locs.items()}
+        tensors[r] = renamed[id(locs)]
     return dataclasses.replace(layout, tensors=tensors, recipe=None)
 
 

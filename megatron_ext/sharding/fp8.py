@@ -92,9 +92,12 @@ def fp8_layout(layout: Layout, block: int = FP8_BLOCK) -> Layout:
         if is_quantized(s):
             specs[s.name] = dataclasses.replace(s, dtype=FP8_DTYPE)
             specs[scale_name(s.name)] = _scale_spec(s, block)
-    tensors = {}
+    tensors, done = {}, {}  # ranks that share one dict of local tensors (data-parallel replicas) keep sharing it
     for rank, locals_ in layout.tensors.items():
-        out = {}
+        if id(locals_) in done:
+            tensors[rank] = done[id(locals_)]
+            continue
+        out = done[id(locals_)] = {}
         for name, lt in locals_.items():
             quantized = [is_quantized(layout.specs[seg.name]) for seg in lt.segments]
             if not any(quantized):

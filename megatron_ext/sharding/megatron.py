@@ -100,9 +100,14 @@ def megatron_layout(
     for s in specs:
         by_stage[_stage_of(s, layer_stage, pp)].append(s)
     tensors = {}
+    built: dict[tuple[int, int, int, int], dict] = {}  # ranks that hold the same shards share one dict of them
     for i, g in enumerate(ranks):
         tp_r, pp_r = i % tp, i // (tp * dp)
         ep_r, etp_r = megatron_expert_coords(i, tp=tp, dp=dp, ep=ep, etp=etp)
+        same = built.get((tp_r, pp_r, ep_r, etp_r))
+        if same is not None:  # a data-parallel replica: a plan indexes its tensors once (reshard_plan)
+            tensors[g] = same
+            continue
         boxes, mine = {}, []
         for s in by_stage[pp_r]:
             if s.expert is not None:
@@ -119,7 +124,7 @@ def megatron_layout(
             if b is not None:
                 boxes[s.name] = b
                 mine.append(s)
-        tensors[g] = local_tensors(mine, boxes, megatron=True)
+        tensors[g] = built[(tp_r, pp_r, ep_r, etp_r)] = local_tensors(mine, boxes, megatron=True)
     moe = any(s.expert is not None for s in specs)
     return Layout(
         ranks,

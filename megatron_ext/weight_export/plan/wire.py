@@ -17,7 +17,6 @@ Also the dtype names that the control channel and the export plan spell dtypes w
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 from collections.abc import Callable
 
@@ -86,8 +85,7 @@ def _pieces(t: Transfer, max_bytes: int) -> list[Transfer]:
         return [t]
     a = t.box.ranges[0][0]
     return [
-        dataclasses.replace(
-            t,
+        t._replace(
             box=t.box.replace(0, a + r0, a + min(rows, r0 + per)),
             src_run=_rows(t.src_run, rows, r0, min(rows, r0 + per)),
             dst_run=_rows(t.dst_run, rows, r0, min(rows, r0 + per)),
