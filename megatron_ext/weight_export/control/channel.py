@@ -63,7 +63,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 KEY_ENV = "MEGATRON_EXT_EXPORT_AUTHKEY"
-PROTOCOL = "megatron_ext.control/1"
+# Raised when what two jobs exchange or how both ends cut a reshard refit's pairs changes, so that a trainer and an
+# engine of other versions refuse at the handshake, naming both, instead of at the agreement (2: small pairs in
+# a bucket of their own, one more word per rank)
+PROTOCOL = "megatron_ext.control/2"
 MAX_HEADER_BYTES = 64 << 20  # a JSON header (a plan of ~10^5 tensors is a few MiB)
 MAX_BLOB_BYTES = 4 << 30  # one binary payload (logits of a verify batch)
 _HANDSHAKE_HEADER_BYTES = 4096
