@@ -476,8 +476,8 @@ def _together(device) -> float:
 
 
 def _cold(device) -> None:
-    """Before a cold first refit: what the last one left freed, and its memory given back to the device (so the
-    refit allocates its buffers as a new job's first one does)."""
+    """What the last refit, row or layout left, freed and its memory given back to the device: before each cold
+    first refit (so it allocates its buffers as a new job's first one does), each row and each layout."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -667,9 +667,7 @@ def _rank(preset: str, cases: list[Case], methods: list[str], opts: dict, rank_s
         clear_all_caches()
         out.append(res)
         trainer = engine = tensors = None  # this layout's models go before the next one's are built
-        gc.collect()
-        if gpu:
-            torch.cuda.empty_cache()
+        _cold(device)
     clear_all_caches()
     return out
 
@@ -694,9 +692,8 @@ def _method(method, trainer, engine, src, dst, tensors, rank, versions, opts, de
                 p.fill_(float("nan"))
     if kind == "swap":  # an earlier swap row's services and plan (kept for the timed rounds) are not this row's
         clear_all_caches()
-    gc.collect()
+    _cold(device)
     if gpu:
-        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
     state = {}

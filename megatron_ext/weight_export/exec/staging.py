@@ -27,7 +27,7 @@ import torch
 from ...copies import CopyBatch, finite_groups
 from ..plan.budget import Table, buffer_sizes, device_slabs, host_slabs, keeps_every_round, slot
 from ..plan.direct import DirectRound, staged_nbytes
-from ..plan.reshard_plan import Run, Transfer
+from ..plan.reshard_plan import Run, Transfer, run_continues
 from ..plan.wire import ALIGN, HEADER_BYTES, HEADER_WORDS, NONFINITE_WORD
 
 # The zero-copy sources a sender checks for NaN/Inf at once, after posting the first round of a chunk: each
@@ -60,12 +60,6 @@ class _Built(Mapping):
         return len(self._pairs)
 
 
-def _meet(a: Run, b: Run) -> bool:
-    """Whether run ``b`` continues run ``a``: both one contiguous range (``count == 1``) of one local tensor, ``b``
-    starting where ``a`` ends."""
-    return a.count == 1 == b.count and a.local == b.local and a.offset + a.length == b.offset
-
-
 def _joined(a: Run, b: Run) -> Run:
     n = a.length + b.length
     return Run(a.local, a.offset, n, n, 1)
@@ -80,7 +74,7 @@ def _coalesced(items) -> list[tuple[tuple[Transfer, ...], Run, Run]]:
     for t, a, b in items:
         if out:
             group, x, y = out[-1]
-            if group[-1].itemsize == t.itemsize and _meet(x, a) and _meet(y, b):
+            if group[-1].itemsize == t.itemsize and run_continues(x, a) and run_continues(y, b):
                 out[-1] = (group + (t,), _joined(x, a), _joined(y, b))
                 continue
         out.append(((t,), a, b))

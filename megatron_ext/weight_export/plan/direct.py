@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .reshard_plan import Run, Transfer
+from .reshard_plan import Run, Transfer, run_continues
 from .wire import ALIGN, align, bucket_nbytes
 
 __all__ = [
@@ -103,14 +103,8 @@ def _contiguous(t: Transfer) -> bool:
 
 
 def _continues(a: Transfer, b: Transfer) -> bool:
-    """``b`` starts where ``a`` ends on both sides (same local tensors and item size)."""
-    return (
-        a.src_run.local == b.src_run.local
-        and a.dst_run.local == b.dst_run.local
-        and a.itemsize == b.itemsize
-        and a.src_run.offset + a.src_run.length == b.src_run.offset
-        and a.dst_run.offset + a.dst_run.length == b.dst_run.offset
-    )
+    """``b`` starts where ``a`` ends on both sides, both contiguous (same local tensors and item size)."""
+    return a.itemsize == b.itemsize and run_continues(a.src_run, b.src_run) and run_continues(a.dst_run, b.dst_run)
 
 
 def split_direct(transfers: list[Transfer], *, min_bytes: int, max_bytes: int) -> tuple[list[Transfer], list[Direct]]:
@@ -123,7 +117,7 @@ def split_direct(transfers: list[Transfer], *, min_bytes: int, max_bytes: int) -
     for t in transfers:
         if not _contiguous(t):
             groups.append([t])
-        elif groups and _contiguous(groups[-1][-1]) and _continues(groups[-1][-1], t):
+        elif groups and _continues(groups[-1][-1], t):
             groups[-1].append(t)
         else:
             groups.append([t])

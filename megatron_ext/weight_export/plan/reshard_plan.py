@@ -43,6 +43,7 @@ __all__ = [
     "fanout_plans",
     "merge_layouts",
     "pair_summary",
+    "run_continues",
     "run_view",
     "sub_layout",
 ]
@@ -78,6 +79,12 @@ class Transfer(NamedTuple):
     @property
     def nbytes(self) -> int:
         return self.box.numel * self.itemsize  # (the box keeps its numel)
+
+
+def run_continues(a: Run, b: Run) -> bool:
+    """Whether run ``b`` continues run ``a``: both one contiguous range (``count == 1``) of one local tensor, ``b``
+    starting where ``a`` ends (the one rule by which zero-copy ops and staged copies merge transfers)."""
+    return a.count == 1 == b.count and a.local == b.local and a.offset + a.length == b.offset
 
 
 def run_view(tensor, run: Run):
