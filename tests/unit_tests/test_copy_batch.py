@@ -147,6 +147,34 @@ def test_checked_copies_are_one_fused_kernel_per_dtype_on_gpu():
     assert sum(k.startswith("copy_check") for k in kernels) == sum(len(f.launches) for f in batch.fused), kernels
 
 
+@pytest.mark.gpus(1)
+def test_unchecked_copies_with_kernel_run_in_it_and_check_nothing():
+    """kernel=True without check: the pairs the kernel can cut (strided ones among them) are copied by it
+    (profiler names: the same launches as checked copies), exactly; nothing is reduced afterwards, a NaN
+    is copied, not flagged, and run() returns None. Without kernel=True the strided pairs take a copy_ each."""
+    from megatron_ext.copy_check import available, prewarm
+
+    assert available(), "Triton must import next to torch on a GPU machine"
+    prewarm("cuda", (torch.bfloat16, torch.float32, torch.float16), wait=True)
+    pairs = _checked_pairs("cuda")
+    pairs[1][1][0, 0, -1] = float("nan")  # copied as it is
+    batch = CopyBatch(pairs, kernel=True)
+    assert [f.launches[0][1].name for f in batch.fused] == ["bf16", "fp32", "fp16"]
+    assert len(batch.single) == 2 and batch.groups == []  # the runs of 3 and the integers: copy_
+    assert batch.run() is None
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        batch.run()
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert sum(k.startswith("copy_check") for k in kernels) == sum(len(f.launches) for f in batch.fused), kernels
+    assert not any("reduce" in k or "norm" in k for k in kernels), kernels
+    for dst, src in pairs:
+        torch.testing.assert_close(dst, src, rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(pairs[1][0][0, 0, -1])
+    assert CopyBatch(pairs).fused == []  # the default: no kernel
+
+
 def test_fused_table_follows_a_storage_that_moved():
     """The kernel's table holds addresses. Symmetric-memory staging moves a buffer's storage to a new
     allocation and keeps the Storage object (every view stays valid, fsdp_symm.memory.move_storage): the

@@ -289,17 +289,17 @@ class Staging:
         if atomic and not host:  # the whole version at once, after the last round's headers are checked
             self._version_pairs = [pair for k in sorted(unpack) for pair in unpack[k]] + local_pairs
         else:
-            self.unpack = _Built(dict(unpack), lambda k, pairs: CopyBatch(pairs))
+            self.unpack = _Built(dict(unpack), lambda k, pairs: CopyBatch(pairs, kernel=True))
 
     @functools.cached_property
     def local(self) -> CopyBatch:
         """The rank's copies to itself (built at their first run, as a round's copies are)."""
-        return CopyBatch(self._local_pairs, check=self._local_check)
+        return CopyBatch(self._local_pairs, check=self._local_check, kernel=True)
 
     @functools.cached_property
     def _apply(self) -> CopyBatch:
         """An atomic receiver's copies of the whole version (staged on the device), built at the first apply."""
-        return CopyBatch(self._version_pairs)
+        return CopyBatch(self._version_pairs, kernel=True)
 
     def scratch(self, like: torch.Tensor) -> torch.Tensor:
         """Where a streaming receiver that refused the version drains a zero-copy receive shaped ``like``
