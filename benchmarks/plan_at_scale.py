@@ -12,7 +12,9 @@ metadata is built for every rank from the same layouts ours plans (the Megatron 
 :func:`~megatron_ext.weight_export.megatron_refit.megatron_engine_layout`: their shapes, TP dimension and
 TP / DP / PP groups in Megatron's ``tp-dp-pp`` rank order, as ``extract_param_metadata`` reads them from a
 model), then pickled and unpickled as the all-gather does, then indexed and planned for one rank of each side.
-The all-gather's transfer itself and the plans' execution are not timed.
+Ours plans on layouts built just before each timed plan, so it indexes them as a job's first refit does. Not
+timed: the all-gather's transfer, building megatron-core's metadata from a model or our layouts, and executing
+either plan.
 
     python benchmarks/plan_at_scale.py --worlds 8,32,128,512 --out plan_at_scale.json
 
@@ -104,7 +106,6 @@ def _median_s(fn, repeats: int) -> tuple[float, object]:
 
 def measure(world: int, *, model: str, trainer_tp: int, trainer_pp: int, engine_tp: int, separate: bool, repeats: int):
     """One job of ``world`` trainer ranks: each side's first rank, both planners (seconds)."""
-    import torch  # noqa: F401  (the layouts' dtypes)
     from megatron.core.resharding.planner import build_plan_from_rosters, index_metadata_rosters
 
     from megatron_ext.sharding import megatron_layout
@@ -117,8 +118,25 @@ def measure(world: int, *, model: str, trainer_tp: int, trainer_pp: int, engine_
     trainer_dp = world // (trainer_tp * trainer_pp)
     engine_dp = world // engine_tp
     first = world if separate else 0
-    src = megatron_layout(megatron_engine_specs(specs), tp=trainer_tp, pp=trainer_pp, dp=trainer_dp)
-    dst = megatron_engine_layout(specs, tp=engine_tp, dp=engine_dp, ranks=range(first, first + world))
+
+    def layouts():
+        return (
+            megatron_layout(megatron_engine_specs(specs), tp=trainer_tp, pp=trainer_pp, dp=trainer_dp),
+            megatron_engine_layout(specs, tp=engine_tp, dp=engine_dp, ranks=range(first, first + world)),
+        )
+
+    def ours(r):
+        """A job's plan of rank ``r``: on layouts built just before (not timed), so the plan indexes them as a
+        job's first refit does (a layout keeps its index of holdings once built)."""
+        times, got = [], None
+        for _ in range(repeats):
+            fresh = layouts()
+            start = time.perf_counter()
+            got = build_reshard_plan(*fresh, rank=r)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times), got
+
+    src, dst = layouts()
     full = {n: lt.shape for n, lt in megatron_layout(megatron_engine_specs(specs)).tensors[0].items()}
     ranks = sorted({*src.ranks, *dst.ranks})
     src_groups = _groups(world, trainer_tp, trainer_dp, 0)
@@ -141,7 +159,7 @@ def measure(world: int, *, model: str, trainer_tp: int, trainer_pp: int, engine_
     for side, r in (("trainer", src.ranks[0]), ("engine", dst.ranks[0])):
         if side == "engine" and not separate:
             r = dst.ranks[-1]  # colocated: the last rank (the first is the trainer's)
-        ours_s, plan = _median_s(lambda: build_reshard_plan(src, dst, rank=r), repeats)
+        ours_s, plan = ours(r)
         mcore_s, mplan = _median_s(lambda: build_plan_from_rosters(*rosters, r), repeats)
         # the two plans deliver the same bytes to this rank (its local copies included): the same job
         ours_in = sum(t.nbytes for t in plan.transfers if t.dst == r)
