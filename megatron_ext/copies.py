@@ -85,7 +85,7 @@ class CopyBatch:
             else:
                 self.single.append((dst, src))
         self.groups = list(groups.values())
-        self.fused = [copy_check.FusedCopyCheck(self.bad, p) for p in fusable.values()]
+        self.fused = [copy_check.FusedCopyCheck(self.bad, p, check=check) for p in fusable.values()]
         self.checked = [
             (torch.tensor(idx, dtype=torch.int64, device=self.device), views) for idx, views in checked.values()
         ]

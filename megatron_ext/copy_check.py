@@ -265,8 +265,9 @@ class FusedCopyCheck:
     into its pool and back, keeping every view valid) rebuilds the table instead of copying from where the
     storage was."""
 
-    def __init__(self, flags: torch.Tensor, pairs):
+    def __init__(self, flags: torch.Tensor, pairs, *, check: bool = True):
         self.flags, self.pairs = flags, pairs
+        self.check = check  # False: copies only (the kernel's flags are not read; its fallback copies, no reduction)
         self.launches: list[tuple[torch.Tensor, object, bool]] = []
         watch: dict[int, torch.Tensor] = {id(flags): flags}  # every tensor once: its address tells if it moved
         for _, also, dst, src, _ in pairs:
@@ -378,11 +379,14 @@ class FusedCopyCheck:
         """The same copies and flags without the kernel, in a few multi-tensor launches whatever the number of
         pairs (this runs while the kernel compiles, next to a thread that holds the GIL for much of the
         time): one copy of every pair, one max-abs reduction over the destinations (a second read; a NaN or
-        Inf survives a max), each pair's flag raised, then each second word by its pairs' flags."""
+        Inf survives a max), each pair's flag raised, then each second word by its pairs' flags. With
+        ``check=False`` the copy only."""
         if not self.pairs:
             return
         dsts = [dst for _, _, dst, _, _ in self.pairs]  # one dtype, none empty (runs() cut them)
         torch._foreach_copy_(dsts, [src for _, _, _, src, _ in self.pairs])
+        if not self.check:
+            return
         bad = (~torch.stack(torch._foreach_norm(dsts, float("inf"))).isfinite()).to(torch.int32)
         if self._fallback is None:
             index = torch.tensor([i for i, *_ in self.pairs], dtype=torch.int64, device=self.flags.device)

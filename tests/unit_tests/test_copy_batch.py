@@ -31,6 +31,10 @@ def test_groups_and_exact_copies():
     batch.run()
     for dst, src in pairs:
         assert torch.equal(dst, src)
+    # kernel=True where no kernel runs (CPU): the same groups and copies, nothing checked
+    batch = CopyBatch(_pairs("cpu"), kernel=True)
+    assert batch.fused == [] and [len(d) for d, _ in batch.groups] == [20, 1] and len(batch.single) == 3
+    assert batch.run() is None
 
 
 @pytest.mark.gpus(1)
@@ -239,6 +243,12 @@ def test_without_a_usable_kernel_the_copies_are_checked_by_a_second_read(monkeyp
         fused.run()
         assert flags.tolist() == [0, 0, 0, 1, 1, 0, 0, 0, 0, 0] and words.tolist() == [0, 1, 0], (flags, words)
         assert torch.equal(dsts[3].isnan(), srcs[3].isnan()) and dsts[4][0] == float("inf")
+    # check=False (CopyBatch(kernel=True)'s copies): the fallback copies and reads nothing again
+    monkeypatch.setattr(torch, "_foreach_norm", None)  # a reduction would raise
+    dst, flag = torch.empty(3000), torch.zeros(1, dtype=torch.int32)
+    unchecked = copy_check.FusedCopyCheck(flag, [(0, None, dst, src, copy_check.runs(dst, src))], check=False)
+    unchecked.run()
+    assert torch.equal(dst, src) and torch.isinf(dst[-1]) and int(flag) == 0
 
 
 def test_fused_table_has_a_row_per_program():
