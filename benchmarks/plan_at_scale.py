@@ -95,11 +95,13 @@ def _received_bytes(plan, metadata: list) -> int:
     return total
 
 
-def _median_s(fn, repeats: int) -> tuple[float, object]:
+def _median_s(fn, repeats: int, prepare=tuple) -> tuple[float, object]:
+    """The median seconds of ``repeats`` calls ``fn(*prepare())`` (``prepare`` not timed) and the last result."""
     times, got = [], None
     for _ in range(repeats):
+        args = prepare()
         start = time.perf_counter()
-        got = fn()
+        got = fn(*args)
         times.append(time.perf_counter() - start)
     return statistics.median(times), got
 
@@ -125,17 +127,6 @@ def measure(world: int, *, model: str, trainer_tp: int, trainer_pp: int, engine_
             megatron_engine_layout(specs, tp=engine_tp, dp=engine_dp, ranks=range(first, first + world)),
         )
 
-    def ours(r):
-        """A job's plan of rank ``r``: on layouts built just before (not timed), so the plan indexes them as a
-        job's first refit does (a layout keeps its index of holdings once built)."""
-        times, got = [], None
-        for _ in range(repeats):
-            fresh = layouts()
-            start = time.perf_counter()
-            got = build_reshard_plan(*fresh, rank=r)
-            times.append(time.perf_counter() - start)
-        return statistics.median(times), got
-
     src, dst = layouts()
     full = {n: lt.shape for n, lt in megatron_layout(megatron_engine_specs(specs)).tensors[0].items()}
     ranks = sorted({*src.ranks, *dst.ranks})
@@ -159,7 +150,9 @@ def measure(world: int, *, model: str, trainer_tp: int, trainer_pp: int, engine_
     for side, r in (("trainer", src.ranks[0]), ("engine", dst.ranks[0])):
         if side == "engine" and not separate:
             r = dst.ranks[-1]  # colocated: the last rank (the first is the trainer's)
-        ours_s, plan = ours(r)
+        # on layouts built just before (not timed), so the plan indexes them as a job's first refit does (a
+        # layout keeps its index of holdings once built)
+        ours_s, plan = _median_s(lambda s, d: build_reshard_plan(s, d, rank=r), repeats, layouts)
         mcore_s, mplan = _median_s(lambda: build_plan_from_rosters(*rosters, r), repeats)
         # the two plans deliver the same bytes to this rank (its local copies included): the same job
         ours_in = sum(t.nbytes for t in plan.transfers if t.dst == r)

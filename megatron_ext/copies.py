@@ -59,9 +59,10 @@ class CopyBatch:
         self.single: list[tuple[torch.Tensor, torch.Tensor]] = []
         checked: dict[torch.dtype, tuple[list[int], list[torch.Tensor]]] = {}
         for i, (dst, src) in enumerate(pairs):
-            is_checked = check and dst.dtype in FINITE_CHECKED_DTYPES and dst.numel() > 0
-            by_kernel = is_checked or (kernel and dst.dtype in FINITE_CHECKED_DTYPES and dst.numel() > 0)
-            if by_kernel and dst.is_cuda and src.device == dst.device == self.device and copy_check.available():
+            floating = dst.dtype in FINITE_CHECKED_DTYPES and dst.numel() > 0  # what the kernel copies
+            is_checked = check and floating
+            by_kernel = (check or kernel) and floating and dst.is_cuda and src.device == dst.device == self.device
+            if by_kernel and copy_check.available():
                 pieces = copy_check.runs(dst, src)
                 if pieces is not None:
                     fusable.setdefault(dst.dtype, []).append((i, also_flag[i], dst, src, pieces))

@@ -24,6 +24,16 @@ def _pairs(device):
     return pairs
 
 
+def _cuda_kernels(batch) -> list[str]:
+    """The CUDA kernels one run of ``batch`` launches (profiler names), after the runs before it finished."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        batch.run()
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return kernels
+
+
 def test_groups_and_exact_copies():
     pairs = _pairs("cpu")
     batch = CopyBatch(pairs)
@@ -43,11 +53,7 @@ def test_dense_pairs_take_one_multi_tensor_kernel_on_gpu():
     pairs = _pairs("cuda")
     batch = CopyBatch(pairs)
     batch.run()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        batch.run()
-        torch.cuda.synchronize()
-    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = _cuda_kernels(batch)
     assert sum("multi_tensor_apply" in k for k in kernels) == 2, kernels  # bf16 group, fp32 group
     assert len(kernels) <= 2 + 3 + 1, kernels  # + the strided, integer and large copies (+ slack for one helper)
     for dst, src in pairs:
@@ -143,11 +149,7 @@ def test_checked_copies_are_one_fused_kernel_per_dtype_on_gpu():
     prewarm("cuda", (torch.bfloat16, torch.float32, torch.float16), wait=True)  # (until then: a second read)
     batch = _check_flags("cuda")
     assert [f.launches[0][1].name for f in batch.fused] == ["bf16", "fp32", "fp16"]
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        batch.run()
-        torch.cuda.synchronize()
-    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = _cuda_kernels(batch)
     assert sum(k.startswith("copy_check") for k in kernels) == sum(len(f.launches) for f in batch.fused), kernels
 
 
@@ -166,11 +168,7 @@ def test_unchecked_copies_with_kernel_run_in_it_and_check_nothing():
     assert [f.launches[0][1].name for f in batch.fused] == ["bf16", "fp32", "fp16"]
     assert len(batch.single) == 2 and batch.groups == []  # the runs of 3 and the integers: copy_
     assert batch.run() is None
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        batch.run()
-        torch.cuda.synchronize()
-    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = _cuda_kernels(batch)
     assert sum(k.startswith("copy_check") for k in kernels) == sum(len(f.launches) for f in batch.fused), kernels
     assert not any("reduce" in k or "norm" in k for k in kernels), kernels
     for dst, src in pairs:
