@@ -109,7 +109,7 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def copy_check(table, DTYPE: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+    def copy_check(table, DTYPE: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr, STORE: tl.constexpr):
         row = table + tl.program_id(0).to(tl.int64) * 8
         src = tl.load(row).to(tl.pointer_type(DTYPE))
         dst = tl.load(row + 1).to(tl.pointer_type(DTYPE))
@@ -132,10 +132,12 @@ def _kernel():
                 d = tl.multiple_of(d, 16)
             for i in range(full):
                 x = tl.load(s + i * BLOCK + lanes)
-                tl.store(d + i * BLOCK + lanes, x)
+                if STORE:
+                    tl.store(d + i * BLOCK + lanes, x)
                 acc = acc | ((x - x) != 0).to(tl.int32)
             x = tl.load(s + offs, mask=mask, other=0)
-            tl.store(d + offs, x, mask=mask)
+            if STORE:
+                tl.store(d + offs, x, mask=mask)
             acc = acc | ((x - x) != 0).to(tl.int32)
         bad = tl.max(acc, 0)
         tl.atomic_max(flag, bad)
@@ -145,7 +147,7 @@ def _kernel():
     return copy_check
 
 
-_COMPILED: dict[tuple, threading.Event] = {}  # (device index, dtype, aligned) -> set once its compile ended
+_COMPILED: dict[tuple, threading.Event] = {}  # (device index, dtype, aligned, store) -> set once its compile ended
 
 
 def _compiling(key: tuple) -> threading.Event:
@@ -153,7 +155,7 @@ def _compiling(key: tuple) -> threading.Event:
     done = _COMPILED.get(key)
     if done is None:
         done = _COMPILED[key] = threading.Event()
-        index, dtype, aligned = key
+        index, dtype, aligned, store = key
 
         def compile_() -> None:
             try:
@@ -163,19 +165,21 @@ def _compiling(key: tuple) -> threading.Event:
                 with torch.cuda.stream(stream):
                     kernel, dtype_ = _kernel(), _tl_dtype(dtype)
                     table = torch.zeros((1, 8), dtype=torch.int64, device=device)
-                    kernel.warmup(table, DTYPE=dtype_, BLOCK=BLOCK, ALIGNED=aligned, num_warps=8, grid=(1,))
+                    kernel.warmup(
+                        table, DTYPE=dtype_, BLOCK=BLOCK, ALIGNED=aligned, STORE=store, num_warps=8, grid=(1,)
+                    )
                     # warmup only compiles: the first launch loads the module and builds its launcher. Launch it
                     # here, on no runs, with a flag (and source and destination) of its own that it raises by 0, so
                     # that the refit's first launch does not pay for that
                     word = torch.zeros(1, dtype=torch.int32, device=device)
                     at = word.data_ptr()
                     table.copy_(torch.tensor([[at, at, 0, 0, 0, 0, at, 0]], dtype=torch.int64))
-                    kernel[(1,)](table, DTYPE=dtype_, BLOCK=BLOCK, ALIGNED=aligned, num_warps=8)
+                    kernel[(1,)](table, DTYPE=dtype_, BLOCK=BLOCK, ALIGNED=aligned, STORE=store, num_warps=8)
                 stream.synchronize()
             except Exception:  # the first launch raises it again and falls back for the process (run)
                 pass
             finally:
-                if aligned:  # once per device and dtype
+                if aligned and store:  # once per device and dtype
                     _warm_torch(index, dtype)
                 done.set()
 
@@ -201,11 +205,12 @@ def _warm_torch(index: int, dtype: torch.dtype) -> None:
         pass
 
 
-def prewarm(device: torch.device | str, dtypes, wait: bool = False) -> None:
+def prewarm(device: torch.device | str, dtypes, wait: bool = False, check_only: bool = False) -> None:
     """Start compiling the kernel for ``dtypes`` (checked ones: fp32, bf16, fp16) on a CUDA ``device`` in a
     background thread, both alignments, and warm each dtype's multi-tensor copy and reduction; a no-op
     elsewhere, without Triton, or once started. ``wait``: return when those compiles ended (benchmarks and
-    tests that time or profile the kernel itself)."""
+    tests that time or profile the kernel itself). ``check_only``: also the variant that reads and checks
+    without copying (``FusedCopyCheck(store=False)``)."""
     device = torch.device(device)
     if device.type != "cuda" or not available():
         return
@@ -213,9 +218,10 @@ def prewarm(device: torch.device | str, dtypes, wait: bool = False) -> None:
     for dtype in dtypes:
         if dtype in (torch.float32, torch.bfloat16, torch.float16):
             for aligned in (True, False):
-                done = _compiling((index, dtype, aligned))
-                if wait:
-                    done.wait()
+                for store in (True, False) if check_only else (True,):
+                    done = _compiling((index, dtype, aligned, store))
+                    if wait:
+                        done.wait()
 
 
 def shared_words(words, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -263,10 +269,17 @@ class FusedCopyCheck:
     tensors (so their storages live as long as it does), and before each run it compares each storage's
     address with the table's: a storage that moved (symmetric-memory staging moves a buffer's storage
     into its pool and back, keeping every view valid) rebuilds the table instead of copying from where the
-    storage was."""
+    storage was.
 
-    def __init__(self, flags: torch.Tensor, pairs, *, check: bool = True):
+    ``store=False`` (``check`` only): the kernel reads and checks each pair's ``src`` without writing (pass the
+    source as ``dst`` too): a check of tensors that no copy reads, in one or two launches however many they are,
+    where a multi-tensor max-abs reduction and its flags cost the host a dozen operations."""
+
+    def __init__(self, flags: torch.Tensor, pairs, *, check: bool = True, store: bool = True):
+        if not (check or store):
+            raise ValueError("FusedCopyCheck(store=False) checks without copying: it needs check=True")
         self.flags, self.pairs = flags, pairs
+        self.store = store  # False: checks only (the fallback reduces over the sources and copies nothing)
         self.check = check  # False: copies only (the kernel's flags are not read; its fallback copies, no reduction)
         self.launches: list[tuple[torch.Tensor, object, bool]] = []
         watch: dict[int, torch.Tensor] = {id(flags): flags}  # every tensor once: its address tells if it moved
@@ -336,7 +349,11 @@ class FusedCopyCheck:
             table = rows[aligned == flag]
             if table.shape[0]:
                 self.launches.append((_upload(table, device), _tl_dtype(dst0.dtype), flag))
-        self._keys = [(device.index, dst0.dtype, flag) for _, _, flag in self.launches] if device.type == "cuda" else []
+        self._keys = (
+            [(device.index, dst0.dtype, flag, self.store) for _, _, flag in self.launches]
+            if device.type == "cuda"
+            else []
+        )
         if device.type == "cuda":
             self._uploaded = torch.cuda.current_stream(device)  # where the tables' uploads are queued
 
@@ -363,7 +380,9 @@ class FusedCopyCheck:
                         current.wait_stream(self._uploaded)
                     self._uploaded = None
                 for table, dtype, aligned in self.launches:
-                    kernel[(table.shape[0],)](table, DTYPE=dtype, BLOCK=BLOCK, ALIGNED=aligned, num_warps=8)
+                    kernel[(table.shape[0],)](
+                        table, DTYPE=dtype, BLOCK=BLOCK, ALIGNED=aligned, STORE=self.store, num_warps=8
+                    )
                 return
             except Exception as exc:  # e.g. no C compiler for Triton's launcher: the same copies, checked after
                 _UNUSABLE = f"{type(exc).__name__}: {exc}"
@@ -384,10 +403,12 @@ class FusedCopyCheck:
         if not self.pairs:
             return
         dsts = [dst for _, _, dst, _, _ in self.pairs]  # one dtype, none empty (runs() cut them)
-        torch._foreach_copy_(dsts, [src for _, _, _, src, _ in self.pairs])
+        if self.store:
+            torch._foreach_copy_(dsts, [src for _, _, _, src, _ in self.pairs])
         if not self.check:
             return
-        bad = (~torch.stack(torch._foreach_norm(dsts, float("inf"))).isfinite()).to(torch.int32)
+        read = dsts if self.store else [src for _, _, _, src, _ in self.pairs]  # check only: the sources
+        bad = (~torch.stack(torch._foreach_norm(read, float("inf"))).isfinite()).to(torch.int32)
         if self._fallback is None:
             index = torch.tensor([i for i, *_ in self.pairs], dtype=torch.int64, device=self.flags.device)
             self._fallback = index, shared_words([also for _, also, _, _, _ in self.pairs], bad.device)

@@ -177,6 +177,36 @@ def test_unchecked_copies_with_kernel_run_in_it_and_check_nothing():
     assert CopyBatch(pairs).fused == []  # the default: no kernel
 
 
+@pytest.mark.gpus(1)
+def test_check_only_reads_flags_and_writes_nothing():
+    """FusedCopyCheck(store=False), the zero-copy senders' check: the kernel (profiler names, no reduction) flags
+    exactly the sources with a NaN or Inf (one in the last element of the last one) and writes nothing, not even
+    to a destination given apart from the source; a compile still under way checks by a reduction, also without
+    writing."""
+    from megatron_ext import copy_check
+
+    assert copy_check.available(), "Triton must import next to torch on a GPU machine"
+    copy_check.prewarm("cuda", (torch.bfloat16,), wait=True, check_only=True)
+    sources = [torch.randn(n, device="cuda", dtype=torch.bfloat16) for n in (3000, 1 << 18, 70_001)]
+    sources.append(torch.randn(64, 3 * 512, device="cuda", dtype=torch.bfloat16)[:, 512:1024])  # strided
+    sources[1][5] = float("inf")
+    sources[2][-1] = float("nan")
+    apart = [torch.zeros_like(t) for t in sources]
+    flags = torch.zeros(len(sources), dtype=torch.int32, device="cuda")
+    pairs = [(i, None, d, t, copy_check.runs(d, t)) for i, (d, t) in enumerate(zip(apart, sources))]
+    check = copy_check.FusedCopyCheck(flags, pairs, store=False)
+    kernels = _cuda_kernels(check)
+    assert sum(k.startswith("copy_check") for k in kernels) == len(check.launches) and kernels, kernels
+    assert not any("reduce" in k or "norm" in k for k in kernels), kernels
+    assert flags.tolist() == [0, 1, 1, 0]
+    assert all(not d.any() for d in apart)
+    flags.zero_()
+    check._copy_then_check()  # what a run does while the variant compiles
+    assert flags.tolist() == [0, 1, 1, 0] and all(not d.any() for d in apart)
+    with pytest.raises(ValueError, match="check=True"):
+        copy_check.FusedCopyCheck(flags, pairs, check=False, store=False)
+
+
 def test_fused_table_follows_a_storage_that_moved():
     """The kernel's table holds addresses. Symmetric-memory staging moves a buffer's storage to a new
     allocation and keeps the Storage object (every view stays valid, fsdp_symm.memory.move_storage): the
@@ -202,6 +232,25 @@ def test_fused_table_follows_a_storage_that_moved():
     (table, _, _), *_ = fused.launches
     assert int(table[0, 0]) == src.data_ptr() and int(table[-1, 1]) >= dst.data_ptr()
     assert not fused.refresh()
+
+
+def test_check_only_fallback_reads_the_sources_and_writes_nothing():
+    """FusedCopyCheck(store=False)'s fallback (while its kernel compiles, or where it cannot run) reduces over the
+    sources, not the destinations, and copies nothing: a destination given apart stays as it was. Built and run
+    on CPU (the fallback's multi-tensor operations)."""
+    from megatron_ext import copy_check
+
+    if not copy_check.available():
+        pytest.skip("Triton does not import")
+    sources = [torch.randn(3000), torch.randn(1 << 12), torch.randn(64, 1536)[:, 512:1024]]
+    sources[1][-1] = float("nan")
+    apart = [torch.zeros_like(t) for t in sources]
+    flags = torch.zeros(len(sources), dtype=torch.int32)
+    pairs = [(i, None, d, t, copy_check.runs(d, t)) for i, (d, t) in enumerate(zip(apart, sources))]
+    copy_check.FusedCopyCheck(flags, pairs, store=False)._copy_then_check()
+    assert flags.tolist() == [0, 1, 0] and all(not d.any() for d in apart)
+    with pytest.raises(ValueError, match="check=True"):
+        copy_check.FusedCopyCheck(flags, pairs, check=False, store=False)
 
 
 def test_without_a_usable_kernel_the_copies_are_checked_by_a_second_read(monkeypatch):

@@ -311,7 +311,7 @@ class ReshardExecutor:
             self._cut(plan.transfers)
         self.device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
         if check_finite:  # the checked copies' kernel compiles while the plan is agreed on
-            copy_check.prewarm(self.device, {t.dtype for t in tensors.values()})
+            copy_check.prewarm(self.device, {t.dtype for t in tensors.values()}, check_only=zero_copy_bytes is not None)
         self.staging: Staging | None = None  # buffers and copies, from the first refit on
         self._side_stream = None  # atomic ranks' check of their local copies' sources (CUDA)
         self.version: int | None = None  # the version this rank's destination tensors hold (None: none accepted)
@@ -648,11 +648,22 @@ class ReshardExecutor:
         :data:`~.staging.CHECK_CHUNK_BYTES`). Nothing here waits for the device."""
         st = self.staging
         start, end = st.direct_slices[k]
-        # one multi-tensor reduction per dtype (large=None): a reduction per large tensor costs a launch each
-        # (1xH200, the 226 sources of TP2 -> TP2 of the 3b preset, 3.4 GB, at once: 1.6 ms on the device and
-        # 0.9 ms of host time in one reduction, 2.8 ms of both in one per tensor); the chunk is in its order
-        checked = finite_flags(st.direct_sources[start:end], large=None)
-        flags = torch.cat([(~finite).to(torch.int64) for _, finite in checked])
+        # the copy-check kernel without its stores: a few launches per chunk, where the reduction below and its
+        # flags cost the host a dozen operations, enough to keep it from posting the next round in time (2xH200,
+        # MoE colocated TP1 EP2 -> TP1xDP2: the link idle 1.5 ms before every third round)
+        fused = st.direct_fused(k)
+        if fused is not None:
+            bad, checks = fused
+            bad.zero_()
+            for check in checks:
+                check.run()
+            flags = bad.to(torch.int64)
+        else:
+            # one multi-tensor reduction per dtype (large=None): a reduction per large tensor costs a launch each
+            # (1xH200, the 226 sources of TP2 -> TP2 of the 3b preset, 3.4 GB, at once: 1.6 ms on the device and
+            # 0.9 ms of host time in one reduction, 2.8 ms of both in one per tensor); the chunk is in its order
+            checked = finite_flags(st.direct_sources[start:end], large=None)
+            flags = torch.cat([(~finite).to(torch.int64) for _, finite in checked])
         direct["flags"].append(flags)
         direct["raised"].scatter_reduce_(0, st.direct_pairs[start:end], flags, "amax")
 

@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from ... import copy_check
 from ...copies import CopyBatch, finite_groups
 from ..plan.budget import Table, buffer_sizes, device_slabs, host_slabs, keeps_every_round, slot
 from ..plan.direct import DirectRound, staged_nbytes
@@ -255,6 +256,7 @@ class Staging:
         self.direct_sources = [self.direct_sources[i] for i in order]
         self.direct_checked = [self.direct_checked[i] for i in order]
         self.direct_pairs = torch.tensor([direct_pair[i] for i in order], dtype=torch.int64, device=device)
+        self._direct_fused: dict[int, tuple | None] = {}  # a chunk's first round -> its check (direct_fused)
         keys = [(peer, k) for peer, buckets in recv.items() for k, b in enumerate(buckets) if isinstance(b, list)]
         # (None: a round in which the pair, in another phase, posts nothing)
         self._seen_rows = torch.zeros((len(keys), HEADER_WORDS), dtype=torch.int64, device=device)
@@ -300,6 +302,26 @@ class Staging:
     def _apply(self) -> CopyBatch:
         """An atomic receiver's copies of the whole version (staged on the device), built at the first apply."""
         return CopyBatch(self._version_pairs, kernel=True)
+
+    def direct_fused(self, k: int) -> tuple[torch.Tensor, list[copy_check.FusedCopyCheck]] | None:
+        """The check of the chunk of zero-copy sources that starts at round ``k`` (:attr:`direct_slices`) as the
+        copy-check kernel without its copies (``FusedCopyCheck(store=False)``, one per dtype: one or two
+        launches each): its flags (int32, one per source, in the chunk's order) and checks, built at its first
+        use; None where the kernel cannot run (not CUDA, no Triton): then
+        :func:`~megatron_ext.copies.finite_flags` checks the chunk."""
+        if k not in self._direct_fused:
+            start, end = self.direct_slices[k]
+            sources = self.direct_sources[start:end]  # by dtype (finite_flags' order)
+            cut = [copy_check.runs(t, t) for t in sources]
+            fused = None
+            if self._device.type == "cuda" and copy_check.available() and all(c is not None for c in cut):
+                flags = torch.zeros(len(sources), dtype=torch.int32, device=self._device)
+                by_dtype: dict[torch.dtype, list] = {}
+                for i, (t, c) in enumerate(zip(sources, cut)):
+                    by_dtype.setdefault(t.dtype, []).append((i, None, t, t, c))
+                fused = flags, [copy_check.FusedCopyCheck(flags, p, store=False) for p in by_dtype.values()]
+            self._direct_fused[k] = fused
+        return self._direct_fused[k]
 
     def scratch(self, like: torch.Tensor) -> torch.Tensor:
         """Where a streaming receiver that refused the version drains a zero-copy receive shaped ``like``
