@@ -312,14 +312,15 @@ class Staging:
         if k not in self._direct_fused:
             start, end = self.direct_slices[k]
             sources = self.direct_sources[start:end]  # by dtype (finite_flags' order)
-            cut = [copy_check.runs(t, t) for t in sources]
             fused = None
-            if self._device.type == "cuda" and copy_check.available() and all(c is not None for c in cut):
+            if self._device.type == "cuda" and copy_check.available():
+                cut = [copy_check.runs(t, t) for t in sources]  # contiguous runs: one each, never None
                 flags = torch.zeros(len(sources), dtype=torch.int32, device=self._device)
                 by_dtype: dict[torch.dtype, list] = {}
                 for i, (t, c) in enumerate(zip(sources, cut)):
                     by_dtype.setdefault(t.dtype, []).append((i, None, t, t, c))
-                fused = flags, [copy_check.FusedCopyCheck(flags, p, store=False) for p in by_dtype.values()]
+                if all(c is not None for c in cut):
+                    fused = flags, [copy_check.FusedCopyCheck(flags, p, store=False) for p in by_dtype.values()]
             self._direct_fused[k] = fused
         return self._direct_fused[k]
 
