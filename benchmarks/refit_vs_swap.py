@@ -611,8 +611,9 @@ def _rank(preset: str, cases: list[Case], methods: list[str], opts: dict, rank_s
     compile_s = None
     if gpu and opts["check_finite"] and any(m.startswith("ours") for m in methods) and copy_check.available():
         start = time.perf_counter()
-        zero_copy = any(m.endswith("zero-copy") for m in methods)  # their senders' check-only variant too
-        copy_check.prewarm(device, (torch.bfloat16, torch.float32), wait=True, check_only=zero_copy)
+        # the check-only variant too: zero-copy senders' and atomic ranks' local sources' check
+        check_only = any(m.endswith("zero-copy") or m.startswith("ours:atomic") for m in methods)
+        copy_check.prewarm(device, (torch.bfloat16, torch.float32), wait=True, check_only=check_only)
         compile_s = slowest(time.perf_counter() - start, device)
     out = []
     for case in cases:

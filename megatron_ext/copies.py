@@ -13,7 +13,7 @@ import torch
 
 from . import copy_check
 
-__all__ = ["CopyBatch", "FINITE_CHECKED_DTYPES", "FlagsByName", "LARGE", "copy_all", "finite_flags"]
+__all__ = ["CopyBatch", "FINITE_CHECKED_DTYPES", "FiniteCheck", "FlagsByName", "LARGE", "copy_all", "finite_flags"]
 
 # Tensors of at least this many elements get a kernel of their own: PyTorch's multi-tensor kernels
 # cut every tensor into 64K-element chunks and move less per second than one copy_ / reduction per
@@ -120,6 +120,54 @@ class CopyBatch:
             for _, finite in finite_flags(views):
                 self.bad.index_put_((idx,), (~finite).to(device=self.bad.device, dtype=torch.int32))
         copy_check.raise_words(self.also, self.bad)
+        return self.bad
+
+
+class FiniteCheck:
+    """NaN/Inf flags of many tensors that no copy reads (a zero-copy sender's sources, an atomic rank's local
+    copies' sources before its apply), sorted once and run many times.
+
+    On CUDA with Triton, the tensors :mod:`~megatron_ext.copy_check`'s kernel can cut into runs are read by its
+    check-only variant (``FusedCopyCheck(store=False)``, one or two launches per dtype); the rest, and every
+    tensor elsewhere, by one multi-tensor max-abs reduction per dtype (a reduction per large tensor would cost a
+    launch each). Either way the host issues a few operations however many tensors there are."""
+
+    def __init__(self, tensors):
+        tensors = list(tensors)
+        self.size = len(tensors)
+        self.device = tensors[0].device if tensors else torch.device("cpu")
+        self.bad = torch.zeros(self.size, dtype=torch.int32, device=self.device)  # reused by every run
+        fusable: dict[torch.dtype, list] = {}
+        reduced: dict[torch.dtype, tuple[list[int], list[torch.Tensor]]] = {}
+        for i, t in enumerate(tensors):
+            if t.dtype not in FINITE_CHECKED_DTYPES or not t.numel():
+                continue
+            if t.is_cuda and t.device == self.device and copy_check.available():
+                pieces = copy_check.runs(t, t)
+                if pieces is not None:
+                    fusable.setdefault(t.dtype, []).append((i, None, t, t, pieces))
+                    continue
+            idx, views = reduced.setdefault(t.dtype, ([], []))
+            idx.append(i)
+            views.append(t)
+        self.fused = [copy_check.FusedCopyCheck(self.bad, p, store=False) for p in fusable.values()]
+        self.reduced = [
+            (torch.tensor(idx, dtype=torch.int64, device=self.device), views) for idx, views in reduced.values()
+        ]
+
+    def __len__(self) -> int:
+        return self.size
+
+    def run(self) -> torch.Tensor:
+        """Returns :attr:`bad`: int32 on the first tensor's device, one flag per tensor in the order given,
+        nonzero where it holds a NaN or Inf (tensors of other dtypes and empty ones read 0); the next run
+        overwrites it. No host sync."""
+        self.bad.zero_()
+        for fused in self.fused:
+            fused.run()
+        for idx, views in self.reduced:
+            finite = torch.stack(torch._foreach_norm(views, float("inf"))).isfinite()
+            self.bad.index_put_((idx,), (~finite).to(device=self.bad.device, dtype=torch.int32))
         return self.bad
 
 

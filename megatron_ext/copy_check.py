@@ -32,13 +32,28 @@ import warnings
 import numpy as np
 import torch
 
-__all__ = ["CHUNK", "MIN_RUN", "FusedCopyCheck", "available", "prewarm", "raise_words", "runs", "shared_words"]
+__all__ = [
+    "CHECK_ONLY_CHUNK",
+    "CHUNK",
+    "MIN_RUN",
+    "FusedCopyCheck",
+    "available",
+    "prewarm",
+    "raise_words",
+    "runs",
+    "shared_words",
+]
 
 # Elements one program moves at most: 7.2 GB of bf16 is about 27k programs, about 200 per SM, so the
 # last wave is short; long enough that the table (64 bytes a program) is 1/4096 of the data and that
 # building it takes the host little (numpy over every program's row: 2.6 ms for 2.4G elements on a CPU
 # core, 10 ms at 1 << 15, whose refits took the same time: 2 of 4xH200, 2026-11-27).
 CHUNK = 1 << 17
+# Elements one check-only program (store=False) reads at most: a zero-copy sender keeps every chunk's table,
+# so programs 4x longer keep a fourth of the memory (the whole 3.6B model: 425 KiB, not 1.7 MiB) at the same
+# speed: 1.70 against 1.72 ms for 3.6 GB, 0.19 against 0.19 ms for 512 MiB (4.2 and 3.6 TB/s; 1 << 20 and
+# longer lose up to 2x on chunks of 512 MiB and less: too few programs; H200, 2026-11-28).
+CHECK_ONLY_CHUNK = 1 << 19
 BLOCK = 2048  # elements per loop step of one program
 MIN_RUN = 256  # shorter contiguous runs go to the caller's copy_ (one launch per pair)
 MAX_RUNS = 1 << 16  # more blocks of runs than this in one pair: also the caller's
@@ -273,12 +288,16 @@ class FusedCopyCheck:
 
     ``store=False`` (``check`` only): the kernel reads and checks each pair's ``src`` without writing (pass the
     source as ``dst`` too): a check of tensors that no copy reads, in one or two launches however many they are,
-    where a multi-tensor max-abs reduction and its flags cost the host a dozen operations."""
+    where a multi-tensor max-abs reduction and its flags cost the host a dozen operations. ``chunk``: elements a
+    program takes at most (default :data:`CHUNK`, :data:`CHECK_ONLY_CHUNK` with ``store=False``)."""
 
-    def __init__(self, flags: torch.Tensor, pairs, *, check: bool = True, store: bool = True):
+    def __init__(self, flags: torch.Tensor, pairs, *, check: bool = True, store: bool = True, chunk: int | None = None):
         if not (check or store):
             raise ValueError("FusedCopyCheck(store=False) checks without copying: it needs check=True")
+        if chunk is not None and not 0 < chunk < 1 << 31:  # the kernel reads a run's length as int32
+            raise ValueError(f"FusedCopyCheck chunk={chunk}: elements per program, 1 .. 2**31 - 1")
         self.flags, self.pairs = flags, pairs
+        self.chunk = chunk or (CHUNK if store else CHECK_ONLY_CHUNK)  # elements a program takes at most
         self.store = store  # False: checks only (the fallback reduces over the sources and copies nothing)
         self.check = check  # False: copies only (the kernel's flags are not read; its fallback copies, no reduction)
         self.launches: list[tuple[torch.Tensor, object, bool]] = []
@@ -323,21 +342,22 @@ class FusedCopyCheck:
         ).repeat([p.shape[0] for p in pieces], axis=0)
         blocks = np.concatenate(pieces)
         count, length = blocks[:, 2], blocks[:, 3]
-        # a program takes up to CHUNK elements: whole runs of a block (up to RUNS_PER_PROGRAM of them), or one
-        # CHUNK of a longer run
-        cuts = -(-length // CHUNK)
-        group = np.where(cuts == 1, np.clip(CHUNK // np.maximum(length, 1), 1, RUNS_PER_PROGRAM), 1)
+        # a program takes up to `chunk` elements: whole runs of a block (up to RUNS_PER_PROGRAM of them), or one
+        # chunk of a longer run
+        chunk = self.chunk
+        cuts = -(-length // chunk)
+        group = np.where(cuts == 1, np.clip(chunk // np.maximum(length, 1), 1, RUNS_PER_PROGRAM), 1)
         programs = -(-count // group) * cuts
         which = np.repeat(np.arange(blocks.shape[0]), programs)
         q = np.arange(which.shape[0], dtype=np.int64) - np.repeat(np.cumsum(programs) - programs, programs)
         cut, first_run = q % cuts[which], (q // cuts[which]) * group[which]
-        col = cut * CHUNK
+        col = cut * chunk
         b = blocks[which]
         rows = np.empty((which.shape[0], 8), dtype=np.int64)
         rows[:, 0] = bases[which, 0] + (b[:, 0] + first_run * b[:, 4] + col) * size
         rows[:, 1] = bases[which, 1] + (b[:, 1] + first_run * b[:, 5] + col) * size
         rows[:, 2] = np.minimum(group[which], count[which] - first_run)
-        rows[:, 3] = np.minimum(CHUNK, length[which] - col)
+        rows[:, 3] = np.minimum(chunk, length[which] - col)
         rows[:, 4] = b[:, 4]
         rows[:, 5] = b[:, 5]
         rows[:, 6] = bases[which, 2]

@@ -1,11 +1,12 @@
 """CopyBatch: dense same-dtype floating pairs go to one foreach call per dtype, the rest (strided, integer,
-LARGE) one by one; finite_flags: one flag per tensor, in order, whichever reduction checked it."""
+LARGE) one by one; finite_flags and FiniteCheck: one flag per tensor, in order, whichever reduction or kernel
+checked it."""
 
 import numpy as np
 import pytest
 import torch
 
-from megatron_ext.copies import LARGE, CopyBatch, finite_flags
+from megatron_ext.copies import LARGE, CopyBatch, FiniteCheck, finite_flags
 
 
 def _pairs(device):
@@ -119,6 +120,55 @@ def test_checked_copies_flag_each_pair_on_cpu():
     batch = _check_flags("cpu")
     assert batch.fused == []
     assert CopyBatch(_checked_pairs("cpu")).run() is None  # no check: no flags
+
+
+def _finite_check_tensors(device):
+    """Tensors for FiniteCheck, their expected flags: a NaN in the last element, clean bf16, an integer tensor
+    and an empty one (never flagged), an Inf in a column slice (the kernel cuts it into runs on CUDA) and a NaN
+    in a two-column slice (too narrow for the kernel: reduced)."""
+    g = torch.Generator().manual_seed(1)
+    last = torch.randn(3000, generator=g).to(device)
+    last[-1] = float("nan")
+    wide = torch.randn(8, 3 * 512, generator=g).to(device, torch.bfloat16)
+    wide[3, 700] = float("inf")
+    narrow = torch.randn(6, 9, generator=g).to(device)
+    narrow[5, 4] = float("nan")
+    tensors = [
+        last,
+        torch.randn(70_001, generator=g).to(device, torch.bfloat16),
+        torch.arange(9, device=device),
+        torch.empty(0, device=device),
+        wide[:, 512:1024],
+        narrow[:, 3:5],
+    ]
+    return tensors, [1, 0, 0, 0, 1, 1]
+
+
+def test_finite_check_flags_each_tensor_in_order_on_cpu():
+    """FiniteCheck, built once and run again: one int32 flag per tensor in the order given (unchecked dtypes and
+    empty tensors 0), from the reduction on CPU; the next run overwrites the flags."""
+    tensors, want = _finite_check_tensors("cpu")
+    check = FiniteCheck(tensors)
+    assert check.fused == [] and len(check) == len(tensors)
+    assert check.run().tolist() == want
+    tensors[0][-1], tensors[4][3, 700 - 512] = 0.0, 1.0
+    assert check.run().tolist() == [0, 0, 0, 0, 0, 1]
+    assert FiniteCheck([]).run().tolist() == []
+
+
+@pytest.mark.gpus(1)
+def test_finite_check_reads_by_kernel_where_it_can_cut_runs():
+    """On CUDA, FiniteCheck reads the tensors the kernel cuts with its check-only variant (profiler names) and
+    reduces only the narrow slice; the flags are the same as on CPU."""
+    from megatron_ext import copy_check
+
+    copy_check.prewarm("cuda", (torch.float32, torch.bfloat16), wait=True, check_only=True)
+    tensors, want = _finite_check_tensors("cuda")
+    check = FiniteCheck(tensors)
+    assert sorted(i for f in check.fused for i, *_ in f.pairs) == [0, 1, 4]
+    kernels = _cuda_kernels(check)
+    assert sum(k.startswith("copy_check") for k in kernels) == sum(len(f.launches) for f in check.fused), kernels
+    assert check.bad.tolist() == want
 
 
 def test_runs_cut_views_into_contiguous_runs():
@@ -298,17 +348,25 @@ def test_without_a_usable_kernel_the_copies_are_checked_by_a_second_read(monkeyp
     assert torch.equal(dst, src) and torch.isinf(dst[-1]) and int(flag) == 0
 
 
-def test_fused_table_has_a_row_per_program():
+@pytest.mark.parametrize("store", [True, False], ids=["copy", "check-only"])
+def test_fused_table_has_a_row_per_program(store):
     """The kernel's table, built with numpy operations over all blocks at once, holds a row per program: both
     addresses, the number of runs, their length, the two steps between runs, the pair's flag and second word (0
-    without one); a program takes whole runs of a block (up to RUNS_PER_PROGRAM, at most CHUNK elements) or one
-    CHUNK of a longer run. Split by 16-byte alignment (of both addresses and both steps). Checked against rows
-    written out run by run, which together cover every element of every pair exactly once."""
+    without one); a program takes whole runs of a block (up to RUNS_PER_PROGRAM, at most CHUNK elements, or
+    CHECK_ONLY_CHUNK for a check without stores; ``chunk=`` another) or one chunk of a longer run. Split by
+    16-byte alignment (of both addresses and both steps). Checked against rows written out run by run, which
+    together cover every element of every pair exactly once."""
     from megatron_ext import copy_check
 
     if not copy_check.available():
         pytest.skip("Triton does not import")
-    size, chunk, most = 4, copy_check.CHUNK, copy_check.RUNS_PER_PROGRAM
+    size, most = 4, copy_check.RUNS_PER_PROGRAM
+    one = torch.ones(8)
+    default = copy_check.FusedCopyCheck(
+        torch.zeros(1, dtype=torch.int32), [(0, None, one, one, copy_check.runs(one, one))], store=store
+    )
+    assert default.chunk == (copy_check.CHUNK if store else copy_check.CHECK_ONLY_CHUNK)
+    chunk = copy_check.CHUNK if store else copy_check.CHUNK // 4  # (the default check-only chunk: a slow test)
     fused_w = torch.randn(6, 3 * chunk // 2)  # rows longer than a chunk: two programs per run
     short = torch.randn(3 * most + 5, 2 * copy_check.MIN_RUN)  # short runs: RUNS_PER_PROGRAM of them per program
     mid = torch.randn(40, 3 * chunk // 8 + 4)  # runs of 3/8 of a chunk: two per program
@@ -322,7 +380,7 @@ def test_fused_table_has_a_row_per_program():
     ]
     flags, word = torch.zeros(len(pairs), dtype=torch.int32), torch.zeros((), dtype=torch.int32)
     entries = [(i, word if i == 1 else None, d, s, copy_check.runs(d, s)) for i, (d, s) in enumerate(pairs)]
-    fused = copy_check.FusedCopyCheck(flags, entries)
+    fused = copy_check.FusedCopyCheck(flags, entries, store=store, chunk=None if store else chunk)
     want = {True: [], False: []}
     for i, also, dst, src, pieces in entries:
         for s_off, d_off, count, n, s_step, d_step in pieces.tolist():

@@ -57,7 +57,6 @@ from collections.abc import Callable
 import torch
 
 from ... import copy_check
-from ...copies import finite_flags
 from ...sharding.megatron import megatron_tensors
 from ..control.peers import as_peers
 from ..engines.gate import RefitGate
@@ -310,8 +309,10 @@ class ReshardExecutor:
         if plan.rank is None:  # a whole plan: every pair's size and check from it alone, here
             self._cut(plan.transfers)
         self.device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
-        if check_finite:  # the checked copies' kernel compiles while the plan is agreed on
-            copy_check.prewarm(self.device, {t.dtype for t in tensors.values()}, check_only=zero_copy_bytes is not None)
+        if check_finite:  # the checked copies' kernel compiles while the plan is agreed on (its variant without
+            # stores: the check of zero-copy sources and of an atomic rank's local copies' sources)
+            check_only = zero_copy_bytes is not None or atomic
+            copy_check.prewarm(self.device, {t.dtype for t in tensors.values()}, check_only=check_only)
         self.staging: Staging | None = None  # buffers and copies, from the first refit on
         self._side_stream = None  # atomic ranks' check of their local copies' sources (CUDA)
         self.version: int | None = None  # the version this rank's destination tensors hold (None: none accepted)
@@ -624,13 +625,12 @@ class ReshardExecutor:
 
     def _check_local(self):
         """Atomic ranks with ``check_finite``: the sources of their local copies (which run only when the
-        version is applied) checked on a side stream next to the rounds in flight; the flags (or None)."""
-        sources = self.staging.local_sources
-        if not sources:
+        version is applied) checked on a side stream next to the rounds in flight; the flags (int32, or None)."""
+        if not self.staging.local_sources:
             return None
         side = self._side()
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            return finite_flags(sources, large=None)  # one reduction per dtype, as _check_direct's (its numbers)
+            return self.staging.local_check.run()
 
     def _direct_check(self) -> dict | None:
         """With ``check_finite`` and zero-copy transfers to send: this refit's check of them (:meth:`_check_direct`
@@ -648,22 +648,10 @@ class ReshardExecutor:
         :data:`~.staging.CHECK_CHUNK_BYTES`). Nothing here waits for the device."""
         st = self.staging
         start, end = st.direct_slices[k]
-        # the copy-check kernel without its stores: a few launches per chunk, where the reduction below and its
-        # flags cost the host a dozen operations, enough to keep it from posting the next round in time (2xH200,
-        # MoE colocated TP1 EP2 -> TP1xDP2: the link idle 1.5 ms before every third round)
-        fused = st.direct_fused(k)
-        if fused is not None:
-            bad, checks = fused
-            bad.zero_()
-            for check in checks:
-                check.run()
-            flags = bad.to(torch.int64)
-        else:
-            # one multi-tensor reduction per dtype (large=None): a reduction per large tensor costs a launch each
-            # (1xH200, the 226 sources of TP2 -> TP2 of the 3b preset, 3.4 GB, at once: 1.6 ms on the device and
-            # 0.9 ms of host time in one reduction, 2.8 ms of both in one per tensor); the chunk is in its order
-            checked = finite_flags(st.direct_sources[start:end], large=None)
-            flags = torch.cat([(~finite).to(torch.int64) for _, finite in checked])
+        # the copy-check kernel without its stores: a few launches per chunk, where a reduction and its flags
+        # cost the host a dozen operations, enough to keep it from posting the next round in time (2xH200, MoE
+        # colocated TP1 EP2 -> TP1xDP2: the link idle 1.5 ms before every third round)
+        flags = st.direct_check(k).run().to(torch.int64)
         direct["flags"].append(flags)
         direct["raised"].scatter_reduce_(0, st.direct_pairs[start:end], flags, "amax")
 
@@ -698,10 +686,7 @@ class ReshardExecutor:
         if local_check is not None:
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).wait_stream(self._side_stream)
-            flags = torch.zeros(len(self.staging.local_sources), dtype=torch.int32, device=self.device)
-            for idx, finite in local_check:
-                flags[idx] = (~finite).to(torch.int32)
-            parts.append(flags)
+            parts.append(local_check)
         if not parts:
             return []
         flags = torch.cat(parts).tolist()

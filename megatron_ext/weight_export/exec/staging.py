@@ -24,8 +24,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from ... import copy_check
-from ...copies import CopyBatch, finite_groups
+from ...copies import CopyBatch, FiniteCheck, finite_groups
 from ..plan.budget import Table, buffer_sizes, device_slabs, host_slabs, keeps_every_round, slot
 from ..plan.direct import DirectRound, staged_nbytes
 from ..plan.reshard_plan import Run, Transfer, run_continues
@@ -123,16 +122,17 @@ class Staging:
     whose pieces hold one (so the flag travels with the bucket) and keeps one flag per copy
     (:attr:`packed`: the transfers of each, to name them); the local copies of a streaming rank
     keep theirs too (:attr:`local_groups`: the transfers of each). An atomic rank's local copies run only at
-    :meth:`apply`, so their sources are listed in :attr:`local_sources` for a check before it.
+    :meth:`apply`, so their sources are listed in :attr:`local_sources` for a check before it
+    (:attr:`local_check`).
 
     Zero-copy rounds (:class:`~..plan.direct.DirectRound`) have no buffer on their sender
     (:attr:`direct_send`: views of its tensors) nor on a streaming receiver (:attr:`direct_recv`: views
     of its tensors, written in place; :meth:`scratch` drains a refused round); an atomic receiver
-    stages them like buckets. :attr:`direct_sources` are the sender's zero-copy transfers that
-    :func:`~megatron_ext.copies.finite_flags` checks in chunks of rounds (:attr:`direct_slices` by the
-    chunk's first round, each chunk in the order of that function's flags; :attr:`direct_checked`: which
-    transfer each is), whose flags raise the header of each pair's last bucket (:attr:`trailer_rows`, packed in
-    :attr:`trailer_rounds`; :attr:`direct_pairs`: each source's index there, on the device).
+    stages them like buckets. :attr:`direct_sources` are the sender's zero-copy transfers, checked in chunks
+    of rounds (:attr:`direct_slices` by the chunk's first round, :meth:`direct_check` each chunk's
+    :class:`~megatron_ext.copies.FiniteCheck`; :attr:`direct_checked`: which transfer each is), whose flags
+    raise the header of each pair's last bucket (:attr:`trailer_rows`, packed in :attr:`trailer_rounds`;
+    :attr:`direct_pairs`: each source's index there, on the device).
 
     Copies per round: :attr:`pack` (every peer's header and pieces of round
     ``k``); on atomic receivers :attr:`apply` (every round and the local copies,
@@ -233,8 +233,8 @@ class Staging:
                     self.packed[k].append(ts)
         self.pack = _Built(dict(pack), lambda k, pairs: CopyBatch(pairs, check=check, also_flag=also[k]))
         self.trailer_rows = torch.tensor(trailers, dtype=torch.int64, device=device)
-        # the checked sources in chunks of consecutive rounds (at least CHECK_CHUNK_BYTES each, but the last),
-        # within a chunk in finite_flags' order (by dtype), so the chunks' flags, concatenated, are in this order
+        # the checked sources (of checked dtypes, grouped by dtype) in chunks of consecutive rounds (at least
+        # CHECK_CHUNK_BYTES each, but the last): the chunks' flags, concatenated, are in this order
         order: list[int] = []
         self.direct_slices: dict[int, tuple[int, int]] = {}  # a chunk's first round -> its [start, end) in order
         by_round: dict[int, list[int]] = defaultdict(list)
@@ -256,7 +256,7 @@ class Staging:
         self.direct_sources = [self.direct_sources[i] for i in order]
         self.direct_checked = [self.direct_checked[i] for i in order]
         self.direct_pairs = torch.tensor([direct_pair[i] for i in order], dtype=torch.int64, device=device)
-        self._direct_fused: dict[int, tuple | None] = {}  # a chunk's first round -> its check (direct_fused)
+        self._direct_checks: dict[int, FiniteCheck] = {}  # a chunk's first round -> its check (direct_check)
         keys = [(peer, k) for peer, buckets in recv.items() for k, b in enumerate(buckets) if isinstance(b, list)]
         # (None: a round in which the pair, in another phase, posts nothing)
         self._seen_rows = torch.zeros((len(keys), HEADER_WORDS), dtype=torch.int64, device=device)
@@ -303,26 +303,19 @@ class Staging:
         """An atomic receiver's copies of the whole version (staged on the device), built at the first apply."""
         return CopyBatch(self._version_pairs, kernel=True)
 
-    def direct_fused(self, k: int) -> tuple[torch.Tensor, list[copy_check.FusedCopyCheck]] | None:
-        """The check of the chunk of zero-copy sources that starts at round ``k`` (:attr:`direct_slices`) as the
-        copy-check kernel without its copies (``FusedCopyCheck(store=False)``, one per dtype: one or two
-        launches each): its flags (int32, one per source, in the chunk's order) and checks, built at its first
-        use; None where the kernel cannot run (not CUDA, no Triton): then
-        :func:`~megatron_ext.copies.finite_flags` checks the chunk."""
-        if k not in self._direct_fused:
+    def direct_check(self, k: int) -> FiniteCheck:
+        """The check of the chunk of zero-copy sources that starts at round ``k`` (:attr:`direct_slices`): a
+        :class:`~megatron_ext.copies.FiniteCheck` (the copy-check kernel without its stores where it runs),
+        one flag per source in the chunk's order, built at its first use."""
+        if k not in self._direct_checks:
             start, end = self.direct_slices[k]
-            sources = self.direct_sources[start:end]  # by dtype (finite_flags' order)
-            fused = None
-            if self._device.type == "cuda" and copy_check.available():
-                cut = [copy_check.runs(t, t) for t in sources]  # contiguous runs: one each, never None
-                flags = torch.zeros(len(sources), dtype=torch.int32, device=self._device)
-                by_dtype: dict[torch.dtype, list] = {}
-                for i, (t, c) in enumerate(zip(sources, cut)):
-                    by_dtype.setdefault(t.dtype, []).append((i, None, t, t, c))
-                if all(c is not None for c in cut):
-                    fused = flags, [copy_check.FusedCopyCheck(flags, p, store=False) for p in by_dtype.values()]
-            self._direct_fused[k] = fused
-        return self._direct_fused[k]
+            self._direct_checks[k] = FiniteCheck(self.direct_sources[start:end])
+        return self._direct_checks[k]
+
+    @functools.cached_property
+    def local_check(self) -> FiniteCheck:
+        """An atomic rank's check of :attr:`local_sources` (before its apply), built at its first use."""
+        return FiniteCheck(self.local_sources)
 
     def scratch(self, like: torch.Tensor) -> torch.Tensor:
         """Where a streaming receiver that refused the version drains a zero-copy receive shaped ``like``

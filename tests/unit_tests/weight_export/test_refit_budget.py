@@ -371,7 +371,7 @@ def test_zero_copy_stages_only_what_an_atomic_receiver_must_keep(name, mode, mon
             assert len(st.direct_slices) > 1, "the test needs several chunks"
             for k, (a, b) in st.direct_slices.items():
                 assert all(k < last[p] for p in st.direct_pairs[a:b].tolist()), (r, k)
-                # in finite_flags' order: every source checked, one range per dtype, together the chunk
+                # grouped by dtype (finite_groups): every source checked, one range per dtype, together the chunk
                 assert [i for idx in finite_groups(st.direct_sources[a:b]) for i in idx] == list(range(b - a))
         if ex.recv and mode["atomic"]:  # the host holds every round it receives, zero-copy ones too
             assert ex.staging_host_bytes >= ex.received_bytes > 0
