@@ -22,6 +22,14 @@ __all__ = ["CopyBatch", "FINITE_CHECKED_DTYPES", "FiniteCheck", "FlagsByName", "
 LARGE = 1 << 20
 
 
+def _kernel_runs(dst: torch.Tensor, src: torch.Tensor, device: torch.device):
+    """A floating pair's runs for :mod:`~megatron_ext.copy_check`'s kernel (:func:`~.copy_check.runs`), or None
+    where the kernel cannot take it (not on ``device``'s GPU, no Triton, runs too short)."""
+    if dst.is_cuda and src.device == dst.device == device and copy_check.available():
+        return copy_check.runs(dst, src)
+    return None
+
+
 class CopyBatch:
     """Many ``(dst, src)`` copies issued as few kernel launches, sorted once.
 
@@ -61,12 +69,10 @@ class CopyBatch:
         for i, (dst, src) in enumerate(pairs):
             floating = dst.dtype in FINITE_CHECKED_DTYPES and dst.numel() > 0  # what the kernel copies
             is_checked = check and floating
-            by_kernel = (check or kernel) and floating and dst.is_cuda and src.device == dst.device == self.device
-            if by_kernel and copy_check.available():
-                pieces = copy_check.runs(dst, src)
-                if pieces is not None:
-                    fusable.setdefault(dst.dtype, []).append((i, also_flag[i], dst, src, pieces))
-                    continue
+            pieces = _kernel_runs(dst, src, self.device) if (check or kernel) and floating else None
+            if pieces is not None:
+                fusable.setdefault(dst.dtype, []).append((i, also_flag[i], dst, src, pieces))
+                continue
             if is_checked:  # checked after the copy, by a reduction over the destination
                 idx, views = checked.setdefault(dst.dtype, ([], []))
                 idx.append(i)
@@ -142,11 +148,10 @@ class FiniteCheck:
         for i, t in enumerate(tensors):
             if t.dtype not in FINITE_CHECKED_DTYPES or not t.numel():
                 continue
-            if t.is_cuda and t.device == self.device and copy_check.available():
-                pieces = copy_check.runs(t, t)
-                if pieces is not None:
-                    fusable.setdefault(t.dtype, []).append((i, None, t, t, pieces))
-                    continue
+            pieces = _kernel_runs(t, t, self.device)
+            if pieces is not None:
+                fusable.setdefault(t.dtype, []).append((i, None, t, t, pieces))
+                continue
             idx, views = reduced.setdefault(t.dtype, ([], []))
             idx.append(i)
             views.append(t)
@@ -166,8 +171,8 @@ class FiniteCheck:
         for fused in self.fused:
             fused.run()
         for idx, views in self.reduced:
-            finite = torch.stack(torch._foreach_norm(views, float("inf"))).isfinite()
-            self.bad.index_put_((idx,), (~finite).to(device=self.bad.device, dtype=torch.int32))
+            for _, finite in finite_flags(views, large=None):  # (one dtype: one group)
+                self.bad.index_put_((idx,), (~finite).to(device=self.bad.device, dtype=torch.int32))
         return self.bad
 
 

@@ -311,7 +311,7 @@ class ReshardExecutor:
         self.device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
         if check_finite:  # the checked copies' kernel compiles while the plan is agreed on (its variant without
             # stores: the check of zero-copy sources and of an atomic rank's local copies' sources)
-            check_only = zero_copy_bytes is not None or atomic
+            check_only = zero_copy_bytes is not None or (atomic and bool(self.local))
             copy_check.prewarm(self.device, {t.dtype for t in tensors.values()}, check_only=check_only)
         self.staging: Staging | None = None  # buffers and copies, from the first refit on
         self._side_stream = None  # atomic ranks' check of their local copies' sources (CUDA)
