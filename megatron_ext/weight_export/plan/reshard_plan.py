@@ -10,9 +10,12 @@ copies locally. Where several other source ranks hold the same bytes
 (data-parallel replicas, expert-DP), the work is split without a funnel by a
 rule of the layouts alone (:func:`_holder`): a tensor's cells, in a fixed
 order, take consecutive holders from a start hashed from the tensor's name,
-and the destinations that need one cell take its holders in turn. No choice
-depends on what other destinations were given, so a rank could plan its own
-pairs without planning the whole job. On the 10 layouts of
+and the destinations that need one cell take its holders in turn. A vector of
+fewer than :data:`NEAR_BYTES` (a norm every TP rank holds) goes by position
+instead, from a rank that sends the destination its shards anyway, so it adds
+no pair of its own (:meth:`_Cells.choose`). No choice depends on what other
+destinations were given, so a rank could plan its own pairs without planning
+the whole job. On the 10 layouts of
 ``benchmarks/refit_vs_swap.py`` and the simulator's three configurations with
 a remote engine, the busiest rank sends no more than with a least-loaded
 choice in every one, less in five (colocated TP2·EP2·DP2 -> TP1·EP4: 1.39 GB,
@@ -183,6 +186,19 @@ def _cells(box: Box, parts: list[Box]) -> list[Box]:
     return [Box(ranges) for ranges in itertools.product(*_cuts(box, parts))]
 
 
+# A vector (a norm, a bias) of fewer bytes that several ranks hold goes to a destination by position, not from a
+# start hashed from its name alone (:meth:`_Cells.choose`): ranks are grouped by their dict of local tensors (a
+# Megatron layout's data-parallel replicas share one, so a group is one TP / PP position), and of the ``n`` groups
+# of destinations that need a cell, the ``i``-th takes it from holder group ``i * groups // n`` (in it, by the
+# hashed rule). Where both sides order their TP ranks alike (TP2 -> TP2, TP2 -> TP4, TP4 -> TP2, TP2xDP2 -> TP2,
+# TP4 -> TP2xDP2), a destination then takes a norm that every TP rank holds from a rank that sends it its shards
+# anyway, instead of adding a pair for a few KiB. A pair costs a message per refit and, once per process, NCCL's
+# connections and their buffers: on 4xH200, TP2 -> TP2 across GPUs spent about 300 MiB on each receiver and 0.2 s
+# of its first refit on a pair that carried 28 norms, 0.16 MiB (NCCL_DEBUG=INFO). Weights keep the hashed start,
+# which spreads a destination's tensors over their holders (a TP1xDP2 trainer's replicas each send half).
+NEAR_BYTES = 1 << 20
+
+
 def _holder(name: str, cell: int, served: int, holders: int) -> int:
     """Which of ``holders`` serves the ``served``-th destination that needs cell ``cell`` of tensor ``name``
     from another rank (cells numbered over the tensor's destination boxes in a fixed order): consecutive
@@ -203,6 +219,7 @@ class _Destinations:
     keeps or holds."""
 
     def __init__(self, dst: Layout):
+        self.specs, self._small, self._near = dst.specs, {}, {}  # (small: tensor name -> under NEAR_BYTES?)
         self.position = {d: i for i, d in enumerate(dst.ranks)}
         self.group: dict[int, int] = {}  # rank -> its group (the id of its dict of local tensors)
         self.entries: dict[int, list[tuple[LocalTensor, Segment]]] = {}  # group -> its segments, in order
@@ -239,6 +256,31 @@ class _Destinations:
                         at[-1][1].append(i)
                     else:
                         at.append((g, [i]))
+        return got
+
+    def small(self, name: str) -> bool:
+        """Whether HF tensor ``name`` is a vector (a norm, a bias) of fewer than :data:`NEAR_BYTES`
+        (:meth:`_Cells.choose`)."""
+        got = self._small.get(name)
+        if got is None:
+            spec = self.specs[name]
+            got = self._small[name] = len(spec.shape) == 1 and spec.shape[0] * spec.dtype.itemsize < NEAR_BYTES
+        return got
+
+    def near(self, name: str, box: Box, holders: dict) -> dict[int, tuple[int, int]]:
+        """Each keeper of box ``box`` of tensor ``name`` that needs a cell held by ``holders`` (ranks) from another
+        rank: ``(i, n)``, its group the ``i``-th of the ``n`` groups of such keepers, in plan order
+        (:meth:`_Cells.choose`)."""
+        key = (name, box, tuple(holders))
+        got = self._near.get(key)
+        if got is None:
+            order: dict[int, int] = {}  # group -> its index
+            for _, d, _ in self.keepers((name, box)):
+                if d not in holders:
+                    order.setdefault(self.group[d], len(order))
+            got = self._near[key] = {
+                d: (order[self.group[d]], len(order)) for _, d, _ in self.keepers((name, box)) if d not in holders
+            }
         return got
 
     def boxes(self, name: str):
@@ -300,6 +342,20 @@ class _Cells:
         self.named: dict[str, tuple[_Shape, list[list]]] = {}  # name -> its shape, each source box's holdings
         self.shapes: dict[tuple, _Shape] = {}  # (source boxes, destination boxes) -> their shape
         self.cells: dict[tuple[str, Box], list] = {}
+
+    def choose(self, name: str, cell: int, served: int, holders: list, near: tuple[int, int] | None):
+        """The holder that serves the ``served``-th destination that needs cell number ``cell`` of tensor ``name``
+        from another rank: by :func:`_holder`, or, for a vector of fewer than :data:`NEAR_BYTES` (``near``: the
+        destination's :meth:`_Destinations.near`), by position (:data:`NEAR_BYTES`). (The plan's loops call
+        :func:`_holder` themselves where ``near`` is None: thousands of cells.)"""
+        if near is None or len(holders) == 1:
+            return holders[_holder(name, cell, served, len(holders))]
+        tensors, groups = self.src.tensors, {}
+        for h in holders:
+            groups.setdefault(id(tensors[h[0]]), []).append(h)
+        i, n = near
+        group = list(groups.values())[i * len(groups) // n]  # by position; in it, the hashed rule
+        return group[_holder(name, cell, served, len(group))]
 
     def of(self, name: str, box: Box) -> tuple[int, list]:
         """``(number of the first cell, cells)``; a cell is ``(box, holders, {rank: its first holding})``."""
@@ -387,11 +443,17 @@ def _all_transfers(dst: Layout, dests: _Destinations, cells: _Cells) -> list[Tra
     for d in dst.ranks:
         for lt, seg in dests.entries[dests.group[d]]:
             first, cs = cells.of(seg.name, seg.box)
+            small = dests.small(seg.name)
             for ci, (cell, holders, by_rank) in enumerate(cs):
                 choice = by_rank.get(d)
                 if choice is None:  # another rank's: the holder rule (module docstring)
                     key = (seg.name, seg.box, ci)
-                    choice = holders[_holder(seg.name, first + ci, served[key], len(holders))]
+                    near = dests.near(seg.name, seg.box, by_rank)[d] if small else None
+                    choice = (
+                        holders[_holder(seg.name, first + ci, served[key], len(holders))]
+                        if near is None
+                        else cells.choose(seg.name, first + ci, served[key], holders, near)
+                    )
                     served[key] += 1
                 transfers.append(emit(lt, seg, cell, choice, d))
     return transfers
@@ -406,16 +468,22 @@ def _rank_transfers(src: Layout, dst: Layout, dests: _Destinations, cells: _Cell
         g, pos = dests.group[rank], dests.position[rank]
         for si, (lt, seg) in enumerate(dests.entries[g]):
             first, cs = cells.of(seg.name, seg.box)
-            keepers = None
+            keepers, small = None, dests.small(seg.name)
             for ci, (cell, holders, by_rank) in enumerate(cs):
                 choice = by_rank.get(rank)
                 if choice is None:
                     keepers = keepers or dests.keepers((seg.name, seg.box))
                     served = sum(1 for p, d, i in keepers if (p, i) < (pos, si) and d not in by_rank)
-                    choice = holders[_holder(seg.name, first + ci, served, len(holders))]
+                    near = dests.near(seg.name, seg.box, by_rank)[rank] if small else None
+                    choice = (
+                        holders[_holder(seg.name, first + ci, served, len(holders))]
+                        if near is None
+                        else cells.choose(seg.name, first + ci, served, holders, near)
+                    )
                 found.append(((pos, si, ci), emit(lt, seg, cell, choice, rank)))
     held = {seg.name for lt in src.tensors.get(rank, {}).values() for seg in lt.segments}
     for name in sorted(held & dests.names):  # what this rank serves to others
+        small = dests.small(name)
         for box in dests.boxes(name):
             first, cs = cells.of(name, box)
             mine = [ci for ci, (_, _, by_rank) in enumerate(cs) if rank in by_rank]
@@ -424,11 +492,15 @@ def _rank_transfers(src: Layout, dst: Layout, dests: _Destinations, cells: _Cell
             keepers = dests.keepers((name, box))
             for ci in mine:
                 cell, holders, by_rank = cs[ci]
-                served = 0
+                served, near = 0, dests.near(name, box, by_rank) if small else None
                 for p, d, si in keepers:
                     if d in by_rank:
                         continue
-                    choice = holders[_holder(name, first + ci, served, len(holders))]
+                    choice = (
+                        holders[_holder(name, first + ci, served, len(holders))]
+                        if near is None
+                        else cells.choose(name, first + ci, served, holders, near[d])
+                    )
                     served += 1
                     if choice[0] == rank:
                         lt, seg = dests.entries[dests.group[d]][si]

@@ -211,35 +211,45 @@ def test_a_ranks_own_plan_refuses_with_its_peers_gathered_slots():
                     assert "a bucket of rank 0 -> 3 must hold one row" in msg, msg
 
 
-# MiBs per TP rank: a pair of the TP ranks of one index is far above SMALL_PAIR_BYTES, the norms the holder rule
-# takes from the other TP rank far below it
+# MiBs per TP rank: the pairs of TP ranks whose shards overlap are far above SMALL_PAIR_BYTES, the norms the holder
+# rule takes from another rank far below it
 WIDE = dict(SPECS, hidden_size=256, num_heads=8, head_dim=32, ffn_hidden_size=512, vocab_size=4096)
 WIDE["padded_vocab_size"] = 4096
 
 
 def test_a_small_pair_goes_in_one_bucket_and_leaves_the_budget_to_the_others():
-    """TP2 -> TP2 on other ranks: each engine rank takes its TP rank's shards (MiBs) and, by the holder rule,
-    some norms from the other TP rank (KiBs). In one phase that pair goes in one bucket of its own size, taken
-    off the budget, so the large pair's bucket is the rest over 2 buffers instead of the budget over 2 peers x 2
-    buffers; every rank allocates what the planner counted, within the budget, both ends cut each pair alike and
-    agree on the wire id, whether a rank plans the whole job or its own pairs. A rank whose small pairs take more
-    than SMALL_SHARE of its budget turns it off for the whole job (each pair is cut alike on both ends)."""
+    """Colocated TP2xPP2 -> TP4: each engine rank takes its shards (MiBs) from the trainer ranks of both stages, and
+    a few norms (KiBs) that every rank of a stage holds from a rank that sends it nothing else (rank 0 -> 2 and 3 ->
+    1: TP4 rank 2's shards are TP2 rank 1's). In one phase such a pair goes in one bucket of its own size, taken off
+    the budget, so the large pairs' buckets are the rest over their buffers instead of the budget over every pair's;
+    every rank allocates what the planner counted, within the budget, both ends cut each pair alike and agree on
+    the wire id, whether a rank plans the whole job or its own pairs. A rank whose small pairs take more than
+    SMALL_SHARE of its budget turns it off for the whole job (each pair is cut alike on both ends)."""
     specs = gpt_specs(**WIDE)
-    src, dst = megatron_layout(specs, tp=2, ranks=[0, 1]), inference_layout(specs, tp=2, ranks=[2, 3])
+    src = megatron_layout(specs, tp=2, pp=2, ranks=[0, 1, 2, 3])
+    dst = inference_layout(specs, tp=4, ranks=[0, 1, 2, 3])
     plan = build_reshard_plan(src, dst)
     pairs = {}
     for t in plan.transfers:
-        pairs.setdefault((t.src, t.dst), []).append(t)
+        if t.src != t.dst:
+            pairs.setdefault((t.src, t.dst), []).append(t)
     whole = {p: whole_nbytes(ts) for p, ts in pairs.items()}
     small = {p for p, n in whole.items() if n <= SMALL_PAIR_BYTES}
-    assert small == {(0, 3), (1, 2)} and min(whole[(0, 2)], whole[(1, 3)]) > 2 * SMALL_PAIR_BYTES, whole
-    budget = 2 * MIB
-    rest = (budget - whole[(0, 3)]) // 2 // 256 * 256  # each rank: one small pair, one large pair in 2 buffers
-    old = plan_staging(plan.transfers, bucket_bytes=budget, max_inflight=2, atomic=False, budget_bytes=budget)
-    assert old.pair_bytes[(0, 2)] == budget // 4 and not old.small  # counted as a slot: a quarter of the budget
+    large = set(pairs) - small
+    assert small == {(0, 2), (3, 1)} and min(whole[p] for p in large) > SMALL_PAIR_BYTES // 2, whole
+    budget, inflight = 2 * MIB, 2
+    # each rank: its small pair's bytes off the budget, the rest over its large pairs' buffers; a pair's bucket the
+    # smaller of its two ranks' slots
+    off = {r: sum(whole[p] for p in small if r in p) for r in range(4)}
+    rest = min((budget - off[r]) // (inflight * sum(1 for p in large if r in p)) // 256 * 256 for r in range(4))
+    old = plan_staging(plan.transfers, bucket_bytes=budget, max_inflight=inflight, atomic=False, budget_bytes=budget)
+    most = max(sum(1 for p in pairs if r in p) for r in range(4))  # rank 1: 2 pairs out, 3 in
+    assert old.pair_bytes[(0, 2)] == budget // (inflight * most) // 256 * 256 and not old.small  # counted as a slot
+    assert rest > old.pair_bytes[(0, 1)]
+    kw = dict(bucket_bytes=budget, max_inflight=inflight, memory_budget_bytes=budget, atomic=False, min_op_bytes=None)
     words = {}
     for r in range(4):
-        ex = _executor(plan, r, bucket_bytes=budget, memory_budget_bytes=budget, atomic=False)
+        ex = _executor(plan, r, **kw)
         got = ex.staging_plan
         assert ex.budget_problem is None and ex.phases == 1 and got.small == small, (r, got.small)
         assert got.pair_bytes == {p: whole[p] if p in small else rest for p in pairs}, (r, got.pair_bytes)
@@ -253,23 +263,20 @@ def test_a_small_pair_goes_in_one_bucket_and_leaves_the_budget_to_the_others():
         words[r] = ex.wire_id
     # each rank with its own plan: the same buckets and wire id once the words are gathered
     own = {r: build_reshard_plan(src, dst, rank=r) for r in range(4)}
-    kw = dict(bucket_bytes=budget, memory_budget_bytes=budget, atomic=False)
     gathered = [list(ReshardExecutor(own[r], r, _tensors(plan, r), **kw)._shares[r]) for r in range(4)]
     for r in range(4):
         ex = ReshardExecutor(own[r], r, _tensors(plan, r), group=Gathered(gathered), **kw)
         ex._settle("test")
-        assert ex._pairs_agree and ex.staging_plan.small == {p for p in small if r in p}, r
-        assert (
-            ex.wire_id == words[r]
-            and ex.staging_plan.pair_bytes[next(p for p in small if r in p)] == whole[next(p for p in small if r in p)]
-        )
+        mine = next(p for p in small if r in p)
+        assert ex._pairs_agree and ex.staging_plan.small == {mine}, r
+        assert ex.wire_id == words[r] and ex.staging_plan.pair_bytes[mine] == whole[mine]
     assert len(set(words.values())) == 1
-    # a budget whose share for small pairs cannot hold rank 0's: one phase as before on every rank (rank 2's
-    # own small pair would fit, but a pair is cut alike on both ends only if the job decides as one)
-    tight = int(whole[(0, 3)] / SMALL_SHARE) - 256
+    # a budget whose share for small pairs cannot hold rank 3's: one phase as before on every rank (rank 0's own
+    # small pair would fit, but a pair is cut alike on both ends only if the job decides as one)
+    tight = int(whole[(3, 1)] / SMALL_SHARE) - 256
     for r in range(4):
-        got = _executor(plan, r, bucket_bytes=budget, memory_budget_bytes=tight, atomic=False, min_op_bytes=None)
-        assert not got.staging_plan.small and got.staging_plan.pair_bytes[(0, 3)] == tight // 4 // 256 * 256, r
+        got = _executor(plan, r, **dict(kw, memory_budget_bytes=tight))
+        assert not got.staging_plan.small and got.staging_plan.pair_bytes[(3, 1)] == tight // 10 // 256 * 256, r
 
 
 def test_the_plan_line_says_what_was_chosen():

@@ -153,8 +153,8 @@ def test_refit_vs_swap_benchmark_cpu_smoke(tmp_path):
         assert rows[(layout, "ours:atomic")]["phases"] == 1  # no budget on the device-atomic row: one phase
         host = rows[(layout, "ours:atomic-host")]["staging_host_bytes"]
         assert host >= rows[(layout, "ours:atomic")]["link_bytes"] > 0, layout
-    # TP2 -> TP2: each engine rank takes some norms from the other TP rank, a small pair that goes in one bucket of
-    # its own: the large pair's buckets are half the budget, not a quarter (a slot per peer, 2 in flight)
+    # TP2 -> TP2: each engine rank takes everything, norms included, from its TP rank: one pair, whose buckets are
+    # half the budget (2 in flight), not a quarter
     same, MiB = rows[("nc:tp2:tp2", "ours:stream")], 1 << 20
     assert same["phases"] == 1 and same["rounds"] < same["link_bytes"] / (MiB / 4) < 2 * same["rounds"], same
     # one verdict line per layout and row of ours; no device memory on CPU

@@ -5,6 +5,7 @@ gives exactly the engine's local tensors built independently from the HF
 weights (Megatron's own QKV / fc1 shards are written out by hand in ``_reference``)."""
 
 import json
+import math
 import types
 
 import pytest
@@ -265,6 +266,46 @@ def test_replicated_sources_split_the_work():
     assert max(sent.values()) <= 1.5 * min(sent.values()), sent
     total = sum(dst.bytes_held(r) for r in dst.ranks)
     assert sum(sent.values()) == total
+
+
+@pytest.mark.parametrize(
+    "mk, ek",
+    [
+        (dict(tp=2), dict(tp=2)),
+        (dict(tp=2), dict(tp=4)),
+        (dict(tp=4), dict(tp=2)),
+        (dict(tp=2, dp=2), dict(tp=2)),
+        (dict(tp=4), dict(tp=2, dp=2)),
+        (dict(tp=2, pp=2), dict(tp=2)),
+    ],
+    ids=["tp2-tp2", "tp2-tp4", "tp4-tp2", "tp2dp2-tp2", "tp4-tp2dp2", "tp2pp2-tp2"],
+)
+def test_small_replicated_tensors_come_from_a_rank_that_sends_the_shards(mk, ek, monkeypatch):
+    """On other ranks, an engine rank takes the norms every TP rank holds from a rank that sends it its shards
+    anyway (vectors under NEAR_BYTES: the holders by position), so it has no pair for a few bytes alone; the weights
+    go exactly where the hashed rule puts them (the busiest rank sends what it sent, give or take the norms)."""
+    from megatron_ext.weight_export.plan import reshard_plan
+
+    specs = gpt_specs(**dict(DENSE, num_groups=4))  # (TP4 needs 4 query groups)
+    src = megatron_layout(specs, **mk)
+    n = len(src.ranks)
+    dst = inference_layout(specs, **ek, ranks=range(n, n + ek["tp"] * ek.get("dp", 1)))
+    plan = build_reshard_plan(src, dst)
+    check_reshard_plan(plan)
+    monkeypatch.setattr(reshard_plan, "NEAR_BYTES", 0)  # no tensor by position: the hashed rule alone
+    hashed = build_reshard_plan(src, dst)
+    nbytes = {s.name: math.prod(s.shape) * s.dtype.itemsize for s in specs}
+    small = {s.name for s in specs if len(s.shape) == 1}  # the norms and biases (all under 1 MiB here)
+    assert any("norm" in name for name in small) and len(small) < len(nbytes)
+    for d in dst.ranks:
+        large = {t.src for t in plan.transfers if t.dst == d and t.name not in small}
+        assert {t.src for t in plan.transfers if t.dst == d} == large, d
+    assert [t for t in plan.transfers if t.name not in small] == [t for t in hashed.transfers if t.name not in small]
+    assert max(plan.sent_bytes().values()) <= max(hashed.sent_bytes().values()) + sum(nbytes[m] for m in small) * 8
+    pairs = [{(t.src, t.dst) for t in p.transfers} for p in (plan, hashed)]
+    assert pairs[0] <= pairs[1]
+    if mk.get("dp", 1) == 1 and mk.get("pp", 1) == 1 and mk["tp"] == ek["tp"]:
+        assert len(pairs[0]) < len(pairs[1])  # the hashed rule sends some norms from the other TP ranks
 
 
 def test_colocated_copies_locally():

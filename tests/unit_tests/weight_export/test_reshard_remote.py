@@ -26,8 +26,9 @@ from ._reference import hook_reference
 SPEC = tiny_llama.TinyLlamaSpec(arch="qwen2")  # QKV bias: a fused 1-D tensor too
 BUCKET = 4096  # small buckets: many rounds
 ZERO_COPY = 1024  # helper B: contiguous runs of at least this many bytes are sent from the trainer's tensors
-# the phased helper: 2 peers per rank of the 2 x 2 jobs split 8 KiB into 2 KiB buckets in one round; in 2 phases
-# (one peer per round) 3.75 KiB ones (plan/budget.py); with 1 peer each, one phase
+# the phased helper (engine B's layout, TP1 x DP2: each engine rank takes both TP shards): 2 peers per rank of the
+# 2 x 2 jobs split 8 KiB into 2 KiB buckets in one round; in 2 phases (one peer per round) 3.75 KiB ones
+# (plan/budget.py); with 1 peer each, one phase
 PHASED_BUDGET = 8192
 QKV = "model.layers.0.self_attn.qkv_proj.weight"  # an engine tensor (TP-sharded)
 
@@ -89,7 +90,7 @@ def _trainer_body(backend, port, n_engine):
     out["stats3"] = refit.refit(3)  # the engine expects version 4: refused
     out["acks3"] = refit.engine_versions()
     # within a budget that puts the pairs in phases: the words gathered through the store, across the two jobs
-    phased = wx.TrainerRefit(group, src, dst_a, tensors, bucket_bytes=BUCKET, memory_budget_bytes=PHASED_BUDGET)
+    phased = wx.TrainerRefit(group, src, dst_b, tensors, bucket_bytes=BUCKET, memory_budget_bytes=PHASED_BUDGET)
     out["stats6"], out["phases6"] = phased.refit(6), phased.executor.phases
     try:  # the engine asks for zero-copy transfers, the trainer stages: refused on every rank before a byte moves
         wx.TrainerRefit(group, src, dst_a, tensors, bucket_bytes=BUCKET)
@@ -138,9 +139,9 @@ def _engine_body(backend, port, n_trainer):
     except wx.RefitRejected as e:
         out["refused"] = (e.reason, str(e))
     out["engine3"], out["version3"] = snap(own), refit.version
-    fresh = {n: torch.full(lt.shape, float("nan"), device=group.device) for n, lt in dst_a.tensors[rank].items()}
+    fresh = {n: torch.full(lt.shape, float("nan"), device=group.device) for n, lt in dst_b.tensors[rank].items()}
     phased = wx.EngineRefit(
-        group, src, dst_a, fresh, bucket_bytes=BUCKET, atomic=False, memory_budget_bytes=PHASED_BUDGET
+        group, src, dst_b, fresh, bucket_bytes=BUCKET, atomic=False, memory_budget_bytes=PHASED_BUDGET
     )
     out["stats6"], out["phases6"] = phased.refit(), phased.executor.phases
     out["engine6"], out["version6"] = snap(fresh), phased.version
@@ -214,7 +215,7 @@ def test_remote_refit_exact(backend, n_trainer, n_engine):
         assert reason == "version" and "serves version 3" in msg, msg
         # the phased helper: version 2's weights, served as 6, exactly, into tensors that held NaN
         assert res["version6"] == 6 and res["phases6"] == (2 if n_engine > 1 else 1), res["phases6"]
-        _check(res["engine6"], ref2, dst_a, r, "version 6 in phases")
+        _check(res["engine6"], ref2, dst_b, r, "version 6 in phases")
         assert res["version3"] == 2
         for n, t in res["engine3"].items():
             assert torch.equal(t, res["engine2"][n]), n
