@@ -346,8 +346,7 @@ class _Cells:
     def choose(self, name: str, cell: int, served: int, holders: list, near: tuple[int, int] | None):
         """The holder that serves the ``served``-th destination that needs cell number ``cell`` of tensor ``name``
         from another rank: by :func:`_holder`, or, for a vector of fewer than :data:`NEAR_BYTES` (``near``: the
-        destination's :meth:`_Destinations.near`), by position (:data:`NEAR_BYTES`). (The plan's loops call
-        :func:`_holder` themselves where ``near`` is None: thousands of cells.)"""
+        destination's :meth:`_Destinations.near`), by position (:data:`NEAR_BYTES`)."""
         if near is None or len(holders) == 1:
             return holders[_holder(name, cell, served, len(holders))]
         tensors, groups = self.src.tensors, {}
@@ -449,11 +448,7 @@ def _all_transfers(dst: Layout, dests: _Destinations, cells: _Cells) -> list[Tra
                 if choice is None:  # another rank's: the holder rule (module docstring)
                     key = (seg.name, seg.box, ci)
                     near = dests.near(seg.name, seg.box, by_rank)[d] if small else None
-                    choice = (
-                        holders[_holder(seg.name, first + ci, served[key], len(holders))]
-                        if near is None
-                        else cells.choose(seg.name, first + ci, served[key], holders, near)
-                    )
+                    choice = cells.choose(seg.name, first + ci, served[key], holders, near)
                     served[key] += 1
                 transfers.append(emit(lt, seg, cell, choice, d))
     return transfers
@@ -475,11 +470,7 @@ def _rank_transfers(src: Layout, dst: Layout, dests: _Destinations, cells: _Cell
                     keepers = keepers or dests.keepers((seg.name, seg.box))
                     served = sum(1 for p, d, i in keepers if (p, i) < (pos, si) and d not in by_rank)
                     near = dests.near(seg.name, seg.box, by_rank)[rank] if small else None
-                    choice = (
-                        holders[_holder(seg.name, first + ci, served, len(holders))]
-                        if near is None
-                        else cells.choose(seg.name, first + ci, served, holders, near)
-                    )
+                    choice = cells.choose(seg.name, first + ci, served, holders, near)
                 found.append(((pos, si, ci), emit(lt, seg, cell, choice, rank)))
     held = {seg.name for lt in src.tensors.get(rank, {}).values() for seg in lt.segments}
     for name in sorted(held & dests.names):  # what this rank serves to others
@@ -496,11 +487,7 @@ def _rank_transfers(src: Layout, dst: Layout, dests: _Destinations, cells: _Cell
                 for p, d, si in keepers:
                     if d in by_rank:
                         continue
-                    choice = (
-                        holders[_holder(name, first + ci, served, len(holders))]
-                        if near is None
-                        else cells.choose(name, first + ci, served, holders, near[d])
-                    )
+                    choice = cells.choose(name, first + ci, served, holders, near and near[d])
                     served += 1
                     if choice[0] == rank:
                         lt, seg = dests.entries[dests.group[d]][si]
