@@ -53,14 +53,15 @@ class CopyBatch:
     otherwise take a ``copy_`` each (4xH100, 3.6B colocated TP4 -> TP1xDP4, whose unpacks and atomic apply
     write such views: streaming 31.9 -> 25.7 ms, atomic 32.7 -> 28.2 ms)."""
 
-    def __init__(self, pairs, *, check: bool = False, also_flag=None, kernel: bool = False):
+    def __init__(self, pairs, *, check: bool = False, also_flag=None, kernel: bool = False, _flags=None):
         pairs = list(pairs)
         self.check = check
         self.size = len(pairs)
         self.device = pairs[0][0].device if pairs else torch.device("cpu")
         # check=True: one int32 flag per pair (nonzero: NaN / Inf), reused by every run (kernel=True: the
-        # kernel's, never read)
-        self.bad = torch.zeros(self.size if check or kernel else 0, dtype=torch.int32, device=self.device)
+        # kernel's, never read); _flags: this batch's part of one zeroed buffer of several (many)
+        n = self.size if check or kernel else 0
+        self.bad = torch.zeros(n, dtype=torch.int32, device=self.device) if _flags is None else _flags(n, self.device)
         also_flag = list(also_flag) if also_flag is not None else [None] * self.size
         fusable: dict[torch.dtype, list] = {}
         groups: dict[torch.dtype, tuple[list, list]] = {}
@@ -92,7 +93,9 @@ class CopyBatch:
             else:
                 self.single.append((dst, src))
         self.groups = list(groups.values())
-        self.fused = [copy_check.FusedCopyCheck(self.bad, p, check=check) for p in fusable.values()]
+        self.fused = [
+            copy_check.FusedCopyCheck(self.bad, p, check=check, build=_flags is None) for p in fusable.values()
+        ]
         self.checked = [
             (torch.tensor(idx, dtype=torch.int64, device=self.device), views) for idx, views in checked.values()
         ]
@@ -101,6 +104,32 @@ class CopyBatch:
         self.also = copy_check.shared_words(
             [word if i in reduced else None for i, word in enumerate(also_flag)], self.device
         )
+
+    @classmethod
+    def many(cls, batches) -> list[CopyBatch]:
+        """One :class:`CopyBatch` per ``(pairs, options)`` of ``batches`` (options: ``check``, ``also_flag``,
+        ``kernel``), built together: their flags are parts of one buffer per device and the kernel's tables
+        one pass (:func:`~megatron_ext.copy_check.build_tables`), so building many batches costs the host
+        about what one batch of all their pairs does (a refit's rounds)."""
+        batches = [(list(pairs), options) for pairs, options in batches]
+        sizes: dict[torch.device, int] = {}
+        for pairs, options in batches:
+            if pairs and (options.get("check") or options.get("kernel")):
+                device = pairs[0][0].device
+                sizes[device] = sizes.get(device, 0) + len(pairs)
+        buffers = {device: torch.zeros(n, dtype=torch.int32, device=device) for device, n in sizes.items()}
+        taken = dict.fromkeys(buffers, 0)
+
+        def flags(n: int, device: torch.device) -> torch.Tensor:
+            if not n:
+                return torch.zeros(0, dtype=torch.int32, device=device)
+            start = taken[device]
+            taken[device] = start + n
+            return buffers[device][start : start + n]
+
+        out = [cls(pairs, **options, _flags=flags) for pairs, options in batches]
+        copy_check.build_tables([fused for batch in out for fused in batch.fused])
+        return out
 
     def __len__(self) -> int:
         return self.size

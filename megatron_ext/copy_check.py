@@ -38,6 +38,7 @@ __all__ = [
     "MIN_RUN",
     "FusedCopyCheck",
     "available",
+    "build_tables",
     "prewarm",
     "raise_words",
     "runs",
@@ -274,6 +275,76 @@ def _upload(table: np.ndarray, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def build_tables(checks: list[FusedCopyCheck]) -> None:
+    """The device tables of ``checks`` (:class:`FusedCopyCheck` s) in one pass per device: a few numpy operations
+    over every block of runs of them all, whatever their number, and one upload (a refit's rounds build theirs
+    at once: each pass costs the host tens of numpy calls, and a colocated first refit that built over a hundred
+    rounds' one by one spent about 0.5 ms on each on 4xH200); each check launches on its own rows of the table."""
+    devices: dict[torch.device, list] = {}
+    for check in checks:
+        check.launches, check._keys, check._uploaded = [], [], None
+        check._where = check._addresses()
+        check.built = True
+        rows = check._rows()
+        if rows is not None:
+            devices.setdefault(check.pairs[0][2].device, []).append((check, rows))
+    for device, got in devices.items():
+        _build_on(device, got)
+
+
+def _build_on(device: torch.device, got: list) -> None:
+    blocks = np.concatenate([b for _, (b, _, _) in got])
+    bases = np.concatenate([base for _, (_, base, _) in got])
+    counts = [b.shape[0] for _, (b, _, _) in got]
+    size = np.repeat(np.array([s for _, (_, _, s) in got], dtype=np.int64), counts)
+    chunk = np.repeat(np.array([c.chunk for c, _ in got], dtype=np.int64), counts)
+    owner = np.repeat(np.arange(len(got), dtype=np.int64), counts)
+    count, length = blocks[:, 2], blocks[:, 3]
+    # a program takes up to `chunk` elements: whole runs of a block (up to RUNS_PER_PROGRAM of them), or one
+    # chunk of a longer run
+    cuts = -(-length // chunk)
+    group = np.where(cuts == 1, np.clip(chunk // np.maximum(length, 1), 1, RUNS_PER_PROGRAM), 1)
+    programs = -(-count // group) * cuts
+    # each block's first program's row, repeated for its programs, which differ only in where they start and
+    # how much they take (columns 0-3): numpy over the blocks, then a few operations over the programs
+    first = np.empty((blocks.shape[0], 8), dtype=np.int64)
+    first[:, 0] = bases[:, 0] + blocks[:, 0] * size
+    first[:, 1] = bases[:, 1] + blocks[:, 1] * size
+    first[:, 2] = group
+    first[:, 3] = chunk
+    first[:, 4:6] = blocks[:, 4:6]
+    first[:, 6:8] = bases[:, 2:4]
+    rows = np.repeat(first, programs, axis=0)
+    q = np.arange(rows.shape[0], dtype=np.int64) - np.repeat(np.cumsum(programs) - programs, programs)
+    run, cut = np.divmod(q, np.repeat(cuts, programs))  # the program's first run (in groups) and chunk
+    run *= rows[:, 2]
+    col = cut * rows[:, 3]
+    sz = np.repeat(size, programs)
+    rows[:, 0] += (run * rows[:, 4] + col) * sz
+    rows[:, 1] += (run * rows[:, 5] + col) * sz
+    np.minimum(rows[:, 2], np.repeat(count, programs) - run, out=rows[:, 2])
+    np.minimum(rows[:, 3], np.repeat(length, programs) - col, out=rows[:, 3])
+    # vector loads and stores where both first addresses are aligned and so are the steps to the next run
+    steps = np.repeat((blocks[:, 4] * size % ALIGN == 0) & (blocks[:, 5] * size % ALIGN == 0), programs)
+    aligned = ((rows[:, 0] | rows[:, 1]) % ALIGN == 0) & ((rows[:, 2] == 1) | steps)
+    # each check's aligned rows, then its others, so that each launch's rows are one slice of the table
+    part = np.repeat(owner * 2, programs) + (~aligned)
+    order = np.argsort(part, kind="stable")
+    bounds = np.searchsorted(part[order], np.arange(2 * len(got) + 1))
+    table = _upload(rows[order], device)
+    for i, (check, _) in enumerate(got):
+        dtype = check.pairs[0][2].dtype
+        for flag, start, end in (
+            (True, bounds[2 * i], bounds[2 * i + 1]),
+            (False, bounds[2 * i + 1], bounds[2 * i + 2]),
+        ):
+            if end > start:
+                check.launches.append((table[start:end], _tl_dtype(dtype), flag))
+        if device.type == "cuda":
+            check._keys = [(device.index, dtype, flag, check.store) for _, _, flag in check.launches]
+            check._uploaded = torch.cuda.current_stream(device)  # where the tables' uploads are queued
+
+
 class FusedCopyCheck:
     """The copies of ``pairs`` (``(index, also, dst, src, runs)``: CUDA tensors of one checked dtype, cut by
     :func:`runs`; ``index`` the pair's word in ``flags``, an int32 tensor; ``also`` an int32 word or None) as one
@@ -284,14 +355,24 @@ class FusedCopyCheck:
     tensors (so their storages live as long as it does), and before each run it compares each storage's
     address with the table's: a storage that moved (symmetric-memory staging moves a buffer's storage
     into its pool and back, keeping every view valid) rebuilds the table instead of copying from where the
-    storage was.
+    storage was. ``build=False``: the table is left to the caller's :func:`build_tables`, which builds many
+    checks' tables in one pass (or to the first :meth:`run`, alone).
 
     ``store=False`` (``check`` only): the kernel reads and checks each pair's ``src`` without writing (pass the
     source as ``dst`` too): a check of tensors that no copy reads, in one or two launches however many they are,
     where a multi-tensor max-abs reduction and its flags cost the host a dozen operations. ``chunk``: elements a
     program takes at most (default :data:`CHUNK`, :data:`CHECK_ONLY_CHUNK` with ``store=False``)."""
 
-    def __init__(self, flags: torch.Tensor, pairs, *, check: bool = True, store: bool = True, chunk: int | None = None):
+    def __init__(
+        self,
+        flags: torch.Tensor,
+        pairs,
+        *,
+        check: bool = True,
+        store: bool = True,
+        chunk: int | None = None,
+        build: bool = True,
+    ):
         if not (check or store):
             raise ValueError("FusedCopyCheck(store=False) checks without copying: it needs check=True")
         if chunk is not None and not 0 < chunk < 1 << 31:  # the kernel reads a run's length as int32
@@ -311,23 +392,26 @@ class FusedCopyCheck:
         self._fallback: tuple | None = None  # the fallback's indices and second words, at its first run
         self._where: list[int] = []
         self.rebuilds = 0
-        self._build()
+        self._keys: list[tuple] = []
+        self._uploaded = None
+        self.built = False  # whether the table was built (build_tables)
+        if build:  # (build=False: the caller builds many checks' tables at once, build_tables)
+            self._build()
 
     def _addresses(self) -> list[int]:
         return [t.data_ptr() for t in self._watch]
 
     def _build(self) -> None:
-        self.launches, self._keys, self._uploaded = [], [], None
-        self._where = self._addresses()
+        build_tables([self])
+
+    def _rows(self) -> tuple[np.ndarray, np.ndarray, int] | None:
+        """This check's pairs as blocks of runs (:func:`runs`' rows), each block's pair bases (source and
+        destination storages, its flag's and second word's addresses) and the element size (None: no pairs)."""
         if not self.pairs:
-            return
-        _, _, dst0, _, _ = self.pairs[0]
-        size, device = dst0.element_size(), dst0.device
-        # a few numpy operations over all blocks of runs (a Python loop per block or per run would cost the host
-        # more than the copies: a colocated refit's local copies have hundreds of thousands of runs), one upload
-        # per launch
-        pieces = [np.asarray(p, dtype=np.int64).reshape(-1, 6) for *_, p in self.pairs]
+            return None
+        size = self.pairs[0][2].element_size()
         flags = self.flags.data_ptr()
+        pieces = [np.asarray(p, dtype=np.int64).reshape(-1, 6) for *_, p in self.pairs]
         bases = np.array(  # where each pair's two storages start (runs() gives offsets in them), its flag, its word
             [
                 (
@@ -340,45 +424,14 @@ class FusedCopyCheck:
             ],
             dtype=np.int64,
         ).repeat([p.shape[0] for p in pieces], axis=0)
-        blocks = np.concatenate(pieces)
-        count, length = blocks[:, 2], blocks[:, 3]
-        # a program takes up to `chunk` elements: whole runs of a block (up to RUNS_PER_PROGRAM of them), or one
-        # chunk of a longer run
-        chunk = self.chunk
-        cuts = -(-length // chunk)
-        group = np.where(cuts == 1, np.clip(chunk // np.maximum(length, 1), 1, RUNS_PER_PROGRAM), 1)
-        programs = -(-count // group) * cuts
-        which = np.repeat(np.arange(blocks.shape[0]), programs)
-        q = np.arange(which.shape[0], dtype=np.int64) - np.repeat(np.cumsum(programs) - programs, programs)
-        cut, first_run = q % cuts[which], (q // cuts[which]) * group[which]
-        col = cut * chunk
-        b = blocks[which]
-        rows = np.empty((which.shape[0], 8), dtype=np.int64)
-        rows[:, 0] = bases[which, 0] + (b[:, 0] + first_run * b[:, 4] + col) * size
-        rows[:, 1] = bases[which, 1] + (b[:, 1] + first_run * b[:, 5] + col) * size
-        rows[:, 2] = np.minimum(group[which], count[which] - first_run)
-        rows[:, 3] = np.minimum(chunk, length[which] - col)
-        rows[:, 4] = b[:, 4]
-        rows[:, 5] = b[:, 5]
-        rows[:, 6] = bases[which, 2]
-        rows[:, 7] = bases[which, 3]
-        # vector loads and stores where both first addresses are aligned and so are the steps to the next run
-        steps = (rows[:, 2] == 1) | ((rows[:, 4] * size % ALIGN == 0) & (rows[:, 5] * size % ALIGN == 0))
-        aligned = (rows[:, 0] % ALIGN == 0) & (rows[:, 1] % ALIGN == 0) & steps
-        for flag in (True, False):
-            table = rows[aligned == flag]
-            if table.shape[0]:
-                self.launches.append((_upload(table, device), _tl_dtype(dst0.dtype), flag))
-        self._keys = (
-            [(device.index, dst0.dtype, flag, self.store) for _, _, flag in self.launches]
-            if device.type == "cuda"
-            else []
-        )
-        if device.type == "cuda":
-            self._uploaded = torch.cuda.current_stream(device)  # where the tables' uploads are queued
+        return np.concatenate(pieces), bases, size
 
     def refresh(self) -> bool:
-        """Rebuild the table if a storage moved since it was built; whether it did."""
+        """Build the table if it was not (``build=False`` and no :func:`build_tables` yet), or rebuild it if a
+        storage moved since it was built; whether it did."""
+        if not self.built:
+            self._build()
+            return True
         if self._addresses() == self._where:
             return False
         self.rebuilds += 1

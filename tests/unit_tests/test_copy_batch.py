@@ -122,6 +122,57 @@ def test_checked_copies_flag_each_pair_on_cpu():
     assert CopyBatch(_checked_pairs("cpu")).run() is None  # no check: no flags
 
 
+def _check_many(device):
+    """CopyBatch.many (a refit's rounds): batches built together, their flags parts of one buffer and the kernel's
+    tables one pass, copy exactly and flag as one built alone: a NaN or Inf in one batch's pair flags that pair
+    and raises that batch's second word only; a kernel=True batch beside it copies a NaN without flagging it."""
+    pairs = _checked_pairs(device)
+    others = [(torch.empty_like(src), src.clone()) for _, src in _checked_pairs(device)[:4]]
+    words = torch.zeros(2, dtype=torch.int32, device=device)  # the checked batch's "header" word, and another
+    checked, copied, empty = CopyBatch.many(
+        [
+            (pairs, dict(check=True, also_flag=[words[0]] * len(pairs))),
+            (others, dict(kernel=True)),
+            ([], dict(check=True)),
+        ]
+    )
+    base = checked.bad.untyped_storage().data_ptr()
+    assert copied.bad.untyped_storage().data_ptr() == base and copied.bad.data_ptr() != checked.bad.data_ptr()
+    assert checked.run().tolist() == [0] * len(pairs) and copied.run() is None and empty.run().tolist() == []
+    for dst, src in pairs + others:
+        assert torch.equal(dst, src)
+    others[0][1][-1] = float("nan")  # copied as it is, flagged nowhere
+    copied.run()
+    assert torch.isnan(others[0][0][-1]) and checked.run().tolist() == [0] * len(pairs)
+    assert words.tolist() == [0, 0], words
+    for i, (_, src) in enumerate(pairs[:-1]):
+        last = (-1,) * src.dim()
+        keep = src[last].item()
+        src[last] = float("nan") if i % 2 else float("inf")
+        flags = checked.run().tolist()
+        src[last] = keep
+        assert flags == [int(j == i) for j in range(len(pairs))] and words.tolist() == [1, 0], (i, flags, words)
+        words.zero_()
+    return checked, copied
+
+
+def test_batches_built_together_copy_and_flag_alone_on_cpu():
+    checked, copied = _check_many("cpu")
+    assert checked.fused == copied.fused == []
+
+
+@pytest.mark.gpus(1)
+def test_batches_built_together_copy_and_flag_alone_on_gpu():
+    """... and on CUDA, where the kernel copies them: every batch's launches are slices of one table."""
+    from megatron_ext.copy_check import available, prewarm
+
+    assert available(), "Triton must import next to torch on a GPU machine"
+    prewarm("cuda", (torch.bfloat16, torch.float32, torch.float16), wait=True)
+    checked, copied = _check_many("cuda")
+    launches = [t for batch in (checked, copied) for f in batch.fused for t, _, _ in f.launches]
+    assert len(launches) >= 4 and len({t.untyped_storage().data_ptr() for t in launches}) == 1
+
+
 def _finite_check_tensors(device):
     """Tensors for FiniteCheck, their expected flags: a NaN in the last element, clean bf16, an integer tensor
     and an empty one (never flagged), an Inf in a column slice (the kernel cuts it into runs on CUDA) and a NaN
@@ -412,3 +463,19 @@ def test_fused_table_has_a_row_per_program(store):
         assert addrs.size == np.unique(addrs).size == src.numel(), i
     assert any(r[2] == most for r in want[True]) and any(1 < r[2] < most for r in want[True])
     assert want[True] and want[False], "the test needs aligned and unaligned runs"
+    # several checks built in one pass (build_tables, a refit's rounds at once; one of another chunk): each
+    # launches the rows it has when built alone, in slices of one table
+    parts = [(entries[:2], chunk), (entries[2:4], chunk // 2), (entries[4:], chunk)]
+    alone = [copy_check.FusedCopyCheck(flags, e, store=store, chunk=c) for e, c in parts]
+    together = [copy_check.FusedCopyCheck(flags, e, store=store, chunk=c, build=False) for e, c in parts]
+    assert all(not c.launches for c in together)
+    copy_check.build_tables(together)
+    for a, b in zip(alone, together):
+        assert [(t.tolist(), f) for t, _, f in a.launches] == [(t.tolist(), f) for t, _, f in b.launches]
+    tables = {t.untyped_storage().data_ptr() for c in together for t, _, _ in c.launches}
+    assert len(tables) == 1, "one upload for all the checks"
+    # one left unbuilt builds its own at its first run (refresh), which is not counted as a rebuild
+    late = copy_check.FusedCopyCheck(flags, entries, store=store, chunk=chunk, build=False)
+    assert not late.built and late.refresh() and late.built and late.rebuilds == 0
+    assert [(t.tolist(), f) for t, _, f in late.launches] == [(t.tolist(), f) for t, _, f in fused.launches]
+    assert not late.refresh()

@@ -476,6 +476,7 @@ class ReshardExecutor:
             direct_check = torch.cat(direct["flags"]) if direct is not None and direct["flags"] else None
             if not self.rounds:
                 local_check = self._check_local()
+            self.staging.prepare_apply()  # atomic: built while the rounds are in flight
             while inflight:
                 self._complete(inflight.popleft(), version, refused, unchecked)
             if unchecked and not refused:
@@ -752,6 +753,7 @@ class ReshardExecutor:
         ones from and into the tensors; a streaming receiver that refused drains them into scratch)."""
         ops, arrived = [], []
         st = self.staging
+        st.prepare(k)  # (the first refit: the copies of round k's chunk of rounds, while earlier rounds are in flight)
         if k in st.pack:
             st.pack[k].run()  # every peer's header and pieces of this round: batched copies
         for kind, table in (("send", self.send), ("recv", self.recv)):

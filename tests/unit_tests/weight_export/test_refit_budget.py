@@ -467,22 +467,48 @@ def test_pieces_that_are_one_range_are_one_copy():
     assert [t for ts in groups for t in ts] == [
         t for _, bucket in sorted(sender.send.items()) for b in bucket for t, _ in b
     ]
-    unpacked = sum(len(pairs) for pairs in receiver.staging.unpack._pairs.values())
+    for k in range(receiver.rounds):
+        receiver.staging.prepare(k)  # (what a refit builds as it reaches each chunk of rounds)
+    unpacked = sum(len(batch) for batch in receiver.staging.unpack.values())
     assert unpacked == 173 + receiver.rounds  # and each bucket's header
 
 
-def test_a_rounds_copies_are_built_at_their_first_run():
-    """The staging allocates its buffers and cuts every piece's view up front (what the agreement checks), but
-    sorts each round's copies (and cuts the checked ones into the kernel's table) only when the round first runs,
-    so the first refit builds a round's copies while earlier rounds are in flight: nothing is built before then,
-    and a round is built once."""
+def test_rounds_copies_are_built_in_chunks_of_rounds(monkeypatch):
+    """The staging builds round 0's copies and the local ones when it allocates its buffers; later rounds' in
+    chunks of rounds (1, 2-3, 4-7, ...), one CopyBatch.many each, when the refit reaches the chunk (prepare, before
+    it posts a round): one round at a time, a first refit was bound by the host; all at once, the staging (before
+    the agreement, nothing in flight) took longer. A chunk's flags are parts of one buffer. An atomic receiver's
+    apply is built by prepare_apply, once."""
+    from megatron_ext.copies import CopyBatch
+
+    calls, many = [], CopyBatch.many.__func__
+
+    def counted(cls, batches):
+        batches = list(batches)
+        calls.append(len(batches))
+        return many(cls, batches)
+
+    monkeypatch.setattr(CopyBatch, "many", classmethod(counted))
     plan = _plan("tp1_to_dp2 [2]")
     sender, receiver = _executor(plan, 0, check_finite=True), _executor(plan, 1, atomic=False)
-    for ex in (sender, receiver):
+    atomic = _executor(plan, 1)
+    for ex in (sender, receiver, atomic):
         ex._allocate()
-    pack, unpack = sender.staging.pack, receiver.staging.unpack
-    assert len(pack) == sender.rounds > 1 and len(unpack) == receiver.rounds
-    assert not pack._built and not unpack._built and "local" not in vars(receiver.staging)
-    first = pack[1]
-    assert pack[1] is first and list(pack._built) == [1] and first.check and len(first) > 1
-    assert receiver.staging.local is receiver.staging.local and "local" in vars(receiver.staging)
+    assert sender.rounds == receiver.rounds > 4
+    assert list(sender.staging.pack) == [0] and list(receiver.staging.unpack) == [0]
+    assert receiver.staging.local is not None and calls == [1, 2], calls  # round 0 (and the local copies)
+    for k in range(sender.rounds):
+        for ex in (sender, receiver):
+            ex.staging.prepare(k)
+            assert k in (ex.staging.pack if ex is sender else ex.staging.unpack)
+    chunks = [len(range(1 << c - 1, min(1 << c, sender.rounds))) for c in range(1, sender.rounds.bit_length() + 1)]
+    assert calls[2:] == [n for n in chunks for _ in (0, 1)], (calls, chunks)  # sender and receiver alike
+    assert list(sender.staging.pack) == list(range(sender.rounds)) and not sender.staging._chunks
+    assert all(b.check and len(b) > 1 for b in sender.staging.pack.values())
+    last = [b for k, b in sender.staging.pack.items() if k.bit_length() == sender.rounds.bit_length() - 1]
+    assert len(last) > 1 and len({b.bad.untyped_storage().data_ptr() for b in last}) == 1, "one flag buffer a chunk"
+    assert "_apply" not in vars(atomic.staging) and atomic.staging.local is None
+    atomic.staging.prepare_apply()
+    built = atomic.staging._apply
+    atomic.staging.prepare_apply()
+    assert atomic.staging._apply is built and len(built) > 1
