@@ -95,7 +95,9 @@ rank sending to the next and receiving from the previous at once when colocated,
 colocated ranks hold both models, so both columns are the same ranks), the first refit (plans,
 services / executors, staging and the first transfer; the median of ``--first-repeats`` cold ones, each
 after the last one's buffers were freed and given back to the device, ``first_refit_each_s`` in the JSON:
-swap's caches cleared, ours a new executor; the first of them also pays what a process does once. Our
+swap's caches cleared, ours a new executor; interleaved across the layout's methods as the timed refits are,
+after each method's first one, which pays what a process does once for a new pattern and is kept apart as
+``first_refit_process_s``. Our
 NaN/Inf check's kernel is compiled once per
 process before the first layout, as a job's refit built at set-up has it before its first refit, and
 its compile is reported on its own as ``kernel_compile_s``), the plan alone (``swap``:
@@ -646,13 +648,16 @@ def _rank(preset: str, cases: list[Case], methods: list[str], opts: dict, rank_s
             limit_gbps=_link_limit(case, rank, opts["limit_bytes"], device),
             methods={},
         )
-        live = {}  # each method's steady-state refit, kept until the layout's timed rounds
+        live, firsts = {}, {}  # each method's steady-state refit (kept until the timed rounds) and cold first one
         for method in methods:
-            res["methods"][method], fn = _method(
+            res["methods"][method], fn, first = _method(
                 method, trainer, engine, src, dst, tensors, rank, versions, dict(opts, case=case.name), device
             )
             if fn is not None:
                 live[method] = fn
+            if first is not None:
+                firsts[method] = first
+        _first_refits(res["methods"], firsts, opts["first_repeats"])
         # the timed refits, interleaved (one refit of each method per round, after a round untimed; the order
         # rotates): a drift of the machine (swap_model_weights moved by up to 25% between runs) hits every
         # method alike
@@ -701,20 +706,22 @@ def _method(method, trainer, engine, src, dst, tensors, rank, versions, opts, de
     state = {}
     first = plan_s = error = setup = first_each = None
     times = []  # filled by the layout's interleaved timed rounds
+    cold_first = None  # one cold first refit: (seconds, plan seconds or None, set-up or None), slowest rank
     if kind == "swap":
 
         def refit():
             swap_model_weights(trainer, engine, refit_method=what, src_rank_offset=0, dst_rank_offset=0)
 
+        def cold_first():
+            clear_all_caches()  # (the plan too, within the first refit)
+            _cold(device)
+            return _timed(refit, device), None, None
+
         try:
             clear_all_caches()  # the plan alone (collective: an all-gather of every rank's metadata) ...
             plan_s = _timed(lambda: prepare_swap_model_weights(trainer, engine), device)
-            firsts = []
-            for _ in range(opts["first_repeats"]):
-                clear_all_caches()  # ... and again within each first refit
-                _cold(device)
-                firsts.append(_timed(refit, device))
-            first, first_each = statistics.median(firsts), firsts
+            first_each = [cold_first()[0]]  # ... then a first refit (the process's first of this pattern)
+            first = first_each[0]
         except Exception as exc:  # megatron-core's planner replays the whole plan on every rank: all raise alike
             error = f"{type(exc).__name__}: {exc}"
     else:
@@ -753,8 +760,8 @@ def _method(method, trainer, engine, src, dst, tensors, rank, versions, opts, de
             name = f"{opts['case']}_{method}_first_rank{rank}".replace(":", "-")
             where = os.path.join(opts["profile_dir"], name)
             # one unprofiled first: what a process pays once (the first point-to-point ops of its pattern, e.g.
-            # NCCL's connections for small messages) would otherwise fill the profile; the repeats' median
-            # leaves it out too
+            # NCCL's connections for small messages) would otherwise fill the profile; the interleaved repeats
+            # leave it out too
             _cold(device)
             _timed(first_refit, device)
             state["ex"] = None
@@ -764,17 +771,20 @@ def _method(method, trainer, engine, src, dst, tensors, rank, versions, opts, de
             else:
                 took = _profiled(first_refit, device, where + ".json")
             first_each = [slowest(took, device)]
-            plans, setups = [slowest(state["plan_s"], device)], [state["ex"].setup_s]
+            setup = {k: slowest(v, device) for k, v in sorted(state["ex"].setup_s.items())}
+            plans, setups = [slowest(state["plan_s"], device)], [setup]
         else:
-            first_each, plans, setups = [], [], []
-            for _ in range(opts["first_repeats"]):  # each a new executor: plan, staging, agreement, first transfer
+
+            def cold_first():  # a new executor: plan, staging, agreement, first transfer
                 state["ex"] = None  # the previous one's staging freed first
                 _cold(device)
-                first_each.append(_timed(first_refit, device))
-                plans.append(slowest(state["plan_s"], device))
-                setups.append(state["ex"].setup_s)
-        first, plan_s = statistics.median(first_each), statistics.median(plans)
-        setup = {k: slowest(statistics.median(s[k] for s in setups), device) for k in sorted(setups[0])}
+                took = _timed(first_refit, device)
+                setup = {k: slowest(v, device) for k, v in sorted(state["ex"].setup_s.items())}
+                return took, slowest(state["plan_s"], device), setup
+
+            took, plan, setup = cold_first()  # the process's first of this pattern; the repeats come interleaved
+            first_each, plans, setups = [took], [plan], [setup]
+        first, plan_s, setup = first_each[0], plans[0], setups[0]
     ran = slowest(float(error is not None), device) == 0  # every rank ran the first refit
     if ran:
         for _ in range(opts["warmup"]):
@@ -787,8 +797,8 @@ def _method(method, trainer, engine, src, dst, tensors, rank, versions, opts, de
         [f"trainer {n}" for n in _wrong(trainer)] if trainer is not None else []
     )
     row = dict(
-        first_s=first,  # the median of first_each_s
-        first_each_s=first_each,  # each cold first refit (the first of them also pays the process's first times)
+        first_s=first,  # the median of first_each_s (the interleaved repeats replace both: _first_refits)
+        first_each_s=first_each,  # each cold first refit
         plan_s=plan_s,
         first_setup_s=setup,  # ours: the first refit's settle, staging, agreement and start (s, slowest rank)
         times=times,
@@ -802,7 +812,28 @@ def _method(method, trainer, engine, src, dst, tensors, rank, versions, opts, de
         staging_bytes=ex.staging_bytes if ex is not None else None,
         staging_host_bytes=ex.staging_host_bytes if ex is not None else None,
     )
-    return row, (refit if ran else None)
+    return row, (refit if ran else None), (cold_first if ran and not opts.get("profile_first") else None)
+
+
+def _first_refits(rows: dict, firsts: dict, repeats: int) -> None:
+    """``repeats`` cold first refits of every method of a layout (``firsts``: each method's, see :func:`_method`),
+    interleaved as the timed refits are (a round of one of each, the order rotating), so that a drift of the
+    machine moves every method alike (one host's plans took twice as long from one minute to the next): each
+    row's first refit becomes their median, its plan and set-up too; the one :func:`_method` ran first (what a
+    process pays once for a new pattern, e.g. NCCL's connections) is kept apart, ``first_process_s``."""
+    order = list(firsts)
+    runs = {m: [] for m in order}
+    for i in range(repeats if order else 0):
+        for method in order[i % len(order) :] + order[: i % len(order)]:
+            runs[method].append(firsts[method]())
+    for method, got in runs.items():
+        row = rows[method]
+        row["first_process_s"] = row["first_each_s"][0]
+        row["first_each_s"] = [t for t, _, _ in got]
+        row["first_s"] = statistics.median(row["first_each_s"])
+        if got[0][1] is not None:  # ours: each repeat's plan and set-up
+            row["plan_s"] = statistics.median(p for _, p, _ in got)
+            row["first_setup_s"] = {k: statistics.median(s[k] for _, _, s in got) for k in got[0][2]}
 
 
 # --------------------------------------------------------------------------- the table
@@ -838,6 +869,7 @@ def _rows(cases: list[Case], methods: list[str], res: list[list[dict]], experts:
                     fraction_of_limit=gbps / limit if gbps is not None and limit else None,
                     first_refit_s=ms[0]["first_s"] if correct else None,
                     first_refit_each_s=ms[0]["first_each_s"] if correct else None,
+                    first_refit_process_s=ms[0].get("first_process_s") if correct else None,
                     plan_s=ms[0]["plan_s"],
                     first_setup_s=ms[0]["first_setup_s"],
                     peak_extra_trainer_bytes=peak("trainer"),
@@ -975,8 +1007,9 @@ def main(argv=None, *, rank_setup=None) -> int:
         "--first-repeats",
         type=int,
         default=3,
-        help="cold first refits per row (swap: its caches cleared; ours: a new executor), the first refit column "
-        "their median: one sample moved by up to 2x between runs on a shared host",
+        help="cold first refits per row (swap: its caches cleared; ours: a new executor), interleaved across the "
+        "layout's methods after each method's first; the first refit column their median: one sample moved by up "
+        "to 2x between runs on a shared host",
     )
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--stream-bucket-mb", type=float, default=512)

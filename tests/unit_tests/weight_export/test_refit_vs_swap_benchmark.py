@@ -183,6 +183,7 @@ def test_refit_vs_swap_benchmark_moe_ep_changes_cpu_smoke(tmp_path):
         # cleared), each kept
         each = r["first_refit_each_s"]
         assert len(each) == 3 and r["first_refit_s"] == sorted(each)[1] and min(each) > 0
+        assert r["first_refit_process_s"] > 0  # the method's first one, kept apart
         if r["method"].startswith("ours"):  # its set-up's parts, each timed
             setup = r["first_setup_s"]
             assert set(setup) == {"settle", "staging", "agreement", "start"} and min(setup.values()) >= 0
@@ -231,3 +232,34 @@ def test_first_refit_python_profile_names_the_functions(tmp_path):
     import pstats  # the whole profile beside it, for callers and callees
 
     assert any("slow_part" in name for _, _, name in pstats.Stats(str(path)[: -len(".txt")]).stats)
+
+
+def test_first_refits_are_interleaved_across_a_layouts_methods():
+    """The repeated cold first refits take one of each method per round, the order rotating (a drift of the host
+    moves every method alike); each row's first refit, plan and set-up become the medians of its repeats, and the
+    first refit the row ran before them is kept apart (what a process pays once for a new pattern)."""
+    import benchmarks.refit_vs_swap as bench
+
+    calls = []
+
+    def first(method, seconds):
+        def run():
+            calls.append(method)
+            n = calls.count(method)
+            plan, setup = (None, None) if method.startswith("swap") else (n / 10, {"staging": n / 100})
+            return seconds * n, plan, setup
+
+        return run
+
+    methods = ["swap:nccl", "ours:stream", "ours:atomic"]
+    rows = {m: dict(first_each_s=[9.0], first_s=9.0, plan_s=9.0, first_setup_s={"staging": 9.0}) for m in methods}
+    bench._first_refits(rows, {m: first(m, s) for m, s in zip(methods, (1.0, 2.0, 3.0))}, 3)
+    assert calls == [
+        "swap:nccl", "ours:stream", "ours:atomic",
+        "ours:stream", "ours:atomic", "swap:nccl",
+        "ours:atomic", "swap:nccl", "ours:stream",
+    ]  # fmt: skip
+    assert rows["ours:stream"]["first_each_s"] == [2.0, 4.0, 6.0] and rows["ours:stream"]["first_s"] == 4.0
+    assert rows["ours:stream"]["first_process_s"] == 9.0
+    assert rows["ours:atomic"]["plan_s"] == 0.2 and rows["ours:atomic"]["first_setup_s"] == {"staging": 0.02}
+    assert rows["swap:nccl"]["plan_s"] == 9.0 and rows["swap:nccl"]["first_s"] == 2.0  # its plan: timed apart
