@@ -91,6 +91,8 @@ def runs(dst: torch.Tensor, src: torch.Tensor) -> np.ndarray | None:
     n = dst.numel()
     if n == 0:
         return np.empty((0, 6), dtype=np.int64)
+    if dst.is_contiguous() and src.is_contiguous():  # one run (most pairs of a refit: what follows finds it too)
+        return np.array([[src.storage_offset(), dst.storage_offset(), 1, n, 0, 0]], dtype=np.int64)
     shape = dst.shape
     ds, ss = dst.stride(), src.stride()
     # drop size-1 dims, then merge the innermost dims that are contiguous in both views
@@ -327,11 +329,14 @@ def _build_on(device: torch.device, got: list) -> None:
     # vector loads and stores where both first addresses are aligned and so are the steps to the next run
     steps = np.repeat((blocks[:, 4] * size % ALIGN == 0) & (blocks[:, 5] * size % ALIGN == 0), programs)
     aligned = ((rows[:, 0] | rows[:, 1]) % ALIGN == 0) & ((rows[:, 2] == 1) | steps)
-    # each check's aligned rows, then its others, so that each launch's rows are one slice of the table
+    # each check's aligned rows, then its others, so that each launch's rows are one slice of the table (rows are
+    # in check order already: where every row is aligned, as a refit's usually are, nothing moves)
     part = np.repeat(owner * 2, programs) + (~aligned)
-    order = np.argsort(part, kind="stable")
-    bounds = np.searchsorted(part[order], np.arange(2 * len(got) + 1))
-    table = _upload(rows[order], device)
+    if not aligned.all():
+        order = np.argsort(part, kind="stable")
+        rows, part = rows[order], part[order]
+    bounds = np.searchsorted(part, np.arange(2 * len(got) + 1))
+    table = _upload(rows, device)
     for i, (check, _) in enumerate(got):
         dtype = check.pairs[0][2].dtype
         for flag, start, end in (

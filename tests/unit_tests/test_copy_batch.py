@@ -238,6 +238,10 @@ def test_runs_cut_views_into_contiguous_runs():
     whole = [[0, 0, 1, MIN_RUN - 1, 0, 0]]  # short, but the whole tensor: one run
     assert runs(torch.empty(MIN_RUN - 1), torch.empty(MIN_RUN - 1)).tolist() == whole
     assert runs(torch.empty(3, 4), torch.empty(3, 4, dtype=torch.float64)) is None
+    # both contiguous (most pairs of a refit): one run from each storage offset, whatever the shape
+    a, b = torch.empty(1000), torch.empty(500)
+    assert runs(a[100:400].view(3, 100), b[7:307].view(3, 100)).tolist() == [[7, 100, 1, 300, 0, 0]]
+    assert runs(a[:300].view(1, 3, 100), b[:300].view(1, 3, 100)).tolist() == [[0, 0, 1, 300, 0, 0]]
 
 
 @pytest.mark.gpus(1)
@@ -474,6 +478,14 @@ def test_fused_table_has_a_row_per_program(store):
         assert [(t.tolist(), f) for t, _, f in a.launches] == [(t.tolist(), f) for t, _, f in b.launches]
     tables = {t.untyped_storage().data_ptr() for c in together for t, _, _ in c.launches}
     assert len(tables) == 1, "one upload for all the checks"
+    # checks whose rows are all aligned (the contiguous pair, alone and twice over): their rows as they come
+    one = flags.data_ptr() + 4
+    aligned = [
+        copy_check.FusedCopyCheck(flags, [entries[1]], store=store, chunk=c, build=False) for c in (chunk, chunk)
+    ]
+    copy_check.build_tables(aligned)
+    for check in aligned:
+        assert [(t.tolist(), f) for t, _, f in check.launches] == [([r for r in want[True] if r[6] == one], True)]
     # one left unbuilt builds its own at its first run (refresh), which is not counted as a rebuild
     late = copy_check.FusedCopyCheck(flags, entries, store=store, chunk=chunk, build=False)
     assert not late.built and late.refresh() and late.built and late.rebuilds == 0
