@@ -756,6 +756,10 @@ def _method(method, trainer, engine, src, dst, tensors, rank, versions, opts, de
         def refit():
             state["ex"].refit(next(versions))
 
+        def timings(took):  # the executor just built: (first refit, plan, set-up), each the slowest rank's
+            setup = {k: slowest(v, device) for k, v in sorted(state["ex"].setup_s.items())}
+            return took, slowest(state["plan_s"], device), setup
+
         if opts.get("profile_first"):  # a cold first refit under a profiler (once)
             name = f"{opts['case']}_{method}_first_rank{rank}".replace(":", "-")
             where = os.path.join(opts["profile_dir"], name)
@@ -770,21 +774,16 @@ def _method(method, trainer, engine, src, dst, tensors, rank, versions, opts, de
                 took = _python_profiled(first_refit, device, where + ".pstats.txt")
             else:
                 took = _profiled(first_refit, device, where + ".json")
-            first_each = [slowest(took, device)]
-            setup = {k: slowest(v, device) for k, v in sorted(state["ex"].setup_s.items())}
-            plans, setups = [slowest(state["plan_s"], device)], [setup]
+            first, plan_s, setup = timings(slowest(took, device))
         else:
 
             def cold_first():  # a new executor: plan, staging, agreement, first transfer
                 state["ex"] = None  # the previous one's staging freed first
                 _cold(device)
-                took = _timed(first_refit, device)
-                setup = {k: slowest(v, device) for k, v in sorted(state["ex"].setup_s.items())}
-                return took, slowest(state["plan_s"], device), setup
+                return timings(_timed(first_refit, device))
 
-            took, plan, setup = cold_first()  # the process's first of this pattern; the repeats come interleaved
-            first_each, plans, setups = [took], [plan], [setup]
-        first, plan_s, setup = first_each[0], plans[0], setups[0]
+            first, plan_s, setup = cold_first()  # the process's first of this pattern; the repeats come interleaved
+        first_each = [first]
     ran = slowest(float(error is not None), device) == 0  # every rank ran the first refit
     if ran:
         for _ in range(opts["warmup"]):

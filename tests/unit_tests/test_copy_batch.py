@@ -105,14 +105,23 @@ def _check_flags(device):
     assert batch.run().tolist() == [0] * len(pairs)
     for dst, src in pairs:
         assert torch.equal(dst, src)
+    for i in _each_last_not_finite(pairs):
+        flags = batch.run().tolist()
+        assert flags == [int(j == i) for j in range(len(pairs))], (i, flags)
+    return batch
+
+
+def _each_last_not_finite(pairs):
+    """Each source of ``pairs`` but the last (the integers) with a NaN or Inf in its last element, in turn (restored
+    after): yields the pair's index."""
     for i, (_, src) in enumerate(pairs[:-1]):
         last = (-1,) * src.dim()
         keep = src[last].item()
         src[last] = float("nan") if i % 2 else float("inf")
-        flags = batch.run().tolist()
-        src[last] = keep
-        assert flags == [int(j == i) for j in range(len(pairs))], (i, flags)
-    return batch
+        try:
+            yield i
+        finally:
+            src[last] = keep
 
 
 def test_checked_copies_flag_each_pair_on_cpu():
@@ -145,12 +154,8 @@ def _check_many(device):
     copied.run()
     assert torch.isnan(others[0][0][-1]) and checked.run().tolist() == [0] * len(pairs)
     assert words.tolist() == [0, 0], words
-    for i, (_, src) in enumerate(pairs[:-1]):
-        last = (-1,) * src.dim()
-        keep = src[last].item()
-        src[last] = float("nan") if i % 2 else float("inf")
+    for i in _each_last_not_finite(pairs):
         flags = checked.run().tolist()
-        src[last] = keep
         assert flags == [int(j == i) for j in range(len(pairs))] and words.tolist() == [1, 0], (i, flags, words)
         words.zero_()
     return checked, copied
