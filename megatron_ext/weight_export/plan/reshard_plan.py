@@ -466,7 +466,9 @@ def _rank_transfers(src: Layout, dst: Layout, dests: _Destinations, cells: _Cell
             keepers, small = None, dests.small(seg.name)
             for ci, (cell, holders, by_rank) in enumerate(cs):
                 choice = by_rank.get(rank)
-                if choice is None:
+                if choice is None and len(holders) == 1:  # one holder: every rule picks it (no count needed)
+                    choice = holders[0]
+                elif choice is None:
                     keepers = keepers or dests.keepers((seg.name, seg.box))
                     served = sum(1 for p, d, i in keepers if (p, i) < (pos, si) and d not in by_rank)
                     near = dests.near(seg.name, seg.box, by_rank)[rank] if small else None
@@ -483,6 +485,12 @@ def _rank_transfers(src: Layout, dst: Layout, dests: _Destinations, cells: _Cell
             keepers = dests.keepers((name, box))
             for ci in mine:
                 cell, holders, by_rank = cs[ci]
+                if len(holders) == 1:  # this rank alone: it serves every keeper that needs the cell
+                    for p, d, si in keepers:
+                        if d != rank:
+                            lt, seg = dests.entries[dests.group[d]][si]
+                            found.append(((p, si, ci), emit(lt, seg, cell, holders[0], d)))
+                    continue
                 served, near = 0, dests.near(name, box, by_rank) if small else None
                 for p, d, si in keepers:
                     if d in by_rank:
