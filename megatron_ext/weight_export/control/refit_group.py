@@ -20,7 +20,7 @@ versions, acknowledgements): strings and integers only, nothing is unpickled.
 
 Point-to-point: gloo ``send`` / ``recv`` on the backend object; NCCL batched
 between the backend's coalescing calls, as ``torch.distributed.batch_isend_irecv``
-does for a registered group (:func:`_nccl_coalesced`).
+does for a registered group (:func:`~.peers.nccl_coalesced`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from ..plan.errors import RefitGroupError
 from .channel import ControlError, resolve_key
-from .peers import NOTE_BYTES, Peers, cut_note
+from .peers import NOTE_BYTES, Peers, cut_note, nccl_coalesced
 from .store import ControlStore, host_store
 
 __all__ = ["NOTE_BYTES", "RefitGroup", "RefitGroupError", "make_group"]
@@ -225,7 +225,7 @@ class RefitGroup(Peers):
     def post(self, ops: list[tuple[str, torch.Tensor, int]]) -> list:
         """Post ``("send" | "recv", tensor, peer refit rank)`` ops; returns waitable requests."""
         if self.backend == "nccl":
-            return [_Request(w, self, "the batched sends/receives") for w in _nccl_coalesced(self.pg, ops)]
+            return [_Request(w, self, "the batched sends/receives") for w in nccl_coalesced(self.pg, ops)]
         out = []
         for kind, t, peer in ops:
             work = self.pg.send([t], peer, 0) if kind == "send" else self.pg.recv([t], peer, 0)
@@ -265,30 +265,3 @@ class _Request:
                 "(RefitGroup.join) once both jobs are back."
             ) from exc
         return True
-
-
-def _nccl_coalesced(pg, ops) -> list:
-    """NCCL point-to-point ops in one group launch.
-
-    ``torch.distributed.batch_isend_irecv`` does this for a registered group:
-    ``_coalescing_manager`` calls ``ProcessGroup._start_coalescing(device)``,
-    issues each op, and ``_end_coalescing(device)`` returns one work (torch
-    2.10-2.14). A standalone backend object is not registered with
-    ``torch.distributed``, so its own ``_start_coalescing()`` /
-    ``_end_coalescing()`` bindings, which the ``ProcessGroup`` ones forward
-    to, are called here. They are private; this is the only place that uses them.
-    """
-    start, end = getattr(pg, "_start_coalescing", None), getattr(pg, "_end_coalescing", None)
-    if start is None or end is None:
-        raise RuntimeError(
-            f"torch {torch.__version__}: the NCCL backend object has no _start_coalescing/"
-            "_end_coalescing; batched point-to-point on a RefitGroup needs torch 2.10-2.14 "
-            "(or use backend='gloo')"
-        )
-    start()
-    try:
-        for kind, t, peer in ops:
-            (pg.send if kind == "send" else pg.recv)([t], peer, 0)
-    finally:
-        work = end()
-    return [work] if work is not None else []

@@ -6,7 +6,7 @@ Every rank of the plan (trainer and engine ranks in one process group) builds a
 :meth:`~ReshardExecutor.refit` for each weight version. Transfers between one pair of ranks are packed, in plan order,
 into buckets of at most ``bucket_bytes`` (a transfer larger than a bucket is
 cut into rows); round ``k`` moves the ``k``-th round of every pair at once (one
-``batch_isend_irecv``), or with the pairs in phases (many peers within a memory budget,
+group launch, :meth:`~..control.peers.Peers.post`), or with the pairs in phases (many peers within a memory budget,
 :mod:`..plan.budget`) the rounds of one phase's pairs. Up to ``max_inflight`` rounds are in flight: round
 ``k + 1`` is posted before round ``k`` is waited on and unpacked. Contiguous
 runs of at least ``zero_copy_bytes`` skip the buckets (:mod:`..plan.direct`):

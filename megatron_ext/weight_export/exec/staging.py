@@ -11,8 +11,8 @@ slots and unpacks it.
 :class:`Staging` allocates them and builds every copy of a refit as
 ``(dst, src)`` views over the fixed buffers and tensors: packing a round (each
 bucket's header row and pieces), unpacking it, and the rank's local copies. A
-refit then issues batched copies (:class:`~megatron_ext.copies.CopyBatch`, built in chunks
-of rounds by :meth:`~megatron_ext.copies.CopyBatch.many`, the first refit building a chunk
+refit then issues batched copies (:class:`~megatron_ext.copies.CopyBatch`, built with their views in
+chunks of rounds by :meth:`~megatron_ext.copies.CopyBatch.many`, the first refit building a chunk
 while the rounds before it are in flight) without rebuilding hundreds of views, so the
 tensors must be updated in place.
 """
@@ -61,14 +61,31 @@ def _coalesced(items) -> list[tuple[tuple[Transfer, ...], Run, Run]]:
     return out
 
 
-def _in_bucket(bucket, side: str):
-    """A bucket's ``(transfer, byte offset)`` pieces as :func:`_coalesced`'s items: the transfer's ``side`` run
-    (``"src_run"`` or ``"dst_run"``) and its bytes' run in the bucket, in elements (pieces start at ``ALIGN``, a
-    multiple of every itemsize). A copy's byte offset is its bucket run's offset times the itemsize."""
-    return [
-        (t, getattr(t, side), Run("", off // t.itemsize, t.nbytes // t.itemsize, t.nbytes // t.itemsize, 1))
-        for t, off in bucket
-    ]
+def _in_bucket(bucket, src: bool) -> list[tuple[tuple[Transfer, ...], Run, int]]:
+    """A bucket's ``(transfer, byte offset)`` pieces as copies ``(transfers, run, byte offset in the bucket)``, the
+    run on the source side (``src``) or the destination side: what :func:`_coalesced` makes of each piece's run
+    and its bytes' range in the bucket (consecutive pieces of one itemsize that continue each other on both sides
+    are one copy), worked out on integers (a colocated rank's staging coalesces a thousand pieces)."""
+    out: list[tuple[tuple[Transfer, ...], Run, int]] = []
+    group: list[Transfer] = []
+    first = run = None
+    local, start, end, size, at, upto = "", 0, 0, 0, 0, 0  # the open copy: its range, itemsize, bucket bytes
+    for t, off in bucket:
+        run = t.src_run if src else t.dst_run
+        if group and t.itemsize == size and off == upto and run.count == 1 == first.count:
+            if run.local == local and run.offset == end:
+                group.append(t)
+                end += run.length
+                upto += run.length * size
+                continue
+        if group:
+            out.append((tuple(group), first if len(group) == 1 else Run(local, start, end - start, end - start, 1), at))
+        group, first, size, at = [t], run, t.itemsize, off
+        local, start, end = run.local, run.offset, run.offset + run.length
+        upto = off + t.nbytes
+    if group:
+        out.append((tuple(group), first if len(group) == 1 else Run(local, start, end - start, end - start, 1), at))
+    return out
 
 
 def _same_shape(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,40 +194,24 @@ class Staging:
         self._device = device
         self._typed: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}  # (buffer, dtype) -> view
         self.header_rows = torch.zeros((len(headers), HEADER_WORDS), dtype=torch.int64, device=device)
-        row = {key: i for i, key in enumerate(headers)}
-        pack: dict[int, list] = defaultdict(list)
-        also: dict[int, list] = defaultdict(list)  # the header word each packed piece's flag raises
-        # round -> each pack pair's transfers (None: the header's copy)
-        self.packed: dict[int, list[tuple[Transfer, ...] | None]] = defaultdict(list)
+        self._send, self._recv, self._view, self._check = send, recv, view, check
+        self._row = {key: i for i, key in enumerate(headers)}
+        # round -> each pack pair's transfers (None: the header's copy), as each round's copies are built
+        self.packed: dict[int, list[tuple[Transfer, ...] | None]] = {}
         for peer, buckets in send.items():
             first = {}  # each zero-copy transfer of this peer -> the round of its first op
             for k, b in enumerate(buckets):
                 if isinstance(b, DirectRound):
                     first.update((t, k) for op in b.ops for t in op.transfers if t not in first)
+                    self.direct_send[k] += [(peer, view(op.src_run)) for op in b.ops]
             if first:
-                trailers.append(row[(peer, len(buckets) - 1)])
+                trailers.append(self._row[(peer, len(buckets) - 1)])
                 self.trailer_rounds.add(len(buckets) - 1)
                 for t, k in first.items():
                     self.direct_sources.append(view(t.src_run))
                     self.direct_checked.append(t)
                     direct_pair.append(len(trailers) - 1)
                     direct_round.append(k)
-            for k, bucket in enumerate(buckets):
-                if bucket is None:
-                    continue
-                if isinstance(bucket, DirectRound):
-                    self.direct_send[k] += [(peer, view(op.src_run)) for op in bucket.ops]
-                    continue
-                buf = self.buf("send", peer, k)
-                pack[k].append((buf[:HEADER_BYTES].view(torch.int64), self.header_rows[row[(peer, k)]]))
-                also[k].append(None)
-                self.packed[k].append(None)
-                word = buf[:HEADER_BYTES].view(torch.int32)[2 * NONFINITE_WORD]  # little-endian: the low half
-                for ts, run, at in _coalesced(_in_bucket(bucket, "src_run")):
-                    src = view(run)
-                    pack[k].append((self._piece(buf, at.offset * ts[0].itemsize, src), src))
-                    also[k].append(word)
-                    self.packed[k].append(ts)
         self.trailer_rows = torch.tensor(trailers, dtype=torch.int64, device=device)
         # the checked sources (of checked dtypes, grouped by dtype) in chunks of consecutive rounds (at least
         # CHECK_CHUNK_BYTES each, but the last): the chunks' flags, concatenated, are in this order
@@ -240,51 +241,45 @@ class Staging:
         # (None: a round in which the pair, in another phase, posts nothing)
         self._seen_rows = torch.zeros((len(keys), HEADER_WORDS), dtype=torch.int64, device=device)
         self.seen = {key: self._seen_rows[i] for i, key in enumerate(keys)}
-        unpack: dict[int, list] = defaultdict(list)
+        self._staged_direct: dict[tuple[int, int], list] = {}  # an atomic receiver's zero-copy rounds, staged
         for peer, buckets in recv.items():
             for k, bucket in enumerate(buckets):
-                if bucket is None:
+                if not isinstance(bucket, DirectRound):
                     continue
-                if isinstance(bucket, DirectRound):
-                    if not atomic:  # in place
-                        self.direct_recv[k] += [(peer, view(op.dst_run)) for op in bucket.ops]
-                        continue
-                    buf = self.buf("recv", peer, k)  # staged until the version is applied
-                    for op, off in zip(bucket.ops, bucket.offsets):
-                        dst = view(op.dst_run)
-                        here = self._piece(buf, off, dst)
-                        self.direct_recv[k].append((peer, here))
-                        unpack[k].append((dst, here))
+                if not atomic:  # in place
+                    self.direct_recv[k] += [(peer, view(op.dst_run)) for op in bucket.ops]
                     continue
-                buf = self.buf("recv", peer, k)
-                if not atomic:
-                    unpack[k].append((self.seen[(peer, k)], buf[:HEADER_BYTES].view(torch.int64)))
-                for ts, run, at in _coalesced(_in_bucket(bucket, "dst_run")):
-                    dst = view(run)
-                    unpack[k].append((dst, self._piece(buf, at.offset * ts[0].itemsize, dst)))
+                buf = self.buf("recv", peer, k)  # staged until the version is applied
+                pairs = self._staged_direct[(peer, k)] = []
+                for op, off in zip(bucket.ops, bucket.offsets):
+                    dst = view(op.dst_run)
+                    here = self._piece(buf, off, dst)
+                    self.direct_recv[k].append((peer, here))
+                    pairs.append((dst, here))
         coalesced = _coalesced([(t, t.src_run, t.dst_run) for t in local])
         self.local_groups = [ts for ts, _, _ in coalesced]  # the transfers of each local copy, in order
         local_pairs = [_same_shape(view(dst), view(src)) for _, src, dst in coalesced]
         self.local_sources = [src for _, src in local_pairs] if check and atomic else []
         # each round's copies, built in chunks of rounds (prepare): 0 with the local copies now, then 1, 2-3, 4-7, ...
-        # each when the first refit reaches it, while the rounds before it are in flight. Built one round at a time
-        # (a table pass and a flag buffer each), a first refit was bound by the host (colocated TP2xPP2 -> TP1xDP4
-        # on 4xH200: 104 batches built in 32-74 ms of the transfer, where a round takes 0.45 ms); built all at once,
-        # before the agreement, nothing ran next to them
-        specs: dict[tuple[str, int], tuple[list, dict]] = {
-            ("pack", k): (pairs, dict(check=check, also_flag=also[k])) for k, pairs in pack.items()
-        }
-        if atomic and not host:  # the whole version at once, after the last round's headers are checked
-            self._version_pairs = [pair for k in sorted(unpack) for pair in unpack[k]] + local_pairs
-        else:
-            specs.update({("unpack", k): (pairs, dict(kernel=True)) for k, pairs in unpack.items()})
-            specs[("local", 0)] = (local_pairs, dict(check=check and not atomic, kernel=True))
+        # each when the first refit reaches it, while the rounds before it are in flight, their views too. Built one
+        # round at a time (a table pass and a flag buffer each), a first refit was bound by the host (colocated
+        # TP2xPP2 -> TP1xDP4 on 4xH200: 104 batches built in 32-74 ms of the transfer, where a round takes 0.45 ms);
+        # built all at once, before the agreement, nothing ran next to them
+        packs = {k for bs in send.values() for k, b in enumerate(bs) if isinstance(b, list)}
+        unpacks = {k for bs in recv.values() for k, b in enumerate(bs) if isinstance(b, list)}
+        unpacks |= {k for peer, k in self._staged_direct}
+        self._unpack_rounds = sorted(unpacks)
+        self._local_pairs = local_pairs
         self.pack: dict[int, CopyBatch] = {}
         self.unpack: dict[int, CopyBatch] = {}
         self.local: CopyBatch | None = None  # (None: an atomic receiver's are in its apply)
-        self._chunks: dict[int, list] = defaultdict(list)  # chunk -> its rounds' (kind, round, spec)
-        for (kind, k), spec in specs.items():
-            self._chunks[k.bit_length()].append((kind, k, spec))
+        self._chunks: dict[int, list[tuple[str, int]]] = defaultdict(list)  # chunk -> its rounds' (kind, round)
+        for k in sorted(packs):
+            self._chunks[k.bit_length()].append(("pack", k))
+        if not atomic or host:  # (atomic on the device: the whole version at once, after the last round's headers)
+            for k in self._unpack_rounds:
+                self._chunks[k.bit_length()].append(("unpack", k))
+            self._chunks[0].append(("local", 0))
         self.prepare(0)
 
     def prepare(self, k: int) -> None:
@@ -294,17 +289,66 @@ class Staging:
         chunk = self._chunks.pop(k.bit_length(), None)
         if not chunk:
             return
-        for (kind, j, _), batch in zip(chunk, CopyBatch.many([spec for _, _, spec in chunk])):
+        specs = []
+        for kind, j in chunk:
+            if kind == "pack":
+                specs.append(self._pack_spec(j))
+            elif kind == "unpack":
+                specs.append((self._unpack_pairs(j), dict(kernel=True)))
+            else:
+                specs.append((self._local_pairs, dict(check=self._check and not self.atomic, kernel=True)))
+        for (kind, j), batch in zip(chunk, CopyBatch.many(specs)):
             if kind == "local":
                 self.local = batch
             else:
                 (self.pack if kind == "pack" else self.unpack)[j] = batch
 
+    def _pack_spec(self, k: int) -> tuple[list, dict]:
+        """Round ``k``'s packing: each send peer's header row and pieces, as a :class:`CopyBatch` spec; its pairs'
+        transfers in :attr:`packed`."""
+        pairs, also, packed = [], [], []  # (also: the header word each piece's flag raises)
+        for peer, buckets in self._send.items():
+            bucket = buckets[k] if k < len(buckets) else None
+            if not isinstance(bucket, list):
+                continue
+            buf = self.buf("send", peer, k)
+            pairs.append((buf[:HEADER_BYTES].view(torch.int64), self.header_rows[self._row[(peer, k)]]))
+            also.append(None)
+            packed.append(None)
+            word = buf[:HEADER_BYTES].view(torch.int32)[2 * NONFINITE_WORD]  # little-endian: the low half
+            for ts, run, at in _in_bucket(bucket, True):
+                src = self._view(run)
+                pairs.append((self._piece(buf, at, src), src))
+                also.append(word)
+                packed.append(ts)
+        self.packed[k] = packed
+        return pairs, dict(check=self._check, also_flag=also)
+
+    def _unpack_pairs(self, k: int) -> list:
+        """Round ``k``'s unpacking: each receive peer's pieces (a streaming receiver's header rows kept in
+        :attr:`seen` first; an atomic one's zero-copy rounds from where they were staged)."""
+        pairs = []
+        for peer, buckets in self._recv.items():
+            bucket = buckets[k] if k < len(buckets) else None
+            if isinstance(bucket, DirectRound):
+                pairs += self._staged_direct.get((peer, k), [])
+                continue
+            if bucket is None:
+                continue
+            buf = self.buf("recv", peer, k)
+            if not self.atomic:
+                pairs.append((self.seen[(peer, k)], buf[:HEADER_BYTES].view(torch.int64)))
+            for _, run, at in _in_bucket(bucket, False):
+                dst = self._view(run)
+                pairs.append((dst, self._piece(buf, at, dst)))
+        return pairs
+
     @functools.cached_property
     def _apply(self) -> CopyBatch:
         """An atomic receiver's copies of the whole version (staged on the device), built by :meth:`prepare_apply`
         or at the first apply."""
-        return CopyBatch(self._version_pairs, kernel=True)
+        pairs = [pair for k in self._unpack_rounds for pair in self._unpack_pairs(k)]
+        return CopyBatch(pairs + self._local_pairs, kernel=True)
 
     def prepare_apply(self) -> None:
         """Build an atomic receiver's copies of the whole version (staged on the device) if not yet built: the

@@ -431,6 +431,40 @@ def test_device_slabs_hold_every_buffer_in_a_few_allocations(sizes, most, count)
     assert all(n <= most or sum(1 for s, *_ in spans if s == i) == 1 for i, n in enumerate(slabs)), slabs
 
 
+def test_a_buckets_copies_join_pieces_as_the_reference_rule():
+    """A bucket's pieces join into one copy exactly where :func:`staging._coalesced` joins their runs and their
+    bytes' runs in the bucket: a strided run never joins, nor pieces of two itemsizes, of two local tensors, with
+    a gap in the tensor or in the bucket."""
+    from megatron_ext.sharding.geometry import Box
+    from megatron_ext.weight_export.plan.reshard_plan import Run, Transfer
+
+    def piece(local, offset, n, itemsize=2, count=1):
+        run = Run(local, offset, n // count, 4 * n, count)
+        return Transfer("w", Box(((0, n),)), 0, 1, run, Run("d", offset, n, n, 1), itemsize)
+
+    a, b, c = piece("x", 0, 64), piece("x", 64, 32), piece("x", 96, 32)  # one range of x, bytes back to back
+    gap_tensor, other = piece("x", 200, 32), piece("y", 232, 32)
+    # (after: where the strided run's first row ends, as a run that continued it would start)
+    wide, strided, after = piece("x", 232, 16, itemsize=4), piece("x", 300, 64, count=4), piece("x", 316, 32)
+    bucket, at = [], 0
+    for t, skip in ((a, 0), (b, 0), (c, 0), (gap_tensor, 0), (other, 0), (wide, 0), (strided, 0), (after, 0)):
+        bucket.append((t, at))
+        at += t.nbytes + skip
+    bucket.append((piece("x", 348, 32), at + 512))  # continues the tensor, not the bucket
+    for src in (True, False):
+        ref = staging._coalesced(
+            [
+                (t, t.src_run if src else t.dst_run, Run("", off // t.itemsize, t.nbytes // t.itemsize, 0, 1))
+                for t, off in bucket
+            ]
+        )
+        got = staging._in_bucket(bucket, src)
+        assert [(ts, run, off) for ts, run, off in got] == [
+            (ts, run, there.offset * ts[0].itemsize) for ts, run, there in ref
+        ]
+    assert [len(ts) for ts, _, _ in staging._in_bucket(bucket, True)] == [3, 1, 1, 1, 1, 1, 1]
+
+
 def test_pieces_that_are_one_range_are_one_copy():
     """TP1 -> TP1 of the 3.6B preset (meta tensors; the refit_vs_swap benchmark's layouts): each fused QKV's 24
     pieces (q, k and v of 8 query groups) and each [gate; up]'s two are one range of the trainer's tensor, of the
@@ -462,13 +496,13 @@ def test_pieces_that_are_one_range_are_one_copy():
     receiver = ReshardExecutor(plan, 1, meta, bucket_bytes=512 << 20, atomic=False)
     for ex in (sender, receiver):
         ex._allocate()
+        for k in range(ex.rounds):
+            ex.staging.prepare(k)  # (what a refit builds as it reaches each chunk of rounds)
     groups = [ts for k in sorted(sender.staging.packed) for ts in sender.staging.packed[k] if ts is not None]
     assert len(plan.transfers) == 843 and len(groups) == 173
     assert [t for ts in groups for t in ts] == [
         t for _, bucket in sorted(sender.send.items()) for b in bucket for t, _ in b
     ]
-    for k in range(receiver.rounds):
-        receiver.staging.prepare(k)  # (what a refit builds as it reaches each chunk of rounds)
     unpacked = sum(len(batch) for batch in receiver.staging.unpack.values())
     assert unpacked == 173 + receiver.rounds  # and each bucket's header
 
