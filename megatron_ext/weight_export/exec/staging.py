@@ -11,8 +11,8 @@ slots and unpacks it.
 :class:`Staging` allocates them and builds every copy of a refit as
 ``(dst, src)`` views over the fixed buffers and tensors: packing a round (each
 bucket's header row and pieces), unpacking it, and the rank's local copies. A
-refit then issues batched copies (:class:`~megatron_ext.copies.CopyBatch`, built with their views in
-chunks of rounds by :meth:`~megatron_ext.copies.CopyBatch.many`, the first refit building a chunk
+refit then issues batched copies (:class:`~megatron_ext.copies.CopyBatch`, built in chunks
+of rounds by :meth:`~megatron_ext.copies.CopyBatch.many`, the first refit building a chunk
 while the rounds before it are in flight) without rebuilding hundreds of views, so the
 tensors must be updated in place.
 """
@@ -196,7 +196,7 @@ class Staging:
         self.header_rows = torch.zeros((len(headers), HEADER_WORDS), dtype=torch.int64, device=device)
         self._send, self._recv, self._view, self._check = send, recv, view, check
         self._row = {key: i for i, key in enumerate(headers)}
-        # round -> each pack pair's transfers (None: the header's copy), as each round's copies are built
+        # round -> each pack pair's transfers (None: the header's copy)
         self.packed: dict[int, list[tuple[Transfer, ...] | None]] = {}
         for peer, buckets in send.items():
             first = {}  # each zero-copy transfer of this peer -> the round of its first op
@@ -261,25 +261,27 @@ class Staging:
         local_pairs = [_same_shape(view(dst), view(src)) for _, src, dst in coalesced]
         self.local_sources = [src for _, src in local_pairs] if check and atomic else []
         # each round's copies, built in chunks of rounds (prepare): 0 with the local copies now, then 1, 2-3, 4-7, ...
-        # each when the first refit reaches it, while the rounds before it are in flight, their views too. Built one
-        # round at a time (a table pass and a flag buffer each), a first refit was bound by the host (colocated
-        # TP2xPP2 -> TP1xDP4 on 4xH200: 104 batches built in 32-74 ms of the transfer, where a round takes 0.45 ms);
-        # built all at once, before the agreement, nothing ran next to them
-        packs = {k for bs in send.values() for k, b in enumerate(bs) if isinstance(b, list)}
+        # each when the first refit reaches it, while the rounds before it are in flight. Built one round at a time
+        # (a table pass and a flag buffer each), a first refit was bound by the host (colocated TP2xPP2 -> TP1xDP4
+        # on 4xH200: 104 batches built in 32-74 ms of the transfer, where a round takes 0.45 ms); built all at once,
+        # before the agreement, nothing ran next to them. Their views are made here: made with each chunk instead,
+        # they added more host time to the first transfer than they saved here (colocated TP2xPP2 -> TP1xDP4 on
+        # 4xH200, one rank: chunk builds 20 -> 34 ms, staging 21-26 -> 9-15 ms)
+        packs = sorted({k for bs in send.values() for k, b in enumerate(bs) if isinstance(b, list)})
         unpacks = {k for bs in recv.values() for k, b in enumerate(bs) if isinstance(b, list)}
-        unpacks |= {k for peer, k in self._staged_direct}
-        self._unpack_rounds = sorted(unpacks)
-        self._local_pairs = local_pairs
+        unpacks = sorted(unpacks | {k for _, k in self._staged_direct})
         self.pack: dict[int, CopyBatch] = {}
         self.unpack: dict[int, CopyBatch] = {}
         self.local: CopyBatch | None = None  # (None: an atomic receiver's are in its apply)
-        self._chunks: dict[int, list[tuple[str, int]]] = defaultdict(list)  # chunk -> its rounds' (kind, round)
-        for k in sorted(packs):
-            self._chunks[k.bit_length()].append(("pack", k))
-        if not atomic or host:  # (atomic on the device: the whole version at once, after the last round's headers)
-            for k in self._unpack_rounds:
-                self._chunks[k.bit_length()].append(("unpack", k))
-            self._chunks[0].append(("local", 0))
+        self._chunks: dict[int, list] = defaultdict(list)  # chunk -> its rounds' (kind, round, CopyBatch spec)
+        for k in packs:
+            self._chunks[k.bit_length()].append(("pack", k, self._pack_spec(k)))
+        if atomic and not host:  # the whole version at once, after the last round's headers are checked
+            self._version_pairs = [pair for k in unpacks for pair in self._unpack_pairs(k)] + local_pairs
+        else:
+            for k in unpacks:
+                self._chunks[k.bit_length()].append(("unpack", k, (self._unpack_pairs(k), dict(kernel=True))))
+            self._chunks[0].append(("local", 0, (local_pairs, dict(check=check and not atomic, kernel=True))))
         self.prepare(0)
 
     def prepare(self, k: int) -> None:
@@ -289,15 +291,7 @@ class Staging:
         chunk = self._chunks.pop(k.bit_length(), None)
         if not chunk:
             return
-        specs = []
-        for kind, j in chunk:
-            if kind == "pack":
-                specs.append(self._pack_spec(j))
-            elif kind == "unpack":
-                specs.append((self._unpack_pairs(j), dict(kernel=True)))
-            else:
-                specs.append((self._local_pairs, dict(check=self._check and not self.atomic, kernel=True)))
-        for (kind, j), batch in zip(chunk, CopyBatch.many(specs)):
+        for (kind, j, _), batch in zip(chunk, CopyBatch.many([spec for _, _, spec in chunk])):
             if kind == "local":
                 self.local = batch
             else:
@@ -347,8 +341,7 @@ class Staging:
     def _apply(self) -> CopyBatch:
         """An atomic receiver's copies of the whole version (staged on the device), built by :meth:`prepare_apply`
         or at the first apply."""
-        pairs = [pair for k in self._unpack_rounds for pair in self._unpack_pairs(k)]
-        return CopyBatch(pairs + self._local_pairs, kernel=True)
+        return CopyBatch(self._version_pairs, kernel=True)
 
     def prepare_apply(self) -> None:
         """Build an atomic receiver's copies of the whole version (staged on the device) if not yet built: the
