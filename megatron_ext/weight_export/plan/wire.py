@@ -101,12 +101,15 @@ def bucketize(transfers: list[Transfer], bucket_bytes: int) -> list[list[tuple[T
     cap = bucket_bytes - PAYLOAD_OFFSET
     out, cur, used = [], [], PAYLOAD_OFFSET
     for whole in transfers:
-        for t in _pieces(whole, cap):
-            if cur and used + t.nbytes > bucket_bytes:
+        n = whole.nbytes
+        for t in (whole,) if n <= cap else _pieces(whole, cap):  # (one that fits a bucket is never cut)
+            if t is not whole:
+                n = t.nbytes
+            if cur and used + n > bucket_bytes:
                 out.append(cur)
                 cur, used = [], PAYLOAD_OFFSET
             cur.append((t, used))
-            used = align(used + t.nbytes)
+            used = (used + n + ALIGN - 1) // ALIGN * ALIGN  # (align: a first refit's plan cuts thousands)
     if cur:
         out.append(cur)
     return out

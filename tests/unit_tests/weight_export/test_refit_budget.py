@@ -431,6 +431,39 @@ def test_device_slabs_hold_every_buffer_in_a_few_allocations(sizes, most, count)
     assert all(n <= most or sum(1 for s, *_ in spans if s == i) == 1 for i, n in enumerate(slabs)), slabs
 
 
+def test_buckets_hold_each_piece_at_an_aligned_offset_and_cut_only_what_does_not_fit():
+    """bucketize against the rule it implements: every transfer cut into rows that fit a bucket's payload
+    (one that fits is never cut), each piece at the next ALIGN offset, a new bucket where the next piece would
+    pass the bucket's end; a transfer exactly as large as the payload, one a byte over it (cut), a 1-D one."""
+    from megatron_ext.sharding.geometry import Box
+    from megatron_ext.weight_export.plan import wire
+    from megatron_ext.weight_export.plan.reshard_plan import Run, Transfer
+
+    bucket = 4096
+    cap = bucket - wire.PAYLOAD_OFFSET
+
+    def tr(rows, cols, itemsize=2):
+        n = rows * cols
+        box = Box(((0, rows), (0, cols))) if cols > 1 else Box(((0, rows),))
+        return Transfer("w", box, 0, 1, Run("a", 0, n, n, 1), Run("b", 0, n, n, 1), itemsize)
+
+    ts = [tr(3, 5), tr(cap // 8, 4), tr(cap // 2 + 1, 1, itemsize=2), tr(7, 300), tr(33, 1), tr(2 * cap // 8, 8)]
+    assert ts[1].nbytes == cap and ts[2].nbytes == cap + 2
+    want, cur, used = [], [], wire.PAYLOAD_OFFSET
+    for whole in ts:
+        for t in wire._pieces(whole, cap):
+            if cur and used + t.nbytes > bucket:
+                want.append(cur)
+                cur, used = [], wire.PAYLOAD_OFFSET
+            cur.append((t, used))
+            used = wire.align(used + t.nbytes)
+    want.append(cur)
+    got = wire.bucketize(ts, bucket)
+    assert got == want
+    assert sum(1 for b in got for t, _ in b if t is ts[1]) == 1  # as large as the payload: whole
+    assert sum(len(b) for b in got) > len(ts)  # the others too large were cut
+
+
 def test_a_buckets_copies_join_pieces_as_the_reference_rule():
     """A bucket's pieces join into one copy exactly where :func:`staging._coalesced` joins their runs and their
     bytes' runs in the bucket: a strided run never joins, nor pieces of two itemsizes, of two local tensors, with
