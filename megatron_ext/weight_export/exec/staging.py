@@ -68,23 +68,33 @@ def _in_bucket(bucket, src: bool) -> list[tuple[tuple[Transfer, ...], Run, int]]
     are one copy), worked out on integers (a colocated rank's staging coalesces a thousand pieces)."""
     out: list[tuple[tuple[Transfer, ...], Run, int]] = []
     group: list[Transfer] = []
-    first = run = None
+    first = None
     local, start, end, size, at, upto = "", 0, 0, 0, 0, 0  # the open copy: its range, itemsize, bucket bytes
+
+    def close() -> None:
+        out.append((tuple(group), first if len(group) == 1 else Run(local, start, end - start, end - start, 1), at))
+
     for t, off in bucket:
         run = t.src_run if src else t.dst_run
-        if group and t.itemsize == size and off == upto and run.count == 1 == first.count:
-            if run.local == local and run.offset == end:
-                group.append(t)
-                end += run.length
-                upto += run.length * size
-                continue
+        if (
+            group
+            and t.itemsize == size
+            and off == upto
+            and run.count == 1 == first.count
+            and run.local == local
+            and run.offset == end
+        ):
+            group.append(t)
+            end += run.length
+            upto += run.length * size
+            continue
         if group:
-            out.append((tuple(group), first if len(group) == 1 else Run(local, start, end - start, end - start, 1), at))
+            close()
         group, first, size, at = [t], run, t.itemsize, off
         local, start, end = run.local, run.offset, run.offset + run.length
         upto = off + t.nbytes
     if group:
-        out.append((tuple(group), first if len(group) == 1 else Run(local, start, end - start, end - start, 1), at))
+        close()
     return out
 
 
@@ -194,24 +204,40 @@ class Staging:
         self._device = device
         self._typed: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}  # (buffer, dtype) -> view
         self.header_rows = torch.zeros((len(headers), HEADER_WORDS), dtype=torch.int64, device=device)
-        self._send, self._recv, self._view, self._check = send, recv, view, check
-        self._row = {key: i for i, key in enumerate(headers)}
+        row = {key: i for i, key in enumerate(headers)}
+        pack: dict[int, list] = defaultdict(list)
+        also: dict[int, list] = defaultdict(list)  # the header word each packed piece's flag raises
         # round -> each pack pair's transfers (None: the header's copy)
-        self.packed: dict[int, list[tuple[Transfer, ...] | None]] = {}
+        self.packed: dict[int, list[tuple[Transfer, ...] | None]] = defaultdict(list)
         for peer, buckets in send.items():
             first = {}  # each zero-copy transfer of this peer -> the round of its first op
             for k, b in enumerate(buckets):
                 if isinstance(b, DirectRound):
                     first.update((t, k) for op in b.ops for t in op.transfers if t not in first)
-                    self.direct_send[k] += [(peer, view(op.src_run)) for op in b.ops]
             if first:
-                trailers.append(self._row[(peer, len(buckets) - 1)])
+                trailers.append(row[(peer, len(buckets) - 1)])
                 self.trailer_rounds.add(len(buckets) - 1)
                 for t, k in first.items():
                     self.direct_sources.append(view(t.src_run))
                     self.direct_checked.append(t)
                     direct_pair.append(len(trailers) - 1)
                     direct_round.append(k)
+            for k, bucket in enumerate(buckets):
+                if bucket is None:
+                    continue
+                if isinstance(bucket, DirectRound):
+                    self.direct_send[k] += [(peer, view(op.src_run)) for op in bucket.ops]
+                    continue
+                buf = self.buf("send", peer, k)
+                pack[k].append((buf[:HEADER_BYTES].view(torch.int64), self.header_rows[row[(peer, k)]]))
+                also[k].append(None)
+                self.packed[k].append(None)
+                word = buf[:HEADER_BYTES].view(torch.int32)[2 * NONFINITE_WORD]  # little-endian: the low half
+                for ts, run, at in _in_bucket(bucket, True):
+                    src = view(run)
+                    pack[k].append((self._piece(buf, at, src), src))
+                    also[k].append(word)
+                    self.packed[k].append(ts)
         self.trailer_rows = torch.tensor(trailers, dtype=torch.int64, device=device)
         # the checked sources (of checked dtypes, grouped by dtype) in chunks of consecutive rounds (at least
         # CHECK_CHUNK_BYTES each, but the last): the chunks' flags, concatenated, are in this order
@@ -241,21 +267,28 @@ class Staging:
         # (None: a round in which the pair, in another phase, posts nothing)
         self._seen_rows = torch.zeros((len(keys), HEADER_WORDS), dtype=torch.int64, device=device)
         self.seen = {key: self._seen_rows[i] for i, key in enumerate(keys)}
-        self._staged_direct: dict[tuple[int, int], list] = {}  # an atomic receiver's zero-copy rounds, staged
+        unpack: dict[int, list] = defaultdict(list)
         for peer, buckets in recv.items():
             for k, bucket in enumerate(buckets):
-                if not isinstance(bucket, DirectRound):
+                if bucket is None:
                     continue
-                if not atomic:  # in place
-                    self.direct_recv[k] += [(peer, view(op.dst_run)) for op in bucket.ops]
+                if isinstance(bucket, DirectRound):
+                    if not atomic:  # in place
+                        self.direct_recv[k] += [(peer, view(op.dst_run)) for op in bucket.ops]
+                        continue
+                    buf = self.buf("recv", peer, k)  # staged until the version is applied
+                    for op, off in zip(bucket.ops, bucket.offsets):
+                        dst = view(op.dst_run)
+                        here = self._piece(buf, off, dst)
+                        self.direct_recv[k].append((peer, here))
+                        unpack[k].append((dst, here))
                     continue
-                buf = self.buf("recv", peer, k)  # staged until the version is applied
-                pairs = self._staged_direct[(peer, k)] = []
-                for op, off in zip(bucket.ops, bucket.offsets):
-                    dst = view(op.dst_run)
-                    here = self._piece(buf, off, dst)
-                    self.direct_recv[k].append((peer, here))
-                    pairs.append((dst, here))
+                buf = self.buf("recv", peer, k)
+                if not atomic:
+                    unpack[k].append((self.seen[(peer, k)], buf[:HEADER_BYTES].view(torch.int64)))
+                for _, run, at in _in_bucket(bucket, False):
+                    dst = view(run)
+                    unpack[k].append((dst, self._piece(buf, at, dst)))
         coalesced = _coalesced([(t, t.src_run, t.dst_run) for t in local])
         self.local_groups = [ts for ts, _, _ in coalesced]  # the transfers of each local copy, in order
         local_pairs = [_same_shape(view(dst), view(src)) for _, src, dst in coalesced]
@@ -267,21 +300,20 @@ class Staging:
         # before the agreement, nothing ran next to them. Their views are made here: made with each chunk instead,
         # they added more host time to the first transfer than they saved here (colocated TP2xPP2 -> TP1xDP4 on
         # 4xH200, one rank: chunk builds 20 -> 34 ms, staging 21-26 -> 9-15 ms)
-        packs = sorted({k for bs in send.values() for k, b in enumerate(bs) if isinstance(b, list)})
-        unpacks = {k for bs in recv.values() for k, b in enumerate(bs) if isinstance(b, list)}
-        unpacks = sorted(unpacks | {k for _, k in self._staged_direct})
+        specs: dict[tuple[str, int], tuple[list, dict]] = {
+            ("pack", k): (pairs, dict(check=check, also_flag=also[k])) for k, pairs in pack.items()
+        }
+        if atomic and not host:  # the whole version at once, after the last round's headers are checked
+            self._version_pairs = [pair for k in sorted(unpack) for pair in unpack[k]] + local_pairs
+        else:
+            specs.update({("unpack", k): (pairs, dict(kernel=True)) for k, pairs in unpack.items()})
+            specs[("local", 0)] = (local_pairs, dict(check=check and not atomic, kernel=True))
         self.pack: dict[int, CopyBatch] = {}
         self.unpack: dict[int, CopyBatch] = {}
         self.local: CopyBatch | None = None  # (None: an atomic receiver's are in its apply)
-        self._chunks: dict[int, list] = defaultdict(list)  # chunk -> its rounds' (kind, round, CopyBatch spec)
-        for k in packs:
-            self._chunks[k.bit_length()].append(("pack", k, self._pack_spec(k)))
-        if atomic and not host:  # the whole version at once, after the last round's headers are checked
-            self._version_pairs = [pair for k in unpacks for pair in self._unpack_pairs(k)] + local_pairs
-        else:
-            for k in unpacks:
-                self._chunks[k.bit_length()].append(("unpack", k, (self._unpack_pairs(k), dict(kernel=True))))
-            self._chunks[0].append(("local", 0, (local_pairs, dict(check=check and not atomic, kernel=True))))
+        self._chunks: dict[int, list] = defaultdict(list)  # chunk -> its rounds' (kind, round, spec)
+        for (kind, k), spec in specs.items():
+            self._chunks[k.bit_length()].append((kind, k, spec))
         self.prepare(0)
 
     def prepare(self, k: int) -> None:
@@ -296,46 +328,6 @@ class Staging:
                 self.local = batch
             else:
                 (self.pack if kind == "pack" else self.unpack)[j] = batch
-
-    def _pack_spec(self, k: int) -> tuple[list, dict]:
-        """Round ``k``'s packing: each send peer's header row and pieces, as a :class:`CopyBatch` spec; its pairs'
-        transfers in :attr:`packed`."""
-        pairs, also, packed = [], [], []  # (also: the header word each piece's flag raises)
-        for peer, buckets in self._send.items():
-            bucket = buckets[k] if k < len(buckets) else None
-            if not isinstance(bucket, list):
-                continue
-            buf = self.buf("send", peer, k)
-            pairs.append((buf[:HEADER_BYTES].view(torch.int64), self.header_rows[self._row[(peer, k)]]))
-            also.append(None)
-            packed.append(None)
-            word = buf[:HEADER_BYTES].view(torch.int32)[2 * NONFINITE_WORD]  # little-endian: the low half
-            for ts, run, at in _in_bucket(bucket, True):
-                src = self._view(run)
-                pairs.append((self._piece(buf, at, src), src))
-                also.append(word)
-                packed.append(ts)
-        self.packed[k] = packed
-        return pairs, dict(check=self._check, also_flag=also)
-
-    def _unpack_pairs(self, k: int) -> list:
-        """Round ``k``'s unpacking: each receive peer's pieces (a streaming receiver's header rows kept in
-        :attr:`seen` first; an atomic one's zero-copy rounds from where they were staged)."""
-        pairs = []
-        for peer, buckets in self._recv.items():
-            bucket = buckets[k] if k < len(buckets) else None
-            if isinstance(bucket, DirectRound):
-                pairs += self._staged_direct.get((peer, k), [])
-                continue
-            if bucket is None:
-                continue
-            buf = self.buf("recv", peer, k)
-            if not self.atomic:
-                pairs.append((self.seen[(peer, k)], buf[:HEADER_BYTES].view(torch.int64)))
-            for _, run, at in _in_bucket(bucket, False):
-                dst = self._view(run)
-                pairs.append((dst, self._piece(buf, at, dst)))
-        return pairs
 
     @functools.cached_property
     def _apply(self) -> CopyBatch:

@@ -109,7 +109,7 @@ def bucketize(transfers: list[Transfer], bucket_bytes: int) -> list[list[tuple[T
                 out.append(cur)
                 cur, used = [], PAYLOAD_OFFSET
             cur.append((t, used))
-            used = (used + n + ALIGN - 1) // ALIGN * ALIGN  # (align: a first refit's plan cuts thousands)
+            used = align(used + n)
     if cur:
         out.append(cur)
     return out
