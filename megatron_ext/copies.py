@@ -12,8 +12,18 @@ from __future__ import annotations
 import torch
 
 from . import copy_check
+from .copy_check import Span
 
-__all__ = ["CopyBatch", "FINITE_CHECKED_DTYPES", "FiniteCheck", "FlagsByName", "LARGE", "copy_all", "finite_flags"]
+__all__ = [
+    "CopyBatch",
+    "FINITE_CHECKED_DTYPES",
+    "FiniteCheck",
+    "FlagsByName",
+    "LARGE",
+    "Span",
+    "copy_all",
+    "finite_flags",
+]
 
 # Tensors of at least this many elements get a kernel of their own: PyTorch's multi-tensor kernels
 # cut every tensor into 64K-element chunks and move less per second than one copy_ / reduction per
@@ -51,13 +61,17 @@ class CopyBatch:
     ``kernel=True`` (``check=False``): the floating pairs that the kernel can cut are copied by it all the same,
     their flags unused, as one or two launches per dtype. Strided views (a TP shard's columns of a weight)
     otherwise take a ``copy_`` each (4xH100, 3.6B colocated TP4 -> TP1xDP4, whose unpacks and atomic apply
-    write such views: streaming 31.9 -> 25.7 ms, atomic 32.7 -> 28.2 ms)."""
+    write such views: streaming 31.9 -> 25.7 ms, atomic 32.7 -> 28.2 ms).
+
+    A pair may be two :class:`~megatron_ext.copy_check.Span` s instead of two views (a refit's staging: its pieces
+    as integers over its weights and buffers): the kernel's row comes from them
+    (:func:`~megatron_ext.copy_check.span_row`), and their views are made only where another copy takes them."""
 
     def __init__(self, pairs, *, check: bool = False, also_flag=None, kernel: bool = False, _flags=None):
         pairs = list(pairs)
         self.check = check
         self.size = len(pairs)
-        self.device = pairs[0][0].device if pairs else torch.device("cpu")
+        self.device = copy_check.tensor_of(pairs[0][0]).device if pairs else torch.device("cpu")
         # check=True: one int32 flag per pair (nonzero: NaN / Inf), reused by every run (kernel=True: the
         # kernel's, never read); _flags: this batch's part of one zeroed buffer of several (many)
         n = self.size if check or kernel else 0
@@ -67,7 +81,18 @@ class CopyBatch:
         groups: dict[torch.dtype, tuple[list, list]] = {}
         self.single: list[tuple[torch.Tensor, torch.Tensor]] = []
         checked: dict[torch.dtype, tuple[list[int], list[torch.Tensor]]] = {}
+        fast = (check or kernel) and self.device.type == "cuda" and copy_check.available()
         for i, (dst, src) in enumerate(pairs):
+            if type(dst) is Span:  # (a pair of spans) the kernel's row from their integers, else their views
+                t = dst.tensor
+                row = None
+                if fast and t.dtype in FINITE_CHECKED_DTYPES and dst.count * dst.length > 0:
+                    if src.tensor.device == t.device == self.device:
+                        row = copy_check.span_row(dst, src)
+                if row is not None:
+                    fusable.setdefault(t.dtype, []).append((i, also_flag[i], dst, src, row))
+                    continue
+                dst, src = copy_check.span_views(dst, src)
             floating = dst.dtype in FINITE_CHECKED_DTYPES and dst.numel() > 0  # what the kernel copies
             is_checked = check and floating
             pieces = _kernel_runs(dst, src, self.device) if (check or kernel) and floating else None
@@ -115,7 +140,7 @@ class CopyBatch:
         sizes: dict[torch.device, int] = {}
         for pairs, options in batches:
             if pairs and (options.get("check") or options.get("kernel")):
-                device = pairs[0][0].device
+                device = copy_check.tensor_of(pairs[0][0]).device
                 sizes[device] = sizes.get(device, 0) + len(pairs)
         buffers = {device: torch.zeros(n, dtype=torch.int32, device=device) for device, n in sizes.items()}
         taken = dict.fromkeys(buffers, 0)

@@ -28,6 +28,7 @@ import functools
 import math
 import threading
 import warnings
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -37,12 +38,16 @@ __all__ = [
     "CHUNK",
     "MIN_RUN",
     "FusedCopyCheck",
+    "Span",
     "available",
     "build_tables",
     "prewarm",
     "raise_words",
     "runs",
     "shared_words",
+    "span_row",
+    "span_views",
+    "tensor_of",
 ]
 
 # Elements one program moves at most: 7.2 GB of bf16 is about 27k programs, about 200 per SM, so the
@@ -119,6 +124,67 @@ def runs(dst: torch.Tensor, src: torch.Tensor) -> np.ndarray | None:
         s_off = (s_off[:, None] + steps[None, :] * b).reshape(-1)
     block = np.array([rows, inner, s_step, d_step], dtype=np.int64)
     return np.concatenate([s_off[:, None], d_off[:, None], np.broadcast_to(block, (s_off.shape[0], 4))], axis=1)
+
+
+class Span(NamedTuple):
+    """Elements ``offset + i * stride + [0, length)`` for ``i < count`` of contiguous ``tensor`` (offsets from its
+    first element): one side of a copy, without a torch view. A refit's staging names thousands of pieces of its
+    weights and buffers; the kernel's rows come from these integers (:func:`span_row`), and a view is made only
+    where a copy needs one (:meth:`view`, :func:`span_views`: the fallbacks, short runs, other dtypes)."""
+
+    tensor: torch.Tensor
+    offset: int
+    count: int
+    length: int
+    stride: int
+
+    @property
+    def numel(self) -> int:
+        return self.count * self.length
+
+    def view(self, shape: tuple[int, int] | None = None) -> torch.Tensor:
+        """The ``(count, length)`` view (or ``shape``, which a contiguous span takes whole)."""
+        t = self.tensor
+        rows, cols = shape or (self.count, self.length)
+        if self.count > 1 and (rows, cols) != (self.count, self.length):
+            raise ValueError(f"a span of {self.count} runs of {self.length} viewed as {rows} x {cols}")
+        stride = self.stride if self.count > 1 else cols
+        return t.as_strided((rows, cols), (stride, 1), t.storage_offset() + self.offset)
+
+
+def span_views(dst: Span, src: Span) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two spans' views in one shape: the strided side's ``(count, length)`` (a contiguous side, ``count`` 1,
+    viewed alike), so that ``copy_`` and the multi-tensor copies take them as they are."""
+    shape = (dst.count, dst.length) if dst.count > 1 else (src.count, src.length)
+    return dst.view(shape), src.view(shape)
+
+
+def span_row(dst: Span, src: Span) -> tuple[int, int, int, int, int, int] | None:
+    """The pair's one block of runs, as :func:`runs` gives it for :func:`span_views` (source and destination
+    offsets from their storages' starts, runs, run length, the two steps), from the spans' integers; None where
+    :func:`runs` gives None (runs shorter than :data:`MIN_RUN`) or the two sides are not one box's runs."""
+    n = dst.count * dst.length
+    if n != src.count * src.length or dst.tensor.dtype != src.tensor.dtype:
+        return None
+    s0, d0 = src.tensor.storage_offset() + src.offset, dst.tensor.storage_offset() + dst.offset
+    strided = dst if dst.count > 1 else src
+    rows, cols = strided.count, strided.length
+    s_step = src.stride if src.count > 1 else cols
+    d_step = dst.stride if dst.count > 1 else cols
+    if rows == 1 or (s_step == cols and d_step == cols):  # one contiguous range on both sides
+        return (s0, d0, 1, n, 0, 0)
+    if (src.count > 1 and (src.count, src.length) != (rows, cols)) or (
+        dst.count > 1 and (dst.count, dst.length) != (rows, cols)
+    ):
+        return None
+    if cols < MIN_RUN:
+        return None
+    return (s0, d0, rows, cols, s_step, d_step)
+
+
+def tensor_of(side) -> torch.Tensor:
+    """The tensor a copy's side (a tensor or a :class:`Span`) reads or writes in."""
+    return side.tensor if type(side) is Span else side
 
 
 @functools.cache
@@ -289,7 +355,7 @@ def build_tables(checks: list[FusedCopyCheck]) -> None:
         check.built = True
         rows = check._rows()
         if rows is not None:
-            devices.setdefault(check.pairs[0][2].device, []).append((check, rows))
+            devices.setdefault(tensor_of(check.pairs[0][2]).device, []).append((check, rows))
     for device, got in devices.items():
         _build_on(device, got)
 
@@ -338,7 +404,7 @@ def _build_on(device: torch.device, got: list) -> None:
     bounds = np.searchsorted(part, np.arange(2 * len(got) + 1))
     table = _upload(rows, device)
     for i, (check, _) in enumerate(got):
-        dtype = check.pairs[0][2].dtype
+        dtype = tensor_of(check.pairs[0][2]).dtype
         for flag, start, end in (
             (True, bounds[2 * i], bounds[2 * i + 1]),
             (False, bounds[2 * i + 1], bounds[2 * i + 2]),
@@ -351,8 +417,9 @@ def _build_on(device: torch.device, got: list) -> None:
 
 
 class FusedCopyCheck:
-    """The copies of ``pairs`` (``(index, also, dst, src, runs)``: CUDA tensors of one checked dtype, cut by
-    :func:`runs`; ``index`` the pair's word in ``flags``, an int32 tensor; ``also`` an int32 word or None) as one
+    """The copies of ``pairs`` (``(index, also, dst, src, runs)``: CUDA tensors of one checked dtype cut by
+    :func:`runs`, or :class:`Span` s of them cut by :func:`span_row`; ``index`` the pair's word in ``flags``, an
+    int32 tensor; ``also`` an int32 word or None) as one
     or two kernel launches: :meth:`run` sets ``flags[index]`` (and ``also``) to 1 when the pair's values hold a
     NaN or Inf, and leaves them as they are otherwise.
 
@@ -389,12 +456,14 @@ class FusedCopyCheck:
         self.launches: list[tuple[torch.Tensor, object, bool]] = []
         watch: dict[int, torch.Tensor] = {id(flags): flags}  # every tensor once: its address tells if it moved
         for _, also, dst, src, _ in pairs:
+            dst, src = tensor_of(dst), tensor_of(src)
             watch.setdefault(id(dst), dst)
             watch.setdefault(id(src), src)
             if also is not None:
                 watch.setdefault(id(also), also)
         self._watch = list(watch.values())
         self._fallback: tuple | None = None  # the fallback's indices and second words, at its first run
+        self._views: list | None = None  # the fallback's (dst, src) tensors, at its first run
         self._where: list[int] = []
         self.rebuilds = 0
         self._keys: list[tuple] = []
@@ -414,22 +483,28 @@ class FusedCopyCheck:
         destination storages, its flag's and second word's addresses) and the element size (None: no pairs)."""
         if not self.pairs:
             return None
-        size = self.pairs[0][2].element_size()
+        size = tensor_of(self.pairs[0][2]).element_size()
         flags = self.flags.data_ptr()
-        pieces = [np.asarray(p, dtype=np.int64).reshape(-1, 6) for *_, p in self.pairs]
+        starts: dict[int, int] = {}  # id(tensor) -> where its storage starts (spans of one tensor share it)
+
+        def start(side) -> int:
+            t = tensor_of(side)
+            got = starts.get(id(t))
+            if got is None:
+                got = starts[id(t)] = t.data_ptr() - t.storage_offset() * size
+            return got
+
         bases = np.array(  # where each pair's two storages start (runs() gives offsets in them), its flag, its word
             [
-                (
-                    src.data_ptr() - src.storage_offset() * size,
-                    dst.data_ptr() - dst.storage_offset() * size,
-                    flags + 4 * index,
-                    0 if also is None else also.data_ptr(),
-                )
+                (start(src), start(dst), flags + 4 * index, 0 if also is None else also.data_ptr())
                 for index, also, dst, src, _ in self.pairs
             ],
             dtype=np.int64,
-        ).repeat([p.shape[0] for p in pieces], axis=0)
-        return np.concatenate(pieces), bases, size
+        )
+        if all(type(p) is tuple for *_, p in self.pairs):  # one block each (span_row): one array of them all
+            return np.array([p for *_, p in self.pairs], dtype=np.int64).reshape(-1, 6), bases, size
+        pieces = [np.asarray(p, dtype=np.int64).reshape(-1, 6) for *_, p in self.pairs]
+        return np.concatenate(pieces), bases.repeat([p.shape[0] for p in pieces], axis=0), size
 
     def refresh(self) -> bool:
         """Build the table if it was not (``build=False`` and no :func:`build_tables` yet), or rebuild it if a
@@ -480,12 +555,16 @@ class FusedCopyCheck:
         ``check=False`` the copy only."""
         if not self.pairs:
             return
-        dsts = [dst for _, _, dst, _, _ in self.pairs]  # one dtype, none empty (runs() cut them)
+        if self._views is None:  # (spans viewed at the first fallback only)
+            self._views = [
+                span_views(dst, src) if type(dst) is Span else (dst, src) for _, _, dst, src, _ in self.pairs
+            ]
+        dsts = [dst for dst, _ in self._views]  # one dtype, none empty (runs() cut them)
         if self.store:
-            torch._foreach_copy_(dsts, [src for _, _, _, src, _ in self.pairs])
+            torch._foreach_copy_(dsts, [src for _, src in self._views])
         if not self.check:
             return
-        read = dsts if self.store else [src for _, _, _, src, _ in self.pairs]  # check only: the sources
+        read = dsts if self.store else [src for _, src in self._views]  # check only: the sources
         bad = (~torch.stack(torch._foreach_norm(read, float("inf"))).isfinite()).to(torch.int32)
         if self._fallback is None:
             index = torch.tensor([i for i, *_ in self.pairs], dtype=torch.int64, device=self.flags.device)

@@ -496,3 +496,93 @@ def test_fused_table_has_a_row_per_program(store):
     assert not late.built and late.refresh() and late.built and late.rebuilds == 0
     assert [(t.tolist(), f) for t, _, f in late.launches] == [(t.tolist(), f) for t, _, f in fused.launches]
     assert not late.refresh()
+
+
+def _span_cases(device):
+    """Pairs of spans as a refit's staging makes them (a weight's runs, a bucket's contiguous pieces; tensors that
+    start inside their storage), each with whether the kernel takes it: a column slice packed into a buffer and
+    unpacked from it, two column slices of one box, two contiguous ranges, contiguous rows seen as a strided run,
+    and runs of 3 elements (too short: copy_)."""
+    from megatron_ext.copy_check import MIN_RUN, Span
+
+    g = torch.Generator().manual_seed(2)
+    weight = torch.randn(9, 3 * MIN_RUN, generator=g).to(device)[2:]  # 7 rows, storage offset 6 * MIN_RUN
+    other = torch.randn(9, 2 * MIN_RUN, generator=g).to(device)[1:]
+    src_buf = torch.randn(40 * MIN_RUN, generator=g).to(device)[37:]
+    n = 7 * MIN_RUN
+    column = Span(weight, MIN_RUN, 7, MIN_RUN, 3 * MIN_RUN)  # rows' middle third
+    cases = [
+        (Span(torch.empty(20 * MIN_RUN, device=device)[5:], 11, 1, n, n), column, True),  # pack
+        (
+            Span(torch.empty(8, 3 * MIN_RUN, device=device)[1:], MIN_RUN, 7, MIN_RUN, 3 * MIN_RUN),
+            Span(src_buf, 3, 1, n, n),
+            True,
+        ),  # unpack into a column slice
+        (
+            Span(torch.empty(8, 2 * MIN_RUN, device=device), MIN_RUN, 7, MIN_RUN, 2 * MIN_RUN),
+            Span(other, 0, 7, MIN_RUN, 2 * MIN_RUN),
+            True,
+        ),  # two strided sides
+        (
+            Span(torch.empty(9 * MIN_RUN, device=device)[1:], 0, 1, 5 * MIN_RUN, 5 * MIN_RUN),
+            Span(src_buf, 100, 1, 5 * MIN_RUN, 5 * MIN_RUN),
+            True,
+        ),  # contiguous
+        (
+            Span(torch.empty(2 * n, device=device), 7, 1, 2 * 3 * MIN_RUN, 2 * 3 * MIN_RUN),
+            Span(weight, 3 * MIN_RUN, 2, 3 * MIN_RUN, 3 * MIN_RUN),
+            True,
+        ),  # whole rows: one range
+        (Span(torch.empty(64, device=device), 1, 1, 21, 21), Span(weight, 5, 7, 3, 3 * MIN_RUN), False),  # short
+    ]
+    return cases
+
+
+def test_spans_cut_as_their_views_and_copy_exactly_on_cpu():
+    """A pair of spans gives the kernel the row runs() gives for the pair's views (or None where runs() does), from
+    integers; CopyBatch copies a span pair exactly (on CPU through its views). Spans of one box's runs in other
+    shapes are refused by name."""
+    from megatron_ext.copy_check import Span, runs, span_row, span_views
+
+    cases = _span_cases("cpu")
+    for dst, src, kernel in cases:
+        views = span_views(dst, src)
+        want = runs(*views)
+        assert (want is not None) == kernel
+        assert span_row(dst, src) == (None if want is None else tuple(want.reshape(-1).tolist())), (dst, src)
+    batch = CopyBatch([(d, s) for d, s, _ in cases], check=True)
+    assert batch.run().tolist() == [0] * len(cases)
+    for dst, src, _ in cases:
+        d, s = span_views(dst, src)
+        assert torch.equal(d, s)
+    strided = Span(torch.empty(20, 64), 0, 4, 32, 64)
+    assert span_row(strided, Span(torch.empty(20, 64), 0, 8, 16, 64)) is None
+    with pytest.raises(ValueError, match="a span of 8 runs of 16 viewed as 4 x 32"):
+        span_views(strided, Span(torch.empty(20, 64), 0, 8, 16, 64))
+
+
+@pytest.mark.gpus(1)
+def test_span_pairs_take_the_kernel_rows_of_their_views_on_gpu():
+    """On CUDA a checked CopyBatch of span pairs builds the same kernel table as one of the pairs' views (the same
+    rows, launches and flags), copies exactly, and flags a NaN in a strided source; the short runs take copy_."""
+    from megatron_ext.copy_check import available, prewarm, span_views
+
+    assert available(), "Triton must import next to torch on a GPU machine"
+    prewarm("cuda", (torch.float32,), wait=True)
+    cases = _span_cases("cuda")
+    spans = CopyBatch([(d, s) for d, s, _ in cases], check=True)
+    views = CopyBatch([span_views(d, s) for d, s, _ in cases], check=True)
+    assert len(spans.single) == len(views.single) == 1 and len(spans.fused) == len(views.fused) == 1
+
+    def rows(batch):  # (each row but its flag's address: the two batches' flags are two buffers)
+        return [(t[:, [0, 1, 2, 3, 4, 5, 7]].tolist(), d.name, a) for t, d, a in batch.fused[0].launches]
+
+    assert rows(spans) == rows(views) and sum(len(t) for t, *_ in rows(spans)) >= 5
+    assert spans.run().tolist() == [0] * len(cases)
+    torch.cuda.synchronize()
+    for dst, src, _ in cases:
+        d, s = span_views(dst, src)
+        assert torch.equal(d, s)
+    column = cases[0][1]
+    column.tensor[4, column.offset + 7] = float("nan")
+    assert spans.run().tolist() == [1, 0, 0, 0, 0, 0]

@@ -57,6 +57,7 @@ from collections.abc import Callable
 import torch
 
 from ... import copy_check
+from ...copies import Span
 from ...sharding.megatron import megatron_tensors
 from ..control.peers import as_peers
 from ..engines.gate import RefitGate
@@ -402,7 +403,7 @@ class ReshardExecutor:
             self.send,
             self.recv,
             self.local,
-            self._view,
+            self._span,
             list(self._send_sources),
             atomic=self.atomic,
             max_inflight=self.max_inflight,
@@ -416,6 +417,13 @@ class ReshardExecutor:
 
     def _view(self, run: Run) -> torch.Tensor:
         return run_view(self.tensors[run.local], run)
+
+    def _span(self, run: Run) -> Span:
+        """``run`` of this rank's tensors, as integers (:class:`~megatron_ext.copies.Span`: the staging's pieces)."""
+        t = self.tensors[run.local]
+        if not t.is_contiguous():
+            raise ValueError(f"{run.local}: a run needs a contiguous tensor, got strides {t.stride()}")
+        return Span(t, run.offset, run.count, run.length, run.stride)
 
     @property
     def staging_bytes(self) -> int:

@@ -9,11 +9,12 @@ through ``max_inflight`` slots per peer like a streaming one and copies each buc
 to its own pinned host buffer; applying the version copies each back through the
 slots and unpacks it.
 :class:`Staging` allocates them and builds every copy of a refit as
-``(dst, src)`` views over the fixed buffers and tensors: packing a round (each
+``(dst, src)`` pairs over the fixed buffers and tensors (:class:`~megatron_ext.copies.Span` s: integers, no
+torch views where the copy-check kernel takes them): packing a round (each
 bucket's header row and pieces), unpacking it, and the rank's local copies. A
 refit then issues batched copies (:class:`~megatron_ext.copies.CopyBatch`, built in chunks
 of rounds by :meth:`~megatron_ext.copies.CopyBatch.many`, the first refit building a chunk
-while the rounds before it are in flight) without rebuilding hundreds of views, so the
+while the rounds before it are in flight) without rebuilding them, so the
 tensors must be updated in place.
 """
 
@@ -25,7 +26,8 @@ from collections.abc import Callable
 
 import torch
 
-from ...copies import CopyBatch, FiniteCheck, finite_groups
+from ...copies import CopyBatch, FiniteCheck, Span, finite_groups
+from ...copy_check import span_views
 from ..plan.budget import Table, buffer_sizes, device_slabs, host_slabs, keeps_every_round, slot
 from ..plan.direct import DirectRound, staged_nbytes
 from ..plan.reshard_plan import Run, Transfer, run_continues
@@ -98,24 +100,11 @@ def _in_bucket(bucket, src: bool) -> list[tuple[tuple[Transfer, ...], Run, int]]
     return out
 
 
-def _same_shape(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two run views of one box in the same shape, still views (never a copy: the copies are
-    built once and must see later in-place updates). A strided run is ``(rows, length)``; a
-    contiguous one ``(1, n)`` takes the other's shape."""
-    if a.shape == b.shape:
-        return a, b
-    if a.shape[0] == 1:
-        return a.view(b.shape), b
-    if b.shape[0] == 1:
-        return a, b.view(a.shape)
-    raise ValueError(f"runs of one box with shapes {tuple(a.shape)} and {tuple(b.shape)}")
-
-
 class Staging:
     """The buffers and copies of one rank's refits.
 
     ``send`` / ``recv``: this rank's buckets per peer; ``local``: the transfers it
-    copies to itself; ``view(run)``: a run's view of this rank's tensors;
+    copies to itself; ``span(run)``: a run of this rank's tensors as a :class:`~megatron_ext.copies.Span`;
     ``headers``: the send buckets ``(peer, k)`` in the order of
     :attr:`header_rows` (one int64 x :data:`~..plan.wire.HEADER_WORDS` row each, written by
     the executor before a refit and packed in front of its bucket).
@@ -160,7 +149,7 @@ class Staging:
         send: Table,
         recv: Table,
         local: list[Transfer],
-        view: Callable[[Run], torch.Tensor],
+        span: Callable[[Run], Span],
         headers: list[tuple[int, int]],
         *,
         atomic: bool,
@@ -202,7 +191,7 @@ class Staging:
         self.trailer_rounds: set[int] = set()  # the rounds that pack those buckets
         self._scratch: torch.Tensor | None = None
         self._device = device
-        self._typed: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}  # (buffer, dtype) -> view
+        self._views: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}  # (buffer, dtype) -> view
         self.header_rows = torch.zeros((len(headers), HEADER_WORDS), dtype=torch.int64, device=device)
         row = {key: i for i, key in enumerate(headers)}
         pack: dict[int, list] = defaultdict(list)
@@ -218,7 +207,7 @@ class Staging:
                 trailers.append(row[(peer, len(buckets) - 1)])
                 self.trailer_rounds.add(len(buckets) - 1)
                 for t, k in first.items():
-                    self.direct_sources.append(view(t.src_run))
+                    self.direct_sources.append(span(t.src_run).view())
                     self.direct_checked.append(t)
                     direct_pair.append(len(trailers) - 1)
                     direct_round.append(k)
@@ -226,7 +215,7 @@ class Staging:
                 if bucket is None:
                     continue
                 if isinstance(bucket, DirectRound):
-                    self.direct_send[k] += [(peer, view(op.src_run)) for op in bucket.ops]
+                    self.direct_send[k] += [(peer, span(op.src_run).view()) for op in bucket.ops]
                     continue
                 buf = self.buf("send", peer, k)
                 pack[k].append((buf[:HEADER_BYTES].view(torch.int64), self.header_rows[row[(peer, k)]]))
@@ -234,7 +223,7 @@ class Staging:
                 self.packed[k].append(None)
                 word = buf[:HEADER_BYTES].view(torch.int32)[2 * NONFINITE_WORD]  # little-endian: the low half
                 for ts, run, at in _in_bucket(bucket, True):
-                    src = view(run)
+                    src = span(run)
                     pack[k].append((self._piece(buf, at, src), src))
                     also[k].append(word)
                     self.packed[k].append(ts)
@@ -274,32 +263,32 @@ class Staging:
                     continue
                 if isinstance(bucket, DirectRound):
                     if not atomic:  # in place
-                        self.direct_recv[k] += [(peer, view(op.dst_run)) for op in bucket.ops]
+                        self.direct_recv[k] += [(peer, span(op.dst_run).view()) for op in bucket.ops]
                         continue
                     buf = self.buf("recv", peer, k)  # staged until the version is applied
                     for op, off in zip(bucket.ops, bucket.offsets):
-                        dst = view(op.dst_run)
+                        dst = span(op.dst_run)
                         here = self._piece(buf, off, dst)
-                        self.direct_recv[k].append((peer, here))
+                        self.direct_recv[k].append((peer, span_views(here, dst)[0]))  # (received in dst's shape)
                         unpack[k].append((dst, here))
                     continue
                 buf = self.buf("recv", peer, k)
                 if not atomic:
                     unpack[k].append((self.seen[(peer, k)], buf[:HEADER_BYTES].view(torch.int64)))
                 for _, run, at in _in_bucket(bucket, False):
-                    dst = view(run)
+                    dst = span(run)
                     unpack[k].append((dst, self._piece(buf, at, dst)))
         coalesced = _coalesced([(t, t.src_run, t.dst_run) for t in local])
         self.local_groups = [ts for ts, _, _ in coalesced]  # the transfers of each local copy, in order
-        local_pairs = [_same_shape(view(dst), view(src)) for _, src, dst in coalesced]
-        self.local_sources = [src for _, src in local_pairs] if check and atomic else []
+        local_pairs = [(span(dst), span(src)) for _, src, dst in coalesced]
+        self.local_sources = [src.view() for _, src in local_pairs] if check and atomic else []
         # each round's copies, built in chunks of rounds (prepare): 0 with the local copies now, then 1, 2-3, 4-7, ...
         # each when the first refit reaches it, while the rounds before it are in flight. Built one round at a time
         # (a table pass and a flag buffer each), a first refit was bound by the host (colocated TP2xPP2 -> TP1xDP4
         # on 4xH200: 104 batches built in 32-74 ms of the transfer, where a round takes 0.45 ms); built all at once,
-        # before the agreement, nothing ran next to them. Their views are made here: made with each chunk instead,
-        # they added more host time to the first transfer than they saved here (colocated TP2xPP2 -> TP1xDP4 on
-        # 4xH200, one rank: chunk builds 20 -> 34 ms, staging 21-26 -> 9-15 ms)
+        # before the agreement, nothing ran next to them. Their pairs are made here: made with each chunk instead
+        # (as torch views then), they added more host time to the first transfer than they saved here (colocated
+        # TP2xPP2 -> TP1xDP4 on 4xH200, one rank: chunk builds 20 -> 34 ms, staging 21-26 -> 9-15 ms)
         specs: dict[tuple[str, int], tuple[list, dict]] = {
             ("pack", k): (pairs, dict(check=check, also_flag=also[k])) for k, pairs in pack.items()
         }
@@ -362,23 +351,24 @@ class Staging:
         if self._scratch is None:
             most = max(t.numel() * t.element_size() for ts in self.direct_recv.values() for _, t in ts)
             self._scratch = torch.empty(most, dtype=torch.uint8, device=self._device)
-        return self._piece(self._scratch, 0, like)
+        return self._typed(self._scratch, like.dtype)[: like.numel()].view(like.shape)
 
-    def _piece(self, buf: torch.Tensor, off: int, like: torch.Tensor) -> torch.Tensor:
-        """The bytes ``off..`` of ``buf`` (a byte buffer) as a tensor of ``like``'s dtype and shape, contiguous:
-        one ``as_strided`` of the buffer's view in that dtype, made once per buffer and dtype (slicing and
-        viewing each piece would cost three operations; a refit's first copies take thousands of pieces).
-        ``off`` is a multiple of the dtype's size (pieces start at ``ALIGN``)."""
-        typed = self._typed.get((id(buf), like.dtype))
+    def _piece(self, buf: torch.Tensor, off: int, like: Span) -> Span:
+        """The bytes ``off..`` of ``buf`` (a byte buffer) as a contiguous span of ``like``'s dtype and elements
+        (no view: a refit's first copies take thousands of pieces). ``off`` is a multiple of the dtype's size
+        (pieces start at ``ALIGN``)."""
+        whole = self._typed(buf, like.tensor.dtype)
+        n = like.count * like.length
+        return Span(whole, off // like.tensor.element_size(), 1, n, n)
+
+    def _typed(self, buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Byte buffer ``buf`` viewed in ``dtype`` (its whole elements), once per buffer and dtype."""
+        typed = self._views.get((id(buf), dtype))
         if typed is None:
-            size = like.element_size()
-            whole = buf[: buf.numel() // size * size].view(like.dtype)
-            typed = self._typed[(id(buf), like.dtype)] = (buf, whole)  # (the buffer kept: its id stays its own)
-        whole = typed[1]
-        stride = [1] * like.dim()
-        for d in range(like.dim() - 2, -1, -1):
-            stride[d] = stride[d + 1] * like.shape[d + 1]
-        return whole.as_strided(like.shape, stride, whole.storage_offset() + off // like.element_size())
+            size = dtype.itemsize
+            whole = buf[: buf.numel() // size * size].view(dtype)
+            typed = self._views[(id(buf), dtype)] = (buf, whole)  # (the buffer kept: its id stays its own)
+        return typed[1]
 
     def buf(self, kind: str, peer: int, k: int) -> torch.Tensor:
         """The device buffer of round ``k`` of ``kind`` (send|recv) with ``peer``."""
