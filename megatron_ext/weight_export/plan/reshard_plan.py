@@ -347,18 +347,23 @@ class _Cells:
         self.named: dict[str, tuple[_Shape, list[list]]] = {}  # name -> its shape, each source box's holdings
         self.shapes: dict[tuple, _Shape] = {}  # (source boxes, destination boxes) -> their shape
         self.cells: dict[tuple[str, Box], list] = {}
+        self.moduli: set[int] | None = None  # set: the numbers of holders the rule was asked to choose among
 
     def choose(self, name: str, cell: int, served: int, holders: list, near: tuple[int, int] | None):
         """The holder that serves the ``served``-th destination that needs cell number ``cell`` of tensor ``name``
         from another rank: by :func:`_holder`, or, for a vector of fewer than :data:`NEAR_BYTES` (``near``: the
         destination's :meth:`_Destinations.near`), by position (:data:`NEAR_BYTES`)."""
         if near is None or len(holders) == 1:
+            if self.moduli is not None:
+                self.moduli.add(len(holders))
             return holders[_holder(name, cell, served, len(holders))]
         tensors, groups = self.src.tensors, {}
         for h in holders:
             groups.setdefault(id(tensors[h[0]]), []).append(h)
         i, n = near
         group = list(groups.values())[i * len(groups) // n]  # by position; in it, the hashed rule
+        if self.moduli is not None:
+            self.moduli.add(len(group))
         return group[_holder(name, cell, served, len(group))]
 
     def of(self, name: str, box: Box) -> tuple[int, list]:
@@ -462,51 +467,129 @@ def _all_transfers(dst: Layout, dests: _Destinations, cells: _Cells) -> list[Tra
 def _rank_transfers(src: Layout, dst: Layout, dests: _Destinations, cells: _Cells, rank: int) -> list[Transfer]:
     """The transfers of the whole plan that ``rank`` sends or receives, in its order (the same holder rule:
     a destination's ``served`` count is the number of keepers of the box before it that need the cell from
-    another rank)."""
-    emit, found = _Emit(dst), []  # (plan order key, transfer)
-    if rank in dests.group:  # what this rank keeps
-        g, pos = dests.group[rank], dests.position[rank]
-        for si, (lt, seg) in enumerate(dests.entries[g]):
-            first, cs = cells.of(seg.name, seg.box)
-            keepers, small = None, dests.small(seg.name)
-            for ci, (cell, holders, by_rank) in enumerate(cs):
-                choice = by_rank.get(rank)
-                if choice is None and len(holders) == 1:  # one holder: every rule picks it (no count needed)
-                    choice = holders[0]
-                elif choice is None:
-                    keepers = keepers or dests.keepers((seg.name, seg.box))
-                    served = sum(1 for p, d, i in keepers if (p, i) < (pos, si) and d not in by_rank)
-                    near = dests.near(seg.name, seg.box, by_rank)[rank] if small else None
-                    choice = cells.choose(seg.name, first + ci, served, holders, near)
-                found.append(((pos, si, ci), emit(lt, seg, cell, choice, rank)))
+    another rank), tensor by tensor. Tensors alike (:class:`_Alike`: every layer's weight of a kind, held and
+    kept by the same ranks at the same places) take one worked-out list of transfers with their own names."""
+    found: list[tuple[tuple[int, int, int], Transfer]] = []  # (plan order key, transfer)
+    alike = _Alike(src, dests, cells, rank)
+    names: dict[str, None] = {}  # what this rank keeps (in its entries' order), then what it serves to others
+    if rank in dests.group:
+        names.update((seg.name, None) for _, seg in dests.entries[dests.group[rank]])
     held = {seg.name for lt in src.tensors.get(rank, {}).values() for seg in lt.segments}
-    for name in sorted(held & dests.names):  # what this rank serves to others
-        small = dests.small(name)
-        for box in dests.boxes(name):
-            first, cs = cells.of(name, box)
-            mine = [ci for ci, (_, _, by_rank) in enumerate(cs) if rank in by_rank]
-            if not mine:
-                continue
-            keepers = dests.keepers((name, box))
-            for ci in mine:
-                cell, holders, by_rank = cs[ci]
-                if len(holders) == 1:  # this rank alone: it serves every keeper that needs the cell
-                    for p, d, si in keepers:
-                        if d != rank:
-                            lt, seg = dests.entries[dests.group[d]][si]
-                            found.append(((p, si, ci), emit(lt, seg, cell, holders[0], d)))
-                    continue
-                served, near = 0, dests.near(name, box, by_rank) if small else None
-                for p, d, si in keepers:
-                    if d in by_rank:
-                        continue
-                    choice = cells.choose(name, first + ci, served, holders, near and near[d])
-                    served += 1
-                    if choice[0] == rank:
-                        lt, seg = dests.entries[dests.group[d]][si]
-                        found.append(((p, si, ci), emit(lt, seg, cell, choice, d)))
+    names.update((name, None) for name in sorted(held & dests.names))
+    for name in names:
+        alike.add(name, found)
     found.sort(key=lambda kt: kt[0])
     return [t for _, t in found]
+
+
+class _Alike:
+    """One rank's transfers of each tensor, from a template per kind of tensor. Two tensors are alike when their
+    holdings (ranks, local tensor shapes, rows, boxes, in order), their destinations' segments (groups, local
+    tensor shapes, rows, boxes, in order), their dtype and vector rule, and their name's hash modulo every number
+    of holders the rule chose among, agree: then every choice, cut and run of one is the other's, and only the
+    names (the tensor's, its local tensors') and the destinations' entry indices differ. A template lists each
+    transfer by the positions of its holding and destination entry; the first tensor of a kind is worked out by
+    the rule (:meth:`_work_out`), the others take its template (the 3.6B preset's 36 layers: a few dozen kinds)."""
+
+    def __init__(self, src: Layout, dests: _Destinations, cells: _Cells, rank: int):
+        self.src, self.dests, self.cells, self.rank = src, dests, cells, rank
+        self.kinds: dict[tuple, tuple[tuple[int, ...], dict]] = {}  # key -> (moduli, {residues: template})
+        self.itemsize: dict[str, int] = {}
+
+    def add(self, name: str, found: list) -> None:
+        dests, tensors = self.dests, self.src.tensors
+        held = self.src.holdings(name)
+        ents = [(g, i) for g, by_name in dests._by_name.items() for i in by_name.get(name, ())]  # its entries
+        entries = dests.entries
+        size = self.itemsize.get(name)
+        if size is None:
+            size = self.itemsize[name] = dests.specs[name].dtype.itemsize
+        key = (
+            tuple([(r, tensors[r][local].shape, seg.row, seg.box.ranges) for r, local, seg in held]),
+            tuple([(g, entries[g][i][0].shape, entries[g][i][1].row, entries[g][i][1].box.ranges) for g, i in ents]),
+            size,
+            dests.small(name),
+        )
+        kind = self.kinds.get(key)
+        template = None
+        if kind is not None:
+            moduli, templates = kind
+            residues = tuple([_name_hash(name) % m for m in moduli])
+            template = templates.get(residues)
+        if template is None:
+            template, moduli = self._work_out(name, held, ents)
+            residues = tuple([_name_hash(name) % m for m in moduli])
+            self.kinds.setdefault(key, (moduli, {}))[1][residues] = template
+        for p, q, ci, cell, k, r, d, src_run, dst_run in template:
+            g, i = ents[q]
+            found.append(
+                (
+                    (p, i, ci),
+                    Transfer(name, cell, r, d, Run(held[k][1], *src_run), Run(entries[g][i][0].name, *dst_run), size),
+                )
+            )
+
+    def _work_out(self, name: str, held: list, ents: list) -> tuple[list, tuple[int, ...]]:
+        """Tensor ``name``'s transfers for this rank by the rule, as a template: ``(position, destination entry's
+        position, cell index, cell, holding's position, source rank, destination rank, source run, destination
+        run)`` (runs without their local tensor's name), and the numbers of holders the rule chose among."""
+        dests, cells, rank = self.dests, self.cells, self.rank
+        at_holding = {(r, id(seg)): k for k, (r, _, seg) in enumerate(held)}
+        at_entry = {e: q for q, e in enumerate(ents)}
+        template: list = []
+
+        def emit(lt: LocalTensor, seg: Segment, cell: Box, choice, d: int, key: tuple[int, int, int]) -> None:
+            r, slt, sseg = choice
+            q = at_entry[(dests.group[d], key[1])]
+            src_run, dst_run = _run(slt, sseg, cell), _run(lt, seg, cell)
+            template.append((key[0], q, key[2], cell, at_holding[(r, id(sseg))], r, d, src_run[1:], dst_run[1:]))
+
+        cells.moduli = set()
+        try:
+            small = dests.small(name)
+            if rank in dests.group:  # what this rank keeps
+                g, pos = dests.group[rank], dests.position[rank]
+                for si in dests._by_name[g].get(name, ()):
+                    lt, seg = dests.entries[g][si]
+                    first, cs = cells.of(name, seg.box)
+                    keepers = None
+                    for ci, (cell, holders, by_rank) in enumerate(cs):
+                        choice = by_rank.get(rank)
+                        if choice is None and len(holders) == 1:  # one holder: every rule picks it (no count needed)
+                            choice = holders[0]
+                        elif choice is None:
+                            keepers = keepers or dests.keepers((name, seg.box))
+                            served = sum(1 for p, d, i in keepers if (p, i) < (pos, si) and d not in by_rank)
+                            near = dests.near(name, seg.box, by_rank)[rank] if small else None
+                            choice = cells.choose(name, first + ci, served, holders, near)
+                        emit(lt, seg, cell, choice, rank, (pos, si, ci))
+            if any(r == rank for r, _, _ in held):  # what this rank serves to others
+                for box in dests.boxes(name):
+                    first, cs = cells.of(name, box)
+                    mine = [ci for ci, (_, _, by_rank) in enumerate(cs) if rank in by_rank]
+                    if not mine:
+                        continue
+                    keepers = dests.keepers((name, box))
+                    for ci in mine:
+                        cell, holders, by_rank = cs[ci]
+                        if len(holders) == 1:  # this rank alone: it serves every keeper that needs the cell
+                            for p, d, si in keepers:
+                                if d != rank:
+                                    lt, seg = dests.entries[dests.group[d]][si]
+                                    emit(lt, seg, cell, holders[0], d, (p, si, ci))
+                            continue
+                        served, near = 0, dests.near(name, box, by_rank) if small else None
+                        for p, d, si in keepers:
+                            if d in by_rank:
+                                continue
+                            choice = cells.choose(name, first + ci, served, holders, near and near[d])
+                            served += 1
+                            if choice[0] == rank:
+                                lt, seg = dests.entries[dests.group[d]][si]
+                                emit(lt, seg, cell, choice, d, (p, si, ci))
+            return template, tuple(sorted(cells.moduli))
+        finally:
+            cells.moduli = None
 
 
 def check_reshard_plan(plan: ReshardPlan) -> None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from megatron_ext.sharding import Box, gpt_specs, megatron_layout
+from megatron_ext.sharding import Box, gpt_specs, megatron_layout, whole_layout
 from megatron_ext.weight_export.plan.layout import inference_layout
 from megatron_ext.weight_export.plan.reshard_plan import build_reshard_plan, check_reshard_plan, run_view
 
@@ -763,7 +763,8 @@ def test_a_ranks_plan_is_the_whole_plans_transfers_of_that_rank():
     transfers that ``r`` sends, receives or copies, in the whole plan's order, for every rank of every layout
     pair here: the test cases on separate ranks and colocated, replicated holders (data-parallel trainers, expert
     replicas, colocated engines), engine replicas that share their local tensors, and a fan-out wave's merged
-    sources."""
+    sources, whole HF tensors from Megatron's fused ones and back. (A rank's plan takes tensors alike from one template:
+    each of these differs from another in one of the things that make them alike.)"""
     from megatron_ext.weight_export.plan.reshard_plan import fanout_plans
 
     pairs = []
@@ -779,6 +780,9 @@ def test_a_ranks_plan_is_the_whole_plans_transfers_of_that_rank():
     dense = gpt_specs(**DENSE)
     dst = inference_layout(dense, tp=2, dp=4, ranks=range(2, 10))
     pairs += [(p.src, p.dst) for p in fanout_plans(megatron_layout(dense, tp=2), dst, [[2, 3], [4, 5], [6, 7], [8, 9]])]
+    # whole HF tensors from Megatron's fused ones: gate and up alike but for their rows in the trainer's [gate; up]
+    pairs += [(megatron_layout(dense, tp=2), whole_layout(dense, rank=r)) for r in (2, 1)]
+    pairs.append((whole_layout(dense, rank=0), inference_layout(dense, tp=2, ranks=[1, 2])))  # ... and back, fused
     checked = expected = 0
     for src, dst in pairs:
         whole = build_reshard_plan(src, dst)
