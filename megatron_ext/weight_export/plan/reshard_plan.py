@@ -348,6 +348,9 @@ class _Cells:
         self.shapes: dict[tuple, _Shape] = {}  # (source boxes, destination boxes) -> their shape
         self.cells: dict[tuple[str, Box], list] = {}
         self.moduli: set[int] | None = None  # set: the numbers of holders the rule was asked to choose among
+        # a cell's holders grouped by their dict of local tensors (choose: a vector's rule by position), worked out
+        # once per cell: the serve loop asks once per keeper (512 ranks: 256 holders of a norm, 512 keepers)
+        self._groups: dict[int, list[list]] = {}
 
     def choose(self, name: str, cell: int, served: int, holders: list, near: tuple[int, int] | None):
         """The holder that serves the ``served``-th destination that needs cell number ``cell`` of tensor ``name``
@@ -357,11 +360,14 @@ class _Cells:
             if self.moduli is not None:
                 self.moduli.add(len(holders))
             return holders[_holder(name, cell, served, len(holders))]
-        tensors, groups = self.src.tensors, {}
-        for h in holders:
-            groups.setdefault(id(tensors[h[0]]), []).append(h)
+        groups = self._groups.get(id(holders))  # (a cell's holders are one list for the plan's life)
+        if groups is None:
+            tensors, by_dict = self.src.tensors, {}
+            for h in holders:
+                by_dict.setdefault(id(tensors[h[0]]), []).append(h)
+            groups = self._groups[id(holders)] = list(by_dict.values())
         i, n = near
-        group = list(groups.values())[i * len(groups) // n]  # by position; in it, the hashed rule
+        group = groups[i * len(groups) // n]  # by position; in it, the hashed rule
         if self.moduli is not None:
             self.moduli.add(len(group))
         return group[_holder(name, cell, served, len(group))]
@@ -482,6 +488,13 @@ def _rank_transfers(src: Layout, dst: Layout, dests: _Destinations, cells: _Cell
     return [t for _, t in found]
 
 
+# A tensor held more times than this (data-parallel replicas of a large job) is worked out by the rule alone, not
+# from a template: the rule spreads its cells over the holders by a hash of its name, so no two tensors take one
+# template, and the template's bookkeeping grows with the holdings (a TP2xPP2xDP128 trainer: 256 holdings of each
+# norm; benchmarks/plan_at_scale.py at 512 ranks, CPU VM: a rank's plan 445 -> 380 ms).
+ALIKE_MAX_HOLDINGS = 32
+
+
 class _Alike:
     """One rank's transfers of each tensor, from a template per kind of tensor. Two tensors are alike when their
     holdings (ranks, local tensor shapes, rows, boxes, in order), their destinations' segments (groups, local
@@ -497,13 +510,17 @@ class _Alike:
         self.itemsize: dict[str, int] = {}
 
     def add(self, name: str, found: list) -> None:
+        """Tensor ``name``'s transfers of this rank, ``(plan order key, transfer)``, appended to ``found``."""
         dests, tensors = self.dests, self.src.tensors
         held = self.src.holdings(name)
-        ents = [(g, i) for g, by_name in dests._by_name.items() for i in by_name.get(name, ())]  # its entries
-        entries = dests.entries
         size = self.itemsize.get(name)
         if size is None:
             size = self.itemsize[name] = dests.specs[name].dtype.itemsize
+        if len(held) > ALIKE_MAX_HOLDINGS:  # replicas: the rule tells tensors apart (ALIKE_MAX_HOLDINGS)
+            self._work_out(name, held, None, (found, size))
+            return
+        ents = [(g, i) for g, by_name in dests._by_name.items() for i in by_name.get(name, ())]  # its entries
+        entries = dests.entries
         key = (
             tuple([(r, tensors[r][local].shape, seg.row, seg.box.ranges) for r, local, seg in held]),
             tuple([(g, entries[g][i][0].shape, entries[g][i][1].row, entries[g][i][1].box.ranges) for g, i in ents]),
@@ -529,20 +546,29 @@ class _Alike:
                 )
             )
 
-    def _work_out(self, name: str, held: list, ents: list) -> tuple[list, tuple[int, ...]]:
+    def _work_out(self, name: str, held: list, ents: list | None, direct=None) -> tuple[list, tuple[int, ...]]:
         """Tensor ``name``'s transfers for this rank by the rule, as a template: ``(position, destination entry's
         position, cell index, cell, holding's position, source rank, destination rank, source run, destination
-        run)`` (runs without their local tensor's name), and the numbers of holders the rule chose among."""
+        run)`` (runs without their local tensor's name), and the numbers of holders the rule chose among.
+        ``direct``: ``(found, itemsize)``, the transfers appended to ``found`` instead (no template)."""
         dests, cells, rank = self.dests, self.cells, self.rank
-        at_holding = {(r, id(seg)): k for k, (r, _, seg) in enumerate(held)}
-        at_entry = {e: q for q, e in enumerate(ents)}
         template: list = []
+        if direct is not None:
+            found, size = direct
 
-        def emit(lt: LocalTensor, seg: Segment, cell: Box, choice, d: int, key: tuple[int, int, int]) -> None:
-            r, slt, sseg = choice
-            q = at_entry[(dests.group[d], key[1])]
-            src_run, dst_run = _run(slt, sseg, cell), _run(lt, seg, cell)
-            template.append((key[0], q, key[2], cell, at_holding[(r, id(sseg))], r, d, src_run[1:], dst_run[1:]))
+            def emit(lt: LocalTensor, seg: Segment, cell: Box, choice, d: int, key: tuple[int, int, int]) -> None:
+                r, slt, sseg = choice
+                found.append((key, Transfer(name, cell, r, d, _run(slt, sseg, cell), _run(lt, seg, cell), size)))
+
+        else:
+            at_holding = {(r, id(seg)): k for k, (r, _, seg) in enumerate(held)}
+            at_entry = {e: q for q, e in enumerate(ents)}
+
+            def emit(lt: LocalTensor, seg: Segment, cell: Box, choice, d: int, key: tuple[int, int, int]) -> None:
+                r, slt, sseg = choice
+                q = at_entry[(dests.group[d], key[1])]
+                src_run, dst_run = _run(slt, sseg, cell), _run(lt, seg, cell)
+                template.append((key[0], q, key[2], cell, at_holding[(r, id(sseg))], r, d, src_run[1:], dst_run[1:]))
 
         cells.moduli = set()
         try:

@@ -758,14 +758,20 @@ def test_replicated_experts_split_evenly_and_every_process_plans_alike():
         assert out.stdout.strip() == plan.fingerprint, (seed, out.stderr[-2000:])
 
 
-def test_a_ranks_plan_is_the_whole_plans_transfers_of_that_rank():
+@pytest.mark.parametrize("alike", ["templates", "by-rule"])
+def test_a_ranks_plan_is_the_whole_plans_transfers_of_that_rank(alike, monkeypatch):
     """``build_reshard_plan(src, dst, rank=r)`` (what rank ``r`` of the job plans) holds exactly the whole plan's
     transfers that ``r`` sends, receives or copies, in the whole plan's order, for every rank of every layout
     pair here: the test cases on separate ranks and colocated, replicated holders (data-parallel trainers, expert
     replicas, colocated engines), engine replicas that share their local tensors, and a fan-out wave's merged
     sources, whole HF tensors from Megatron's fused ones and back. (A rank's plan takes tensors alike from one template:
-    each of these differs from another in one of the things that make them alike.)"""
+    each of these differs from another in one of the things that make them alike; ``by-rule``: every tensor worked
+    out by the rule alone, as those of more than ``ALIKE_MAX_HOLDINGS`` holdings are.)"""
+    from megatron_ext.weight_export.plan import reshard_plan
     from megatron_ext.weight_export.plan.reshard_plan import fanout_plans
+
+    if alike == "by-rule":
+        monkeypatch.setattr(reshard_plan, "ALIKE_MAX_HOLDINGS", 0)
 
     pairs = []
     for spec_kw, mkw, ekw in CASES.values():
