@@ -197,12 +197,15 @@ def rank_slot(
 NO_WORDS = (0,) + (0, 0) * len(PHASES) + (0,)  # a rank's words (:func:`rank_words`) before they are known
 
 
-def whole_nbytes(transfers: list[Transfer]) -> int:
+def whole_nbytes(transfers: list[Transfer], limit: int | None = None) -> int:
     """Bytes of one bucket that holds all of ``transfers`` (header, then each at an aligned offset): what a
-    small pair stages (:func:`~.wire.bucketize` with this size cuts nothing)."""
+    small pair stages (:func:`~.wire.bucketize` with this size cuts nothing). ``limit``: a count over it stops
+    there (a pair of gigabytes is not small after its first transfers; a rank's words ask for every pair's)."""
     used = end = PAYLOAD_OFFSET
     for t in transfers:
         end = used + t.nbytes
+        if limit is not None and end > limit:
+            return end
         used = align(end)
     return end
 
@@ -237,7 +240,7 @@ def rank_words(
             words += rank_slot(
                 r, sends, recvs, phases, bucket_bytes=bucket_bytes, max_inflight=max_inflight, budget_bytes=budget_bytes
             )
-        mine = [whole_nbytes(ts) for p, ts in pairs.items() if r in p]
+        mine = [whole_nbytes(ts, SMALL_PAIR_BYTES) for p, ts in pairs.items() if r in p]
         size = dict(bucket_bytes=bucket_bytes, max_inflight=max_inflight, budget_bytes=budget_bytes)
         words.append(_small_slot(mine, words[1], **size))
         out[r] = tuple(words)
@@ -468,7 +471,11 @@ def plan_staging(
         raise ValueError(f"per_slot has no slot size for ranks {missing} of the transfers")
     if small_bytes is not None and phases != 1:
         raise ValueError(f"small pairs go in a bucket of their own in one phase only, got phases={phases}")
-    small = {p: n for p, ts in pairs.items() if small_bytes is not None and (n := whole_nbytes(ts)) <= small_bytes}
+    small = {
+        p: n
+        for p, ts in pairs.items()
+        if small_bytes is not None and (n := whole_nbytes(ts, small_bytes)) <= small_bytes
+    }
     sizes = {p: small.get(p) or min(per_slot[p[0]], per_slot[p[1]]) for p in pairs}
     split: dict[tuple[int, int], tuple[list[Transfer], list]] = {}
 

@@ -237,6 +237,10 @@ def test_a_small_pair_goes_in_one_bucket_and_leaves_the_budget_to_the_others():
     small = {p for p, n in whole.items() if n <= SMALL_PAIR_BYTES}
     large = set(pairs) - small
     assert small == {(0, 2), (3, 1)} and min(whole[p] for p in large) > SMALL_PAIR_BYTES // 2, whole
+    for p, ts in pairs.items():  # with a limit: the same count up to it, a count over it past it
+        for limit in (SMALL_PAIR_BYTES, whole[p], whole[p] - 1):
+            got = whole_nbytes(ts, limit)
+            assert got == whole[p] if whole[p] <= limit else limit < got <= whole[p], (p, limit, got)
     budget, inflight = 2 * MIB, 2
     # each rank: its small pair's bytes off the budget, the rest over its large pairs' buffers; a pair's bucket the
     # smaller of its two ranks' slots
