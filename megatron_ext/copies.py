@@ -32,11 +32,13 @@ __all__ = [
 LARGE = 1 << 20
 
 
-def _kernel_runs(dst: torch.Tensor, src: torch.Tensor, device: torch.device):
-    """A floating pair's runs for :mod:`~megatron_ext.copy_check`'s kernel (:func:`~.copy_check.runs`), or None
-    where the kernel cannot take it (not on ``device``'s GPU, no Triton, runs too short)."""
-    if dst.is_cuda and src.device == dst.device == device and copy_check.available():
-        return copy_check.runs(dst, src)
+def _kernel_runs(dst, src, device: torch.device):
+    """A floating pair's runs for :mod:`~megatron_ext.copy_check`'s kernel (:func:`~.copy_check.runs`; for two
+    :class:`~.copy_check.Span` s, :func:`~.copy_check.span_row`), or None where the kernel cannot take it (not on
+    ``device``'s GPU, no Triton, runs too short)."""
+    d, s = copy_check.tensor_of(dst), copy_check.tensor_of(src)
+    if d.is_cuda and s.device == d.device == device and copy_check.available():
+        return copy_check.span_row(dst, src) if type(dst) is Span else copy_check.runs(dst, src)
     return None
 
 
@@ -81,17 +83,14 @@ class CopyBatch:
         groups: dict[torch.dtype, tuple[list, list]] = {}
         self.single: list[tuple[torch.Tensor, torch.Tensor]] = []
         checked: dict[torch.dtype, tuple[list[int], list[torch.Tensor]]] = {}
-        fast = (check or kernel) and self.device.type == "cuda" and copy_check.available()
         for i, (dst, src) in enumerate(pairs):
             if type(dst) is Span:  # (a pair of spans) the kernel's row from their integers, else their views
-                t = dst.tensor
-                row = None
-                if fast and t.dtype in FINITE_CHECKED_DTYPES and dst.count * dst.length > 0:
-                    if src.tensor.device == t.device == self.device:
-                        row = copy_check.span_row(dst, src)
-                if row is not None:
-                    fusable.setdefault(t.dtype, []).append((i, also_flag[i], dst, src, row))
-                    continue
+                dtype = dst.tensor.dtype
+                if (check or kernel) and dtype in FINITE_CHECKED_DTYPES and dst.numel > 0:
+                    row = _kernel_runs(dst, src, self.device)
+                    if row is not None:
+                        fusable.setdefault(dtype, []).append((i, also_flag[i], dst, src, row))
+                        continue
                 dst, src = copy_check.span_views(dst, src)
             floating = dst.dtype in FINITE_CHECKED_DTYPES and dst.numel() > 0  # what the kernel copies
             is_checked = check and floating

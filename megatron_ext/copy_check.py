@@ -163,8 +163,8 @@ def span_row(dst: Span, src: Span) -> tuple[int, int, int, int, int, int] | None
     """The pair's one block of runs, as :func:`runs` gives it for :func:`span_views` (source and destination
     offsets from their storages' starts, runs, run length, the two steps), from the spans' integers; None where
     :func:`runs` gives None (runs shorter than :data:`MIN_RUN`) or the two sides are not one box's runs."""
-    n = dst.count * dst.length
-    if n != src.count * src.length or dst.tensor.dtype != src.tensor.dtype:
+    n = dst.numel
+    if n != src.numel or dst.tensor.dtype != src.tensor.dtype:
         return None
     s0, d0 = src.tensor.storage_offset() + src.offset, dst.tensor.storage_offset() + dst.offset
     strided = dst if dst.count > 1 else src

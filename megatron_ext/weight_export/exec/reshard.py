@@ -79,7 +79,7 @@ from ..plan.budget import (
 from ..plan.direct import DirectRound, round_nbytes
 from ..plan.errors import RefitRejected, RefitStats
 from ...nogc import paused_gc
-from ..plan.reshard_plan import ReshardPlan, Run, Transfer, fanout_plans, run_view
+from ..plan.reshard_plan import ReshardPlan, Run, Transfer, fanout_plans
 from ..plan.wire import (
     BAD_TENSORS,
     HEADER_BYTES,
@@ -415,9 +415,6 @@ class ReshardExecutor:
         if self.send or self.recv:
             log.info("reshard refit: %s: %s", self._who, self.staging_plan.line(self.rank))
 
-    def _view(self, run: Run) -> torch.Tensor:
-        return run_view(self.tensors[run.local], run)
-
     def _span(self, run: Run) -> Span:
         """``run`` of this rank's tensors, as integers (:class:`~megatron_ext.copies.Span`: the staging's pieces)."""
         t = self.tensors[run.local]
@@ -737,7 +734,7 @@ class ReshardExecutor:
         source holds a NaN or Inf, read again (a refusal's message only; all of them if none does any more)."""
         if len(transfers) == 1:
             return transfers
-        bad = tuple(t for t in transfers if not bool(torch.isfinite(self._view(t.src_run)).all()))
+        bad = tuple(t for t in transfers if not bool(torch.isfinite(self._span(t.src_run).view()).all()))
         return bad or transfers
 
     @staticmethod

@@ -358,8 +358,7 @@ class Staging:
         (no view: a refit's first copies take thousands of pieces). ``off`` is a multiple of the dtype's size
         (pieces start at ``ALIGN``)."""
         whole = self._typed(buf, like.tensor.dtype)
-        n = like.count * like.length
-        return Span(whole, off // like.tensor.element_size(), 1, n, n)
+        return Span(whole, off // like.tensor.element_size(), 1, like.numel, like.numel)
 
     def _typed(self, buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Byte buffer ``buf`` viewed in ``dtype`` (its whole elements), once per buffer and dtype."""

@@ -446,10 +446,14 @@ class _Emit:
         run = self.runs.get(key)
         if run is None:
             run = self.runs[key] = _run(slt, sseg, cell)
+        return Transfer(name, cell, r, d, run, _run(lt, seg, cell), self.size(name))
+
+    def size(self, name: str) -> int:
+        """Tensor ``name``'s itemsize."""
         size = self.itemsize.get(name)
         if size is None:
             size = self.itemsize[name] = self.dst.specs[name].dtype.itemsize
-        return Transfer(name, cell, r, d, run, _run(lt, seg, cell), size)
+        return size
 
 
 def _all_transfers(dst: Layout, dests: _Destinations, cells: _Cells) -> list[Transfer]:
@@ -476,7 +480,7 @@ def _rank_transfers(src: Layout, dst: Layout, dests: _Destinations, cells: _Cell
     another rank), tensor by tensor. Tensors alike (:class:`_Alike`: every layer's weight of a kind, held and
     kept by the same ranks at the same places) take one worked-out list of transfers with their own names."""
     found: list[tuple[tuple[int, int, int], Transfer]] = []  # (plan order key, transfer)
-    alike = _Alike(src, dests, cells, rank)
+    alike = _Alike(src, dests, cells, rank, _Emit(dst))
     names: dict[str, None] = {}  # what this rank keeps (in its entries' order), then what it serves to others
     if rank in dests.group:
         names.update((seg.name, None) for _, seg in dests.entries[dests.group[rank]])
@@ -504,21 +508,18 @@ class _Alike:
     transfer by the positions of its holding and destination entry; the first tensor of a kind is worked out by
     the rule (:meth:`_work_out`), the others take its template (the 3.6B preset on a TP2 rank: 255 tensors, 9 kinds)."""
 
-    def __init__(self, src: Layout, dests: _Destinations, cells: _Cells, rank: int):
-        self.src, self.dests, self.cells, self.rank = src, dests, cells, rank
+    def __init__(self, src: Layout, dests: _Destinations, cells: _Cells, rank: int, emit: _Emit):
+        self.src, self.dests, self.cells, self.rank, self.emit = src, dests, cells, rank, emit
         self.kinds: dict[tuple, tuple[tuple[int, ...], dict]] = {}  # key -> (moduli, {residues: template})
-        self.itemsize: dict[str, int] = {}
 
     def add(self, name: str, found: list) -> None:
         """Tensor ``name``'s transfers of this rank, ``(plan order key, transfer)``, appended to ``found``."""
         dests, tensors = self.dests, self.src.tensors
         held = self.src.holdings(name)
-        size = self.itemsize.get(name)
-        if size is None:
-            size = self.itemsize[name] = dests.specs[name].dtype.itemsize
         if len(held) > ALIKE_MAX_HOLDINGS:  # replicas: the rule tells tensors apart (ALIKE_MAX_HOLDINGS)
-            self._work_out(name, held, None, (found, size))
+            self._work_out(name, held, None, found)
             return
+        size = self.emit.size(name)
         ents = [(g, i) for g, by_name in dests._by_name.items() for i in by_name.get(name, ())]  # its entries
         entries = dests.entries
         key = (
@@ -546,19 +547,17 @@ class _Alike:
                 )
             )
 
-    def _work_out(self, name: str, held: list, ents: list | None, direct=None) -> tuple[list, tuple[int, ...]]:
+    def _work_out(self, name: str, held: list, ents: list | None, direct: list | None = None) -> tuple[list, tuple]:
         """Tensor ``name``'s transfers for this rank by the rule, as a template: ``(position, destination entry's
         position, cell index, cell, holding's position, source rank, destination rank, source run, destination
         run)`` (runs without their local tensor's name), and the numbers of holders the rule chose among.
-        ``direct``: ``(found, itemsize)``, the transfers appended to ``found`` instead (no template)."""
+        ``direct``: a list the transfers (with their plan order keys) are appended to instead (no template)."""
         dests, cells, rank = self.dests, self.cells, self.rank
         template: list = []
         if direct is not None:
-            found, size = direct
 
             def emit(lt: LocalTensor, seg: Segment, cell: Box, choice, d: int, key: tuple[int, int, int]) -> None:
-                r, slt, sseg = choice
-                found.append((key, Transfer(name, cell, r, d, _run(slt, sseg, cell), _run(lt, seg, cell), size)))
+                direct.append((key, self.emit(lt, seg, cell, choice, d)))
 
         else:
             at_holding = {(r, id(seg)): k for k, (r, _, seg) in enumerate(held)}
